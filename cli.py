@@ -1,0 +1,59 @@
+"""The `splitserve` console command: one subcommand per job.
+
+Each subcommand lives in its own module and is imported only when run, so
+`splitserve generate` does not pay for Ray and `splitserve serve` does not pay
+for transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "serve": ("splitserve.serve", "start a local cluster: Ray, router, prefill and decode pools"),
+    "generate": ("splitserve.generate", "generate text (in-process with --local, else through a router)"),
+}
+
+# `splitserve bench NAME`: NAME -> module exposing add_arguments(parser) and run(args) -> int.
+BENCHMARKS = {
+    "engine": ("splitserve.bench.engine", "engine decode throughput against transformers and the hardware limits"),
+    "transfer": ("splitserve.bench.transfer", "KV transfer GB/s per transport against the raw link"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(_module=module)
+    try:
+        importlib.import_module(module).add_arguments(p)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        p.set_defaults(_missing=module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        _add(sub, name, module, help_)
+    bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_) in BENCHMARKS.items():
+        _add(bench_sub, name, module, help_)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"splitserve: {args._missing} is not built yet", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
