@@ -1,0 +1,111 @@
+"""Paged attention over the block-layout KV cache, and the per-step metadata
+the model runner builds for it.
+
+Tokens of all sequences in a step are flattened into one batch. Each layer
+writes the new tokens' K and V into their cache slots, then attends over each
+sequence's whole context read back through its block table. Two paths:
+
+- decode (every sequence brings one token): one batched gather of the block
+  tables and one masked SDPA call, shapes fixed by the padded block table, so
+  that it can be captured in a CUDA graph;
+- mixed or prefill steps: per-sequence SDPA with a causal mask offset by the
+  cached prefix. Prefill is compute-bound, so the Python loop costs nothing that
+  shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What one step's attention needs. Built by the runner, passed down, never global."""
+
+    slot_blocks: torch.Tensor  # [T] long: cache block of each new token
+    slot_offsets: torch.Tensor  # [T] long: offset inside that block
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    context_lens: torch.Tensor  # [B] long: tokens in the cache after this step
+    query_lens: list[int]  # [B] new tokens of each sequence
+    context_lens_list: list[int]  # the same as context_lens, on the host
+    is_decode: bool  # every query_len == 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store new K and V ([T, kv_heads, head_dim]) into `layer_cache` [blocks, 2, bs, kv_heads, head_dim]."""
+    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
+    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k_new: torch.Tensor,  # [T, kv_heads, head_dim]
+    v_new: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [T, heads, head_dim]. The new K/V must already be written."""
+    if meta.is_decode:
+        return _decode_attention(q, layer_cache, meta, scale)
+    return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale)
+
+
+def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    bsz, heads, dim = q.shape
+    kv_heads = layer_cache.shape[3]
+    ctx = layer_cache[meta.block_tables]  # [B, max_blocks, 2, bs, kv_heads, dim]
+    max_len = ctx.shape[1] * ctx.shape[3]
+    k = ctx[:, :, 0].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
+    v = ctx[:, :, 1].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
+    positions = torch.arange(max_len, device=q.device)
+    mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_new.shape[1]
+    bs = layer_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+        qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, heads, q_len, dim]
+        if ctx_len == q_len:  # nothing cached before this chunk: attend to the new tokens only
+            ki = k_new[start : start + q_len].transpose(0, 1)[None]
+            vi = v_new[start : start + q_len].transpose(0, 1)[None]
+            mask = None
+            causal = q_len > 1
+        else:
+            nb = -(-ctx_len // bs)
+            blocks = layer_cache[meta.block_tables[i, :nb]]  # [nb, 2, bs, kv_heads, dim]
+            ki = blocks[:, 0].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
+            vi = blocks[:, 1].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
+            # query j sits at absolute position ctx_len - q_len + j and sees keys up to it
+            qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            kpos = torch.arange(ctx_len, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            causal = False
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv_heads
+        )
+        out[start : start + q_len] = oi[0].transpose(0, 1)
+        start += q_len
+    return out

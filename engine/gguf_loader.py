@@ -1,0 +1,276 @@
+"""GGUF files: metadata to ModelConfig, tensors to dequantized HF-named weights.
+
+llama.cpp's converter renames tensors (blk.N.attn_q, ...) and, for the llama
+architecture, permutes the rows of Q and K so that its rotary kernel can rotate
+adjacent pairs; HF's Llama rotates the two halves of each head instead. We undo
+that permutation, exactly as transformers' own GGUF loader does, so the weights
+here are interchangeable with a Hugging Face checkpoint's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.weights import LoadedModel, ModelLoadError, ProgressLine
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# architecture -> whether llama.cpp permuted the Q/K rows for its rotary layout
+_ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
+
+
+def looks_like_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    reader = open_gguf(path)
+    meta = read_metadata(reader, path)
+    config = model_config_from_gguf(meta, reader, path)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size} rows"
+        )
+    config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=tokenizer.bos_token_id)
+    weights = load_gguf_weights(reader, config, meta["general.architecture"], dtype, progress, path)
+    return LoadedModel(config, weights, tokenizer)
+
+
+def open_gguf(path: str) -> Any:
+    """A `gguf.GGUFReader` over the file, with every way it can fail turned into ModelLoadError."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader fails with whatever numpy/struct raise on a bad header
+        raise ModelLoadError(f"{path}: malformed or truncated GGUF file ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(
+                f"{path}: truncated GGUF file: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, "
+                f"the file has {size}"
+            )
+    return reader
+
+
+def read_metadata(reader: Any, path: str) -> dict[str, Any]:
+    """Every key-value field as plain Python values (str, int, float, bool, or lists of them)."""
+    from gguf import GGUFValueType
+
+    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        if kind == GGUFValueType.BOOL:
+            return bool(part[0])
+        if kind in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+            return float(part[0])
+        return int(part[0])
+
+    meta: dict[str, Any] = {}
+    try:
+        for name, field in reader.fields.items():
+            if not field.types:
+                continue
+            if field.types[0] == GGUFValueType.ARRAY:
+                kind = field.types[-1]
+                if kind == GGUFValueType.STRING:
+                    meta[name] = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+                elif kind == GGUFValueType.ARRAY:
+                    continue  # nested arrays: nothing we read uses them
+                else:
+                    meta[name] = [scalar(field.parts[i], kind) for i in field.data]
+            else:
+                meta[name] = scalar(field.parts[field.data[0]], field.types[0])
+    except (UnicodeDecodeError, IndexError, ValueError) as e:
+        raise ModelLoadError(f"{path}: malformed GGUF metadata field {name!r} ({e})") from None
+    if "general.architecture" not in meta:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks general.architecture")
+    return meta
+
+
+def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> ModelConfig:
+    """ModelConfig from the `{arch}.*` metadata keys and the tensors' shapes."""
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {full}")
+        return meta[full]
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or 0)
+    if head_dim == hidden // num_heads:
+        head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    try:
+        return ModelConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_layers=int(need("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
+            intermediate_size=int(need("feed_forward_length")),
+            head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, head_dim or hidden // num_heads, path),
+            max_position=int(need("context_length")),
+            tie_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            name=str(meta.get("general.name") or os.path.basename(path)),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {e}") from None
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, tensors: dict[str, Any], theta: float, head_dim: int, path: str
+) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor") or 1.0)
+    if _ROPE_FREQS in tensors:
+        return _llama3_scaling_from_freqs(tensors[_ROPE_FREQS], meta, arch, theta, head_dim, path)
+    if kind in ("none", "") or factor == 1.0:
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (only linear and llama3)")
+
+
+def _llama3_scaling_from_freqs(
+    tensor: Any, meta: dict[str, Any], arch: str, theta: float, head_dim: int, path: str
+) -> RopeScaling:
+    """Recover llama3 RoPE parameters from the per-frequency divisors llama.cpp stores instead.
+
+    The converter computes the divisors from (factor, low_freq_factor, high_freq_factor,
+    original context); every Llama 3.x release uses 1, 4 and 8192 for the last three, so we take
+    the factor from the largest divisor and accept only if recomputing reproduces the tensor.
+    """
+    divisors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 8192)
+    scaling = RopeScaling(kind="llama3", factor=float(divisors.max()), original_max_position=original)
+    freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    expected = np.where(
+        wavelen < high_wavelen,
+        1.0,
+        np.where(wavelen > low_wavelen, scaling.factor, 1 / ((1 - smooth) / scaling.factor + smooth)),
+    )
+    if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4):
+        raise ModelLoadError(f"{path}: {_ROPE_FREQS} does not match llama3 RoPE scaling; unsupported RoPE variant")
+    return scaling
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF Llama name for a GGUF tensor name, or None if the name is not one we know."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (pairs interleaved -> halves per head)."""
+    rows_per_half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, rows_per_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(
+    reader: Any, cfg: ModelConfig, arch: str, dtype: torch.dtype, progress: bool, path: str
+) -> dict[str, torch.Tensor]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    permuted = _ARCHITECTURES[arch]
+    line = ProgressLine(os.path.basename(path), cfg.num_layers, progress)
+    weights: dict[str, torch.Tensor] = {}
+    layer_seen = -1
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue  # folded into config.rope_scaling
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: unsupported tensor {t.name} for architecture {arch!r}")
+        m = _LAYER_TENSOR.fullmatch(t.name)
+        if m and int(m.group(1)) != layer_seen:
+            layer_seen = int(m.group(1))
+            line.update(layer_seen, "layers")
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        try:
+            if t.tensor_type == GGMLQuantizationType.F32:
+                w = np.array(t.data, dtype=np.float32)
+            else:
+                w = dequantize(t.data, t.tensor_type)
+            w = w.reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(
+                f"{path}: cannot dequantize tensor {t.name} of type {t.tensor_type.name}: {e}"
+            ) from None
+        if permuted and ".attn_q." in t.name:
+            w = unpermute_rotary_rows(w, cfg.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+    line.update(cfg.num_layers, "layers")
+    line.close()
+    return weights

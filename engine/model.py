@@ -1,0 +1,158 @@
+"""The Llama-family decoder: RMSNorm, RoPE (with linear or llama3 scaling),
+grouped-query attention over the paged KV cache, SwiGLU MLP, tied or untied
+embeddings. Covers Llama 2/3, Mistral, Qwen2-style (q/k/v bias) and SmolLM.
+
+Weights arrive under Hugging Face names and are fused at load time (q, k and v
+into one matrix, gate and up into another) so a layer runs four matrix
+products: fewer, larger kernels, which is what decode on a CPU or a GPU wants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.engine.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_position, head_dim], in fp32 (cast per step, as HF does)."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    pos = torch.arange(cfg.max_position, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] in x's dtype. HF's rotate_half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # in fp32 whatever the model dtype, then back: the same arithmetic as HF's LlamaRMSNorm
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 intermediate, hidden]
+    down: torch.Tensor
+
+
+LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
+
+
+class LlamaModel:
+    """Functional decoder over plain tensors; the runner owns the cache and metadata."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            try:
+                t = weights[name]
+            except KeyError:
+                raise ValueError(f"weights lack tensor {name!r}") from None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=bias,
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
+        self.cos, self.sin = rope_tables(cfg, device)
+        self.scale = cfg.head_dim**-0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step (embedding rows excluded: only B rows are read)."""
+        per_layer = sum(
+            t.numel() * t.element_size()
+            for lw in self.layers
+            for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)
+        )
+        return per_layer + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, blocks, 2, bs, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # rows whose logits are wanted
+        on_layer_done: LayerHook | None = None,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].to(self.dtype)
+        sin = self.sin[positions].to(self.dtype)
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            layer_cache = kv_cache[i]
+            write_kv(layer_cache, k, v, meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, q_size), lw.o)
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,93 @@
+"""Runs one scheduled batch through the model: builds the step's inputs and
+attention metadata from block tables, runs the forward pass, returns logits
+for the sequences that sample this step.
+
+On CUDA, pure-decode steps are replayed from CUDA graphs captured per (batch
+size, block-table width) bucket: a decode step is hundreds of small kernels, and
+launching them one by one costs more than running them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model import LayerHook, LlamaModel
+from splitserve.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, cfg: EngineConfig) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.cfg = cfg
+        self.device = model.device
+        self.block_size = cfg.block_size
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and cfg.use_cuda_graphs:
+            self.graphs = DecodeGraphs(model, kv_cache.tensor, cfg)
+
+    def run(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        on_layer_done: LayerHook | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Logits [S, vocab] (fp32) for the sequences whose step ends at their last token,
+        and those sequences' indices in `seqs`."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        context_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[int] = []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            table = seq.block_table
+            slot_blocks.extend(table[p // bs] for p in pos)
+            slot_offsets.extend(p % bs for p in pos)
+            context_lens.append(end)
+            if end == len(seq):
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(i)
+        is_decode = all(n == 1 for n in num_new_tokens)
+        width = max(len(s.block_table) for s in seqs)
+
+        if is_decode and self.graphs is not None and on_layer_done is None and self.graphs.fits(len(seqs), width):
+            logits = self.graphs.run(seqs, input_ids, positions, slot_blocks, slot_offsets, context_lens)
+            return logits, sampled
+
+        dev = self.device
+        tables = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = torch.as_tensor(seq.block_table)
+        meta = AttentionMetadata(
+            slot_blocks=torch.as_tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.as_tensor(slot_offsets, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            context_lens=torch.as_tensor(context_lens, dtype=torch.long, device=dev),
+            query_lens=list(num_new_tokens),
+            context_lens_list=context_lens,
+            is_decode=is_decode,
+        )
+        with torch.inference_mode():
+            logits = self.model.forward(
+                torch.as_tensor(input_ids, dtype=torch.long, device=dev),
+                torch.as_tensor(positions, dtype=torch.long, device=dev),
+                self.kv_cache.tensor,
+                meta,
+                torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
+                on_layer_done,
+            )
+        return logits, sampled

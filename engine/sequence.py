@@ -1,0 +1,77 @@
+"""One request's state inside an engine: its tokens, its block table, how far
+its KV cache has been computed, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from splitserve.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # admitted to the engine, no blocks yet
+    RUNNING = "running"  # holds blocks; prefilling (chunk by chunk) or decoding
+    AWAITING_KV = "awaiting_kv"  # holds reserved blocks that a remote prefill fills
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "status",
+        "block_table",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "finish_reason",
+        "generator",
+        "arrival",
+        "prefill_only",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+        prefill_only: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival = arrival  # admission order: preemption takes the newest first
+        self.prefill_only = prefill_only  # prefill role: finish after the first token
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing prompt KV (the last prompt token's logits give the first output token)."""
+        return self.num_computed_tokens < len(self.token_ids) - (1 if self.num_output_tokens else 0)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
