@@ -108,8 +108,12 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.model_cfg.max_position} tokens"
             )
-        if self.blocks.blocks_needed(len(prompt) + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit in the KV cache")
+        # A request that alone outgrows the whole cache would preempt itself for ever.
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens needs {self.blocks.blocks_needed(total)} KV blocks; "
+                f"the cache has {self.blocks.num_blocks}"
+            )
         self._arrivals += 1
         return Sequence(request_id, prompt, params, self._arrivals, prefill_only)
 

@@ -34,6 +34,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -82,6 +83,7 @@ class Scheduler:
         return ScheduledBatch(seqs, counts) if seqs else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_blocks(seq.block_table)
         seq.num_computed_tokens = 0
