@@ -1,0 +1,259 @@
+"""In-process fake workers that speak the real internal gRPC services, so the
+router is tested (and benchmarked) over real gRPC on loopback without a model.
+
+Both fakes produce the same canned tokens: the i-th generated token of any
+request is `script[i]` (then EOS), so a request migrated to another fake
+decode worker continues exactly where it stopped. The "KV plane" between them
+is an in-process `FakeKVPlane`: the prefill fake hands the first token to the
+reservation's ticket, which is what the real prefill worker's Done frame does.
+Knobs make a fake slow, refuse, hang, or die mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from splitserve.engine.block_hash import block_hashes
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+
+EOS = 257  # ByteTokenizer's
+LAYOUT = wpb.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
+
+
+class FakeKVPlane:
+    def __init__(self) -> None:
+        self._waiting: dict[bytes, asyncio.Future[int]] = {}
+
+    def expect(self, ticket: bytes) -> asyncio.Future[int]:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[ticket] = fut
+        return fut
+
+    def deliver(self, ticket: bytes, first_token: int) -> bool:
+        fut = self._waiting.pop(ticket, None)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(first_token)
+        return True
+
+
+class _FakeBase:
+    def __init__(self, script: Sequence[int], block_size: int, total_blocks: int, worker_id: str) -> None:
+        self.script = list(script)
+        self.block_size = block_size
+        self.total_blocks = total_blocks
+        self.worker_id = worker_id
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.cancel_calls: list[str] = []  # request ids passed to Cancel
+
+    def token(self, i: int) -> int:
+        """The i-th generated token of every request."""
+        return self.script[i] if i < len(self.script) else EOS
+
+    async def Cancel(self, request: wpb.CancelRequest, context: grpc.aio.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
+        self.cancel_calls.append(request.request_id)
+        return wpb.CancelResponse(found=False)
+
+    async def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+        await asyncio.Event().wait()  # no prefix cache to report
+        yield wpb.BlockEventBatch()
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        """Serve on a free loopback port; returns "host:port"."""
+        self.server = grpc.aio.server()
+        if isinstance(self, wgrpc.DecodeWorkerServicer):
+            wgrpc.add_DecodeWorkerServicer_to_server(self, self.server)
+        else:
+            wgrpc.add_PrefillWorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(f"{host}:0")
+        await self.server.start()
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+
+
+class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        kv: FakeKVPlane,
+        script: Sequence[int] = (),
+        block_size: int = 16,
+        total_blocks: int = 1024,
+        worker_id: str = "decode",
+        token_delay_s: float = 0.0,
+        admit_delay_s: float = 0.0,
+        lease_s: float = 5.0,
+        die_after_tokens: int | None = None,  # stop this worker's server after sending this many tokens
+        refuse: bool = False,  # answer every Decode with RESOURCE_EXHAUSTED
+    ) -> None:
+        super().__init__(script, block_size, total_blocks, worker_id)
+        self.kv = kv
+        self.token_delay_s = token_delay_s
+        self.admit_delay_s = admit_delay_s
+        self.lease_s = lease_s
+        self.die_after_tokens = die_after_tokens
+        self.refuse = refuse
+        self.requests: list[wpb.DecodeRequest] = []
+        self.active: dict[str, int] = {}  # request id -> context tokens
+        self.cancelled: list[str] = []  # request ids whose Decode call the router cancelled
+        self.cache: set[bytes] = set()
+        self.tokens_sent = 0
+        self._subscribers: list[asyncio.Queue[wpb.BlockEventBatch]] = []
+
+    def _store(self, hashes: list[bytes]) -> None:
+        new = [h for h in hashes if h not in self.cache]
+        if not new:
+            return
+        self.cache.update(new)
+        batch = wpb.BlockEventBatch(events=[wpb.BlockEvent(stored=wpb.BlocksStored(block_hashes=new))])
+        for q in self._subscribers:
+            q.put_nowait(batch)
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+        batch = wpb.BlockEventBatch(events=[wpb.BlockEvent(cleared=wpb.AllBlocksCleared())])
+        for q in self._subscribers:
+            q.put_nowait(batch)
+
+    async def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+        q: asyncio.Queue[wpb.BlockEventBatch] = asyncio.Queue()
+        self._subscribers.append(q)
+        try:
+            yield wpb.BlockEventBatch(events=[
+                wpb.BlockEvent(cleared=wpb.AllBlocksCleared()),
+                wpb.BlockEvent(stored=wpb.BlocksStored(block_hashes=sorted(self.cache))),
+            ])
+            while True:
+                yield await q.get()
+        finally:
+            self._subscribers.remove(q)
+
+    async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        used = sum(-(-n // self.block_size) for n in self.active.values())
+        return wpb.WorkerStats(
+            worker_id=self.worker_id, running_tokens=sum(self.active.values()),
+            free_blocks=max(0, self.total_blocks - used), total_blocks=self.total_blocks,
+            running_requests=len(self.active), block_size=self.block_size,
+        )
+
+    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeEvent]:  # noqa: N802
+        self.requests.append(request)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_mode must be LOCAL or REMOTE")
+        if self.admit_delay_s:
+            await asyncio.sleep(self.admit_delay_s)
+        bs = self.block_size
+        ctx = [*request.prompt_token_ids, *request.output_token_ids]
+        hashes = block_hashes(ctx, bs)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cache:
+            hit += 1
+        cached = min(hit * bs, (len(ctx) - 1) // bs * bs)
+        rid = request.request_id
+        self.active[rid] = len(ctx)
+        done = False
+        try:
+            out: list[int] = []
+            if request.prefill_mode == wpb.PREFILL_MODE_REMOTE:
+                ticket = os.urandom(16)
+                first = self.kv.expect(ticket)
+                n_blocks = -(-(len(ctx) - cached) // bs)
+                yield wpb.DecodeEvent(reservation=wpb.Reservation(
+                    kv_endpoint=f"fake:{self.worker_id}", transport="fake", ticket=ticket, request_id=rid,
+                    block_ids=list(range(n_blocks)), num_cached_tokens=cached, layout=LAYOUT,
+                    lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
+                ))
+                try:
+                    out.append(await asyncio.wait_for(first, self.lease_s))
+                except TimeoutError:
+                    done = True
+                    yield wpb.DecodeEvent(finish=wpb.Finish(reason=wpb.FINISH_REASON_LEASE_EXPIRED, message="no KV"))
+                    return
+            else:
+                yield wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
+            self._store(hashes)
+            sp = request.sampling
+            stops = {EOS, *sp.stop_token_ids} - ({EOS} if sp.ignore_eos else set())
+            base = len(request.output_token_ids)
+            while True:
+                if out and out[-1] in stops:
+                    reason = wpb.FINISH_REASON_STOP
+                    break
+                if len(out) >= sp.max_tokens:
+                    reason = wpb.FINISH_REASON_LENGTH
+                    break
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
+                    await self.stop()  # the whole worker goes away, mid-stream
+                    await asyncio.Event().wait()
+                t = self.token(base + len(out))
+                out.append(t)
+                self.tokens_sent += 1
+                self.active[rid] += 1
+                yield wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[t], logprobs=[-0.5] if sp.logprobs else []))
+            done = True
+            yield wpb.DecodeEvent(finish=wpb.Finish(reason=reason))
+        except asyncio.CancelledError:
+            if not done:
+                self.cancelled.append(rid)
+            raise
+        finally:
+            if not done and rid not in self.cancelled:
+                self.cancelled.append(rid)  # generator closed early: the router cancelled the call
+            self.active.pop(rid, None)
+
+
+class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
+    def __init__(
+        self,
+        kv: FakeKVPlane,
+        script: Sequence[int] = (),
+        block_size: int = 16,
+        total_blocks: int = 1024,
+        worker_id: str = "prefill",
+        delay_s: float = 0.0,
+        fail: grpc.StatusCode | None = None,  # answer every Prefill with this status
+        queued_tokens: int = 0,  # reported in stats
+    ) -> None:
+        super().__init__(script, block_size, total_blocks, worker_id)
+        self.kv = kv
+        self.delay_s = delay_s
+        self.fail = fail
+        self.queued_tokens = queued_tokens
+        self.requests: list[wpb.PrefillRequest] = []
+        self.cancelled: list[str] = []
+
+    async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        return wpb.WorkerStats(worker_id=self.worker_id, queued_tokens=self.queued_tokens, free_blocks=self.total_blocks,
+                               total_blocks=self.total_blocks, block_size=self.block_size)
+
+    async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext) -> wpb.PrefillResult:  # noqa: N802
+        self.requests.append(request)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.fail is not None:
+                await context.abort(self.fail, "fake prefill failure")
+            first = self.token(len(request.output_token_ids))
+            if not self.kv.deliver(request.reservation.ticket, first):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no such reservation")
+            result = wpb.PrefillResult(first_token_id=first)
+            if request.sampling.logprobs:
+                result.first_token_logprob = -0.25
+            return result
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise

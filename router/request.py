@@ -1,0 +1,285 @@
+"""One client request through the workers: route, Decode (and Prefill when the
+decode worker reserves blocks for a remote prefill), stream tokens back with
+incremental detokenization and stop strings, and move the request to another
+decode worker if its worker dies (migration: prompt plus the tokens already
+sent, so the client's stream just goes on).
+
+Every internal wait has a deadline. Client cancellation arrives as
+CancelledError at whichever await is pending; the `finally` blocks cancel the
+worker calls, which the workers treat as an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from splitserve.engine.block_hash import block_hashes
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router import policy
+from splitserve.router.config import RouterConfig
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.stop import StopMatcher
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.validation import ValidRequest
+from splitserve.router.workers import WorkerSet
+
+log = logging.getLogger(__name__)
+
+_FINISH = {wpb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP, wpb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
+
+
+class RequestFailed(Exception):
+    """The request cannot go on; the server answers with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Retry(Exception):
+    """This attempt failed; try again (on another decode worker when `worker_failed`)."""
+
+    def __init__(self, message: str, worker_failed: bool = True, force_local: bool = False) -> None:
+        super().__init__(message)
+        self.worker_failed = worker_failed
+        self.force_local = force_local
+
+
+class RequestRun:
+    def __init__(
+        self,
+        req: ValidRequest,
+        cfg: RouterConfig,
+        tokenizer: RouterTokenizer,
+        workers: WorkerSet,
+        metrics: RouterMetrics,
+        rng: random.Random,
+        deadline: float,  # time.monotonic() by which the whole request must end
+    ) -> None:
+        self.req = req
+        self.cfg = cfg
+        self.workers = workers
+        self.metrics = metrics
+        self.rng = rng
+        self.deadline = deadline
+        self.detok = tokenizer.detokenizer(req.prompt_token_ids)
+        self.stopper = StopMatcher(req.sampling.stop)
+        self.generated: list[int] = []
+        self.cached_tokens: int | None = None
+        self.finished = False
+        self.start = time.monotonic()
+        self.last_token_at = 0.0
+        s = req.sampling
+        # the internal sampling message minus max_tokens, which shrinks after a migration
+        self._sampling = wpb.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+        )
+
+    # ---- the attempt loop
+
+    async def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        failed: list[str] = []
+        force_local = False
+        moves = 0
+        while True:
+            worker, mode = self._route(failed, force_local)
+            try:
+                async for resp in self._attempt(worker, mode):
+                    yield resp
+                return
+            except _Retry as e:
+                log.warning("request %s on %s: %s", self.req.request_id, worker, e)
+                if e.worker_failed:
+                    failed.append(worker)
+                    self.workers.mark_failed(worker)
+                force_local = force_local or e.force_local
+                moves += 1
+                if moves > self.cfg.max_migrations:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"gave up after {moves} attempts: {e}") from None
+                if self.generated:
+                    self.metrics.migrations.inc()
+
+    def _route(self, exclude: list[str], force_local: bool) -> tuple[str, policy.PrefillMode]:
+        loads = self.workers.decode_loads(exclude)
+        if not loads:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        context = [*self.req.prompt_token_ids, *self.generated]
+        hashes = block_hashes(context, self.cfg.block_size)
+        prefill = {} if force_local else self.workers.prefill_queued_tokens()
+        r = policy.route(hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng)
+        self.workers.assigned(r.worker, r.uncached_tokens)
+        self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
+        return r.worker, r.mode
+
+    def _remaining_s(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
+        return left
+
+    async def _attempt(self, address: str, mode: policy.PrefillMode) -> AsyncIterator[pb.GenerateResponse]:
+        w = self.workers.get(address)
+        if w is None:
+            raise _Retry("worker was removed")
+        cfg = self.cfg
+        sampling = wpb.SamplingParams()
+        sampling.CopyFrom(self._sampling)
+        sampling.max_tokens = self.req.sampling.max_tokens - len(self.generated)
+        call = w.stub.Decode(
+            wpb.DecodeRequest(
+                request_id=self.req.request_id,
+                prompt_token_ids=self.req.prompt_token_ids,
+                output_token_ids=self.generated,
+                sampling=sampling,
+                prefill_mode=wpb.PREFILL_MODE_REMOTE if mode == "remote" else wpb.PREFILL_MODE_LOCAL,
+                lease_ms=cfg.lease_ms,
+            ),
+            timeout=min(cfg.request_timeout_s, self._remaining_s()),
+            metadata=cfg.auth_metadata,
+        )
+        try:
+            first = await self._next(call, cfg.admit_timeout_s, admitted=False)
+            kind = first.WhichOneof("event")
+            if kind == "reservation":
+                result = await self._prefill(first.reservation, sampling)
+                self._set_cached(result.num_cached_tokens)
+                lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
+                resp = self._emit([result.first_token_id], lp)
+                if resp is not None:
+                    yield resp
+            elif kind == "local_prefill":
+                self._set_cached(first.local_prefill.num_cached_tokens)
+            else:
+                raise _Retry(f"protocol error: first event is {kind}, not a reservation or local_prefill")
+            while not self.finished:
+                ev = await self._next(call, cfg.token_timeout_s, admitted=True)
+                kind = ev.WhichOneof("event")
+                if kind == "tokens":
+                    resp = self._emit(ev.tokens.token_ids, ev.tokens.logprobs)
+                    if resp is not None:
+                        yield resp
+                elif kind == "finish":
+                    reason = ev.finish.reason
+                    if reason in _FINISH:
+                        yield self._final(_FINISH[reason])
+                        return
+                    if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
+                        raise _Retry(f"lease expired: {ev.finish.message}", worker_failed=False, force_local=True)
+                    raise _Retry(f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}")
+                else:
+                    raise _Retry(f"protocol error: {kind} event after the first")
+        finally:
+            call.cancel()  # no-op when the call is done; an abort for the worker otherwise
+
+    async def _next(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, admitted: bool) -> wpb.DecodeEvent:
+        try:
+            async with asyncio.timeout(min(timeout_s, self._remaining_s())):
+                ev = await call.read()
+        except TimeoutError:
+            raise _Retry(f"no event within {timeout_s:g}s" + (" of admission" if not admitted else "")) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not admitted:
+                raise _Retry(f"not admitted: {e.details()}", worker_failed=False) from None
+            raise _Retry(f"Decode failed: {e.code().name} {e.details()}") from None
+        if ev is grpc.aio.EOF:
+            raise _Retry("Decode stream ended without a finish event")
+        return ev
+
+    async def _prefill(self, reservation: wpb.Reservation, sampling: wpb.SamplingParams) -> wpb.PrefillResult:
+        """Prefill on the least-queued prefill worker; on failure, on another, same reservation."""
+        tried: list[str] = []
+        request = wpb.PrefillRequest(
+            request_id=self.req.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            output_token_ids=self.generated,
+            sampling=sampling,
+            reservation=reservation,
+        )
+        last = "no healthy prefill worker"
+        for attempt in range(self.cfg.max_prefill_attempts):
+            queued = self.workers.prefill_queued_tokens(exclude=tried)
+            if not queued:
+                break
+            address = policy.choose_prefill_worker(queued, self.rng)
+            tried.append(address)
+            w = self.workers.get(address)
+            if w is None:
+                continue
+            lease_left = reservation.lease_deadline_unix_ms / 1000 - time.time() if reservation.lease_deadline_unix_ms else None
+            timeout = min(self.cfg.prefill_timeout_s, self._remaining_s(), *([lease_left] if lease_left is not None else []))
+            if timeout <= 0:
+                last = "reservation lease passed"
+                break
+            if attempt:
+                self.metrics.prefill_retries.inc()
+            try:
+                self.workers.assigned(address, len(request.prompt_token_ids))
+                return await w.stub.Prefill(request, timeout=timeout, metadata=self.cfg.auth_metadata)
+            except grpc.aio.AioRpcError as e:
+                last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
+                log.warning("request %s: %s", self.req.request_id, last)
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.workers.mark_failed(address)
+        # The decode worker is fine; it will prefill the request itself.
+        raise _Retry(last, worker_failed=False, force_local=True)
+
+    # ---- responses
+
+    def _set_cached(self, n: int) -> None:
+        if self.cached_tokens is None:  # the first attempt's count is the one the client paid for
+            self.cached_tokens = min(n, len(self.req.prompt_token_ids))
+
+    def _usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=len(self.req.prompt_token_ids),
+            cached_tokens=self.cached_tokens or 0,
+            completion_tokens=len(self.generated),
+        )
+
+    def _emit(self, token_ids: list[int], logprobs: list[float]) -> pb.GenerateResponse | None:
+        room = self.req.sampling.max_tokens - len(self.generated)
+        if room <= 0 or self.finished:
+            return None
+        ids = list(token_ids[:room])
+        now = time.monotonic()
+        if not self.generated:
+            self.metrics.ttft.observe(now - self.start)
+        elif ids:
+            gap = (now - self.last_token_at) / len(ids)
+            for _ in ids:
+                self.metrics.itl.observe(gap)
+        self.last_token_at = now
+        self.generated.extend(ids)
+        released = self.stopper.feed("".join([self.detok.feed(t) for t in ids]))
+        resp = pb.GenerateResponse(
+            request_id=self.req.request_id,
+            text=released.text,
+            token_ids=ids,
+            logprobs=list(logprobs[: len(ids)]) if self.req.sampling.logprobs else [],
+        )
+        if released.stopped:
+            resp.finish_reason = pb.FINISH_REASON_STOP
+        elif len(self.generated) >= self.req.sampling.max_tokens:
+            resp.text += self.stopper.flush()
+            resp.finish_reason = pb.FINISH_REASON_LENGTH
+        if resp.finish_reason:
+            self.finished = True
+        if resp.finish_reason or self.req.continuous_usage:
+            resp.usage.CopyFrom(self._usage())
+        return resp
+
+    def _final(self, reason: int) -> pb.GenerateResponse:
+        self.finished = True
+        return pb.GenerateResponse(
+            request_id=self.req.request_id, text=self.stopper.flush(), finish_reason=reason, usage=self._usage()
+        )

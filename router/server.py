@@ -1,0 +1,184 @@
+"""The router's gRPC front door: splitserve.v1.Generation and grpc.health.v1.Health.
+
+`Router` owns the server, the worker set, the prefix index and the metrics;
+`GenerationService.Generate` admits a call (API key, in-flight bound,
+validation) and hands it to a `RequestRun`. Overload is answered at once with
+RESOURCE_EXHAUSTED: there is no queue in the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.proto.splitserve.v1 import generate_pb2_grpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.request import RequestFailed, RequestRun
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.validation import ValidationError, validate
+from splitserve.router.workers import WorkerSet
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.Generation"
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer, workers: WorkerSet,
+                 metrics: RouterMetrics, rng: random.Random) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.metrics = metrics
+        self.rng = rng
+        self.inflight = 0
+        self._active: set[str] = set()  # request ids in flight
+        self._bearer = f"Bearer {cfg.api_key}" if cfg.api_key else None
+
+    async def Generate(  # noqa: N802 (the gRPC method name)
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        code = grpc.StatusCode.OK
+        try:
+            if self._bearer is not None and dict(context.invocation_metadata() or ()).get("authorization") != self._bearer:
+                code = grpc.StatusCode.UNAUTHENTICATED
+                await context.abort(code, "missing or wrong API key (authorization: Bearer <key>)")
+            if self.inflight >= self.cfg.max_inflight:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                await context.abort(code, f"router at its limit of {self.cfg.max_inflight} requests in flight")
+            try:
+                req = validate(request, self.cfg, self.tokenizer)
+            except ValidationError as e:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(e))
+            if req.request_id in self._active:
+                code = grpc.StatusCode.ALREADY_EXISTS
+                await context.abort(code, f"request_id: {req.request_id!r} is already in flight")
+            remaining = context.time_remaining()
+            timeout = self.cfg.request_timeout_s if remaining is None else min(remaining, self.cfg.request_timeout_s)
+            run = RequestRun(req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng,
+                             deadline=time.monotonic() + timeout)
+            self.inflight += 1
+            self.metrics.inflight.inc()
+            self._active.add(req.request_id)
+            try:
+                async for resp in run.run():
+                    yield resp
+            except RequestFailed as e:
+                code = e.code
+                await context.abort(e.code, str(e))
+            finally:
+                self.inflight -= 1
+                self.metrics.inflight.dec()
+                self._active.discard(req.request_id)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.metrics.requests.labels(code.name).inc()
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """SERVING while at least one decode worker is healthy."""
+
+    def __init__(self, workers: WorkerSet) -> None:
+        self.workers = workers
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+
+    def _status(self, service: str) -> int:
+        if service not in ("", SERVICE_NAME):
+            return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        if self.workers.healthy("decode"):
+            return health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:  # noqa: N802
+        status = self._status(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:  # noqa: N802
+        last = None
+        while True:
+            status = self._status(request.service)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            self._changed.clear()
+            await self._changed.wait()
+
+
+class Router:
+    """The front door process's parts, started and stopped together.
+
+        router = Router(cfg, tokenizer, decode=["10.0.0.5:7001"], prefill=["10.0.0.6:7101"])
+        port = await router.start()
+        router.workers.add("10.0.0.7:7001", "decode")   # the pool manager's interface
+        ...
+        await router.stop()
+    """
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer: RouterTokenizer,
+        decode: Iterable[str] = (),
+        prefill: Iterable[str] = (),
+        rng: random.Random | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.index = PrefixIndex()
+        self.metrics = metrics or RouterMetrics(cfg)
+        self.workers = WorkerSet(cfg, self.index, on_health_change=self._health_changed)
+        self.health = HealthService(self.workers)
+        self.generation = GenerationService(cfg, tokenizer, self.workers, self.metrics, rng or random.Random())
+        self._initial = (list(decode), list(prefill))
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    def _health_changed(self) -> None:
+        self.health.notify()
+
+    async def start(self, port: int | None = None) -> int:
+        """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
+        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        generate_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port if port is None else port}")
+        await self.server.start()
+        decode, prefill = self._initial
+        self.workers.add_all(decode, "decode")
+        self.workers.add_all(prefill, "prefill")
+        if self.cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.cfg.metrics_port, registry=self.metrics.registry)
+        log.info("router listening on %s:%d", self.cfg.host, self.port)
+        return self.port
+
+    async def wait_for_workers(self, timeout_s: float = 10.0) -> None:
+        """Until every worker handed in so far has answered a stats poll (for tests and startup)."""
+        end = time.monotonic() + timeout_s
+        while any(not w.healthy for w in self.workers.all()):
+            if time.monotonic() > end:
+                raise TimeoutError("workers did not become healthy")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.workers.close()

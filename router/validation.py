@@ -1,0 +1,185 @@
+"""Client request -> internal request, every field checked.
+
+A bad field raises `ValidationError` whose message starts with the field's path
+("sampling.top_p: ..."); the server answers it with INVALID_ARGUMENT. Fields
+the public proto does not define (as a newer or hostile client might send) are
+rejected, so nothing internal can be set from outside. Unset sampling fields
+take the engine's defaults; max_tokens takes the router's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
+
+from splitserve.engine.sampling import SamplingParams
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RouterConfig
+from splitserve.router.tokenizer import RouterTokenizer
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+CHAT_ROLES = ("system", "user", "assistant")
+_INT64_MAX = 2**63
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    continuous_usage: bool
+
+
+def _reject_unknown(msg: Message, path: str) -> None:
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        raise ValidationError(path or "request", f"unknown field number(s) {numbers}")
+
+
+def _float(sp: pb.SamplingParams, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    if not sp.HasField(name):
+        return None
+    v = float(getattr(sp, name))
+    ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        raise ValidationError(f"sampling.{name}", f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return v
+
+
+def validate_request_id(request_id: str, cfg: RouterConfig) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > cfg.max_request_id_chars:
+        raise ValidationError("request_id", f"longer than {cfg.max_request_id_chars} characters")
+    if not _REQUEST_ID.fullmatch(request_id):
+        raise ValidationError("request_id", "may contain only A-Z a-z 0-9 . _ : -")
+    return request_id
+
+
+def validate_sampling(sp: pb.SamplingParams, cfg: RouterConfig, vocab_size: int) -> dict[str, object]:
+    """The client's sampling fields as SamplingParams keyword arguments (unset ones left out)."""
+    _reject_unknown(sp, "sampling")
+    kw: dict[str, object] = {}
+    for name, lo, hi, lo_open in (
+        ("temperature", 0.0, 100.0, False),
+        ("top_p", 0.0, 1.0, True),
+        ("min_p", 0.0, 1.0, False),
+        ("repetition_penalty", 0.0, 100.0, True),
+        ("presence_penalty", -2.0, 2.0, False),
+        ("frequency_penalty", -2.0, 2.0, False),
+    ):
+        v = _float(sp, name, lo, hi, lo_open)
+        if v is not None:
+            kw[name] = v
+    if sp.HasField("top_k"):
+        if not 0 <= sp.top_k <= vocab_size:
+            raise ValidationError("sampling.top_k", f"must be in [0, {vocab_size}] (0 = off), got {sp.top_k}")
+        kw["top_k"] = sp.top_k
+    if sp.HasField("seed"):
+        if not 0 <= sp.seed < _INT64_MAX:
+            raise ValidationError("sampling.seed", f"must be in [0, 2^63), got {sp.seed}")
+        kw["seed"] = sp.seed
+    if sp.HasField("max_tokens"):
+        if not 1 <= sp.max_tokens <= cfg.max_tokens_cap:
+            raise ValidationError("sampling.max_tokens", f"must be in [1, {cfg.max_tokens_cap}], got {sp.max_tokens}")
+        kw["max_tokens"] = sp.max_tokens
+    if len(sp.stop_token_ids) > cfg.max_stop_token_ids:
+        raise ValidationError("sampling.stop_token_ids", f"more than {cfg.max_stop_token_ids} entries")
+    for i, t in enumerate(sp.stop_token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(f"sampling.stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
+    if sp.stop_token_ids:
+        kw["stop_token_ids"] = tuple(dict.fromkeys(sp.stop_token_ids))
+    if len(sp.stop) > cfg.max_stop_strings:
+        raise ValidationError("sampling.stop", f"more than {cfg.max_stop_strings} stop strings")
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise ValidationError(f"sampling.stop[{i}]", "must not be empty")
+        if len(s) > cfg.max_stop_string_chars:
+            raise ValidationError(f"sampling.stop[{i}]", f"longer than {cfg.max_stop_string_chars} characters")
+    if sp.stop:
+        kw["stop"] = tuple(sp.stop)
+    if sp.HasField("logprobs"):
+        if sp.logprobs and not cfg.allow_logprobs:
+            raise ValidationError("sampling.logprobs", "not enabled on this server")
+        kw["logprobs"] = sp.logprobs
+    if sp.HasField("ignore_eos"):
+        kw["ignore_eos"] = sp.ignore_eos
+    return kw
+
+
+def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokenizer) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise ValidationError("prompt", "one of text, token_ids or chat is required")
+    vocab = tokenizer.vocab_size
+    if kind == "text":
+        if not req.text:
+            raise ValidationError("text", "must not be empty")
+        if len(req.text) > cfg.max_prompt_chars:
+            raise ValidationError("text", f"longer than {cfg.max_prompt_chars} characters")
+        ids = tokenizer.encode(req.text)
+    elif kind == "token_ids":
+        _reject_unknown(req.token_ids, "token_ids")
+        ids = list(req.token_ids.ids)
+        if len(ids) > cfg.max_prompt_tokens:
+            raise ValidationError("token_ids", f"{len(ids)} tokens exceed the limit of {cfg.max_prompt_tokens}")
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ValidationError(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")
+    else:
+        _reject_unknown(req.chat, "chat")
+        msgs = req.chat.messages
+        if not msgs:
+            raise ValidationError("chat.messages", "must not be empty")
+        if len(msgs) > cfg.max_chat_messages:
+            raise ValidationError("chat.messages", f"more than {cfg.max_chat_messages} messages")
+        total = 0
+        for i, m in enumerate(msgs):
+            _reject_unknown(m, f"chat.messages[{i}]")
+            if m.role not in CHAT_ROLES:
+                raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+            total += len(m.content)
+        if total > cfg.max_prompt_chars:
+            raise ValidationError("chat.messages", f"longer than {cfg.max_prompt_chars} characters in all")
+        ids = tokenizer.encode_chat([(m.role, m.content) for m in msgs])
+    if not ids:
+        raise ValidationError(kind, "gives no tokens")
+    if len(ids) > cfg.max_prompt_tokens:
+        raise ValidationError(kind, f"{len(ids)} tokens exceed the limit of {cfg.max_prompt_tokens}")
+    return ids
+
+
+def validate(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokenizer) -> ValidRequest:
+    _reject_unknown(req, "")
+    request_id = validate_request_id(req.request_id, cfg)
+    kw = validate_sampling(req.sampling, cfg, tokenizer.vocab_size)
+    _reject_unknown(req.stream_options, "stream_options")
+    ids = tokenize_prompt(req, cfg, tokenizer)
+    room = cfg.max_model_len - len(ids)
+    if "max_tokens" in kw:
+        if kw["max_tokens"] > room:  # type: ignore[operator]
+            raise ValidationError(
+                "sampling.max_tokens",
+                f"{kw['max_tokens']} plus the prompt's {len(ids)} tokens exceed max_model_len {cfg.max_model_len}",
+            )
+    else:
+        kw["max_tokens"] = min(cfg.default_max_tokens, room)
+    try:
+        sampling = SamplingParams(**kw)  # type: ignore[arg-type]
+    except ValueError as e:  # the engine's own checks, in case they are stricter than ours
+        name = str(e).split(" ", 1)[0]
+        raise ValidationError(f"sampling.{name}", str(e)) from None
+    return ValidRequest(request_id, tuple(ids), sampling, req.stream_options.continuous_usage)

@@ -1,0 +1,179 @@
+"""The workers the router can use: their addresses, channels, last stats and
+health, and the background tasks that keep those fresh (a GetStats poll per
+worker, a BlockEvents subscription per decode worker feeding the prefix index).
+
+Whoever starts the router (the Ray pool manager, a test) hands it plain
+"host:port" gRPC addresses with `add` and takes them away with `remove`. Both
+must run on the router's event loop; from another thread use
+`loop.call_soon_threadsafe(workers.add, address, "decode")`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.policy import WorkerLoad
+from splitserve.router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+Role = Literal["decode", "prefill"]
+
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    role: Role
+    channel: grpc.aio.Channel
+    stub: wgrpc.DecodeWorkerStub | wgrpc.PrefillWorkerStub
+    stats: wpb.WorkerStats | None = None
+    healthy: bool = False  # routable: its last stats polls succeeded and its block size matches
+    failures: int = 0  # stats polls failed in a row
+    assigned_tokens: int = 0  # context tokens routed here since its last stats (so bursts spread)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def load(self) -> WorkerLoad:
+        s = self.stats or wpb.WorkerStats()
+        return WorkerLoad(s.queued_tokens + self.assigned_tokens, s.running_tokens, s.free_blocks, s.total_blocks)
+
+
+class WorkerSet:
+    def __init__(self, cfg: RouterConfig, index: PrefixIndex, on_health_change: Callable[[], None] | None = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self._workers: dict[str, Worker] = {}
+        self._on_health_change = on_health_change or (lambda: None)
+        self._closed = False
+
+    # ---- membership (the pool manager's interface)
+
+    def add(self, address: str, role: Role) -> None:
+        if role not in ("decode", "prefill"):
+            raise ValueError(f"role must be 'decode' or 'prefill', got {role!r}")
+        if address in self._workers:
+            return
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = wgrpc.DecodeWorkerStub(channel) if role == "decode" else wgrpc.PrefillWorkerStub(channel)
+        w = Worker(address, role, channel, stub)
+        self._workers[address] = w
+        w.tasks.append(asyncio.get_running_loop().create_task(self._poll_stats(w)))
+        if role == "decode":
+            w.tasks.append(asyncio.get_running_loop().create_task(self._follow_blocks(w)))
+        log.info("added %s worker %s", role, address)
+
+    def add_all(self, addresses: Iterable[str], role: Role) -> None:
+        for a in addresses:
+            self.add(a, role)
+
+    def remove(self, address: str) -> None:
+        w = self._workers.pop(address, None)
+        if w is None:
+            return
+        for t in w.tasks:
+            t.cancel()
+        self.index.cleared(address)
+        asyncio.get_running_loop().create_task(w.channel.close())
+        log.info("removed %s worker %s", w.role, address)
+        self._on_health_change()
+
+    async def close(self) -> None:
+        self._closed = True
+        for w in list(self._workers.values()):
+            for t in w.tasks:
+                t.cancel()
+            await w.channel.close()
+        self._workers.clear()
+
+    # ---- what routing reads
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def get(self, address: str) -> Worker | None:
+        return self._workers.get(address)
+
+    def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
+        ex = set(exclude)
+        return [w for w in self._workers.values() if w.role == role and w.healthy and w.address not in ex]
+
+    def decode_loads(self, exclude: Iterable[str] = ()) -> dict[str, WorkerLoad]:
+        return {w.address: w.load() for w in self.healthy("decode", exclude)}
+
+    def prefill_queued_tokens(self, exclude: Iterable[str] = ()) -> dict[str, int]:
+        return {w.address: w.load().queued_tokens for w in self.healthy("prefill", exclude)}
+
+    def assigned(self, address: str, tokens: int) -> None:
+        w = self._workers.get(address)
+        if w is not None:
+            w.assigned_tokens += tokens
+
+    def mark_failed(self, address: str) -> None:
+        """A call to this worker failed: stop routing to it until a stats poll succeeds."""
+        w = self._workers.get(address)
+        if w is not None and w.healthy:
+            w.healthy = False
+            self._on_health_change()
+
+    # ---- background
+
+    async def _poll_stats(self, w: Worker) -> None:
+        cfg = self.cfg
+        while not self._closed:
+            was = w.healthy
+            try:
+                st = await w.stub.GetStats(wpb.StatsRequest(), timeout=cfg.stats_timeout_s, metadata=cfg.auth_metadata)
+            except grpc.aio.AioRpcError as e:
+                w.failures += 1
+                if w.failures >= cfg.unhealthy_after_failures:
+                    w.healthy = False
+                log.debug("stats from %s failed (%d in a row): %s", w.address, w.failures, e.code())
+            else:
+                if st.block_size and st.block_size != cfg.block_size:
+                    if w.healthy or w.failures == 0:
+                        log.error("worker %s has block_size %d, the router %d: not routing to it",
+                                  w.address, st.block_size, cfg.block_size)
+                    w.healthy, w.failures = False, 1
+                else:
+                    w.stats, w.assigned_tokens, w.failures, w.healthy = st, 0, 0, True
+            if w.healthy != was:
+                log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
+                self._on_health_change()
+            await asyncio.sleep(cfg.stats_interval_s)
+
+    async def _follow_blocks(self, w: Worker) -> None:
+        cfg = self.cfg
+        index = self.index
+        while not self._closed:
+            call = w.stub.BlockEvents(wpb.BlockEventsRequest(), timeout=cfg.block_events_timeout_s, metadata=cfg.auth_metadata)
+            try:
+                async for batch in call:
+                    for ev in batch.events:
+                        kind = ev.WhichOneof("kind")
+                        if kind == "stored":
+                            index.stored(w.address, ev.stored.block_hashes)
+                        elif kind == "removed":
+                            index.removed(w.address, ev.removed.block_hashes)
+                        elif kind == "cleared":
+                            index.cleared(w.address)
+            except grpc.aio.AioRpcError as e:
+                log.debug("block events from %s ended: %s", w.address, e.code())
+            finally:
+                call.cancel()
+            # What we knew may be stale now; the next subscription starts with a snapshot.
+            index.cleared(w.address)
+            await asyncio.sleep(cfg.reconnect_backoff_s)
