@@ -1,0 +1,14 @@
+"""Prometheus metrics of the KV plane (one set per process, as Prometheus expects)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+BYTES_RECEIVED = Counter("splitserve_kv_bytes_received", "KV payload bytes written into reserved blocks", ["transport"])
+FRAMES_RECEIVED = Counter("splitserve_kv_frames_received", "KV layer frames accepted", ["transport"])
+FRAMES_REJECTED = Counter("splitserve_kv_frames_rejected", "Frames or connections rejected, by reason", ["reason"])
+RESERVATIONS_COMPLETED = Counter("splitserve_kv_reservations_completed", "Reservations whose KV arrived in full")
+RESERVATIONS_FAILED = Counter("splitserve_kv_reservations_failed", "Reservations that failed, by reason", ["reason"])
+TRANSPORT_CHOSEN = Counter("splitserve_kv_transport_chosen", "KV streams opened, by the transport used", ["side", "transport"])
+TRANSPORT_FALLBACKS = Counter("splitserve_kv_transport_fallbacks", "Times a wanted transport was unusable and TCP was used", ["wanted", "reason"])
+BYTES_SENT = Counter("splitserve_kv_bytes_sent", "KV payload bytes sent", ["transport"])

@@ -1,0 +1,449 @@
+"""The decode side of the KV plane: reservations, and the frames that fill them.
+
+A decode worker starts one `KVReceiver` over its `KVCache`. For each request
+it wants prefilled elsewhere it calls `reserve(request_id, block_ids, lease_s)`
+and hands the plain-data `Reservation` to the router; a prefill worker opens a
+stream with it and pushes frames, which land straight in the reserved blocks.
+The worker learns the end through `wait(ticket, timeout)` or the `on_done`
+callback: `Completed(first_token)` once every layer of every block arrived and
+`Done` came, or `Failed(reason)`.
+
+What the receiver promises the block manager (which stays the worker's):
+it writes only into a live reservation's blocks; on any failure (bad frame,
+lost sender, lease run out, cancel) it resets those blocks and reports the
+failure only after no write into them can still be in progress, so the
+worker may free the blocks as soon as it hears.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.kv_transfer import frame, metrics
+from splitserve.kv_transfer.frame import FrameError, Header
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Listener, TCPTransport, open_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where and how a prefill worker must write one request's KV (mirrors the proto's Reservation)."""
+
+    request_id: str
+    ticket: bytes  # 16 random bytes; the only credential on the KV plane
+    transport: str  # data transport offered: "tcp" | "ucx" | "cuda_ipc"
+    endpoint: str  # "host:port" of that transport's listener
+    tcp_endpoint: str  # "host:port" of the TCP listener: fallback, and CUDA IPC's control channel
+    block_ids: tuple[int, ...]  # the receiver's blocks, in the order the sender fills them
+    layout: KVLayout
+    lease_deadline_unix_ms: int  # the receiver fails the reservation if not complete by then
+
+
+class Completed(NamedTuple):
+    first_token: int
+
+
+class Failed(NamedTuple):
+    reason: str
+
+
+Outcome = Completed | Failed
+
+
+class _Reject(Exception):
+    """A frame or connection refused: `code` labels the metric, the message is the reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_ACTIVE, _FAILING, _DONE = "active", "failing", "done"
+
+
+class _Slot:
+    """The receiver's state for one reservation."""
+
+    def __init__(self, r: Reservation, deadline: float, on_done: Callable[[Reservation, Outcome], None] | None) -> None:
+        self.reservation = r
+        self.position = {b: i for i, b in enumerate(r.block_ids)}
+        self.received = np.zeros((r.layout.num_layers, len(r.block_ids)), dtype=bool)
+        self.deadline = deadline  # time.monotonic()
+        self.on_done = on_done
+        self.lock = threading.Lock()
+        self.state = _ACTIVE
+        self.writers = 0  # connection threads inside a write into the blocks
+        self.conn: Connection | None = None
+        self.outcome: Outcome | None = None
+        self.code = ""
+        self.finished = threading.Event()
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        cache: KVCache,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: str = "tcp",
+    ) -> None:
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._slots: dict[bytes, _Slot] = {}  # active, plus finished ones nobody has collected
+        self._reserved: set[int] = set()
+        self._closed = False
+        self._leases: list[tuple[float, bytes]] = []
+        self._lease_cv = threading.Condition(self._lock)
+        self._tcp = TCPTransport().listen(host, port, self._serve)
+        self.tcp_endpoint = f"{self._tcp.host}:{self._tcp.port}"
+        self.transport, self.endpoint = "tcp", self.tcp_endpoint
+        self._ucx: Listener | None = None
+        if transport == "ucx":
+            self._start_ucx(host)
+        elif transport == "cuda_ipc":
+            if cache.tensor.is_cuda:
+                self.transport = "cuda_ipc"  # control frames on the TCP listener, data by device copies
+            else:
+                log.warning("kv_transfer: CUDA IPC needs a CUDA cache; using TCP")
+                metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
+        elif transport != "tcp":
+            raise ValueError(f"unknown transport {transport!r}")
+        log.info("kv_transfer: receiver on %s (%s)", self.endpoint, self.transport)
+        metrics.TRANSPORT_CHOSEN.labels(side="receiver", transport=self.transport).inc()
+        self._lease_thread = threading.Thread(target=self._lease_loop, name="kv-leases", daemon=True)
+        self._lease_thread.start()
+
+    def _start_ucx(self, host: str) -> None:
+        t = open_transport("ucx")
+        if t.kind != "ucx":
+            return
+        try:
+            self._ucx = t.listen(host, 0, self._serve)
+        except Exception as e:
+            log.warning("kv_transfer: UCX listener failed (%s); using TCP", e)
+            metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
+            return
+        self.transport, self.endpoint = "ucx", f"{host}:{self._ucx.port}"
+
+    # ---- the decode worker's side -------------------------------------------------
+
+    def reserve(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        lease_s: float,
+        on_done: Callable[[Reservation, Outcome], None] | None = None,
+    ) -> Reservation:
+        """Accept KV for `block_ids` until `lease_s` from now; returns what the sender needs.
+
+        `on_done(reservation, outcome)` runs on a receiver thread when it ends; it
+        must not block. Without it, collect the outcome with `wait`.
+        """
+        if not block_ids:
+            raise ValueError("a reservation needs at least one block")
+        if len(request_id.encode()) > frame.REQUEST_ID_BYTES:
+            raise ValueError(f"request id longer than {frame.REQUEST_ID_BYTES} bytes")
+        if lease_s <= 0:
+            raise ValueError("lease_s must be positive")
+        ids = tuple(int(b) for b in block_ids)
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= self.cache.num_blocks:
+            raise ValueError(f"block ids must be distinct and in 0..{self.cache.num_blocks - 1}")
+        r = Reservation(
+            request_id=request_id,
+            ticket=secrets.token_bytes(16),
+            transport=self.transport,
+            endpoint=self.endpoint,
+            tcp_endpoint=self.tcp_endpoint,
+            block_ids=ids,
+            layout=self.cache.layout,
+            lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
+        )
+        slot = _Slot(r, time.monotonic() + lease_s, on_done)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("receiver is closed")
+            overlap = self._reserved.intersection(ids)
+            if overlap:
+                raise ValueError(f"blocks {sorted(overlap)[:8]} are already in a live reservation")
+            self._reserved.update(ids)
+            self._slots[r.ticket] = slot
+            heapq.heappush(self._leases, (slot.deadline, r.ticket))
+            self._lease_cv.notify()
+        return r
+
+    def wait(self, ticket: bytes, timeout: float) -> Outcome:
+        """The reservation's outcome; raises TimeoutError if it has none within `timeout`."""
+        with self._lock:
+            slot = self._slots.get(ticket)
+        if slot is None:
+            raise KeyError("unknown ticket (never reserved, or its outcome was already collected)")
+        if not slot.finished.wait(timeout):
+            raise TimeoutError(f"reservation {slot.reservation.request_id} still in flight after {timeout}s")
+        with self._lock:
+            self._slots.pop(ticket, None)
+        assert slot.outcome is not None
+        return slot.outcome
+
+    def cancel(self, ticket: bytes, timeout: float = 5.0) -> None:
+        """Drop a reservation (its request was cancelled); returns once its blocks are reset."""
+        with self._lock:
+            slot = self._slots.get(ticket)
+        if slot is None:
+            return
+        self._fail(slot, "cancelled", "cancelled")
+        if not slot.finished.wait(timeout):
+            raise TimeoutError("a write into the cancelled reservation did not stop")
+        with self._lock:
+            self._slots.pop(ticket, None)
+
+    def active(self) -> int:
+        """Reservations not yet completed or failed."""
+        with self._lock:
+            return sum(1 for s in self._slots.values() if s.state != _DONE)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            slots = list(self._slots.values())
+            self._lease_cv.notify()
+        self._tcp.close()
+        if self._ucx is not None:
+            self._ucx.close()
+        for s in slots:
+            self._fail(s, "receiver_closed", "receiver closed")
+        self._lease_thread.join(timeout=5)
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- ending a reservation -----------------------------------------------------
+
+    def _fail(self, slot: _Slot, code: str, reason: str) -> None:
+        with slot.lock:
+            if slot.state != _ACTIVE:
+                return
+            slot.state, slot.outcome, slot.code = _FAILING, Failed(reason), code
+            conn, idle = slot.conn, slot.writers == 0
+        if conn is not None:
+            conn.close()  # wakes a write blocked in recv_into; that thread then finalizes
+        if idle:
+            self._finalize(slot)
+
+    def _finalize(self, slot: _Slot) -> None:
+        """Reset a failed reservation's blocks, then tell the worker (no writer is left)."""
+        r = slot.reservation
+        self.cache.reset_blocks(list(r.block_ids))
+        with slot.lock:
+            slot.state = _DONE
+        outcome = slot.outcome
+        assert isinstance(outcome, Failed)
+        if slot.code != "cancelled":
+            log.warning("kv_transfer: reservation %s failed: %s", r.request_id, outcome.reason)
+        metrics.RESERVATIONS_FAILED.labels(reason=slot.code).inc()
+        self._finish(slot)
+
+    def _complete(self, slot: _Slot, first_token: int) -> bool:
+        with slot.lock:
+            if slot.state != _ACTIVE:
+                return False
+            slot.state, slot.outcome = _DONE, Completed(first_token)
+        metrics.RESERVATIONS_COMPLETED.inc()
+        self._finish(slot)
+        return True
+
+    def _finish(self, slot: _Slot) -> None:
+        r = slot.reservation
+        with self._lock:
+            self._reserved.difference_update(r.block_ids)
+            if slot.on_done is not None:
+                self._slots.pop(r.ticket, None)
+        slot.finished.set()
+        if slot.on_done is not None:
+            assert slot.outcome is not None
+            try:
+                slot.on_done(r, slot.outcome)
+            except Exception:
+                log.exception("kv_transfer: on_done callback raised")
+
+    def _lease_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed:
+                    now = time.monotonic()
+                    if self._leases and self._leases[0][0] <= now:
+                        break
+                    self._lease_cv.wait(timeout=self._leases[0][0] - now if self._leases else None)
+                if self._closed:
+                    return
+                _, ticket = heapq.heappop(self._leases)
+                slot = self._slots.get(ticket)
+            if slot is not None:
+                self._fail(slot, "lease_expired", "lease expired")
+
+    # ---- one connection -----------------------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        """Handle one stream: handshake, layer frames, done."""
+        slot: _Slot | None = None
+        header = bytearray(frame.HEADER_SIZE)
+        try:
+            slot, ipc = self._handshake(conn, header)
+            while True:
+                conn.recv_into(header)
+                h = frame.decode_header(header)
+                if h.ticket != slot.reservation.ticket:
+                    raise _Reject("ticket_mismatch", "frame carries another ticket than the stream's")
+                if time.monotonic() > slot.deadline:
+                    raise _Reject("lease_expired", "lease expired")
+                if h.kind == frame.LAYER:
+                    self._receive_layer(conn, slot, h, ipc)
+                elif h.kind == frame.DONE:
+                    missing = np.argwhere(~slot.received)
+                    if len(missing):
+                        layer, i = missing[0]
+                        raise _Reject(
+                            "incomplete",
+                            f"done before every layer arrived ({len(missing)} layer-blocks missing, first: "
+                            f"layer {layer} block {slot.reservation.block_ids[i]})",
+                        )
+                    if self._complete(slot, h.value):
+                        self._reply(conn, frame.ACK, slot.reservation, "complete")
+                    return
+                elif h.kind == frame.ERROR:
+                    text = self._read_control(conn, h)
+                    raise _Reject("aborted_by_sender", f"sender aborted: {text}")
+                else:
+                    raise _Reject("unexpected_frame", f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream")
+        except (FrameError, _Reject, ConnectionClosed) as e:
+            code = e.code if isinstance(e, _Reject) else "bad_frame" if isinstance(e, FrameError) else "disconnected"
+            reason = str(e) if not isinstance(e, ConnectionClosed) else f"sender disconnected before done ({e})"
+            metrics.FRAMES_REJECTED.labels(reason=code).inc()
+            if slot is not None:
+                if code != "disconnected":
+                    self._reply(conn, frame.ERROR, slot.reservation, reason)
+                self._fail(slot, code, reason)
+            else:
+                log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
+        except Exception as e:  # a bug here must not take the receiver down
+            log.exception("kv_transfer: connection handler failed")
+            if slot is not None:
+                self._fail(slot, "internal", f"receiver error: {e}")
+        finally:
+            if slot is not None:
+                with slot.lock:
+                    if slot.conn is conn:
+                        slot.conn = None
+            conn.close()
+
+    def _handshake(self, conn: Connection, header: bytearray) -> tuple[_Slot, bool]:
+        conn.recv_into(header)
+        h = frame.decode_header(header)
+        if h.kind != frame.HANDSHAKE:
+            raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
+        layout = KVLayout(*frame.decode_layout(self._read_control(conn, h)))
+        with self._lock:
+            slot = self._slots.get(h.ticket)
+        if slot is None or slot.reservation.request_id != h.request_id:
+            self._reply_raw(conn, h, "unknown ticket")
+            raise _Reject("unknown_ticket", "unknown ticket")
+        with slot.lock:
+            if slot.state != _ACTIVE or slot.conn is not None:
+                busy = "already has a stream" if slot.state == _ACTIVE else "is no longer live"
+                self._reply_raw(conn, h, f"reservation {busy}")
+                raise _Reject("ticket_in_use", f"reservation {busy}")
+            slot.conn = conn
+        mismatch = self.cache.layout.mismatch(layout)
+        if mismatch:
+            self._reply(conn, frame.ERROR, slot.reservation, mismatch)
+            self._fail(slot, "layout_mismatch", mismatch)
+            raise _Reject("layout_mismatch", mismatch)
+        ipc = bool(h.value) and self.transport == "cuda_ipc"
+        mapping = b""
+        if ipc:
+            from splitserve.kv_transfer.cuda_ipc import export_cache
+
+            mapping = export_cache(self.cache)
+        ack = Header(frame.ACK, h.ticket, h.request_id, payload_length=len(mapping), value=int(ipc))
+        conn.send([frame.encode_header(ack), mapping])
+        return slot, ipc
+
+    def _receive_layer(self, conn: Connection, slot: _Slot, h: Header, ipc: bool) -> None:
+        r, layout = slot.reservation, self.cache.layout
+        if h.layer >= layout.num_layers:
+            raise _Reject("layer_out_of_range", f"layer {h.layer} outside 0..{layout.num_layers - 1}")
+        if h.block_count == 0:
+            raise _Reject("bad_frame", "layer frame with no blocks")
+        ids = range(h.first_block, h.first_block + h.block_count)
+        outside = [b for b in ids if b not in slot.position]
+        if outside:
+            raise _Reject("block_out_of_range", f"block {outside[0]} is not in the reservation")
+        if h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
+            raise _Reject("dtype_mismatch", f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
+        if h.element_count != h.block_count * layout.elements_per_block:
+            raise _Reject("length_mismatch", f"element count {h.element_count} for {h.block_count} blocks")
+        expected = 0 if ipc else h.block_count * layout.bytes_per_block
+        if h.payload_length != expected:
+            raise _Reject(
+                "length_mismatch",
+                f"payload length {h.payload_length} does not match {h.block_count} blocks ({expected} bytes)",
+            )
+        if not ipc:
+            if h.checksum_kind == frame.CHECKSUM_NONE:
+                raise _Reject("bad_frame", "layer frame without a checksum")
+            view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count))
+            with slot.lock:
+                if slot.state != _ACTIVE:
+                    raise _Reject(slot.code, "reservation no longer live")
+                slot.writers += 1
+            try:
+                conn.recv_into(view)
+            finally:
+                with slot.lock:
+                    slot.writers -= 1
+                    orphaned = slot.state == _FAILING and slot.writers == 0
+                if orphaned:  # failed while we wrote: the reset was left to us
+                    self._finalize(slot)
+            if frame.checksum(h.checksum_kind, [view]) != h.checksum:
+                raise _Reject(
+                    "checksum_mismatch",
+                    f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
+                )
+            metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
+        slot.received[h.layer, [slot.position[b] for b in ids]] = True
+        metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
+
+    @staticmethod
+    def _read_control(conn: Connection, h: Header) -> bytes:
+        buf = bytearray(h.payload_length)
+        if buf:
+            conn.recv_into(buf)
+        return bytes(buf)
+
+    @staticmethod
+    def _reply(conn: Connection, kind: int, r: Reservation, text: str) -> None:
+        KVReceiver._reply_to(conn, kind, r.ticket, r.request_id, text)
+
+    @staticmethod
+    def _reply_raw(conn: Connection, h: Header, text: str) -> None:
+        KVReceiver._reply_to(conn, frame.ERROR, h.ticket, h.request_id, text)
+
+    @staticmethod
+    def _reply_to(conn: Connection, kind: int, ticket: bytes, request_id: str, text: str) -> None:
+        body = text.encode()[: frame.MAX_CONTROL_PAYLOAD]
+        try:
+            conn.send([frame.encode_header(Header(kind, ticket, request_id, payload_length=len(body))), body])
+        except ConnectionClosed:
+            pass

@@ -1,0 +1,307 @@
+"""The prefill side of the KV plane: push each finished layer into a reservation.
+
+A prefill worker keeps one `KVSender` over its `KVCache`. For each request it
+opens a stream with the decode worker's `Reservation` (connect, then a
+handshake that checks the ticket and the layout), calls `send_layer` from the
+compute loop right after a layer's K and V are written, and ends with
+`finish(first_token, timeout)`, which returns only once the receiver has
+confirmed every byte.
+
+`send_layer` only queues views of the cache; the stream's own thread splits
+them into frames that are contiguous on the receiver's side, checksums them
+and sends them zero-copy, so the compute loop goes on at once. The queue is
+bounded: if the link is slower than compute, `send_layer` waits (back-pressure)
+rather than letting memory grow.
+
+The source blocks must not change until their frame is sent. A partial last
+block that the next prefill chunk will extend is sent with `snapshot=True`
+(copied at call time; it is resent whole by a later chunk).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache, contiguous_runs
+from splitserve.kv_transfer import frame, metrics
+from splitserve.kv_transfer.frame import FrameError, Header
+from splitserve.kv_transfer.receiver import Reservation
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport, open_transport
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(Exception):
+    """The stream failed; the message is the reason (the receiver's, when it gave one)."""
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class KVSender:
+    def __init__(
+        self,
+        cache: KVCache,
+        *,
+        checksum: str = "lanesum",
+        queue_depth: int = 4,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.cache = cache
+        self.checksum_kind = frame.CHECKSUM_KINDS[checksum]
+        self.queue_depth = queue_depth
+        self.connect_timeout = connect_timeout
+        self._tcp = TCPTransport()
+        self._ucx: Transport | None = None
+        self._ipc_maps: dict[str, object] = {}  # CUDA IPC mappings, one per receiver, made once
+
+    def open(self, reservation: Reservation) -> KVStream:
+        """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
+        mismatch = self.cache.layout.mismatch(reservation.layout)
+        if mismatch:
+            raise TransferError(mismatch)
+        conn, kind = self._connect(reservation)
+        try:
+            mapping = self._handshake(conn, reservation, want_ipc=kind == "cuda_ipc")
+        except BaseException:
+            conn.close()
+            raise
+        if kind == "cuda_ipc" and mapping is None:
+            kind = "tcp"
+        metrics.TRANSPORT_CHOSEN.labels(side="sender", transport=kind).inc()
+        dest = None
+        if mapping is not None:
+            from splitserve.kv_transfer.cuda_ipc import import_cache
+
+            if reservation.tcp_endpoint not in self._ipc_maps:
+                self._ipc_maps[reservation.tcp_endpoint] = import_cache(mapping, self.cache)
+            dest = self._ipc_maps[reservation.tcp_endpoint]
+        return KVStream(self, conn, reservation, kind, dest)
+
+    def _connect(self, r: Reservation) -> tuple[Connection, str]:
+        if r.transport == "ucx":
+            if self._ucx is None:
+                self._ucx = open_transport("ucx")
+            if self._ucx.kind == "ucx":
+                try:
+                    return self._ucx.connect(*_split_endpoint(r.endpoint), self.connect_timeout), "ucx"
+                except Exception as e:
+                    log.warning("kv_transfer: UCX endpoint to %s failed (%s); using TCP", r.endpoint, e)
+                    metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
+        kind = "tcp"
+        if r.transport == "cuda_ipc":
+            if self.cache.tensor.is_cuda:
+                kind = "cuda_ipc"
+            else:
+                metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
+        try:
+            return self._tcp.connect(*_split_endpoint(r.tcp_endpoint), self.connect_timeout), kind
+        except ConnectionClosed as e:
+            raise TransferError(str(e)) from None
+
+    def _handshake(self, conn: Connection, r: Reservation, want_ipc: bool) -> bytes | None:
+        lay = self.cache.layout
+        body = frame.encode_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        h = Header(frame.HANDSHAKE, r.ticket, r.request_id, payload_length=len(body), value=int(want_ipc))
+        try:
+            conn.send([frame.encode_header(h), body])
+            reply, payload = read_control(conn)
+        except (ConnectionClosed, FrameError) as e:
+            raise TransferError(f"handshake with {r.endpoint} failed: {e}") from None
+        if reply.kind == frame.ERROR:
+            raise TransferError(payload.decode(errors="replace"))
+        if reply.kind != frame.ACK:
+            raise TransferError(f"handshake answered with a {frame.KIND_NAMES[reply.kind]} frame")
+        return payload if reply.value else None
+
+
+def read_control(conn: Connection) -> tuple[Header, bytes]:
+    """One control frame (handshake, ack, error, done) and its small payload."""
+    buf = bytearray(frame.HEADER_SIZE)
+    conn.recv_into(buf)
+    h = frame.decode_header(buf)
+    if h.kind == frame.LAYER:
+        raise FrameError("unexpected layer frame")
+    payload = bytearray(h.payload_length)
+    if payload:
+        conn.recv_into(payload)
+    return h, bytes(payload)
+
+
+_DONE_ITEM = object()
+
+
+class KVStream:
+    """One request's KV on its way; made by `KVSender.open`."""
+
+    def __init__(self, sender: KVSender, conn: Connection, r: Reservation, kind: str, ipc_dest: object) -> None:
+        self.reservation = r
+        self.transport = kind
+        self._sender = sender
+        self._cache = sender.cache
+        self._conn = conn
+        self._ipc_dest = ipc_dest
+        self._queue: queue.Queue = queue.Queue(maxsize=sender.queue_depth)
+        self._error: str | None = None
+        self._finished = threading.Event()
+        self._first_token: int | None = None
+        self._sent_done = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-send-{r.request_id}", daemon=True)
+        self._thread.start()
+
+    def send_layer(self, layer: int, src_block_ids: Sequence[int], first_index: int = 0, snapshot: bool = False) -> None:
+        """Queue one layer's K and V: `src_block_ids[i]` goes to `reservation.block_ids[first_index + i]`.
+
+        Returns at once unless the queue is full (back-pressure). A block may be
+        sent again later (a partial block completed by the next chunk).
+        """
+        self._raise_if_failed()
+        r, lay = self.reservation, self._cache.layout
+        if not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{lay.num_layers - 1}")
+        if first_index < 0 or first_index + len(src_block_ids) > len(r.block_ids):
+            raise ValueError("blocks beyond the reservation")
+        dst = r.block_ids[first_index : first_index + len(src_block_ids)]
+        frames = []
+        for i, dst_first, n in contiguous_runs(list(dst)):
+            pieces = [
+                self._cache.blocks(layer, s_first, s_n)
+                for _, s_first, s_n in contiguous_runs(list(src_block_ids[i : i + n]))
+            ]
+            if snapshot:
+                pieces = [p.clone() for p in pieces]
+            frames.append((layer, dst_first, n, pieces))
+        self._put(frames)
+
+    def finish(self, first_token: int, timeout: float) -> None:
+        """Send Done; return once the receiver confirmed every byte, else raise TransferError."""
+        deadline = time.monotonic() + timeout
+        self._first_token = first_token
+        self._put(_DONE_ITEM, timeout)
+        if not self._finished.wait(max(0.0, deadline - time.monotonic())):
+            self.abort(f"no confirmation within {timeout}s")
+            raise TransferError(f"receiver did not confirm within {timeout}s")
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._raise_if_failed()
+
+    def abort(self, reason: str = "aborted by the prefill worker") -> None:
+        """Give up: the receiver fails the reservation (its blocks are reset there)."""
+        if self._finished.is_set():
+            return
+        self._fail(reason)
+        try:
+            self._queue.put_nowait(None)  # wakes the thread if it waits for work; it sends Error
+        except queue.Full:
+            pass
+        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():  # stuck in a send the receiver does not drain
+            self._conn.close()
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> KVStream:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if not self._finished.is_set():
+            self.abort("stream left without finish" if exc_type is None else f"prefill failed: {exc_type}")
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _put(self, item: object, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+                return
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    self.abort("send queue stuck")
+                    raise TransferError(f"send queue full for {timeout}s") from None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TransferError(self._error)
+
+    def _fail(self, reason: str) -> None:
+        if self._error is None:
+            self._error = reason
+        self._finished.set()
+
+    def _run(self) -> None:
+        r = self.reservation
+        ck = self._sender.checksum_kind if self._ipc_dest is None else frame.CHECKSUM_NONE
+        dtype_code = frame.DTYPE_CODES[self._cache.layout.dtype]
+        epb = self._cache.layout.elements_per_block
+        try:
+            while self._error is None:
+                item = self._queue.get()
+                if item is None:
+                    break
+                if item is _DONE_ITEM:
+                    self._send_done()
+                    return
+                for layer, first, n, pieces in item:  # type: ignore[attr-defined]
+                    if self._ipc_dest is not None:
+                        from splitserve.kv_transfer.cuda_ipc import copy_blocks
+
+                        copy_blocks(self._ipc_dest, layer, first, pieces)
+                        payload: list[torch.Tensor] = []
+                    else:
+                        payload = [frame.as_bytes(p) for p in pieces]
+                    length = sum(p.numel() for p in payload)
+                    h = Header(
+                        frame.LAYER, r.ticket, r.request_id, layer=layer, first_block=first, block_count=n,
+                        dtype_code=dtype_code, element_count=n * epb, payload_length=length,
+                        checksum_kind=ck, checksum=frame.checksum(ck, payload),
+                    )  # fmt: skip
+                    self._conn.send([frame.encode_header(h), *payload])
+                    metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
+        except ConnectionClosed as e:
+            if self._error is None:
+                self._fail(self._receiver_reason() or f"connection lost: {e}")
+        except Exception as e:
+            log.exception("kv_transfer: send thread failed")
+            self._fail(f"sender error: {e}")
+        finally:
+            if self._error is not None and not self._sent_done:
+                self._send_error(self._error)
+            self._conn.close()
+
+    def _send_done(self) -> None:
+        r = self.reservation
+        assert self._first_token is not None
+        self._sent_done = True
+        self._conn.send([frame.encode_header(Header(frame.DONE, r.ticket, r.request_id, value=self._first_token))])
+        try:
+            reply, payload = read_control(self._conn)
+        except (ConnectionClosed, FrameError) as e:
+            self._fail(f"no confirmation from the receiver: {e}")
+            return
+        if reply.kind != frame.ACK:
+            self._fail(payload.decode(errors="replace") or "receiver refused the transfer")
+            return
+        self._finished.set()
+
+    def _receiver_reason(self) -> str | None:
+        """After a failed send: the receiver's error frame, if it left one."""
+        try:
+            reply, payload = read_control(self._conn)
+        except Exception:
+            return None
+        return payload.decode(errors="replace") if reply.kind == frame.ERROR else None
+
+    def _send_error(self, reason: str) -> None:
+        r, body = self.reservation, reason.encode()[: frame.MAX_CONTROL_PAYLOAD]
+        try:
+            self._conn.send([frame.encode_header(Header(frame.ERROR, r.ticket, r.request_id, payload_length=len(body))), body])
+        except Exception:
+            pass
