@@ -92,8 +92,8 @@ def choose_decode_worker(
         costs.append(cost)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "decode %s: cost = %g*load(%g/%g + %g*(1 - %d/%d) = %.4f) - %g*overlap(%d/%d = %.4f) = %.4f",
-                c.worker, cfg.load_weight, c.load.work_tokens, cfg.load_token_scale, cfg.block_load_weight,
+                "decode %s: cost = %g*load(%g*%d/%g + %g*(1 - %d/%d) = %.4f) - %g*overlap(%d/%d = %.4f) = %.4f",
+                c.worker, cfg.load_weight, cfg.token_load_weight, c.load.work_tokens, cfg.load_token_scale, cfg.block_load_weight,
                 c.load.free_blocks, c.load.total_blocks, ld, cfg.overlap_weight, c.overlap_blocks,
                 prompt_blocks, ov, cost,
             )

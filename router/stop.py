@@ -37,14 +37,16 @@ class StopMatcher:
         if not self._stops:
             return Released(text, False)
         buf = self._held + text
-        # Earliest match wins. The held part holds no whole stop string, so
-        # searching all of `buf` only finds matches that end in the new text.
-        first = -1
+        # The stop string that completes first wins (as it would token by token,
+        # whatever the pieces), then the one that starts first. The held part
+        # holds no whole stop string, so every match found ends in the new text.
+        best: tuple[int, int] | None = None  # (end, start)
         for s in self._stops:
             i = buf.find(s)
-            if i != -1 and (first == -1 or i < first):
-                first = i
-        if first != -1:
+            if i != -1 and (best is None or (i + len(s), i) < best):
+                best = (i + len(s), i)
+        if best is not None:
+            first = best[1]
             self._held = ""
             self._stopped = True
             return Released(buf[:first], True)

@@ -1,0 +1,126 @@
+"""Client requests are checked field by field; each rejection names its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RouterConfig
+from splitserve.router.tokenizer import ByteTokenizer
+from splitserve.router.validation import ValidationError, validate
+
+CFG = RouterConfig(max_model_len=1024, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64,
+                   max_stop_strings=2, max_stop_string_chars=8, max_prompt_chars=2000, max_chat_messages=3)
+TOK = ByteTokenizer()
+
+
+def req(**kw: object) -> pb.GenerateRequest:
+    kw.setdefault("text", "hello")
+    return pb.GenerateRequest(**kw)  # type: ignore[arg-type]
+
+
+def sampling(**kw: object) -> pb.GenerateRequest:
+    return req(sampling=pb.SamplingParams(**kw))  # type: ignore[arg-type]
+
+
+def rejected(r: pb.GenerateRequest, cfg: RouterConfig = CFG) -> str:
+    with pytest.raises(ValidationError) as e:
+        validate(r, cfg, TOK)
+    return str(e.value)
+
+
+def test_defaults_apply_to_unset_fields() -> None:
+    v = validate(req(request_id="r-1"), CFG, TOK)
+    assert v.request_id == "r-1"
+    assert v.prompt_token_ids == tuple(b"hello")
+    s = v.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.logprobs) == (1.0, 1.0, 0, 64, None, False)
+
+
+def test_explicit_zero_is_not_unset() -> None:
+    assert validate(sampling(temperature=0.0), CFG, TOK).sampling.temperature == 0.0
+
+
+def test_every_field_is_carried() -> None:
+    s = validate(sampling(temperature=0.5, top_p=0.5, top_k=5, min_p=0.25, seed=7, repetition_penalty=1.5,
+                          presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=9, stop_token_ids=[3, 3, 4],
+                          stop=["x"], logprobs=True, ignore_eos=True), CFG, TOK).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.repetition_penalty) == (0.5, 0.5, 5, 0.25, 7, 1.5)
+    assert (s.presence_penalty, s.frequency_penalty, s.max_tokens) == (0.5, -0.5, 9)
+    assert (s.stop_token_ids, s.stop, s.logprobs, s.ignore_eos) == ((3, 4), ("x",), True, True)
+
+
+def test_an_empty_request_id_gets_a_fresh_one() -> None:
+    a, b = validate(req(), CFG, TOK), validate(req(), CFG, TOK)
+    assert a.request_id and a.request_id != b.request_id
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (req(request_id="has space"), "request_id:"),
+        (req(request_id="x" * 129), "request_id:"),
+        (pb.GenerateRequest(), "prompt:"),
+        (req(text=""), "text:"),
+        (req(text="x" * 2001), "text:"),
+        (req(text="x" * 600), "text: 600 tokens exceed"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "token_ids: gives no tokens"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 258])), "token_ids.ids[1]:"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "token_ids.ids[0]:"),
+        (pb.GenerateRequest(chat=pb.ChatMessages()), "chat.messages:"),
+        (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="root", content="x")])),
+         "chat.messages[0].role:"),
+        (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * 4)), "chat.messages:"),
+        (sampling(temperature=-0.1), "sampling.temperature:"),
+        (sampling(temperature=float("nan")), "sampling.temperature:"),
+        (sampling(top_p=0.0), "sampling.top_p:"),
+        (sampling(top_p=1.5), "sampling.top_p:"),
+        (sampling(top_k=-1), "sampling.top_k:"),
+        (sampling(top_k=10_000), "sampling.top_k:"),
+        (sampling(min_p=2.0), "sampling.min_p:"),
+        (sampling(seed=-5), "sampling.seed:"),
+        (sampling(repetition_penalty=0.0), "sampling.repetition_penalty:"),
+        (sampling(presence_penalty=3.0), "sampling.presence_penalty:"),
+        (sampling(frequency_penalty=-2.5), "sampling.frequency_penalty:"),
+        (sampling(max_tokens=0), "sampling.max_tokens:"),
+        (sampling(max_tokens=257), "sampling.max_tokens:"),
+        (sampling(stop_token_ids=[999]), "sampling.stop_token_ids[0]:"),
+        (sampling(stop_token_ids=list(range(33))), "sampling.stop_token_ids:"),
+        (sampling(stop=["a", "b", "c"]), "sampling.stop:"),
+        (sampling(stop=["ok", ""]), "sampling.stop[1]:"),
+        (sampling(stop=["x" * 9]), "sampling.stop[0]:"),
+    ],
+)
+def test_each_bad_field_is_named(request_: pb.GenerateRequest, field: str) -> None:
+    assert rejected(request_).startswith(field)
+
+
+def test_prompt_plus_max_tokens_must_fit_the_model() -> None:
+    cfg = RouterConfig(max_model_len=560, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64)
+    assert rejected(req(text="x" * 400, sampling=pb.SamplingParams(max_tokens=201)), cfg).startswith("sampling.max_tokens:")
+    # unset max_tokens shrinks to the room left instead
+    assert validate(req(text="x" * 500), cfg, TOK).sampling.max_tokens == 60
+
+
+def test_logprobs_can_be_switched_off_by_the_server() -> None:
+    cfg = RouterConfig(allow_logprobs=False)
+    assert rejected(sampling(logprobs=True), cfg).startswith("sampling.logprobs:")
+    assert validate(sampling(logprobs=False), cfg, TOK).sampling.logprobs is False
+
+
+def test_chat_is_rendered_with_the_template() -> None:
+    r = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]))
+    ids = validate(r, CFG, TOK).prompt_token_ids
+    assert ids == tuple(TOK.encode_chat([("user", "hi")]))
+
+
+def _with_unknown_field(msg: bytes, number: int) -> bytes:
+    return msg + bytes([(number << 3) & 0x7F | 0x80, number >> 4, 0x01])  # varint field `number` = 1
+
+
+def test_fields_the_api_does_not_define_are_rejected() -> None:
+    """So nothing beyond the public API (an internal field, a newer client's option) slips through."""
+    raw = _with_unknown_field(req().SerializeToString(), 99)
+    assert rejected(pb.GenerateRequest.FromString(raw)).startswith("request: unknown field number(s) [99]")
+    s = pb.SamplingParams.FromString(_with_unknown_field(b"", 40))
+    assert rejected(req(sampling=s)).startswith("sampling: unknown field number(s) [40]")
