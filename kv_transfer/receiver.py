@@ -30,7 +30,7 @@ import numpy as np
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
-from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Listener, TCPTransport, open_transport
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Listener, TCPTransport, Transport, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,10 @@ class KVReceiver:
         cache: KVCache,
         host: str = "127.0.0.1",
         port: int = 0,
-        transport: str = "tcp",
+        transport: str | Transport = "tcp",
     ) -> None:
+        """`transport`: "tcp", "ucx" (TCP as well, for fallback) or "cuda_ipc" (a CUDA
+        cache; control over TCP), or a `Transport` object in place of TCP (the fake)."""
         self.cache = cache
         self._lock = threading.Lock()
         self._slots: dict[bytes, _Slot] = {}  # active, plus finished ones nobody has collected
@@ -104,9 +106,10 @@ class KVReceiver:
         self._closed = False
         self._leases: list[tuple[float, bytes]] = []
         self._lease_cv = threading.Condition(self._lock)
-        self._tcp = TCPTransport().listen(host, port, self._serve)
-        self.tcp_endpoint = f"{self._tcp.host}:{self._tcp.port}"
-        self.transport, self.endpoint = "tcp", self.tcp_endpoint
+        base = transport if not isinstance(transport, str) else TCPTransport()
+        self._tcp = base.listen(host, port, self._serve)
+        self.tcp_endpoint = f"{host}:{self._tcp.port}"
+        self.transport, self.endpoint = base.kind, self.tcp_endpoint
         self._ucx: Listener | None = None
         if transport == "ucx":
             self._start_ucx(host)
@@ -116,7 +119,7 @@ class KVReceiver:
             else:
                 log.warning("kv_transfer: CUDA IPC needs a CUDA cache; using TCP")
                 metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
-        elif transport != "tcp":
+        elif transport != "tcp" and isinstance(transport, str):
             raise ValueError(f"unknown transport {transport!r}")
         log.info("kv_transfer: receiver on %s (%s)", self.endpoint, self.transport)
         metrics.TRANSPORT_CHOSEN.labels(side="receiver", transport=self.transport).inc()

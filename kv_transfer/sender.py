@@ -7,8 +7,8 @@ compute loop right after a layer's K and V are written, and ends with
 `finish(first_token, timeout)`, which returns only once the receiver has
 confirmed every byte.
 
-`send_layer` only queues views of the cache; the stream's own thread splits
-them into frames that are contiguous on the receiver's side, checksums them
+`send_layer` only queues views of the cache, one frame per run of blocks that
+is contiguous on both sides; the stream's own thread checksums the frames
 and sends them zero-copy, so the compute loop goes on at once. The queue is
 bounded: if the link is slower than compute, `send_layer` waits (back-pressure)
 rather than letting memory grow.
@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from splitserve.engine.kv_cache import KVCache, contiguous_runs
+from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.receiver import Reservation
@@ -54,12 +54,15 @@ class KVSender:
         checksum: str = "lanesum",
         queue_depth: int = 4,
         connect_timeout: float = 5.0,
+        transport: Transport | None = None,
     ) -> None:
+        """`checksum`: "lanesum" (fast, see frame.py) or "crc32"; `queue_depth`: queued
+        send_layer calls before back-pressure; `transport`: in place of TCP (the fake)."""
         self.cache = cache
         self.checksum_kind = frame.CHECKSUM_KINDS[checksum]
         self.queue_depth = queue_depth
         self.connect_timeout = connect_timeout
-        self._tcp = TCPTransport()
+        self._tcp = transport or TCPTransport()
         self._ucx: Transport | None = None
         self._ipc_maps: dict[str, object] = {}  # CUDA IPC mappings, one per receiver, made once
 
@@ -136,6 +139,23 @@ def read_control(conn: Connection) -> tuple[Header, bytes]:
     return h, bytes(payload)
 
 
+def _paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs that are consecutive on both sides: (first dst id, first src id, count).
+
+    One frame per run, so the payload is one contiguous piece of memory at each
+    end: the receiver reads it straight into its blocks, and a message
+    transport (UCX) sees the same sizes on both sides.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if i and runs and d == dst[i - 1] + 1 and s == src[i - 1] + 1:
+            first_d, first_s, n = runs[-1]
+            runs[-1] = (first_d, first_s, n + 1)
+        else:
+            runs.append((d, s, 1))
+    return runs
+
+
 _DONE_ITEM = object()
 
 
@@ -171,14 +191,9 @@ class KVStream:
             raise ValueError("blocks beyond the reservation")
         dst = r.block_ids[first_index : first_index + len(src_block_ids)]
         frames = []
-        for i, dst_first, n in contiguous_runs(list(dst)):
-            pieces = [
-                self._cache.blocks(layer, s_first, s_n)
-                for _, s_first, s_n in contiguous_runs(list(src_block_ids[i : i + n]))
-            ]
-            if snapshot:
-                pieces = [p.clone() for p in pieces]
-            frames.append((layer, dst_first, n, pieces))
+        for dst_first, src_first, n in _paired_runs(dst, src_block_ids):
+            piece = self._cache.blocks(layer, src_first, n)
+            frames.append((layer, dst_first, n, [piece.clone() if snapshot else piece]))
         self._put(frames)
 
     def finish(self, first_token: int, timeout: float) -> None:

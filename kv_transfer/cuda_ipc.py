@@ -1,0 +1,77 @@
+"""CUDA IPC: same-GPU peers copy KV device to device, with no host round trip.
+
+The decode side exports its cache tensor's CUDA IPC handle in the handshake's
+ack (plain bytes and integers, never pickled: the fields of torch's own
+`reduce_tensor` for CUDA tensors, packed with `struct`). The prefill side maps
+it once per receiver and, for each layer frame, copies its blocks straight
+into the reserved blocks, waits for the copy, then sends the layer frame with
+no payload over the TCP control connection so the receiver can count it.
+
+Trust: the mapped tensor is the whole decode cache, so here the bounds are
+kept by the sender's code, not checked by the receiver. Same-GPU peers share a
+machine and an operator; that is the boundary this transport assumes.
+
+Imports without CUDA; the functions need it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer.frame import FrameError
+
+_FIXED = struct.Struct("<iQQQqQB16s")  # device, num_blocks, storage size, storage offset, tensor offset, refcount offset, event sync, gpu uuid
+
+
+def _uuid(device: int) -> bytes:
+    u = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return u.bytes if u is not None else b"\0" * 16
+
+
+def export_cache(cache: KVCache) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    t = cache.tensor
+    _, args = reduce_tensor(t)
+    (_, _, _, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+     event_handle, event_sync) = args  # fmt: skip
+    blobs = [bytes(handle), bytes(ref_handle), bytes(event_handle or b"")]
+    fixed = _FIXED.pack(device, cache.num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, int(event_sync), _uuid(device))
+    return fixed + b"".join(struct.pack("<H", len(b)) + b for b in blobs)
+
+
+def import_cache(blob: bytes, local: KVCache) -> torch.Tensor:
+    """The peer's cache tensor, mapped into this process (shape from our own layout)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if len(blob) < _FIXED.size:
+        raise FrameError("CUDA IPC mapping too short")
+    device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, uuid = _FIXED.unpack_from(blob)
+    pos, blobs = _FIXED.size, []
+    for _ in range(3):
+        (n,) = struct.unpack_from("<H", blob, pos)
+        blobs.append(blob[pos + 2 : pos + 2 + n])
+        pos += 2 + n
+    handle, ref_handle, event_handle = blobs
+    if uuid != _uuid(device):
+        raise FrameError("CUDA IPC peer is on another GPU")
+    lay = local.layout
+    shape = (lay.num_layers, num_blocks, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    stride = torch.empty(shape, device="meta").stride()
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(shape), stride, tensor_offset, torch.storage.TypedStorage, lay.torch_dtype,
+        device, handle, size_bytes, offset_bytes, False, ref_handle, ref_offset, event_handle or None, bool(event_sync),
+    )  # fmt: skip
+
+
+def copy_blocks(dest: torch.Tensor, layer: int, first_block: int, pieces: Sequence[torch.Tensor]) -> None:
+    """Copy one frame's blocks into the peer's cache and wait until they are there."""
+    offset = first_block
+    for p in pieces:
+        dest[layer, offset : offset + p.shape[0]].copy_(p, non_blocking=True)
+        offset += p.shape[0]
+    torch.cuda.current_stream(dest.device).synchronize()

@@ -1,0 +1,150 @@
+"""UCX transport through `ucxx`: the same frames as TCP, as tagged messages.
+
+ucxx's Python API is asyncio; the receiver and sender are written as blocking
+code on their own threads. So one process-wide event loop runs in a daemon
+thread (`_Runtime`), owns UCX's context and worker, and every blocking call
+hops onto it once per frame (`send` submits all of a frame's buffers in one
+coroutine). Each buffer is one tagged message; UCX keeps messages of one tag
+between two endpoints in order, and the receiver posts receives of exactly the
+sizes the sender sent (header, then payload), straight into cache memory.
+UCX picks the wire (TCP, shared memory, CMA here; RDMA and CUDA memory where
+the machine has them).
+
+Importing this module fails without ucxx; `transport.open_transport` then
+falls back to TCP and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Coroutine, Sequence
+
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+import ucxx  # noqa: E402
+
+from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed  # noqa: E402
+
+
+class _Runtime:
+    """The event loop that owns this process's UCX worker."""
+
+    _instance: _Runtime | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kv-ucx-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def get(cls) -> _Runtime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _Runtime()
+            return cls._instance
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _ucx_buffer(buf: Buffer) -> Any:
+    if isinstance(buf, torch.Tensor):
+        return buf if buf.is_cuda else buf.numpy()
+    return buf
+
+
+class UCXConnection:
+    def __init__(self, rt: _Runtime, ep: Any, peer: str, on_close: Future | None = None) -> None:
+        self._rt = rt
+        self._ep = ep
+        self.peer = peer
+        self._on_close = on_close
+        self._closed = False
+
+    def send(self, buffers: Sequence[Buffer]) -> None:
+        bufs = [_ucx_buffer(b) for b in buffers if len(b)]
+
+        async def go() -> None:
+            for b in bufs:
+                await self._ep.send(b)
+
+        self._call(go())
+
+    def recv_into(self, buffer: Buffer) -> None:
+        self._call(self._ep.recv(_ucx_buffer(buffer)))
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._closed:
+            coro.close()
+            raise ConnectionClosed(f"connection to {self.peer} is closed")
+        try:
+            self._rt.run(coro)
+        except Exception as e:  # UCXCanceled, UCXConnectionResetError, UCXError, ...
+            raise ConnectionClosed(f"UCX transfer with {self.peer} failed: {type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def abort() -> None:
+            try:
+                self._ep.abort()  # cancels posted sends and receives
+            except Exception:
+                pass
+            if self._on_close is not None and not self._on_close.done():
+                self._on_close.set_result(None)
+
+        self._rt.loop.call_soon_threadsafe(abort)
+
+
+class UCXListener:
+    def __init__(self, rt: _Runtime, port: int, on_connection: Callable[[Connection], None]) -> None:
+        self._rt = rt
+        self.host = "0.0.0.0"
+
+        async def handler(ep: Any) -> None:
+            closed: asyncio.Future = asyncio.get_running_loop().create_future()
+            conn = UCXConnection(rt, ep, f"ucx-peer-{id(ep):x}", closed)
+            threading.Thread(target=on_connection, args=(conn,), name="kv-ucx-conn", daemon=True).start()
+            await closed  # keep the handler (and so the endpoint) alive until the connection ends
+
+        async def make() -> Any:
+            return ucxx.create_listener(handler, port=port or None)
+
+        self._listener = rt.run(make(), timeout=30)
+        self.port = self._listener.port
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._listener.close()
+
+        try:
+            self._rt.run(stop(), timeout=10)
+        except Exception:
+            pass
+
+
+class UCXTransport:
+    kind = "ucx"
+
+    def __init__(self) -> None:
+        self._rt = _Runtime.get()
+
+    def listen(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> UCXListener:
+        return UCXListener(self._rt, port, on_connection)
+
+    def connect(self, host: str, port: int, timeout: float) -> Connection:
+        async def make() -> Any:
+            return await ucxx.create_endpoint(host, port, connect_timeout=timeout)
+
+        try:
+            ep = self._rt.run(make(), timeout=timeout + 5)
+        except Exception as e:
+            raise ConnectionClosed(f"cannot make a UCX endpoint to {host}:{port}: {e}") from None
+        return UCXConnection(self._rt, ep, f"{host}:{port}")

@@ -1,0 +1,247 @@
+"""kv_transfer over real loopback sockets (TCP, and UCX where ucxx imports): KV arrives
+bit-identical in the right blocks, whatever the layer order or chunking; streams
+do not mix; the layout handshake names the field that differs."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all  # noqa: E402
+
+from splitserve.engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from splitserve.kv_transfer import Completed, Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
+from splitserve.kv_transfer.fake import FakeTransport  # noqa: E402
+
+HAS_UCX = importlib.util.find_spec("ucxx") is not None
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    return request.param
+
+
+# ---- frames ---------------------------------------------------------------------
+
+
+def test_header_round_trips_and_rejects_tampering():
+    h = frame.Header(frame.LAYER, b"t" * 16, "req-1", layer=3, first_block=9, block_count=2, dtype_code=2,
+                     element_count=10, payload_length=20, checksum_kind=2, checksum=123, value=-1)  # fmt: skip
+    raw = frame.encode_header(h)
+    assert len(raw) == frame.HEADER_SIZE
+    assert frame.decode_header(raw) == h
+    for i in (0, 5, 40, 100, 130):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        with pytest.raises(frame.FrameError):
+            frame.decode_header(bad)
+
+
+@pytest.mark.parametrize("kind", [frame.CHECKSUM_CRC32, frame.CHECKSUM_LANESUM])
+def test_checksum_catches_a_flipped_bit_anywhere(kind):
+    data = torch.randint(0, 256, (3 * frame.LANE_BYTES + 100,), dtype=torch.uint8)
+    good = frame.checksum(kind, [data])
+    for pos in (0, 7, frame.LANE_BYTES + 1, data.numel() - 1):
+        bad = data.clone()
+        bad[pos] ^= 0x10
+        assert frame.checksum(kind, [bad]) != good
+    swapped = torch.cat([data[frame.LANE_BYTES : 2 * frame.LANE_BYTES], data[: frame.LANE_BYTES], data[2 * frame.LANE_BYTES :]])
+    assert frame.checksum(kind, [swapped]) != good
+
+
+def test_lanesum_is_the_same_however_the_payload_is_split():
+    data = torch.randint(0, 256, (5 * frame.LANE_BYTES + 24,), dtype=torch.uint8)
+    whole = frame.checksum(frame.CHECKSUM_LANESUM, [data])
+    assert frame.checksum(frame.CHECKSUM_LANESUM, [data[: 2 * frame.LANE_BYTES], data[2 * frame.LANE_BYTES :]]) == whole
+    assert frame.checksum(frame.CHECKSUM_LANESUM, [data[:1000], data[1000:]]) == whole
+
+
+# ---- arrival ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_layers_out_of_order_arrive_bit_identical_in_the_right_blocks(transport):
+    src, dst = random_cache(seed=1), KVCache(LAYOUT, 64)
+    rng = random.Random(1)
+    dst_ids = [5, 6, 7, 20, 21, 40, 3, 4, 60, 61, 62]  # runs, gaps, and a step backwards
+    src_ids = [10, 11, 30, 31, 32, 33, 2, 50, 51, 52, 1]
+    layers = list(range(LAYOUT.num_layers))
+    rng.shuffle(layers)
+    with KVReceiver(dst, transport=transport) as rx:
+        r = rx.reserve("req-order", dst_ids, lease_s=30)
+        assert r.transport == transport
+        sender = KVSender(src)
+        with sender.open(r) as stream:
+            assert stream.transport == transport
+            for layer in layers:
+                stream.send_layer(layer, src_ids)
+            stream.finish(1234, timeout=10)
+        assert rx.wait(r.ticket, 10) == Completed(1234)
+        assert_arrived(dst, src, dst_ids, src_ids)
+        untouched = [b for b in range(64) if b not in dst_ids]
+        assert not dst.tensor[:, untouched].any(), "a block outside the reservation was written"
+        assert_no_leak(rx, range(64))
+
+
+@pytest.mark.timeout(60)
+def test_chunked_prefill_resends_a_partial_block(transport):
+    src, dst = random_cache(seed=2), KVCache(LAYOUT, 64)
+    dst_ids, src_ids = [8, 9, 10, 11, 12], [0, 1, 2, 3, 4]
+    with KVReceiver(dst, transport=transport) as rx:
+        r = rx.reserve("req-chunks", dst_ids, lease_s=30)
+        with KVSender(src).open(r) as stream:
+            partial = src.tensor[:, 2].clone()
+            src.tensor[:, 2, :, 2:] = 0  # chunk 1 filled only half of block 2
+            for layer in range(LAYOUT.num_layers):
+                stream.send_layer(layer, src_ids[:3], first_index=0, snapshot=True)
+            src.tensor[:, 2] = partial  # chunk 2 completes block 2 and fills 3, 4
+            for layer in reversed(range(LAYOUT.num_layers)):
+                stream.send_layer(layer, src_ids[2:], first_index=2)
+            stream.finish(5, timeout=10)
+        assert rx.wait(r.ticket, 10) == Completed(5)
+        assert_arrived(dst, src, dst_ids, src_ids)
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_reservations_on_one_receiver_do_not_mix(transport):
+    dst = KVCache(LAYOUT, 64)
+    srcs = [random_cache(seed=10 + i) for i in range(4)]
+    plans = [(list(range(16 * i, 16 * i + 16))[::-1][:12], list(range(12))) for i in range(4)]
+    errors: list[BaseException] = []
+    with KVReceiver(dst, transport=transport) as rx:
+        rs = [rx.reserve(f"req-{i}", plans[i][0], lease_s=30) for i in range(4)]
+        start = threading.Barrier(4)
+
+        def run(i: int) -> None:
+            try:
+                start.wait(timeout=10)
+                send_all(KVSender(srcs[i]), rs[i], plans[i][1], first_token=i, layers=[3, 1, 0, 2])
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        for i, r in enumerate(rs):
+            assert rx.wait(r.ticket, 10) == Completed(i)
+            assert_arrived(dst, srcs[i], plans[i][0], plans[i][1])
+        assert_no_leak(rx, range(64))
+
+
+@pytest.mark.timeout(30)
+def test_the_fake_transport_runs_the_same_protocol():
+    fake = FakeTransport()
+    src, dst = random_cache(seed=3), KVCache(LAYOUT, 64)
+    with KVReceiver(dst, transport=fake) as rx:
+        r = rx.reserve("req-fake", [1, 2, 9], lease_s=30)
+        send_all(KVSender(src, transport=fake), r, [4, 5, 6], first_token=3)
+        assert rx.wait(r.ticket, 10) == Completed(3)
+        assert_arrived(dst, src, [1, 2, 9], [4, 5, 6])
+
+
+@pytest.mark.timeout(30)
+def test_crc32_checksum_works_end_to_end():
+    src, dst = random_cache(seed=4), KVCache(LAYOUT, 64)
+    with KVReceiver(dst) as rx:
+        r = rx.reserve("req-crc", [1, 2], lease_s=30)
+        send_all(KVSender(src, checksum="crc32"), r, [3, 4])
+        assert rx.wait(r.ticket, 10) == Completed(7)
+        assert_arrived(dst, src, [1, 2], [3, 4])
+
+
+# ---- handshake, completion, cancel ------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "field,value", [("num_layers", 8), ("num_kv_heads", 4), ("head_dim", 32), ("block_size", 8), ("dtype", "float32")]
+)
+def test_layout_mismatch_is_refused_naming_the_field(field, value):
+    other = dataclasses.replace(LAYOUT, **{field: value})
+    dst = KVCache(LAYOUT, 64)
+    with KVReceiver(dst) as rx:
+        r = rx.reserve("req-layout", [1, 2], lease_s=30)
+        with pytest.raises(TransferError, match=field):
+            KVSender(KVCache(other, 8)).open(r)  # refused before connecting
+        # a sender that lies about the layout in the reservation is refused by the receiver
+        with pytest.raises(TransferError, match=field):
+            KVSender(KVCache(other, 8)).open(dataclasses.replace(r, layout=other))
+        outcome = rx.wait(r.ticket, 10)
+        assert isinstance(outcome, Failed) and field in outcome.reason
+
+
+@pytest.mark.timeout(30)
+def test_done_before_every_layer_fails_and_resets():
+    src, dst = random_cache(seed=5), KVCache(LAYOUT, 64)
+    with KVReceiver(dst) as rx:
+        r = rx.reserve("req-short", [1, 2], lease_s=30)
+        stream = KVSender(src).open(r)
+        stream.send_layer(0, [3, 4])
+        with pytest.raises(TransferError, match="layer 1 block 1"):
+            stream.finish(1, timeout=10)
+        outcome = rx.wait(r.ticket, 10)
+        assert isinstance(outcome, Failed) and "missing" in outcome.reason
+        assert not dst.tensor[:, [1, 2]].any()
+
+
+@pytest.mark.timeout(30)
+def test_on_done_callback_and_cancel():
+    src, dst = random_cache(seed=6), KVCache(LAYOUT, 64)
+    seen: list = []
+    done = threading.Event()
+    with KVReceiver(dst) as rx:
+        r = rx.reserve("req-cb", [1], lease_s=30, on_done=lambda res, out: (seen.append((res.request_id, out)), done.set()))
+        send_all(KVSender(src), r, [2])
+        assert done.wait(10) and seen == [("req-cb", Completed(7))]
+
+        r2 = rx.reserve("req-cancel", [5, 6], lease_s=30)
+        stream = KVSender(src).open(r2)
+        stream.send_layer(0, [7, 8])
+        rx.cancel(r2.ticket)  # returns once the blocks are reset
+        assert not dst.tensor[:, [5, 6]].any()
+        with pytest.raises(TransferError):
+            stream.finish(1, timeout=10)
+        assert_no_leak(rx, range(64))
+
+
+def test_reserve_refuses_bad_requests():
+    with KVReceiver(KVCache(LAYOUT, 8)) as rx:
+        with pytest.raises(ValueError):
+            rx.reserve("r", [8], 1)
+        with pytest.raises(ValueError):
+            rx.reserve("r", [1, 1], 1)
+        with pytest.raises(ValueError):
+            rx.reserve("x" * 65, [1], 1)
+        r = rx.reserve("r", [1, 2], 5)
+        with pytest.raises(ValueError, match="already"):
+            rx.reserve("r2", [2, 3], 5)
+        assert len(r.ticket) == 16 and isinstance(r.lease_deadline_unix_ms, int)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_ipc_same_process_round_trip():
+    src = random_cache(seed=7)
+    src_gpu, dst = KVCache(LAYOUT, 64, device="cuda"), KVCache(LAYOUT, 64, device="cuda")
+    src_gpu.tensor.copy_(src.tensor)
+    with KVReceiver(dst, transport="cuda_ipc") as rx:
+        r = rx.reserve("req-ipc", [3, 4, 10], lease_s=30)
+        with KVSender(src_gpu).open(r) as stream:
+            assert stream.transport == "cuda_ipc"
+            for layer in range(LAYOUT.num_layers):
+                stream.send_layer(layer, [1, 2, 3])
+            stream.finish(1, timeout=10)
+        assert rx.wait(r.ticket, 10) == Completed(1)
+        assert torch.equal(dst.tensor[:, [3, 4, 10]].cpu(), src.tensor[:, [1, 2, 3]])
