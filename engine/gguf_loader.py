@@ -16,8 +16,11 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.tokenizer import Tokenizer
@@ -53,6 +56,19 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
 
+class _Reader(gguf.GGUFReader):
+    # The reader slices its np.memmap once per metadata item, and memmap's per-slice
+    # bookkeeping is half of a SmolLM2 load. A plain ndarray view of the same mapping
+    # reads the same bytes without it.
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain = mapped.view(np.ndarray)
+
+
 def looks_like_gguf(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == GGUF_MAGIC
@@ -77,10 +93,8 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
 
 def open_gguf(path: str) -> Any:
     """A `gguf.GGUFReader` over the file, with every way it can fail turned into ModelLoadError."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _Reader(path, "r")
     except Exception as e:  # the reader fails with whatever numpy/struct raise on a bad header
         raise ModelLoadError(f"{path}: malformed or truncated GGUF file ({type(e).__name__}: {e})") from None
     size = os.path.getsize(path)
@@ -95,8 +109,6 @@ def open_gguf(path: str) -> Any:
 
 def read_metadata(reader: Any, path: str) -> dict[str, Any]:
     """Every key-value field as plain Python values (str, int, float, bool, or lists of them)."""
-    from gguf import GGUFValueType
-
     def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
         if kind == GGUFValueType.STRING:
             return bytes(part).decode("utf-8")
@@ -238,9 +250,6 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf_weights(
     reader: Any, cfg: ModelConfig, arch: str, dtype: torch.dtype, progress: bool, path: str
 ) -> dict[str, torch.Tensor]:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     permuted = _ARCHITECTURES[arch]
     line = ProgressLine(os.path.basename(path), cfg.num_layers, progress)
     weights: dict[str, torch.Tensor] = {}
