@@ -326,7 +326,7 @@ class KVReceiver:
                         self._reply(conn, frame.ACK, slot.reservation, "complete")
                     return
                 elif h.kind == frame.ERROR:
-                    text = self._read_control(conn, h)
+                    text = self._read_control(conn, h).decode(errors="replace")
                     raise _Reject("aborted_by_sender", f"sender aborted: {text}")
                 else:
                     raise _Reject("unexpected_frame", f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream")

@@ -224,9 +224,9 @@ class KVStream:
     def __enter__(self) -> KVStream:
         return self
 
-    def __exit__(self, exc_type: object, *_: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if not self._finished.is_set():
-            self.abort("stream left without finish" if exc_type is None else f"prefill failed: {exc_type}")
+            self.abort("stream left without finish" if exc_type is None else f"prefill failed: {exc_type.__name__}: {exc}")
 
     # ---- internals ---------------------------------------------------------------
 

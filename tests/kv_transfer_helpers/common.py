@@ -84,13 +84,22 @@ class RawPeer:
         h = frame.decode_header(buf)
         return h, self._read_exact(h.payload_length)
 
+    def send_and_wait_dropped(self, data: bytes) -> bytes:
+        """Send bytes the receiver should refuse; return what it said before dropping us."""
+        try:
+            self.sock.sendall(data)
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:  # already dropped (reset with our bytes unread)
+            pass
+        return self.read_until_closed()
+
     def read_until_closed(self) -> bytes:
         """Everything the receiver sends until it drops the connection."""
         out = b""
         while True:
             try:
                 chunk = self.sock.recv(65536)
-            except ConnectionResetError:
+            except OSError:  # reset: dropped with our bytes unread
                 return out
             if not chunk:
                 return out
