@@ -1,0 +1,349 @@
+"""`splitserve bench transfer`: kv_transfer's GB/s per transport against the raw link.
+
+In one run, for each transport the machine has: move a whole KV cache (default
+1 GiB) in per-layer frames through KVSender -> KVReceiver, and the same bytes
+in the same per-layer pieces through the bare link (a plain socket pair for
+TCP, bare ucxx sends for UCX, a device-to-device copy for CUDA IPC), and print
+both and their ratio. Then the round trip of one small frame, and the
+pipelining figure: a model-shaped sender that computes each layer (real
+matmuls for a fixed time per layer) and sends it at once; what counts is the
+time from the last layer computed to the reservation confirmed.
+
+Both ends run in this process on their own threads, the same way for the raw
+and the kv_transfer figures, so the ratio is the protocol's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import socket
+import statistics
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.kv_transfer import Completed, KVReceiver, KVSender, frame
+from splitserve.kv_transfer.transport import SOCKET_BUFFER_BYTES
+
+TARGETS = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=_size, default=1 << 30, help="KV cache bytes to move (1G, 64M, ...); default 1G")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--transports", default="tcp,ucx,cuda_ipc", help="comma-separated; missing ones are reported and skipped")
+    p.add_argument("--checksum", default="lanesum", choices=sorted(frame.CHECKSUM_KINDS))
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
+    p.add_argument("--latency-blocks", default="1,4,16", help="frame sizes (blocks) for the latency figure")
+    p.add_argument("--layer-ms", type=float, default=0.0, help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer)")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
+    blocks = max(1, args.size // (layout.num_layers * layout.bytes_per_block))
+    src = KVCache(layout, blocks)
+    src.tensor.copy_(torch.randn(src.tensor.shape).to(src.tensor.dtype))
+    dst = KVCache(layout, blocks)  # zeros: its pages are touched before timing
+    layer_bytes = blocks * layout.bytes_per_block
+    print(f"# splitserve bench transfer --size {args.size} --layers {args.layers} --transports {args.transports} "
+          f"--checksum {args.checksum} --repeats {args.repeats}")  # fmt: skip
+    print(f"KV cache {src.nbytes / 2**30:.3f} GiB: {layout.num_layers} layers x {layer_bytes / 2**20:.1f} MiB frames "
+          f"({blocks} blocks of {layout.bytes_per_block // 1024} KiB; {layout.dtype}, {layout.num_kv_heads} KV heads x "
+          f"{layout.head_dim}, block {layout.block_size}); torch threads {torch.get_num_threads()}")  # fmt: skip
+    _checksum_cost(src)
+
+    rows, kv_rate = [], {}
+    for kind in args.transports.split(","):
+        why = _unavailable(kind)
+        if why:
+            rows.append(f"{kind:9s}  skipped: {why}")
+            continue
+        raw = _median(args.repeats, lambda: _raw(kind, src, dst))
+        kv = _median(args.repeats, lambda: _kv(kind, src, dst, args.checksum))
+        kv_rate[kind] = kv
+        ratio = kv / raw
+        ok = "ok" if ratio >= TARGETS[kind] else "BELOW TARGET"
+        rows.append(f"{kind:9s}  raw {raw:6.2f} GB/s   kv_transfer {kv:6.2f} GB/s   ratio {ratio:4.2f}   "
+                    f"target >= {TARGETS[kind]:.2f}  {ok}")  # fmt: skip
+    print("\nthroughput (whole cache, per-layer frames, median of repeats):")
+    print("\n".join("  " + r for r in rows))
+
+    print("\nper-frame latency: one frame of N blocks + done + ack, round trip, median of 50 (raw: bytes + 1-byte ack)")
+    for kind in kv_rate:
+        for n in [int(x) for x in args.latency_blocks.split(",")]:
+            n = min(n, blocks)
+            raw_us, kv_us = _latency(kind, src, dst, n, args.checksum)
+            print(f"  {kind:9s} {n:3d} blocks ({n * layout.bytes_per_block / 1024:7.0f} KiB): "
+                  f"raw {raw_us:8.1f} us   kv_transfer {kv_us:8.1f} us")  # fmt: skip
+
+    for kind, rate in kv_rate.items():
+        _pipelining(kind, src, dst, rate, args)
+    return 0
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+def _unavailable(kind: str) -> str | None:
+    if kind == "ucx" and importlib.util.find_spec("ucxx") is None:
+        return "ucxx not installed"
+    if kind == "cuda_ipc" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if kind not in TARGETS:
+        return "unknown transport"
+    return None
+
+
+def _median(n: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(n))
+
+
+def _checksum_cost(src: KVCache) -> None:
+    piece = frame.as_bytes(src.layer(0))
+    out = []
+    for name, kind in (("crc32", frame.CHECKSUM_CRC32), ("lanesum", frame.CHECKSUM_LANESUM)):
+        frame.checksum(kind, [piece])  # warm
+        t = time.perf_counter()
+        frame.checksum(kind, [piece])
+        out.append(f"{name} {piece.numel() / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+    print("checksum speed on one layer frame: " + ", ".join(out))
+
+
+def _layer_views(cache: KVCache) -> list[torch.Tensor]:
+    return [frame.as_bytes(cache.layer(i)) for i in range(cache.layout.num_layers)]
+
+
+def _raw(kind: str, src: KVCache, dst: KVCache) -> float:
+    if kind == "tcp":
+        return _raw_tcp(_layer_views(src), _layer_views(dst))
+    if kind == "ucx":
+        return _raw_ucx(_layer_views(src), _layer_views(dst))
+    if src.tensor.device.type != "cuda":
+        s, d = KVCache(src.layout, src.num_blocks, device="cuda"), KVCache(src.layout, src.num_blocks, device="cuda")
+    else:
+        s, d = src, dst
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(s.layout.num_layers):
+        d.layer(i).copy_(s.layer(i))
+    torch.cuda.synchronize()
+    return s.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def _raw_tcp(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
+    """The same pieces over a bare socket pair, with the same buffer sizes."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    total = sum(p.numel() for p in sends)
+
+    def server() -> None:
+        c, _ = ls.accept()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        for r in recvs:
+            view, got = memoryview(r.numpy()), 0
+            while got < len(view):
+                got += c.recv_into(view[got:])
+        c.sendall(b"k")
+        c.close()
+
+    th = threading.Thread(target=server)
+    th.start()
+    s = socket.create_connection(ls.getsockname())
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = time.perf_counter()
+    for p in sends:
+        s.sendall(memoryview(p.numpy()))
+    s.recv(1)
+    dt = time.perf_counter() - t
+    th.join()
+    s.close()
+    ls.close()
+    return total / dt / 1e9
+
+
+def _raw_ucx(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
+    """The same pieces as bare ucxx tagged sends on an endpoint pair."""
+    import asyncio
+
+    import ucxx
+
+    from splitserve.kv_transfer.ucx import _Runtime
+
+    rt = _Runtime.get()
+    total = sum(p.numel() for p in sends)
+    done: dict[str, float] = {}
+
+    async def go() -> None:
+        finished = asyncio.Event()
+
+        async def handler(ep) -> None:  # type: ignore[no-untyped-def]
+            for r in recvs:
+                await ep.recv(r.numpy())
+            await ep.send(bytearray(1))
+            finished.set()
+
+        lst = ucxx.create_listener(handler)
+        ep = await ucxx.create_endpoint("127.0.0.1", lst.port)
+        t = time.perf_counter()
+        for p in sends:
+            await ep.send(p.numpy())
+        await ep.recv(bytearray(1))
+        done["dt"] = time.perf_counter() - t
+        await finished.wait()
+        await ep.close()
+        lst.close()
+
+    rt.run(go(), timeout=600)
+    return total / done["dt"] / 1e9
+
+
+def _kv(kind: str, src: KVCache, dst: KVCache, checksum: str) -> float:
+    if kind == "cuda_ipc" and src.tensor.device.type != "cuda":
+        s, d = KVCache(src.layout, src.num_blocks, device="cuda"), KVCache(src.layout, src.num_blocks, device="cuda")
+        s.tensor.copy_(src.tensor)
+    else:
+        s, d = src, dst
+    ids = list(range(s.num_blocks))
+    with KVReceiver(d, transport=kind) as rx:
+        assert rx.transport == kind, f"receiver fell back to {rx.transport}"
+        r = rx.reserve("bench", ids, lease_s=600)
+        stream = KVSender(s, checksum=checksum).open(r)
+        assert stream.transport == kind, f"sender fell back to {stream.transport}"
+        t = time.perf_counter()
+        for layer in range(s.layout.num_layers):
+            stream.send_layer(layer, ids)
+        stream.finish(1, timeout=600)
+        dt = time.perf_counter() - t
+        assert rx.wait(r.ticket, 10) == Completed(1)
+    return s.nbytes / dt / 1e9
+
+
+def _latency(kind: str, src: KVCache, dst: KVCache, n: int, checksum: str, reps: int = 50) -> tuple[float, float]:
+    raw = []
+    if kind == "tcp":
+        piece, landing = frame.as_bytes(src.blocks(0, 0, n)), frame.as_bytes(dst.blocks(0, 0, n))
+        raw = [_raw_tcp_roundtrip(piece, landing) for _ in range(reps)]
+    elif kind == "ucx":
+        raw = [_raw_ucx_roundtrip(frame.as_bytes(src.blocks(0, 0, n)), frame.as_bytes(dst.blocks(0, 0, n)), reps)]
+    kv = []
+    lay = KVLayout(1, src.layout.num_kv_heads, src.layout.head_dim, src.layout.block_size, src.layout.dtype)
+    s1, d1 = KVCache(lay, n), KVCache(lay, n)
+    s1.tensor.copy_(src.tensor[:1, :n])
+    with KVReceiver(d1, transport=kind) as rx:
+        sender = KVSender(s1, checksum=checksum)
+        for _ in range(reps):
+            r = rx.reserve("lat", list(range(n)), lease_s=60)
+            stream = sender.open(r)
+            t = time.perf_counter()
+            stream.send_layer(0, list(range(n)))
+            stream.finish(1, timeout=60)
+            kv.append(time.perf_counter() - t)
+            rx.wait(r.ticket, 10)
+    return statistics.median(raw) * 1e6 if raw else float("nan"), statistics.median(kv) * 1e6
+
+
+def _raw_tcp_roundtrip(piece: torch.Tensor, landing: torch.Tensor) -> float:
+    """One piece over an open socket pair and a 1-byte ack back (connect not timed)."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    s = socket.create_connection(ls.getsockname())
+    c, _ = ls.accept()
+    for x in (s, c):
+        x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(landing.numpy())
+
+    def server() -> None:
+        got = 0
+        while got < len(view):
+            got += c.recv_into(view[got:])
+        c.sendall(b"k")
+
+    th = threading.Thread(target=server)
+    th.start()
+    t = time.perf_counter()
+    s.sendall(memoryview(piece.numpy()))
+    s.recv(1)
+    dt = time.perf_counter() - t
+    th.join()
+    for x in (s, c, ls):
+        x.close()
+    return dt
+
+
+def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) -> float:
+    import asyncio
+
+    import ucxx
+
+    from splitserve.kv_transfer.ucx import _Runtime
+
+    times: list[float] = []
+
+    async def go() -> None:
+        async def handler(ep) -> None:  # type: ignore[no-untyped-def]
+            for _ in range(reps):
+                await ep.recv(landing.numpy())
+                await ep.send(bytearray(1))
+
+        lst = ucxx.create_listener(handler)
+        ep = await ucxx.create_endpoint("127.0.0.1", lst.port)
+        ack = bytearray(1)
+        for _ in range(reps):
+            t = time.perf_counter()
+            await ep.send(piece.numpy())
+            await ep.recv(ack)
+            times.append(time.perf_counter() - t)
+        await ep.close()
+        lst.close()
+
+    _Runtime.get().run(go(), timeout=120)
+    return statistics.median(times)
+
+
+def _pipelining(kind: str, src: KVCache, dst: KVCache, rate_gbs: float, args: argparse.Namespace) -> None:
+    """A model-shaped sender: compute a layer (matmuls for layer_ms), write its KV, send it at once."""
+    lay = src.layout
+    layer_bytes = src.nbytes / lay.num_layers
+    layer_transfer_ms = layer_bytes / (rate_gbs * 1e9) * 1e3
+    layer_ms = args.layer_ms or 1.5 * layer_transfer_ms
+    if kind == "cuda_ipc" and src.tensor.device.type != "cuda":
+        s, d = KVCache(lay, src.num_blocks, device="cuda"), KVCache(lay, src.num_blocks, device="cuda")
+    else:
+        s, d = src, dst
+    fresh = torch.randn(s.layer(0).shape).to(lay.torch_dtype).to(s.tensor.device)
+    a = torch.randn(256, 256)
+    ids = list(range(s.num_blocks))
+    with KVReceiver(d, transport=kind) as rx:
+        r = rx.reserve("pipeline", ids, lease_s=600)
+        stream = KVSender(s, checksum=args.checksum).open(r)
+        t_start = time.perf_counter()
+        for layer in range(lay.num_layers):
+            t_end = time.perf_counter() + layer_ms / 1e3
+            while time.perf_counter() < t_end:  # stands in for the layer's attention and MLP
+                a = torch.tanh(a @ a * 1e-3)
+            s.layer(layer).copy_(fresh)  # the layer's K and V land in the cache
+            stream.send_layer(layer, ids)
+        t_last = time.perf_counter()
+        stream.finish(1, timeout=600)
+        t_done = time.perf_counter()
+        rx.wait(r.ticket, 10)
+    tail_ms = (t_done - t_last) * 1e3
+    bound = layer_transfer_ms + 5
+    ok = "ok" if tail_ms <= bound else "ABOVE TARGET"
+    print(f"\npipelining ({kind}): {lay.num_layers} layers computed at {layer_ms:.1f} ms each (prefill {(t_last - t_start):.2f} s); "
+          f"last layer computed -> reservation complete {tail_ms:.1f} ms; bound = one layer's transfer "
+          f"{layer_transfer_ms:.1f} ms + 5 ms = {bound:.1f} ms  {ok}")  # fmt: skip
