@@ -53,6 +53,14 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+_REQUIRED_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
+)
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
 
@@ -157,35 +165,36 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
-    vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or 0)
-    if head_dim == hidden // num_heads:
-        head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
-    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    raw = {key: need(key) for key in _REQUIRED_KEYS}
     try:
+        hidden, num_heads = int(raw["embedding_length"]), int(raw["attention.head_count"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or 0)
+        if num_heads > 0 and head_dim == hidden // num_heads:
+            head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
+        rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+        rotary_dim = head_dim or hidden // max(num_heads, 1)
         return ModelConfig(
-            vocab_size=vocab_size,
+            # GGUF shapes are innermost-first: token_embd is [hidden, vocab]. The embedding, not the
+            # token list, sets the logits' width (converters may pad one or the other).
+            vocab_size=int(tensors["token_embd.weight"].shape[-1]),
             hidden_size=hidden,
-            num_layers=int(need("block_count")),
+            num_layers=int(raw["block_count"]),
             num_heads=num_heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
-            intermediate_size=int(need("feed_forward_length")),
+            intermediate_size=int(raw["feed_forward_length"]),
             head_dim=head_dim,
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rms_norm_eps=float(raw["attention.layer_norm_rms_epsilon"]),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, head_dim or hidden // num_heads, path),
-            max_position=int(need("context_length")),
+            rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, rotary_dim, path),
+            max_position=int(raw["context_length"]),
             tie_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             name=str(meta.get("general.name") or os.path.basename(path)),
         )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelLoadError):
-            raise
-        raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {e}") from None
+    except ModelLoadError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. per-layer head counts (a list), or zero sizes
+        raise ModelLoadError(f"{path}: unsupported or inconsistent GGUF metadata: {e}") from None
 
 
 def _rope_scaling(

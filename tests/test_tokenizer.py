@@ -223,7 +223,8 @@ def test_saved_tokenizer_json_loads_identically_here_and_in_transformers(tmp_pat
         assert ours.encode(text) == tok.encode(text) == theirs.encode(text, add_special_tokens=False)
     conversation = CONVERSATIONS[2]
     assert ours.apply_chat_template(conversation) == tok.apply_chat_template(conversation)
-    assert ours.apply_chat_template(conversation) == theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    rendered = theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(conversation) == rendered
 
 
 # ---- sentencepiece-style GGUF vocabularies -----------------------------------------------------

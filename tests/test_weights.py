@@ -407,6 +407,18 @@ def test_gguf_unsupported_architecture(tmp_path):
         load_model(tmp_path / "mamba.gguf")
 
 
+def test_gguf_missing_metadata_key(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="GGUF metadata lacks llama.context_length") as e:
+        load_model(tmp_path / "bare.gguf")
+    assert str(tmp_path / "bare.gguf") in str(e.value)
+
+
 @pytest.fixture()
 def hf_dir(tmp_path, hf_cfg, hf_weights, smollm2_tokenizer):
     write_hf_dir(tmp_path / "m", hf_cfg, hf_weights, smollm2_tokenizer)
