@@ -58,7 +58,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("kv_endpoint", "transport", "ticket", "request_id", "block_ids", "num_cached_tokens", "layout", "lease_deadline_unix_ms")
+    __slots__ = ("kv_endpoint", "transport", "ticket", "request_id", "block_ids", "num_cached_tokens", "layout", "lease_deadline_unix_ms", "kv_tcp_endpoint")
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Reservation(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     kv_endpoint: str
     transport: str
     ticket: bytes
@@ -75,7 +76,8 @@ class Reservation(_message.Message):
     num_cached_tokens: int
     layout: KVLayout
     lease_deadline_unix_ms: int
-    def __init__(self, kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., ticket: _Optional[bytes] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    kv_tcp_endpoint: str
+    def __init__(self, kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., ticket: _Optional[bytes] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., kv_tcp_endpoint: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")

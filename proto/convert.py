@@ -1,0 +1,126 @@
+"""Conversions between the internal protobuf messages and the plain-data types
+the engine and kv_transfer use. Workers validate here what the router sent:
+a field out of range becomes a ValueError naming it (INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+from splitserve.engine.block_manager import BlockEvent
+from splitserve.engine.kv_cache import KVLayout
+from splitserve.engine.loop import Stats
+from splitserve.engine.sampling import SamplingParams
+from splitserve.kv_transfer import Reservation as KVReservation
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+
+
+def sampling_from_proto(sp: wpb.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=int(sp.max_tokens),
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p),
+            top_k=int(sp.top_k),
+            min_p=float(sp.min_p),
+            seed=int(sp.seed) if sp.HasField("seed") else None,
+            repetition_penalty=float(sp.repetition_penalty),
+            presence_penalty=float(sp.presence_penalty),
+            frequency_penalty=float(sp.frequency_penalty),
+            stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
+            ignore_eos=bool(sp.ignore_eos),
+            logprobs=bool(sp.logprobs),
+        )
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from None
+
+
+def sampling_to_proto(p: SamplingParams) -> wpb.SamplingParams:
+    msg = wpb.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
+    return wpb.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+    )
+
+
+def layout_from_proto(m: wpb.KVLayout) -> KVLayout:
+    try:
+        return KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype)
+    except ValueError as e:
+        raise ValueError(f"reservation.layout: {e}") from None
+
+
+def reservation_to_proto(r: KVReservation, num_cached_tokens: int) -> wpb.Reservation:
+    return wpb.Reservation(
+        kv_endpoint=r.endpoint,
+        kv_tcp_endpoint=r.tcp_endpoint,
+        transport=r.transport,
+        ticket=r.ticket,
+        request_id=r.request_id,
+        block_ids=list(r.block_ids),
+        num_cached_tokens=num_cached_tokens,
+        layout=layout_to_proto(r.layout),
+        lease_deadline_unix_ms=r.lease_deadline_unix_ms,
+    )
+
+
+def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
+    if len(m.ticket) != 16:
+        raise ValueError(f"reservation.ticket must be 16 bytes, got {len(m.ticket)}")
+    if not m.block_ids:
+        raise ValueError("reservation.block_ids is empty")
+    if not m.kv_endpoint:
+        raise ValueError("reservation.kv_endpoint is empty")
+    return KVReservation(
+        request_id=m.request_id,
+        ticket=bytes(m.ticket),
+        transport=m.transport or "tcp",
+        endpoint=m.kv_endpoint,
+        tcp_endpoint=m.kv_tcp_endpoint or m.kv_endpoint,
+        block_ids=tuple(int(b) for b in m.block_ids),
+        layout=layout_from_proto(m.layout),
+        lease_deadline_unix_ms=int(m.lease_deadline_unix_ms),
+    )
+
+
+def block_events_to_proto(events: list[BlockEvent]) -> wpb.BlockEventBatch:
+    out = wpb.BlockEventBatch()
+    for e in events:
+        if e.kind == "stored":
+            out.events.add(stored=wpb.BlocksStored(block_hashes=list(e.hashes)))
+        elif e.kind == "removed":
+            out.events.add(removed=wpb.BlocksRemoved(block_hashes=list(e.hashes)))
+        else:
+            out.events.add(cleared=wpb.AllBlocksCleared())
+    return out
+
+
+def stats_to_proto(worker_id: str, s: Stats, block_size: int) -> wpb.WorkerStats:
+    return wpb.WorkerStats(
+        worker_id=worker_id,
+        queued_tokens=s.queued_tokens,
+        running_tokens=s.running_tokens,
+        free_blocks=s.free_blocks,
+        total_blocks=s.total_blocks,
+        queue_length=s.queue_length,
+        running_requests=s.running_requests + s.reserved_requests,
+        block_size=block_size,
+    )
