@@ -103,6 +103,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._slots: dict[bytes, _Slot] = {}  # active, plus finished ones nobody has collected
         self._reserved: set[int] = set()
+        self._conns: set[Connection] = set()
         self._closed = False
         self._leases: list[tuple[float, bytes]] = []
         self._lease_cv = threading.Condition(self._lock)
@@ -219,9 +220,12 @@ class KVReceiver:
             self._closed = True
             slots = list(self._slots.values())
             self._lease_cv.notify()
+            conns = list(self._conns)
         self._tcp.close()
         if self._ucx is not None:
             self._ucx.close()
+        for c in conns:
+            c.close()
         for s in slots:
             self._fail(s, "receiver_closed", "receiver closed")
         self._lease_thread.join(timeout=5)
@@ -299,9 +303,29 @@ class KVReceiver:
     # ---- one connection -----------------------------------------------------------
 
     def _serve(self, conn: Connection) -> None:
-        """Handle one stream: handshake, layer frames, done."""
+        """Serve one connection: streams one after another (senders reuse connections)."""
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+        try:
+            header = bytearray(frame.HEADER_SIZE)
+            while True:
+                try:
+                    conn.recv_into(header)  # idle between streams: a close here is no error
+                except ConnectionClosed:
+                    return
+                if not self._serve_stream(conn, header):
+                    return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_stream(self, conn: Connection, header: bytearray) -> bool:
+        """One stream: handshake (in `header`), layer frames, done. True if the connection may carry another."""
         slot: _Slot | None = None
-        header = bytearray(frame.HEADER_SIZE)
         try:
             slot, ipc = self._handshake(conn, header)
             while True:
@@ -322,9 +346,10 @@ class KVReceiver:
                             f"done before every layer arrived ({len(missing)} layer-blocks missing, first: "
                             f"layer {layer} block {slot.reservation.block_ids[i]})",
                         )
-                    if self._complete(slot, h.value):
-                        self._reply(conn, frame.ACK, slot.reservation, "complete")
-                    return
+                    if not self._complete(slot, h.value):
+                        raise _Reject(slot.code or "not_live", "reservation no longer live")
+                    self._reply(conn, frame.ACK, slot.reservation, "complete")
+                    return True
                 elif h.kind == frame.ERROR:
                     text = self._read_control(conn, h).decode(errors="replace")
                     raise _Reject("aborted_by_sender", f"sender aborted: {text}")
@@ -349,10 +374,9 @@ class KVReceiver:
                 with slot.lock:
                     if slot.conn is conn:
                         slot.conn = None
-            conn.close()
+        return False
 
     def _handshake(self, conn: Connection, header: bytearray) -> tuple[_Slot, bool]:
-        conn.recv_into(header)
         h = frame.decode_header(header)
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")

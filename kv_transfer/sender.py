@@ -41,6 +41,10 @@ class TransferError(Exception):
     """The stream failed; the message is the reason (the receiver's, when it gave one)."""
 
 
+class _StaleConnection(TransferError):
+    """The handshake found the connection dead (an idle one may have been closed by the receiver)."""
+
+
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
@@ -65,18 +69,28 @@ class KVSender:
         self._tcp = transport or TCPTransport()
         self._ucx: Transport | None = None
         self._ipc_maps: dict[str, object] = {}  # CUDA IPC mappings, one per receiver, made once
+        # Connections whose last stream completed, per (transport, endpoint): the next
+        # stream to that receiver skips connecting (and UCX's endpoint wire-up).
+        self._idle: dict[tuple[str, str], list[Connection]] = {}
+        self._idle_lock = threading.Lock()
 
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
         mismatch = self.cache.layout.mismatch(reservation.layout)
         if mismatch:
             raise TransferError(mismatch)
-        conn, kind = self._connect(reservation)
-        try:
-            mapping = self._handshake(conn, reservation, want_ipc=kind == "cuda_ipc")
-        except BaseException:
-            conn.close()
-            raise
+        while True:
+            conn, kind, key, reused = self._connect(reservation)
+            try:
+                mapping = self._handshake(conn, reservation, want_ipc=kind == "cuda_ipc")
+                break
+            except _StaleConnection as e:
+                conn.close()
+                if not reused:
+                    raise TransferError(str(e)) from None
+            except BaseException:
+                conn.close()
+                raise
         if kind == "cuda_ipc" and mapping is None:
             kind = "tcp"
         metrics.TRANSPORT_CHOSEN.labels(side="sender", transport=kind).inc()
@@ -87,15 +101,36 @@ class KVSender:
             if reservation.tcp_endpoint not in self._ipc_maps:
                 self._ipc_maps[reservation.tcp_endpoint] = import_cache(mapping, self.cache)
             dest = self._ipc_maps[reservation.tcp_endpoint]
-        return KVStream(self, conn, reservation, kind, dest)
+        return KVStream(self, conn, reservation, kind, dest, key)
 
-    def _connect(self, r: Reservation) -> tuple[Connection, str]:
+    def close(self) -> None:
+        """Close the idle connections."""
+        with self._idle_lock:
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in conns:
+            c.close()
+
+    def _release(self, key: tuple[str, str], conn: Connection) -> None:
+        with self._idle_lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < 8:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self, r: Reservation) -> tuple[Connection, str, tuple[str, str], bool]:
+        """A connection for `r`, an idle one if there is one: (conn, transport, pool key, reused)."""
         if r.transport == "ucx":
             if self._ucx is None:
                 self._ucx = open_transport("ucx")
             if self._ucx.kind == "ucx":
+                key = ("ucx", r.endpoint)
+                with self._idle_lock:
+                    if self._idle.get(key):
+                        return self._idle[key].pop(), "ucx", key, True
                 try:
-                    return self._ucx.connect(*_split_endpoint(r.endpoint), self.connect_timeout), "ucx"
+                    return self._ucx.connect(*_split_endpoint(r.endpoint), self.connect_timeout), "ucx", key, False
                 except Exception as e:
                     log.warning("kv_transfer: UCX endpoint to %s failed (%s); using TCP", r.endpoint, e)
                     metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
@@ -105,8 +140,12 @@ class KVSender:
                 kind = "cuda_ipc"
             else:
                 metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
+        key = (kind, r.tcp_endpoint)
+        with self._idle_lock:
+            if self._idle.get(key):
+                return self._idle[key].pop(), kind, key, True
         try:
-            return self._tcp.connect(*_split_endpoint(r.tcp_endpoint), self.connect_timeout), kind
+            return self._tcp.connect(*_split_endpoint(r.tcp_endpoint), self.connect_timeout), kind, key, False
         except ConnectionClosed as e:
             raise TransferError(str(e)) from None
 
@@ -118,7 +157,7 @@ class KVSender:
             conn.send([frame.encode_header(h), body])
             reply, payload = read_control(conn)
         except (ConnectionClosed, FrameError) as e:
-            raise TransferError(f"handshake with {r.endpoint} failed: {e}") from None
+            raise _StaleConnection(f"handshake with {r.endpoint} failed: {e}") from None
         if reply.kind == frame.ERROR:
             raise TransferError(payload.decode(errors="replace"))
         if reply.kind != frame.ACK:
@@ -162,7 +201,10 @@ _DONE_ITEM = object()
 class KVStream:
     """One request's KV on its way; made by `KVSender.open`."""
 
-    def __init__(self, sender: KVSender, conn: Connection, r: Reservation, kind: str, ipc_dest: object) -> None:
+    def __init__(
+        self, sender: KVSender, conn: Connection, r: Reservation, kind: str, ipc_dest: object, key: tuple[str, str]
+    ) -> None:
+        self._key = key
         self.reservation = r
         self.transport = kind
         self._sender = sender
@@ -289,7 +331,10 @@ class KVStream:
         finally:
             if self._error is not None and not self._sent_done:
                 self._send_error(self._error)
-            self._conn.close()
+            if self._error is None and self._sent_done:
+                self._sender._release(self._key, self._conn)  # confirmed: reusable for the next stream
+            else:
+                self._conn.close()
 
     def _send_done(self) -> None:
         r = self.reservation

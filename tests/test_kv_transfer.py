@@ -230,18 +230,46 @@ def test_reserve_refuses_bad_requests():
         assert len(r.ticket) == 16 and isinstance(r.lease_deadline_unix_ms, int)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
+def test_a_sender_reuses_its_connection_and_replaces_a_dead_one(transport):
+    src, dst = random_cache(seed=8), KVCache(LAYOUT, 64)
+    with KVReceiver(dst, transport=transport) as rx:
+        sender = KVSender(src)
+        for i in range(3):
+            r = rx.reserve(f"req-reuse-{i}", [1, 2], lease_s=30)
+            send_all(sender, r, [3 + i, 4 + i], first_token=i)
+            assert rx.wait(r.ticket, 10) == Completed(i)
+            assert_arrived(dst, src, [1, 2], [3 + i, 4 + i])
+            assert sum(len(v) for v in sender._idle.values()) == 1
+        for conn in list(rx._conns):  # the receiver drops the idle connection
+            conn.close()
+        r = rx.reserve("req-after-drop", [1, 2], lease_s=30)
+        send_all(sender, r, [9, 10], first_token=9)
+        assert rx.wait(r.ticket, 10) == Completed(9)
+        sender.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-def test_cuda_ipc_same_process_round_trip():
-    src = random_cache(seed=7)
-    src_gpu, dst = KVCache(LAYOUT, 64, device="cuda"), KVCache(LAYOUT, 64, device="cuda")
-    src_gpu.tensor.copy_(src.tensor)
+def test_cuda_ipc_from_another_process():
+    import subprocess
+
+    dst = KVCache(LAYOUT, 64, device="cuda")
     with KVReceiver(dst, transport="cuda_ipc") as rx:
         r = rx.reserve("req-ipc", [3, 4, 10], lease_s=30)
-        with KVSender(src_gpu).open(r) as stream:
-            assert stream.transport == "cuda_ipc"
-            for layer in range(LAYOUT.num_layers):
-                stream.send_layer(layer, [1, 2, 3])
-            stream.finish(1, timeout=10)
-        assert rx.wait(r.ticket, 10) == Completed(1)
+        assert r.transport == "cuda_ipc"
+        helper = Path(__file__).parent / "kv_transfer_helpers" / "sender_proc.py"
+        lay = LAYOUT
+        out = subprocess.run(
+            [sys.executable, str(helper), "--ticket", r.ticket.hex(), "--request-id", r.request_id,
+             "--transport", r.transport, "--endpoint", r.endpoint, "--tcp-endpoint", r.tcp_endpoint,
+             "--dst", "3,4,10", "--src", "1,2,3", "--layers", "3,1,0,2", "--seed", "7", "--device", "cuda",
+             "--finish", "11", "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
+            capture_output=True, text=True, timeout=50,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["finished", "cuda_ipc"]
+        assert rx.wait(r.ticket, 10) == Completed(11)
+        src = random_cache(seed=7)
         assert torch.equal(dst.tensor[:, [3, 4, 10]].cpu(), src.tensor[:, [1, 2, 3]])
