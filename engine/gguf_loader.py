@@ -9,7 +9,6 @@ here are interchangeable with a Hugging Face checkpoint's.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -26,7 +25,6 @@ from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.weights import LoadedModel, ModelLoadError, ProgressLine
 
-log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
