@@ -93,16 +93,18 @@ class Engine:
 
     # ---- requests ----
 
-    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
+    def _new_sequence(
+        self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, prior_output: list[int]
+    ) -> Sequence:
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.model_cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in (*prompt, *prior_output) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        total = len(prompt) + (1 if prefill_only else params.max_tokens)
+        total = len(prompt) + len(prior_output) + (1 if prefill_only else params.max_tokens)
         if total > self.model_cfg.max_position:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
@@ -115,12 +117,18 @@ class Engine:
                 f"the cache has {self.blocks.num_blocks}"
             )
         self._arrivals += 1
-        return Sequence(request_id, prompt, params, self._arrivals, prefill_only)
+        return Sequence(request_id, prompt, params, self._arrivals, prefill_only, prior_output)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        """`output_token_ids`: tokens a worker that died generated before (migration)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, output_token_ids or [])
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -143,9 +151,15 @@ class Engine:
 
     # ---- decode role: remote prefill ----
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation | None:
-        """Admit a request whose prompt KV a prefill worker will write; None if blocks are short now."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+    ) -> Reservation | None:
+        """Admit a request whose context KV a prefill worker will write; None if blocks are short now."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, output_token_ids or [])
         hashes = block_hashes(seq.token_ids, self.cfg.block_size)
         cached = self.blocks.cached_prefix(hashes, len(seq))
         if not self.blocks.can_allocate(len(seq), cached):
@@ -159,7 +173,7 @@ class Engine:
     def commit_kv(self, request_id: str, first_token: int, logprob: float | None = None) -> StepOutput:
         """The prompt KV has arrived: the request joins the running batch with its first token."""
         seq = self.awaiting_kv.pop(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = len(seq)
         self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         seq.status = SeqStatus.RUNNING
         self.requests[request_id] = seq
@@ -214,7 +228,7 @@ class Engine:
             reason = "prefill_done"
         elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.model_cfg.max_position:
+        elif seq.num_output_tokens >= seq.max_output_tokens or len(seq) >= self.model_cfg.max_position:
             reason = "length"
         if reason is not None:
             self.scheduler.remove(seq)

@@ -31,6 +31,7 @@ class Sequence:
         "generator",
         "arrival",
         "prefill_only",
+        "max_output_tokens",
     )
 
     def __init__(
@@ -40,10 +41,15 @@ class Sequence:
         params: SamplingParams,
         arrival: int,
         prefill_only: bool = False,
+        prior_output: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)  # prompt then output
+        prior = list(prior_output or ())
+        self.token_ids: list[int] = list(prompt_token_ids) + prior  # prompt then output
         self.num_prompt_tokens = len(prompt_token_ids)
+        # output generated elsewhere before a migration counts as output (penalties) but not
+        # against this call's max_tokens
+        self.max_output_tokens = len(prior) + params.max_tokens
         self.params = params
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
@@ -66,11 +72,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        """Still computing prompt KV (the last prompt token's logits give the first output token)."""
-        return self.num_computed_tokens < len(self.token_ids) - (1 if self.num_output_tokens else 0)
 
     @property
     def is_finished(self) -> bool:

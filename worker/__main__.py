@@ -1,0 +1,5 @@
+import sys
+
+from splitserve.worker.server import main
+
+sys.exit(main())

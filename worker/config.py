@@ -1,0 +1,40 @@
+"""One frozen config per worker process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.config import EngineConfig
+
+ROLES = ("prefill", "decode")
+TRANSPORTS = ("tcp", "ucx", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    worker_id: str = "worker-0"
+    model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # the address others reach this worker at
+    grpc_port: int = 0  # 0: any free port
+    kv_port: int = 0  # decode role: the kv_transfer receiver's port
+    kv_transport: str = "tcp"
+    cluster_token: str | None = None  # required in "x-splitserve-token" when set
+    lease_ms: int = 30_000  # default lease of a REMOTE reservation
+    admit_timeout_s: float = 10.0  # an engine call from a gRPC handler
+    request_timeout_s: float = 600.0  # the longest one Decode stream may live
+    prefill_timeout_s: float = 120.0  # a Prefill call, KV confirmed included
+    max_concurrent_rpcs: int = 512  # beyond: RESOURCE_EXHAUSTED from gRPC itself
+    threads: int = 0  # torch intra-op threads; 0: torch's default
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+        for f in ("grpc_port", "kv_port"):
+            if not 0 <= getattr(self, f) < 65536:
+                raise ValueError(f"{f} must be a port number")
+        if self.lease_ms <= 0 or self.admit_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("lease_ms and timeouts must be positive")

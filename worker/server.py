@@ -1,0 +1,153 @@
+"""The process that hosts one worker, in either role: load the model, start the
+engine thread, the KV endpoint and the gRPC server, and report the addresses.
+
+    python -m splitserve.worker --role decode --grpc-port 7001
+
+Ray actors (worker/actor.py) call `start_worker` in the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.loop import EngineLoop
+from splitserve.worker.auth import ClusterTokenInterceptor
+from splitserve.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningWorker:
+    cfg: WorkerConfig
+    grpc_address: str
+    kv_endpoint: str | None  # decode role
+    loop: EngineLoop
+    server: grpc.Server
+    closers: list
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.server.stop(grace_s).wait(grace_s + 1)
+        self.loop.stop()
+        for close in self.closers:
+            close()
+
+
+def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWorker:
+    """Start a worker; `engine` may be given (tests), else the model is loaded from cfg."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if engine is None:
+        engine, _ = Engine.from_path(cfg.model, cfg.engine, progress=False)
+    interceptors = [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + 8, thread_name_prefix=f"{cfg.role}-rpc"),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    closers: list = []
+    kv_endpoint = None
+    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+
+    if cfg.role == "decode":
+        from splitserve.decode_worker.service import DecodeService
+        from splitserve.kv_transfer import KVReceiver
+
+        receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
+        closers.append(receiver.close)
+        kv_endpoint = receiver.endpoint
+        loop = EngineLoop(engine)
+        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, receiver), server)
+    else:
+        from splitserve.kv_transfer import KVSender
+        from splitserve.prefill_worker.service import PrefillService
+
+        service = PrefillService(cfg, KVSender(engine.kv_cache))
+        loop = EngineLoop(engine, on_layer_done=service.on_layer_done)
+        service.attach(loop)
+        closers.append(lambda: service.finisher.shutdown(wait=False))
+        wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    if port == 0:
+        loop.stop()
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+    server.start()
+    address = f"{cfg.host}:{port}"
+    log.info("%s worker %s listening on %s (kv %s)", cfg.role, cfg.worker_id, address, kv_endpoint)
+    return RunningWorker(cfg, address, kv_endpoint, loop, server, closers)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by every command that builds an engine."""
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (the prefill chunk)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    return EngineConfig(
+        device=a.device,
+        dtype=dtype,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splitserve.worker", description="Run one prefill or decode worker.")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    p.add_argument("--cluster-token", default=None)
+    p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
+    add_engine_arguments(p)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig(
+        role=a.role,
+        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
+        model=a.model,
+        engine=engine_config_from_args(a),
+        host=a.host,
+        grpc_port=a.grpc_port,
+        kv_port=a.kv_port,
+        kv_transport=a.kv_transport,
+        cluster_token=a.cluster_token,
+        threads=a.threads,
+    )
+    worker = start_worker(cfg)
+    print(f"{cfg.role} worker ready: grpc {worker.grpc_address} kv {worker.kv_endpoint or '-'}", flush=True)
+    if a.ready_file:
+        with open(a.ready_file + ".tmp", "w") as f:
+            f.write(f"{worker.grpc_address} {worker.kv_endpoint or '-'}\n")
+        import os
+
+        os.replace(a.ready_file + ".tmp", a.ready_file)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    worker.stop()
+    return 0
