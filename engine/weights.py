@@ -144,3 +144,21 @@ class ProgressLine:
             elapsed = time.perf_counter() - self.start
             sys.stderr.write(f"\r\x1b[Kloaded {self.label} in {elapsed:.1f}s\n")
             sys.stderr.flush()
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model: what the router needs, without the weights."""
+    from splitserve.engine import gguf_loader
+
+    path = default_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    if not gguf_loader.looks_like_gguf(path):
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a directory")
+    meta = gguf_loader.read_metadata(gguf_loader.open_gguf(path), path)
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None

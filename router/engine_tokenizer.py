@@ -1,0 +1,35 @@
+"""The engine's Tokenizer as the router's `RouterTokenizer`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class _Detokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._inner = IncrementalDetokenizer(tokenizer)
+
+    def feed(self, token_id: int) -> str:
+        return self._inner.push(token_id)
+
+    def flush(self) -> str:
+        return self._inner.flush()
+
+
+class EngineTokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+        # the template already holds any BOS it wants
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, prompt_token_ids: Sequence[int]) -> _Detokenizer:
+        return _Detokenizer(self.tokenizer)

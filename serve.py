@@ -1,0 +1,102 @@
+"""`splitserve serve`: from nothing to a serving cluster on this machine (or on
+a Ray cluster given with --ray-address): Ray, the prefill and decode pools as
+actors, and the router's gRPC front door."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+
+log = logging.getLogger("splitserve.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.worker.server import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument("--host", default="0.0.0.0", help="router address to bind")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint of the router (0: off)")
+    p.add_argument("--worker-host", default="127.0.0.1", help="address workers listen on (a node IP on a cluster)")
+    p.add_argument("--mode", default="auto", choices=["auto", "disaggregated", "colocated"])
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--prefill-resources", default="{}", help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}')
+    p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                   help="mode auto: prefill on the decode worker when the uncached suffix is this short")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"), help="clients must send it as a bearer token")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(a: argparse.Namespace) -> int:
+    import ray
+
+    from splitserve.engine.weights import load_tokenizer
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.engine_tokenizer import EngineTokenizer
+    from splitserve.router.pool import PoolManager, PoolSpec
+    from splitserve.router.server import Router
+    from splitserve.worker.config import WorkerConfig
+    from splitserve.worker.server import engine_config_from_args
+
+    # Ray's own plane: token auth on, dashboard off (or on localhost only if a user turns it on)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if a.ray_address:
+        ray.init(address=a.ray_address, logging_level=logging.WARNING)
+    else:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
+    engine_cfg = engine_config_from_args(a)
+    tokenizer = EngineTokenizer(load_tokenizer(a.model))
+
+    def worker(role: str) -> WorkerConfig:
+        return WorkerConfig(role=role, model=a.model, engine=engine_cfg, host=a.worker_host,
+                            kv_transport=a.kv_transport, cluster_token=cluster_token, threads=a.threads)
+
+    specs = [
+        PoolSpec("prefill", a.prefill_workers, worker("prefill"), a.cpus_per_worker, a.gpus_per_worker,
+                 json.loads(a.prefill_resources)),
+        PoolSpec("decode", a.decode_workers, worker("decode"), a.cpus_per_worker, a.gpus_per_worker,
+                 json.loads(a.decode_resources)),
+    ]
+    cfg = RouterConfig(host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port, mode=a.mode,
+                       block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens,
+                       api_key=a.api_key, cluster_token=cluster_token)
+    router = Router(cfg, tokenizer)
+    pools = PoolManager(specs, router.workers)
+    port = await router.start()
+    print(f"splitserve: starting {a.prefill_workers} prefill and {a.decode_workers} decode worker(s) "
+          f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})", flush=True)
+    await pools.start()
+    await router.wait_for_workers(timeout_s=120)
+    print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
+    for role in ("prefill", "decode"):
+        for g, kv in pools.addresses(role):
+            print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("splitserve: stopping", flush=True)
+    await pools.stop()
+    await router.stop()
+    ray.shutdown()
+    return 0

@@ -1,0 +1,30 @@
+"""A worker as a Ray actor. The actor hosts the same process as
+`python -m splitserve.worker` and tells its owner where it listens; the router
+then talks to it over gRPC and kv_transfer, never through Ray."""
+
+from __future__ import annotations
+
+import logging
+
+from splitserve.worker.config import WorkerConfig
+
+
+class WorkerActor:
+    """Wrapped with `ray.remote` by the pool manager, with the pool's resources."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        from splitserve.worker.server import start_worker
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.cfg = cfg
+        self.worker = start_worker(cfg)
+
+    def addresses(self) -> tuple[str, str | None]:
+        """(gRPC address, KV endpoint or None) as other nodes reach them."""
+        return self.worker.grpc_address, self.worker.kv_endpoint
+
+    def ping(self) -> int:
+        return self.worker.loop.steps
+
+    def stop(self) -> None:
+        self.worker.stop()
