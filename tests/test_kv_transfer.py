@@ -273,3 +273,51 @@ def test_cuda_ipc_from_another_process():
         assert rx.wait(r.ticket, 10) == Completed(11)
         src = random_cache(seed=7)
         assert torch.equal(dst.tensor[:, [3, 4, 10]].cpu(), src.tensor[:, [1, 2, 3]])
+
+
+# ---- fallback and metrics ------------------------------------------------------------
+
+
+def _metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.timeout(30)
+def test_ucx_unusable_falls_back_to_tcp_and_says_so(monkeypatch):
+    import types
+
+    def broken() -> None:
+        raise RuntimeError("no UCX transports here")
+
+    fake_module = types.ModuleType("splitserve.kv_transfer.ucx")
+    fake_module.UCXTransport = broken  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "splitserve.kv_transfer.ucx", fake_module)
+    before = _metric("splitserve_kv_transport_fallbacks_total", wanted="ucx", reason="RuntimeError")
+    src, dst = random_cache(seed=9), KVCache(LAYOUT, 64)
+    with KVReceiver(dst, transport="ucx") as rx:
+        assert rx.transport == "tcp"
+        r = rx.reserve("req-fallback", [1], lease_s=30)
+        send_all(KVSender(src), r, [2])
+        assert rx.wait(r.ticket, 10) == Completed(7)
+    assert _metric("splitserve_kv_transport_fallbacks_total", wanted="ucx", reason="RuntimeError") == before + 1
+
+
+@pytest.mark.timeout(30)
+def test_metrics_count_bytes_frames_and_outcomes():
+    src, dst = random_cache(seed=10), KVCache(LAYOUT, 64)
+    b0 = _metric("splitserve_kv_bytes_received_total", transport="tcp")
+    f0 = _metric("splitserve_kv_frames_received_total", transport="tcp")
+    c0 = _metric("splitserve_kv_reservations_completed_total")
+    x0 = _metric("splitserve_kv_reservations_failed_total", reason="lease_expired")
+    with KVReceiver(dst) as rx:
+        r = rx.reserve("req-metrics", [1, 2, 5], lease_s=30)
+        send_all(KVSender(src), r, [3, 4, 6])
+        rx.wait(r.ticket, 10)
+        r2 = rx.reserve("req-expires", [9], lease_s=0.01)
+        assert isinstance(rx.wait(r2.ticket, 10), Failed)
+    assert _metric("splitserve_kv_bytes_received_total", transport="tcp") == b0 + 3 * LAYOUT.num_layers * LAYOUT.bytes_per_block
+    assert _metric("splitserve_kv_frames_received_total", transport="tcp") == f0 + 2 * LAYOUT.num_layers  # runs 1-2 and 5
+    assert _metric("splitserve_kv_reservations_completed_total") == c0 + 1
+    assert _metric("splitserve_kv_reservations_failed_total", reason="lease_expired") == x0 + 1
