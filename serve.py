@@ -46,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(a: argparse.Namespace) -> int:
+    # Ray's own plane: token auth on, dashboard off. Ray reads these when it is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        # a local cluster gets a fresh token of its own, handed to Ray's processes by environment
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     import ray
 
     from splitserve.engine.weights import load_tokenizer
@@ -56,8 +61,6 @@ async def _serve(a: argparse.Namespace) -> int:
     from splitserve.worker.config import WorkerConfig
     from splitserve.worker.server import engine_config_from_args
 
-    # Ray's own plane: token auth on, dashboard off (or on localhost only if a user turns it on)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     if a.ray_address:
         ray.init(address=a.ray_address, logging_level=logging.WARNING)
     else:

@@ -33,6 +33,8 @@ class Stats(NamedTuple):
     queue_length: int
     running_requests: int
     reserved_requests: int  # decode role: waiting for their KV
+    prefix_cache_queries: int  # full blocks looked up at admission, since start
+    prefix_cache_hits: int
 
 
 def engine_stats(engine: Engine) -> Stats:
@@ -49,6 +51,8 @@ def engine_stats(engine: Engine) -> Stats:
         queue_length=len(sched.waiting),
         running_requests=len(sched.running),
         reserved_requests=len(engine.awaiting_kv),
+        prefix_cache_queries=engine.blocks.stats.queries,
+        prefix_cache_hits=engine.blocks.stats.hits,
     )
 
 

@@ -123,4 +123,6 @@ def stats_to_proto(worker_id: str, s: Stats, block_size: int) -> wpb.WorkerStats
         queue_length=s.queue_length,
         running_requests=s.running_requests + s.reserved_requests,
         block_size=block_size,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
     )

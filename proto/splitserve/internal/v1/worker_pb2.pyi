@@ -110,7 +110,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size")
+    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class WorkerStats(_message.Message):
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_tokens: int
     running_tokens: int
@@ -127,7 +129,9 @@ class WorkerStats(_message.Message):
     queue_length: int
     running_requests: int
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()
