@@ -50,6 +50,7 @@ class _FakeBase:
         self.total_blocks = total_blocks
         self.worker_id = worker_id
         self.server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Task[None] | None = None
         self.address = ""
         self.cancel_calls: list[str] = []  # request ids passed to Cancel
 
@@ -77,9 +78,15 @@ class _FakeBase:
         self.address = f"{host}:{port}"
         return self.address
 
+    def die(self) -> None:
+        """Stop serving at once (calls in flight end with UNAVAILABLE), from inside a handler too."""
+        if self.server is not None and self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self.server.stop(0))
+
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(0)
+        self.die()
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
 
 
 class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
@@ -95,6 +102,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         lease_s: float = 5.0,
         die_after_tokens: int | None = None,  # stop this worker's server after sending this many tokens
         refuse: bool = False,  # answer every Decode with RESOURCE_EXHAUSTED
+        extra_queued_tokens: int = 0,  # reported in stats on top of the real load (to steer routing)
     ) -> None:
         super().__init__(script, block_size, total_blocks, worker_id)
         self.kv = kv
@@ -103,6 +111,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.lease_s = lease_s
         self.die_after_tokens = die_after_tokens
         self.refuse = refuse
+        self.extra_queued_tokens = extra_queued_tokens
         self.requests: list[wpb.DecodeRequest] = []
         self.active: dict[str, int] = {}  # request id -> context tokens
         self.cancelled: list[str] = []  # request ids whose Decode call the router cancelled
@@ -141,7 +150,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
         used = sum(-(-n // self.block_size) for n in self.active.values())
         return wpb.WorkerStats(
-            worker_id=self.worker_id, running_tokens=sum(self.active.values()),
+            worker_id=self.worker_id, queued_tokens=self.extra_queued_tokens, running_tokens=sum(self.active.values()),
             free_blocks=max(0, self.total_blocks - used), total_blocks=self.total_blocks,
             running_requests=len(self.active), block_size=self.block_size,
         )
@@ -197,7 +206,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
-                    await self.stop()  # the whole worker goes away, mid-stream
+                    self.die()  # the whole worker goes away, mid-stream
                     await asyncio.Event().wait()
                 t = self.token(base + len(out))
                 out.append(t)

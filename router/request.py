@@ -44,10 +44,16 @@ class RequestFailed(Exception):
 
 
 class _Retry(Exception):
-    """This attempt failed; try again (on another decode worker when `worker_failed`)."""
+    """This attempt failed; try again.
 
-    def __init__(self, message: str, worker_failed: bool = True, force_local: bool = False) -> None:
+    exclude: not on this decode worker again (for this request);
+    worker_failed: and stop routing anything to it until its stats poll succeeds;
+    force_local: prefill on the decode worker this time.
+    """
+
+    def __init__(self, message: str, exclude: bool = True, worker_failed: bool = True, force_local: bool = False) -> None:
         super().__init__(message)
+        self.exclude = exclude
         self.worker_failed = worker_failed
         self.force_local = force_local
 
@@ -88,19 +94,22 @@ class RequestRun:
     # ---- the attempt loop
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
-        failed: list[str] = []
+        excluded: list[str] = []
         force_local = False
         moves = 0
+        last_error = ""
         while True:
-            worker, mode = self._route(failed, force_local)
+            worker, mode = self._route(excluded, force_local, last_error)
             try:
                 async for resp in self._attempt(worker, mode):
                     yield resp
                 return
             except _Retry as e:
                 log.warning("request %s on %s: %s", self.req.request_id, worker, e)
+                last_error = f"{worker}: {e}"
+                if e.exclude:
+                    excluded.append(worker)
                 if e.worker_failed:
-                    failed.append(worker)
                     self.workers.mark_failed(worker)
                 force_local = force_local or e.force_local
                 moves += 1
@@ -109,10 +118,11 @@ class RequestRun:
                 if self.generated:
                     self.metrics.migrations.inc()
 
-    def _route(self, exclude: list[str], force_local: bool) -> tuple[str, policy.PrefillMode]:
+    def _route(self, exclude: list[str], force_local: bool, last_error: str) -> tuple[str, policy.PrefillMode]:
         loads = self.workers.decode_loads(exclude)
         if not loads:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+            why = f" (last attempt: {last_error})" if last_error else ""
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}")
         context = [*self.req.prompt_token_ids, *self.generated]
         hashes = block_hashes(context, self.cfg.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
@@ -126,6 +136,11 @@ class RequestRun:
         if left <= 0:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
         return left
+
+    def _check_deadline(self) -> None:
+        """After a timeout: if it was the request's own deadline, that is no worker's fault."""
+        if time.monotonic() >= self.deadline - 0.005:
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
 
     async def _attempt(self, address: str, mode: policy.PrefillMode) -> AsyncIterator[pb.GenerateResponse]:
         w = self.workers.get(address)
@@ -174,7 +189,7 @@ class RequestRun:
                         yield self._final(_FINISH[reason])
                         return
                     if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
-                        raise _Retry(f"lease expired: {ev.finish.message}", worker_failed=False, force_local=True)
+                        raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, worker_failed=False, force_local=True)
                     raise _Retry(f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}")
                 else:
                     raise _Retry(f"protocol error: {kind} event after the first")
@@ -186,8 +201,11 @@ class RequestRun:
             async with asyncio.timeout(min(timeout_s, self._remaining_s())):
                 ev = await call.read()
         except TimeoutError:
+            self._check_deadline()
             raise _Retry(f"no event within {timeout_s:g}s" + (" of admission" if not admitted else "")) from None
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._check_deadline()
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not admitted:
                 raise _Retry(f"not admitted: {e.details()}", worker_failed=False) from None
             raise _Retry(f"Decode failed: {e.code().name} {e.details()}") from None
@@ -226,12 +244,14 @@ class RequestRun:
                 self.workers.assigned(address, len(request.prompt_token_ids))
                 return await w.stub.Prefill(request, timeout=timeout, metadata=self.cfg.auth_metadata)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._check_deadline()
                 last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
                 log.warning("request %s: %s", self.req.request_id, last)
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.workers.mark_failed(address)
         # The decode worker is fine; it will prefill the request itself.
-        raise _Retry(last, worker_failed=False, force_local=True)
+        raise _Retry(last, exclude=False, worker_failed=False, force_local=True)
 
     # ---- responses
 

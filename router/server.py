@@ -76,6 +76,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             except RequestFailed as e:
                 code = e.code
                 await context.abort(e.code, str(e))
+            except Exception:  # a bug here must not look like the client's fault
+                log.exception("request %s failed", req.request_id)
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, "internal error in the router")
             finally:
                 self.inflight -= 1
                 self.metrics.inflight.dec()

@@ -42,6 +42,8 @@ class _ByteDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
+        if token_id >= 256:  # special tokens have no text
+            return ""
         return self._decoder.decode(bytes((token_id,)))
 
 

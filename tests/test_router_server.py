@@ -1,0 +1,354 @@
+"""The router's gRPC front door against fake workers over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.proto.splitserve.v1 import generate_pb2_grpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.fakes import EOS, FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+from splitserve.router.server import Router
+from splitserve.router.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+ANSWER = "Hello, world! The end."
+SCRIPT = list(ANSWER.encode())
+LONG = "a long prompt, " * 30  # 450 tokens: remote prefill under the default threshold of 256
+
+
+@dataclass
+class Cluster:
+    router: Router
+    stub: generate_pb2_grpc.GenerationStub
+    channel: grpc.aio.Channel
+    decode: list[FakeDecodeWorker] = field(default_factory=list)
+    prefill: list[FakePrefillWorker] = field(default_factory=list)
+
+    async def generate(self, metadata: Any = None, **kw: Any) -> list[pb.GenerateResponse]:
+        return [r async for r in self.stub.Generate(pb.GenerateRequest(**kw), metadata=metadata)]
+
+
+@contextlib.asynccontextmanager
+async def cluster(decode: list[dict[str, Any]] | None = None, prefill: list[dict[str, Any]] | None = None,
+                  **cfg_kw: Any) -> AsyncIterator[Cluster]:
+    kv = FakeKVPlane()
+    decoders = [FakeDecodeWorker(kv, SCRIPT, worker_id=f"d{i}", **kw) for i, kw in enumerate(decode or [{}])]
+    prefillers = [FakePrefillWorker(kv, SCRIPT, worker_id=f"p{i}", **kw) for i, kw in enumerate(prefill or [{}])]
+    for f in [*decoders, *prefillers]:
+        await f.start()
+    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, stats_interval_s=0.05, reconnect_backoff_s=0.05, **cfg_kw)
+    router = Router(cfg, ByteTokenizer(), decode=[d.address for d in decoders],
+                    prefill=[p.address for p in prefillers], rng=random.Random(0))
+    port = await router.start()
+    await router.wait_for_workers()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Cluster(router, generate_pb2_grpc.GenerationStub(channel), channel, decoders, prefillers)
+    finally:
+        await channel.close()
+        await router.stop(0)
+        for f in [*decoders, *prefillers]:
+            await f.stop()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+def joined(responses: list[pb.GenerateResponse]) -> tuple[str, list[int]]:
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def status_of(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call
+    return e.value
+
+
+# ---- the happy paths
+
+
+def test_local_prefill_streams_the_whole_answer_with_usage() -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            rs = await c.generate(request_id="r1", text="hi there")
+            text, ids = joined(rs)
+            assert text == ANSWER
+            assert ids == [*SCRIPT, EOS]
+            assert all(r.request_id == "r1" for r in rs)
+            assert rs[-1].finish_reason == pb.FINISH_REASON_STOP
+            assert (rs[-1].usage.prompt_tokens, rs[-1].usage.completion_tokens) == (8, len(SCRIPT) + 1)
+            assert not any(r.HasField("usage") for r in rs[:-1])
+            (req,) = c.decode[0].requests
+            assert req.prefill_mode == wpb.PREFILL_MODE_LOCAL
+            assert not c.prefill[0].requests
+
+    run(scenario)
+
+
+def test_remote_prefill_sends_the_first_token_from_the_prefill_worker() -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            rs = await c.generate(text=LONG, sampling=pb.SamplingParams(temperature=0.0, logprobs=True))
+            assert joined(rs) == (ANSWER, [*SCRIPT, EOS])
+            (dreq,) = c.decode[0].requests
+            (preq,) = c.prefill[0].requests
+            assert dreq.prefill_mode == wpb.PREFILL_MODE_REMOTE
+            assert list(preq.prompt_token_ids) == list(LONG.encode())
+            assert len(preq.reservation.ticket) == 16
+            assert preq.sampling.temperature == 0.0 and preq.sampling.max_tokens == 256
+            assert rs[0].token_ids == [SCRIPT[0]] and rs[0].logprobs == [-0.25]  # from Prefill
+            assert rs[1].logprobs == [-0.5]  # from the decode worker
+
+    run(scenario)
+
+
+def test_stop_string_cuts_the_text_and_cancels_the_decode_stream() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.01}]) as c:
+            rs = await c.generate(request_id="s1", text="hi", sampling=pb.SamplingParams(stop=["world"]))
+            assert joined(rs)[0] == "Hello, "
+            assert rs[-1].finish_reason == pb.FINISH_REASON_STOP
+            assert rs[-1].usage.completion_tokens == len("Hello, world")
+            await until(lambda: "s1" in c.decode[0].cancelled and not c.decode[0].active)
+
+    run(scenario)
+
+
+def test_max_tokens_ends_with_length() -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            rs = await c.generate(text="hi", sampling=pb.SamplingParams(max_tokens=5),
+                                  stream_options=pb.StreamOptions(continuous_usage=True))
+            assert joined(rs) == ("Hello", SCRIPT[:5])
+            assert rs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert [r.usage.completion_tokens for r in rs if r.token_ids] == [1, 2, 3, 4, 5]
+
+    run(scenario)
+
+
+def test_stop_string_split_across_tokens_is_held_back() -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            rs = await c.generate(text="hi", sampling=pb.SamplingParams(stop=["Hello!"]))
+            # "Hello" was held back token by token, then released when "," broke the match
+            assert [r.text for r in rs[:6]] == ["", "", "", "", "", "Hello,"]
+            assert joined(rs)[0] == ANSWER
+
+    run(scenario)
+
+
+def test_prefix_aware_routing_follows_the_block_events() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{}, {}]) as c:
+            shared = "system prompt " * 4  # 56 tokens: 3 full blocks
+            await c.generate(text=shared + "one", sampling=pb.SamplingParams(max_tokens=1))
+            first = next(d for d in c.decode if d.requests)
+            await until(lambda: len(c.router.index) >= 3)
+            for i in range(4):
+                rs = await c.generate(text=shared + f"question {i}", sampling=pb.SamplingParams(max_tokens=1))
+                assert rs[-1].usage.cached_tokens >= 48  # the shared blocks, and more from earlier questions
+            assert len(first.requests) == 5
+            assert c.router.metrics.prefix_hit_rate._value.get() > 0.5
+
+    run(scenario)
+
+
+def test_health_reports_serving_while_a_decode_worker_is_healthy() -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            health = health_pb2_grpc.HealthStub(c.channel)
+            ok = await health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"))
+            assert ok.status == health_pb2.HealthCheckResponse.SERVING
+            e = await status_of(health.Check(health_pb2.HealthCheckRequest(service="nope")))
+            assert e.code() == grpc.StatusCode.NOT_FOUND
+            c.router.workers.remove(c.decode[0].address)
+            down = await health.Check(health_pb2.HealthCheckRequest())
+            assert down.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(scenario)
+
+
+# ---- bad requests
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"text": ""}, "text"),
+        ({"token_ids": pb.TokenIds(ids=[5, 300])}, "token_ids.ids[1]"),
+        ({"text": "x", "sampling": pb.SamplingParams(top_p=0.0)}, "sampling.top_p"),
+        ({"text": "x", "request_id": "bad id"}, "request_id"),
+    ],
+)
+def test_invalid_argument_names_the_field(kw: dict[str, Any], field: str) -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            e = await status_of(c.generate(**kw))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.details().startswith(f"{field}:")
+            assert not c.decode[0].requests
+
+    run(scenario)
+
+
+def test_api_key_is_required_when_configured() -> None:
+    async def scenario() -> None:
+        async with cluster(api_key="sekrit") as c:
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+            rs = await c.generate(text="hi", metadata=(("authorization", "Bearer sekrit"),))
+            assert joined(rs)[0] == ANSWER
+
+    run(scenario)
+
+
+def test_a_request_id_in_flight_cannot_be_reused() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.05}]) as c:
+            first = c.stub.Generate(pb.GenerateRequest(request_id="dup", text="hi"))
+            await first.read()
+            e = await status_of(c.generate(request_id="dup", text="hi"))
+            assert e.code() == grpc.StatusCode.ALREADY_EXISTS
+            first.cancel()
+
+    run(scenario)
+
+
+# ---- overload, cancel, failures
+
+
+def test_overload_is_refused_at_once() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.05}], max_inflight=1) as c:
+            slow = c.stub.Generate(pb.GenerateRequest(text="hi"))
+            await slow.read()
+            t0 = time.monotonic()
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - t0 < 0.5
+            slow.cancel()
+            await until(lambda: c.router.generation.inflight == 0)
+            assert joined(await c.generate(text="hi"))[0] == ANSWER
+
+    run(scenario)
+
+
+def test_client_cancel_reaches_the_decode_worker() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.05}]) as c:
+            call = c.stub.Generate(pb.GenerateRequest(request_id="c1", text="hi"))
+            await call.read()
+            call.cancel()
+            await until(lambda: "c1" in c.decode[0].cancelled and not c.decode[0].active)
+            await until(lambda: c.router.generation.inflight == 0)
+
+    run(scenario)
+
+
+def test_client_cancel_during_prefill_reaches_both_workers() -> None:
+    async def scenario() -> None:
+        async with cluster(prefill=[{"delay_s": 5.0}]) as c:
+            call = c.stub.Generate(pb.GenerateRequest(request_id="c2", text=LONG))
+            await until(lambda: bool(c.prefill[0].requests))
+            call.cancel()
+            await until(lambda: "c2" in c.prefill[0].cancelled)
+            await until(lambda: "c2" in c.decode[0].cancelled and not c.decode[0].active)
+
+    run(scenario)
+
+
+def test_decode_worker_dying_mid_stream_migrates_the_request() -> None:
+    async def scenario() -> None:
+        # d0 looks idle and dies after 4 tokens; d1 looks busy, so it is only the fallback
+        async with cluster(decode=[{"die_after_tokens": 4}, {"extra_queued_tokens": 8000}],
+                           local_prefill_max_tokens=10_000) as c:
+            rs = await c.generate(text=LONG, sampling=pb.SamplingParams(max_tokens=12))
+            assert joined(rs) == (ANSWER[:12], SCRIPT[:12])
+            assert rs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            (moved,) = c.decode[1].requests
+            assert list(moved.output_token_ids) == SCRIPT[:4]
+            assert moved.sampling.max_tokens == 8
+            assert c.router.metrics.migrations._value.get() == 1
+
+    run(scenario)
+
+
+def test_a_decode_worker_that_refuses_is_skipped() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"refuse": True}, {"extra_queued_tokens": 8000}]) as c:
+            assert joined(await c.generate(text="hi"))[0] == ANSWER
+            assert len(c.decode[0].requests) == 1 and len(c.decode[1].requests) == 1
+
+    run(scenario)
+
+
+def test_a_decode_worker_that_never_admits_hits_the_admit_deadline() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"admit_delay_s": 30.0}], admit_timeout_s=0.2) as c:
+            t0 = time.monotonic()
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no event within 0.2s" in e.details()
+            assert time.monotonic() - t0 < 2.0
+
+    run(scenario)
+
+
+def test_a_stalled_prefill_falls_back_to_local_prefill() -> None:
+    async def scenario() -> None:
+        async with cluster(prefill=[{"delay_s": 30.0}], prefill_timeout_s=0.2) as c:
+            t0 = time.monotonic()
+            assert joined(await c.generate(text=LONG))[0] == ANSWER
+            assert time.monotonic() - t0 < 2.0
+            modes = [r.prefill_mode for r in c.decode[0].requests]
+            assert modes == [wpb.PREFILL_MODE_REMOTE, wpb.PREFILL_MODE_LOCAL]
+            await until(lambda: not c.decode[0].active)
+
+    run(scenario)
+
+
+def test_a_failed_prefill_is_retried_on_another_prefill_worker() -> None:
+    async def scenario() -> None:
+        async with cluster(prefill=[{"fail": grpc.StatusCode.UNAVAILABLE}, {"queued_tokens": 100}]) as c:
+            assert joined(await c.generate(text=LONG))[0] == ANSWER
+            assert len(c.prefill[0].requests) == 1 and len(c.prefill[1].requests) == 1
+            assert [r.prefill_mode for r in c.decode[0].requests] == [wpb.PREFILL_MODE_REMOTE]
+
+    run(scenario)
+
+
+def test_the_client_deadline_bounds_the_request() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.2}]) as c:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in c.stub.Generate(pb.GenerateRequest(text="hi"), timeout=0.5):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 1.5
+            await until(lambda: not c.decode[0].active)
+
+    run(scenario)
