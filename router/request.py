@@ -290,16 +290,26 @@ class RequestRun:
         if released.stopped:
             resp.finish_reason = pb.FINISH_REASON_STOP
         elif len(self.generated) >= self.req.sampling.max_tokens:
-            resp.text += self.stopper.flush()
-            resp.finish_reason = pb.FINISH_REASON_LENGTH
+            tail, stopped = self._drain()
+            resp.text += tail
+            resp.finish_reason = pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH
         if resp.finish_reason:
             self.finished = True
         if resp.finish_reason or self.req.continuous_usage:
             resp.usage.CopyFrom(self._usage())
         return resp
 
+    def _drain(self) -> tuple[str, bool]:
+        """The text still held by the detokenizer and the stop matcher, at the end of the stream."""
+        released = self.stopper.feed(self.detok.flush())
+        if released.stopped:
+            return released.text, True
+        return released.text + self.stopper.flush(), False
+
     def _final(self, reason: int) -> pb.GenerateResponse:
         self.finished = True
+        text, stopped = self._drain()
         return pb.GenerateResponse(
-            request_id=self.req.request_id, text=self.stopper.flush(), finish_reason=reason, usage=self._usage()
+            request_id=self.req.request_id, text=text,
+            finish_reason=pb.FINISH_REASON_STOP if stopped else reason, usage=self._usage(),
         )

@@ -20,6 +20,10 @@ class Detokenizer(Protocol):
         """Text newly complete after this token (possibly empty)."""
         ...
 
+    def flush(self) -> str:
+        """At the end of the stream: whatever text is still held back."""
+        ...
+
 
 class RouterTokenizer(Protocol):
     vocab_size: int
@@ -45,6 +49,9 @@ class _ByteDetokenizer:
         if token_id >= 256:  # special tokens have no text
             return ""
         return self._decoder.decode(bytes((token_id,)))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
 
 
 class ByteTokenizer:

@@ -43,10 +43,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(decode: list[dict[str, Any]] | None = None, prefill: list[dict[str, Any]] | None = None,
-                  **cfg_kw: Any) -> AsyncIterator[Cluster]:
+                  script: list[int] = SCRIPT, **cfg_kw: Any) -> AsyncIterator[Cluster]:
     kv = FakeKVPlane()
-    decoders = [FakeDecodeWorker(kv, SCRIPT, worker_id=f"d{i}", **kw) for i, kw in enumerate(decode or [{}])]
-    prefillers = [FakePrefillWorker(kv, SCRIPT, worker_id=f"p{i}", **kw) for i, kw in enumerate(prefill or [{}])]
+    decoders = [FakeDecodeWorker(kv, script, worker_id=f"d{i}", **kw) for i, kw in enumerate(decode or [{}])]
+    prefillers = [FakePrefillWorker(kv, script, worker_id=f"p{i}", **kw) for i, kw in enumerate(prefill or [{}])]
     for f in [*decoders, *prefillers]:
         await f.start()
     cfg = RouterConfig(host="127.0.0.1", grpc_port=0, stats_interval_s=0.05, reconnect_backoff_s=0.05, **cfg_kw)
@@ -350,5 +350,17 @@ def test_the_client_deadline_bounds_the_request() -> None:
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert time.monotonic() - t0 < 1.5
             await until(lambda: not c.decode[0].active)
+
+    run(scenario)
+
+
+def test_a_character_split_across_tokens_is_sent_whole() -> None:
+    async def scenario() -> None:
+        async with cluster(script=list("café!".encode())) as c:  # "é" is two bytes: two tokens
+            rs = await c.generate(text="hi")
+            assert [r.text for r in rs if r.token_ids] == ["c", "a", "f", "", "é", "!", ""]
+            # cut after the first byte of "é": the end of the stream flushes what is held
+            rs = await c.generate(text="hi", sampling=pb.SamplingParams(max_tokens=4))
+            assert joined(rs)[0] == "caf\ufffd"
 
     run(scenario)
