@@ -70,6 +70,8 @@ class _Reject(Exception):
 
 _ACTIVE, _FAILING, _DONE = "active", "failing", "done"
 
+IDLE_TIMEOUT_S = 60.0  # a connection with no stream under way is closed after this
+
 
 class _Slot:
     """The receiver's state for one reservation."""
@@ -312,10 +314,17 @@ class KVReceiver:
         try:
             header = bytearray(frame.HEADER_SIZE)
             while True:
+                # A connection must start a stream within IDLE_TIMEOUT_S, so silent
+                # peers do not hold a thread forever (senders replace idle ones).
+                timer = threading.Timer(IDLE_TIMEOUT_S, conn.close)
+                timer.daemon = True
+                timer.start()
                 try:
                     conn.recv_into(header)  # idle between streams: a close here is no error
                 except ConnectionClosed:
                     return
+                finally:
+                    timer.cancel()
                 if not self._serve_stream(conn, header):
                     return
         finally:

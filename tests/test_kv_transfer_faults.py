@@ -240,3 +240,12 @@ def test_second_stream_on_a_ticket_is_refused(setup):
         first.send_layer(layer, BAD_SRC)
     first.finish(2, timeout=10)
     assert rx.wait(r.ticket, 10).first_token == 2
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout(setup, monkeypatch):
+    import splitserve.kv_transfer.receiver as receiver_module
+
+    rx, _, bystander = setup
+    monkeypatch.setattr(receiver_module, "IDLE_TIMEOUT_S", 0.2)
+    peer = RawPeer(bystander.r)  # connects and says nothing
+    assert peer.read_until_closed() == b""

@@ -99,7 +99,7 @@ class RawPeer:
         while True:
             try:
                 chunk = self.sock.recv(65536)
-            except OSError:  # reset: dropped with our bytes unread
+            except ConnectionResetError:  # dropped with our bytes unread
                 return out
             if not chunk:
                 return out
