@@ -133,12 +133,12 @@ def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: Route
         ids = tokenizer.encode(req.text)
     elif kind == "token_ids":
         _reject_unknown(req.token_ids, "token_ids")
-        ids = list(req.token_ids.ids)
+        ids = req.token_ids.ids[:]  # a list; slicing is the fastest way out of a repeated field
         if len(ids) > cfg.max_prompt_tokens:
             raise ValidationError("token_ids", f"{len(ids)} tokens exceed the limit of {cfg.max_prompt_tokens}")
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ValidationError(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # the loop only to name the bad one
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValidationError(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")
     else:
         _reject_unknown(req.chat, "chat")
         msgs = req.chat.messages
