@@ -21,12 +21,16 @@ SUBCOMMANDS = {
 BENCHMARKS = {
     "engine": ("splitserve.bench.engine", "engine decode throughput against transformers and the hardware limits"),
     "transfer": ("splitserve.bench.transfer", "KV transfer GB/s per transport against the raw link"),
+    "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
+    "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
 }
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, chosen: bool) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
     p.set_defaults(_module=module)
+    if not chosen:  # only the subcommand being run pays for its imports
+        return
     try:
         importlib.import_module(module).add_arguments(p)
     except ModuleNotFoundError as e:
@@ -35,20 +39,22 @@ def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) ->
         p.set_defaults(_missing=module)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    words = [w for w in argv if not w.startswith("-")][:2]
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
-        _add(sub, name, module, help_)
+        _add(sub, name, module, help_, words[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_) in BENCHMARKS.items():
-        _add(bench_sub, name, module, help_)
+        _add(bench_sub, name, module, help_, words == ["bench", name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"splitserve: {args._missing} is not built yet", file=sys.stderr)
         return 2
