@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 MODES = ("auto", "disaggregated", "colocated")
+DECODE_POLICIES = ("kv_aware", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class RouterConfig:
     max_model_len: int = 8192  # prompt + generated tokens
 
     # --- routing: cost = load_weight * load_score - overlap_weight * overlap_score
+    decode_policy: str = "kv_aware"  # "round_robin": the baseline that ignores caches and load
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     # load_score's parts: tokens of work over this scale, plus the used-block fraction
@@ -74,6 +76,8 @@ class RouterConfig:
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
 
     def __post_init__(self) -> None:
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"RouterConfig.decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}")
         if self.mode not in MODES:
             raise ValueError(f"RouterConfig.mode must be one of {MODES}, got {self.mode!r}")
         for f in fields(self):

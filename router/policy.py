@@ -154,6 +154,12 @@ def choose_prefill_worker(queued_tokens: Mapping[str, int], rng: random.Random) 
     return chosen
 
 
+def round_robin(workers: Sequence[str], turn: int) -> str:
+    """The baseline: workers in address order, one request each in turn."""
+    ordered = sorted(workers)
+    return ordered[turn % len(ordered)]
+
+
 def route(
     hashes: Sequence[bytes],
     num_tokens: int,
@@ -162,15 +168,21 @@ def route(
     prefill_queued_tokens: Mapping[str, int],
     cfg: RouterConfig,
     rng: random.Random,
+    turn: int = 0,
 ) -> Route:
     """One routing decision: the decode worker, then local or remote prefill for it.
 
     `num_tokens` is the context length (prompt plus any tokens already generated);
     `hashes` its full blocks' chained hashes. With no prefill worker, prefill is local.
+    `turn` counts the router's decisions (the round-robin baseline uses it).
     """
     overlaps = index.overlap(hashes)
-    candidates = [DecodeCandidate(w, overlaps.get(w, 0), load) for w, load in decode_loads.items()]
-    choice = choose_decode_worker(candidates, len(hashes), cfg, rng)
+    if cfg.decode_policy == "round_robin":
+        w = round_robin(list(decode_loads), turn)
+        choice = DecodeChoice(w, overlaps.get(w, 0), 0.0)
+    else:
+        candidates = [DecodeCandidate(w, overlaps.get(w, 0), load) for w, load in decode_loads.items()]
+        choice = choose_decode_worker(candidates, len(hashes), cfg, rng)
     uncached = num_tokens - choice.overlap_blocks * cfg.block_size
     if prefill_queued_tokens:
         mode = choose_prefill_mode(

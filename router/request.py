@@ -126,7 +126,8 @@ class RequestRun:
         context = [*self.req.prompt_token_ids, *self.generated]
         hashes = block_hashes(context, self.cfg.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
-        r = policy.route(hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng)
+        r = policy.route(hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng,
+                         self.workers.next_turn())
         self.workers.assigned(r.worker, r.uncached_tokens)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
         return r.worker, r.mode

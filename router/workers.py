@@ -59,6 +59,7 @@ class WorkerSet:
         self._workers: dict[str, Worker] = {}
         self._on_health_change = on_health_change or (lambda: None)
         self._closed = False
+        self._turn = -1
 
     # ---- membership (the pool manager's interface)
 
@@ -116,6 +117,11 @@ class WorkerSet:
 
     def prefill_queued_tokens(self, exclude: Iterable[str] = ()) -> dict[str, int]:
         return {w.address: w.load().queued_tokens for w in self.healthy("prefill", exclude)}
+
+    def next_turn(self) -> int:
+        """A count of routing decisions, for the round-robin baseline."""
+        self._turn += 1
+        return self._turn
 
     def assigned(self, address: str, tokens: int) -> None:
         w = self._workers.get(address)

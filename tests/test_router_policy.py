@@ -174,3 +174,10 @@ def test_route_picks_the_prefix_holder_and_prefills_its_short_suffix_locally() -
 def test_route_without_prefill_workers_is_local() -> None:
     r = route([], 5000, PrefixIndex(), {"a": IDLE}, {}, cfg(), random.Random(0))
     assert r.mode == "local"
+
+
+def test_round_robin_takes_workers_in_turn_whatever_their_caches():
+    from splitserve.router.policy import round_robin
+
+    workers = ["b:1", "a:1", "c:1"]
+    assert [round_robin(workers, t) for t in range(5)] == ["a:1", "b:1", "c:1", "a:1", "b:1"]
