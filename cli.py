@@ -15,6 +15,8 @@ import sys
 SUBCOMMANDS = {
     "serve": ("splitserve.serve", "start a local cluster: Ray, router, prefill and decode pools"),
     "generate": ("splitserve.generate", "generate text (in-process with --local, else through a router)"),
+    "router": ("splitserve.router.main", "run the router alone, in front of workers given by address"),
+    "worker": ("splitserve.worker.server", "run one prefill or decode worker as a plain process"),
 }
 
 # `splitserve bench NAME`: NAME -> module exposing add_arguments(parser) and run(args) -> int.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -112,18 +113,27 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m splitserve.worker", description="Run one prefill or decode worker.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
     p.add_argument("--worker-id", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
-    p.add_argument("--cluster-token", default=None)
+    p.add_argument("--cluster-token", default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
+                   help="required from callers (default: $SPLITSERVE_CLUSTER_TOKEN)")
     p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint (0: off)")
     add_engine_arguments(p)
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splitserve.worker", description="Run one prefill or decode worker.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = WorkerConfig(
         role=a.role,
@@ -138,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         threads=a.threads,
     )
     worker = start_worker(cfg)
+    if a.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(a.metrics_port)  # kv_transfer's counters live in the default registry
     print(f"{cfg.role} worker ready: grpc {worker.grpc_address} kv {worker.kv_endpoint or '-'}", flush=True)
     if a.ready_file:
         with open(a.ready_file + ".tmp", "w") as f:
             f.write(f"{worker.grpc_address} {worker.kv_endpoint or '-'}\n")
-        import os
-
         os.replace(a.ready_file + ".tmp", a.ready_file)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
