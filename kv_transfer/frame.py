@@ -161,28 +161,39 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+class PayloadChecksum:
+    """A payload's checksum, fed piece by piece as the bytes arrive.
+
+    Every piece but the last must be a whole number of lanes (`LANE_BYTES`), so
+    a receiver can check each piece right after reading it, while it is still
+    in cache and while the sender keeps filling the socket buffer.
+    """
+
+    def __init__(self, kind: int) -> None:
+        if kind not in CHECKSUM_KINDS.values():
+            raise ValueError(f"unknown checksum kind {kind}")
+        self.kind = kind
+        self.value = 0
+
+    def update(self, piece: torch.Tensor) -> None:
+        if self.kind == CHECKSUM_CRC32:
+            self.value = zlib.crc32(_host_memoryview(piece), self.value)
+        elif self.kind == CHECKSUM_LANESUM:
+            self.value = zlib.crc32(_lane_sums(piece), self.value)
+
+
 def checksum(kind: int, pieces: Sequence[torch.Tensor]) -> int:
     """Checksum of the concatenation of contiguous byte tensors (`as_bytes`).
 
-    The lane-sum kind is defined on the concatenated payload; pieces whose
-    lengths are multiples of `LANE_BYTES` are summed in place, anything else is
-    first joined into one buffer (a copy, only for odd layouts).
+    Pieces that are not whole lanes are first joined into one buffer (a copy,
+    only for odd layouts).
     """
-    if kind == CHECKSUM_NONE:
-        return 0
-    if kind == CHECKSUM_CRC32:
-        crc = 0
-        for p in pieces:
-            crc = zlib.crc32(_host_memoryview(p), crc)
-        return crc
-    if kind != CHECKSUM_LANESUM:
-        raise ValueError(f"unknown checksum kind {kind}")
-    if len(pieces) > 1 and any(p.numel() % LANE_BYTES for p in pieces[:-1]):
+    if kind == CHECKSUM_LANESUM and len(pieces) > 1 and any(p.numel() % LANE_BYTES for p in pieces[:-1]):
         pieces = [torch.cat(list(pieces))]
-    crc = 0
+    c = PayloadChecksum(kind)
     for p in pieces:
-        crc = zlib.crc32(_lane_sums(p), crc)
-    return crc
+        c.update(p)
+    return c.value
 
 
 def _lane_sums(p: torch.Tensor) -> memoryview:

@@ -42,6 +42,8 @@ class ConnectionClosed(Exception):
 
 class Connection(Protocol):
     peer: str
+    stream: bool  # a byte stream (a payload may be read in pieces), not messages
+
 
     def send(self, buffers: Sequence[Buffer]) -> None: ...
     def recv_into(self, buffer: Buffer) -> None: ...
@@ -91,6 +93,7 @@ class TCPConnection:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self._sock = sock
         self.peer = peer
+        self.stream = True
         self._closed = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)

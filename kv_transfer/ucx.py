@@ -63,6 +63,7 @@ class UCXConnection:
         self._rt = rt
         self._ep = ep
         self.peer = peer
+        self.stream = False  # tagged messages: receives match the sender's sizes
         self._on_close = on_close
         self._closed = False
 

@@ -63,6 +63,10 @@ def test_lanesum_is_the_same_however_the_payload_is_split():
     whole = frame.checksum(frame.CHECKSUM_LANESUM, [data])
     assert frame.checksum(frame.CHECKSUM_LANESUM, [data[: 2 * frame.LANE_BYTES], data[2 * frame.LANE_BYTES :]]) == whole
     assert frame.checksum(frame.CHECKSUM_LANESUM, [data[:1000], data[1000:]]) == whole
+    fed = frame.PayloadChecksum(frame.CHECKSUM_LANESUM)  # as the receiver feeds it, piece by piece
+    for at in range(0, data.numel(), 2 * frame.LANE_BYTES):
+        fed.update(data[at : at + 2 * frame.LANE_BYTES])
+    assert fed.value == whole
 
 
 # ---- arrival ----------------------------------------------------------------------
