@@ -325,3 +325,13 @@ def test_metrics_count_bytes_frames_and_outcomes():
     assert _metric("splitserve_kv_frames_received_total", transport="tcp") == f0 + 2 * LAYOUT.num_layers  # runs 1-2 and 5
     assert _metric("splitserve_kv_reservations_completed_total") == c0 + 1
     assert _metric("splitserve_kv_reservations_failed_total", reason="lease_expired") == x0 + 1
+
+
+@pytest.mark.timeout(120)
+def test_the_transfer_benchmark_runs_at_ci_size(capsys):
+    from splitserve.cli import main
+
+    assert main(["bench", "transfer", "--size", "8M", "--layers", "4", "--repeats", "1", "--transports", "tcp,cuda_ipc",
+                 "--latency-blocks", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "tcp        raw" in out and "ratio" in out and "pipelining (tcp)" in out
