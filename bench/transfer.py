@@ -23,6 +23,7 @@ import socket
 import statistics
 import threading
 import time
+
 import torch
 
 from splitserve.engine.kv_cache import KVCache, KVLayout

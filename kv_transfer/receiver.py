@@ -248,6 +248,7 @@ class KVReceiver:
             slot.state, slot.outcome, slot.code = _FAILING, Failed(reason), code
             conn, idle = slot.conn, slot.writers == 0
         if conn is not None:
+            self._reply(conn, frame.ERROR, slot.reservation, reason)  # best effort: tell the sender why
             conn.close()  # wakes a write blocked in recv_into; that thread then finalizes
         if idle:
             self._finalize(slot)
@@ -370,9 +371,7 @@ class KVReceiver:
             reason = str(e) if not isinstance(e, ConnectionClosed) else f"sender disconnected before done ({e})"
             metrics.FRAMES_REJECTED.labels(reason=code).inc()
             if slot is not None:
-                if code != "disconnected":
-                    self._reply(conn, frame.ERROR, slot.reservation, reason)
-                self._fail(slot, code, reason)
+                self._fail(slot, code, reason)  # tells the sender why, if it still listens
             else:
                 log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
         except Exception as e:  # a bug here must not take the receiver down

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all  # noqa: E402
 
-from splitserve.engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from splitserve.engine.kv_cache import KVCache  # noqa: E402
 from splitserve.kv_transfer import Completed, Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
 from splitserve.kv_transfer.fake import FakeTransport  # noqa: E402
 
