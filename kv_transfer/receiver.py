@@ -403,8 +403,7 @@ class KVReceiver:
             slot.conn = conn
         mismatch = self.cache.layout.mismatch(layout)
         if mismatch:
-            self._reply(conn, frame.ERROR, slot.reservation, mismatch)
-            self._fail(slot, "layout_mismatch", mismatch)
+            self._fail(slot, "layout_mismatch", mismatch)  # replies with the reason
             raise _Reject("layout_mismatch", mismatch)
         ipc = bool(h.value) and self.transport == "cuda_ipc"
         mapping = b""
