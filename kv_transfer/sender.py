@@ -13,9 +13,12 @@ and sends them zero-copy, so the compute loop goes on at once. The queue is
 bounded: if the link is slower than compute, `send_layer` waits (back-pressure)
 rather than letting memory grow.
 
-The source blocks must not change until their frame is sent. A partial last
-block that the next prefill chunk will extend is sent with `snapshot=True`
-(copied at call time; it is resent whole by a later chunk).
+The source blocks must not change until their frame is sent. Chunked prefill
+that resends a partial last block needs nothing more as long as
+`queue_depth + 1 < num_layers`: the stream is then never more than
+`queue_depth + 1` layers behind the compute loop, so a chunk's layer L frame
+has left before the next chunk writes layer L again. Otherwise (or for any
+other reuse of source blocks) pass `snapshot=True`, which copies at call time.
 """
 
 from __future__ import annotations
