@@ -1,0 +1,114 @@
+"""JIT build of the C++ kernels in this folder, at first use.
+
+`load_extension` compiles one source file with torch.utils.cpp_extension and
+imports it; the result is cached on disk, so only the first process on a
+machine pays the compile (about 20 s). The build directory is
+$TORCH_EXTENSIONS_DIR or ~/.cache/splitserve/kernels, one subfolder per
+extension, torch version and Python version: an extension built against one
+torch must never be loaded by another. torch's file baton serialises builds
+across processes; callers serialise threads.
+
+A build that fails is not an error for the caller: it gets None and one
+warning, and runs the plain torch path instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+
+# torch's baton is a lock file that a process killed mid-build leaves behind,
+# and every later build would wait on it forever. A build takes well under a
+# minute; a lock this old belongs to nobody.
+_STALE_LOCK_S = 600.0
+
+
+def build_root() -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "splitserve" / "kernels"
+
+
+def build_dir(name: str) -> Path:
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return build_root() / f"{name}-torch{torch.__version__}-{py}".replace("+", "_")
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch builds with ninja from PATH; the `ninja` wheel puts it beside the venv's python."""
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+            return
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            log.warning("removing stale kernel build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def load_extension(name: str, source: str | Path) -> ModuleType | None:
+    """Compile (if needed) and import `source` (a file in this folder, or a path) as module `name`.
+
+    Returns None, after one warning, when the platform is not x86-64 Linux or
+    the compile or import fails.
+    """
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        log.warning("splitserve kernels need x86-64 Linux (this is %s %s); using torch's F.linear",
+                    sys.platform, platform.machine())
+        return None
+    folder = build_dir(name)
+    started = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        folder.mkdir(parents=True, exist_ok=True)
+        _ensure_ninja_on_path()
+        _clear_stale_lock(folder)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_HERE / source)],  # an absolute `source` stays as it is
+            # The ISA-specific code is selected with `#pragma GCC target` inside
+            # the source, so the binary is the same on every x86-64 machine and
+            # no -march=native result can leak between hosts sharing a home.
+            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
+            # -fopenmp links libgomp.so.1, which resolves to the copy torch
+            # already loaded: one OpenMP runtime, one thread pool.
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler, ninja or loader failure of any kind
+        detail = str(exc).strip()
+        log.warning("could not build kernel %s in %s; using torch's F.linear. %s",
+                    name, folder, detail[-2000:])
+        return None
+    elapsed = time.perf_counter() - started
+    if elapsed > 2.0:
+        log.info("built kernel %s in %.1f s (%s)", name, elapsed, folder)
+    return module

@@ -1,0 +1,145 @@
+"""`linear(x, w, bias)`: F.linear for bf16 weights, with a CPU kernel for decode.
+
+At batch 1..a few rows, a decode step on a CPU is bound by reading weights,
+and torch's bf16 F.linear streams them at a fraction of memory bandwidth. The
+kernel in linear.cpp streams each weight once at close to it. This front takes
+the kernel when the call fits it (CPU, bf16 W, contiguous, few rows, no
+autograd) and F.linear otherwise, so callers never need to know which ran.
+
+SPLITSERVE_NO_KERNELS=1 forces F.linear everywhere (read once, when the
+process first calls linear; the check per call would cost more than a small
+matrix's worth of bandwidth).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from splitserve.engine.kernels.build import load_extension
+
+log = logging.getLogger(__name__)
+
+# Rows of x up to which the kernel beats F.linear on the SmolLM2 shapes (see
+# bench_linear.py; at 32 they are level, both bound by bf16 arithmetic). Past
+# this, prefill territory, oneDNN's blocked GEMM is the better tool.
+MAX_ROWS = 32
+
+DISABLE_ENV = "SPLITSERVE_NO_KERNELS"
+
+_BF16 = torch.bfloat16
+_F32 = torch.float32
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None  # the built kernel, or None: disabled, unbuildable or failed
+_tried = False
+
+
+def kernels_disabled() -> bool:
+    """SPLITSERVE_NO_KERNELS set to anything but "" or "0". Read once, at the first call of linear."""
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+def _run(ext: ModuleType, x: Tensor, w: Tensor, bias: Tensor | None, isa: int = 0) -> Tensor:
+    """The kernel on checked arguments: x [B, K] and w [N, K] contiguous CPU, w bf16, x bf16 or
+    fp32, bias None or [N] contiguous CPU bf16/fp32, K > 0. The module trusts its pointers, so
+    whatever reaches this function must satisfy all of that."""
+    b, n = x.shape[0], w.shape[0]
+    y = x.new_empty(b, n)  # the cheapest of torch's allocating calls (~1 us)
+    bias_kind = 0 if bias is None else (1 if bias.dtype is _BF16 else 2)
+    ext.linear(y.data_ptr(), x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
+               b, n, x.shape[1], x.dtype is _F32, bias_kind, torch.get_num_threads(), isa)
+    return y
+
+
+def _self_test(ext: ModuleType) -> bool:
+    """A freshly built binary must agree with torch before it computes anything real."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 77, generator=gen).to(torch.bfloat16)
+    w = torch.randn(45, 77, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ w.float().T
+    got = _run(ext, x, w, None).float()
+    return bool(torch.allclose(got, ref, rtol=2e-2, atol=5e-2))
+
+
+def _load() -> ModuleType | None:
+    if kernels_disabled():
+        log.info("%s is set: linear runs on torch's F.linear", DISABLE_ENV)
+        return None
+    ext = load_extension("splitserve_linear", "linear.cpp")
+    if ext is not None and ext.isa() == 0:
+        log.warning("CPU has neither AVX2+FMA nor AVX-512; using torch's F.linear")
+        return None
+    if ext is not None and not _self_test(ext):
+        log.warning("linear kernel disagrees with torch on its self-test; using torch's F.linear")
+        return None
+    return ext
+
+
+def _extension() -> ModuleType | None:
+    global _ext, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _ext = _load()
+                _tried = True
+    return _ext
+
+
+def kernel_available() -> bool:
+    """True when linear() will use the kernel for calls that fit it (building it now if not yet built)."""
+    return _extension() is not None
+
+
+def kernel_isa() -> int:
+    """0 none, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512 BF16 (the path bf16 inputs take)."""
+    ext = _extension()
+    return 0 if ext is None else int(ext.isa())
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ w.T (+ bias), in x's dtype. w is [N, K]; x is [..., K], bf16 or fp32.
+
+    Unlike F.linear, a bf16 w may meet fp32 x (the product is then exact fp32
+    arithmetic on the widened weights) and bias may be bf16 or fp32; the
+    F.linear fallback casts w and bias to x's dtype to give the same contract.
+    """
+    ext = _ext if _tried else _extension()
+    # Checked in order of cost: this runs ~120 times per decode step, where
+    # one small matrix takes ~30 us, so the front must stay around 1-2 us.
+    # Every property the kernel relies on is checked here: it takes raw pointers.
+    if (
+        ext is not None
+        and w.dtype is _BF16
+        and (x.dtype is _BF16 or x.dtype is _F32)
+        and x.is_cpu
+        and w.is_cpu
+        and w.dim() == 2
+        and x.dim() > 0
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and x.shape[-1] == w.shape[1]
+        and w.shape[1] > 0
+        and (bias is None or (bias.dim() == 1 and bias.is_cpu and bias.is_contiguous()
+                              and (bias.dtype is _BF16 or bias.dtype is _F32)
+                              and bias.shape[0] == w.shape[0]))
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+    ):
+        if x.dim() == 2:
+            if x.shape[0] <= MAX_ROWS:
+                return _run(ext, x, w, bias)
+        elif x.numel() <= MAX_ROWS * x.shape[-1]:
+            y = _run(ext, x.reshape(-1, x.shape[-1]), w, bias)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, w, bias)
