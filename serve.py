@@ -21,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="0.0.0.0", help="router address to bind")
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint of the router (0: off)")
-    p.add_argument("--worker-host", default="127.0.0.1", help="address workers listen on (a node IP on a cluster)")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)")
     p.add_argument("--mode", default="auto", choices=["auto", "disaggregated", "colocated"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -80,6 +82,7 @@ async def _serve(a: argparse.Namespace) -> int:
                  json.loads(a.decode_resources)),
     ]
     cfg = RouterConfig(host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port, mode=a.mode,
+                       http_port=None if a.http_port < 0 else a.http_port,
                        block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens,
                        api_key=a.api_key, cluster_token=cluster_token)
     router = Router(cfg, tokenizer)
@@ -90,6 +93,9 @@ async def _serve(a: argparse.Namespace) -> int:
     await pools.start()
     await router.wait_for_workers(timeout_s=120)
     print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
+    if router.http is not None:
+        print(f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, /v1/completions)",
+              flush=True)
     for role in ("prefill", "decode"):
         for g, kv in pools.addresses(role):
             print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)

@@ -72,6 +72,8 @@ class RouterConfig:
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
+    http_port: int | None = None  # the OpenAI-compatible HTTP front door; None: off, 0: any free port
+    model_name: str = "splitserve"  # what /v1/models reports
     api_key: str | None = None  # clients send "authorization: Bearer <key>"
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
 

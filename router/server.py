@@ -44,46 +44,61 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._active: set[str] = set()  # request ids in flight
         self._bearer = f"Bearer {cfg.api_key}" if cfg.api_key else None
 
+    def admit(self, request: pb.GenerateRequest, authorization: str | None, time_remaining: float | None) -> RequestRun:
+        """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
+
+        Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED,
+        INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS.
+        """
+        if self._bearer is not None and authorization != self._bearer:
+            raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)")
+        if self.inflight >= self.cfg.max_inflight:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"router at its limit of {self.cfg.max_inflight} requests in flight")
+        try:
+            req = validate(request, self.cfg, self.tokenizer)
+        except ValidationError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if req.request_id in self._active:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
+        timeout = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
+        return RequestRun(req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng,
+                          deadline=time.monotonic() + timeout)
+
+    async def stream(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]:
+        """Run an admitted request, counted in flight; failures come out as RequestFailed."""
+        rid = run.req.request_id
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        self._active.add(rid)
+        try:
+            async for resp in run.run():
+                yield resp
+        except RequestFailed:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not look like the client's fault
+            log.exception("request %s failed", rid)
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            self._active.discard(rid)
+
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         code = grpc.StatusCode.OK
         try:
-            if self._bearer is not None and dict(context.invocation_metadata() or ()).get("authorization") != self._bearer:
-                code = grpc.StatusCode.UNAUTHENTICATED
-                await context.abort(code, "missing or wrong API key (authorization: Bearer <key>)")
-            if self.inflight >= self.cfg.max_inflight:
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                await context.abort(code, f"router at its limit of {self.cfg.max_inflight} requests in flight")
             try:
-                req = validate(request, self.cfg, self.tokenizer)
-            except ValidationError as e:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(e))
-            if req.request_id in self._active:
-                code = grpc.StatusCode.ALREADY_EXISTS
-                await context.abort(code, f"request_id: {req.request_id!r} is already in flight")
-            remaining = context.time_remaining()
-            timeout = self.cfg.request_timeout_s if remaining is None else min(remaining, self.cfg.request_timeout_s)
-            run = RequestRun(req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng,
-                             deadline=time.monotonic() + timeout)
-            self.inflight += 1
-            self.metrics.inflight.inc()
-            self._active.add(req.request_id)
-            try:
-                async for resp in run.run():
+                run = self.admit(request, dict(context.invocation_metadata() or ()).get("authorization"),
+                                 context.time_remaining())
+                async for resp in self.stream(run):
                     yield resp
             except RequestFailed as e:
                 code = e.code
                 await context.abort(e.code, str(e))
-            except Exception:  # a bug here must not look like the client's fault
-                log.exception("request %s failed", req.request_id)
-                code = grpc.StatusCode.INTERNAL
-                await context.abort(code, "internal error in the router")
-            finally:
-                self.inflight -= 1
-                self.metrics.inflight.dec()
-                self._active.discard(req.request_id)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -153,6 +168,8 @@ class Router:
         self._initial = (list(decode), list(prefill))
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.http = None
+        self.http_port = 0
 
     def _health_changed(self) -> None:
         self.health.notify()
@@ -164,6 +181,12 @@ class Router:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port if port is None else port}")
         await self.server.start()
+        if self.cfg.http_port is not None:
+            from splitserve.router.http import OpenAIServer
+
+            self.http = OpenAIServer(self.generation, self.cfg.model_name)
+            self.http_port = await self.http.start(self.cfg.host, self.cfg.http_port)
+            log.info("OpenAI-compatible HTTP on %s:%d", self.cfg.host, self.http_port)
         decode, prefill = self._initial
         self.workers.add_all(decode, "decode")
         self.workers.add_all(prefill, "prefill")
@@ -183,6 +206,8 @@ class Router:
             await asyncio.sleep(0.01)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.workers.close()

@@ -13,8 +13,14 @@ class WorkerActor:
     """Wrapped with `ray.remote` by the pool manager, with the pool's resources."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
+        import dataclasses
+
         from splitserve.worker.server import start_worker
 
+        if cfg.host == "auto":  # multi-node: listen on and advertise this node's address
+            import ray
+
+            cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.cfg = cfg
         self.worker = start_worker(cfg)

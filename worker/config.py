@@ -16,7 +16,7 @@ class WorkerConfig:
     worker_id: str = "worker-0"
     model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"  # the address others reach this worker at
+    host: str = "127.0.0.1"  # the address others reach this worker at ("auto" under Ray: the node's IP)
     grpc_port: int = 0  # 0: any free port
     kv_port: int = 0  # decode role: the kv_transfer receiver's port
     kv_transport: str = "tcp"
