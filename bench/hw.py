@@ -1,0 +1,158 @@
+"""Hardware-limit probes for the engine benchmark: what the machine can do,
+measured in the same run as the figures divided by it.
+
+- memory-read bandwidth: on a CPU a `torch.sum` over an fp32 buffer far larger
+  than the last-level cache (a plain read, the batch-1 decode floor); on a GPU
+  a device-to-device copy, counted as bytes read plus bytes written (the HBM
+  figure that gpt-fast and the issue's roofline use);
+- the model's own matrix products: one pass of `F.linear` over a full set of
+  weight tensors of the model's shapes (every layer its own tensors, so the
+  weights stream from memory as they do in a decode step) at a given batch.
+  At batch 32 that is the matmul rate the decode step is held against; at
+  batch 1 it is what torch's matrix-vector product alone makes of the
+  bandwidth; at prompt length it is the prefill ceiling.
+
+The probes use plain torch on purpose: they say what the library and the
+machine give, whatever kernel the engine itself happens to use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.config import ModelConfig
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
+    """The buffer `read_bandwidth` reads: fp32 noise on CPU (pages touched), zeros on a GPU."""
+    n = nbytes // 4
+    if device.type == "cuda":
+        return torch.zeros(2, n, dtype=torch.float32, device=device)  # source and destination of the copy
+    return torch.rand(n, dtype=torch.float32)
+
+
+def read_bandwidth(buf: torch.Tensor) -> float:
+    """One sample, GB/s. CPU: bytes summed per second. CUDA: (read + written) bytes copied per second."""
+    device = buf.device
+    sync(device)
+    t = time.perf_counter()
+    if device.type == "cuda":
+        buf[1].copy_(buf[0])
+        moved = 2 * buf[0].numel() * 4
+    else:
+        buf.sum()
+        moved = buf.numel() * 4
+    sync(device)
+    return moved / (time.perf_counter() - t) / 1e9
+
+
+class LinearGroup(NamedTuple):
+    name: str
+    out_features: int
+    in_features: int
+    weights: list[torch.Tensor]  # one per layer (lm_head: one)
+
+
+def linear_shapes(cfg: ModelConfig, lm_head: bool = True) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, count) of a step's matrix products, as the engine fuses them."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes = [
+        ("qkv", q + 2 * kv, h, cfg.num_layers),
+        ("o", h, q, cfg.num_layers),
+        ("gate_up", 2 * i, h, cfg.num_layers),
+        ("down", h, i, cfg.num_layers),
+    ]
+    if lm_head:
+        shapes.append(("lm_head", cfg.vocab_size, h, 1))
+    return shapes
+
+
+class LinearProbe:
+    """A full set of the model's weight shapes (random values) and a timed pass of F.linear over them."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, lm_head: bool = True) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.groups = [
+            LinearGroup(name, n, k, [torch.randn(n, k, device=device).mul_(k**-0.5).to(dtype) for _ in range(count)])
+            for name, n, k, count in linear_shapes(cfg, lm_head)
+        ]
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for g in self.groups for w in g.weights)
+
+    def flops(self, batch: int, skip: tuple[str, ...] = ()) -> int:
+        return sum(self.group_flops(g, batch) for g in self.groups if g.name not in skip)
+
+    def group_flops(self, group: LinearGroup, batch: int) -> int:
+        return 2 * batch * group.out_features * group.in_features * len(group.weights)
+
+    def _x(self, batch: int, k: int) -> torch.Tensor:
+        key = (batch, k)
+        if key not in self._inputs:
+            self._inputs[key] = torch.randn(batch, k, device=self.device).to(self.dtype)
+        return self._inputs[key]
+
+    def pass_times(self, batch: int, skip: tuple[str, ...] = ()) -> dict[str, float]:
+        """Seconds per group for one pass over every weight at this batch (device synchronised per group)."""
+        out: dict[str, float] = {}
+        with torch.inference_mode():
+            for g in self.groups:
+                if g.name in skip:
+                    continue
+                x = self._x(batch, g.in_features)
+                sync(self.device)
+                t = time.perf_counter()
+                for w in g.weights:
+                    F.linear(x, w)
+                sync(self.device)
+                out[g.name] = time.perf_counter() - t
+        return out
+
+    def free_inputs(self) -> None:
+        self._inputs.clear()
+
+
+class CpuShare:
+    """Cores kept busy by other processes (and the hypervisor's steal) while a figure was measured.
+
+    Read from /proc: the machine's busy time minus this process's own CPU time,
+    over the wall time. On a shared 2-core machine this says how much of the
+    noise in a figure is someone else's work. NaN where /proc is missing.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        return busy / tick, (int(own[11]) + int(own[12])) / tick, time.perf_counter()
+
+    def others(self) -> float:
+        """Other processes' cores, averaged since construction."""
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return float("nan")
+        busy, own, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, (busy - own) / wall)

@@ -1,0 +1,73 @@
+"""`splitserve bench engine` end to end in quick mode on a tiny random model:
+every figure it promises is printed, positive and finite. Speed itself is the
+benchmark's business, not the test's."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from splitserve import cli
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+NUMBER = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
+
+
+def _figures(text: str, pattern: str) -> list[float]:
+    found = [float(x) for m in re.findall(pattern, text) for x in (m if isinstance(m, tuple) else (m,))]
+    assert found, f"no match for {pattern!r} in:\n{text}"
+    assert all(math.isfinite(x) and x > 0 for x in found), (pattern, found)
+    return found
+
+
+def test_quick_run_prints_every_figure_for_both_dtypes(capsys):
+    rc = cli.main(["bench", "engine", "--model", "tiny", "--quick", "--batch", "4", "--prefill-len", "64", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for dtype in ("fp32", "bf16"):
+        tag = rf"\[tiny {dtype}\]"
+        _figures(out, tag + rf" hardware  memory read {NUMBER} GB/s")
+        _figures(out, tag + rf" hardware  F\.linear at batch 1 .*? = {NUMBER} GB/s")
+        _figures(out, tag + rf" hardware  F\.linear at batch 4 .*? = {NUMBER} GFLOP/s")
+        for batch in (1, 4):
+            line = tag + rf" batch {batch}\s+decode  ours {NUMBER} tok/s .*\| HF {NUMBER} tok/s .*\| ratio {NUMBER}x"
+            assert len(re.findall(line, out)) == 1, out
+            _figures(out, line)
+            assert re.search(tag + rf" batch {batch}\s+greedy    ours and HF's tokens identical", out)
+        _figures(out, tag + rf" batch 1   roofline  {NUMBER} MB/step .* memory read {NUMBER} GB/s = floor {NUMBER} ms/step")
+        _figures(out, tag + rf" batch 1   achieved  ours {NUMBER} GB/s = {NUMBER}% of the memory roofline \| HF {NUMBER} GB/s")
+        _figures(out, tag + rf" batch 4\s+compute   {NUMBER} GFLOP/step .* = {NUMBER} GFLOP/s")
+        _figures(out, tag + rf" batch 4\s+achieved  ours {NUMBER} GFLOP/s = {NUMBER}% of the matmul rate")
+        _figures(out, tag + rf" prefill   64 tokens: ours {NUMBER} tok/s .* = {NUMBER} TFLOP/s = {NUMBER}% of F\.linear")
+    assert re.search(r"machine: .*; torch .*, 1 threads", out)
+
+
+def test_cuda_without_a_gpu_skips_cleanly(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.main(["bench", "engine", "--device", "cuda", "--quick"]) == 0
+    assert "CUDA is not available on this machine" in capsys.readouterr().out
+
+
+def test_gpu_model_shapes_and_device_side_weights():
+    """The GPU part's random models: the right sizes, and weights drawn on the device under the
+    names and shapes engine.testing.random_weights gives (checked here on the meta device)."""
+    import torch
+
+    from splitserve.bench import engine as bench
+    from splitserve.engine.testing import random_weights, tiny_model_config
+
+    for key, params in (("llama-3.2-1b", 1.24e9), ("llama-3-8b", 8.03e9)):
+        cfg = bench._shape(key)
+        assert abs(cfg.num_params - params) / params < 0.01, (key, cfg.num_params)
+        drawn = bench._random_weights(cfg, torch.bfloat16, torch.device("meta"))
+        assert sum(t.numel() for t in drawn.values()) == cfg.num_params
+    for cfg in (tiny_model_config(), tiny_model_config(tie_embeddings=False, attention_bias=True)):
+        want = {name: tuple(t.shape) for name, t in random_weights(cfg).items()}
+        drawn = bench._random_weights(cfg, torch.float32, torch.device("meta"))
+        assert {name: tuple(t.shape) for name, t in drawn.items()} == want
