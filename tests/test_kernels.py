@@ -113,9 +113,10 @@ def test_front_uses_kernel_for_leading_dims_and_1d_x(ext):
     _check(y1[None], x1[None], w, None)
 
 
-def test_same_bits_for_any_thread_count(ext):
+@pytest.mark.parametrize("n", [2053, 701])  # 2.4 MB and 0.8 MB: cut into different chunks per thread count
+def test_same_bits_for_any_thread_count(ext, n):
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(2053, 576, generator=gen).to(torch.bfloat16)  # 2.4 MB: past the parallel threshold
+    w = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
     before = torch.get_num_threads()
     try:
@@ -125,7 +126,7 @@ def test_same_bits_for_any_thread_count(ext):
         many = kl.linear(x, w)
     finally:
         torch.set_num_threads(before)
-    # each row's dot product is computed the same way whichever thread takes it
+    # each row's dot product is computed the same way whichever thread or chunk takes it
     assert torch.equal(one, many)
 
 
