@@ -5,6 +5,8 @@ embeddings. Covers Llama 2/3, Mistral, Qwen2-style (q/k/v bias) and SmolLM.
 Weights arrive under Hugging Face names and are fused at load time (q, k and v
 into one matrix, gate and up into another) so a layer runs four matrix
 products: fewer, larger kernels, which is what decode on a CPU or a GPU wants.
+Matrix products go through engine/kernels' `linear`, which streams bf16 weights
+at memory speed for decode-sized batches on a CPU and is F.linear otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.kernels.linear import linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -139,7 +142,7 @@ class LlamaModel:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
             q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -150,9 +153,9 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, q_size), lw.o)
+            h = h + linear(attn.reshape(-1, q_size), lw.o)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, lw.down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
