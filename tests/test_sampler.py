@@ -1,0 +1,119 @@
+"""The sampler, one processor at a time, on hand-made logits; and the engine's
+per-request sampling contract (seeds, stops, lengths, logprobs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.sampler import apply_penalties, filter_logits, sample
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.testing import random_weights, tiny_model_config
+
+pytestmark = pytest.mark.timeout(60)
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+
+
+def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = 1, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [sample(logits[None], [params], [[]], [[]], [None], g).token_ids[0] for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    assert draw(SamplingParams(temperature=0)) == [4]
+
+
+def test_top_k_one_and_tiny_top_p_and_full_min_p_are_greedy():
+    for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)):
+        assert set(draw(p, n=50)) == {4}
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    kept = torch.isfinite(filter_logits(LOGITS, SamplingParams(top_k=2)))
+    assert kept.tolist() == [True, False, False, False, True]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.softmax(LOGITS, -1)  # sorted: 4 (0.61), 0 (0.22), 1 (0.08), ...
+    p = float(probs[4] + probs[0]) - 1e-4
+    kept = torch.isfinite(filter_logits(LOGITS, SamplingParams(top_p=p)))
+    assert kept.tolist() == [True, False, False, False, True]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    kept = torch.isfinite(filter_logits(LOGITS, SamplingParams(min_p=0.3)))
+    probs = torch.softmax(LOGITS, -1)
+    assert kept.tolist() == (probs >= 0.3 * probs.max()).tolist()
+
+
+def test_temperature_sampling_follows_the_softmax():
+    counts = torch.bincount(torch.tensor(draw(SamplingParams(temperature=1.0), n=4000)), minlength=5).float()
+    expected = torch.softmax(LOGITS, -1) * 4000
+    assert torch.all((counts - expected).abs() < 4 * expected.sqrt() + 5)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    out = apply_penalties(LOGITS, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[3])
+    assert out[0] == pytest.approx(1.0) and out[3] == pytest.approx(-2.0) and out[4] == pytest.approx(3.0)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(LOGITS, p, prompt_ids=[1], output_ids=[4, 4, 2])
+    assert out[4] == pytest.approx(3.0 - 0.5 - 0.5) and out[2] == pytest.approx(0.5 - 0.5 - 0.25)
+    assert out[1] == pytest.approx(1.0)
+
+
+def test_logprob_is_the_raw_log_softmax_of_the_chosen_token():
+    g = torch.Generator()
+    res = sample(LOGITS[None], [SamplingParams(temperature=0, logprobs=True)], [[]], [[]], [None], g)
+    assert res.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4]))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
+                                          ("max_tokens", 0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+                                          ("seed", -1), ("temperature", math.nan)])
+def test_bad_parameters_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+# ---- through the engine
+
+CFG = tiny_model_config(num_layers=1)
+WEIGHTS = random_weights(CFG, seed=4)
+
+
+def engine() -> Engine:
+    return Engine(CFG, WEIGHTS, EngineConfig(num_blocks=64))
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    # a high temperature: the tiny random model is sharply peaked
+    p = list(range(10))
+    a = engine().generate([p], SamplingParams(max_tokens=20, temperature=20.0, seed=7, ignore_eos=True))
+    b = engine().generate([p], SamplingParams(max_tokens=20, temperature=20.0, seed=7, ignore_eos=True))
+    c = engine().generate([p], SamplingParams(max_tokens=20, temperature=20.0, seed=8, ignore_eos=True))
+    assert a == b and a != c
+
+
+def test_stop_token_ids_and_max_tokens_end_a_request():
+    p = list(range(10))
+    free = engine().generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert len(free) == 12
+    stopped = engine().generate([p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free[3],)))[0]
+    assert stopped == free[: free.index(free[3]) + 1]
+
+
+def test_engine_reports_logprobs_when_asked():
+    e = engine()
+    e.add_request("r", list(range(5)), SamplingParams(max_tokens=3, temperature=0, logprobs=True, ignore_eos=True))
+    outs = []
+    while e.has_work:
+        outs += e.step()
+    assert len(outs) == 3 and all(o.logprob is not None and o.logprob <= 0 for o in outs)
