@@ -1,8 +1,9 @@
-"""The bf16 linear kernel: agreement with an fp32 reference on every code path
+"""The linear kernel: agreement with an fp32 reference on every code path
 (AVX512-BF16, AVX-512 and AVX2 fp32-FMA) over odd shapes, batch 1..8 and 32,
-with and without bias; identical results whatever the thread count; and the
-F.linear fallback for calls that do not fit, for SPLITSERVE_NO_KERNELS and for
-a kernel that does not compile."""
+with and without bias, for bf16 weights and for fp32 weights (against an fp64
+reference and against F.linear); identical results whatever the thread count
+and whatever else is in the batch; and the F.linear fallback for calls that do
+not fit, for SPLITSERVE_NO_KERNELS and for a kernel that does not compile."""
 
 from __future__ import annotations
 
@@ -166,6 +167,110 @@ def test_isa_beyond_the_cpu_is_refused(ext):
         kl._run(ext, torch.randn(1, 8).to(torch.bfloat16), w, None, ext.isa() + 1)
 
 
+# ------------------------------------------------------------ fp32 weights
+
+def _fp32_isas(ext) -> list[int]:
+    # fp32 W runs AVX-512F (levels 2 and 3) or AVX2: asking for level 3 must work too
+    return list(range(1, ext.isa() + 1))
+
+
+def _reference64(x, w, bias):
+    """fp64 x @ w.T + bias, and sum_k |x_k w_k| (the scale of any fp32 summation's error)."""
+    ref = x.double() @ w.double().T
+    if bias is not None:
+        ref = ref + bias.double()
+    return ref, x.double().abs() @ w.double().abs().T
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fp32_weights_match_reference_and_f_linear_on_every_isa(ext, n, k):
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for b in BATCHES if n * k < 100_000 else BATCHES[::3]:
+        x = torch.randn(b, k, generator=gen)
+        for bi in (None, bias, bias.to(torch.bfloat16)):
+            ref, scale = _reference64(x, w, bi)
+            # fp32 FMA with K/lanes terms per lane: err <= ~(K/8 + 8) * 2^-24 * scale
+            tol = (k / 8 + 8) * 2.0**-24 * scale + 1e-7
+            theirs = F.linear(x, w, None if bi is None else bi.float())
+            for isa in _fp32_isas(ext):
+                y = kl._run(ext, x, w, bi, isa)
+                assert y.dtype == torch.float32 and y.shape == (b, n)
+                err = (y.double() - ref).abs()
+                assert bool((err <= tol).all()), (isa, b, float((err - tol).max()))
+                # and as close to F.linear as two fp32 summation orders can be
+                assert bool(((y - theirs).abs().double() <= 2 * tol).all()), (isa, b)
+
+
+def test_fp32_weights_no_less_accurate_than_f_linear(ext):
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(3072, 576), (576, 1536)]:
+        w = torch.randn(n, k, generator=gen)
+        x = torch.randn(4, k, generator=gen)
+        ref = x.double() @ w.double().T
+        ours = (kl.linear(x, w).double() - ref).abs().mean()
+        theirs = (F.linear(x, w).double() - ref).abs().mean()
+        assert ours <= theirs * 1.25, (n, k, float(ours), float(theirs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_results_do_not_depend_on_the_rest_of_the_batch(ext, dtype):
+    # batching must be invisible: a row alone, or among 1..31 others in any
+    # position, gives the same bits, on every ISA path
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(301, 583, generator=gen).to(dtype)  # odd N (tile leftovers), odd K (masked tail)
+    bias = torch.randn(301, generator=gen)
+    xs = torch.randn(32, 583, generator=gen).to(dtype)
+    isas = _fp32_isas(ext) if dtype is torch.float32 else list(range(1, ext.isa() + 1))
+    for isa in isas:
+        alone = torch.cat([kl._run(ext, xs[i : i + 1], w, bias, isa) for i in range(32)])
+        for b in (2, 3, 5, 6, 7, 8, 13, 32):
+            for start in (0, 32 - b):
+                got = kl._run(ext, xs[start : start + b].contiguous(), w, bias, isa)
+                assert torch.equal(got, alone[start : start + b]), (isa, b, start)
+        perm = torch.randperm(32, generator=gen)
+        assert torch.equal(kl._run(ext, xs[perm].contiguous(), w, bias, isa), alone[perm]), isa
+
+
+@pytest.mark.parametrize("n", [2053, 701, 6007])  # fp32: 4.7, 1.6 and 13.8 MB, cut differently per thread count
+def test_fp32_same_bits_for_any_thread_count(ext, n):
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(n, 576, generator=gen)
+    x = torch.randn(3, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kl.linear(x, w)
+        results = []
+        for threads in (2, 3, max(4, os.cpu_count() or 4)):
+            torch.set_num_threads(threads)
+            results.append(kl.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, r) for r in results)
+
+
+def test_front_takes_fp32_weights_with_leading_dims_and_1d_x(ext):
+    gen = torch.Generator().manual_seed(14)
+    w = torch.randn(37, 70, generator=gen)
+    bias = torch.randn(37, generator=gen)
+    x3 = torch.randn(2, 3, 70, generator=gen)
+    y3 = kl.linear(x3, w, bias)
+    assert y3.shape == (2, 3, 37) and y3.dtype == torch.float32
+    assert torch.equal(y3.reshape(6, 37), kl._run(ext, x3.reshape(6, 70), w, bias))
+    y1 = kl.linear(x3[0, 0], w)
+    assert y1.shape == (37,)
+    assert torch.equal(y1, kl._run(ext, x3[0, 0][None], w, None)[0])
+
+
+def test_fp32_weights_with_bf16_x_are_refused_by_the_module(ext):
+    # the front never sends these (they go to F.linear); the module must not misread them
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="fp32 w takes fp32 x"):
+        kl._run(ext, torch.randn(1, 8).to(torch.bfloat16), w, None)
+
+
 @pytest.fixture
 def recording_ext(monkeypatch):
     """A built kernel stand-in: records the calls that reach it, answers with the reference."""
@@ -202,6 +307,25 @@ def test_calls_that_do_not_fit_go_to_f_linear(recording_ext):
     y = kl.linear(x_grad, w)
     assert y.requires_grad  # autograd path: F.linear, so backward works
     assert recording_ext == [(2, 32)]
+
+
+def test_fp32_calls_that_fit_and_that_do_not(recording_ext):
+    w = torch.randn(16, 32)
+    x = torch.randn(2, 32)
+    kl.linear(x, w, torch.randn(16))
+    kl.linear(torch.randn(kl.MAX_ROWS_F32, 32), w)
+    assert recording_ext == [(2, 32), (kl.MAX_ROWS_F32, 32)]  # fp32 W with fp32 x fits
+    not_fitting = [
+        (x.to(torch.bfloat16), w, None),  # bf16 x with fp32 W: F.linear in bf16
+        (torch.randn(kl.MAX_ROWS_F32 + 1, 32), w, None),  # too many rows
+        (x.double(), w.double(), None),  # fp64
+        (x, w, torch.randn(16).half()),  # fp16 bias
+    ]
+    for xi, wi, bi in not_fitting:
+        y = kl.linear(xi, wi, bi)
+        expected = F.linear(xi, wi.to(xi.dtype), None if bi is None else bi.to(xi.dtype))
+        assert torch.equal(y, expected)
+    assert len(recording_ext) == 2
 
 
 def test_without_a_kernel_linear_is_f_linear(monkeypatch):

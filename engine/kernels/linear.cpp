@@ -17,6 +17,8 @@
 //   2  AVX512F:     W widened to fp32 by a 16-bit shift, fp32 FMA
 //   1  AVX2+FMA:    the same, 8 lanes wide
 // fp32 x always takes an FMA path (rounding x to bf16 would change the numbers).
+// fp32 W (with fp32 x) takes the same FMA tiles, loading W as it is: the same
+// far-apart streams and 256 KB chunks, twice the bytes per weight.
 //
 // Threads: an OpenMP team of the size the caller passes (torch's thread
 // count). libgomp.so.1 resolves to the copy torch already loaded, so this is
@@ -59,7 +61,8 @@ int detect_isa() {
 // One problem, as raw pointers. x is bf16 bits on the dpbf16 path and fp32 on
 // the FMA paths (bf16 x is widened once, up front: it is B*K, W is N*K).
 struct Problem {
-  const uint16_t* w;
+  const void* w;  // bf16 bits, or fp32 if w_f32
+  bool w_f32;     // then x and y are fp32 too
   int64_t n, k;
   const void* x;
   int64_t b;
@@ -198,7 +201,7 @@ void tile_bt(int bt, const uint16_t* w, int64_t stride, int64_t k, const uint16_
 }
 
 void run_tile(const Problem& p, int64_t n0, int64_t row_step, int64_t b0, int rows, int bt, float* out) {
-  const uint16_t* w = p.w + n0 * p.k;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + n0 * p.k;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + b0 * p.k;
   if (rows == kRows) return tile_bt<kRows>(bt, w, row_step * p.k, p.k, x, out);
   return tile_bt<1>(bt, w, 0, p.k, x, out);
@@ -214,12 +217,22 @@ namespace isa_avx512 {
 
 constexpr int kMaxBt = 6;
 
-inline __m512 widen(__m256i bits) {
+// 16 weights as fp32: bf16 widened by a 16-bit shift, fp32 loaded as they are.
+inline __m512 load_w(const uint16_t* w) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load_w(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load_w_masked(__mmask16 m, const uint16_t* w) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w)), 16));
+}
+inline __m512 load_w_masked(__mmask16 m, const float* w) { return _mm512_maskz_loadu_ps(m, w); }
 
-template <int R, int BT>
-void tile(const uint16_t* w, int64_t row_stride, int64_t k_len, const float* x, float* out) {
+// WT = uint16_t (bf16 W) or float (fp32 W). One accumulator per (x row, W
+// row), 16 lanes each, reduced in reduce4's order: the same sequence of
+// roundings for a row whatever BT and R, so batch composition never shows.
+template <typename WT, int R, int BT>
+void tile(const WT* w, int64_t row_stride, int64_t k_len, const float* x, float* out) {
   __m512 acc[BT][R];
   for (int b = 0; b < BT; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
@@ -228,7 +241,7 @@ void tile(const uint16_t* w, int64_t row_stride, int64_t k_len, const float* x, 
     __m512 xv[BT];
     for (int b = 0; b < BT; ++b) xv[b] = _mm512_loadu_ps(x + b * k_len + k);
     for (int r = 0; r < R; ++r) {
-      __m512 wv = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_stride + k)));
+      __m512 wv = load_w(w + r * row_stride + k);
       for (int b = 0; b < BT; ++b) acc[b][r] = _mm512_fmadd_ps(wv, xv[b], acc[b][r]);
     }
   }
@@ -237,27 +250,28 @@ void tile(const uint16_t* w, int64_t row_stride, int64_t k_len, const float* x, 
     __m512 xv[BT];
     for (int b = 0; b < BT; ++b) xv[b] = _mm512_maskz_loadu_ps(m, x + b * k_len + k);
     for (int r = 0; r < R; ++r) {
-      __m512 wv = widen(_mm256_maskz_loadu_epi16(m, w + r * row_stride + k));
+      __m512 wv = load_w_masked(m, w + r * row_stride + k);
       for (int b = 0; b < BT; ++b) acc[b][r] = _mm512_fmadd_ps(wv, xv[b], acc[b][r]);
     }
   }
   for (int b = 0; b < BT; ++b) avx512_common::reduce_rows<R>(acc[b], out + b * R);
 }
 
-template <int R>
-void tile_bt(int bt, const uint16_t* w, int64_t stride, int64_t k, const float* x, float* out) {
+template <int R, typename WT>
+void tile_bt(int bt, const WT* w, int64_t stride, int64_t k, const float* x, float* out) {
   switch (bt) {
-    case 1: return tile<R, 1>(w, stride, k, x, out);
-    case 2: return tile<R, 2>(w, stride, k, x, out);
-    case 3: return tile<R, 3>(w, stride, k, x, out);
-    case 4: return tile<R, 4>(w, stride, k, x, out);
-    case 5: return tile<R, 5>(w, stride, k, x, out);
-    default: return tile<R, 6>(w, stride, k, x, out);
+    case 1: return tile<WT, R, 1>(w, stride, k, x, out);
+    case 2: return tile<WT, R, 2>(w, stride, k, x, out);
+    case 3: return tile<WT, R, 3>(w, stride, k, x, out);
+    case 4: return tile<WT, R, 4>(w, stride, k, x, out);
+    case 5: return tile<WT, R, 5>(w, stride, k, x, out);
+    default: return tile<WT, R, 6>(w, stride, k, x, out);
   }
 }
 
+template <typename WT>
 void run_tile(const Problem& p, int64_t n0, int64_t row_step, int64_t b0, int rows, int bt, float* out) {
-  const uint16_t* w = p.w + n0 * p.k;
+  const WT* w = static_cast<const WT*>(p.w) + n0 * p.k;
   const float* x = static_cast<const float*>(p.x) + b0 * p.k;
   if (rows == kRows) return tile_bt<kRows>(bt, w, row_step * p.k, p.k, x, out);
   return tile_bt<1>(bt, w, 0, p.k, x, out);
@@ -273,9 +287,13 @@ namespace isa_avx2 {
 
 constexpr int kMaxBt = 2;  // 16 ymm registers: 4 rows x 2 rows of x in accumulators
 
-inline __m256 widen(__m128i bits) {
+inline __m256 load_w(const uint16_t* w) {
+  __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+inline __m256 load_w(const float* w) { return _mm256_loadu_ps(w); }
+inline float w_at(const uint16_t* w) { return bf16_bits_to_float(*w); }
+inline float w_at(const float* w) { return *w; }
 
 inline float hsum(__m256 v) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -284,8 +302,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(q);
 }
 
-template <int R, int BT>
-void tile(const uint16_t* w, int64_t row_stride, int64_t k_len, const float* x, float* out) {
+template <typename WT, int R, int BT>
+void tile(const WT* w, int64_t row_stride, int64_t k_len, const float* x, float* out) {
   __m256 acc[BT][R];
   for (int b = 0; b < BT; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
@@ -294,27 +312,28 @@ void tile(const uint16_t* w, int64_t row_stride, int64_t k_len, const float* x, 
     __m256 xv[BT];
     for (int b = 0; b < BT; ++b) xv[b] = _mm256_loadu_ps(x + b * k_len + k);
     for (int r = 0; r < R; ++r) {
-      __m256 wv = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_stride + k)));
+      __m256 wv = load_w(w + r * row_stride + k);
       for (int b = 0; b < BT; ++b) acc[b][r] = _mm256_fmadd_ps(wv, xv[b], acc[b][r]);
     }
   }
   for (int b = 0; b < BT; ++b) {
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[b][r]);
-      for (int64_t kk = k; kk < k_len; ++kk) s += bf16_bits_to_float(w[r * row_stride + kk]) * x[b * k_len + kk];
+      for (int64_t kk = k; kk < k_len; ++kk) s += w_at(w + r * row_stride + kk) * x[b * k_len + kk];
       out[b * R + r] = s;
     }
   }
 }
 
-template <int R>
-void tile_bt(int bt, const uint16_t* w, int64_t stride, int64_t k, const float* x, float* out) {
-  if (bt == 1) return tile<R, 1>(w, stride, k, x, out);
-  return tile<R, 2>(w, stride, k, x, out);
+template <int R, typename WT>
+void tile_bt(int bt, const WT* w, int64_t stride, int64_t k, const float* x, float* out) {
+  if (bt == 1) return tile<WT, R, 1>(w, stride, k, x, out);
+  return tile<WT, R, 2>(w, stride, k, x, out);
 }
 
+template <typename WT>
 void run_tile(const Problem& p, int64_t n0, int64_t row_step, int64_t b0, int rows, int bt, float* out) {
-  const uint16_t* w = p.w + n0 * p.k;
+  const WT* w = static_cast<const WT*>(p.w) + n0 * p.k;
   const float* x = static_cast<const float*>(p.x) + b0 * p.k;
   if (rows == kRows) return tile_bt<kRows>(bt, w, row_step * p.k, p.k, x, out);
   return tile_bt<1>(bt, w, 0, p.k, x, out);
@@ -333,11 +352,14 @@ struct IsaPlan {
   int max_bt;
 };
 
-IsaPlan plan_for(int isa) {
+IsaPlan plan_for(int isa, bool w_f32) {
+  if (w_f32)
+    return isa >= kIsaAvx512 ? IsaPlan{isa_avx512::run_tile<float>, isa_avx512::kMaxBt}
+                             : IsaPlan{isa_avx2::run_tile<float>, isa_avx2::kMaxBt};
   switch (isa) {
     case kIsaAvx512Bf16: return {isa_bf16::run_tile, isa_bf16::kMaxBt};
-    case kIsaAvx512: return {isa_avx512::run_tile, isa_avx512::kMaxBt};
-    default: return {isa_avx2::run_tile, isa_avx2::kMaxBt};
+    case kIsaAvx512: return {isa_avx512::run_tile<uint16_t>, isa_avx512::kMaxBt};
+    default: return {isa_avx2::run_tile<uint16_t>, isa_avx2::kMaxBt};
   }
 }
 
@@ -371,8 +393,8 @@ void run_rows(const Problem& p, const IsaPlan& plan, int64_t n0, int64_t n1, flo
 // those against ~19 GB/s with 64 KB chunks. With several threads a matrix is
 // cut finer, to at least 4 chunks per thread (down to 64 KB), so that the
 // dynamic hand-out can balance it. A chunk also fits in L2 for batch tiles.
-int64_t chunk_rows(int64_t n, int64_t k, int64_t threads) {
-  const int64_t row_bytes = std::max<int64_t>(1, 2 * k);
+int64_t chunk_rows(int64_t n, int64_t k, int64_t elem_bytes, int64_t threads) {
+  const int64_t row_bytes = std::max<int64_t>(1, elem_bytes * k);
   int64_t bytes = 256 * 1024;
   if (threads > 1) bytes = std::clamp<int64_t>(n * row_bytes / (4 * threads), 64 * 1024, bytes);
   const int64_t rows = (bytes / row_bytes + kRows - 1) / kRows * kRows;
@@ -398,10 +420,11 @@ void linear(Problem p, int isa, int64_t threads) {
     for (int64_t i = 0; i < p.b * p.k; ++i) x_f32[i] = bf16_bits_to_float(src[i]);
     p.x = x_f32.get();
   }
-  const IsaPlan plan = plan_for(isa);
-  if (p.n * p.k * 2 < kParallelMinBytes || omp_in_parallel()) threads = 1;
+  const IsaPlan plan = plan_for(isa, p.w_f32);
+  const int64_t elem_bytes = p.w_f32 ? 4 : 2;
+  if (p.n * p.k * elem_bytes < kParallelMinBytes || omp_in_parallel()) threads = 1;
   threads = std::max<int64_t>(1, threads);
-  const int64_t rows_per_chunk = chunk_rows(p.n, p.k, threads);
+  const int64_t rows_per_chunk = chunk_rows(p.n, p.k, elem_bytes, threads);
   const int64_t n_chunks = (p.n + rows_per_chunk - 1) / rows_per_chunk;
   threads = std::min(threads, n_chunks);
   std::atomic<int64_t> next{0};
@@ -427,18 +450,19 @@ void linear(Problem p, int isa, int64_t threads) {
 namespace {
 
 constexpr const char* kLinearDoc =
-    "linear(y, x, w, bias, b, n, k, x_fp32, bias_kind, threads, isa) -> None\\n"
+    "linear(y, x, w, bias, b, n, k, x_fp32, bias_kind, threads, isa, w_fp32) -> None\\n"
     "y[b,n] = x[b,k] @ w[n,k]^T (+ bias), all arguments ints; the tensors are data pointers\\n"
-    "of contiguous CPU tensors: w bf16; x and y bf16, or fp32 if x_fp32; bias_kind 0 none,\\n"
+    "of contiguous CPU tensors: w bf16, or fp32 if w_fp32 (then x_fp32 must be set too);\\n"
+    "x and y bf16, or fp32 if x_fp32; bias_kind 0 none,\\n"
     "1 bf16, 2 fp32; isa 0 picks the best the CPU has. Nothing is checked: the caller does.";
 
 PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 11) {
-    PyErr_SetString(PyExc_TypeError, "linear() takes 11 integer arguments");
+  if (nargs != 12) {
+    PyErr_SetString(PyExc_TypeError, "linear() takes 12 integer arguments");
     return nullptr;
   }
-  long long v[11];
-  for (int i = 0; i < 11; ++i) {
+  long long v[12];
+  for (int i = 0; i < 12; ++i) {
     v[i] = PyLong_AsLongLong(args[i]);
     if (v[i] == -1 && PyErr_Occurred()) return nullptr;
   }
@@ -451,11 +475,16 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Problem p{};
   p.y = reinterpret_cast<void*>(v[0]);
   p.x = reinterpret_cast<const void*>(v[1]);
-  p.w = reinterpret_cast<const uint16_t*>(v[2]);
+  p.w = reinterpret_cast<const void*>(v[2]);
+  p.w_f32 = v[11] != 0;
   p.b = v[4];
   p.n = v[5];
   p.k = v[6];
   p.x_bf16 = v[7] == 0;
+  if (p.w_f32 && p.x_bf16) {
+    PyErr_SetString(PyExc_ValueError, "linear: fp32 w takes fp32 x");
+    return nullptr;
+  }
   p.y_bf16 = p.x_bf16;
   if (v[8] == 1) p.bias_bf16 = reinterpret_cast<const uint16_t*>(v[3]);
   if (v[8] == 2) p.bias_f32 = reinterpret_cast<const float*>(v[3]);

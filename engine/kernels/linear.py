@@ -1,10 +1,11 @@
-"""`linear(x, w, bias)`: F.linear for bf16 weights, with a CPU kernel for decode.
+"""`linear(x, w, bias)`: F.linear, with a CPU kernel for decode (bf16 or fp32 weights).
 
 At batch 1..a few rows, a decode step on a CPU is bound by reading weights,
-and torch's bf16 F.linear streams them at a fraction of memory bandwidth. The
-kernel in linear.cpp streams each weight once at close to it. This front takes
-the kernel when the call fits it (CPU, bf16 W, contiguous, few rows, no
-autograd) and F.linear otherwise, so callers never need to know which ran.
+and torch's F.linear streams them at a fraction of memory bandwidth (bf16 and
+fp32 alike). The kernel in linear.cpp streams each weight once at close to it.
+This front takes the kernel when the call fits it (CPU; bf16 W with bf16 or
+fp32 x, or fp32 W with fp32 x; contiguous, few rows, no autograd) and F.linear
+otherwise, so callers never need to know which ran.
 
 SPLITSERVE_NO_KERNELS=1 forces F.linear everywhere (read once, when the
 process first calls linear; the check per call would cost more than a small
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 # bench_linear.py; at 32 they are level, both bound by bf16 arithmetic). Past
 # this, prefill territory, oneDNN's blocked GEMM is the better tool.
 MAX_ROWS = 32
+# The same for fp32 W with fp32 x. Set from bench_linear.py measurements.
+MAX_ROWS_F32 = 32
 
 DISABLE_ENV = "SPLITSERVE_NO_KERNELS"
 
@@ -47,14 +50,15 @@ def kernels_disabled() -> bool:
 
 
 def _run(ext: ModuleType, x: Tensor, w: Tensor, bias: Tensor | None, isa: int = 0) -> Tensor:
-    """The kernel on checked arguments: x [B, K] and w [N, K] contiguous CPU, w bf16, x bf16 or
-    fp32, bias None or [N] contiguous CPU bf16/fp32, K > 0. The module trusts its pointers, so
-    whatever reaches this function must satisfy all of that."""
+    """The kernel on checked arguments: x [B, K] and w [N, K] contiguous CPU, w bf16 with x bf16
+    or fp32, or w fp32 with x fp32; bias None or [N] contiguous CPU bf16/fp32, K > 0. The module
+    trusts its pointers, so whatever reaches this function must satisfy all of that."""
     b, n = x.shape[0], w.shape[0]
     y = x.new_empty(b, n)  # the cheapest of torch's allocating calls (~1 us)
     bias_kind = 0 if bias is None else (1 if bias.dtype is _BF16 else 2)
     ext.linear(y.data_ptr(), x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
-               b, n, x.shape[1], x.dtype is _F32, bias_kind, torch.get_num_threads(), isa)
+               b, n, x.shape[1], x.dtype is _F32, bias_kind, torch.get_num_threads(), isa,
+               w.dtype is _F32)
     return y
 
 
@@ -65,7 +69,11 @@ def _self_test(ext: ModuleType) -> bool:
     w = torch.randn(45, 77, generator=gen).to(torch.bfloat16)
     ref = x.float() @ w.float().T
     got = _run(ext, x, w, None).float()
-    return bool(torch.allclose(got, ref, rtol=2e-2, atol=5e-2))
+    if not torch.allclose(got, ref, rtol=2e-2, atol=5e-2):
+        return False
+    xf, wf = x.float() + 0.001, w.float() - 0.001  # fp32 W path: not representable in bf16
+    ref = (xf.double() @ wf.double().T).float()
+    return bool(torch.allclose(_run(ext, xf, wf, None), ref, rtol=1e-4, atol=1e-4))
 
 
 def _load() -> ModuleType | None:
@@ -98,13 +106,17 @@ def kernel_available() -> bool:
 
 
 def kernel_isa() -> int:
-    """0 none, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512 BF16 (the path bf16 inputs take)."""
+    """0 none, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512 BF16 (the path bf16 inputs take; fp32 ones take 2)."""
     ext = _extension()
     return 0 if ext is None else int(ext.isa())
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ w.T (+ bias), in x's dtype. w is [N, K]; x is [..., K], bf16 or fp32.
+
+    fp32 w with fp32 x runs the kernel's fp32 path: fp32 FMA, one fixed
+    reduction order per row, so a row's result depends neither on the thread
+    count nor on the other rows of x.
 
     Unlike F.linear, a bf16 w may meet fp32 x (the product is then exact fp32
     arithmetic on the widened weights) and bias may be bf16 or fp32; the
@@ -114,10 +126,10 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     # Checked in order of cost: this runs ~120 times per decode step, where
     # one small matrix takes ~30 us, so the front must stay around 1-2 us.
     # Every property the kernel relies on is checked here: it takes raw pointers.
+    wd = w.dtype
     if (
         ext is not None
-        and w.dtype is _BF16
-        and (x.dtype is _BF16 or x.dtype is _F32)
+        and ((wd is _BF16 and (x.dtype is _BF16 or x.dtype is _F32)) or (wd is _F32 and x.dtype is _F32))
         and x.is_cpu
         and w.is_cpu
         and w.dim() == 2
@@ -132,10 +144,11 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                               or (bias is not None and bias.requires_grad)))
     ):
+        max_rows = MAX_ROWS if wd is _BF16 else MAX_ROWS_F32
         if x.dim() == 2:
-            if x.shape[0] <= MAX_ROWS:
+            if x.shape[0] <= max_rows:
                 return _run(ext, x, w, bias)
-        elif x.numel() <= MAX_ROWS * x.shape[-1]:
+        elif x.numel() <= max_rows * x.shape[-1]:
             y = _run(ext, x.reshape(-1, x.shape[-1]), w, bias)
             return y.reshape(*x.shape[:-1], w.shape[0])
     if w.dtype != x.dtype:
