@@ -14,6 +14,7 @@ warning, and runs the plain torch path instead.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -40,9 +41,13 @@ def build_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "splitserve" / "kernels"
 
 
-def build_dir(name: str) -> Path:
+def build_dir(name: str, source: Path | None = None) -> Path:
+    """One folder per (kernel, torch, Python, source text). The source's hash is in the
+    name because ninja decides by file times alone: a checkout whose older source is
+    newer on disk (a fresh clone) would otherwise load a binary built from other code."""
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return build_root() / f"{name}-torch{torch.__version__}-{py}".replace("+", "_")
+    tag = f"-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}" if source is not None else ""
+    return build_root() / f"{name}-torch{torch.__version__}-{py}{tag}".replace("+", "_")
 
 
 def _ensure_ninja_on_path() -> None:
@@ -72,17 +77,17 @@ def _clear_stale_lock(folder: Path) -> None:
         pass
 
 
-def load_extension(name: str, source: str | Path) -> ModuleType | None:
+def load_extension(name: str, source: str | Path, fallback: str = "torch's F.linear") -> ModuleType | None:
     """Compile (if needed) and import `source` (a file in this folder, or a path) as module `name`.
 
-    Returns None, after one warning, when the platform is not x86-64 Linux or
-    the compile or import fails.
+    Returns None, after one warning naming `fallback` (what the caller runs
+    instead), when the platform is not x86-64 Linux or the compile or import fails.
     """
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        log.warning("splitserve kernels need x86-64 Linux (this is %s %s); using torch's F.linear",
-                    sys.platform, platform.machine())
+        log.warning("splitserve kernels need x86-64 Linux (this is %s %s); using %s",
+                    sys.platform, platform.machine(), fallback)
         return None
-    folder = build_dir(name)
+    folder = build_dir(name, _HERE / source)
     started = time.perf_counter()
     try:
         from torch.utils import cpp_extension
@@ -105,8 +110,8 @@ def load_extension(name: str, source: str | Path) -> ModuleType | None:
         )
     except Exception as exc:  # a compiler, ninja or loader failure of any kind
         detail = str(exc).strip()
-        log.warning("could not build kernel %s in %s; using torch's F.linear. %s",
-                    name, folder, detail[-2000:])
+        log.warning("could not build kernel %s in %s; using %s. %s",
+                    name, folder, fallback, detail[-2000:])
         return None
     elapsed = time.perf_counter() - started
     if elapsed > 2.0:
