@@ -84,7 +84,14 @@ def _load() -> ModuleType | None:
     if ext is not None and ext.isa() == 0:
         log.warning("CPU has neither AVX2+FMA nor AVX-512; using torch's F.linear")
         return None
-    if ext is not None and not _self_test(ext):
+    if ext is None:
+        return None
+    try:
+        ok = _self_test(ext)
+    except Exception as e:  # a binary that does not even take our arguments is no better
+        log.warning("linear kernel failed its self-test (%s); using torch's F.linear", e)
+        return None
+    if not ok:
         log.warning("linear kernel disagrees with torch on its self-test; using torch's F.linear")
         return None
     return ext
