@@ -51,12 +51,14 @@ class RouterConfig:
     # --- overload
     max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once
 
-    # --- deadlines of internal calls, seconds
-    admit_timeout_s: float = 5.0  # Decode call to its first event
-    token_timeout_s: float = 30.0  # between two Decode events (a stalled worker is treated as dead)
-    prefill_timeout_s: float = 60.0  # one Prefill call
+    # --- deadlines of internal calls, seconds. Sized for CPU workers, where one engine step with a
+    # 512-token chunk takes seconds and an 8K-token prefill minutes: a deadline that fires on a
+    # healthy worker marks it failed and redoes the work elsewhere, doubling the cost.
+    admit_timeout_s: float = 30.0  # Decode call to its first event
+    token_timeout_s: float = 300.0  # between two Decode events (a stalled worker is treated as dead)
+    prefill_timeout_s: float = 300.0  # one Prefill call
     request_timeout_s: float = 600.0  # a whole Decode call (and the longest a client stream lives)
-    lease_ms: int = 30000  # asked of the decode worker for REMOTE reservations
+    lease_ms: int = 300_000  # asked of the decode worker for REMOTE reservations
     cancel_timeout_s: float = 1.0
     stats_timeout_s: float = 1.0
     stats_interval_s: float = 0.5

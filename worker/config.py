@@ -21,10 +21,10 @@ class WorkerConfig:
     kv_port: int = 0  # decode role: the kv_transfer receiver's port
     kv_transport: str = "tcp"
     cluster_token: str | None = None  # required in "x-splitserve-token" when set
-    lease_ms: int = 30_000  # default lease of a REMOTE reservation
-    admit_timeout_s: float = 10.0  # an engine call from a gRPC handler
+    lease_ms: int = 300_000  # default lease of a REMOTE reservation (the router normally sends its own)
+    admit_timeout_s: float = 30.0  # an engine call from a gRPC handler (waits for the current step)
     request_timeout_s: float = 600.0  # the longest one Decode stream may live
-    prefill_timeout_s: float = 120.0  # a Prefill call, KV confirmed included
+    prefill_timeout_s: float = 300.0  # a Prefill call, KV confirmed included
     max_concurrent_rpcs: int = 512  # beyond: RESOURCE_EXHAUSTED from gRPC itself
     threads: int = 0  # torch intra-op threads; 0: torch's default
 
