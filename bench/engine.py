@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if opts.hf and hf_version is None:
         print("transformers is not installed: HF figures are skipped")
     print(f"machine: {_machine(opts.device)}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"transformers {hf_version or '-'}; load average {_load()}")  # fmt: skip
+          f"transformers {hf_version or '-'}; code {_code_version()}; load average {_load()}")  # fmt: skip
     print(f"decode: prompts of {opts.prompt_len} random tokens, {opts.new_tokens} new tokens per request (greedy, "
           f"EOS ignored), prefill excluded; batch 1 and {opts.batch}; each figure the median of {opts.repeats} "
           f"repetitions that run ours, HF and a hardware probe back to back")  # fmt: skip
@@ -645,6 +645,24 @@ def _transformers_version() -> str | None:
     except ImportError:
         return None
     return str(transformers.__version__)
+
+
+def _code_version() -> str:
+    """The commit the engine comes from, marked when engine/ has uncommitted changes: a figure belongs to a version."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "-"
+    return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
 
 
 def _machine(device: torch.device) -> str:
