@@ -7,6 +7,10 @@ into one matrix, gate and up into another) so a layer runs four matrix
 products: fewer, larger kernels, which is what decode on a CPU or a GPU wants.
 Matrix products go through engine/kernels' `linear`, which streams bf16 weights
 at memory speed for decode-sized batches on a CPU and is F.linear otherwise.
+A bf16 decode step on a CPU runs everything else on engine/kernels' fused
+decode kernels too (four calls a layer instead of some fifty torch operations);
+every other step, and any machine where those are unavailable or switched off
+(SPLITSERVE_NO_KERNELS=1), runs the torch code below, which they reproduce.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
+
+# Model dtypes whose CPU decode steps take the fused kernels. Not fp32: fp32 is
+# the dtype checked token for token against transformers, and the kernels sum
+# in a different order than torch (RMSNorm's mean, attention's dot products).
+FUSED_DECODE_DTYPES = (torch.bfloat16,)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -135,6 +145,9 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # rows whose logits are wanted
         on_layer_done: LayerHook | None = None,
     ) -> torch.Tensor:
+        kernels = self._decode_kernels(kv_cache, meta)
+        if kernels is not None:
+            return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].to(self.dtype)
@@ -159,3 +172,47 @@ class LlamaModel:
             h = h + linear(F.silu(gate) * up, lw.down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _decode_kernels(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> DecodeKernels | None:
+        """The fused kernels when this step can take them, else None (the torch path)."""
+        if (
+            meta.is_decode
+            and self.device.type == "cpu"
+            and self.dtype in FUSED_DECODE_DTYPES
+            and kv_cache.dtype == self.dtype
+            and kv_cache.is_cpu
+        ):
+            return decode_kernels()
+        return None
+
+    def _fused_decode(
+        self,
+        kernels: DecodeKernels,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        on_layer_done: LayerHook | None,
+    ) -> torch.Tensor:
+        """forward() for a CPU decode step: the same computation, layer for layer, on the fused kernels."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place from here on
+        step = kernels.step(
+            h, kv_cache, meta, self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype),
+            num_heads=cfg.num_heads, scale=self.scale, eps=cfg.rms_norm_eps, intermediate_size=cfg.intermediate_size,
+        )  # fmt: skip
+        x = step.norm(self.layers[0].input_norm)
+        for i, lw in enumerate(self.layers):
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
+            if on_layer_done is None:
+                attn = step.attention(i, qkv)  # RoPE on q and k, K/V into the cache, attention
+            else:
+                step.write_kv(i, qkv)
+                on_layer_done(i)
+                attn = step.attention(i, qkv, write=False)
+            x = step.norm(lw.post_norm, residual=linear(attn, lw.o))
+            down = linear(step.silu_mul(linear(x, lw.gate_up)), lw.down)
+            # the next layer's input norm, or the final one, with this layer's residual add
+            x = step.norm(self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm, residual=down)
+        return linear(x[logits_indices], self.lm_head).float()

@@ -1,0 +1,263 @@
+"""Fused CPU kernels for the small operations of a decode step (decode.cpp).
+
+Once the weight matrices stream at memory speed (linear.py), what is left of a
+CPU decode step is some fifty torch calls per layer on tensors of a few
+hundred elements: RMSNorm, RoPE, the KV write, the block-table gather and SDPA
+of decode attention, SiLU * up, residual adds. Each costs microseconds of
+dispatch for nanoseconds of arithmetic. Here a layer is four calls:
+
+    step = decode_kernels().step(h, kv_cache, meta, cos, sin, ...)   # checks the step's tensors once
+    x = step.norm(w_in)                       # x = RMSNorm(h)
+    attn = step.attention(layer, qkv)         # RoPE on q and k, K/V into the cache, paged attention
+    x = step.norm(w_post, residual=o)         # h += o, x = RMSNorm(h)
+    act = step.silu_mul(gate_up)              # silu(gate) * up
+
+bf16 and fp32 on the CPU only. Every property the C++ relies on (dtype,
+shape, contiguity, device) is checked here, the step's fixed tensors once per
+step and each layer's new tensor per call; the scheduler's indices (block
+tables, slots, context lengths) are checked by the C++ before it touches
+memory. `decode_kernels()` is None, and callers run their torch code, when
+SPLITSERVE_NO_KERNELS is set, the platform is not x86-64 Linux, the build
+fails or the freshly built binary disagrees with torch on its self-test.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import ModuleType
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from splitserve.engine.kernels.build import load_extension
+from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+
+log = logging.getLogger(__name__)
+
+_BF16 = torch.bfloat16
+_F32 = torch.float32
+_LONG = torch.int64
+
+ISA_NAMES = {1: "x86-64", 2: "avx2", 3: "avx512"}
+
+
+class StepMetadata(Protocol):
+    """What a step needs of engine.attention.AttentionMetadata (not imported: it imports nothing from here)."""
+
+    slot_blocks: Tensor
+    slot_offsets: Tensor
+    block_tables: Tensor
+    context_lens: Tensor
+    is_decode: bool
+
+
+def _is_index(t: Tensor, shape: tuple[int, ...]) -> bool:
+    return t.dtype is _LONG and t.is_cpu and tuple(t.shape) == shape and t.is_contiguous()
+
+
+def _fits(t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    return t.dtype is dtype and t.is_cpu and t.is_contiguous() and tuple(t.shape) == shape
+
+
+class DecodeStep:
+    """One decode step's fused operations over the residual stream `h` [B, hidden], in place.
+
+    The returned tensors are buffers of the step, overwritten by the next call of the same
+    method: `norm`'s output by the next `norm`, and so on. A layer consumes each before that.
+    """
+
+    def __init__(self, ext: ModuleType, isa: int, h: Tensor, kv_cache: Tensor, meta: StepMetadata,
+                 cos: Tensor, sin: Tensor, num_heads: int, scale: float, eps: float, intermediate_size: int):
+        dtype = h.dtype
+        if dtype is not _BF16 and dtype is not _F32:
+            raise ValueError(f"decode kernels take bf16 or fp32, not {dtype}")
+        if h.dim() != 2 or not h.is_cpu or not h.is_contiguous():
+            raise ValueError("h must be a contiguous CPU tensor [batch, hidden]")
+        if kv_cache.dim() != 6 or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.dtype is not dtype:
+            raise ValueError(f"kv_cache must be a contiguous CPU {dtype} tensor "
+                             "[layers, blocks, 2, block_size, kv_heads, head_dim]")
+        if not meta.is_decode:
+            raise ValueError("a decode step needs one new token per sequence")
+        batch, hidden = h.shape
+        layers, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+        tables = meta.block_tables
+        if tables.dim() != 2 or tables.shape[0] != batch:
+            raise ValueError(f"block_tables must be [{batch}, width]")
+        indices = (("slot_blocks", meta.slot_blocks, (batch,)), ("slot_offsets", meta.slot_offsets, (batch,)),
+                   ("context_lens", meta.context_lens, (batch,)), ("block_tables", tables, tuple(tables.shape)))
+        for name, t, shape in indices:
+            if not _is_index(t, shape):
+                raise ValueError(f"{name} must be a contiguous CPU int64 tensor of shape {shape}")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if not _fits(t, dtype, (batch, head_dim)):
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor [{batch}, {head_dim}]")
+        if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
+        self._ext, self._isa = ext, isa
+        self.h = h
+        self.dtype = dtype
+        self.num_layers = layers
+        self._bf16 = int(dtype is _BF16)
+        self._threads = torch.get_num_threads()
+        self._eps = float(eps)
+        self._hidden_shape = (hidden,)
+        self._qkv_shape = (batch, (num_heads + 2 * kv_heads) * head_dim)
+        self._gate_up_shape = (batch, 2 * intermediate_size)
+        self._intermediate = intermediate_size
+        # Kept so that the pointers below stay valid for the step's lifetime.
+        self._keep = (kv_cache, meta, cos, sin)
+        self._x = torch.empty_like(h)
+        self._attn = h.new_empty(batch, num_heads * head_dim)
+        self._act = h.new_empty(batch, intermediate_size)
+        elt = h.element_size()
+        self._k_off = num_heads * head_dim * elt
+        self._v_off = (num_heads + kv_heads) * head_dim * elt
+        self._cache = kv_cache.data_ptr()
+        self._layer_bytes = kv_cache.stride(0) * elt
+        width = self._qkv_shape[1]
+        # decode_attention's arguments after k_new/v_new and after the cache pointer
+        self._slots = (width, meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr())
+        self._rest = (blocks, tables.data_ptr(), tables.shape[1], meta.context_lens.data_ptr(),
+                      cos.data_ptr(), sin.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
+                      self._bf16, float(scale))
+
+    def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
+        """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
+        h = self.h
+        if not _fits(weight, self.dtype, self._hidden_shape):
+            raise ValueError(f"norm weight must be a contiguous CPU {self.dtype} tensor {list(self._hidden_shape)}")
+        if residual is not None and not _fits(residual, self.dtype, tuple(h.shape)):
+            raise ValueError(f"residual must be a contiguous CPU {self.dtype} tensor {list(h.shape)}")
+        self._ext.rms_norm(self._x.data_ptr(), h.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                           weight.data_ptr(), h.shape[0], h.shape[1], self._eps, self._bf16, self._threads, self._isa)
+        return self._x
+
+    def _attend(self, layer: int, qkv: Tensor, write: bool, read: bool) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        if not _fits(qkv, self.dtype, self._qkv_shape):
+            raise ValueError(f"qkv must be a contiguous CPU {self.dtype} tensor {list(self._qkv_shape)}")
+        p = qkv.data_ptr()
+        self._ext.decode_attention(self._attn.data_ptr(), p, self._qkv_shape[1], p + self._k_off, p + self._v_off,
+                                   *self._slots, self._cache + layer * self._layer_bytes, *self._rest,
+                                   int(write), int(read), self._threads, self._isa)
+
+    def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
+        """Attention output [B, heads * head_dim] (the o projection's input) of one layer.
+
+        qkv is the fused projection's output, [B, (heads + 2 kv_heads) * head_dim]: q heads,
+        then k heads, then v heads. With `write` (the default), RoPE is first applied to its q
+        and k parts, in place, and each row's K and V go into its slot of the layer's cache;
+        without, both must have been done by `write_kv`.
+        """
+        self._attend(layer, qkv, write, True)
+        return self._attn
+
+    def write_kv(self, layer: int, qkv: Tensor) -> None:
+        """RoPE on q and k and the cache write only, for callers that act between write and attention."""
+        self._attend(layer, qkv, True, False)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up from gate_up [B, 2 intermediate] = [gate | up], as F.silu(gate) * up rounds it."""
+        if not _fits(gate_up, self.dtype, self._gate_up_shape):
+            raise ValueError(f"gate_up must be a contiguous CPU {self.dtype} tensor {list(self._gate_up_shape)}")
+        self._ext.silu_mul(self._act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self._intermediate,
+                           self._bf16, self._threads, self._isa)
+        return self._act
+
+
+class DecodeKernels:
+    """The built kernels. `isa` 0 runs the best code path this CPU has; 1..3 pin one (for tests)."""
+
+    def __init__(self, ext: ModuleType, isa: int = 0):
+        if not 0 <= isa <= int(ext.isa()):
+            raise ValueError(f"ISA level {isa} not available (this CPU: {int(ext.isa())})")
+        self._ext = ext
+        self.isa = isa
+
+    @property
+    def best_isa(self) -> int:
+        """1 x86-64, 2 AVX2+FMA, 3 AVX-512: the path `isa` 0 takes."""
+        return int(self._ext.isa())
+
+    def with_isa(self, isa: int) -> DecodeKernels:
+        return DecodeKernels(self._ext, isa)
+
+    def step(self, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, *,
+             num_heads: int, scale: float, eps: float, intermediate_size: int) -> DecodeStep:
+        """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
+
+        cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
+        dtype; meta is the step's AttentionMetadata (a decode step).
+        """
+        return DecodeStep(self._ext, self.isa, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
+
+
+def _self_test(k: DecodeKernels) -> bool:
+    """A freshly built binary must agree with torch before it computes anything real."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    ok = True
+    for dtype, tol in ((_BF16, 3e-2), (_F32, 1e-5)):
+        b, heads, kv_heads, dim, bs, hidden, inter = 2, 4, 2, 32, 4, 40, 24
+        h = torch.randn(b, hidden, generator=gen).to(dtype)
+        y = torch.randn(b, hidden, generator=gen).to(dtype)
+        w = torch.randn(hidden, generator=gen).to(dtype)
+        cache = torch.zeros(1, 4, 2, bs, kv_heads, dim, dtype=dtype)
+        meta = SimpleNamespace(slot_blocks=torch.tensor([1, 3]), slot_offsets=torch.tensor([0, 1]),
+                               block_tables=torch.tensor([[1, 0], [2, 3]]), context_lens=torch.tensor([1, 6]),
+                               is_decode=True)
+        ones, zeros = torch.ones(b, dim, dtype=dtype), torch.zeros(b, dim, dtype=dtype)
+        step = k.step(h, cache, meta, ones, zeros, num_heads=heads, scale=dim**-0.5, eps=1e-5,  # type: ignore[arg-type]
+                      intermediate_size=inter)
+        hf = (h + y).float()
+        ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        ok &= bool(torch.allclose(step.norm(w, residual=y).float(), ref.float(), rtol=tol, atol=tol))
+        gu = torch.randn(b, 2 * inter, generator=gen).to(dtype)
+        ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        ok &= bool(torch.allclose(step.silu_mul(gu).float(), ref.float(), rtol=tol, atol=tol))
+        # sequence 0 sees only its new token: attention returns its v for every query head
+        qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+        out = step.attention(0, qkv)
+        v0 = qkv[0, (heads + kv_heads) * dim:].view(kv_heads, dim).repeat_interleave(heads // kv_heads, 0)
+        ok &= bool(torch.allclose(out[0].float(), v0.flatten().float(), rtol=tol, atol=tol))
+        ok &= bool(torch.equal(cache[0, 1, 1, 0], v0[:: heads // kv_heads]))
+    return ok
+
+
+_lock = threading.Lock()
+_kernels: DecodeKernels | None = None
+_tried = False
+
+
+def _load() -> DecodeKernels | None:
+    if kernels_disabled():
+        log.info("%s is set: decode runs on torch", DISABLE_ENV)
+        return None
+    ext = load_extension("splitserve_decode", "decode.cpp", fallback="torch for decode's small operations")
+    if ext is None:
+        return None
+    try:
+        k = DecodeKernels(ext)
+        ok = _self_test(k)
+    except Exception as e:  # a binary that does not even take our arguments is no better
+        log.warning("decode kernels failed their self-test (%s); decode runs on torch", e)
+        return None
+    if not ok:
+        log.warning("decode kernels disagree with torch on their self-test; decode runs on torch")
+        return None
+    return k
+
+
+def decode_kernels() -> DecodeKernels | None:
+    """The kernels, built on the first call (None: disabled or unavailable; see the module doc)."""
+    global _kernels, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _kernels = _load()
+                _tried = True
+    return _kernels

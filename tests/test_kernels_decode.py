@@ -1,0 +1,462 @@
+"""The fused decode kernels (engine/kernels/decode.cpp) against the torch code
+they replace, on every ISA path this CPU has: RMSNorm with the residual add
+(bf16 bit for bit but for a rare 1-ulp difference), RoPE and the KV write (bit
+for bit), SiLU * up (likewise), paged decode attention (within the output's
+rounding of an fp32 reference) over GQA ratios, head sizes, block sizes,
+context lengths across block boundaries and padded block tables, batch 1..8;
+the same bits for any thread count; scheduler indices that would leave the
+cache refused; and the model: CPU bf16 decode steps take the kernels, their
+logits stay as close to fp32 as torch's, and every other step, fp32,
+SPLITSERVE_NO_KERNELS=1 and a failed build all run the torch code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import splitserve.engine.kernels.decode as kd
+import splitserve.engine.model as model_mod
+from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
+from splitserve.engine.model import LlamaModel, apply_rope, rms_norm
+from splitserve.engine.testing import random_weights, tiny_model_config
+
+pytestmark = pytest.mark.timeout(300)
+
+BF16, F32 = torch.bfloat16, torch.float32
+DTYPES = [BF16, F32]
+INDEX_FIELDS = ("slot_blocks", "slot_offsets", "block_tables", "context_lens")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> kd.DecodeKernels:
+    if kd.kernels_disabled():
+        pytest.skip(f"{kd.DISABLE_ENV} is set")
+    k = kd.decode_kernels()
+    if k is None:
+        pytest.skip("the decode kernels could not be built here (see the warning in the log)")
+    return k
+
+
+def isas(k: kd.DecodeKernels) -> list[kd.DecodeKernels]:
+    return [k.with_isa(i) for i in range(1, k.best_isa + 1)]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between same-signed bf16 values (as their bit patterns)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+# ----------------------------------------------------------------- fixtures
+
+
+def decode_batch(
+    gen: torch.Generator, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+    block_size: int, layers: int = 2, pad: int = 2,
+) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A random cache whose sequences hold scattered blocks, block tables padded with 0 past
+    each sequence's blocks (and `pad` columns more), and one qkv row per sequence."""
+    need = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(need) + 3
+    cache = torch.randn(layers, num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the padding value
+    tables = torch.zeros(len(context_lens), max(need) + pad, dtype=torch.long)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    ctx = torch.tensor(context_lens)
+    last = ctx - 1  # the new token's position
+    meta = AttentionMetadata(
+        slot_blocks=tables[torch.arange(len(context_lens)), last // block_size].contiguous(),
+        slot_offsets=last % block_size,
+        block_tables=tables,
+        context_lens=ctx,
+        query_lens=[1] * len(context_lens),
+        context_lens_list=list(context_lens),
+        is_decode=True,
+    )
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    return cache, meta, qkv
+
+
+def rope_rows(positions: list[int], head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def make_step(k: kd.DecodeKernels, h: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: int,
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, intermediate: int = 8) -> kd.DecodeStep:
+    dim = cache.shape[-1]
+    if cos is None:  # RoPE as the identity
+        cos = torch.ones(h.shape[0], dim, dtype=h.dtype)
+        sin = torch.zeros(h.shape[0], dim, dtype=h.dtype)
+    return k.step(h, cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=1e-5, intermediate_size=intermediate)
+
+
+def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain fp32 attention of q [B, heads, dim] over each sequence's context in `cache` (one layer)."""
+    bs, kv_heads, dim = cache.shape[2], cache.shape[3], cache.shape[4]
+    out = []
+    for b, n in enumerate(meta.context_lens_list):
+        blocks = cache[meta.block_tables[b, : -(-n // bs)]].float()
+        k = blocks[:, 0].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        v = blocks[:, 1].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------- RMSNorm, SiLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (8, 2048), (5, 37)])
+def test_norm_with_residual_matches_torch(kernels, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * 1000 + hidden)
+    h0 = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    y = torch.randn(rows, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    for k in isas(kernels):
+        h = h0.clone()
+        step = make_step(k, h, cache, meta, heads=2)
+        assert_like_torch(step.norm(w), rms_norm(h0, w, 1e-5), k.isa)
+        x = step.norm(w, residual=y)
+        assert torch.equal(h, h0 + y)  # the residual add, in place, exactly as torch adds
+        assert_like_torch(x, rms_norm(h0 + y, w, 1e-5), k.isa)
+
+
+def assert_like_torch(out: torch.Tensor, ref: torch.Tensor, isa: int, fp32_rtol: float = 1e-6) -> None:
+    """bf16: bit for bit but for rare 1-ulp differences; fp32: within a few ulps."""
+    assert out.dtype is ref.dtype and out.shape == ref.shape
+    if out.dtype is BF16:
+        assert int(ulps_apart(out, ref).max()) <= 1, isa
+        assert (out == ref).float().mean() >= 0.99, isa
+    else:
+        torch.testing.assert_close(out, ref, rtol=fp32_rtol, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (4, 40), (7, 3)])
+def test_silu_mul_matches_torch(kernels, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)  # exp's overflow and underflow ends
+    ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    for k in isas(kernels):
+        step = make_step(k, torch.zeros(rows, 8, dtype=dtype), cache, meta, heads=2, intermediate=inter)
+        # exp() here and torch's differ by an fp32 ulp now and then
+        assert_like_torch(step.silu_mul(gate_up), ref, k.isa, fp32_rtol=3e-6)
+
+
+# ------------------------------------------------- RoPE and the cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (3, 1, 6)])
+def test_rope_and_kv_write_match_torch_bit_for_bit(kernels, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    ctx = [5, 16, 17, 40]
+    cache0, meta, qkv0 = decode_batch(gen, dtype, ctx, heads, kv_heads, head_dim, block_size=8)
+    cos, sin = rope_rows([n - 1 for n in ctx], head_dim, dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    t = len(ctx)
+    q = apply_rope(qkv0[:, :q_size].view(t, heads, head_dim), cos, sin)
+    k_rot = apply_rope(qkv0[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim), cos, sin)
+    v = qkv0[:, q_size + kv_size :].view(t, kv_heads, head_dim)
+    expected = cache0.clone()
+    write_kv(expected[1], k_rot, v, meta)
+    for k in isas(kernels):
+        cache, qkv = cache0.clone(), qkv0.clone()
+        step = make_step(k, torch.zeros(t, 8, dtype=dtype), cache, meta, heads, cos, sin)
+        step.write_kv(1, qkv)
+        assert torch.equal(qkv[:, :q_size], q.reshape(t, -1)), k.isa  # q and k rotated in place
+        assert torch.equal(qkv[:, q_size : q_size + kv_size], k_rot.reshape(t, -1)), k.isa
+        assert torch.equal(qkv[:, q_size + kv_size :], qkv0[:, q_size + kv_size :]), k.isa  # v untouched
+        assert torch.equal(cache, expected), k.isa  # this layer's slots and nothing else
+
+
+# --------------------------------------------------------- decode attention
+
+ATTENTION_SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2
+    (8, 8, 32, 4),  # no GQA
+    (8, 1, 128, 16),  # one kv head for eight query heads
+    (6, 2, 48, 8),  # a head size without an AVX-512 special case
+    (14, 2, 64, 16),  # 7 query heads per kv head: chunks of 4 and 3
+    (4, 2, 16, 1),  # one token per block
+]
+CONTEXTS = [[1], [250], [16, 17], [1, 15, 16, 33], [3, 64, 7, 8, 9, 100, 2, 31]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ATTENTION_SHAPES)
+def test_decode_attention_matches_an_fp32_reference(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + block_size)
+    for ctx in CONTEXTS:
+        cache0, meta, qkv = decode_batch(gen, dtype, ctx, heads, kv_heads, head_dim, block_size)
+        scale = head_dim**-0.5
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        t = len(ctx)
+        after_write = cache0.clone()
+        write_kv(after_write[0], qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
+                 qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim), meta)
+        ref = fp32_attention(qkv[:, :q_size].view(t, heads, head_dim), after_write[0], meta, scale).reshape(t, -1)
+        for k in isas(kernels):
+            cache = cache0.clone()
+            out = make_step(k, torch.zeros(t, 8, dtype=dtype), cache, meta, heads).attention(0, qkv)
+            assert torch.equal(cache, after_write), (k.isa, ctx)
+            assert out.dtype is dtype and out.shape == (t, q_size)
+            # fp32 arithmetic throughout, then one rounding to the output dtype
+            tol = 2e-6 + 2e-6 * ref.abs() if dtype is F32 else 1e-5 + ref.abs() * 2.0**-8
+            err = (out.float() - ref).abs()
+            assert bool((err <= tol).all()), (k.isa, ctx, float(err.max()))
+
+
+def test_decode_attention_no_less_accurate_than_torch_in_bf16(kernels):
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim = 9, 3, 64
+    cache, meta, qkv = decode_batch(gen, BF16, [250, 31, 100], heads, kv_heads, dim, 16)
+    q_size, kv_size, t = heads * dim, kv_heads * dim, 3
+    q = qkv[:, :q_size].view(t, heads, dim)
+    k_new, v_new = qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+    write_kv(cache[0], k_new.view(t, kv_heads, dim), v_new.view(t, kv_heads, dim), meta)
+    ref = fp32_attention(q, cache[0], meta, dim**-0.5).reshape(t, -1)
+    theirs = _decode_attention(q, cache[0], meta, dim**-0.5).reshape(t, -1)
+    ours = make_step(kernels, torch.zeros(t, 8, dtype=BF16), cache, meta, heads).attention(0, qkv, write=False)
+    assert (ours.float() - ref).abs().mean() <= (theirs.float() - ref).abs().mean() * 1.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_same_bits_for_any_thread_count(kernels, dtype):
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, inter = 9, 3, 64, 8192
+    ctx = [250, 3, 129, 64, 17, 200, 90, 1]  # enough work to go parallel, and one sequence alone
+    cache0, meta, qkv0 = decode_batch(gen, dtype, ctx, heads, kv_heads, dim, 16)
+    h0 = torch.randn(len(ctx), 8192, generator=gen).to(dtype)  # 8 x 8192: enough to split rows between threads
+    y = torch.randn(len(ctx), 8192, generator=gen).to(dtype)
+    w = torch.randn(8192, generator=gen).to(dtype)
+    gate_up = torch.randn(len(ctx), 2 * inter, generator=gen).to(dtype)
+    cos, sin = rope_rows([n - 1 for n in ctx], dim, dtype)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, os.cpu_count() or 2), 3):
+            torch.set_num_threads(threads)
+            for batch in (slice(None), slice(0, 1)):  # batch 1 splits a sequence's kv heads between threads
+                sub = SimpleNamespace(**{f: getattr(meta, f)[batch].contiguous() for f in INDEX_FIELDS}, is_decode=True)
+                cache, qkv, h = cache0.clone(), qkv0[batch].clone(), h0[batch].clone()
+                step = kernels.step(h, cache, sub, cos[batch].contiguous(), sin[batch].contiguous(), num_heads=heads,
+                                    scale=dim**-0.5, eps=1e-5, intermediate_size=inter)
+                attn = step.attention(1, qkv).clone()
+                x = step.norm(w, residual=y[batch].contiguous()).clone()
+                act = step.silu_mul(gate_up[batch].contiguous()).clone()
+                results.append((batch.stop, attn, x, act, cache))
+    finally:
+        torch.set_num_threads(before)
+    for r in results[2:]:
+        base = results[0] if r[0] is None else results[1]
+        for a, b in zip(r[1:], base[1:]):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------ refusals
+
+
+def test_indices_outside_the_cache_are_refused_before_any_access(kernels):
+    gen = torch.Generator().manual_seed(8)
+    cache, meta, qkv = decode_batch(gen, BF16, [20, 5], 4, 2, 32, 8)
+    num_blocks = cache.shape[1]
+
+    def with_(**changes: torch.Tensor) -> kd.DecodeStep:
+        m = SimpleNamespace(**{f: getattr(meta, f).clone() for f in INDEX_FIELDS}, is_decode=True)
+        for name, (row, value) in changes.items():
+            getattr(m, name)[row] = value
+        return make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, m, 4)  # type: ignore[arg-type]
+
+    before = cache.clone()
+    bad = {
+        "block_tables": ((0, 1), num_blocks),  # a block the sequence reads
+        "slot_blocks": (1, -1),
+        "slot_offsets": (0, 8),
+        "context_lens": (1, 0),
+    }
+    for name, change in bad.items():
+        with pytest.raises(IndexError):
+            with_(**{name: change}).attention(0, qkv.clone())
+    with pytest.raises(IndexError):  # longer than the block table can hold
+        with_(context_lens=(0, meta.block_tables.shape[1] * 8 + 1)).attention(0, qkv.clone())
+    assert torch.equal(cache, before)
+    with_(block_tables=((1, 3), num_blocks + 7)).attention(0, qkv.clone())  # padding past the context: never read
+
+
+def test_wrong_tensors_are_refused(kernels):
+    gen = torch.Generator().manual_seed(9)
+    cache, meta, qkv = decode_batch(gen, BF16, [20, 5], 4, 2, 32, 8)
+    step = make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, meta, 4, intermediate=6)
+    w = torch.ones(8, dtype=BF16)
+    for call in (
+        lambda: step.norm(w.float()),
+        lambda: step.norm(torch.ones(9, dtype=BF16)),
+        lambda: step.norm(w, residual=torch.zeros(2, 16, dtype=BF16)[:, ::2]),
+        lambda: step.attention(0, qkv[:, :-1].contiguous()),
+        lambda: step.attention(0, qkv.float()),
+        lambda: step.silu_mul(torch.zeros(2, 13, dtype=BF16)),
+    ):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(IndexError):
+        step.attention(2, qkv)  # the cache has two layers
+    prefill = SimpleNamespace(**{f: getattr(meta, f) for f in INDEX_FIELDS}, is_decode=False)
+    with pytest.raises(ValueError):
+        make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, prefill, 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        make_step(kernels, torch.zeros(2, 8, dtype=torch.float16), cache.half(), meta, 4)
+
+
+# ----------------------------------------------------------------- the model
+
+SMOL_LIKE = tiny_model_config(  # SmolLM2's head layout, fewer and narrower layers
+    hidden_size=192, num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=512, vocab_size=1000,
+)
+
+
+def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16,
+                  on_layer_done=None) -> torch.Tensor:
+    """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
+    the logits of every decode step."""
+    cfg = model.cfg
+    nb = -(-len(tokens) // block_size) + 1
+    cache = torch.zeros(cfg.num_layers, nb + 1, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    table = (torch.arange(nb) + 1).flip(0)[None].contiguous()  # blocks in descending order, 0 unused
+
+    def meta(pos: list[int], decode: bool) -> AttentionMetadata:
+        p = torch.tensor(pos)
+        return AttentionMetadata(table[0, p // block_size].contiguous(), p % block_size, table,
+                                 torch.tensor([pos[-1] + 1]), [len(pos)], [pos[-1] + 1], decode)
+
+    out = []
+    with torch.inference_mode():
+        pos = list(range(prompt_len))
+        model.forward(torch.tensor(tokens[:prompt_len]), torch.tensor(pos), cache, meta(pos, False),
+                      torch.tensor([prompt_len - 1]))
+        for p in range(prompt_len, len(tokens)):
+            out.append(model.forward(torch.tensor([tokens[p]]), torch.tensor([p]), cache, meta([p], True),
+                                     torch.tensor([0]), on_layer_done)[0])
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def smol_like():
+    weights = random_weights(SMOL_LIKE, seed=3, dtype=BF16)
+    tokens = torch.randint(0, SMOL_LIKE.vocab_size, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    return weights, tokens
+
+
+def torch_only(monkeypatch) -> None:
+    monkeypatch.setattr(model_mod, "FUSED_DECODE_DTYPES", ())
+
+
+def test_cpu_bf16_decode_steps_take_the_kernels(kernels, smol_like, monkeypatch):
+    weights, tokens = smol_like
+    calls = []
+    real = kd.DecodeKernels.step
+    monkeypatch.setattr(kd.DecodeKernels, "step", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16), tokens[:40], 30)
+    assert len(calls) == 10  # every decode step, and the prefill not
+    calls.clear()
+    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), F32), tokens[:40], 30)
+    assert calls == []  # fp32 stays on torch
+
+
+def test_only_cpu_decode_steps_are_offered_the_kernels(kernels, smol_like):
+    weights, _ = smol_like
+    cache_shape = (SMOL_LIKE.num_layers, 4, 2, 16, SMOL_LIKE.num_kv_heads, SMOL_LIKE.head_dim)
+    meta = AttentionMetadata(torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True)
+    cpu = LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
+    assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), meta) is kernels
+    assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=F32), meta) is None  # a cache of another dtype
+    prefill = AttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1], False)
+    assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), prefill) is None
+    elsewhere = LlamaModel(SMOL_LIKE, weights, torch.device("meta"), BF16)  # stands in for CUDA: any non-CPU device
+    assert elsewhere._decode_kernels(torch.zeros(cache_shape, dtype=BF16, device="meta"), meta) is None
+
+
+def test_bf16_logits_as_close_to_fp32_as_torchs(kernels, smol_like, monkeypatch):
+    weights, tokens = smol_like
+    cpu = torch.device("cpu")
+    ref = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)  # the same bf16 weights, fp32 math
+    ours = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
+    torch_only(monkeypatch)
+    theirs = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
+    err_ours, err_theirs = (ours - ref).abs(), (theirs - ref).abs()
+    assert err_ours.mean() <= 1.1 * err_theirs.mean()
+    assert err_ours.max() <= 1.5 * err_theirs.max()
+    # logits are bf16 (the lm_head's output): a few ulps of rounding on top
+    torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=8 * float(err_theirs.mean()) + 0.05)
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree >= (theirs.argmax(-1) == ref.argmax(-1)).float().mean() - 0.05
+
+
+def test_layer_hook_sees_each_layers_kv_and_changes_nothing(kernels, smol_like):
+    weights, tokens = smol_like
+    model = LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
+    plain = decode_logits(model, tokens[:40], 30)
+    seen: list[int] = []
+    hooked = decode_logits(model, tokens[:40], 30, on_layer_done=seen.append)
+    assert torch.equal(plain, hooked)
+    assert seen == list(range(SMOL_LIKE.num_layers)) * 10
+
+
+def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeypatch):
+    weights, tokens = smol_like
+    cpu = torch.device("cpu")
+    torch_only(monkeypatch)
+    expected = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25)
+    monkeypatch.undo()
+    def raises(k: kd.DecodeKernels) -> bool:
+        raise TypeError("decode_attention() takes 26 arguments (24 given)")
+
+    for broken in ("build", "self-test", "self-test raises"):
+        monkeypatch.setattr(kd, "_tried", False)
+        monkeypatch.setattr(kd, "_kernels", None)
+        if broken == "build":
+            monkeypatch.setattr(kd, "load_extension", lambda *a, **kw: None)
+        else:
+            monkeypatch.setattr(kd, "_self_test", (lambda k: False) if broken == "self-test" else raises)
+        assert kd.decode_kernels() is None
+        assert torch.equal(decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25), expected)
+        monkeypatch.undo()
+    # the variable, in a fresh process (it is read once)
+    script = textwrap.dedent("""
+        import splitserve.engine.kernels.decode as kd
+        assert kd.decode_kernels() is None
+        print("torch")
+    """)
+    env = {**os.environ, kd.DISABLE_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
+
+
+def test_smollm2_bf16_greedy_decode_close_to_torch(kernels, smollm2_path, monkeypatch):
+    """The real model: teacher-forced decode logits with and without the kernels."""
+    from splitserve.engine.weights import load_model
+
+    loaded = load_model(smollm2_path, BF16, progress=False)
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, loaded.config.vocab_size, (140,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = decode_logits(LlamaModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
+    torch_only(monkeypatch)
+    theirs = decode_logits(LlamaModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
+    diff = (ours - theirs).abs()
+    assert diff.mean() < 0.05 * theirs.abs().mean()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
