@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.kv_cache import KVCache, KVLayout
@@ -160,11 +159,8 @@ class Engine:
     ) -> Reservation | None:
         """Admit a request whose context KV a prefill worker will write; None if blocks are short now."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, False, output_token_ids or [])
-        hashes = block_hashes(seq.token_ids, self.cfg.block_size)
-        cached = self.blocks.cached_prefix(hashes, len(seq))
-        if not self.blocks.can_allocate(len(seq), cached):
+        if not self.scheduler.allocate_blocks(seq):
             return None
-        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
         seq.status = SeqStatus.AWAITING_KV
         self.awaiting_kv[request_id] = seq
         first = seq.num_cached_tokens // self.cfg.block_size

@@ -66,12 +66,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            hashes = block_hashes(seq.token_ids, self.blocks.block_size)
-            cached = self.blocks.cached_prefix(hashes, len(seq))
-            if not self.blocks.can_allocate(len(seq), cached):
+            if not self.allocate_blocks(seq):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -81,6 +78,15 @@ class Scheduler:
             budget -= n
 
         return ScheduledBatch(seqs, counts) if seqs else None
+
+    def allocate_blocks(self, seq: Sequence) -> bool:
+        """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
+        changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
+        hashes = block_hashes(seq.token_ids, self.blocks.block_size)
+        if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
+            return False
+        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
