@@ -12,7 +12,7 @@ sequence's whole context read back through its block table. Two paths:
   cached prefix. Prefill is compute-bound, so the Python loop costs nothing that
   shows.
 
-A bf16 decode step on a CPU does not come here: the model runs it on the fused
+A bf16 or fp32 decode step on a CPU does not come here: the model runs it on the fused
 kernel in engine/kernels/decode.py, which writes the new K/V and attends over
 the cache through the block table in one call, without the gather, and which
 this module's code is the reference for.

@@ -7,7 +7,7 @@ into one matrix, gate and up into another) so a layer runs four matrix
 products: fewer, larger kernels, which is what decode on a CPU or a GPU wants.
 Matrix products go through engine/kernels' `linear`, which streams bf16 weights
 at memory speed for decode-sized batches on a CPU and is F.linear otherwise.
-A bf16 decode step on a CPU runs everything else on engine/kernels' fused
+A bf16 or fp32 decode step on a CPU runs everything else on engine/kernels' fused
 decode kernels too (four calls a layer instead of some fifty torch operations);
 every other step, and any machine where those are unavailable or switched off
 (SPLITSERVE_NO_KERNELS=1), runs the torch code below, which they reproduce.
@@ -27,10 +27,12 @@ from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
 
-# Model dtypes whose CPU decode steps take the fused kernels. Not fp32: fp32 is
-# the dtype checked token for token against transformers, and the kernels sum
-# in a different order than torch (RMSNorm's mean, attention's dot products).
-FUSED_DECODE_DTYPES = (torch.bfloat16,)
+# Model dtypes whose CPU decode steps take the fused kernels. fp32 too: the
+# kernels sum in another order than torch (RMSNorm's mean, attention's dot
+# products), a few ulps of fp32, and tests/test_smollm2_vs_hf.py still finds
+# every greedy token equal to transformers'. Without them an fp32 decode step at
+# batch 32 spends half its time in torch's small operations.
+FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

@@ -5,9 +5,10 @@ for bit), SiLU * up (likewise), paged decode attention (within the output's
 rounding of an fp32 reference) over GQA ratios, head sizes, block sizes,
 context lengths across block boundaries and padded block tables, batch 1..8;
 the same bits for any thread count; scheduler indices that would leave the
-cache refused; and the model: CPU bf16 decode steps take the kernels, their
-logits stay as close to fp32 as torch's, and every other step, fp32,
-SPLITSERVE_NO_KERNELS=1 and a failed build all run the torch code."""
+cache refused; and the model: CPU bf16 and fp32 decode steps take the kernels,
+bf16 logits stay as close to fp32 as torch's, fp32 logits stay within a few
+ulps of torch's, and every other step, SPLITSERVE_NO_KERNELS=1 and a failed
+build run the torch code."""
 
 from __future__ import annotations
 
@@ -366,16 +367,31 @@ def torch_only(monkeypatch) -> None:
     monkeypatch.setattr(model_mod, "FUSED_DECODE_DTYPES", ())
 
 
-def test_cpu_bf16_decode_steps_take_the_kernels(kernels, smol_like, monkeypatch):
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cpu_decode_steps_take_the_kernels(kernels, smol_like, monkeypatch, dtype):
     weights, tokens = smol_like
     calls = []
     real = kd.DecodeKernels.step
     monkeypatch.setattr(kd.DecodeKernels, "step", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16), tokens[:40], 30)
+    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
     assert len(calls) == 10  # every decode step, and the prefill not
     calls.clear()
-    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), F32), tokens[:40], 30)
-    assert calls == []  # fp32 stays on torch
+    torch_only(monkeypatch)
+    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
+    assert calls == []  # a dtype outside FUSED_DECODE_DTYPES stays on torch
+
+
+def test_fp32_logits_within_ulps_of_torchs(kernels, smol_like, monkeypatch):
+    # fp32 is the dtype held token for token against transformers, so the kernels
+    # may only reorder sums there: logits within a few 1e-5 (bf16 rounding would be
+    # ~1e-2), the argmax everywhere.
+    weights, tokens = smol_like
+    cpu = torch.device("cpu")
+    ours = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
+    torch_only(monkeypatch)
+    theirs = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=5e-5)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def test_only_cpu_decode_steps_are_offered_the_kernels(kernels, smol_like):
