@@ -6,6 +6,9 @@ Whoever starts the router (the Ray pool manager, a test) hands it plain
 "host:port" gRPC addresses with `add` and takes them away with `remove`. Both
 must run on the router's event loop; from another thread use
 `loop.call_soon_threadsafe(workers.add, address, "decode")`.
+
+A worker about to be scaled away is first `drain`ed: routing no longer sees it,
+its stats poll goes on, and `drained` says when it has finished its work.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 
 Role = Literal["decode", "prefill"]
 
+DRAINED_AFTER_IDLE_POLLS = 2
+
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -45,6 +50,10 @@ class Worker:
     healthy: bool = False  # routable: its last stats polls succeeded and its block size matches
     failures: int = 0  # stats polls failed in a row
     assigned_tokens: int = 0  # context tokens routed here since its last stats (so bursts spread)
+    draining: bool = False  # being scaled away: not routable, polled until idle
+    # Stats polls in a row, since draining began, that found no work and no block in use. A request
+    # routed just before the drain may still be on its way, so one idle poll is not proof.
+    idle_polls: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def load(self) -> WorkerLoad:
@@ -110,7 +119,8 @@ class WorkerSet:
 
     def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
         ex = set(exclude)
-        return [w for w in self._workers.values() if w.role == role and w.healthy and w.address not in ex]
+        return [w for w in self._workers.values()
+                if w.role == role and w.healthy and not w.draining and w.address not in ex]
 
     def decode_loads(self, exclude: Iterable[str] = ()) -> dict[str, WorkerLoad]:
         return {w.address: w.load() for w in self.healthy("decode", exclude)}
@@ -135,6 +145,19 @@ class WorkerSet:
             w.healthy = False
             self._on_health_change()
 
+    def drain(self, address: str) -> None:
+        """Stop routing new requests to this worker; its running ones finish (see `drained`)."""
+        w = self._workers.get(address)
+        if w is not None and not w.draining:
+            w.draining, w.idle_polls = True, 0
+            log.info("draining %s worker %s", w.role, address)
+            self._on_health_change()
+
+    def drained(self, address: str) -> bool:
+        """A draining worker has answered two stats polls in a row with nothing queued, running or held."""
+        w = self._workers.get(address)
+        return w is not None and w.draining and w.idle_polls >= DRAINED_AFTER_IDLE_POLLS
+
     # ---- background
 
     async def _poll_stats(self, w: Worker) -> None:
@@ -156,6 +179,8 @@ class WorkerSet:
                     w.healthy, w.failures = False, 1
                 else:
                     w.stats, w.assigned_tokens, w.failures, w.healthy = st, 0, 0, True
+                    if w.draining:
+                        w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
             if w.healthy != was:
                 log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
                 self._on_health_change()
@@ -183,3 +208,10 @@ class WorkerSet:
             # What we knew may be stale now; the next subscription starts with a snapshot.
             index.cleared(w.address)
             await asyncio.sleep(cfg.reconnect_backoff_s)
+
+
+def _idle(st: wpb.WorkerStats) -> bool:
+    # free == total: no block reserved or in use (cached, evictable blocks count as free), so a
+    # prefill worker has also seen its last KV transfer confirmed
+    return (st.queued_tokens == st.running_tokens == st.queue_length == st.running_requests == 0
+            and st.free_blocks == st.total_blocks)

@@ -1,0 +1,69 @@
+"""WorkerSet draining against fake workers over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.fakes import FakeKVPlane, FakePrefillWorker
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.workers import WorkerSet
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_draining_worker_leaves_routing_and_is_drained_after_two_idle_polls():
+    async def scenario() -> None:
+        kv = FakeKVPlane()
+        busy, other = FakePrefillWorker(kv, queued_tokens=300), FakePrefillWorker(kv)
+        for f in (busy, other):
+            await f.start()
+        health_changes = []
+        # polls far apart, so the test can look between two of them
+        cfg = RouterConfig(stats_interval_s=0.5)
+        workers = WorkerSet(cfg, PrefixIndex(), on_health_change=lambda: health_changes.append(1))
+        try:
+            workers.add(busy.address, "prefill")
+            workers.add(other.address, "prefill")
+            w = workers.get(busy.address)
+            assert w is not None
+            await until(lambda: all(x.healthy for x in workers.all()))
+            assert set(workers.prefill_queued_tokens()) == {busy.address, other.address}
+
+            before = len(health_changes)
+            workers.drain(busy.address)
+            assert len(health_changes) == before + 1  # the health service hears that routing changed
+            assert [x.address for x in workers.healthy("prefill")] == [other.address]
+            assert set(workers.prefill_queued_tokens()) == {other.address}
+
+            busy.queued_tokens = 301  # still polled while draining
+            await until(lambda: w.stats is not None and w.stats.queued_tokens == 301)
+            assert not workers.drained(busy.address) and w.idle_polls == 0
+
+            busy.queued_tokens = 0
+            await until(lambda: w.stats is not None and w.stats.queued_tokens == 0)
+            assert not workers.drained(busy.address)  # one idle poll is not proof
+            await until(lambda: workers.drained(busy.address))
+            assert workers.get(busy.address) is w and w.healthy  # still there until the pool manager removes it
+
+            busy.queued_tokens = 5  # work again (a late request): no longer drained
+            await until(lambda: w.stats is not None and w.stats.queued_tokens == 5)
+            assert not workers.drained(busy.address)
+            assert not workers.drained(other.address) and not workers.drained("127.0.0.1:1")
+        finally:
+            await workers.close()
+            for f in (busy, other):
+                await f.stop()
+
+    asyncio.run(scenario())
