@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from splitserve.router.event_loop import loop_name
+
 TARGET_ADDED_P50_MS = 1.0
 TARGET_DECISIONS_PER_S = 2000.0
 
@@ -73,6 +75,7 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
 
     logging.disable(logging.WARNING)
     from splitserve.router.config import RouterConfig
+    from splitserve.router.event_loop import run as run_loop
     from splitserve.router.server import Router
     from splitserve.router.tokenizer import ByteTokenizer
 
@@ -119,7 +122,7 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
         await bare.stop(0)
         await bare_channel.close()
 
-    asyncio.run(main())
+    run_loop(main())  # the loop `splitserve router` and `splitserve serve` run on
 
 
 # ---------------------------------------------------------------- client side
@@ -260,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"router overhead against mock workers: {args.requests} requests per path and mode after {args.warmup} warm-up,")
     print(f"interleaved; {args.prompt_tokens}-token prompts, {args.tokens} tokens each; gRPC on loopback;"
-          f" {'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'}")
+          f" {'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'};"
+          f" router event loop {loop_name()}")
     print()
     print(f"{'mode':<14} {'path':<8} {'total p50':>10} {'total p99':>10} {'first p50':>10} {'first p99':>10}   (ms)")
     added: dict[str, tuple[float, float, float, float]] = {}

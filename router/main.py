@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_run(a))
+    from splitserve.router.event_loop import run as run_loop
+
+    return run_loop(_run(a))
 
 
 async def _run(a: argparse.Namespace) -> int:
