@@ -30,6 +30,11 @@ class RouterMetrics:
         self.prefix_hit_rate = Gauge("splitserve_router_prefix_hit_rate", "prefix_hit_blocks / prompt_blocks since start", registry=r)
         self.migrations = Counter("splitserve_router_migrations", "Requests moved to another decode worker mid-stream", registry=r)
         self.prefill_retries = Counter("splitserve_router_prefill_retries", "Prefill calls retried on another prefill worker", registry=r)
+        # the pool controller's (router/pool.py): state is serving, starting or draining
+        self.pool_workers = Gauge("splitserve_router_pool_workers", "Workers of each pool by state", ["role", "state"], registry=r)
+        self.scaling_decisions = Counter("splitserve_router_scaling_decisions",
+                                         "Pool changes by action: grow, shrink, replace (a dead worker)",
+                                         ["role", "action"], registry=r)
         self._blocks = 0
         self._hits = 0
 

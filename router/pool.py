@@ -1,10 +1,17 @@
 """The pool manager: starts the prefill and decode pools as Ray actors, learns
 each actor's addresses from the actor itself, hands them to the router's
-WorkerSet, and replaces an actor that dies.
+WorkerSet, replaces an actor that dies, and scales a pool on its queue.
 
-Each pool is a `PoolSpec`: how many workers, the Ray resources of each (CPUs,
-GPUs, and custom resources so that a pool can be pinned to a node type), and
-the worker config they run.
+Each pool is a `PoolSpec`: how many workers to start with, the Ray resources of
+each (CPUs, GPUs, and custom resources so that a pool can be pinned to a node
+type), the worker config they run, and optionally a `ScalingConfig`. With one,
+a scale loop applies the policy of router/scaling.py every `interval_s`: a grow
+starts actors; a shrink drains the chosen worker (no new requests; its running
+ones finish, up to `drain_timeout_s`), then removes and stops it.
+
+Workers starting (scale-ups and replacements alike) count as pending for the
+policy, so a replacement keeps the pool's size and a booting worker is not
+started twice; a worker being drained is not "dead" to the watch.
 """
 
 from __future__ import annotations
@@ -12,43 +19,57 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.scaling import ScalerState, ScalingConfig, decide
 from splitserve.router.workers import WorkerSet
 from splitserve.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
+PING_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
 
 @dataclass(frozen=True)
 class PoolSpec:
     role: str  # "prefill" | "decode"
-    replicas: int
+    replicas: int  # started at once; with scaling, the initial size
     worker: WorkerConfig
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill_node": 1}
+    scaling: ScalingConfig | None = None  # None: a fixed size (dead workers are still replaced)
 
     def __post_init__(self) -> None:
         if self.role != self.worker.role:
             raise ValueError(f"PoolSpec role {self.role!r} differs from its worker config's {self.worker.role!r}")
         if self.replicas < 0:
             raise ValueError("replicas must be >= 0")
+        s = self.scaling
+        if s is not None and not s.min_replicas <= self.replicas <= s.max_replicas:
+            raise ValueError(f"{self.role} pool: replicas {self.replicas} outside [{s.min_replicas}, {s.max_replicas}]")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Member:
     actor: Any
+    worker_id: str
     grpc_address: str
     kv_endpoint: str | None
+    draining: bool = False  # chosen by the scaler: being drained, then stopped (not dead)
 
 
 class PoolManager:
     """Owns the actors of every pool. Runs on the router's event loop."""
 
     def __init__(self, specs: list[PoolSpec], workers: WorkerSet, start_timeout_s: float = 300.0,
-                 watch_interval_s: float = 2.0) -> None:
+                 watch_interval_s: float = 2.0, metrics: RouterMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import ray
 
         self._ray = ray
@@ -56,64 +77,191 @@ class PoolManager:
         self.workers = workers
         self.start_timeout_s = start_timeout_s
         self.watch_interval_s = watch_interval_s
+        self.metrics = metrics or RouterMetrics(workers.cfg)
+        self.clock = clock
         self.members: dict[str, list[_Member]] = {s.role: [] for s in specs}
+        self.pending: dict[str, int] = {s.role: 0 for s in specs}  # actors starting
         self._actor_cls = ray.remote(_actor_class())
         self._serial = 0
-        self._watch: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
+        self._jobs: set[asyncio.Task[None]] = set()  # starts and drains in flight
 
     async def start(self) -> None:
-        """Start every pool's replicas together and wait until all listen."""
-        starts = [self._start_one(spec) for spec in self.specs.values() for _ in range(spec.replicas)]
-        for m, role in await asyncio.gather(*starts):
-            self._register(role, m)
-        self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+        """Start every pool's initial replicas together and wait until all listen."""
+        specs = [spec for spec in self.specs.values() for _ in range(spec.replicas)]
+        for spec in specs:
+            self.pending[spec.role] += 1
+        results = await asyncio.gather(*[self._start_one(spec) for spec in specs], return_exceptions=True)
+        for spec, r in zip(specs, results):
+            self.pending[spec.role] -= 1
+            if isinstance(r, _Member):
+                self._register(spec.role, r)
+        self._publish_sizes()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r  # the ones that did start are ours to stop
+        loop = asyncio.get_running_loop()
+        self._loops.append(loop.create_task(self._watch_loop()))
+        for spec in self.specs.values():
+            if spec.scaling is not None and spec.scaling.scales:
+                self._loops.append(loop.create_task(self._scale_loop(spec.role, spec.scaling)))
 
-    async def _start_one(self, spec: PoolSpec) -> tuple[_Member, str]:
+    async def _start_one(self, spec: PoolSpec) -> _Member:
         self._serial += 1
         cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
         actor = self._actor_cls.options(
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
             name=cfg.worker_id, max_restarts=0,
         ).remote(cfg)
-        grpc_address, kv = await asyncio.wait_for(_ray_get(actor.addresses.remote()), self.start_timeout_s)
+        try:
+            grpc_address, kv = await asyncio.wait_for(_ray_get(actor.addresses.remote()), self.start_timeout_s)
+        except BaseException:
+            # timed out (no room in the cluster, a slow load), failed or cancelled: never leave it behind
+            self._kill(actor)
+            raise
         log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
-        return _Member(actor, grpc_address, kv), spec.role
+        return _Member(actor, cfg.worker_id, grpc_address, kv)
 
     def _register(self, role: str, m: _Member) -> None:
         self.members[role].append(m)
         self.workers.add(m.grpc_address, role)  # type: ignore[arg-type]
+
+    def _publish_sizes(self) -> None:
+        for role, members in self.members.items():
+            draining = sum(m.draining for m in members)
+            g = self.metrics.pool_workers
+            g.labels(role, "serving").set(len(members) - draining)
+            g.labels(role, "draining").set(draining)
+            g.labels(role, "starting").set(self.pending[role])
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    def _add_worker(self, role: str) -> None:
+        """One more worker in the pool, counted as pending from now until it is up (or failed)."""
+        self.pending[role] += 1
+        self._publish_sizes()
+        self._spawn(self._boot(role))
+
+    async def _boot(self, role: str) -> None:
+        try:
+            m = await self._start_one(self.specs[role])
+        except Exception:
+            log.exception("could not start a %s worker", role)
+            m = None
+        finally:
+            self.pending[role] -= 1
+        if m is not None:
+            self._register(role, m)
+        self._publish_sizes()
+
+    # ---- the watch: dead workers are replaced
 
     async def _watch_loop(self) -> None:
         """Ping every actor; replace the ones that died."""
         while True:
             await asyncio.sleep(self.watch_interval_s)
             for role, members in self.members.items():
-                for m in list(members):
+                for m in [m for m in members if not m.draining]:
                     try:
-                        await asyncio.wait_for(_ray_get(m.actor.ping.remote()), 10.0)
+                        await asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S)
                     except Exception as e:
-                        log.warning("%s worker %s is gone (%s); replacing it", role, m.grpc_address, type(e).__name__)
+                        if m.draining or m not in members:
+                            continue  # the scaler took it away while we asked
+                        log.warning("%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id,
+                                    m.grpc_address, type(e).__name__)
                         members.remove(m)
                         self.workers.remove(m.grpc_address)
-                        try:
-                            new, _ = await self._start_one(self.specs[role])
-                            self._register(role, new)
-                        except Exception:
-                            log.exception("could not replace a %s worker", role)
+                        self._kill(m.actor)  # hung rather than dead: make sure
+                        self.metrics.scaling_decisions.labels(role, "replace").inc()
+                        self._add_worker(role)
+
+    # ---- the scaler
+
+    async def _scale_loop(self, role: str, cfg: ScalingConfig) -> None:
+        state = ScalerState()
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            state = self._scale_once(role, cfg, state)
+
+    def _scale_once(self, role: str, cfg: ScalingConfig, state: ScalerState) -> ScalerState:
+        members = self.members[role]
+        loads = {}
+        for m in members:
+            w = self.workers.get(m.grpc_address)
+            if w is not None and not m.draining:
+                loads[m.grpc_address] = w.load()
+        draining = sum(m.draining for m in members)
+        d, state = decide(cfg, loads, self.pending[role], draining, self.clock(), state)
+        if d.action == "hold":
+            log.debug("%s pool: hold: %s", role, d.reason)
+            return state
+        log.info("%s pool: %s %d: %s", role, d.action, d.count, d.reason)
+        self.metrics.scaling_decisions.labels(role, d.action).inc()
+        if d.action == "grow":
+            for _ in range(d.count):
+                self._add_worker(role)
+        else:
+            (m,) = [m for m in members if m.grpc_address == d.worker]
+            m.draining = True  # at once, so the next application of the policy already sees it
+            self._publish_sizes()
+            self._spawn(self._drain(role, m, cfg.drain_timeout_s))
+        return state
+
+    async def _drain(self, role: str, m: _Member, timeout_s: float) -> None:
+        """Until the worker has finished its requests (or the deadline), then remove and stop it."""
+        workers = self.workers
+        workers.drain(m.grpc_address)
+        deadline = self.clock() + timeout_s
+        while not workers.drained(m.grpc_address):
+            w = workers.get(m.grpc_address)
+            if w is None or w.failures >= workers.cfg.unhealthy_after_failures:
+                log.info("%s worker %s stopped answering while draining", role, m.worker_id)
+                break
+            if self.clock() > deadline:
+                log.warning("%s worker %s still busy after %.0f s of draining; stopping it anyway "
+                            "(its requests are retried elsewhere)", role, m.worker_id, timeout_s)
+                break
+            await asyncio.sleep(workers.cfg.stats_interval_s)
+        workers.remove(m.grpc_address)
+        await self._stop_actor(m)
+        # a member until stopped, so that `members` never lists fewer actors than are alive
+        self.members[role].remove(m)
+        self._publish_sizes()
+        log.info("%s worker %s (%s) drained and stopped", role, m.worker_id, m.grpc_address)
+
+    async def _stop_actor(self, m: _Member) -> None:
+        """A clean stop first (the worker closes its server and KV endpoint), then the process goes."""
+        try:
+            await asyncio.wait_for(_ray_get(m.actor.stop.remote()), STOP_TIMEOUT_S)
+        except Exception as e:
+            log.debug("stopping %s: %s", m.worker_id, type(e).__name__)
+        finally:
+            self._kill(m.actor)
+
+    def _kill(self, actor: Any) -> None:
+        try:
+            self._ray.kill(actor)
+        except Exception as e:  # already gone, or Ray itself shutting down
+            log.debug("ray.kill: %s", e)
+
+    # ----
 
     def addresses(self, role: str) -> list[tuple[str, str | None]]:
         return [(m.grpc_address, m.kv_endpoint) for m in self.members.get(role, [])]
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        tasks = self._loops + list(self._jobs)
+        for t in tasks:
+            t.cancel()
+        # a start cancelled here kills its half-started actor; a cancelled drain leaves its member to us
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops.clear()
         for members in self.members.values():
             for m in members:
-                try:
-                    await asyncio.wait_for(_ray_get(m.actor.stop.remote()), 10.0)
-                except Exception:
-                    pass
-                self._ray.kill(m.actor)
+                await self._stop_actor(m)
             members.clear()
 
 
