@@ -11,6 +11,11 @@ import logging
 import os
 import secrets
 import signal
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.router.scaling import ScalingConfig
 
 log = logging.getLogger("splitserve.serve")
 
@@ -28,6 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", choices=["auto", "disaggregated", "colocated"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--prefill-workers-max", type=int, default=None,
+                   help="scale the prefill pool on its queue between --prefill-workers and this (default: no scaling)")
+    p.add_argument("--decode-workers-max", type=int, default=None,
+                   help="scale the decode pool on its load between --decode-workers and this (default: no scaling)")
+    p.add_argument("--prefill-target-tokens", type=int, default=4096,
+                   help="queued prompt tokens per prefill worker above which the prefill pool grows")
+    p.add_argument("--decode-target-tokens", type=int, default=16384,
+                   help="queued and running context tokens per decode worker above which the decode pool grows")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument("--prefill-resources", default="{}", help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}')
@@ -39,15 +52,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"), help="clients must send it as a bearer token")
 
 
+def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
+    """The pool between --{role}-workers (its start and its floor) and --{role}-workers-max; None: a fixed size."""
+    from splitserve.router.scaling import ScalingConfig
+
+    workers, workers_max = getattr(a, f"{role}_workers"), getattr(a, f"{role}_workers_max")
+    if workers_max is None or workers_max == workers:
+        return None
+    if workers_max < workers:
+        raise ValueError(f"--{role}-workers-max ({workers_max}) is below --{role}-workers ({workers})")
+    target = getattr(a, f"{role}_target_tokens")
+    decode = role == "decode"
+    return ScalingConfig(min_replicas=workers, max_replicas=workers_max,
+                         metric="work_tokens" if decode else "queued_tokens",
+                         target_tokens_per_worker=target, low_water_tokens_per_worker=target // 4,
+                         # a decode pool short of KV blocks queues requests before its token load shows it
+                         min_free_block_fraction=0.1 if decode else 0.0)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # checked before Ray starts, so a bad flag costs nothing
+        prefill, decode = scaling_config(args, "prefill"), scaling_config(args, "decode")
+    except ValueError as e:
+        print(f"splitserve serve: {e}", file=sys.stderr)
+        return 2
     try:
-        return asyncio.run(_serve(args))
+        return asyncio.run(_serve(args, prefill, decode))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve(a: argparse.Namespace) -> int:
+async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
+                 decode_scaling: ScalingConfig | None) -> int:
     # Ray's own plane: token auth on, dashboard off. Ray reads these when it is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
@@ -77,18 +114,20 @@ async def _serve(a: argparse.Namespace) -> int:
 
     specs = [
         PoolSpec("prefill", a.prefill_workers, worker("prefill"), a.cpus_per_worker, a.gpus_per_worker,
-                 json.loads(a.prefill_resources)),
+                 json.loads(a.prefill_resources), prefill_scaling),
         PoolSpec("decode", a.decode_workers, worker("decode"), a.cpus_per_worker, a.gpus_per_worker,
-                 json.loads(a.decode_resources)),
+                 json.loads(a.decode_resources), decode_scaling),
     ]
     cfg = RouterConfig(host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port, mode=a.mode,
                        http_port=None if a.http_port < 0 else a.http_port,
                        block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens,
                        api_key=a.api_key, cluster_token=cluster_token)
     router = Router(cfg, tokenizer)
-    pools = PoolManager(specs, router.workers)
+    pools = PoolManager(specs, router.workers, metrics=router.metrics)
     port = await router.start()
-    print(f"splitserve: starting {a.prefill_workers} prefill and {a.decode_workers} decode worker(s) "
+    prefill, decode = (f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
+                       for spec in specs)
+    print(f"splitserve: starting {prefill} and {decode} worker(s) "
           f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})", flush=True)
     await pools.start()
     await router.wait_for_workers(timeout_s=120)

@@ -201,3 +201,29 @@ def test_config_rejects_nonsense(bad):
 def test_config_knows_whether_it_scales():
     assert CFG.scales
     assert not ScalingConfig(min_replicas=2, max_replicas=2).scales
+
+
+# ---- the serve flags
+
+
+def serve_args(*flags: str):
+    from splitserve.cli import build_parser
+
+    return build_parser(["serve", *flags]).parse_args(["serve", *flags])
+
+
+def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():
+    from splitserve.serve import scaling_config
+
+    a = serve_args()
+    assert scaling_config(a, "prefill") is None and scaling_config(a, "decode") is None
+    a = serve_args("--prefill-workers", "2", "--prefill-workers-max", "2")
+    assert scaling_config(a, "prefill") is None
+    a = serve_args("--prefill-workers-max", "3", "--prefill-target-tokens", "2000",
+                   "--decode-workers", "2", "--decode-workers-max", "4")
+    p, d = scaling_config(a, "prefill"), scaling_config(a, "decode")
+    assert (p.min_replicas, p.max_replicas, p.metric, p.target_tokens_per_worker) == (1, 3, "queued_tokens", 2000)
+    assert p.low_water_tokens_per_worker < p.target_tokens_per_worker and p.min_free_block_fraction == 0
+    assert (d.min_replicas, d.max_replicas, d.metric) == (2, 4, "work_tokens") and d.min_free_block_fraction > 0
+    with pytest.raises(ValueError, match="--decode-workers-max"):
+        scaling_config(serve_args("--decode-workers", "3", "--decode-workers-max", "2"), "decode")
