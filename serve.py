@@ -77,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 2
+    from splitserve.router.event_loop import run as run_loop
+
     try:
-        return asyncio.run(_serve(args, prefill, decode))
+        return run_loop(_serve(args, prefill, decode))
     except KeyboardInterrupt:
         return 0
 

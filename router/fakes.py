@@ -244,8 +244,18 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
         self.queued_tokens = queued_tokens
         self.requests: list[wpb.PrefillRequest] = []
         self.cancelled: list[str] = []
+        self.stats_open = asyncio.Event()  # clear it to hold GetStats answers (a poll in flight)
+        self.stats_open.set()
+        self.stats_held = 0  # GetStats calls waiting on stats_open now
+        self.stats_answered = 0
 
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        self.stats_held += 1
+        try:
+            await self.stats_open.wait()
+        finally:
+            self.stats_held -= 1
+        self.stats_answered += 1
         return wpb.WorkerStats(worker_id=self.worker_id, queued_tokens=self.queued_tokens, free_blocks=self.total_blocks,
                                total_blocks=self.total_blocks, block_size=self.block_size)
 

@@ -49,7 +49,7 @@ class Worker:
     stats: wpb.WorkerStats | None = None
     healthy: bool = False  # routable: its last stats polls succeeded and its block size matches
     failures: int = 0  # stats polls failed in a row
-    assigned_tokens: int = 0  # context tokens routed here since its last stats (so bursts spread)
+    assigned_tokens: int = 0  # context tokens routed here that its last stats may not show yet (so bursts spread)
     draining: bool = False  # being scaled away: not routable, polled until idle
     # Stats polls in a row, since draining began, that found no work and no block in use. A request
     # routed just before the drain may still be on its way, so one idle poll is not proof.
@@ -164,6 +164,10 @@ class WorkerSet:
         cfg = self.cfg
         while not self._closed:
             was = w.healthy
+            # Tokens routed before this poll went out will show in its stats; the ones
+            # routed while it is in flight may not, so they stay counted (clearing them
+            # all made a burst's load vanish for a poll and fooled the pool scaler).
+            assigned_before = w.assigned_tokens
             try:
                 st = await w.stub.GetStats(wpb.StatsRequest(), timeout=cfg.stats_timeout_s, metadata=cfg.auth_metadata)
             except grpc.aio.AioRpcError as e:
@@ -178,7 +182,8 @@ class WorkerSet:
                                   w.address, st.block_size, cfg.block_size)
                     w.healthy, w.failures = False, 1
                 else:
-                    w.stats, w.assigned_tokens, w.failures, w.healthy = st, 0, 0, True
+                    w.stats, w.failures, w.healthy = st, 0, True
+                    w.assigned_tokens = max(0, w.assigned_tokens - assigned_before)
                     if w.draining:
                         w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
             if w.healthy != was:

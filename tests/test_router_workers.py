@@ -67,3 +67,37 @@ def test_a_draining_worker_leaves_routing_and_is_drained_after_two_idle_polls():
                 await f.stop()
 
     asyncio.run(scenario())
+
+
+def test_tokens_routed_while_a_stats_poll_is_in_flight_survive_its_answer():
+    # The poll's answer cannot show tokens routed after it went out; dropping them
+    # made a burst's load vanish for one poll (and restarted the scaler's window).
+    async def scenario() -> None:
+        fake = FakePrefillWorker(FakeKVPlane(), queued_tokens=100)
+        await fake.start()
+        workers = WorkerSet(RouterConfig(stats_interval_s=0.05), PrefixIndex())
+        try:
+            workers.add(fake.address, "prefill")
+            w = workers.get(fake.address)
+            assert w is not None
+            await until(lambda: w.healthy)
+            fake.stats_open.clear()
+            await until(lambda: fake.stats_held == 1)  # a poll is out, its answer held
+            workers.assigned(fake.address, 500)
+            assert workers.prefill_queued_tokens() == {fake.address: 600}
+            answered = w.stats
+            fake.stats_open.set()  # answers the held poll...
+            fake.stats_open.clear()  # ...and holds the next one
+            await until(lambda: w.stats is not answered)
+            assert workers.prefill_queued_tokens() == {fake.address: 600}  # still counted
+            # the next poll went out after the routing: its answer accounts for those tokens
+            await until(lambda: fake.stats_held == 1)
+            answered = w.stats
+            fake.stats_open.set()
+            await until(lambda: w.stats is not answered)
+            assert workers.prefill_queued_tokens() == {fake.address: 100}
+        finally:
+            await workers.close()
+            await fake.stop()
+
+    asyncio.run(scenario())
