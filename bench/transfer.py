@@ -189,7 +189,7 @@ def _raw_ucx(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
 
     import ucxx
 
-    from splitserve.kv_transfer.ucx import _Runtime
+    from splitserve.kv_transfer.ucx import _Runtime, close_listener
 
     rt = _Runtime.get()
     total = sum(p.numel() for p in sends)
@@ -213,7 +213,7 @@ def _raw_ucx(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
         done["dt"] = time.perf_counter() - t
         await finished.wait()
         await ep.close()
-        lst.close()
+        await close_listener(lst)
 
     rt.run(go(), timeout=600)
     return total / done["dt"] / 1e9
@@ -296,7 +296,7 @@ def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) ->
 
     import ucxx
 
-    from splitserve.kv_transfer.ucx import _Runtime
+    from splitserve.kv_transfer.ucx import _Runtime, close_listener
 
     times: list[float] = []
 
@@ -315,7 +315,7 @@ def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) ->
             await ep.recv(ack)
             times.append(time.perf_counter() - t)
         await ep.close()
-        lst.close()
+        await close_listener(lst)
 
     _Runtime.get().run(go(), timeout=120)
     return statistics.median(times)

@@ -225,10 +225,10 @@ class KVReceiver:
             self._lease_cv.notify()
             conns = list(self._conns)
         self._tcp.close()
+        for c in conns:  # before the UCX listener, so that it closes with no handler alive
+            c.close()
         if self._ucx is not None:
             self._ucx.close()
-        for c in conns:
-            c.close()
         for s in slots:
             self._fail(s, "receiver_closed", "receiver closed")
         self._lease_thread.join(timeout=5)

@@ -104,6 +104,19 @@ class UCXConnection:
         self._rt.loop.call_soon_threadsafe(abort)
 
 
+async def close_listener(listener: Any, timeout: float = 1.0) -> None:
+    """Close a ucxx listener once the handlers of its closed connections have returned
+    (ucxx keeps one for a loop turn after it ends, and warns when a listener goes
+    with handlers alive); a handler still busy after `timeout` is left to its end."""
+    wait = getattr(listener, "_wait_for_active_clients", None)  # ucxx >= 0.40; private but stable
+    if wait is not None:
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            pass
+    listener.close()
+
+
 class UCXListener:
     def __init__(self, rt: _Runtime, port: int, on_connection: Callable[[Connection], None]) -> None:
         self._rt = rt
@@ -123,7 +136,7 @@ class UCXListener:
 
     def close(self) -> None:
         async def stop() -> None:
-            self._listener.close()
+            await close_listener(self._listener)
 
         try:
             self._rt.run(stop(), timeout=10)
