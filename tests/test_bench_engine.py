@@ -71,3 +71,23 @@ def test_gpu_model_shapes_and_device_side_weights():
         want = {name: tuple(t.shape) for name, t in random_weights(cfg).items()}
         drawn = bench._random_weights(cfg, torch.float32, torch.device("meta"))
         assert {name: tuple(t.shape) for name, t in drawn.items()} == want
+
+
+def test_smollm2_shape_is_the_embedded_models_config():
+    """`smollm2-shape` stands in for SmolLM2 where its GGUF cannot travel (a GPU machine):
+    every field that sets a step's work must be the GGUF's own."""
+    import dataclasses
+
+    import torch
+
+    from splitserve.bench import engine as bench
+    from splitserve.engine.weights import load_model
+
+    real = load_model(None, torch.float32, progress=False).config
+    shape = bench._shape("smollm2-shape")
+    skip = {"name", "bos_token_id", "eos_token_ids", "rms_norm_eps", "rope_scaling"}
+    for f in dataclasses.fields(real):
+        if f.name not in skip:
+            assert getattr(shape, f.name) == getattr(real, f.name), f.name
+    assert shape.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+    assert shape.rope_scaling.kind == real.rope_scaling.kind == "none"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 2's GPU figures and the CUDA tests, on a machine with CUDA, PyTorch and
+# transformers but without this project installed and without Ray (the lent
+# GPU machines: no internet, and Ray's wheel is more than a call can carry).
+#
+#     bash bench/device.sh [OUT_DIR]          # from the repository root
+#     BENCH_ARGS="--model llama-3-8b" bash bench/device.sh /tmp/out   # other bench flags
+#
+# The repository goes on the path as the `splitserve` package through a symlink
+# (nothing is installed), the CUDA tests run, then `splitserve bench engine
+# --device cuda` on SmolLM2 (its shape with random weights when the 98 MB GGUF
+# is not installed: a step's time does not depend on the values), Llama-3.2-1B
+# and Llama-3-8B shapes, with the 4K-token prefill figure. Outputs go to
+# OUT_DIR (default bench/results): engine-cuda.txt, the benchmark's output with
+# the command on its first line as bench/report.py wants it, and cuda-tests.txt.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$root/bench/results}
+mkdir -p "$out"
+pkg=$(mktemp -d)
+ln -s "$root" "$pkg/splitserve"
+export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$root"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/cuda-tests.txt"
+
+# shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
+cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
+{
+  echo "\$ bash bench/device.sh   # ${cmd[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  "${cmd[@]}" 2>&1
+} | tee "$out/engine-cuda.txt"
