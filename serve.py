@@ -106,6 +106,12 @@ async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
         ray.init(address=a.ray_address, logging_level=logging.WARNING)
     else:
         ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    # Ours from here on (ray.init installs its own, which dies loudly): a signal during the
+    # start stops what has started, like one after it.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
     engine_cfg = engine_config_from_args(a)
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
@@ -126,27 +132,36 @@ async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
                        api_key=a.api_key, cluster_token=cluster_token)
     router = Router(cfg, tokenizer)
     pools = PoolManager(specs, router.workers, metrics=router.metrics)
-    port = await router.start()
-    prefill, decode = (f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
-                       for spec in specs)
-    print(f"splitserve: starting {prefill} and {decode} worker(s) "
-          f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})", flush=True)
-    await pools.start()
-    await router.wait_for_workers(timeout_s=120)
-    print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
-    if router.http is not None:
-        print(f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, /v1/completions)",
-              flush=True)
-    for role in ("prefill", "decode"):
-        for g, kv in pools.addresses(role):
-            print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("splitserve: stopping", flush=True)
-    await pools.stop()
-    await router.stop()
-    ray.shutdown()
+
+    async def start() -> None:
+        port = await router.start()
+        prefill, decode = (f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} "
+                           f"{spec.role}" for spec in specs)
+        print(f"splitserve: starting {prefill} and {decode} worker(s) "
+              f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})", flush=True)
+        await pools.start()
+        await router.wait_for_workers(timeout_s=120)
+        print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
+        if router.http is not None:
+            print(f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
+                  "/v1/completions)", flush=True)
+        for role in ("prefill", "decode"):
+            for g, kv in pools.addresses(role):
+                print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
+
+    starting = asyncio.ensure_future(start())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start ends here, through the finally below
+            await stopping
+    finally:
+        print("splitserve: stopping", flush=True)
+        for t in (starting, stopping):
+            t.cancel()
+        await asyncio.gather(starting, stopping, return_exceptions=True)
+        await pools.stop()
+        await router.stop()
+        ray.shutdown()
     return 0
