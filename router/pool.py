@@ -163,20 +163,26 @@ class PoolManager:
         """Ping every actor; replace the ones that died."""
         while True:
             await asyncio.sleep(self.watch_interval_s)
-            for role, members in self.members.items():
-                for m in [m for m in members if not m.draining]:
-                    try:
-                        await asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S)
-                    except Exception as e:
-                        if m.draining or m not in members:
-                            continue  # the scaler took it away while we asked
-                        log.warning("%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id,
-                                    m.grpc_address, type(e).__name__)
-                        members.remove(m)
-                        self.workers.remove(m.grpc_address)
-                        self._kill(m.actor)  # hung rather than dead: make sure
-                        self.metrics.scaling_decisions.labels(role, "replace").inc()
-                        self._add_worker(role)
+            # all at once: a hung actor costs one ping timeout a round, not one per actor behind it
+            watched = [(role, m) for role, members in self.members.items() for m in members if not m.draining]
+            answers = await asyncio.gather(
+                *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
+                return_exceptions=True)
+            for (role, m), answer in zip(watched, answers):
+                if isinstance(answer, BaseException):
+                    self._replace(role, m, answer)
+
+    def _replace(self, role: str, m: _Member, why: BaseException) -> None:
+        members = self.members[role]
+        if m.draining or m not in members:
+            return  # the scaler took it away while we asked
+        log.warning("%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id, m.grpc_address,
+                    type(why).__name__)
+        members.remove(m)
+        self.workers.remove(m.grpc_address)
+        self._kill(m.actor)  # hung rather than dead: make sure
+        self.metrics.scaling_decisions.labels(role, "replace").inc()
+        self._add_worker(role)
 
     # ---- the scaler
 
