@@ -10,9 +10,11 @@
 # (nothing is installed), the CUDA tests run, then `splitserve bench engine
 # --device cuda` on SmolLM2 (its shape with random weights when the 98 MB GGUF
 # is not installed: a step's time does not depend on the values), Llama-3.2-1B
-# and Llama-3-8B shapes, with the 4K-token prefill figure. Outputs go to
-# OUT_DIR (default bench/results): engine-cuda.txt, the benchmark's output with
-# the command on its first line as bench/report.py wants it, and cuda-tests.txt.
+# and Llama-3-8B shapes, with the 4K-token prefill figure, and `splitserve bench
+# transfer` over CUDA IPC against TCP. Outputs go to OUT_DIR (default
+# bench/results): engine-cuda.txt and transfer-cuda.txt, each the benchmark's
+# output with the command on its first line as bench/report.py wants it, and
+# cuda-tests.txt (the tests marked gpu: CUDA graphs, CUDA vs CPU, CUDA IPC).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/bench/results}
@@ -23,7 +25,7 @@ export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/cuda-tests.txt"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_transfer.py 2>&1 | tee "$out/cuda-tests.txt"
 
 # shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
 cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
@@ -31,3 +33,9 @@ cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
   echo "\$ bash bench/device.sh   # ${cmd[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   "${cmd[@]}" 2>&1
 } | tee "$out/engine-cuda.txt"
+
+transfer=(python3 -m splitserve.cli bench transfer --transports tcp,cuda_ipc --size 1G --repeats 5)
+{
+  echo "\$ bash bench/device.sh   # ${transfer[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  "${transfer[@]}" 2>&1
+} | tee "$out/transfer-cuda.txt"

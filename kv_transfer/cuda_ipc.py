@@ -11,12 +11,19 @@ Trust: the mapped tensor is the whole decode cache, so here the bounds are
 kept by the sender's code, not checked by the receiver. Same-GPU peers share a
 machine and an operator; that is the boundary this transport assumes.
 
+A sender in the decode worker's own process (a benchmark, a test, one process
+serving both roles) cannot open its own IPC handle: CUDA refuses that. The
+mapping therefore also names the exporting process and a random key, and a
+sender in that process is handed the cache tensor itself.
+
 Imports without CUDA; the functions need it.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+import weakref
 from typing import Sequence
 
 import torch
@@ -24,7 +31,12 @@ import torch
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.frame import FrameError
 
-_FIXED = struct.Struct("<iQQQqQB16s")  # device, num_blocks, storage size, storage offset, tensor offset, refcount offset, event sync, gpu uuid
+# device, num_blocks, storage size, storage offset, tensor offset, refcount offset, event sync, gpu uuid,
+# exporting process id, key of the export in that process
+_FIXED = struct.Struct("<iQQQqQB16sq16s")
+
+# This process's exported caches by key, for a sender in the same process (see the top).
+_EXPORTED: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def _uuid(device: int) -> bytes:
@@ -40,7 +52,12 @@ def export_cache(cache: KVCache) -> bytes:
     (_, _, _, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
      event_handle, event_sync) = args  # fmt: skip
     blobs = [bytes(handle), bytes(ref_handle), bytes(event_handle or b"")]
-    fixed = _FIXED.pack(device, cache.num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, int(event_sync), _uuid(device))
+    key = next((k for k, v in list(_EXPORTED.items()) if v is t), None)  # one key per cache, however many handshakes
+    if key is None:
+        key = os.urandom(16)
+        _EXPORTED[key] = t
+    fixed = _FIXED.pack(device, cache.num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, int(event_sync),
+                        _uuid(device), os.getpid(), key)
     return fixed + b"".join(struct.pack("<H", len(b)) + b for b in blobs)
 
 
@@ -50,7 +67,13 @@ def import_cache(blob: bytes, local: KVCache) -> torch.Tensor:
 
     if len(blob) < _FIXED.size:
         raise FrameError("CUDA IPC mapping too short")
-    device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, uuid = _FIXED.unpack_from(blob)
+    (device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, uuid, pid,
+     key) = _FIXED.unpack_from(blob)  # fmt: skip
+    if pid == os.getpid():
+        own = _EXPORTED.get(key)
+        if own is None:
+            raise FrameError("CUDA IPC mapping from this process names no live cache")
+        return own
     pos, blobs = _FIXED.size, []
     for _ in range(3):
         (n,) = struct.unpack_from("<H", blob, pos)

@@ -335,3 +335,26 @@ def test_the_transfer_benchmark_runs_at_ci_size(capsys):
                  "--latency-blocks", "1"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "tcp        raw" in out and "ratio" in out and "pipelining (tcp)" in out
+
+
+def test_cuda_ipc_mapping_in_the_exporting_process_is_the_cache_itself(monkeypatch):
+    # CUDA will not open a process's own IPC handle, so a sender in the decode worker's
+    # process (a benchmark, a test) must get the tensor itself; no CUDA call on that path.
+    from torch.multiprocessing import reductions
+
+    from splitserve.kv_transfer import cuda_ipc
+
+    cache = KVCache(LAYOUT, 8)
+
+    def fake_reduce(t):  # the 15 fields torch's reduce_tensor gives a CUDA tensor
+        return None, (type(t), t.shape, t.stride(), 0, t.dtype, False, 0, b"handle", t.numel() * 4, 0, False,
+                      b"ref", 0, b"", True)
+
+    monkeypatch.setattr(reductions, "reduce_tensor", fake_reduce)
+    monkeypatch.setattr(cuda_ipc, "_uuid", lambda device: b"u" * 16)
+    blob = cuda_ipc.export_cache(cache)
+    assert cuda_ipc.import_cache(blob, cache) is cache.tensor
+    assert cuda_ipc.export_cache(cache) == blob  # every handshake of one cache: one entry, not one each
+    other = cuda_ipc.export_cache(KVCache(LAYOUT, 8))  # its cache is gone once exported: no stale tensor
+    with pytest.raises(frame.FrameError, match="no live cache"):
+        cuda_ipc.import_cache(other, cache)
