@@ -1,0 +1,215 @@
+"""Fused Triton kernels for the small operations of a CUDA decode step.
+
+The GPU counterpart of decode.py, behind the same per-step interface, so that
+LlamaModel._fused_decode runs either:
+
+    step = triton_decode_kernels().step(h, kv_cache, meta, cos, sin, ...)
+    x = step.norm(w_in)                       # x = RMSNorm(h)
+    attn = step.attention(layer, qkv)         # RoPE on q and k, K/V into the cache, paged attention
+    x = step.norm(w_post, residual=o)         # h += o, x = RMSNorm(h)
+    act = step.silu_mul(gate_up)              # silu(gate) * up
+
+Plain PyTorch plus CUDA graphs leaves a decode step some fifty small kernels a
+layer; these make it four (five with a layer hook) beside the matrix products.
+Everything is capturable in a CUDA graph: grids come from shapes alone, no
+value is read back to the host, buffers are allocated with torch (in the
+graph's pool when captured), and the first launch, which compiles, happens in
+the capture's warm-up runs (engine/cuda_graphs.py).
+
+bf16, fp16 and fp32 tensors on one device: CUDA in serving, the CPU only under
+Triton's interpreter (TRITON_INTERPRET=1, for the tests). `triton_decode_kernels()`
+is None, and the model runs its torch code, when triton is not installed or
+SPLITSERVE_NO_KERNELS is set; triton is imported only on its first call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from splitserve.engine.kernels.decode import StepMetadata
+from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+
+log = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LONG = torch.int64
+
+# Context tokens per attention tile and warps per program: to be tuned on the GPU
+# (tl.dot needs tiles of at least 16 on every side, hence the floors below).
+ATTENTION_BLOCK_N = 32
+ATTENTION_WARPS = 4
+SILU_BLOCK = 1024
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+class TritonDecodeStep:
+    """One decode step's fused operations over the residual stream `h` [B, hidden], in place.
+
+    As decode.DecodeStep: each method's output is a buffer of the step, overwritten by the
+    method's next call; a layer consumes each before that.
+    """
+
+    def __init__(self, ops: ModuleType, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor,
+                 num_heads: int, scale: float, eps: float, intermediate_size: int):
+        dtype, dev = h.dtype, h.device
+        if dtype not in DTYPES:
+            raise ValueError(f"Triton decode kernels take bf16, fp16 or fp32, not {dtype}")
+        if h.dim() != 2 or not h.is_contiguous():
+            raise ValueError("h must be a contiguous tensor [batch, hidden]")
+        if kv_cache.dim() != 6 or not kv_cache.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device != dev:
+            raise ValueError(f"kv_cache must be a contiguous {dtype} tensor on {dev} "
+                             "[layers, blocks, 2, block_size, kv_heads, head_dim]")
+        if not meta.is_decode:
+            raise ValueError("a decode step needs one new token per sequence")
+        batch, hidden = h.shape
+        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        tables = meta.block_tables
+        # the block table may be a column slice of a wider buffer (cuda_graphs.py): rows strided
+        if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be [{batch}, width] with contiguous rows")
+        for name, t in (("slot_blocks", meta.slot_blocks), ("slot_offsets", meta.slot_offsets),
+                        ("context_lens", meta.context_lens), ("block_tables", tables)):
+            if t.dtype != _LONG or t.device != dev or t.shape[0] != batch or (t.dim() == 1 and not t.is_contiguous()):
+                raise ValueError(f"{name} must be an int64 tensor on {dev} with {batch} rows")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dtype != dtype or t.device != dev or tuple(t.shape) != (batch, head_dim) or t.stride(1) != 1:
+                raise ValueError(f"{name} must be a {dtype} tensor [{batch}, {head_dim}] on {dev}")
+        if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
+        self._ops = ops
+        self.h = h
+        self.num_layers = layers
+        self._kv_cache, self._meta, self._cos, self._sin = kv_cache, meta, cos, sin
+        self._eps = float(eps)
+        self._num_heads, self._kv_heads, self._head_dim, self._block_size = num_heads, kv_heads, head_dim, block_size
+        self._qkv_shape = (batch, (num_heads + 2 * kv_heads) * head_dim)
+        self._gate_up_shape = (batch, 2 * intermediate_size)
+        self._intermediate = intermediate_size
+        self._x = torch.empty_like(h)
+        self._attn = h.new_empty(batch, num_heads * head_dim)
+        self._act = h.new_empty(batch, intermediate_size)
+        self._norm_block = _pow2(hidden)
+        self._norm_warps = 4 if hidden <= 2048 else 8
+        self._cache_strides = kv_cache.stride()[1:5]  # block, k/v, token, head (a layer's view shares them)
+        group = num_heads // kv_heads
+        self._attn_meta = dict(
+            NUM_HEADS=num_heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=_pow2(group, 16),
+            HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim, 16), BLOCK_N=ATTENTION_BLOCK_N,
+            QK_PRECISION="ieee" if dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
+        )
+        self._scale_log2 = float(scale) * math.log2(math.e)
+
+    def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
+        """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
+        h = self.h
+        if weight.shape != h.shape[1:] or weight.dtype != h.dtype or not weight.is_contiguous():
+            raise ValueError(f"norm weight must be a contiguous {h.dtype} tensor [{h.shape[1]}]")
+        if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype
+                                     or not residual.is_contiguous()):
+            raise ValueError(f"residual must be a contiguous {h.dtype} tensor {list(h.shape)}")
+        self._ops.rms_norm_kernel[(h.shape[0],)](
+            self._x, h, h if residual is None else residual, weight, h.shape[1], self._eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=self._norm_block, num_warps=self._norm_warps,
+        )
+        return self._x
+
+    def _check(self, layer: int, qkv: Tensor) -> Tensor:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        if tuple(qkv.shape) != self._qkv_shape or qkv.dtype != self.h.dtype or not qkv.is_contiguous():
+            raise ValueError(f"qkv must be a contiguous {self.h.dtype} tensor {list(self._qkv_shape)}")
+        return self._kv_cache[layer]
+
+    def write_kv(self, layer: int, qkv: Tensor) -> None:
+        """RoPE on q and k (in place in qkv) and K and V into each token's slot of the layer's cache."""
+        cache = self._check(layer, qkv)
+        meta = self._meta
+        self._ops.rope_write_kv_kernel[(qkv.shape[0], self._num_heads + 2 * self._kv_heads)](
+            qkv, self._cos, self._sin, cache, meta.slot_blocks, meta.slot_offsets,
+            qkv.stride(0), self._cos.stride(0), *self._cache_strides,
+            NUM_HEADS=self._num_heads, KV_HEADS=self._kv_heads, HEAD_DIM=self._head_dim,
+            HALF_PAD=_pow2(self._head_dim // 2), num_warps=1,
+        )
+
+    def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
+        """Attention output [B, heads * head_dim] (the o projection's input) of one layer.
+
+        qkv is the fused projection's output, [B, (heads + 2 kv_heads) * head_dim]: q heads,
+        then k heads, then v heads. With `write` (the default), `write_kv` runs first; without,
+        it must have run for this layer and qkv.
+        """
+        if write:
+            self.write_kv(layer, qkv)
+        cache = self._check(layer, qkv)
+        meta = self._meta
+        self._ops.paged_decode_attention_kernel[(qkv.shape[0], self._kv_heads)](
+            self._attn, qkv, cache, meta.block_tables, meta.context_lens,
+            qkv.stride(0), meta.block_tables.stride(0), *self._cache_strides, self._scale_log2,
+            **self._attn_meta, num_warps=ATTENTION_WARPS,
+        )
+        return self._attn
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up from gate_up [B, 2 intermediate] = [gate | up], as F.silu(gate) * up rounds it."""
+        if tuple(gate_up.shape) != self._gate_up_shape or gate_up.dtype != self.h.dtype or not gate_up.is_contiguous():
+            raise ValueError(f"gate_up must be a contiguous {self.h.dtype} tensor {list(self._gate_up_shape)}")
+        grid = (gate_up.shape[0], _cdiv(self._intermediate, SILU_BLOCK))
+        self._ops.silu_mul_kernel[grid](self._act, gate_up, self._intermediate, BLOCK=SILU_BLOCK, num_warps=4)
+        return self._act
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TritonDecodeKernels:
+    """The kernels' front: `step` as decode.DecodeKernels.step."""
+
+    def __init__(self, ops: ModuleType):
+        self._ops = ops
+
+    def step(self, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, *,
+             num_heads: int, scale: float, eps: float, intermediate_size: int) -> TritonDecodeStep:
+        """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
+
+        cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
+        dtype; meta is the step's AttentionMetadata (a decode step).
+        """
+        return TritonDecodeStep(self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
+
+
+_lock = threading.Lock()
+_kernels: TritonDecodeKernels | None = None
+_tried = False
+
+
+def _load() -> TritonDecodeKernels | None:
+    if kernels_disabled():
+        log.info("%s is set: CUDA decode runs on torch", DISABLE_ENV)
+        return None
+    try:
+        from splitserve.engine.kernels import triton_decode_ops
+    except ImportError as e:
+        log.info("triton is not importable (%s): CUDA decode runs on torch", e)
+        return None
+    return TritonDecodeKernels(triton_decode_ops)
+
+
+def triton_decode_kernels() -> TritonDecodeKernels | None:
+    """The kernels (None: triton missing or kernels disabled; see the module doc)."""
+    global _kernels, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _kernels = _load()
+                _tried = True
+    return _kernels

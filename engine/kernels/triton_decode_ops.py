@@ -1,0 +1,145 @@
+"""The Triton kernels of a CUDA decode step (launched by triton_decode.py, which
+owns shapes, checks and buffers; this module imports triton unconditionally).
+
+Rounding follows the torch code in engine/model.py and engine/attention.py
+op for op where torch rounds to the model dtype between operations (the
+residual add, RMSNorm's normalised value before the weight, each product of
+RoPE, SiLU before the multiply by up), so that bf16 results match torch's bits
+but for reordered fp32 sums. Attention keeps fp32 from the scores to the
+output and rounds once.
+
+Indices (block tables, slots, context lengths) are int64, and every cache
+offset is computed in int64: a cache of a few GiB overflows int32 element offsets.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(out_ptr, h_ptr, res_ptr, w_ptr, hidden, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: with HAS_RESIDUAL, h += residual (in place, rounded as torch
+    adds), then out = w * RMSNorm(h), normalised in fp32 and rounded before the weight."""
+    dtype = h_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    h_row = h_ptr + row * hidden + offs
+    h = tl.load(h_row, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * hidden + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(h_row, h, mask=mask)
+    x = h.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / hidden
+    xn = (x * tl.math.rsqrt(var + eps)).to(dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(tl.float32) * xn.to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_blocks_ptr, slot_offsets_ptr,
+                         qkv_stride, rope_stride, stride_block, stride_kv, stride_tok, stride_head,
+                         NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HALF_PAD: tl.constexpr):
+    """Grid (tokens, heads + 2 kv_heads): program (b, j) takes head j of row b of qkv, q heads
+    first, then k, then v. q and k heads are rotated in place (HF's rotate_half); k and v
+    heads are stored at the token's slot of `cache_ptr` (one layer: [blocks, 2, bs, kv, dim])."""
+    dtype = qkv_ptr.dtype.element_ty
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < half
+    src = qkv_ptr + b * qkv_stride + head * HEAD_DIM
+    x1 = tl.load(src + offs, mask=mask, other=0.0)
+    x2 = tl.load(src + half + offs, mask=mask, other=0.0)
+    block = tl.load(slot_blocks_ptr + b)
+    slot = cache_ptr + block * stride_block + tl.load(slot_offsets_ptr + b) * stride_tok
+    if head < NUM_HEADS + KV_HEADS:
+        cs = b * rope_stride + offs
+        c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + half, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + half, mask=mask, other=0.0).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype as torch does
+        y1 = ((f1 * c1).to(dtype).to(tl.float32) - (f2 * s1).to(dtype).to(tl.float32)).to(dtype)
+        y2 = ((f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        tl.store(src + offs, y1, mask=mask)
+        tl.store(src + half + offs, y2, mask=mask)
+        if head >= NUM_HEADS:
+            dst = slot + (head - NUM_HEADS) * stride_head
+            tl.store(dst + offs, y1, mask=mask)
+            tl.store(dst + half + offs, y2, mask=mask)
+    else:
+        dst = slot + stride_kv + (head - NUM_HEADS - KV_HEADS) * stride_head
+        tl.store(dst + offs, x1, mask=mask)
+        tl.store(dst + half + offs, x2, mask=mask)
+
+
+@triton.jit
+def paged_decode_attention_kernel(out_ptr, qkv_ptr, cache_ptr, block_tables_ptr, context_lens_ptr,
+                                  qkv_stride, table_stride, stride_block, stride_kv, stride_tok, stride_head,
+                                  scale_log2,
+                                  NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, QK_PRECISION: tl.constexpr):
+    """Grid (sequences, kv_heads): one program attends the GROUP query heads that share a kv
+    head, so each K/V tile is read once for all of them. Tiles of BLOCK_N context tokens are
+    addressed token by token through the block table (any block size, no gather), with an
+    online softmax in fp32 (base 2: scale_log2 = scale * log2(e))."""
+    dtype = out_ptr.dtype.element_ty
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    n = tl.arange(0, BLOCK_N)
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    heads = (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(qkv_ptr + b * qkv_stride + heads, mask=q_mask, other=0.0)
+    ctx = tl.load(context_lens_ptr + b)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    k_head = cache_ptr + kvh * stride_head
+    for start in range(0, ctx, BLOCK_N):
+        t = start + n
+        t_valid = t < ctx
+        # masked: a table's last tile may run past its width, and padding entries are never read
+        block = tl.load(block_tables_ptr + b * table_stride + t // BLOCK_SIZE, mask=t_valid, other=0)
+        tok = block * stride_block + (t % BLOCK_SIZE) * stride_tok
+        kv_mask = t_valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # bf16 x bf16 products are exact in fp32, so this dot is as accurate as an fp32 one
+        s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale_log2
+        s = tl.where(t_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(k_head + stride_kv + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # probabilities stay fp32 (no rounding to bf16 as flash kernels do): decode is bound by K/V reads
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + b * (NUM_HEADS * HEAD_DIM) + heads, out.to(dtype), mask=q_mask)
+
+
+@triton.jit
+def silu_mul_kernel(out_ptr, gate_up_ptr, inter, BLOCK: tl.constexpr):
+    """Grid (rows, column tiles): out = silu(gate) * up from gate_up = [gate | up], silu rounded
+    to the dtype before the multiply, as F.silu(gate) * up does."""
+    dtype = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < inter
+    src = gate_up_ptr + row * 2 * inter + col
+    g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + col, (silu * u).to(dtype), mask=mask)

@@ -1,0 +1,398 @@
+"""The Triton decode kernels (engine/kernels/triton_decode.py) against the torch
+code they replace, run on CPU tensors by Triton's interpreter: RMSNorm with the
+residual add, RoPE and the KV write, SiLU * up (bf16 bit for bit but for rare
+1-ulp differences, fp32 within ulps), paged decode attention (within the
+output's rounding of an fp32 reference) over GQA ratios, head and block sizes,
+contexts across block boundaries, padded and column-sliced block tables, batch
+1..4; and a tiny model decoding on them: logits close to the torch path's,
+greedy tokens equal in fp32. What the interpreter cannot show (speed, tile
+sizes and warps on a GPU, capture in a CUDA graph) is for tests/test_cuda.py
+on a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when triton's kernels are decorated: before any import of them
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+import splitserve.engine.kernels.triton_decode as td  # noqa: E402
+from splitserve.engine.attention import AttentionMetadata, write_kv  # noqa: E402
+from splitserve.engine.model import LlamaModel, apply_rope, rms_norm  # noqa: E402
+from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+BF16, F32 = torch.bfloat16, torch.float32
+DTYPES = [BF16, F32]
+
+
+# Three faults of Triton 3.6's interpreter that a GPU does not have, mended for these tests
+# only (the kernels are untouched): it truncates fp32 to bf16 where the GPU's cvt rounds to
+# nearest even; its tl.dot multiplies bf16 operands as their raw uint16 bit patterns; and its
+# scalars (1-element arrays) have an __index__ that NumPy 2.4 refuses, which breaks any loop
+# bounded by a value loaded or passed at run time.
+_convert_float = interpreter._convert_float
+_patch_lang_tensor = interpreter._patch_lang_tensor
+_create_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _rounding_convert_float(data, src, dst, rounding_mode):
+    if src == tl.float32 and dst == tl.bfloat16:
+        f32 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+        return f32.to(BF16).view(torch.int16).numpy().view(np.uint16)
+    return _convert_float(data, src, dst, rounding_mode)
+
+
+def _as_f32(x):
+    if x.dtype != tl.bfloat16:
+        return x
+    return interpreter.TensorHandle(_convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+
+def _dot_on_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _create_dot(self, _as_f32(a), _as_f32(b), d, input_precision, max_num_imprecise_acc)
+
+
+def _patch_with_index(tensor, scope):
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faithful_interpreter():
+    mp = pytest.MonkeyPatch()
+    mp.setattr(interpreter, "_convert_float", _rounding_convert_float)
+    mp.setattr(interpreter, "_patch_lang_tensor", _patch_with_index)
+    mp.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_on_values)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def kernels() -> td.TritonDecodeKernels:
+    if td.kernels_disabled():
+        pytest.skip(f"{td.DISABLE_ENV} is set")
+    k = td.triton_decode_kernels()
+    assert k is not None  # triton imported above
+    return k
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def assert_like_torch(out: torch.Tensor, ref: torch.Tensor, fp32_rtol: float = 1e-6) -> None:
+    """bf16: bit for bit but for rare 1-ulp differences (sums in another order); fp32: within ulps."""
+    assert out.dtype is ref.dtype and out.shape == ref.shape
+    if out.dtype is BF16:
+        assert int(ulps_apart(out, ref).max()) <= 1
+        assert (out == ref).float().mean() >= 0.99
+    else:
+        torch.testing.assert_close(out, ref, rtol=fp32_rtol, atol=1e-30)
+
+
+def decode_batch(
+    gen: torch.Generator, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+    block_size: int, layers: int = 2, pad: int = 2, slack: int = 0,
+) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A random cache whose sequences hold scattered blocks, block tables padded with 0 past
+    each sequence's blocks (and `pad` columns more), and one qkv row per sequence. With
+    `slack`, the tables are a column slice of a wider buffer, as cuda_graphs.py passes them."""
+    need = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(need) + 3
+    cache = torch.randn(layers, num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the padding value
+    width = max(need) + pad
+    buffer = torch.full((len(context_lens), width + slack), -1, dtype=torch.long)  # -1: never to be read
+    tables = buffer[:, :width]
+    tables.zero_()
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    ctx = torch.tensor(context_lens)
+    last = ctx - 1  # the new token's position
+    meta = AttentionMetadata(
+        slot_blocks=tables[torch.arange(len(context_lens)), last // block_size].contiguous(),
+        slot_offsets=last % block_size,
+        block_tables=tables,
+        context_lens=ctx,
+        query_lens=[1] * len(context_lens),
+        context_lens_list=list(context_lens),
+        is_decode=True,
+    )
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    return cache, meta, qkv
+
+
+def rope_rows(positions: list[int], head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def make_step(k: td.TritonDecodeKernels, h: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: int,
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+              intermediate: int = 8) -> td.TritonDecodeStep:
+    dim = cache.shape[-1]
+    if cos is None:  # RoPE as the identity
+        cos = torch.ones(h.shape[0], dim, dtype=h.dtype)
+        sin = torch.zeros(h.shape[0], dim, dtype=h.dtype)
+    return k.step(h, cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=1e-5, intermediate_size=intermediate)
+
+
+def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain fp32 attention of q [B, heads, dim] over each sequence's context in `cache` (one layer)."""
+    bs, kv_heads, dim = cache.shape[2], cache.shape[3], cache.shape[4]
+    out = []
+    for b, n in enumerate(meta.context_lens_list):
+        blocks = cache[meta.block_tables[b, : -(-n // bs)]].float()
+        k = blocks[:, 0].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        v = blocks[:, 1].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------- RMSNorm, SiLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (4, 37)])
+def test_norm_with_residual_matches_torch(kernels, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * 1000 + hidden)
+    h0 = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    y = torch.randn(rows, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    h = h0.clone()
+    step = make_step(kernels, h, cache, meta, heads=2)
+    assert_like_torch(step.norm(w), rms_norm(h0, w, 1e-5))
+    assert torch.equal(h, h0)  # no residual: h untouched
+    x = step.norm(w, residual=y)
+    assert torch.equal(h, h0 + y)  # the residual add, in place, exactly as torch adds
+    assert_like_torch(x, rms_norm(h0 + y, w, 1e-5))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu(-100), on purpose
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (4, 40), (3, 3)])
+def test_silu_mul_matches_torch(kernels, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)[:inter]  # exp's overflow and underflow ends
+    ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    step = make_step(kernels, torch.zeros(rows, 8, dtype=dtype), cache, meta, heads=2, intermediate=inter)
+    assert_like_torch(step.silu_mul(gate_up), ref, fp32_rtol=3e-6)
+
+
+# ------------------------------------------------- RoPE and the cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (3, 1, 6)])
+def test_rope_and_kv_write_match_torch(kernels, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    ctx = [5, 16, 17, 40]
+    cache0, meta, qkv0 = decode_batch(gen, dtype, ctx, heads, kv_heads, head_dim, block_size=8)
+    cos, sin = rope_rows([n - 1 for n in ctx], head_dim, dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    t = len(ctx)
+    q = apply_rope(qkv0[:, :q_size].view(t, heads, head_dim), cos, sin)
+    k_rot = apply_rope(qkv0[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim), cos, sin)
+    v = qkv0[:, q_size + kv_size :].view(t, kv_heads, head_dim)
+    expected = cache0.clone()
+    write_kv(expected[1], k_rot, v, meta)
+    cache, qkv = cache0.clone(), qkv0.clone()
+    make_step(kernels, torch.zeros(t, 8, dtype=dtype), cache, meta, heads, cos, sin).write_kv(1, qkv)
+    # each product rounded as torch rounds it: the same bits (the interpreter does not fuse
+    # multiply-adds; a GPU may, a few fp32 ulps)
+    assert torch.equal(qkv[:, :q_size], q.reshape(t, -1))  # q and k rotated in place
+    assert torch.equal(qkv[:, q_size : q_size + kv_size], k_rot.reshape(t, -1))
+    assert torch.equal(qkv[:, q_size + kv_size :], qkv0[:, q_size + kv_size :])  # v untouched
+    assert torch.equal(cache, expected)  # this layer's slots and nothing else
+
+
+# --------------------------------------------------------- decode attention
+
+ATTENTION_SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2
+    (4, 4, 32, 4),  # no GQA
+    (8, 1, 16, 16),  # one kv head for eight query heads
+    (6, 2, 48, 8),  # a head size that is not a power of two
+    (4, 2, 16, 1),  # one token per block
+]
+CONTEXTS = [[1], [70], [16, 17], [1, 15, 16, 33]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ATTENTION_SHAPES)
+def test_decode_attention_matches_an_fp32_reference(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + block_size)
+    for i, ctx in enumerate(CONTEXTS):
+        cache0, meta, qkv = decode_batch(gen, dtype, ctx, heads, kv_heads, head_dim, block_size, slack=i % 2 * 3)
+        scale = head_dim**-0.5
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        t = len(ctx)
+        after_write = cache0.clone()
+        write_kv(after_write[0], qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
+                 qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim), meta)
+        ref = fp32_attention(qkv[:, :q_size].view(t, heads, head_dim), after_write[0], meta, scale).reshape(t, -1)
+        cache = cache0.clone()
+        out = make_step(kernels, torch.zeros(t, 8, dtype=dtype), cache, meta, heads).attention(0, qkv)
+        assert torch.equal(cache, after_write), ctx
+        assert out.dtype is dtype and out.shape == (t, q_size)
+        # fp32 arithmetic throughout, then one rounding to the output dtype
+        tol = 2e-6 + 2e-6 * ref.abs() if dtype is F32 else 1e-5 + ref.abs() * 2.0**-8
+        err = (out.float() - ref).abs()
+        assert bool((err <= tol).all()), (ctx, float(err.max()))
+
+
+def test_attention_after_write_kv_reads_what_it_wrote(kernels):
+    """The layer-hook path: write_kv, then attention(write=False), is attention(write=True)."""
+    gen = torch.Generator().manual_seed(11)
+    cache0, meta, qkv0 = decode_batch(gen, F32, [3, 20], 4, 2, 16, 8)
+    cos, sin = rope_rows([2, 19], 16, F32)
+    one_call, two_calls = cache0.clone(), cache0.clone()
+    a = make_step(kernels, torch.zeros(2, 8), one_call, meta, 4, cos, sin).attention(1, qkv0.clone()).clone()
+    step = make_step(kernels, torch.zeros(2, 8), two_calls, meta, 4, cos, sin)
+    qkv = qkv0.clone()
+    step.write_kv(1, qkv)
+    assert torch.equal(step.attention(1, qkv, write=False), a)
+    assert torch.equal(one_call, two_calls)
+
+
+def test_wrong_tensors_are_refused(kernels):
+    gen = torch.Generator().manual_seed(1)
+    cache, meta, qkv = decode_batch(gen, F32, [3, 5], 4, 2, 16, 4)
+    step = make_step(kernels, torch.zeros(2, 8), cache, meta, 4)
+    with pytest.raises(ValueError, match="qkv"):
+        step.attention(0, qkv.to(BF16))
+    with pytest.raises(IndexError):
+        step.attention(2, qkv)
+    with pytest.raises(ValueError, match="gate_up"):
+        step.silu_mul(torch.zeros(2, 15))
+    with pytest.raises(ValueError, match="residual"):
+        step.norm(torch.ones(8), residual=torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="int64"):
+        make_step(kernels, torch.zeros(2, 8), cache, AttentionMetadata(
+            meta.slot_blocks.int(), meta.slot_offsets, meta.block_tables, meta.context_lens, [1, 1], [3, 5], True), 4)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        make_step(kernels, torch.zeros(2, 8, dtype=torch.float64), cache.double(), meta, 4)
+
+
+# ------------------------------------------------------------------ model
+
+TINY = tiny_model_config(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                         vocab_size=256, max_position=128)
+
+
+def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 8) -> torch.Tensor:
+    """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
+    the logits of every decode step."""
+    cfg = model.cfg
+    nb = -(-len(tokens) // block_size) + 1
+    cache = torch.zeros(cfg.num_layers, nb + 1, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    table = (torch.arange(nb) + 1).flip(0)[None].contiguous()  # blocks in descending order, 0 unused
+
+    def meta(pos: list[int], decode: bool) -> AttentionMetadata:
+        p = torch.tensor(pos)
+        return AttentionMetadata(table[0, p // block_size].contiguous(), p % block_size, table,
+                                 torch.tensor([pos[-1] + 1]), [len(pos)], [pos[-1] + 1], decode)
+
+    out = []
+    with torch.inference_mode():
+        pos = list(range(prompt_len))
+        model.forward(torch.tensor(tokens[:prompt_len]), torch.tensor(pos), cache, meta(pos, False),
+                      torch.tensor([prompt_len - 1]))
+        for p in range(prompt_len, len(tokens)):
+            out.append(model.forward(torch.tensor([tokens[p]]), torch.tensor([p]), cache, meta([p], True),
+                                     torch.tensor([0]))[0])
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    weights = random_weights(TINY, seed=3, dtype=BF16)
+    tokens = torch.randint(0, TINY.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    return weights, tokens
+
+
+def on_triton(monkeypatch, kernels: td.TritonDecodeKernels) -> list[int]:
+    """CPU decode steps on the Triton kernels (the interpreter); returns a list that counts steps."""
+    steps: list[int] = []
+
+    def pick(self, kv_cache, meta):
+        if not meta.is_decode:
+            return None
+        steps.append(1)
+        return kernels
+
+    monkeypatch.setattr(LlamaModel, "_decode_kernels", pick)
+    return steps
+
+
+def on_torch(monkeypatch) -> None:
+    monkeypatch.setattr(LlamaModel, "_decode_kernels", lambda self, kv_cache, meta: None)
+
+
+def test_fp32_decode_logits_match_torch_and_greedy_tokens_are_equal(kernels, tiny, monkeypatch):
+    weights, tokens = tiny
+    cpu = torch.device("cpu")
+    steps = on_triton(monkeypatch, kernels)
+    ours = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)
+    assert len(steps) == 12  # every decode step ran on the kernels, the prefill not
+    on_torch(monkeypatch)
+    theirs = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=5e-5)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_bf16_decode_logits_as_close_to_fp32_as_torchs(kernels, tiny, monkeypatch):
+    weights, tokens = tiny
+    cpu = torch.device("cpu")
+    on_torch(monkeypatch)
+    ref = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)  # the same bf16 weights, fp32 math
+    theirs = decode_logits(LlamaModel(TINY, weights, cpu, BF16), tokens, 12)
+    on_triton(monkeypatch, kernels)
+    ours = decode_logits(LlamaModel(TINY, weights, cpu, BF16), tokens, 12)
+    err_ours, err_theirs = (ours - ref).abs(), (theirs - ref).abs()
+    assert err_ours.mean() <= 1.1 * err_theirs.mean()
+    assert err_ours.max() <= 1.5 * err_theirs.max()
+    torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=8 * float(err_theirs.mean()) + 0.05)
+
+
+def test_no_kernels_env_gives_none(monkeypatch):
+    monkeypatch.setattr(td, "_tried", False)
+    monkeypatch.setattr(td, "_kernels", None)
+    monkeypatch.setenv(td.DISABLE_ENV, "1")
+    assert td.triton_decode_kernels() is None
+
+
+def test_without_triton_the_engine_imports_and_gets_none():
+    """A machine without triton (CI, the CPU torch pin): nothing fails, CUDA decode runs on torch."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # as if not installed: importing it raises ImportError
+        import splitserve.engine.model
+        from splitserve.engine.kernels.triton_decode import triton_decode_kernels
+        assert triton_decode_kernels() is None
+        print("torch")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != td.DISABLE_ENV}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
