@@ -15,7 +15,8 @@ sequence's whole context read back through its block table. Two paths:
 A bf16 or fp32 decode step on a CPU does not come here: the model runs it on the fused
 kernel in engine/kernels/decode.py, which writes the new K/V and attends over
 the cache through the block table in one call, without the gather, and which
-this module's code is the reference for.
+this module's code is the reference for. Nor does a decode step on CUDA where
+triton is installed: engine/kernels/triton_decode.py does the same there.
 """
 
 from __future__ import annotations

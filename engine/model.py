@@ -9,8 +9,11 @@ Matrix products go through engine/kernels' `linear`, which streams bf16 weights
 at memory speed for decode-sized batches on a CPU and is F.linear otherwise.
 A bf16 or fp32 decode step on a CPU runs everything else on engine/kernels' fused
 decode kernels too (four calls a layer instead of some fifty torch operations);
-every other step, and any machine where those are unavailable or switched off
-(SPLITSERVE_NO_KERNELS=1), runs the torch code below, which they reproduce.
+a decode step on CUDA runs them on the Triton kernels of
+engine/kernels/triton_decode.py, behind the same interface (and inside the
+CUDA graphs engine/cuda_graphs.py captures). Every other step, and any machine
+where those are unavailable or switched off (SPLITSERVE_NO_KERNELS=1, no
+triton), runs the torch code below, which they reproduce.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from splitserve.engine.attention import AttentionMetadata, paged_attention, writ
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
+from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
+from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
 
 # Model dtypes whose CPU decode steps take the fused kernels. fp32 too: the
 # kernels sum in another order than torch (RMSNorm's mean, attention's dot
@@ -175,21 +180,21 @@ class LlamaModel:
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
 
-    def _decode_kernels(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> DecodeKernels | None:
+    def _decode_kernels(
+        self, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> DecodeKernels | TritonDecodeKernels | None:
         """The fused kernels when this step can take them, else None (the torch path)."""
-        if (
-            meta.is_decode
-            and self.device.type == "cpu"
-            and self.dtype in FUSED_DECODE_DTYPES
-            and kv_cache.dtype == self.dtype
-            and kv_cache.is_cpu
-        ):
+        if not meta.is_decode or kv_cache.dtype != self.dtype:
+            return None
+        if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()
+        if self.device.type == "cuda" and self.dtype in TRITON_DECODE_DTYPES and kv_cache.device.type == "cuda":
+            return triton_decode_kernels()
         return None
 
     def _fused_decode(
         self,
-        kernels: DecodeKernels,
+        kernels: DecodeKernels | TritonDecodeKernels,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -197,7 +202,7 @@ class LlamaModel:
         logits_indices: torch.Tensor,
         on_layer_done: LayerHook | None,
     ) -> torch.Tensor:
-        """forward() for a CPU decode step: the same computation, layer for layer, on the fused kernels."""
+        """forward() for a decode step: the same computation, layer for layer, on the fused kernels."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place from here on
         step = kernels.step(

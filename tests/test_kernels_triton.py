@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when triton's kernels are decorated: before any import of them
 
@@ -374,6 +375,32 @@ def test_bf16_decode_logits_as_close_to_fp32_as_torchs(kernels, tiny, monkeypatc
     assert err_ours.mean() <= 1.1 * err_theirs.mean()
     assert err_ours.max() <= 1.5 * err_theirs.max()
     torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=8 * float(err_theirs.mean()) + 0.05)
+
+
+def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeypatch):
+    """Which kernels a step gets, by device: a model on `meta` stands in for one on CUDA (the
+    choice reads only the model's device and the cache's dtype and device)."""
+    import splitserve.engine.model as model_mod
+
+    weights, _ = tiny
+    monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: kernels)
+    meta = AttentionMetadata(torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True)
+    prefill = AttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1],
+                                False)
+    cuda = torch.device("cuda")
+
+    def cache(dtype: torch.dtype, device: torch.device) -> SimpleNamespace:
+        return SimpleNamespace(dtype=dtype, device=device, is_cpu=device.type == "cpu")
+
+    model = LlamaModel(TINY, weights, torch.device("meta"), BF16)
+    model.device = cuda
+    assert model._decode_kernels(cache(BF16, cuda), meta) is kernels
+    assert model._decode_kernels(cache(BF16, cuda), prefill) is None
+    assert model._decode_kernels(cache(F32, cuda), meta) is None  # a cache of another dtype
+    cpu = LlamaModel(TINY, weights, torch.device("cpu"), BF16)
+    assert cpu._decode_kernels(cache(BF16, torch.device("cpu")), meta) is not kernels  # C++ kernels or torch
+    monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: None)  # no triton: torch
+    assert model._decode_kernels(cache(BF16, cuda), meta) is None
 
 
 def test_no_kernels_env_gives_none(monkeypatch):
