@@ -4,8 +4,8 @@ residual add, RoPE and the KV write, SiLU * up (bf16 bit for bit but for rare
 1-ulp differences, fp32 within ulps), paged decode attention (within the
 output's rounding of an fp32 reference) over GQA ratios, head and block sizes,
 contexts across block boundaries, padded and column-sliced block tables, batch
-1..4; and a tiny model decoding on them: logits close to the torch path's,
-greedy tokens equal in fp32. What the interpreter cannot show (speed, tile
+1..4, in one split and split-K (empty splits included); and a tiny model
+decoding on them: logits close to the torch path's, greedy tokens equal in fp32. What the interpreter cannot show (speed, tile
 sizes and warps on a GPU, capture in a CUDA graph) is for tests/test_cuda.py
 on a GPU."""
 
@@ -240,10 +240,20 @@ ATTENTION_SHAPES = [  # heads, kv_heads, head_dim, block_size
 CONTEXTS = [[1], [70], [16, 17], [1, 15, 16, 33]]
 
 
+def split_everything(monkeypatch) -> None:
+    """Split-K at every context longer than one attention tile (on a GPU: long contexts only)."""
+    monkeypatch.setattr(td, "SPLIT_MIN_TOKENS", 1)
+    monkeypatch.setattr(td, "SPLIT_TARGET_PROGRAMS", 10**6)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ATTENTION_SHAPES)
-def test_decode_attention_matches_an_fp32_reference(kernels, dtype, heads, kv_heads, head_dim, block_size):
+def test_decode_attention_matches_an_fp32_reference(kernels, monkeypatch, dtype, heads, kv_heads, head_dim,
+                                                    block_size, split):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + block_size)
+    if split:
+        split_everything(monkeypatch)
     for i, ctx in enumerate(CONTEXTS):
         cache0, meta, qkv = decode_batch(gen, dtype, ctx, heads, kv_heads, head_dim, block_size, slack=i % 2 * 3)
         scale = head_dim**-0.5
@@ -254,13 +264,33 @@ def test_decode_attention_matches_an_fp32_reference(kernels, dtype, heads, kv_he
                  qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim), meta)
         ref = fp32_attention(qkv[:, :q_size].view(t, heads, head_dim), after_write[0], meta, scale).reshape(t, -1)
         cache = cache0.clone()
-        out = make_step(kernels, torch.zeros(t, 8, dtype=dtype), cache, meta, heads).attention(0, qkv)
+        step = make_step(kernels, torch.zeros(t, 8, dtype=dtype), cache, meta, heads)
+        # with split-K, some splits past a short sequence's context stay empty
+        assert (step._splits > 1) == (split and meta.block_tables.shape[1] * block_size > td.ATTENTION_BLOCK_N)
+        out = step.attention(0, qkv)
         assert torch.equal(cache, after_write), ctx
         assert out.dtype is dtype and out.shape == (t, q_size)
         # fp32 arithmetic throughout, then one rounding to the output dtype
         tol = 2e-6 + 2e-6 * ref.abs() if dtype is F32 else 1e-5 + ref.abs() * 2.0**-8
         err = (out.float() - ref).abs()
         assert bool((err <= tol).all()), (ctx, float(err.max()))
+
+
+@pytest.mark.parametrize("batch,kv_heads,max_context", [(1, 8, 8192), (1, 8, 128), (32, 8, 4096), (3, 2, 1000),
+                                                     (1, 1, 300)])
+def test_context_splits_cover_the_context_in_whole_tiles(batch, kv_heads, max_context):
+    splits, per_split = td.context_splits(batch, kv_heads, max_context)
+    assert 1 <= splits <= td.MAX_SPLITS
+    assert (splits - 1) * per_split < max_context <= splits * per_split  # all covered, no split wholly past
+    if splits > 1:
+        assert per_split % td.ATTENTION_BLOCK_N == 0 and per_split >= td.SPLIT_MIN_TOKENS
+        assert batch * kv_heads * splits <= td.SPLIT_TARGET_PROGRAMS
+
+
+def test_split_k_fills_the_gpu_at_batch_1_and_leaves_short_or_wide_batches_alone():
+    assert td.context_splits(1, 8, 8192)[0] >= 16  # Llama-3-8B, batch 1, 8k context: 8 programs become >= 128
+    assert td.context_splits(1, 8, 128)[0] == 1  # too short to pay for the combine
+    assert td.context_splits(64, 8, 8192)[0] == 1  # 512 programs already
 
 
 def test_attention_after_write_kv_reads_what_it_wrote(kernels):
@@ -302,7 +332,7 @@ TINY = tiny_model_config(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads
                          vocab_size=256, max_position=128)
 
 
-def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 8) -> torch.Tensor:
+def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16) -> torch.Tensor:
     """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
     the logits of every decode step."""
     cfg = model.cfg
@@ -351,9 +381,12 @@ def on_torch(monkeypatch) -> None:
     monkeypatch.setattr(LlamaModel, "_decode_kernels", lambda self, kv_cache, meta: None)
 
 
-def test_fp32_decode_logits_match_torch_and_greedy_tokens_are_equal(kernels, tiny, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
+def test_fp32_decode_logits_match_torch_and_greedy_tokens_are_equal(kernels, tiny, monkeypatch, split):
     weights, tokens = tiny
     cpu = torch.device("cpu")
+    if split:
+        split_everything(monkeypatch)  # a 48-token table: two splits
     steps = on_triton(monkeypatch, kernels)
     ours = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)
     assert len(steps) == 12  # every decode step ran on the kernels, the prefill not

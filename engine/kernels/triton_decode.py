@@ -10,7 +10,9 @@ LlamaModel._fused_decode runs either:
     act = step.silu_mul(gate_up)              # silu(gate) * up
 
 Plain PyTorch plus CUDA graphs leaves a decode step some fifty small kernels a
-layer; these make it four (five with a layer hook) beside the matrix products.
+layer; these make it five beside the matrix products (two norms, RoPE with the
+KV write, attention, SiLU * up), six where attention's context is split across
+programs (split-K, "flash decoding", for long contexts at small batch).
 Everything is capturable in a CUDA graph: grids come from shapes alone, no
 value is read back to the host, buffers are allocated with torch (in the
 graph's pool when captured), and the first launch, which compiles, happens in
@@ -45,6 +47,14 @@ _LONG = torch.int64
 ATTENTION_BLOCK_N = 32
 ATTENTION_WARPS = 4
 SILU_BLOCK = 1024
+# Split-K ("flash decoding"): a step whose block tables are wide enough splits each sequence's
+# context into parts attended by separate programs and combined after, so that batch 1 with
+# eight kv heads still fills the GPU (a grid of sequences x kv heads is 8 programs on ~132 SMs).
+# The split count follows from shapes only (the padded table width), as a CUDA graph needs.
+# All three are first guesses, not measurements: tune them on the GPU.
+SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100
+SPLIT_MIN_TOKENS = 256  # below this, a guess, a split's reads do not pay for the combine
+MAX_SPLITS = 64
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -107,6 +117,11 @@ class TritonDecodeStep:
             QK_PRECISION="ieee" if dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
         )
         self._scale_log2 = float(scale) * math.log2(math.e)
+        self._splits, self._tokens_per_split = context_splits(batch, kv_heads, tables.shape[1] * block_size)
+        self._part_acc = self._part_ml = self._attn  # unread with one split
+        if self._splits > 1:
+            self._part_acc = torch.empty(batch, num_heads, self._splits, head_dim, dtype=torch.float32, device=dev)
+            self._part_ml = torch.empty(batch, num_heads, self._splits, 2, dtype=torch.float32, device=dev)
 
     def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
         """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
@@ -151,11 +166,17 @@ class TritonDecodeStep:
             self.write_kv(layer, qkv)
         cache = self._check(layer, qkv)
         meta = self._meta
-        self._ops.paged_decode_attention_kernel[(qkv.shape[0], self._kv_heads)](
-            self._attn, qkv, cache, meta.block_tables, meta.context_lens,
-            qkv.stride(0), meta.block_tables.stride(0), *self._cache_strides, self._scale_log2,
-            **self._attn_meta, num_warps=ATTENTION_WARPS,
+        batch, splits = qkv.shape[0], self._splits
+        self._ops.paged_decode_attention_kernel[(batch, self._kv_heads, splits)](
+            self._attn, self._part_acc, self._part_ml, qkv, cache, meta.block_tables, meta.context_lens,
+            qkv.stride(0), meta.block_tables.stride(0), *self._cache_strides, self._tokens_per_split,
+            self._scale_log2, **self._attn_meta, NUM_SPLITS=splits, num_warps=ATTENTION_WARPS,
         )
+        if splits > 1:
+            self._ops.combine_splits_kernel[(batch, self._num_heads)](
+                self._attn, self._part_acc, self._part_ml, NUM_HEADS=self._num_heads, HEAD_DIM=self._head_dim,
+                DIM_PAD=self._attn_meta["DIM_PAD"], NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), num_warps=1,
+            )
         return self._attn
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
@@ -169,6 +190,17 @@ class TritonDecodeStep:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
+    """(splits, tokens per split) for attention over contexts of up to `max_context` tokens:
+    enough splits to reach SPLIT_TARGET_PROGRAMS, none under SPLIT_MIN_TOKENS, each a whole
+    number of attention tiles, none wholly past max_context."""
+    splits = min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS // (batch * kv_heads), max_context // SPLIT_MIN_TOKENS)
+    if splits <= 1:
+        return 1, max_context
+    per_split = _cdiv(_cdiv(max_context, splits), ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N
+    return _cdiv(max_context, per_split), per_split
 
 
 class TritonDecodeKernels:

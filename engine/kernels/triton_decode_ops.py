@@ -83,33 +83,38 @@ def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_blocks_ptr, 
 
 
 @triton.jit
-def paged_decode_attention_kernel(out_ptr, qkv_ptr, cache_ptr, block_tables_ptr, context_lens_ptr,
-                                  qkv_stride, table_stride, stride_block, stride_kv, stride_tok, stride_head,
-                                  scale_log2,
+def paged_decode_attention_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qkv_ptr, cache_ptr, block_tables_ptr,
+                                  context_lens_ptr, qkv_stride, table_stride, stride_block, stride_kv, stride_tok,
+                                  stride_head, tokens_per_split, scale_log2,
                                   NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
                                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, QK_PRECISION: tl.constexpr):
-    """Grid (sequences, kv_heads): one program attends the GROUP query heads that share a kv
-    head, so each K/V tile is read once for all of them. Tiles of BLOCK_N context tokens are
-    addressed token by token through the block table (any block size, no gather), with an
-    online softmax in fp32 (base 2: scale_log2 = scale * log2(e))."""
+                                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, QK_PRECISION: tl.constexpr):
+    """Grid (sequences, kv_heads, splits): one program attends the GROUP query heads that share
+    a kv head, so each K/V tile is read once for all of them, over its split's share of the
+    context (tokens_per_split from split * tokens_per_split on; one split: all of it). Tiles of
+    BLOCK_N tokens are addressed token by token through the block table (any block size, no
+    gather), with an online softmax in fp32 (base 2: scale_log2 = scale * log2(e)). One split
+    writes the output; several write their unnormalised sums and (max, denominator) to the
+    part buffers, [B, heads, splits, dim] and [B, heads, splits, 2] fp32, for combine_splits_kernel."""
     dtype = out_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     heads = (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(qkv_ptr + b * qkv_stride + heads, mask=q_mask, other=0.0)
-    ctx = tl.load(context_lens_ptr + b)
+    first = split * tokens_per_split
+    end = tl.minimum(tl.load(context_lens_ptr + b), first + tokens_per_split)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     k_head = cache_ptr + kvh * stride_head
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(first, end, BLOCK_N):  # no iteration for a split past the context
         t = start + n
-        t_valid = t < ctx
+        t_valid = t < end
         # masked: a table's last tile may run past its width, and padding entries are never read
         block = tl.load(block_tables_ptr + b * table_stride + t // BLOCK_SIZE, mask=t_valid, other=0)
         tok = block * stride_block + (t % BLOCK_SIZE) * stride_tok
@@ -126,8 +131,36 @@ def paged_decode_attention_kernel(out_ptr, qkv_ptr, cache_ptr, block_tables_ptr,
         # probabilities stay fp32 (no rounding to bf16 as flash kernels do): decode is bound by K/V reads
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m = m_new
-    out = acc / l[:, None]
-    tl.store(out_ptr + b * (NUM_HEADS * HEAD_DIM) + heads, out.to(dtype), mask=q_mask)
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(out_ptr + b * (NUM_HEADS * HEAD_DIM) + heads, out.to(dtype), mask=q_mask)
+    else:
+        # an empty split leaves m = -inf, l = 0, acc = 0: weight 0 in the combine
+        row = (b * NUM_HEADS + kvh * GROUP + g) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+        tl.store(part_ml_ptr + row * 2, m, mask=g < GROUP)
+        tl.store(part_ml_ptr + row * 2 + 1, l, mask=g < GROUP)
+
+
+@triton.jit
+def combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Grid (sequences, heads): the splits' partial softmaxes rescaled to their common max and
+    summed (split 0 always holds token 0, so that max is finite)."""
+    dtype = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64) * NUM_HEADS + tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    sp_valid = sp < NUM_SPLITS
+    ml = part_ml_ptr + (row * NUM_SPLITS + sp) * 2
+    m = tl.load(ml, mask=sp_valid, other=float("-inf"))
+    l = tl.load(ml + 1, mask=sp_valid, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    mask = sp_valid[:, None] & (d < HEAD_DIM)[None, :]
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + sp)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(dtype), mask=d < HEAD_DIM)
 
 
 @triton.jit
