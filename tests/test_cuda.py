@@ -1,5 +1,7 @@
-"""The CUDA path: eager decode against CUDA-graph replay (same tokens), and
-CUDA against the CPU. Skipped cleanly where there is no GPU."""
+"""The CUDA path: eager decode against CUDA-graph replay (same tokens), CUDA
+against the CPU, and decode on the Triton kernels (engine/kernels/triton_decode.py,
+captured in the graphs) against the torch code, in one split and split-K.
+Skipped cleanly where there is no GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.model import LlamaModel
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
@@ -47,3 +50,22 @@ def test_cuda_bf16_runs_and_frees_every_block():
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert engine.blocks.num_free_blocks == 256
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # decode ran from graphs
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
+def test_triton_decode_kernels_give_the_torch_tokens_under_graphs(monkeypatch, split):
+    pytest.importorskip("triton")
+    import splitserve.engine.kernels.triton_decode as td
+
+    if td.triton_decode_kernels() is None:
+        pytest.skip(f"{td.DISABLE_ENV} is set")
+    if split:  # every context past one attention tile split across programs
+        monkeypatch.setattr(td, "SPLIT_MIN_TOKENS", 1)
+        monkeypatch.setattr(td, "SPLIT_TARGET_PROGRAMS", 10**6)
+    steps: list[int] = []
+    real = td.TritonDecodeKernels.step
+    monkeypatch.setattr(td.TritonDecodeKernels, "step", lambda self, *a, **kw: steps.append(1) or real(self, *a, **kw))
+    ours = run("cuda", "float32", graphs=True)
+    assert steps  # the captured decode steps ran on the kernels
+    monkeypatch.setattr(LlamaModel, "_decode_kernels", lambda self, kv_cache, meta: None)
+    assert ours == run("cuda", "float32", graphs=True)
