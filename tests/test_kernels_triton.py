@@ -5,9 +5,10 @@ residual add, RoPE and the KV write, SiLU * up (bf16 bit for bit but for rare
 output's rounding of an fp32 reference) over GQA ratios, head and block sizes,
 contexts across block boundaries, padded and column-sliced block tables, batch
 1..4, in one split and split-K (empty splits included); and a tiny model
-decoding on them: logits close to the torch path's, greedy tokens equal in fp32. What the interpreter cannot show (speed, tile
-sizes and warps on a GPU, capture in a CUDA graph) is for tests/test_cuda.py
-on a GPU."""
+decoding on them: logits close to the torch path's, greedy tokens equal in
+fp32. What the interpreter cannot show (speed, tile sizes and warps on a GPU,
+capture in a CUDA graph) is for tests/test_cuda.py, on a GPU, where this module
+is skipped."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when triton's kernels are decorated: before any import of them
-
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+
+if torch.cuda.is_available():
+    # TRITON_INTERPRET holds for the whole process (triton reads it when imported and when it
+    # decorates kernels), so here it would hand tests/test_cuda.py's kernels to the interpreter too
+    pytest.skip("a GPU runs these kernels natively, in tests/test_cuda.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
