@@ -16,17 +16,21 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import splitserve.engine.kernels.decode as kd
-import splitserve.engine.model as model_mod
-from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
-from splitserve.engine.model import LlamaModel, apply_rope, rms_norm
-from splitserve.engine.testing import random_weights, tiny_model_config
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
+
+import splitserve.engine.kernels.decode as kd  # noqa: E402
+import splitserve.engine.model as model_mod  # noqa: E402
+from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv  # noqa: E402
+from splitserve.engine.model import LlamaModel, apply_rope, rms_norm  # noqa: E402
+from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,64 +59,6 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- fixtures
-
-
-def decode_batch(
-    gen: torch.Generator, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-    block_size: int, layers: int = 2, pad: int = 2,
-) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """A random cache whose sequences hold scattered blocks, block tables padded with 0 past
-    each sequence's blocks (and `pad` columns more), and one qkv row per sequence."""
-    need = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(need) + 3
-    cache = torch.randn(layers, num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the padding value
-    tables = torch.zeros(len(context_lens), max(need) + pad, dtype=torch.long)
-    for b, n in enumerate(need):
-        tables[b, :n] = torch.tensor(order[:n])
-        order = order[n:]
-    ctx = torch.tensor(context_lens)
-    last = ctx - 1  # the new token's position
-    meta = AttentionMetadata(
-        slot_blocks=tables[torch.arange(len(context_lens)), last // block_size].contiguous(),
-        slot_offsets=last % block_size,
-        block_tables=tables,
-        context_lens=ctx,
-        query_lens=[1] * len(context_lens),
-        context_lens_list=list(context_lens),
-        is_decode=True,
-    )
-    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    return cache, meta, qkv
-
-
-def rope_rows(positions: list[int], head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv[None]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def make_step(k: kd.DecodeKernels, h: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: int,
-              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, intermediate: int = 8) -> kd.DecodeStep:
-    dim = cache.shape[-1]
-    if cos is None:  # RoPE as the identity
-        cos = torch.ones(h.shape[0], dim, dtype=h.dtype)
-        sin = torch.zeros(h.shape[0], dim, dtype=h.dtype)
-    return k.step(h, cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=1e-5, intermediate_size=intermediate)
-
-
-def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain fp32 attention of q [B, heads, dim] over each sequence's context in `cache` (one layer)."""
-    bs, kv_heads, dim = cache.shape[2], cache.shape[3], cache.shape[4]
-    out = []
-    for b, n in enumerate(meta.context_lens_list):
-        blocks = cache[meta.block_tables[b, : -(-n // bs)]].float()
-        k = blocks[:, 0].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        v = blocks[:, 1].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
-        out.append(torch.einsum("ht,thd->hd", p, v))
-    return torch.stack(out)
 
 
 # ---------------------------------------------------------- RMSNorm, SiLU
@@ -329,31 +275,6 @@ def test_wrong_tensors_are_refused(kernels):
 SMOL_LIKE = tiny_model_config(  # SmolLM2's head layout, fewer and narrower layers
     hidden_size=192, num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=512, vocab_size=1000,
 )
-
-
-def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16,
-                  on_layer_done=None) -> torch.Tensor:
-    """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
-    the logits of every decode step."""
-    cfg = model.cfg
-    nb = -(-len(tokens) // block_size) + 1
-    cache = torch.zeros(cfg.num_layers, nb + 1, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
-    table = (torch.arange(nb) + 1).flip(0)[None].contiguous()  # blocks in descending order, 0 unused
-
-    def meta(pos: list[int], decode: bool) -> AttentionMetadata:
-        p = torch.tensor(pos)
-        return AttentionMetadata(table[0, p // block_size].contiguous(), p % block_size, table,
-                                 torch.tensor([pos[-1] + 1]), [len(pos)], [pos[-1] + 1], decode)
-
-    out = []
-    with torch.inference_mode():
-        pos = list(range(prompt_len))
-        model.forward(torch.tensor(tokens[:prompt_len]), torch.tensor(pos), cache, meta(pos, False),
-                      torch.tensor([prompt_len - 1]))
-        for p in range(prompt_len, len(tokens)):
-            out.append(model.forward(torch.tensor([tokens[p]]), torch.tensor([p]), cache, meta([p], True),
-                                     torch.tensor([0]), on_layer_done)[0])
-    return torch.stack(out)
 
 
 @pytest.fixture(scope="module")
