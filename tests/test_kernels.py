@@ -281,8 +281,8 @@ def recording_ext(monkeypatch):
         y = x.float() @ w.float().T + (0 if bias is None else bias.float())
         return y.to(x.dtype)
 
-    monkeypatch.setattr(kl, "_ext", object())
-    monkeypatch.setattr(kl, "_tried", True)
+    monkeypatch.setattr(kl._EXT, "value", object())
+    monkeypatch.setattr(kl._EXT, "done", True)
     monkeypatch.setattr(kl, "_run", run)
     return calls
 
@@ -329,8 +329,8 @@ def test_fp32_calls_that_fit_and_that_do_not(recording_ext):
 
 
 def test_without_a_kernel_linear_is_f_linear(monkeypatch):
-    monkeypatch.setattr(kl, "_ext", None)
-    monkeypatch.setattr(kl, "_tried", True)
+    monkeypatch.setattr(kl._EXT, "value", None)
+    monkeypatch.setattr(kl._EXT, "done", True)
     assert not kl.kernel_available()
     w = torch.randn(9, 20).to(torch.bfloat16)
     x = torch.randn(3, 20).to(torch.bfloat16)
@@ -347,7 +347,7 @@ def test_env_var_forces_f_linear_without_building():
         import splitserve.engine.kernels.linear as kl
         w = torch.randn(8, 16).to(torch.bfloat16); x = torch.randn(2, 16).to(torch.bfloat16)
         assert torch.equal(kl.linear(x, w), F.linear(x, w))
-        assert not kl.kernel_available() and kl._ext is None
+        assert not kl.kernel_available() and kl._EXT.value is None
         print("ok")
         """
     )

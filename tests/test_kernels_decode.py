@@ -364,8 +364,8 @@ def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeyp
         raise TypeError("decode_attention() takes 26 arguments (24 given)")
 
     for broken in ("build", "self-test", "self-test raises"):
-        monkeypatch.setattr(kd, "_tried", False)
-        monkeypatch.setattr(kd, "_kernels", None)
+        monkeypatch.setattr(kd._KERNELS, "done", False)
+        monkeypatch.setattr(kd._KERNELS, "value", None)
         if broken == "build":
             monkeypatch.setattr(kd, "load_extension", lambda *a, **kw: None)
         else:

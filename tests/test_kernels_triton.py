@@ -360,8 +360,8 @@ def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeyp
 
 
 def test_no_kernels_env_gives_none(monkeypatch):
-    monkeypatch.setattr(td, "_tried", False)
-    monkeypatch.setattr(td, "_kernels", None)
+    monkeypatch.setattr(td._KERNELS, "done", False)
+    monkeypatch.setattr(td._KERNELS, "value", None)
     monkeypatch.setenv(td.DISABLE_ENV, "1")
     assert td.triton_decode_kernels() is None
 

@@ -24,7 +24,6 @@ fails or the freshly built binary disagrees with torch on its self-test.
 from __future__ import annotations
 
 import logging
-import threading
 from types import ModuleType
 from typing import Protocol
 
@@ -33,6 +32,7 @@ from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+from splitserve.engine.kernels.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +228,6 @@ def _self_test(k: DecodeKernels) -> bool:
     return ok
 
 
-_lock = threading.Lock()
-_kernels: DecodeKernels | None = None
-_tried = False
 
 
 def _load() -> DecodeKernels | None:
@@ -252,12 +249,9 @@ def _load() -> DecodeKernels | None:
     return k
 
 
+_KERNELS: Once[DecodeKernels | None] = Once(_load)
+
+
 def decode_kernels() -> DecodeKernels | None:
     """The kernels, built on the first call (None: disabled or unavailable; see the module doc)."""
-    global _kernels, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _kernels = _load()
-                _tried = True
-    return _kernels
+    return _KERNELS.get()

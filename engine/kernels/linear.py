@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from types import ModuleType
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension
+from splitserve.engine.kernels.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,6 @@ DISABLE_ENV = "SPLITSERVE_NO_KERNELS"
 _BF16 = torch.bfloat16
 _F32 = torch.float32
 
-_lock = threading.Lock()
-_ext: ModuleType | None = None  # the built kernel, or None: disabled, unbuildable or failed
-_tried = False
 
 
 def kernels_disabled() -> bool:
@@ -97,14 +94,11 @@ def _load() -> ModuleType | None:
     return ext
 
 
+_EXT: Once[ModuleType | None] = Once(_load)  # the built kernel, or None: disabled, unbuildable or failed
+
+
 def _extension() -> ModuleType | None:
-    global _ext, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _ext = _load()
-                _tried = True
-    return _ext
+    return _EXT.get()
 
 
 def kernel_available() -> bool:
@@ -129,7 +123,7 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     arithmetic on the widened weights) and bias may be bf16 or fp32; the
     F.linear fallback casts w and bias to x's dtype to give the same contract.
     """
-    ext = _ext if _tried else _extension()
+    ext = _EXT.value if _EXT.done else _EXT.get()
     # Checked in order of cost: this runs ~120 times per decode step, where
     # one small matrix takes ~30 us, so the front must stay around 1-2 us.
     # Every property the kernel relies on is checked here: it takes raw pointers.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from types import ModuleType
 
 import torch
@@ -36,6 +35,7 @@ from torch import Tensor
 
 from splitserve.engine.kernels.decode import StepMetadata
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+from splitserve.engine.kernels.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,6 @@ class TritonDecodeKernels:
         return TritonDecodeStep(self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
 
 
-_lock = threading.Lock()
-_kernels: TritonDecodeKernels | None = None
-_tried = False
 
 
 def _load() -> TritonDecodeKernels | None:
@@ -236,12 +233,9 @@ def _load() -> TritonDecodeKernels | None:
     return TritonDecodeKernels(triton_decode_ops)
 
 
+_KERNELS: Once[TritonDecodeKernels | None] = Once(_load)
+
+
 def triton_decode_kernels() -> TritonDecodeKernels | None:
     """The kernels (None: triton missing or kernels disabled; see the module doc)."""
-    global _kernels, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _kernels = _load()
-                _tried = True
-    return _kernels
+    return _KERNELS.get()
