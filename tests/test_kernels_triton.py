@@ -379,3 +379,20 @@ def test_without_triton_the_engine_imports_and_gets_none():
     env = {k: v for k, v in os.environ.items() if k != td.DISABLE_ENV}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
+
+
+def test_the_load_time_self_test_passes_on_the_kernels_and_catches_a_wrong_one(kernels):
+    # On a GPU, _load runs this before the kernels compute anything real (Triton compiles
+    # there for the first time); here it runs through the interpreter on the CPU.
+    assert td._self_test(kernels, torch.device("cpu"))
+
+    class WrongSilu:
+        def __init__(self, real: td.TritonDecodeKernels) -> None:
+            self.real = real
+
+        def step(self, *args, **kwargs):
+            s = self.real.step(*args, **kwargs)
+            s.silu_mul = lambda gate_up: torch.zeros(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+            return s
+
+    assert not td._self_test(WrongSilu(kernels), torch.device("cpu"))

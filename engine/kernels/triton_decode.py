@@ -221,6 +221,55 @@ class TritonDecodeKernels:
 
 
 
+def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
+    """One small fp32 decode step's norm, RoPE + KV write + attention and SiLU * up against the
+    torch code they replace. Triton compiles on first launch, on whatever GPU this is: a
+    kernel that fails or disagrees there must cost the torch path, not wrong tokens."""
+    import torch.nn.functional as F
+
+    from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+    from splitserve.engine.model import apply_rope, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs, hidden, inter, eps = 4, 2, 16, 4, 32, 24, 1e-5
+    ctx = [5, 9]  # across block boundaries, the second table padded with block 0
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5]])
+    last = torch.tensor(ctx) - 1
+    meta = AttentionMetadata(
+        slot_blocks=tables[torch.arange(2), last // bs].to(device), slot_offsets=(last % bs).to(device),
+        block_tables=tables.to(device), context_lens=torch.tensor(ctx, device=device), query_lens=[1, 1],
+        context_lens_list=ctx, is_decode=True,
+    )  # fmt: skip
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    ang = last.float()[:, None] * inv[None]
+    cos, sin = torch.cat((ang, ang), -1).cos().to(device), torch.cat((ang, ang), -1).sin().to(device)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g).to(device)
+
+    cache, h, w, qkv, gate_up = rand(1, 6, 2, bs, kv_heads, dim), rand(2, hidden), rand(hidden), \
+        rand(2, (heads + 2 * kv_heads) * dim), rand(2, 2 * inter)  # fmt: skip
+    q_size, kv_size = heads * dim, kv_heads * dim
+    q = apply_rope(qkv[:, :q_size].view(2, heads, dim), cos, sin)
+    kn = apply_rope(qkv[:, q_size : q_size + kv_size].view(2, kv_heads, dim), cos, sin)
+    vn = qkv[:, q_size + kv_size :].view(2, kv_heads, dim)
+    ref_cache = cache.clone()
+    write_kv(ref_cache[0], kn, vn, meta)
+    want_attn = paged_attention(q, kn, vn, ref_cache[0], meta, dim**-0.5).reshape(2, q_size)
+    want_x = rms_norm(h, w, eps)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want_act = F.silu(gate) * up
+
+    step = k.step(h.clone(), cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=eps,
+                  intermediate_size=inter)
+    got_x = step.norm(w)
+    got_attn = step.attention(0, qkv.clone())
+    got_act = step.silu_mul(gate_up)
+    close = all(torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
+                for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache)))
+    return bool(close)
+
+
 def _load() -> TritonDecodeKernels | None:
     if kernels_disabled():
         log.info("%s is set: CUDA decode runs on torch", DISABLE_ENV)
@@ -230,7 +279,18 @@ def _load() -> TritonDecodeKernels | None:
     except ImportError as e:
         log.info("triton is not importable (%s): CUDA decode runs on torch", e)
         return None
-    return TritonDecodeKernels(triton_decode_ops)
+    k = TritonDecodeKernels(triton_decode_ops)
+    if torch.cuda.is_available():  # on the CPU only the tests use them, under the interpreter
+        try:
+            ok = _self_test(k, torch.device("cuda"))
+        except Exception as e:  # a compile error, a launch failure: the torch path is no worse
+            log.warning("Triton decode kernels failed their self-test (%s: %s); CUDA decode runs on torch",
+                        type(e).__name__, e)
+            return None
+        if not ok:
+            log.warning("Triton decode kernels disagree with torch on their self-test; CUDA decode runs on torch")
+            return None
+    return k
 
 
 _KERNELS: Once[TritonDecodeKernels | None] = Once(_load)
