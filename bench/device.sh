@@ -6,6 +6,9 @@
 #     bash bench/device.sh [OUT_DIR]          # from the repository root
 #     BENCH_ARGS="--model llama-3-8b" bash bench/device.sh /tmp/out   # other bench flags
 #
+# The copy a GPU machine gets has no .git: pass the commit it is, as
+# SPLITSERVE_COMMIT=$(git rev-parse --short HEAD), so that the figures name it.
+#
 # The repository goes on the path as the `splitserve` package through a symlink
 # (nothing is installed), the CUDA tests run, then `splitserve bench engine
 # --device cuda` on SmolLM2 (its shape with random weights when the 98 MB GGUF
@@ -30,12 +33,12 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv
 # shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
 cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
 {
-  echo "\$ bash bench/device.sh   # ${cmd[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "\$ bash bench/device.sh   # ${cmd[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPLITSERVE_COMMIT:-?}")"
   "${cmd[@]}" 2>&1
 } | tee "$out/engine-cuda.txt"
 
 transfer=(python3 -m splitserve.cli bench transfer --transports tcp,cuda_ipc --size 1G --repeats 5)
 {
-  echo "\$ bash bench/device.sh   # ${transfer[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "\$ bash bench/device.sh   # ${transfer[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPLITSERVE_COMMIT:-?}")"
   "${transfer[@]}" 2>&1
 } | tee "$out/transfer-cuda.txt"

@@ -678,8 +678,9 @@ def _code_version() -> str:
             return ""
 
     commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "-"
+    if not commit:  # a copy without .git (a GPU machine's): the commit as the caller states it
+        stated = os.environ.get("SPLITSERVE_COMMIT")
+        return f"{stated} (stated, not checked)" if stated else "-"
     return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
 
 
