@@ -211,34 +211,18 @@ def _subject(key: str, device: torch.device) -> Subject:
     return Subject(key, path, load, lambda c, dtype, w: _hf_from_file(path, dtype, device))
 
 
-def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face names and shapes of a Llama-family checkpoint (as engine.testing.random_weights makes)."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
-        if cfg.attention_bias:
-            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
-    return shapes
-
-
 def _random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     import torch
 
     from splitserve.engine.testing import random_weights
+    from splitserve.engine.weights import expected_shapes
 
     if device.type == "cpu":
         return random_weights(cfg, seed=0, dtype=dtype)
     # drawn on the device: an 8B model drawn on a CPU takes minutes
     torch.manual_seed(0)
     w = {}
-    for name, shape in _weight_shapes(cfg).items():
+    for name, shape in expected_shapes(cfg).items():
         t = torch.empty(shape, device=device, dtype=dtype)
         if "norm" in name:
             t.fill_(1.0)
