@@ -28,27 +28,25 @@ def _figures(text: str, pattern: str, count: int | None = None) -> list[tuple[fl
     return rows
 
 
+def _record_returns(monkeypatch, cls: type, name: str) -> list:
+    """What every call of cls.name returns from now on (the processes the benchmark starts)."""
+    returned: list = []
+    real = getattr(cls, name)
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(self, *args, **kwargs)
+        returned.append(out)
+        return out
+
+    monkeypatch.setattr(cls, name, recording)
+    return returned
+
+
 def test_quick_run_prints_every_figure(smollm2_path, capsys, monkeypatch):
     from splitserve.bench import cluster
 
-    started: list[cluster.WorkerProcess] = []
-    real_start = cluster.LocalCluster._start
-
-    def start(self, role, core, args):  # type: ignore[no-untyped-def]
-        w = real_start(self, role, core, args)
-        started.append(w)
-        return w
-
-    monkeypatch.setattr(cluster.LocalCluster, "_start", start)
-    loads: list[cluster.CoreLoad] = []
-    real_load = cluster.LocalCluster.core_load
-
-    def core_load(self, core, prompt_len, batch):  # type: ignore[no-untyped-def]
-        x = real_load(self, core, prompt_len, batch)
-        loads.append(x)
-        return x
-
-    monkeypatch.setattr(cluster.LocalCluster, "core_load", core_load)
+    started: list[cluster.WorkerProcess] = _record_returns(monkeypatch, cluster.LocalCluster, "_start")
+    loads: list[cluster.CoreLoad] = _record_returns(monkeypatch, cluster.LocalCluster, "core_load")
     p = argparse.ArgumentParser()
     serving.add_arguments(p)
     rc = serving.run(p.parse_args(["--quick", "--lengths", "32,48"]))
