@@ -4,6 +4,11 @@ Order of the processors follows vLLM: penalties on raw logits, then
 temperature, then min-p, top-k and top-p filters, then a draw from the
 request's own generator. The log-probability reported is that of the chosen
 token under the raw model distribution.
+
+No accepted parameter may make a step fail, because a failed step costs every
+request in the batch its answer: every division is followed by a clamp to
+finite values (a repetition penalty of 1e-45 divides a logit into infinity),
+and a row whose probabilities still come out unusable falls back to argmax.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.sampling import SamplingParams
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Overflowed entries back into fp32's range (NaN to its lowest), so softmax stays defined."""
+    info = torch.finfo(logits.dtype)
+    return torch.nan_to_num(logits, nan=info.min, posinf=info.max, neginf=info.min)
 
 
 class SampleResult(NamedTuple):
@@ -32,16 +43,18 @@ def apply_penalties(
         if seen.numel():
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+            logits = _finite(logits)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
         ids = torch.as_tensor(output_ids, dtype=torch.long, device=device)
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        logits = _finite(logits)
     return logits
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p on one row; filtered entries become -inf."""
-    logits = logits / params.temperature
+    logits = _finite(logits / params.temperature)
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -80,6 +93,9 @@ def sample(
                 tokens.append(int(row.argmax()))
                 continue
             probs = torch.softmax(filter_logits(row, p), dim=-1).cpu()
+            if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+                tokens.append(int(row.argmax()))  # unreachable after the clamps; a last guard for the batch
+                continue
             gen = generators[i] if generators[i] is not None else default_generator
             tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
     logprobs: list[float | None] = [None] * len(tokens)

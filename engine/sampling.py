@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by
+# 1e-38 overflows fp32 to infinity, and such a request is greedy in all but name.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
@@ -58,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def has_penalties(self) -> bool:

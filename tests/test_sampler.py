@@ -117,3 +117,60 @@ def test_engine_reports_logprobs_when_asked():
     while e.has_work:
         outs += e.step()
     assert len(outs) == 3 and all(o.logprob is not None and o.logprob <= 0 for o in outs)
+
+
+# ---- no accepted value may make a step fail (a failed step aborts the whole batch)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+EXTREME_FLOATS = (1e-45, 1e-38, 1e-30, 1e-6, 1e-5, 1.0000001e-5, 0.5, 1.0, 2.0, 100.0)
+VOCAB = 7
+
+
+@st.composite
+def extreme_params(draw) -> SamplingParams:
+    return SamplingParams(
+        temperature=draw(st.sampled_from((0.0, *EXTREME_FLOATS))),
+        top_p=draw(st.sampled_from((1e-45, 1e-6, 0.5, 1.0))),
+        top_k=draw(st.integers(0, VOCAB)),
+        min_p=draw(st.sampled_from((0.0, 1e-45, 0.5, 1.0))),
+        repetition_penalty=draw(st.sampled_from(EXTREME_FLOATS)),
+        presence_penalty=draw(st.sampled_from((-2.0, 0.0, 2.0))),
+        frequency_penalty=draw(st.sampled_from((-2.0, 0.0, 2.0))),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
+        logprobs=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    params=st.lists(extreme_params(), min_size=1, max_size=4),
+    logits=st.lists(st.lists(st.sampled_from((-3.4e38, -1e30, -1.0, 0.0, 1e-30, 1.0, 1e30, 3.4e38)),
+                             min_size=VOCAB, max_size=VOCAB), min_size=4, max_size=4),
+    history=st.lists(st.integers(0, VOCAB - 1), max_size=6),
+)
+def test_sampler_never_fails_on_any_accepted_value(params, logits, history):
+    n = len(params)
+    rows = torch.tensor(logits[:n], dtype=torch.float32)
+    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+    result = sample(rows, params, [history] * n, [history[::-1]] * n, gens, torch.Generator().manual_seed(0))
+    assert len(result.token_ids) == n
+    assert all(0 <= t < VOCAB for t in result.token_ids)
+    for p, row, t in zip(params, rows, result.token_ids):
+        if p.greedy and not p.has_penalties:
+            assert t == int(row.argmax())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 9.99e-6])
+def test_temperature_below_epsilon_is_greedy(temperature):
+    p = SamplingParams(temperature=temperature)
+    assert p.greedy
+    assert set(draw(p, n=20)) == {4}
+
+
+def test_a_tiny_repetition_penalty_samples_a_token_instead_of_raising():
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e-45)
+    g = torch.Generator().manual_seed(0)
+    out = sample(LOGITS[None], [p], [[0, 1]], [[4]], [None], g).token_ids
+    assert 0 <= out[0] < len(LOGITS)
