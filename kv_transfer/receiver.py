@@ -54,7 +54,8 @@ class Completed(NamedTuple):
 
 
 class Failed(NamedTuple):
-    reason: str
+    reason: str  # for people
+    code: str = ""  # for code and metrics: "lease_expired", "cancelled", "disconnected", ...
 
 
 Outcome = Completed | Failed
@@ -213,6 +214,11 @@ class KVReceiver:
         with self._lock:
             self._slots.pop(ticket, None)
 
+    def live_blocks(self, block_ids: list[int]) -> list[int]:
+        """Those of `block_ids` that a live reservation may still write (none, when the worker frees them)."""
+        with self._lock:
+            return [b for b in block_ids if b in self._reserved]
+
     def active(self) -> int:
         """Reservations not yet completed or failed."""
         with self._lock:
@@ -245,7 +251,7 @@ class KVReceiver:
         with slot.lock:
             if slot.state != _ACTIVE:
                 return
-            slot.state, slot.outcome, slot.code = _FAILING, Failed(reason), code
+            slot.state, slot.outcome, slot.code = _FAILING, Failed(reason, code), code
             conn, idle = slot.conn, slot.writers == 0
         if conn is not None:
             self._reply(conn, frame.ERROR, slot.reservation, reason)  # best effort: tell the sender why
