@@ -12,3 +12,8 @@ RESERVATIONS_FAILED = Counter("splitserve_kv_reservations_failed", "Reservations
 TRANSPORT_CHOSEN = Counter("splitserve_kv_transport_chosen", "KV streams opened, by the transport used", ["side", "transport"])
 TRANSPORT_FALLBACKS = Counter("splitserve_kv_transport_fallbacks", "Times a wanted transport was unusable and TCP was used", ["wanted", "reason"])
 BYTES_SENT = Counter("splitserve_kv_bytes_sent", "KV payload bytes sent", ["transport"])
+CONNECTIONS_DROPPED = Counter(
+    "splitserve_kv_connections_dropped",
+    "Connections the KV receiver closed on a slow or silent peer, or refused over its cap on unbound ones, by reason",
+    ["reason"],
+)
