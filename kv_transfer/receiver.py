@@ -13,6 +13,17 @@ it writes only into a live reservation's blocks; on any failure (bad frame,
 lost sender, lease run out, cancel) it resets those blocks and reports the
 failure only after no write into them can still be in progress, so the
 worker may free the blocks as soon as it hears.
+
+What it promises the host: no peer holds a connection (and its thread) for
+long without progress. A fresh connection must complete its handshake within
+`handshake_timeout_s`; a frame, once its first byte arrived, must be whole
+within `frame_timeout_s` plus its length at `frame_min_bytes_per_s`; a
+connection between streams is closed after `idle_timeout_s`; the wait for a
+stream's next frame is bounded by its reservation's lease. At most
+`max_unbound_connections` connections may be open and not yet bound to a
+reservation by a handshake with a valid ticket; one more is closed at once.
+One watchdog thread enforces the deadlines; drops are counted by reason in
+`splitserve_kv_connections_dropped_total`.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ import numpy as np
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
-from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Listener, TCPTransport, Transport, open_transport
+from splitserve.kv_transfer.transport import (
+    Connection, ConnectionClosed, Listener, TCPTransport, Transport, Watchdog, Watched, open_transport,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +84,27 @@ class _Reject(Exception):
 
 _ACTIVE, _FAILING, _DONE = "active", "failing", "done"
 
+# How long a peer may keep a connection's thread waiting without progress (module docstring).
+HANDSHAKE_TIMEOUT_S = 10.0  # connect -> handshake whole; an honest sender handshakes at once
+FRAME_TIMEOUT_S = 10.0  # a frame's first byte -> its last, plus its length at FRAME_MIN_BYTES_PER_S
+# Loose on purpose: only a bound stream (a valid ticket, and a lease bounding it
+# anyway) sends big frames, and a live but slow link (1 GbE shared by a few
+# streams) must still get a 0.5 GiB layer frame through (10 s + 32 s here).
+FRAME_MIN_BYTES_PER_S = 16 << 20
 IDLE_TIMEOUT_S = 60.0  # a connection with no stream under way is closed after this
+MAX_UNBOUND_CONNECTIONS = 64  # open connections before or inside their handshake; more are closed at once
 RECV_PIECE_BYTES = 1 << 20  # a whole number of checksum lanes
+
+# Why the watchdog closed a connection, for the log line and the reservation's failure.
+_DROP_TEXT = {
+    "handshake_timeout": "handshake not complete {:.2f}s after connect",
+    "frame_timeout": "frame not complete {:.2f}s after its first byte",
+    "idle": "no stream started in {:.2f}s",
+}
+
+
+def _drop_text(w: Watched) -> str:
+    return _DROP_TEXT[w.expired].format(w.held_s)
 
 
 class _Slot:
@@ -100,19 +132,42 @@ class KVReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         transport: str | Transport = "tcp",
+        *,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        frame_timeout_s: float = FRAME_TIMEOUT_S,
+        frame_min_bytes_per_s: float = FRAME_MIN_BYTES_PER_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_unbound_connections: int = MAX_UNBOUND_CONNECTIONS,
     ) -> None:
         """`transport`: "tcp", "ucx" (TCP as well, for fallback) or "cuda_ipc" (a CUDA
-        cache; control over TCP), or a `Transport` object in place of TCP (the fake)."""
+        cache; control over TCP), or a `Transport` object in place of TCP (the fake).
+        The timeouts and the cap bound what slow or silent peers can hold (module docstring)."""
+        if min(handshake_timeout_s, frame_timeout_s, frame_min_bytes_per_s, idle_timeout_s) <= 0:
+            raise ValueError("timeouts and the minimum frame rate must be positive")
+        if max_unbound_connections < 1:
+            raise ValueError("max_unbound_connections must be at least 1")
         self.cache = cache
+        self.handshake_timeout_s = handshake_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.frame_min_bytes_per_s = frame_min_bytes_per_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_unbound_connections = max_unbound_connections
         self._lock = threading.Lock()
         self._slots: dict[bytes, _Slot] = {}  # active, plus finished ones nobody has collected
         self._reserved: set[int] = set()
-        self._conns: set[Connection] = set()
+        self._conns: dict[Connection, Watched] = {}
+        self._unbound: set[Connection] = set()  # open, no handshake with a valid ticket yet
+        self._refused_unlogged, self._refused_logged_at = 0, -1e9  # connections refused over the cap
         self._closed = False
         self._leases: list[tuple[float, bytes]] = []
         self._lease_cv = threading.Condition(self._lock)
+        self._watchdog = Watchdog(self._on_dropped, name="kv-rx-watchdog")
         base = transport if not isinstance(transport, str) else TCPTransport()
-        self._tcp = base.listen(host, port, self._serve)
+        try:
+            self._tcp = base.listen(host, port, self._serve)
+        except BaseException:
+            self._watchdog.close()
+            raise
         self.tcp_endpoint = f"{host}:{self._tcp.port}"
         self.transport, self.endpoint = base.kind, self.tcp_endpoint
         self._ucx: Listener | None = None
@@ -238,6 +293,7 @@ class KVReceiver:
         for s in slots:
             self._fail(s, "receiver_closed", "receiver closed")
         self._lease_thread.join(timeout=5)
+        self._watchdog.close()
 
     def __enter__(self) -> KVReceiver:
         return self
@@ -314,46 +370,63 @@ class KVReceiver:
 
     def _serve(self, conn: Connection) -> None:
         """Serve one connection: streams one after another (senders reuse connections)."""
+        w = Watched(conn)
         with self._lock:
-            if self._closed:
-                conn.close()
-                return
-            self._conns.add(conn)
+            closed = self._closed
+            admitted = not closed and len(self._unbound) < self.max_unbound_connections
+            if admitted:
+                self._conns[conn] = w
+                self._unbound.add(conn)
+        if not admitted:
+            conn.close()
+            if not closed:
+                self._refuse_over_cap(conn)
+            return
         try:
             header = bytearray(frame.HEADER_SIZE)
+            connected = time.monotonic()
+            handshake_by: float | None = connected + self.handshake_timeout_s
+            self._watchdog.arm(w, handshake_by, "handshake_timeout", connected)
             while True:
-                # A connection must start a stream within IDLE_TIMEOUT_S, so silent
-                # peers do not hold a thread forever (senders replace idle ones).
-                timer = threading.Timer(IDLE_TIMEOUT_S, conn.close)
-                timer.daemon = True
-                timer.start()
                 try:
-                    conn.recv_into(header)  # idle between streams: a close here is no error
+                    self._recv_frame_start(conn, header)  # idle between streams: a close here is no error
                 except ConnectionClosed:
                     return
-                finally:
-                    timer.cancel()
-                if not self._serve_stream(conn, header):
+                if not self._serve_stream(conn, w, header, handshake_by):
                     return
+                # A sender's pooled connection, bound before: it may wait for its next
+                # stream, but not for ever (senders replace connections closed meanwhile).
+                handshake_by, now = None, time.monotonic()
+                self._watchdog.arm(w, now + self.idle_timeout_s, "idle", now)
         finally:
+            self._watchdog.disarm(w)
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
+                self._unbound.discard(conn)
             conn.close()
 
-    def _serve_stream(self, conn: Connection, header: bytearray) -> bool:
-        """One stream: handshake (in `header`), layer frames, done. True if the connection may carry another."""
+    def _serve_stream(self, conn: Connection, w: Watched, header: bytearray, handshake_by: float | None) -> bool:
+        """One stream, its first frame begun in `header`: handshake, layer frames, done.
+
+        True if the connection may carry another. `handshake_by`: a fresh
+        connection's handshake deadline (None on a reused one).
+        """
         slot: _Slot | None = None
         try:
-            slot, ipc = self._handshake(conn, header)
+            h = self._recv_frame_header(conn, w, header, handshake_by)
+            slot, ipc = self._handshake(conn, h)
+            # Bound: the wait for each next frame is the lease's to bound (its expiry closes us).
+            self._watchdog.disarm(w)
             while True:
-                conn.recv_into(header)
-                h = frame.decode_header(header)
+                self._recv_frame_start(conn, header)
+                h = self._recv_frame_header(conn, w, header, None)
                 if h.ticket != slot.reservation.ticket:
                     raise _Reject("ticket_mismatch", "frame carries another ticket than the stream's")
                 if time.monotonic() > slot.deadline:
                     raise _Reject("lease_expired", "lease expired")
                 if h.kind == frame.LAYER:
                     self._receive_layer(conn, slot, h, ipc)
+                    self._watchdog.disarm(w)
                 elif h.kind == frame.DONE:
                     missing = np.argwhere(~slot.received)
                     if len(missing):
@@ -373,12 +446,17 @@ class KVReceiver:
                 else:
                     raise _Reject("unexpected_frame", f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream")
         except (FrameError, _Reject, ConnectionClosed) as e:
-            code = e.code if isinstance(e, _Reject) else "bad_frame" if isinstance(e, FrameError) else "disconnected"
-            reason = str(e) if not isinstance(e, ConnectionClosed) else f"sender disconnected before done ({e})"
-            metrics.FRAMES_REJECTED.labels(reason=code).inc()
+            if w.expired and isinstance(e, ConnectionClosed):  # the watchdog's doing; it counted and logged
+                code, reason = w.expired, f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
+            else:
+                code = (
+                    e.code if isinstance(e, _Reject) else "bad_frame" if isinstance(e, FrameError) else "disconnected"
+                )
+                reason = str(e) if not isinstance(e, ConnectionClosed) else f"sender disconnected before done ({e})"
+                metrics.FRAMES_REJECTED.labels(reason=code).inc()
             if slot is not None:
                 self._fail(slot, code, reason)  # tells the sender why, if it still listens
-            else:
+            elif not w.expired:
                 log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
         except Exception as e:  # a bug here must not take the receiver down
             log.exception("kv_transfer: connection handler failed")
@@ -391,8 +469,53 @@ class KVReceiver:
                         slot.conn = None
         return False
 
-    def _handshake(self, conn: Connection, header: bytearray) -> tuple[_Slot, bool]:
+    @staticmethod
+    def _recv_frame_start(conn: Connection, header: bytearray) -> None:
+        """Wait for a frame to begin. On a byte stream read only its first byte, so the
+        frame deadline runs from when the peer started it; a message transport (UCX)
+        must receive the header whole, at the size it was sent."""
+        conn.recv_into(memoryview(header)[:1] if conn.stream else header)
+
+    def _recv_frame_header(self, conn: Connection, w: Watched, header: bytearray, handshake_by: float | None) -> Header:
+        """The rest of a begun frame's header, then its deadline set for the payload."""
+        started = time.monotonic()
+        if conn.stream:
+            self._arm_frame(w, started, 0, handshake_by)
+            conn.recv_into(memoryview(header)[1:])
         h = frame.decode_header(header)
+        self._arm_frame(w, started, h.payload_length, handshake_by)
+        return h
+
+    def _arm_frame(self, w: Watched, started: float, payload_length: int, handshake_by: float | None) -> None:
+        deadline = started + self.frame_timeout_s + payload_length / self.frame_min_bytes_per_s
+        if handshake_by is not None and handshake_by <= deadline:  # a fresh connection: the tighter bound
+            self._watchdog.arm(w, handshake_by, "handshake_timeout", handshake_by - self.handshake_timeout_s)
+        else:
+            self._watchdog.arm(w, deadline, "frame_timeout", started)
+
+    def _on_dropped(self, w: Watched) -> None:
+        """The watchdog closed a connection whose peer was too slow or silent: count it, say so once."""
+        metrics.CONNECTIONS_DROPPED.labels(reason=w.expired).inc()
+        # A sender's pooled connection closed after a quiet spell is routine; the others are not.
+        level = logging.INFO if w.expired == "idle" else logging.WARNING
+        log.log(level, "kv_transfer: dropped connection from %s: %s", w.conn.peer, _drop_text(w))
+
+    def _refuse_over_cap(self, conn: Connection) -> None:
+        metrics.CONNECTIONS_DROPPED.labels(reason="too_many_unbound").inc()
+        # One line a second at most: a flood of connections must not become a flood of log lines.
+        now = time.monotonic()
+        with self._lock:
+            self._refused_unlogged += 1
+            if now - self._refused_logged_at < 1.0:
+                return
+            n, self._refused_unlogged, self._refused_logged_at = self._refused_unlogged, 0, now
+        log.warning(
+            "kv_transfer: refused %d connection(s) since the last such line (latest from %s): "
+            "%d connections without a handshake already open",
+            n, conn.peer, self.max_unbound_connections,
+        )  # fmt: skip
+
+    def _handshake(self, conn: Connection, h: Header) -> tuple[_Slot, bool]:
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
         layout = KVLayout(*frame.decode_layout(self._read_control(conn, h)))
@@ -407,6 +530,8 @@ class KVReceiver:
                 self._reply_raw(conn, h, f"reservation {busy}")
                 raise _Reject("ticket_in_use", f"reservation {busy}")
             slot.conn = conn
+        with self._lock:  # bound by a valid ticket: no longer counts against the cap
+            self._unbound.discard(conn)
         mismatch = self.cache.layout.mismatch(layout)
         if mismatch:
             self._fail(slot, "layout_mismatch", mismatch)  # replies with the reason
