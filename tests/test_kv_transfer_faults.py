@@ -1,26 +1,35 @@
 """Faults on the KV plane, over real loopback sockets. Each one: the receiver stays
 up, a bystander transfer running alongside still completes, the bad reservation
-fails with its reason, and its blocks are reset and released (no leak)."""
+fails with its reason, and its blocks are reset and released (no leak).
+
+Slow and silent peers too: each is dropped by its deadline (the receiver built
+with small ones), counted, and holds no thread afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_transfer_helpers.common import (  # noqa: E402
-    LAYOUT, Bystander, RawPeer, assert_no_leak, assert_zero, random_cache,
+    LAYOUT, Bystander, RawPeer, assert_arrived, assert_no_leak, assert_zero, closed_by_peer, complete_stream, metric,
+    random_cache, send_all, wait_until,
 )  # fmt: skip
 
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.kv_transfer import Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
+from splitserve.kv_transfer import Completed, Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
+from splitserve.kv_transfer.transport import Watchdog, Watched  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,15 +37,34 @@ BAD_IDS, BAD_SRC = [1, 2, 3], [10, 11, 12]
 BYSTANDER_IDS, BYSTANDER_SRC = [30, 31, 40], [20, 21, 22]
 
 
-@pytest.fixture
-def setup():
+@contextlib.contextmanager
+def receiver_with_bystander(**limits):
     src, dst = random_cache(seed=11), KVCache(LAYOUT, 64)
-    rx = KVReceiver(dst)
+    rx = KVReceiver(dst, **limits)
     bystander = Bystander(rx, src, BYSTANDER_IDS, BYSTANDER_SRC)
     yield rx, src, bystander
     bystander.finish()  # the receiver stayed up and the other transfer completed
     assert_no_leak(rx, range(64))
     rx.close()
+
+
+@pytest.fixture
+def setup():
+    with receiver_with_bystander() as s:
+        yield s
+
+
+# Small deadlines, so slow and silent peers are dropped within a test. The handshake
+# deadline is the tighter, so a fresh connection's drops say "handshake_timeout";
+# the rate gives a layer frame of 3 blocks (1,536 bytes) 1.5 s over the base.
+TIGHT = dict(handshake_timeout_s=0.5, frame_timeout_s=0.8, frame_min_bytes_per_s=1024, idle_timeout_s=0.5)
+DROPPED = "splitserve_kv_connections_dropped_total"
+
+
+@pytest.fixture
+def tight():
+    with receiver_with_bystander(**TIGHT) as s:
+        yield s
 
 
 def expect_failure(rx: KVReceiver, r, reason: str) -> None:
@@ -242,10 +270,154 @@ def test_second_stream_on_a_ticket_is_refused(setup):
     assert rx.wait(r.ticket, 10).first_token == 2
 
 
-def test_a_silent_connection_is_closed_after_the_idle_timeout(setup, monkeypatch):
-    import splitserve.kv_transfer.receiver as receiver_module
-
-    rx, _, bystander = setup
-    monkeypatch.setattr(receiver_module, "IDLE_TIMEOUT_S", 0.2)
+def test_a_silent_connection_is_closed_after_the_handshake_timeout(tight):
+    rx, _, bystander = tight
+    before = metric(DROPPED, reason="handshake_timeout")
+    start = time.monotonic()
     peer = RawPeer(bystander.r)  # connects and says nothing
     assert peer.read_until_closed() == b""
+    held = time.monotonic() - start
+    assert TIGHT["handshake_timeout_s"] - 0.05 <= held < 5, held
+    wait_until(lambda: metric(DROPPED, reason="handshake_timeout") == before + 1, 5, "the drop counted")
+
+
+def test_a_half_header_is_dropped_at_the_handshake_deadline(tight):
+    rx, _, bystander = tight
+    before = metric(DROPPED, reason="handshake_timeout")
+    peer = RawPeer(bystander.r)
+    start = time.monotonic()
+    peer.send(peer.header(frame.HANDSHAKE, payload_length=21)[:50])  # and then nothing, the socket left open
+    assert peer.read_until_closed() == b""
+    held = time.monotonic() - start
+    assert held < 5, held
+    wait_until(lambda: metric(DROPPED, reason="handshake_timeout") == before + 1, 5, "the drop counted")
+
+
+def test_a_handshake_whose_payload_never_comes_is_dropped(tight):
+    rx, _, bystander = tight
+    before = metric(DROPPED, reason="handshake_timeout")
+    peer = RawPeer(bystander.r)
+    start = time.monotonic()
+    peer.send(peer.header(frame.HANDSHAKE, payload_length=21))  # announces the layout, never sends it
+    assert peer.read_until_closed() == b""
+    assert time.monotonic() - start < 5
+    wait_until(lambda: metric(DROPPED, reason="handshake_timeout") == before + 1, 5, "the drop counted")
+
+
+def test_a_layer_payload_that_stalls_fails_the_reservation_at_the_frame_deadline(tight):
+    rx, src, _ = tight
+    before = metric(DROPPED, reason="frame_timeout")
+    r, peer = started(rx, src)  # bound to a live reservation, whose lease (30 s) is far off
+    hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3)
+    start = time.monotonic()
+    peer.send(hdr + payload[: len(payload) // 2])  # and then nothing, the socket left open
+    expect_failure(rx, r, "frame timeout: frame not complete")
+    held = time.monotonic() - start
+    allowed = TIGHT["frame_timeout_s"] + len(payload) / TIGHT["frame_min_bytes_per_s"]
+    assert allowed - 0.05 <= held < allowed + 5, (held, allowed)
+    assert b"ack" not in peer.read_until_closed()
+    wait_until(lambda: metric(DROPPED, reason="frame_timeout") == before + 1, 5, "the drop counted")
+
+
+def test_a_slow_but_live_frame_gets_time_in_proportion_to_its_length(tight):
+    rx, src, _ = tight
+    r, peer = started(rx, src)
+    hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3)
+    start = time.monotonic()
+    peer.send(hdr)
+    for i in range(4):  # a trickle: 1.2 s for the frame, over the base 0.8 s, within 0.8 s + 1.5 s for its length
+        time.sleep(0.3)
+        peer.send(payload[i * len(payload) // 4 : (i + 1) * len(payload) // 4])
+    assert time.monotonic() - start > TIGHT["frame_timeout_s"]
+    for layer in (2, 3):
+        hdr, payload = peer.layer_frame(src, layer, BAD_SRC[0], BAD_IDS[0], 3)
+        peer.send(hdr + payload)
+    peer.send(peer.header(frame.DONE, value=4))
+    assert peer.read()[0].kind == frame.ACK
+    assert rx.wait(r.ticket, 10) == Completed(4)
+
+
+def test_a_pooled_connection_left_silent_is_closed_after_the_idle_timeout(tight):
+    rx, src, _ = tight
+    before = metric(DROPPED, reason="idle")
+    r = rx.reserve("pooled", BAD_IDS, lease_s=30)
+    peer = RawPeer(r)
+    complete_stream(peer, src, BAD_SRC, first_token=6)
+    start = time.monotonic()
+    assert peer.read_until_closed() == b""  # the sender would now open a fresh one
+    held = time.monotonic() - start
+    assert TIGHT["idle_timeout_s"] - 0.05 <= held < 5, held
+    assert rx.wait(r.ticket, 10) == Completed(6)
+    wait_until(lambda: metric(DROPPED, reason="idle") == before + 1, 5, "the drop counted")
+
+
+def test_a_half_header_on_a_reused_connection_is_dropped_at_the_frame_deadline(tight):
+    rx, src, _ = tight
+    before = metric(DROPPED, reason="frame_timeout")
+    r = rx.reserve("reused", BAD_IDS, lease_s=30)
+    peer = RawPeer(r)
+    complete_stream(peer, src, BAD_SRC, first_token=6)
+    start = time.monotonic()
+    peer.send(peer.header(frame.HANDSHAKE, payload_length=21)[:50])  # the next stream starts, and stalls
+    assert peer.read_until_closed() == b""
+    held = time.monotonic() - start
+    assert TIGHT["frame_timeout_s"] - 0.05 <= held < 5, held  # the frame deadline replaced the idle one
+    assert rx.wait(r.ticket, 10) == Completed(6)
+    wait_until(lambda: metric(DROPPED, reason="frame_timeout") == before + 1, 5, "the drop counted")
+
+
+def test_silent_connections_beyond_the_cap_are_closed_at_once_and_the_rest_at_the_handshake_deadline():
+    cap, extra, handshake_s = 8, 112, 3.0
+    with receiver_with_bystander(handshake_timeout_s=handshake_s, max_unbound_connections=cap) as (rx, src, _):
+        threads = threading.active_count()
+        refused0 = metric(DROPPED, reason="too_many_unbound")
+        timed_out0 = metric(DROPPED, reason="handshake_timeout")
+        host, _, port = rx.tcp_endpoint.rpartition(":")
+        start = time.monotonic()
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(cap + extra)]
+        try:
+            wait_until(lambda: sum(map(closed_by_peer, socks)) >= extra, handshake_s * 0.9, "the extra ones closed")
+            assert time.monotonic() - start < handshake_s  # at once: no handshake deadline has passed yet
+            assert sum(not closed_by_peer(s) for s in socks) == cap  # exactly the cap is held
+            wait_until(lambda: all(map(closed_by_peer, socks)), 10, "the held ones closed")
+            assert time.monotonic() - start >= handshake_s
+        finally:
+            for s in socks:
+                s.close()
+        wait_until(lambda: metric(DROPPED, reason="too_many_unbound") == refused0 + extra, 5, "refusals counted")
+        wait_until(lambda: metric(DROPPED, reason="handshake_timeout") == timed_out0 + cap, 5, "time-outs counted")
+        wait_until(lambda: threading.active_count() <= threads, 5, "no connection thread left")
+        # and an honest sender still gets through, on a fresh connection
+        r = rx.reserve("honest", BAD_IDS, lease_s=30)
+        send_all(KVSender(src), r, BAD_SRC, first_token=8)
+        assert rx.wait(r.ticket, 10) == Completed(8)
+        assert_arrived(rx.cache, src, BAD_IDS, BAD_SRC)
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_the_watchdog_closes_a_connection_at_its_current_deadline_only():
+    fired: list[Watched] = []
+    dog = Watchdog(fired.append)
+    later, earlier, disarmed = Watched(_Conn()), Watched(_Conn()), Watched(_Conn())
+    now = time.monotonic()
+    dog.arm(later, now + 0.1, "first", now)
+    dog.arm(later, now + 0.5, "moved_later", now)
+    dog.arm(earlier, now + 30, "first", now)
+    dog.arm(earlier, now + 0.2, "moved_earlier", now)
+    dog.arm(disarmed, now + 0.1, "first", now)
+    dog.disarm(disarmed)
+    try:
+        assert earlier.conn.closed.wait(5) and earlier.expired == "moved_earlier"
+        assert later.conn.closed.wait(5) and later.expired == "moved_later"
+        assert time.monotonic() - now >= 0.5
+        assert fired == [earlier, later]
+        assert not disarmed.conn.closed.is_set() and disarmed.expired == ""
+    finally:
+        dog.close()

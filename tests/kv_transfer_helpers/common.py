@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from typing import Callable
 
 import torch
+from prometheus_client import REGISTRY
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame
@@ -140,3 +143,43 @@ def in_thread(fn, *args) -> threading.Thread:
     t = threading.Thread(target=fn, args=args, daemon=True)
     t.start()
     return t
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `condition` until it holds; the seconds it took. Fails the test after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed `sock` (which it sent nothing on), without blocking."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # a socket with a timeout waits that long for data first, MSG_DONTWAIT or not
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.settimeout(timeout)
+
+
+def complete_stream(peer: RawPeer, cache: KVCache, src_ids, first_token: int) -> None:
+    """One whole, honest stream by hand: handshake, every layer, done, and the receiver's ack."""
+    h, _ = peer.handshake()
+    assert h.kind == frame.ACK
+    for layer in range(cache.layout.num_layers):
+        hdr, payload = peer.layer_frame(cache, layer, src_ids[0], peer.r.block_ids[0], len(src_ids))
+        peer.send(hdr + payload)
+    peer.send(peer.header(frame.DONE, value=first_token))
+    h, _ = peer.read()
+    assert h.kind == frame.ACK
