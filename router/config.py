@@ -69,6 +69,9 @@ class RouterConfig:
     # --- retries
     max_migrations: int = 2  # decode workers a request may move to after the first dies
     max_prefill_attempts: int = 2  # prefill workers tried for one reservation
+    # a request that failed on this many workers for an unclear reason (INTERNAL, an aborted finish)
+    # is not tried on another: one poisonous request must not walk through the whole pool
+    max_request_faults: int = 2
 
     # --- ports and auth
     host: str = "0.0.0.0"
@@ -91,7 +94,7 @@ class RouterConfig:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
                 raise ValueError(f"RouterConfig.{f.name} must be >= 0, got {v!r}")
         for name in ("block_size", "max_model_len", "max_prompt_tokens", "max_tokens_cap",
-                     "default_max_tokens", "max_inflight", "load_token_scale"):
+                     "default_max_tokens", "max_inflight", "load_token_scale", "max_request_faults"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be positive")
         if self.max_prompt_tokens >= self.max_model_len:

@@ -103,6 +103,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         die_after_tokens: int | None = None,  # stop this worker's server after sending this many tokens
         refuse: bool = False,  # answer every Decode with RESOURCE_EXHAUSTED
         extra_queued_tokens: int = 0,  # reported in stats on top of the real load (to steer routing)
+        fail: grpc.StatusCode | None = None,  # answer every Decode with this status, as a worker refusing the request would
     ) -> None:
         super().__init__(script, block_size, total_blocks, worker_id)
         self.kv = kv
@@ -111,6 +112,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.lease_s = lease_s
         self.die_after_tokens = die_after_tokens
         self.refuse = refuse
+        self.fail = fail
         self.extra_queued_tokens = extra_queued_tokens
         self.requests: list[wpb.DecodeRequest] = []
         self.active: dict[str, int] = {}  # request id -> context tokens
@@ -159,6 +161,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.requests.append(request)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        if self.fail is not None:
+            await context.abort(self.fail, "fake decode failure")
         if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_mode must be LOCAL or REMOTE")
         if self.admit_delay_s:

@@ -29,6 +29,10 @@ class RouterMetrics:
         self.prefix_hit_blocks = Counter("splitserve_router_prefix_hit_blocks", "Prompt blocks cached on the chosen decode worker", registry=r)
         self.prefix_hit_rate = Gauge("splitserve_router_prefix_hit_rate", "prefix_hit_blocks / prompt_blocks since start", registry=r)
         self.migrations = Counter("splitserve_router_migrations", "Requests moved to another decode worker mid-stream", registry=r)
+        self.queries_of_death = Counter(
+            "splitserve_router_queries_of_death",
+            "Requests failed without another try after failing on max_request_faults workers", registry=r,
+        )
         self.prefill_retries = Counter("splitserve_router_prefill_retries", "Prefill calls retried on another prefill worker", registry=r)
         # the pool controller's (router/pool.py): state is serving, starting or draining
         self.pool_workers = Gauge("splitserve_router_pool_workers", "Workers of each pool by state", ["role", "state"], registry=r)

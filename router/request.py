@@ -7,6 +7,22 @@ sent, so the client's stream just goes on).
 Every internal wait has a deadline. Client cancellation arrives as
 CancelledError at whichever await is pending; the `finally` blocks cancel the
 worker calls, which the workers treat as an abort.
+
+A failed attempt is one of three things, told apart by gRPC status code, never
+by message text (`classify`):
+- the worker's fault (transport errors, missed deadlines, a broken stream): the
+  worker leaves routing until its next stats poll succeeds, and the request
+  moves on;
+- the request's fault, known for certain (INVALID_ARGUMENT and the like): the
+  request fails alone with that status, and the worker stays in routing;
+- unclear (INTERNAL, UNKNOWN, an aborted finish): the request is tried on
+  another worker, but a request that has failed like this on
+  `max_request_faults` workers is not tried on another (query-of-death
+  protection), so one poisonous request cannot walk through the pool.
+
+Workers never see the client's request id: each attempt gets an id of the
+router's own (`attempt_id`), so a client that reuses an id, or sends one longer
+than the KV plane's frames hold, cannot collide with state a worker still holds.
 """
 
 from __future__ import annotations
@@ -15,7 +31,9 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator
+from enum import Enum
 
 import grpc
 
@@ -43,18 +61,51 @@ class RequestFailed(Exception):
         self.code = code
 
 
+class Fault(Enum):
+    """Whose fault a failed worker call was."""
+
+    WORKER = "worker"  # transport error or missed deadline: stop routing to it for now
+    REQUEST = "request"  # the worker refused what the request asked for: the request fails alone
+    UNCLEAR = "unclear"  # it failed on the worker for a reason the code does not say: retry elsewhere, counted
+    BUSY = "busy"  # not admitted for lack of room: retry elsewhere, nobody's fault
+
+
+_FAULTS = {
+    grpc.StatusCode.INVALID_ARGUMENT: Fault.REQUEST,
+    grpc.StatusCode.FAILED_PRECONDITION: Fault.REQUEST,
+    grpc.StatusCode.OUT_OF_RANGE: Fault.REQUEST,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Fault.BUSY,
+    grpc.StatusCode.INTERNAL: Fault.UNCLEAR,
+    grpc.StatusCode.UNKNOWN: Fault.UNCLEAR,
+    grpc.StatusCode.ABORTED: Fault.UNCLEAR,
+    grpc.StatusCode.ALREADY_EXISTS: Fault.UNCLEAR,  # attempt ids are unique, so a bug somewhere: not the worker's
+}
+
+
+def classify(code: grpc.StatusCode) -> Fault:
+    """A worker call's status -> whose fault; anything not listed (UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED by a stopping server, ...) is the worker's or its link's."""
+    return _FAULTS.get(code, Fault.WORKER)
+
+
+def attempt_id() -> str:
+    """The id workers know one attempt by: unique, and within the KV frame's 64 bytes."""
+    return uuid.uuid4().hex
+
+
 class _Retry(Exception):
     """This attempt failed; try again.
 
     exclude: not on this decode worker again (for this request);
-    worker_failed: and stop routing anything to it until its stats poll succeeds;
+    fault: whose fault it was (Fault.WORKER stops routing to the worker until its stats poll succeeds;
+        Fault.UNCLEAR counts towards the query-of-death limit);
     force_local: prefill on the decode worker this time.
     """
 
-    def __init__(self, message: str, exclude: bool = True, worker_failed: bool = True, force_local: bool = False) -> None:
+    def __init__(self, message: str, exclude: bool = True, fault: Fault = Fault.WORKER, force_local: bool = False) -> None:
         super().__init__(message)
         self.exclude = exclude
-        self.worker_failed = worker_failed
+        self.fault = fault
         self.force_local = force_local
 
 
@@ -80,6 +131,7 @@ class RequestRun:
         self.generated: list[int] = []
         self.cached_tokens: int | None = None
         self.finished = False
+        self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
         self.start = time.monotonic()
         self.last_token_at = 0.0
         s = req.sampling
@@ -109,14 +161,26 @@ class RequestRun:
                 last_error = f"{worker}: {e}"
                 if e.exclude:
                     excluded.append(worker)
-                if e.worker_failed:
+                if e.fault is Fault.WORKER:
                     self.workers.mark_failed(worker)
+                elif e.fault is Fault.UNCLEAR:
+                    self._count_unclear_failure(e)
                 force_local = force_local or e.force_local
                 moves += 1
                 if moves > self.cfg.max_migrations:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"gave up after {moves} attempts: {e}") from None
                 if self.generated:
                     self.metrics.migrations.inc()
+
+    def _count_unclear_failure(self, e: Exception) -> None:
+        self.unclear_failures += 1
+        if self.unclear_failures >= self.cfg.max_request_faults:
+            self.metrics.queries_of_death.inc()
+            raise RequestFailed(
+                grpc.StatusCode.INTERNAL,
+                f"the request failed on {self.unclear_failures} workers and is not tried on another "
+                f"(query-of-death protection); last: {e}",
+            ) from None
 
     def _route(self, exclude: list[str], force_local: bool, last_error: str) -> tuple[str, policy.PrefillMode]:
         loads = self.workers.decode_loads(exclude)
@@ -151,9 +215,10 @@ class RequestRun:
         sampling = wpb.SamplingParams()
         sampling.CopyFrom(self._sampling)
         sampling.max_tokens = self.req.sampling.max_tokens - len(self.generated)
+        rid = attempt_id()
         call = w.stub.Decode(
             wpb.DecodeRequest(
-                request_id=self.req.request_id,
+                request_id=rid,
                 prompt_token_ids=self.req.prompt_token_ids,
                 output_token_ids=self.generated,
                 sampling=sampling,
@@ -167,7 +232,7 @@ class RequestRun:
             first = await self._next(call, cfg.admit_timeout_s, admitted=False)
             kind = first.WhichOneof("event")
             if kind == "reservation":
-                result = await self._prefill(first.reservation, sampling)
+                result = await self._prefill(rid, first.reservation, sampling)
                 self._set_cached(result.num_cached_tokens)
                 lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
                 resp = self._emit([result.first_token_id], lp)
@@ -190,8 +255,9 @@ class RequestRun:
                         yield self._final(_FINISH[reason])
                         return
                     if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
-                        raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, worker_failed=False, force_local=True)
-                    raise _Retry(f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}")
+                        raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True)
+                    raise _Retry(f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}",
+                                 fault=Fault.UNCLEAR)
                 else:
                     raise _Retry(f"protocol error: {kind} event after the first")
         finally:
@@ -207,18 +273,26 @@ class RequestRun:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._check_deadline()
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not admitted:
-                raise _Retry(f"not admitted: {e.details()}", worker_failed=False) from None
-            raise _Retry(f"Decode failed: {e.code().name} {e.details()}") from None
+            fault = classify(e.code())
+            if fault is Fault.REQUEST:
+                raise RequestFailed(e.code(), f"the decode worker refused the request: {e.details()}") from None
+            if fault is Fault.BUSY and not admitted:
+                raise _Retry(f"not admitted: {e.details()}", fault=Fault.BUSY) from None
+            raise _Retry(f"Decode failed: {e.code().name} {e.details()}",
+                         fault=Fault.WORKER if fault is Fault.BUSY else fault) from None
         if ev is grpc.aio.EOF:
             raise _Retry("Decode stream ended without a finish event")
         return ev
 
-    async def _prefill(self, reservation: wpb.Reservation, sampling: wpb.SamplingParams) -> wpb.PrefillResult:
-        """Prefill on the least-queued prefill worker; on failure, on another, same reservation."""
+    async def _prefill(self, rid: str, reservation: wpb.Reservation, sampling: wpb.SamplingParams) -> wpb.PrefillResult:
+        """Prefill on the least-queued prefill worker; on failure, on another, same reservation.
+
+        A prefill worker is marked failed only for its own faults (Fault.WORKER); one that
+        refuses the reservation (a layout it cannot map, say) stays in routing for others.
+        """
         tried: list[str] = []
         request = wpb.PrefillRequest(
-            request_id=self.req.request_id,
+            request_id=rid,
             prompt_token_ids=self.req.prompt_token_ids,
             output_token_ids=self.generated,
             sampling=sampling,
@@ -249,10 +323,13 @@ class RequestRun:
                     self._check_deadline()
                 last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
                 log.warning("request %s: %s", self.req.request_id, last)
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                fault = classify(e.code())
+                if fault is Fault.WORKER:
                     self.workers.mark_failed(address)
+                elif fault is Fault.UNCLEAR:
+                    self._count_unclear_failure(RuntimeError(last))
         # The decode worker is fine; it will prefill the request itself.
-        raise _Retry(last, exclude=False, worker_failed=False, force_local=True)
+        raise _Retry(last, exclude=False, fault=Fault.BUSY, force_local=True)
 
     # ---- responses
 

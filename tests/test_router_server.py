@@ -130,7 +130,7 @@ def test_stop_string_cuts_the_text_and_cancels_the_decode_stream() -> None:
             assert joined(rs)[0] == "Hello, "
             assert rs[-1].finish_reason == pb.FINISH_REASON_STOP
             assert rs[-1].usage.completion_tokens == len("Hello, world")
-            await until(lambda: "s1" in c.decode[0].cancelled and not c.decode[0].active)
+            await until(lambda: len(c.decode[0].cancelled) == 1 and not c.decode[0].active)
 
     run(scenario)
 
@@ -262,7 +262,7 @@ def test_client_cancel_reaches_the_decode_worker() -> None:
             call = c.stub.Generate(pb.GenerateRequest(request_id="c1", text="hi"))
             await call.read()
             call.cancel()
-            await until(lambda: "c1" in c.decode[0].cancelled and not c.decode[0].active)
+            await until(lambda: len(c.decode[0].cancelled) == 1 and not c.decode[0].active)
             await until(lambda: c.router.generation.inflight == 0)
 
     run(scenario)
@@ -274,8 +274,8 @@ def test_client_cancel_during_prefill_reaches_both_workers() -> None:
             call = c.stub.Generate(pb.GenerateRequest(request_id="c2", text=LONG))
             await until(lambda: bool(c.prefill[0].requests))
             call.cancel()
-            await until(lambda: "c2" in c.prefill[0].cancelled)
-            await until(lambda: "c2" in c.decode[0].cancelled and not c.decode[0].active)
+            await until(lambda: len(c.prefill[0].cancelled) == 1)
+            await until(lambda: c.decode[0].cancelled == c.prefill[0].cancelled and not c.decode[0].active)  # one attempt id, both workers
 
     run(scenario)
 
@@ -362,5 +362,47 @@ def test_a_character_split_across_tokens_is_sent_whole() -> None:
             # cut after the first byte of "é": the end of the stream flushes what is held
             rs = await c.generate(text="hi", sampling=pb.SamplingParams(max_tokens=4))
             assert joined(rs)[0] == "caf\ufffd"
+
+    run(scenario)
+
+
+# ---- whose fault: a request's failure is not a worker's
+
+
+def test_a_request_a_worker_refuses_fails_alone_and_the_worker_stays_in_routing() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"fail": grpc.StatusCode.INVALID_ARGUMENT}, {"extra_queued_tokens": 8000}]) as c:
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "refused the request" in e.details()
+            assert len(c.decode[0].requests) == 1 and not c.decode[1].requests  # not retried elsewhere
+            assert c.router.workers.get(c.decode[0].address).healthy
+
+    run(scenario)
+
+
+def test_a_request_that_fails_unclearly_on_two_workers_is_not_tried_on_a_third() -> None:
+    async def scenario() -> None:
+        bad = {"fail": grpc.StatusCode.INTERNAL}
+        async with cluster(decode=[bad, {**bad, "extra_queued_tokens": 4000}, {"extra_queued_tokens": 8000}]) as c:
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.INTERNAL
+            assert "query-of-death" in e.details()
+            assert [len(d.requests) for d in c.decode] == [1, 1, 0]
+            assert c.router.metrics.queries_of_death._value.get() == 1
+            assert all(c.router.workers.get(d.address).healthy for d in c.decode)
+
+    run(scenario)
+
+
+def test_workers_see_an_id_of_the_routers_own_never_the_clients() -> None:
+    async def scenario() -> None:
+        async with cluster(mode="disaggregated") as c:
+            long_id = "x" * 128  # valid for clients, longer than a KV frame's 64 bytes
+            for _ in range(2):  # the same client id twice: two different attempt ids
+                assert joined(await c.generate(request_id=long_id, text=LONG))[0] == ANSWER
+            ids = [r.request_id for r in c.decode[0].requests]
+            assert len(set(ids)) == 2 and all(len(i.encode()) <= 64 and i != long_id for i in ids)
+            assert [r.request_id for r in c.prefill[0].requests] == ids
 
     run(scenario)
