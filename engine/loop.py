@@ -86,8 +86,10 @@ class EngineLoop:
         """`sink` is called on the engine thread with each output of the request; it must not block."""
         self._sinks[request_id] = sink
 
-    def drop_sink(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
+    def drop_sink(self, request_id: str, sink: Callable[[StepOutput], None]) -> None:
+        """Remove `sink` if it is still the request's (a later call's sink for the same id stays)."""
+        if self._sinks.get(request_id) == sink:
+            self._sinks.pop(request_id, None)
 
     def subscribe_blocks(self, callback: Callable[[list[BlockEvent]], None]) -> Future[list[BlockEvent]]:
         """Follow the prefix cache: resolves to a snapshot, after which `callback` gets every change."""

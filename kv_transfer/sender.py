@@ -41,7 +41,15 @@ log = logging.getLogger(__name__)
 
 
 class TransferError(Exception):
-    """The stream failed; the message is the reason (the receiver's, when it gave one)."""
+    """The stream failed; the message is the reason (the receiver's, when it gave one).
+
+    `code` says what kind of failure, for code to act on: "layout_mismatch" (the two
+    caches cannot exchange KV: no retry will help) or "transport" (anything else).
+    """
+
+    def __init__(self, message: str, code: str = "transport") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _StaleConnection(TransferError):
@@ -81,7 +89,7 @@ class KVSender:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
         mismatch = self.cache.layout.mismatch(reservation.layout)
         if mismatch:
-            raise TransferError(mismatch)
+            raise TransferError(mismatch, code="layout_mismatch")
         while True:
             conn, kind, key, reused = self._connect(reservation)
             try:

@@ -13,6 +13,7 @@ blocks finish in the background.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,11 +24,13 @@ from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import KVSender, KVStream, TransferError
+from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
+from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,42 @@ class _Outbound:
     stream: KVStream
     first_index: int  # index in this request's block table of the reservation's first block
     sent_hi: int  # blocks below this were sent in earlier chunks (the last may have been partial)
+    job: _Job
     chunk: tuple[int, int] = (0, 0)  # block range of the chunk in flight, fixed at its layer 0
+    failed: bool = False  # the stream broke: nothing more is sent, the request is dropped
+
+
+class _Stopped(Exception):
+    """A Prefill call ends before its first token: cancelled by the router, or its KV stream broke."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Job:
+    """One Prefill call's hold on its request id; `first` resolves with the first token or _Stopped."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.first: Future[StepOutput] = Future()
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def resolve(self, out: StepOutput) -> None:
+        with self.lock:
+            if not self.first.done():
+                self.first.set_result(out)
+
+    def stop(self, message: str, code: grpc.StatusCode = grpc.StatusCode.CANCELLED) -> None:
+        with self.lock:
+            self.cancelled = True
+            if not self.first.done():
+                self.first.set_exception(_Stopped(message, code))
+
+    def cancel(self) -> None:
+        """gRPC's callback when the call ends; before the first token that means the router went away."""
+        self.stop("cancelled by the router")
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
@@ -47,6 +85,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.cfg = cfg
         self.sender = sender
         self.outbound: dict[str, _Outbound] = {}  # touched on the engine thread only
+        self.jobs: RequestIds[_Job] = RequestIds()
         self.finisher = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-finish")
         self.loop: EngineLoop | None = None
 
@@ -62,7 +101,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         synced = False
         for seq, n in zip(seqs, counts):
             ob = self.outbound.get(seq.request_id)
-            if ob is None:
+            if ob is None or ob.failed:
                 continue
             start = seq.num_computed_tokens  # not yet advanced past this step
             if layer == 0:
@@ -79,7 +118,11 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             try:
                 ob.stream.send_layer(layer, seq.block_table[lo:hi], first_index=lo - ob.first_index)
             except TransferError as e:
-                log.warning("request %s: KV stream failed: %s", seq.request_id, e)
+                # Once: the decode side is gone (cancelled, lease over), so the prefill is wasted work.
+                log.warning("request %s: KV stream failed, dropping the prefill: %s", seq.request_id, e)
+                ob.failed = True
+                ob.job.stop(f"KV stream failed: {e}", grpc.StatusCode.UNAVAILABLE)
+                continue
             if layer == len(self.loop.engine.model.layers) - 1:  # type: ignore[union-attr]
                 ob.sent_hi = hi
 
@@ -93,48 +136,60 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         try:
             if not rid:
                 raise ValueError("request_id is empty")
+            if len(rid.encode()) > REQUEST_ID_BYTES:
+                raise ValueError(f"request_id is longer than the KV frame's {REQUEST_ID_BYTES} bytes")
             params = convert.sampling_from_proto(request.sampling)
             kv = convert.reservation_from_proto(request.reservation)
             first_index = self._check_reservation(request.reservation, len(prompt) + len(prior))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        job = _Job(rid)
+        if not self.jobs.claim(rid, job):
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
+        stream: KVStream | None = None
+        handed_off = False
         try:
-            stream = self.sender.open(kv)
-        except TransferError as e:
-            code = grpc.StatusCode.FAILED_PRECONDITION if "mismatch" in str(e) else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"KV stream to {kv.endpoint}: {e}")
+            # Before anything is queued: a cancel from here on stops the job wherever it is.
+            if not context.add_callback(job.cancel):
+                job.cancel()
+            try:
+                stream = self.sender.open(kv)
+            except TransferError as e:
+                code = grpc.StatusCode.FAILED_PRECONDITION if e.code == "layout_mismatch" else grpc.StatusCode.UNAVAILABLE
+                context.abort(code, f"KV stream to {kv.endpoint}: {e}")
+            opened = stream
 
-        first: Future[StepOutput] = Future()
+            def admit(engine: Engine) -> None:
+                with job.lock:
+                    if job.cancelled:
+                        return  # the router went away while this call waited for the step to end
+                    engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
+                    self.outbound[rid] = _Outbound(opened, first_index, sent_hi=first_index, job=job)
 
-        def sink(out: StepOutput) -> None:
-            if not first.done():
-                first.set_result(out)
-
-        def admit(engine: Engine) -> None:
-            engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
-            self.outbound[rid] = _Outbound(stream, first_index, sent_hi=first_index)
-
-        self.loop.set_sink(rid, sink)
-        try:
-            self.loop.call(admit).result(timeout=self.cfg.admit_timeout_s)
-        except ValueError as e:
-            self.loop.drop_sink(rid)
-            stream.abort(str(e))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: first.done() or self._drop(rid, stream, "cancelled by the router"))
-        try:
-            out = first.result(timeout=self.cfg.prefill_timeout_s)
-        except TimeoutError:
-            self._drop(rid, stream, "prefill timed out")
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        if out.finish_reason != "prefill_done":
-            self._drop(rid, stream, f"prefill ended: {out.finish_reason}")
-            context.abort(grpc.StatusCode.ABORTED, f"prefill ended: {out.finish_reason}")
-        self.finisher.submit(self._finish, rid, stream, out.token_id)
-        result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
-        if out.logprob is not None:
-            result.first_token_logprob = out.logprob
-        return result
+            self.loop.set_sink(rid, job.resolve)
+            try:
+                self.loop.call(admit).result(timeout=self.cfg.admit_timeout_s)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except TimeoutError:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not admit the request in time")
+            try:
+                out = job.first.result(timeout=self.cfg.prefill_timeout_s)
+            except TimeoutError:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+            except _Stopped as e:
+                context.abort(e.code, str(e))
+            if out.finish_reason != "prefill_done":
+                context.abort(grpc.StatusCode.ABORTED, f"prefill ended: {out.finish_reason}")
+            self.finisher.submit(self._finish, job, stream, out.token_id)
+            handed_off = True
+            result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
+            if out.logprob is not None:
+                result.first_token_logprob = out.logprob
+            return result
+        finally:
+            if not handed_off:
+                self._drop(job, stream, "prefill stopped before its first token")
 
     def _check_reservation(self, r: wpb.Reservation, context_len: int) -> int:
         bs = self.block_size
@@ -149,40 +204,44 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             raise ValueError(f"reservation.block_ids has {len(r.block_ids)} blocks; the context needs {want}")
         return first_index
 
-    def _finish(self, rid: str, stream: KVStream, first_token: int) -> None:
+    def _finish(self, job: _Job, stream: KVStream, first_token: int) -> None:
         try:
             stream.finish(first_token, timeout=self.cfg.prefill_timeout_s)
         except TransferError as e:
-            log.warning("request %s: KV not confirmed: %s", rid, e)
+            log.warning("request %s: KV not confirmed: %s", job.request_id, e)
         finally:
-            self._forget(rid)
+            self._forget(job)
 
-    def _drop(self, rid: str, stream: KVStream, reason: str) -> None:
-        stream.abort(reason)
-        self._forget(rid)
+    def _drop(self, job: _Job, stream: KVStream | None, reason: str) -> None:
+        job.stop(reason)
+        if stream is not None:
+            stream.abort(reason)
+        self._forget(job)
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, job: _Job) -> None:
+        """Free the job's blocks (running or held) and, once they are free, its request id."""
+        rid = job.request_id
+
         def forget(engine: Engine) -> None:
-            self.outbound.pop(rid, None)
-            engine.abort(rid)  # running or held: either way its blocks go back
+            ob = self.outbound.get(rid)
+            if ob is not None and ob.job is job:
+                del self.outbound[rid]
+                engine.abort(rid)  # running, waiting or held: its blocks go back
+            self.jobs.release(rid, job)
 
         assert self.loop is not None
-        self.loop.drop_sink(rid)
-        self.loop.call(forget)
+        self.loop.drop_sink(rid, job.resolve)
+        # a stopped loop fails the call: nothing is left to free then, but the id is still given back
+        self.loop.call(forget).add_done_callback(lambda f: f.exception() and self.jobs.release(rid, job))
 
     # ---- the rest ----
 
     def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
-        assert self.loop is not None
-        rid = request.request_id
-
-        def cancel(engine: Engine) -> bool:
-            ob = self.outbound.pop(rid, None)
-            if ob is not None:
-                ob.stream.abort("cancelled")
-            return engine.abort(rid)
-
-        return wpb.CancelResponse(found=bool(self.loop.call(cancel).result(timeout=self.cfg.admit_timeout_s)))
+        """Stops the request's Prefill call, which gives everything back."""
+        job = self.jobs.owner(request.request_id)
+        if job is not None:
+            job.stop("cancelled")
+        return wpb.CancelResponse(found=job is not None)
 
     def GetStats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
         assert self.loop is not None
