@@ -8,6 +8,7 @@ with small ones), counted, and holds no thread afterwards."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import signal
@@ -392,6 +393,49 @@ def test_silent_connections_beyond_the_cap_are_closed_at_once_and_the_rest_at_th
         send_all(KVSender(src), r, BAD_SRC, first_token=8)
         assert rx.wait(r.ticket, 10) == Completed(8)
         assert_arrived(rx.cache, src, BAD_IDS, BAD_SRC)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+def test_ucx_peers_are_held_to_the_same_deadlines():
+    """UCX is message-based (no first-byte read): its frame deadline starts when the header arrives."""
+    from splitserve.kv_transfer.transport import ConnectionClosed, open_transport
+
+    src, dst = random_cache(seed=11), KVCache(LAYOUT, 64)
+    with KVReceiver(dst, transport="ucx", **TIGHT) as rx:
+        assert rx.transport == "ucx"
+        ucx = open_transport("ucx")
+        host, _, port = rx.endpoint.rpartition(":")
+        timed_out0 = metric(DROPPED, reason="handshake_timeout")
+        r = rx.reserve("ucx-stall", BAD_IDS, lease_s=30)
+
+        def header(kind: int, **fields) -> bytes:
+            return frame.encode_header(frame.Header(kind, r.ticket, r.request_id, **fields))
+
+        for announced in (None, 21):  # silent; a handshake header whose payload never comes
+            conn = ucx.connect(host, int(port), 5)
+            if announced is not None:
+                conn.send([header(frame.HANDSHAKE, payload_length=21)])
+            start = time.monotonic()
+            with pytest.raises(ConnectionClosed):
+                conn.recv_into(bytearray(frame.HEADER_SIZE))  # until the receiver drops us
+            assert time.monotonic() - start < 5
+            conn.close()
+        wait_until(lambda: metric(DROPPED, reason="handshake_timeout") == timed_out0 + 2, 5, "the drops counted")
+        # bound, then a layer header whose payload never comes
+        conn = ucx.connect(host, int(port), 5)
+        lay = LAYOUT
+        body = frame.encode_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        conn.send([header(frame.HANDSHAKE, payload_length=len(body)), body])
+        ack = bytearray(frame.HEADER_SIZE)
+        conn.recv_into(ack)
+        assert frame.decode_header(ack).kind == frame.ACK
+        conn.send([header(
+            frame.LAYER, layer=1, first_block=BAD_IDS[0], block_count=3, dtype_code=frame.DTYPE_CODES[lay.dtype],
+            element_count=3 * lay.elements_per_block, payload_length=3 * lay.bytes_per_block,
+            checksum_kind=frame.CHECKSUM_LANESUM,
+        )])  # fmt: skip
+        expect_failure(rx, r, "frame timeout: frame not complete")
+        conn.close()
 
 
 class _Conn:
