@@ -6,28 +6,23 @@ elsewhere), and a client that cancels (no block leaks anywhere)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.weights import load_model
-from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
-from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.server import Router
-from splitserve.worker.launch import WorkerProcess, spawn_worker
+from splitserve.worker.launch import spawn_worker
+
+sys.path.insert(0, str(Path(__file__).parent))
+from e2e_helpers.cluster import FLAGS, expected, stats, wait_all_blocks_free, with_router  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-FLAGS = ("--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "64", "--threads", "1")
 LONG_PROMPT = "Tell me everything you know about the history of the printing press, in detail. " * 12
 
 
@@ -36,44 +31,10 @@ def model():
     return load_model(None, torch.float32, progress=False)
 
 
-def stats(w: WorkerProcess) -> wpb.WorkerStats:
-    with grpc.insecure_channel(w.grpc_address) as ch:
-        stub = wgrpc.DecodeWorkerStub(ch) if w.role == "decode" else wgrpc.PrefillWorkerStub(ch)
-        return stub.GetStats(wpb.StatsRequest(), timeout=10)
-
-
-def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = [stats(w) for w in workers]
-        if all(x.free_blocks == x.total_blocks and x.running_requests == 0 for x in s):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks not returned: {[(x.worker_id, x.free_blocks, x.total_blocks) for x in s]}")
-        time.sleep(0.05)
-
-
-def expected(model, ids: list[int], n: int) -> list[int]:
-    engine = Engine(model.config, model.weights, EngineConfig(num_blocks=512))
-    return engine.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
-
-
-async def with_router(decode: list[WorkerProcess], prefill: list[WorkerProcess], tokenizer, body, **cfg):
-    router = Router(RouterConfig(grpc_port=0, **cfg), EngineTokenizer(tokenizer),
-                    decode=[w.grpc_address for w in decode], prefill=[w.grpc_address for w in prefill])
-    port = await router.start(0)
-    await router.wait_for_workers(30)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            return await body(pbg.GenerationStub(ch), router)
-    finally:
-        await router.stop()
-
-
 def test_decode_worker_killed_mid_stream_the_request_migrates(model):
     ids = EngineTokenizer(model.tokenizer).encode_chat([("user", "Count from one to one hundred in words.")])
     n = 48
-    want = expected(model, ids, n)
+    want = expected(model, [ids], n)[0]
     d1, d2 = spawn_worker("decode", *FLAGS), spawn_worker("decode", *FLAGS)
     p = spawn_worker("prefill", *FLAGS)
     try:
@@ -101,7 +62,7 @@ def test_decode_worker_killed_mid_stream_the_request_migrates(model):
 
 def test_prefill_worker_killed_mid_prefill_the_request_still_completes(model):
     ids = EngineTokenizer(model.tokenizer).encode_chat([("user", LONG_PROMPT)])
-    want = expected(model, ids, 8)
+    want = expected(model, [ids], 8)[0]
     d = spawn_worker("decode", *FLAGS)
     # the first prefill worker is slowed to a crawl (one small chunk per step) so it can be killed mid-prefill
     p1 = spawn_worker("prefill", "--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "16", "--threads", "1")
