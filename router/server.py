@@ -4,6 +4,11 @@
 `GenerationService.Generate` admits a call (API key, in-flight bound,
 validation) and hands it to a `RequestRun`. Overload is answered at once with
 RESOURCE_EXHAUSTED: there is no queue in the router.
+
+Generate is registered to receive the request's raw bytes: the API key is
+checked before anything of the body is looked at, and bytes that are not a
+GenerateRequest (or carry invalid UTF-8 in a string field) are answered with
+INVALID_ARGUMENT, not with the UNKNOWN and traceback of a failing deserializer.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import grpc
 
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefix_index import PrefixIndex
@@ -32,7 +36,16 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.v1.Generation"
 
 
-class GenerationService(generate_pb2_grpc.GenerationServicer):
+def parse_request(raw: bytes) -> pb.GenerateRequest:
+    """A GenerateRequest from the wire; RequestFailed(INVALID_ARGUMENT) if the bytes are not one."""
+    try:
+        return pb.GenerateRequest.FromString(raw)
+    except Exception as e:  # DecodeError mostly (bad wire format, invalid UTF-8); any parse failure is the bytes'
+        raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request: not a valid GenerateRequest ({type(e).__name__}: {e})") from None
+
+
+class GenerationService:
     def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer, workers: WorkerSet,
                  metrics: RouterMetrics, rng: random.Random) -> None:
         self.cfg = cfg
@@ -44,14 +57,19 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._active: set[str] = set()  # request ids in flight
         self._bearer = f"Bearer {cfg.api_key}" if cfg.api_key else None
 
+    def check_key(self, authorization: str | None) -> None:
+        """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
+        if self._bearer is not None and authorization != self._bearer:
+            raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)")
+
     def admit(self, request: pb.GenerateRequest, authorization: str | None, time_remaining: float | None) -> RequestRun:
         """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
 
         Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED,
-        INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS.
+        INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS; INTERNAL (logged) if validation
+        itself fails.
         """
-        if self._bearer is not None and authorization != self._bearer:
-            raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)")
+        self.check_key(authorization)
         if self.inflight >= self.cfg.max_inflight:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"router at its limit of {self.cfg.max_inflight} requests in flight")
@@ -59,6 +77,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             req = validate(request, self.cfg, self.tokenizer)
         except ValidationError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Exception:  # validation must name a field for every bad request; this is its bug, not the client's
+            log.exception("validating request %r failed", request.request_id[:128])
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
         if req.request_id in self._active:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
         timeout = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
@@ -87,23 +108,38 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self._active.discard(rid)
 
     async def Generate(  # noqa: N802 (the gRPC method name)
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """The RPC, on the request's raw bytes (see `generation_handler`)."""
         code = grpc.StatusCode.OK
         try:
             try:
-                run = self.admit(request, dict(context.invocation_metadata() or ()).get("authorization"),
-                                 context.time_remaining())
+                authorization = dict(context.invocation_metadata() or ()).get("authorization")
+                self.check_key(authorization)
+                run = self.admit(parse_request(request), authorization, context.time_remaining())
                 async for resp in self.stream(run):
                     yield resp
             except RequestFailed as e:
                 code = e.code
                 await context.abort(e.code, str(e))
+            except Exception:  # the router's own fault: logged, and INTERNAL rather than grpc's bare UNKNOWN
+                log.exception("Generate failed")
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, "internal error in the router")
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
             self.metrics.requests.labels(code.name).inc()
+
+
+def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
+    """splitserve.v1.Generation's methods, Generate without a request deserializer (it gets bytes)."""
+    return {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+    }
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
@@ -177,7 +213,9 @@ class Router:
     async def start(self, port: int | None = None) -> int:
         """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
         self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
-        generate_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
+        handlers = generation_handler(self.generation)  # as add_GenerationServicer_to_server registers them
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port if port is None else port}")
         await self.server.start()

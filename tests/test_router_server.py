@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -404,5 +405,53 @@ def test_workers_see_an_id_of_the_routers_own_never_the_clients() -> None:
             ids = [r.request_id for r in c.decode[0].requests]
             assert len(set(ids)) == 2 and all(len(i.encode()) <= 64 and i != long_id for i in ids)
             assert [r.request_id for r in c.prefill[0].requests] == ids
+
+    run(scenario)
+
+
+# ---- bytes that are not a GenerateRequest
+
+
+def raw_generate(channel: grpc.aio.Channel) -> Any:
+    """Generate with the request as raw bytes, as a client with another (or a broken) encoder sends it."""
+    return channel.unary_stream("/splitserve.v1.Generation/Generate", request_serializer=None,
+                                response_deserializer=pb.GenerateResponse.FromString)
+
+
+async def raw_call(c: Cluster, raw: bytes, metadata: Any = None) -> list[pb.GenerateResponse]:
+    return [r async for r in raw_generate(c.channel)(raw, metadata=metadata)]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xff\xff\xff",  # not the wire format
+        b"\x12\x02\xff\xfe",  # text = two bytes that are not UTF-8
+        b"\x0a\x03\xed\xa0\x80\x12\x01x",  # request_id = a surrogate encoded as UTF-8 bytes
+        b"\x22\x04\x0a\x02\x0a\xc3",  # chat.messages[0].role cut inside a character
+        b"\x12\x05hi",  # text longer than the message
+    ],
+)
+def test_bytes_that_are_not_a_generate_request_are_invalid_argument(raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with cluster() as c:
+            e = await status_of(raw_call(c, raw))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.details().startswith("request: not a valid GenerateRequest")
+            assert not c.decode[0].requests
+            rs = await raw_call(c, pb.GenerateRequest(text="hi").SerializeToString())  # the raw path serves too
+            assert joined(rs)[0] == ANSWER
+
+    run(scenario)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_api_key_is_checked_before_the_bytes_are_parsed() -> None:
+    async def scenario() -> None:
+        async with cluster(api_key="sekrit") as c:
+            e = await status_of(raw_call(c, b"\xff\xff"))
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+            e = await status_of(raw_call(c, b"\xff\xff", metadata=(("authorization", "Bearer sekrit"),)))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     run(scenario)
