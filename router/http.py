@@ -7,26 +7,43 @@ exactly the gRPC path: the same admission, validation, routing and streaming.
 gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
 ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED
 504), with an OpenAI-style error body that names what is wrong.
+
+No client body reaches a 500: the API key is checked first, then the bytes are
+read as JSON by `json_body` (size, charset, UTF-8, depth), then `from_openai`
+checks every field's type and range before anything is put into a protobuf
+(which raises on an int32 out of range or a lone surrogate). A 500 means a
+fault of the server's own, and is logged. A client that goes away cancels its
+request at once (handler cancellation), wherever the handler is waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from aiohttp import web
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.request import RequestFailed
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_INT32 = 2**31
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
@@ -34,96 +51,183 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 # OpenAI field -> GenerateRequest sampling field. Extensions beyond OpenAI's API
 # (top_k, min_p, repetition_penalty, ignore_eos) are the ones vLLM accepts too.
-_SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos",
-}
-_IGNORED = {"model", "user", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "stop",
-            "logprobs", "messages", "prompt", "request_id"}
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTS = ("top_k", "seed")
+_COMMON = {"model", "user", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "stop",
+           "logprobs", "request_id", "ignore_eos", *_FLOATS, *_INTS}
+_KNOWN = {True: _COMMON | {"messages"}, False: _COMMON | {"prompt"}}  # by chat or not
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
 class BadRequest(Exception):
     pass
 
 
+class OpenAIRequest(NamedTuple):
+    """A checked OpenAI body: the request to run, and how to answer it."""
+
+    generate: pb.GenerateRequest
+    stream: bool
+    include_usage: bool  # a last chunk with usage (streaming only)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    # json.dumps escapes non-ASCII, so a client's lone surrogate quoted back cannot break the encoding
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def to_generate_request(body: Any, chat: bool) -> pb.GenerateRequest:
-    """OpenAI JSON -> GenerateRequest; BadRequest names the field that is wrong."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    unknown = set(body) - set(_SAMPLING) - _IGNORED
-    if unknown:
-        raise BadRequest(f"unsupported field(s): {sorted(unknown)}")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n: only n=1 is supported")
-    req = pb.GenerateRequest(request_id=str(body.get("request_id") or f"http-{uuid.uuid4().hex}"))
+# ---- one field each: type, then what protobuf can hold
+
+
+def _string(v: Any, field: str) -> str:
+    if not isinstance(v, str):
+        raise BadRequest(f"{field}: must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate from a JSON "\ud800": protobuf cannot encode it
+        raise BadRequest(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
+    return v
+
+
+def _bool(v: Any, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{field}: must be a boolean")
+    return v
+
+
+def _number(v: Any, field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{field}: must be a number")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise BadRequest(f"{field}: out of range") from None
+    if not math.isfinite(f):  # a JSON number too large for a float parses as infinity
+        raise BadRequest(f"{field}: must be finite")
+    return f
+
+
+def _integer(v: Any, field: str, integral_floats: bool = False) -> int:
+    if integral_floats and isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{field}: must be an integer")
+    return v
+
+
+def _set(msg: Any, name: str, value: Any, field: str) -> None:
+    """Set a protobuf scalar; one out of the field's range (int32, int64) is the client's error."""
+    try:
+        setattr(msg, name, value)
+    except (ValueError, OverflowError, TypeError):
+        raise BadRequest(f"{field}: out of range") from None
+
+
+def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
+    limit = vocab_size if vocab_size is not None else _INT32
+    if all(type(t) is int for t in prompt) and 0 <= min(prompt) and max(prompt) < limit:
+        return prompt
+    for i, t in enumerate(prompt):  # only to name the bad one
+        if type(t) is not int:
+            raise BadRequest(f"prompt[{i}]: must be a token id (an integer)")
+        if not 0 <= t < limit:
+            what = "the vocabulary" if vocab_size is not None else "the token id range"
+            raise BadRequest(f"prompt[{i}]: {t} is outside {what} [0, {limit})")
+    raise AssertionError("unreachable")
+
+
+def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool, vocab_size: int | None) -> None:
     if chat:
-        messages = body.get("messages")
+        messages = fields.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages: must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}]: must be an object with string role and content")
-            req.chat.messages.add(role=m["role"], content=m["content"])
+            req.chat.messages.add(role=_string(m["role"], f"messages[{i}].role"),
+                                  content=_string(m["content"], f"messages[{i}].content"))
+        return
+    prompt = fields.get("prompt")
+    if isinstance(prompt, str):
+        req.text = _string(prompt, "prompt")
+    elif isinstance(prompt, list) and prompt:
+        req.token_ids.ids.extend(_token_ids(prompt, vocab_size))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            req.text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            req.token_ids.ids.extend(prompt)
-        else:
-            raise BadRequest("prompt: must be a string or a non-empty list of token ids")
-    sp = req.sampling
-    for src, dst in _SAMPLING.items():
-        if src in body and body[src] is not None:
-            v = body[src]
-            want = bool if dst == "ignore_eos" else (int if dst in ("top_k", "seed") else float)
-            if want is bool and not isinstance(v, bool) or want is not bool and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise BadRequest(f"{src}: must be a {want.__name__}")
-            if want is int and not float(v).is_integer():
-                raise BadRequest(f"{src}: must be an integer")
-            try:
-                setattr(sp, dst, want(v))
-            except (ValueError, OverflowError):
-                raise BadRequest(f"{src}: out of range") from None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest("max_tokens: must be an integer")
-        try:
-            sp.max_tokens = max_tokens
-        except ValueError:
-            raise BadRequest("max_tokens: out of range") from None
-    stop = body.get("stop")
-    if stop is not None:
+        raise BadRequest("prompt: must be a string or a non-empty list of token ids")
+
+
+def _sampling(sp: pb.SamplingParams, fields: dict[str, Any]) -> None:
+    for name in _FLOATS:
+        if name in fields:
+            _set(sp, name, _number(fields[name], name), name)
+    for name in _INTS:
+        if name in fields:
+            _set(sp, name, _integer(fields[name], name, integral_floats=True), name)
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+        if name in fields:
+            _set(sp, "max_tokens", _integer(fields[name], name), name)
+            break
+    if "ignore_eos" in fields:
+        sp.ignore_eos = _bool(fields["ignore_eos"], "ignore_eos")
+    if "stop" in fields:
+        stop = fields["stop"]
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
             raise BadRequest("stop: must be a string or a list of strings")
-        sp.stop.extend(stops)
-    if body.get("logprobs"):
-        sp.logprobs = True
-    opts = body.get("stream_options") or {}
+        sp.stop.extend(_string(s, "stop" if isinstance(stop, str) else f"stop[{i}]") for i, s in enumerate(stops))
+    if "logprobs" in fields:
+        # chat sends a boolean; the legacy completions API a count of top log-probabilities
+        # (the chosen token's is all this server returns)
+        v = fields["logprobs"]
+        if not isinstance(v, bool) and _integer(v, "logprobs") < 0:
+            raise BadRequest("logprobs: must be a boolean or a non-negative integer")
+        if v:
+            sp.logprobs = True
+
+
+def _stream_options(fields: dict[str, Any]) -> dict[str, bool]:
+    opts = fields.get("stream_options", {})
     if not isinstance(opts, dict):
         raise BadRequest("stream_options: must be an object")
-    req.stream_options.continuous_usage = bool(opts.get("continuous_usage_stats", False))
-    return req
+    unknown = set(opts) - _STREAM_OPTIONS
+    if unknown:
+        raise BadRequest(f"stream_options: unsupported field(s) {sorted(unknown)!r}")
+    return {k: _bool(v, f"stream_options.{k}") for k, v in opts.items() if v is not None}
+
+
+def from_openai(body: Any, chat: bool, vocab_size: int | None = None) -> OpenAIRequest:
+    """An OpenAI JSON body -> the request to run; BadRequest names the field that is wrong.
+
+    Every value is checked before it goes into the protobuf, so what comes out
+    serialises; `null` counts as absent, as in OpenAI's API.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = set(body) - _KNOWN[chat]
+    if unknown:
+        raise BadRequest(f"unsupported field(s): {sorted(unknown)!r}")  # repr: a surrogate in a key stays printable
+    fields = {k: v for k, v in body.items() if v is not None}
+    for name in ("model", "user"):  # not used, but a wrong type is still a wrong body
+        if name in fields:
+            _string(fields[name], name)
+    if "n" in fields and _integer(fields["n"], "n") != 1:
+        raise BadRequest("n: only n=1 is supported")
+    req = pb.GenerateRequest()
+    req.request_id = _string(fields["request_id"], "request_id") if "request_id" in fields else ""
+    req.request_id = req.request_id or f"http-{uuid.uuid4().hex}"
+    _prompt(req, fields, chat, vocab_size)
+    _sampling(req.sampling, fields)
+    opts = _stream_options(fields)
+    req.stream_options.continuous_usage = opts.get("continuous_usage_stats", False)
+    stream = _bool(fields.get("stream", False), "stream")
+    return OpenAIRequest(req, stream, stream and opts.get("include_usage", False))
 
 
 class OpenAIServer:
     def __init__(self, generation: Any, model_name: str) -> None:
         self.generation = generation  # router.server.GenerationService
         self.model_name = model_name
-        self.app = web.Application(client_max_size=8 * 1024 * 1024)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
@@ -133,7 +237,9 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler at once, wherever it
+        # waits (for the next token, or for a whole answer), which cancels the worker calls
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -156,33 +262,51 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
 
+    async def _read(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BodyError(413, f"the body is larger than the limit of {MAX_BODY_BYTES} bytes") from None
+        return parse_json_body(raw, request.headers.get("Content-Type"))
+
+    def _translate(self, body: Any, chat: bool) -> OpenAIRequest:
+        try:
+            return from_openai(body, chat, self.generation.tokenizer.vocab_size)
+        except BadRequest:
+            raise
+        except Exception as e:  # a check from_openai lacks; still the client's body, but worth a look
+            log.warning("an HTTP body failed translation outside the checks", exc_info=True)
+            raise BadRequest(f"request: not a valid request ({type(e).__name__})") from None
+
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        authorization = request.headers.get("Authorization")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON")
-        try:
-            greq = to_generate_request(body, chat)
-            run = self.generation.admit(greq, request.headers.get("Authorization"), None)
+            self.generation.check_key(authorization)  # before reading: a stranger's body is not parsed
+            oreq = self._translate(await self._read(request), chat)
+            run = self.generation.admit(oreq.generate, authorization, None)
+        except BodyError as e:
+            return _error(e.status, str(e))
         except BadRequest as e:
             return _error(400, str(e))
         except RequestFailed as e:
             return _error(_HTTP_STATUS.get(e.code, 500), str(e))
-        rid = greq.request_id
-        created = int(time.time())
+        rid = oreq.generate.request_id
         kind = "chat.completion" if chat else "text_completion"
-        if body.get("stream"):
-            return await self._stream(request, run, rid, created, kind, chat,
-                                      bool((body.get("stream_options") or {}).get("include_usage")))
-        text, tokens, logprobs, finish, usage = [], 0, [], None, None
+        if oreq.stream:
+            return await self._stream(request, run, rid, kind, chat, oreq.include_usage)
+        return await self._whole(run, rid, kind, chat)
+
+    async def _whole(self, run: Any, rid: str, kind: str, chat: bool) -> web.Response:
+        created = int(time.time())
+        text, logprobs, finish, usage = [], [], None, None
         try:
-            async for r in self.generation.stream(run):
-                text.append(r.text)
-                tokens += len(r.token_ids)
-                logprobs.extend(r.logprobs)
-                finish = _FINISH.get(r.finish_reason, finish)
-                if r.HasField("usage"):
-                    usage = r.usage
+            async with contextlib.aclosing(self.generation.stream(run)) as responses:
+                async for r in responses:
+                    text.append(r.text)
+                    logprobs.extend(r.logprobs)
+                    finish = _FINISH.get(r.finish_reason, finish)
+                    if r.HasField("usage"):
+                        usage = r.usage
         except RequestFailed as e:
             return _error(_HTTP_STATUS.get(e.code, 500), str(e), "server_error")
         content = "".join(text)
@@ -198,40 +322,48 @@ class OpenAIServer:
             "choices": [choice], "usage": _usage(usage),
         })
 
-    async def _stream(self, request: web.Request, run: Any, rid: str, created: int, kind: str, chat: bool,
+    async def _stream(self, request: web.Request, run: Any, rid: str, kind: str, chat: bool,
                       include_usage: bool) -> web.StreamResponse:
+        created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         obj = kind + (".chunk" if chat else "")
         usage = None
 
         async def send(payload: dict[str, Any]) -> None:
             await resp.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
 
-        first = True
         try:
-            async for r in self.generation.stream(run):
-                if r.HasField("usage"):
-                    usage = r.usage
-                finish = _FINISH.get(r.finish_reason)
-                if not r.text and finish is None and not first:
-                    continue
-                if chat:
-                    delta: dict[str, Any] = {"content": r.text}
-                    if first:
-                        delta["role"] = "assistant"
-                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": r.text, "finish_reason": finish}
-                first = False
-                await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]})
-        except RequestFailed as e:
-            await send({"error": {"message": str(e), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}})
-        if include_usage:
-            await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                        "usage": _usage(usage)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            await resp.prepare(request)
+            first = True
+            try:
+                async with contextlib.aclosing(self.generation.stream(run)) as responses:
+                    async for r in responses:
+                        if r.HasField("usage"):
+                            usage = r.usage
+                        finish = _FINISH.get(r.finish_reason)
+                        if not r.text and finish is None and not first:
+                            continue
+                        if chat:
+                            delta: dict[str, Any] = {"content": r.text}
+                            if first:
+                                delta["role"] = "assistant"
+                            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                        else:
+                            choice = {"index": 0, "text": r.text, "finish_reason": finish}
+                        first = False
+                        await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [choice]})
+            except RequestFailed as e:
+                await send({"error": {"message": str(e), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}})
+            if include_usage:
+                await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                            "usage": _usage(usage)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away between two writes, before its disconnect cancelled this
+            # handler: leaving the `async with` closed the stream (and so the worker calls).
+            log.debug("request %s: the client disconnected", rid)
         return resp
 
 
