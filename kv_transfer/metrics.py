@@ -1,4 +1,10 @@
-"""Prometheus metrics of the KV plane (one set per process, as Prometheus expects)."""
+"""Prometheus metrics of the KV plane (one set per process, as Prometheus expects).
+
+Every `reason` label of a failure (frames rejected, reservations failed, connections
+dropped) is a `reservation.FailureCode`, the same value a `Failed` outcome carries.
+A fallback's `reason` is what made the wanted transport unusable (an exception's
+type name, or "cpu_cache"), not a failure.
+"""
 
 from __future__ import annotations
 

@@ -33,14 +33,15 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
+# Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
+from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation
 from splitserve.kv_transfer.transport import (
     Connection, ConnectionClosed, Listener, TCPTransport, Transport, Watchdog, Watched, open_transport,
 )  # fmt: skip
@@ -48,36 +49,10 @@ from splitserve.kv_transfer.transport import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Where and how a prefill worker must write one request's KV (mirrors the proto's Reservation)."""
-
-    request_id: str
-    ticket: bytes  # 16 random bytes; the only credential on the KV plane
-    transport: str  # data transport offered: "tcp" | "ucx" | "cuda_ipc"
-    endpoint: str  # "host:port" of that transport's listener
-    tcp_endpoint: str  # "host:port" of the TCP listener: fallback, and CUDA IPC's control channel
-    block_ids: tuple[int, ...]  # the receiver's blocks, in the order the sender fills them
-    layout: KVLayout
-    lease_deadline_unix_ms: int  # the receiver fails the reservation if not complete by then
-
-
-class Completed(NamedTuple):
-    first_token: int
-
-
-class Failed(NamedTuple):
-    reason: str  # for people
-    code: str = ""  # for code and metrics: "lease_expired", "cancelled", "disconnected", ...
-
-
-Outcome = Completed | Failed
-
-
 class _Reject(Exception):
     """A frame or connection refused: `code` labels the metric, the message is the reason."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: FailureCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -97,14 +72,14 @@ RECV_PIECE_BYTES = 1 << 20  # a whole number of checksum lanes
 
 # Why the watchdog closed a connection, for the log line and the reservation's failure.
 _DROP_TEXT = {
-    "handshake_timeout": "handshake not complete {:.2f}s after connect",
-    "frame_timeout": "frame not complete {:.2f}s after its first byte",
-    "idle": "no stream started in {:.2f}s",
+    FailureCode.HANDSHAKE_TIMEOUT: "handshake not complete {:.2f}s after connect",
+    FailureCode.FRAME_TIMEOUT: "frame not complete {:.2f}s after its first byte",
+    FailureCode.IDLE: "no stream started in {:.2f}s",
 }
 
 
 def _drop_text(w: Watched) -> str:
-    return _DROP_TEXT[w.expired].format(w.held_s)
+    return _DROP_TEXT[FailureCode(w.expired)].format(w.held_s)
 
 
 class _Slot:
@@ -121,7 +96,7 @@ class _Slot:
         self.writers = 0  # connection threads inside a write into the blocks
         self.conn: Connection | None = None
         self.outcome: Outcome | None = None
-        self.code = ""
+        self.code: FailureCode | None = None  # once failed
         self.finished = threading.Event()
 
 
@@ -263,7 +238,7 @@ class KVReceiver:
             slot = self._slots.get(ticket)
         if slot is None:
             return
-        self._fail(slot, "cancelled", "cancelled")
+        self._fail(slot, FailureCode.CANCELLED, "cancelled")
         if not slot.finished.wait(timeout):
             raise TimeoutError("a write into the cancelled reservation did not stop")
         with self._lock:
@@ -291,7 +266,7 @@ class KVReceiver:
         if self._ucx is not None:
             self._ucx.close()
         for s in slots:
-            self._fail(s, "receiver_closed", "receiver closed")
+            self._fail(s, FailureCode.RECEIVER_CLOSED, "receiver closed")
         self._lease_thread.join(timeout=5)
         self._watchdog.close()
 
@@ -303,7 +278,7 @@ class KVReceiver:
 
     # ---- ending a reservation -----------------------------------------------------
 
-    def _fail(self, slot: _Slot, code: str, reason: str) -> None:
+    def _fail(self, slot: _Slot, code: FailureCode, reason: str) -> None:
         with slot.lock:
             if slot.state != _ACTIVE:
                 return
@@ -323,7 +298,7 @@ class KVReceiver:
             slot.state = _DONE
         outcome = slot.outcome
         assert isinstance(outcome, Failed)
-        if slot.code != "cancelled":
+        if slot.code != FailureCode.CANCELLED:
             log.warning("kv_transfer: reservation %s failed: %s", r.request_id, outcome.reason)
         metrics.RESERVATIONS_FAILED.labels(reason=slot.code).inc()
         self._finish(slot)
@@ -364,7 +339,7 @@ class KVReceiver:
                 _, ticket = heapq.heappop(self._leases)
                 slot = self._slots.get(ticket)
             if slot is not None:
-                self._fail(slot, "lease_expired", "lease expired")
+                self._fail(slot, FailureCode.LEASE_EXPIRED, "lease expired")
 
     # ---- one connection -----------------------------------------------------------
 
@@ -386,7 +361,7 @@ class KVReceiver:
             header = bytearray(frame.HEADER_SIZE)
             connected = time.monotonic()
             handshake_by: float | None = connected + self.handshake_timeout_s
-            self._watchdog.arm(w, handshake_by, "handshake_timeout", connected)
+            self._watchdog.arm(w, handshake_by, FailureCode.HANDSHAKE_TIMEOUT, connected)
             while True:
                 try:
                     self._recv_frame_start(conn, header)  # idle between streams: a close here is no error
@@ -397,7 +372,7 @@ class KVReceiver:
                 # A sender's pooled connection, bound before: it may wait for its next
                 # stream, but not for ever (senders replace connections closed meanwhile).
                 handshake_by, now = None, time.monotonic()
-                self._watchdog.arm(w, now + self.idle_timeout_s, "idle", now)
+                self._watchdog.arm(w, now + self.idle_timeout_s, FailureCode.IDLE, now)
         finally:
             self._watchdog.disarm(w)
             with self._lock:
@@ -421,9 +396,9 @@ class KVReceiver:
                 self._recv_frame_start(conn, header)
                 h = self._recv_frame_header(conn, w, header, None)
                 if h.ticket != slot.reservation.ticket:
-                    raise _Reject("ticket_mismatch", "frame carries another ticket than the stream's")
+                    raise _Reject(FailureCode.TICKET_MISMATCH, "frame carries another ticket than the stream's")
                 if time.monotonic() > slot.deadline:
-                    raise _Reject("lease_expired", "lease expired")
+                    raise _Reject(FailureCode.LEASE_EXPIRED, "lease expired")
                 if h.kind == frame.LAYER:
                     self._receive_layer(conn, slot, h, ipc)
                     self._watchdog.disarm(w)
@@ -432,27 +407,31 @@ class KVReceiver:
                     if len(missing):
                         layer, i = missing[0]
                         raise _Reject(
-                            "incomplete",
+                            FailureCode.INCOMPLETE,
                             f"done before every layer arrived ({len(missing)} layer-blocks missing, first: "
                             f"layer {layer} block {slot.reservation.block_ids[i]})",
                         )
                     if not self._complete(slot, h.value):
-                        raise _Reject(slot.code or "not_live", "reservation no longer live")
+                        raise _Reject(slot.code or FailureCode.NOT_LIVE, "reservation no longer live")
                     self._reply(conn, frame.ACK, slot.reservation, "complete")
                     return True
                 elif h.kind == frame.ERROR:
                     text = self._read_control(conn, h).decode(errors="replace")
-                    raise _Reject("aborted_by_sender", f"sender aborted: {text}")
+                    raise _Reject(FailureCode.ABORTED_BY_SENDER, f"sender aborted: {text}")
                 else:
-                    raise _Reject("unexpected_frame", f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream")
+                    raise _Reject(
+                        FailureCode.UNEXPECTED_FRAME, f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream"
+                    )
         except (FrameError, _Reject, ConnectionClosed) as e:
             if w.expired and isinstance(e, ConnectionClosed):  # the watchdog's doing; it counted and logged
-                code, reason = w.expired, f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
+                code, reason = FailureCode(w.expired), f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
             else:
-                code = (
-                    e.code if isinstance(e, _Reject) else "bad_frame" if isinstance(e, FrameError) else "disconnected"
-                )
-                reason = str(e) if not isinstance(e, ConnectionClosed) else f"sender disconnected before done ({e})"
+                if isinstance(e, _Reject):
+                    code, reason = e.code, str(e)
+                elif isinstance(e, FrameError):
+                    code, reason = FailureCode.BAD_FRAME, str(e)
+                else:
+                    code, reason = FailureCode.DISCONNECTED, f"sender disconnected before done ({e})"
                 metrics.FRAMES_REJECTED.labels(reason=code).inc()
             if slot is not None:
                 self._fail(slot, code, reason)  # tells the sender why, if it still listens
@@ -461,7 +440,7 @@ class KVReceiver:
         except Exception as e:  # a bug here must not take the receiver down
             log.exception("kv_transfer: connection handler failed")
             if slot is not None:
-                self._fail(slot, "internal", f"receiver error: {e}")
+                self._fail(slot, FailureCode.INTERNAL, f"receiver error: {e}")
         finally:
             if slot is not None:
                 with slot.lock:
@@ -489,19 +468,19 @@ class KVReceiver:
     def _arm_frame(self, w: Watched, started: float, payload_length: int, handshake_by: float | None) -> None:
         deadline = started + self.frame_timeout_s + payload_length / self.frame_min_bytes_per_s
         if handshake_by is not None and handshake_by <= deadline:  # a fresh connection: the tighter bound
-            self._watchdog.arm(w, handshake_by, "handshake_timeout", handshake_by - self.handshake_timeout_s)
+            self._watchdog.arm(w, handshake_by, FailureCode.HANDSHAKE_TIMEOUT, handshake_by - self.handshake_timeout_s)
         else:
-            self._watchdog.arm(w, deadline, "frame_timeout", started)
+            self._watchdog.arm(w, deadline, FailureCode.FRAME_TIMEOUT, started)
 
     def _on_dropped(self, w: Watched) -> None:
         """The watchdog closed a connection whose peer was too slow or silent: count it, say so once."""
         metrics.CONNECTIONS_DROPPED.labels(reason=w.expired).inc()
         # A sender's pooled connection closed after a quiet spell is routine; the others are not.
-        level = logging.INFO if w.expired == "idle" else logging.WARNING
+        level = logging.INFO if w.expired == FailureCode.IDLE else logging.WARNING
         log.log(level, "kv_transfer: dropped connection from %s: %s", w.conn.peer, _drop_text(w))
 
     def _refuse_over_cap(self, conn: Connection) -> None:
-        metrics.CONNECTIONS_DROPPED.labels(reason="too_many_unbound").inc()
+        metrics.CONNECTIONS_DROPPED.labels(reason=FailureCode.TOO_MANY_UNBOUND).inc()
         # One line a second at most: a flood of connections must not become a flood of log lines.
         now = time.monotonic()
         with self._lock:
@@ -523,19 +502,19 @@ class KVReceiver:
             slot = self._slots.get(h.ticket)
         if slot is None or slot.reservation.request_id != h.request_id:
             self._reply_raw(conn, h, "unknown ticket")
-            raise _Reject("unknown_ticket", "unknown ticket")
+            raise _Reject(FailureCode.UNKNOWN_TICKET, "unknown ticket")
         with slot.lock:
             if slot.state != _ACTIVE or slot.conn is not None:
                 busy = "already has a stream" if slot.state == _ACTIVE else "is no longer live"
                 self._reply_raw(conn, h, f"reservation {busy}")
-                raise _Reject("ticket_in_use", f"reservation {busy}")
+                raise _Reject(FailureCode.TICKET_IN_USE, f"reservation {busy}")
             slot.conn = conn
         with self._lock:  # bound by a valid ticket: no longer counts against the cap
             self._unbound.discard(conn)
         mismatch = self.cache.layout.mismatch(layout)
         if mismatch:
-            self._fail(slot, "layout_mismatch", mismatch)  # replies with the reason
-            raise _Reject("layout_mismatch", mismatch)
+            self._fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
+            raise _Reject(FailureCode.LAYOUT_MISMATCH, mismatch)
         ipc = bool(h.value) and self.transport == "cuda_ipc"
         mapping = b""
         if ipc:
@@ -549,26 +528,26 @@ class KVReceiver:
     def _receive_layer(self, conn: Connection, slot: _Slot, h: Header, ipc: bool) -> None:
         r, layout = slot.reservation, self.cache.layout
         if h.layer >= layout.num_layers:
-            raise _Reject("layer_out_of_range", f"layer {h.layer} outside 0..{layout.num_layers - 1}")
+            raise _Reject(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
         if h.block_count == 0:
-            raise _Reject("bad_frame", "layer frame with no blocks")
+            raise _Reject(FailureCode.BAD_FRAME, "layer frame with no blocks")
         ids = range(h.first_block, h.first_block + h.block_count)
         outside = [b for b in ids if b not in slot.position]
         if outside:
-            raise _Reject("block_out_of_range", f"block {outside[0]} is not in the reservation")
+            raise _Reject(FailureCode.BLOCK_OUT_OF_RANGE, f"block {outside[0]} is not in the reservation")
         if h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
-            raise _Reject("dtype_mismatch", f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
+            raise _Reject(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
         if h.element_count != h.block_count * layout.elements_per_block:
-            raise _Reject("length_mismatch", f"element count {h.element_count} for {h.block_count} blocks")
+            raise _Reject(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
         expected = 0 if ipc else h.block_count * layout.bytes_per_block
         if h.payload_length != expected:
             raise _Reject(
-                "length_mismatch",
+                FailureCode.LENGTH_MISMATCH,
                 f"payload length {h.payload_length} does not match {h.block_count} blocks ({expected} bytes)",
             )
         if not ipc:
             if h.checksum_kind == frame.CHECKSUM_NONE:
-                raise _Reject("bad_frame", "layer frame without a checksum")
+                raise _Reject(FailureCode.BAD_FRAME, "layer frame without a checksum")
             view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count))
             check = frame.PayloadChecksum(h.checksum_kind)
             # On a byte stream, check each piece as it lands (still in cache, and the
@@ -576,7 +555,7 @@ class KVReceiver:
             step = RECV_PIECE_BYTES if conn.stream else view.numel()
             with slot.lock:
                 if slot.state != _ACTIVE:
-                    raise _Reject(slot.code, "reservation no longer live")
+                    raise _Reject(slot.code or FailureCode.NOT_LIVE, "reservation no longer live")
                 slot.writers += 1
             try:
                 for at in range(0, view.numel(), step):
@@ -591,7 +570,7 @@ class KVReceiver:
                     self._finalize(slot)
             if check.value != h.checksum:
                 raise _Reject(
-                    "checksum_mismatch",
+                    FailureCode.CHECKSUM_MISMATCH,
                     f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
                 )
             metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)

@@ -34,7 +34,7 @@ import torch
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
-from splitserve.kv_transfer.receiver import Reservation
+from splitserve.kv_transfer.reservation import FailureCode, Reservation
 from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport, open_transport
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 class TransferError(Exception):
     """The stream failed; the message is the reason (the receiver's, when it gave one).
 
-    `code` says what kind of failure, for code to act on: "layout_mismatch" (the two
-    caches cannot exchange KV: no retry will help) or "transport" (anything else).
+    `code` says what kind of failure, for code to act on: `FailureCode.LAYOUT_MISMATCH`
+    (the two caches cannot exchange KV: no retry will help) or `FailureCode.TRANSPORT`
+    (anything else).
     """
 
-    def __init__(self, message: str, code: str = "transport") -> None:
+    def __init__(self, message: str, code: FailureCode = FailureCode.TRANSPORT) -> None:
         super().__init__(message)
         self.code = code
 
@@ -89,7 +90,7 @@ class KVSender:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
         mismatch = self.cache.layout.mismatch(reservation.layout)
         if mismatch:
-            raise TransferError(mismatch, code="layout_mismatch")
+            raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
         while True:
             conn, kind, key, reused = self._connect(reservation)
             try:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all  # noqa: E402
 
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.kv_transfer import Completed, Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
+from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame  # noqa: E402
 from splitserve.kv_transfer.fake import FakeTransport  # noqa: E402
 
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
@@ -177,13 +177,15 @@ def test_layout_mismatch_is_refused_naming_the_field(field, value):
     dst = KVCache(LAYOUT, 64)
     with KVReceiver(dst) as rx:
         r = rx.reserve("req-layout", [1, 2], lease_s=30)
-        with pytest.raises(TransferError, match=field):
+        with pytest.raises(TransferError, match=field) as refused:
             KVSender(KVCache(other, 8)).open(r)  # refused before connecting
+        assert refused.value.code is FailureCode.LAYOUT_MISMATCH
         # a sender that lies about the layout in the reservation is refused by the receiver
         with pytest.raises(TransferError, match=field):
             KVSender(KVCache(other, 8)).open(dataclasses.replace(r, layout=other))
         outcome = rx.wait(r.ticket, 10)
         assert isinstance(outcome, Failed) and field in outcome.reason
+        assert outcome.code is FailureCode.LAYOUT_MISMATCH and outcome.code == "layout_mismatch"
 
 
 @pytest.mark.timeout(30)
@@ -197,6 +199,7 @@ def test_done_before_every_layer_fails_and_resets():
             stream.finish(1, timeout=10)
         outcome = rx.wait(r.ticket, 10)
         assert isinstance(outcome, Failed) and "missing" in outcome.reason
+        assert outcome.code is FailureCode.INCOMPLETE
         assert not dst.tensor[:, [1, 2]].any()
 
 

@@ -1,6 +1,6 @@
 """Faults on the KV plane, over real loopback sockets. Each one: the receiver stays
 up, a bystander transfer running alongside still completes, the bad reservation
-fails with its reason, and its blocks are reset and released (no leak).
+fails with its code and reason, and its blocks are reset and released (no leak).
 
 Slow and silent peers too: each is dropped by its deadline (the receiver built
 with small ones), counted, and holds no thread afterwards."""
@@ -29,7 +29,7 @@ from kv_transfer_helpers.common import (  # noqa: E402
 )  # fmt: skip
 
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.kv_transfer import Completed, Failed, KVReceiver, KVSender, TransferError, frame  # noqa: E402
+from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame  # noqa: E402
 from splitserve.kv_transfer.transport import Watchdog, Watched  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,9 +68,10 @@ def tight():
         yield s
 
 
-def expect_failure(rx: KVReceiver, r, reason: str) -> None:
+def expect_failure(rx: KVReceiver, r, code: FailureCode, reason: str) -> None:
     outcome = rx.wait(r.ticket, 10)
     assert isinstance(outcome, Failed), outcome
+    assert outcome.code is code, outcome
     assert reason in outcome.reason, outcome.reason
     assert_zero(rx.cache, r.block_ids)
 
@@ -104,7 +105,7 @@ def test_sender_killed_mid_stream(setup):
         proc.wait(timeout=10)
     finally:
         proc.kill()
-    expect_failure(rx, r, "sender disconnected before done")
+    expect_failure(rx, r, FailureCode.DISCONNECTED, "sender disconnected before done")
 
 
 def test_truncated_payload(setup):
@@ -113,7 +114,7 @@ def test_truncated_payload(setup):
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3)
     peer.send(hdr + payload[: len(payload) // 2])
     peer.close()
-    expect_failure(rx, r, "sender disconnected before done")
+    expect_failure(rx, r, FailureCode.DISCONNECTED, "sender disconnected before done")
 
 
 def test_truncated_header(setup):
@@ -122,7 +123,7 @@ def test_truncated_header(setup):
     hdr, _ = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3)
     peer.send(hdr[:50])
     peer.close()
-    expect_failure(rx, r, "sender disconnected before done")
+    expect_failure(rx, r, FailureCode.DISCONNECTED, "sender disconnected before done")
 
 
 def test_corrupted_payload(setup):
@@ -133,7 +134,7 @@ def test_corrupted_payload(setup):
     corrupted[len(corrupted) // 3] ^= 0x04
     peer.send(hdr + bytes(corrupted))
     assert b"checksum mismatch" in peer.read_until_closed()
-    expect_failure(rx, r, "checksum mismatch on layer 1")
+    expect_failure(rx, r, FailureCode.CHECKSUM_MISMATCH, "checksum mismatch on layer 1")
 
 
 def test_forged_ticket_is_refused_and_the_real_reservation_lives_on(setup):
@@ -157,7 +158,7 @@ def test_other_ticket_mid_stream(setup):
     r, peer = started(rx, src)
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3, ticket=os.urandom(16))
     peer.send(hdr + payload)
-    expect_failure(rx, r, "another ticket")
+    expect_failure(rx, r, FailureCode.TICKET_MISMATCH, "another ticket")
 
 
 def test_block_outside_the_reservation(setup):
@@ -165,7 +166,7 @@ def test_block_outside_the_reservation(setup):
     r, peer = started(rx, src)
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BYSTANDER_IDS[0], 2)  # aims at another request's blocks
     peer.send(hdr + payload)
-    expect_failure(rx, r, f"block {BYSTANDER_IDS[0]} is not in the reservation")
+    expect_failure(rx, r, FailureCode.BLOCK_OUT_OF_RANGE, f"block {BYSTANDER_IDS[0]} is not in the reservation")
     assert not rx.cache.tensor[1, BYSTANDER_IDS].any()  # the bystander sends layer 1 only later
 
 
@@ -174,7 +175,7 @@ def test_block_id_beyond_the_cache(setup):
     r, peer = started(rx, src)
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3, first_block=10_000)
     peer.send(hdr + payload)
-    expect_failure(rx, r, "block 10000 is not in the reservation")
+    expect_failure(rx, r, FailureCode.BLOCK_OUT_OF_RANGE, "block 10000 is not in the reservation")
 
 
 def test_oversized_length(setup):
@@ -182,7 +183,7 @@ def test_oversized_length(setup):
     r, peer = started(rx, src)
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3, payload_length=10 * LAYOUT.bytes_per_block)
     peer.send(hdr + payload)
-    expect_failure(rx, r, "payload length")
+    expect_failure(rx, r, FailureCode.LENGTH_MISMATCH, "payload length")
 
 
 def test_length_over_the_frame_limit(setup):
@@ -190,14 +191,14 @@ def test_length_over_the_frame_limit(setup):
     r, peer = started(rx, src)
     hdr, _ = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3, payload_length=1 << 40)
     peer.send(hdr)
-    expect_failure(rx, r, "over the limit")
+    expect_failure(rx, r, FailureCode.BAD_FRAME, "over the limit")
 
 
 def test_garbage_bytes_mid_stream(setup):
     rx, src, _ = setup
     r, peer = started(rx, src)
     peer.send(os.urandom(frame.HEADER_SIZE))
-    expect_failure(rx, r, "bad magic")
+    expect_failure(rx, r, FailureCode.BAD_FRAME, "bad magic")
 
 
 @pytest.mark.parametrize("size", [3, frame.HEADER_SIZE, 10_000])
@@ -227,7 +228,7 @@ def test_pickle_payload_mid_stream(setup):
     r, peer = started(rx, src)
     blob = pickle.dumps(_Boom())
     peer.send(peer.header(frame.ERROR, payload_length=len(blob)) + blob)  # a well-formed frame carrying a pickle
-    expect_failure(rx, r, "sender aborted")
+    expect_failure(rx, r, FailureCode.ABORTED_BY_SENDER, "sender aborted")
     assert not os.path.exists(MARKER)
 
 
@@ -236,7 +237,7 @@ def test_lease_expires_on_its_own(setup):
     r = rx.reserve("slow", BAD_IDS, lease_s=0.3)
     stream = KVSender(src).open(r)
     stream.send_layer(0, BAD_SRC)  # and then nothing: the prefill worker stalls
-    expect_failure(rx, r, "lease expired")
+    expect_failure(rx, r, FailureCode.LEASE_EXPIRED, "lease expired")
     with pytest.raises(TransferError):
         stream.finish(1, timeout=10)
 
@@ -244,7 +245,7 @@ def test_lease_expires_on_its_own(setup):
 def test_lease_expired_before_the_sender_connects(setup):
     rx, src, _ = setup
     r = rx.reserve("late", BAD_IDS, lease_s=0.05)
-    expect_failure(rx, r, "lease expired")
+    expect_failure(rx, r, FailureCode.LEASE_EXPIRED, "lease expired")
     with pytest.raises(TransferError, match="unknown ticket|no longer live"):
         KVSender(src).open(r)
 
@@ -256,7 +257,7 @@ def test_sender_abort(setup):
         with KVSender(src).open(r) as stream:
             stream.send_layer(0, BAD_SRC)
             raise RuntimeError("prefill crashed")
-    expect_failure(rx, r, "sender aborted: prefill failed")
+    expect_failure(rx, r, FailureCode.ABORTED_BY_SENDER, "sender aborted: prefill failed")
 
 
 def test_second_stream_on_a_ticket_is_refused(setup):
@@ -312,7 +313,7 @@ def test_a_layer_payload_that_stalls_fails_the_reservation_at_the_frame_deadline
     hdr, payload = peer.layer_frame(src, 1, BAD_SRC[0], BAD_IDS[0], 3)
     start = time.monotonic()
     peer.send(hdr + payload[: len(payload) // 2])  # and then nothing, the socket left open
-    expect_failure(rx, r, "frame timeout: frame not complete")
+    expect_failure(rx, r, FailureCode.FRAME_TIMEOUT, "frame timeout: frame not complete")
     held = time.monotonic() - start
     allowed = TIGHT["frame_timeout_s"] + len(payload) / TIGHT["frame_min_bytes_per_s"]
     assert allowed - 0.05 <= held < allowed + 5, (held, allowed)
@@ -434,7 +435,7 @@ def test_ucx_peers_are_held_to_the_same_deadlines():
             element_count=3 * lay.elements_per_block, payload_length=3 * lay.bytes_per_block,
             checksum_kind=frame.CHECKSUM_LANESUM,
         )])  # fmt: skip
-        expect_failure(rx, r, "frame timeout: frame not complete")
+        expect_failure(rx, r, FailureCode.FRAME_TIMEOUT, "frame timeout: frame not complete")
         conn.close()
 
 

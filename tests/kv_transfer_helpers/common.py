@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame
 from splitserve.kv_transfer.frame import Header
-from splitserve.kv_transfer.receiver import KVReceiver, Reservation
+from splitserve.kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.reservation import Reservation
 from splitserve.kv_transfer.sender import KVSender
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
