@@ -6,5 +6,6 @@ from prometheus_client import Counter
 
 BLOCKS_FREED_WHILE_RESERVED = Counter(
     "splitserve_decode_blocks_freed_while_reserved",
-    "KV blocks freed by the engine while a live KV reservation could still write them (must stay 0)",
+    "KV blocks the engine was about to free while a live KV reservation could still write them "
+    "(kept instead; must stay 0)",
 )

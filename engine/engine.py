@@ -1,53 +1,45 @@
-"""The single-process engine: add requests, step, stream outputs.
+"""The engine: add requests, step, stream outputs.
 
 A step is three moves (nano-vllm's shape): the scheduler picks the batch, the
-runner runs it, the engine records the result. The workers wrap this same
-object in their roles:
+runner runs it (and samples), the scheduler records the result. The scheduler
+owns every request state and the blocks; the engine checks what a request asks
+for and joins the scheduler, the runner and the KV connector (engine/connector.py).
+The workers wrap this same object in their roles:
 
 - prefill role: `add_request(..., prefill_only=True)` finishes a request after
-  its first token but keeps its blocks until `release()`, because the KV
-  sender is still reading them; `step(on_layer_done=...)` tells the caller as
-  each layer's KV lands in the cache.
-- decode role: `reserve()` admits a request whose prompt KV will be written by
-  someone else into the returned blocks, `commit_kv()` adds it to the running
-  batch with the first token, `cancel_reservation()` frees the blocks.
+  its first token but holds its blocks until `release()`, because the KV
+  sender is still reading them; the connector's `on_layer_done` hears as each
+  layer's KV lands in the cache.
+- decode role: `reserve()` admits a request whose prompt KV the connector will
+  receive into the returned blocks; `apply_transfers()` (the engine loop's
+  poll) runs it once its KV has arrived, or ends it with the failure's code.
 
 The engine is not thread-safe: one thread owns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.sampler import sample
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
+from splitserve.engine.sequence import Sequence
+
+__all__ = ["Engine", "RemotePrefill", "StepOutput"]
 
 
-class StepOutput(NamedTuple):
-    request_id: str
-    token_id: int
-    logprob: float | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
+class RemotePrefill(NamedTuple):
+    """A reserved request: the connector's transfer (what the prefill worker needs) and the cached prefix."""
 
-
-class Reservation(NamedTuple):
-    """Blocks of a decode-side request that a remote prefill must fill."""
-
-    block_ids: list[int]  # the blocks to fill, in prompt order
-    first_block_index: int  # index in the prompt's block table of block_ids[0] (= cached blocks)
+    transfer: Any  # the connector's record (a kv_transfer Reservation on a decode worker)
     num_cached_tokens: int
 
 
@@ -58,10 +50,10 @@ class Engine:
         weights: dict[str, torch.Tensor],
         cfg: EngineConfig,
         eos_token_ids: tuple[int, ...] = (),
+        connector: KVConnector | None = None,
     ) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
-        self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.model = LlamaModel(model_cfg, weights, cfg.torch_device, cfg.torch_dtype)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
@@ -73,13 +65,15 @@ class Engine:
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         self.kv_cache = KVCache(self.layout, cfg.num_blocks + 1, cfg.torch_device)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.blocks)
+        eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
+        self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.requests: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}  # prefill role: finished, blocks kept until release()
-        self.awaiting_kv: dict[str, Sequence] = {}  # decode role: reserved, KV not yet arrived
+        self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
+
+    def connect(self, connector: KVConnector) -> None:
+        """A worker's KV connector, once, before the engine loop starts (it needs this engine's cache)."""
+        self.connector = connector
 
     @staticmethod
     def from_path(path: str | None, cfg: EngineConfig, progress: bool = True) -> tuple[Engine, object]:
@@ -95,7 +89,7 @@ class Engine:
     def _new_sequence(
         self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, prior_output: list[int]
     ) -> Sequence:
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt is empty")
@@ -125,125 +119,77 @@ class Engine:
         params: SamplingParams,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
-    ) -> None:
+    ) -> Sequence:
         """`output_token_ids`: tokens a worker that died generated before (migration)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, output_token_ids or [])
-        self.requests[request_id] = seq
         self.scheduler.add(seq)
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks. False if unknown."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return self.release(request_id) or self.cancel_reservation(request_id)
-        self.scheduler.remove(seq)
-        self._finish(seq, "abort")
-        return True
-
-    def release(self, request_id: str) -> bool:
-        """Prefill role: the KV of a finished request has been sent; free its blocks."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.blocks.free_blocks(seq.block_table)
-        return True
-
-    # ---- decode role: remote prefill ----
+        return seq
 
     def reserve(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        lease_s: float,
         output_token_ids: list[int] | None = None,
-    ) -> Reservation | None:
-        """Admit a request whose context KV a prefill worker will write; None if blocks are short now."""
+    ) -> RemotePrefill | None:
+        """Decode role: admit a request whose context KV a prefill worker will write; None if there
+        is no seat (`max_num_seqs`) or no blocks for it now."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, False, output_token_ids or [])
-        if not self.scheduler.allocate_blocks(seq):
+        blocks = self.scheduler.reserve(seq)
+        if blocks is None:
             return None
-        seq.status = SeqStatus.AWAITING_KV
-        self.awaiting_kv[request_id] = seq
-        first = seq.num_cached_tokens // self.cfg.block_size
-        return Reservation(list(seq.block_table[first:]), first, seq.num_cached_tokens)
+        try:
+            transfer = self.connector.reserve(request_id, blocks.block_ids, lease_s)
+        except Exception as e:  # nothing can write blocks that were never handed out
+            self.scheduler.abort(request_id, cancel_transfer=lambda _: True)
+            raise RuntimeError(f"KV reservation failed: {e}") from None
+        seq.transfer_id = transfer.ticket
+        return RemotePrefill(transfer, blocks.num_cached_tokens)
 
-    def commit_kv(self, request_id: str, first_token: int, logprob: float | None = None) -> StepOutput:
-        """The prompt KV has arrived: the request joins the running batch with its first token."""
-        seq = self.awaiting_kv.pop(request_id)
-        seq.num_computed_tokens = len(seq)
-        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        seq.status = SeqStatus.RUNNING
-        self.requests[request_id] = seq
-        out = self._append_token(seq, first_token, logprob)
-        if not seq.is_finished:
-            self.scheduler.running.append(seq)
-        return out
+    def apply_transfers(self, outcomes: list[TransferOutcome]) -> list[StepOutput]:
+        """The connector's ended transfers: completed ones run (decode role), failed ones end."""
+        outs = []
+        for o in outcomes:
+            if o.first_token is not None:
+                out = self.scheduler.commit_remote(o.request_id, o.transfer_id, o.first_token)
+            else:
+                out = self.scheduler.fail_transfer(o.request_id, o.transfer_id, o.code or "transfer_failed")
+            if out is not None:
+                outs.append(out)
+        return outs
 
-    def cancel_reservation(self, request_id: str) -> bool:
-        seq = self.awaiting_kv.pop(request_id, None)
-        if seq is None:
-            return False
-        self.blocks.free_blocks(seq.block_table)
-        seq.status = SeqStatus.FINISHED
-        return True
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks (a reserved one's once its transfer
+        can no longer write them). False if unknown."""
+        return self.scheduler.abort(request_id, self.connector.cancel)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: the KV of a finished request has been sent; free its blocks."""
+        return self.scheduler.release(request_id)
+
+    def lookup(self, request_id: str) -> Sequence | None:
+        """The unfinished request with this id (held ones included)."""
+        return self.scheduler.requests.get(request_id)
 
     # ---- the step ----
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.has_work
 
-    def step(self, on_layer_done: Callable[[int, list[Sequence], list[int]], None] | None = None) -> list[StepOutput]:
+    def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        hook = None
-        if on_layer_done is not None:
-            hook = lambda layer: on_layer_done(layer, batch.seqs, batch.num_new_tokens)  # noqa: E731
-        logits, sampled = self.runner.run(batch.seqs, batch.num_new_tokens, hook)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        if not sampled:
-            return []
-        seqs = [batch.seqs[i] for i in sampled]
-        result = sample(
-            logits,
-            [s.params for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs],
-            self.generator,
-        )
-        return [self._append_token(s, t, lp) for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]
+        hook = self.connector.on_layer_done if self.connector.wants_layers else None
+        return self.scheduler.postprocess(batch, self.runner.run(batch, hook))
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
-        seq.token_ids.append(token)
-        p = seq.params
-        reason = None
-        if seq.prefill_only:
-            reason = "prefill_done"
-        elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.max_output_tokens or len(seq) >= self.model_cfg.max_position:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.remove(seq)
-            del self.requests[seq.request_id]
-            self._finish(seq, reason)
-        return StepOutput(
-            seq.request_id, token, logprob, reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens
-        )
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        if seq.prefill_only and reason == "prefill_done":
-            self.held[seq.request_id] = seq
-        else:
-            self.blocks.free_blocks(seq.block_table)
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
 
     def drain_block_events(self) -> list[BlockEvent]:
-        return self.blocks.drain_events()
+        return self.scheduler.drain_block_events()
 
     # ---- convenience ----
 

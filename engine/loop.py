@@ -2,8 +2,11 @@
 
 The engine is not thread-safe, so one thread owns it. gRPC handler threads
 talk to it by submitting small functions (`call`) that run between steps, and
-hear back through per-request sinks called with each `StepOutput`. Block
-events and a stats snapshot are published after every step for the router.
+hear back through per-request sinks called with each `StepOutput`. Once per
+iteration the loop polls the engine's KV connector for transfers that ended
+(a decode worker's arriving KV), so the KV plane's threads never touch the
+engine. Block events and a stats snapshot are published after every step for
+the router.
 """
 
 from __future__ import annotations
@@ -13,60 +16,29 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.sequence import Sequence
+from splitserve.engine.scheduler import SchedulerStats
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-LayerHook = Callable[[int, list[Sequence], list[int]], None]
 
-
-class Stats(NamedTuple):
-    queued_tokens: int
-    running_tokens: int
-    free_blocks: int
-    total_blocks: int
-    queue_length: int
-    running_requests: int
-    reserved_requests: int  # decode role: waiting for their KV
-    prefix_cache_queries: int  # full blocks looked up at admission, since start
-    prefix_cache_hits: int
-
-
-def engine_stats(engine: Engine) -> Stats:
-    sched = engine.scheduler
-    queued = sum(len(s) for s in sched.waiting) + sum(
-        len(s) - s.num_computed_tokens for s in sched.running if len(s) - s.num_computed_tokens > 1
-    )
-    running = sum(len(s) for s in sched.running)
-    return Stats(
-        queued_tokens=queued,
-        running_tokens=running,
-        free_blocks=engine.blocks.num_free_blocks,
-        total_blocks=engine.blocks.num_blocks,
-        queue_length=len(sched.waiting),
-        running_requests=len(sched.running),
-        reserved_requests=len(engine.awaiting_kv),
-        prefix_cache_queries=engine.blocks.stats.queries,
-        prefix_cache_hits=engine.blocks.stats.hits,
-    )
+Stats = SchedulerStats  # what GetStats reports, snapshotted after every step
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_layer_done: LayerHook | None = None, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
-        self.on_layer_done = on_layer_done
         self.idle_wait_s = idle_wait_s
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[StepOutput], None]] = {}
         self._subscribers: list[Callable[[list[BlockEvent]], None]] = []
         self._sub_lock = threading.Lock()
         self._stop = threading.Event()
-        self.stats = engine_stats(engine)
+        self.stats = engine.stats()
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -91,13 +63,17 @@ class EngineLoop:
         if self._sinks.get(request_id) == sink:
             self._sinks.pop(request_id, None)
 
+    def wake(self) -> None:
+        """From any thread: end an idle wait now (the connector has news for the next poll)."""
+        self._calls.put((lambda e: None, Future()))
+
     def subscribe_blocks(self, callback: Callable[[list[BlockEvent]], None]) -> Future[list[BlockEvent]]:
         """Follow the prefix cache: resolves to a snapshot, after which `callback` gets every change."""
 
         def snapshot(engine: Engine) -> list[BlockEvent]:
             with self._sub_lock:
                 self._subscribers.append(callback)
-            hashes = tuple(engine.blocks.hash_to_block)
+            hashes = engine.scheduler.cached_block_hashes()
             return [BlockEvent("cleared", ()), BlockEvent("stored", hashes)] if hashes else [BlockEvent("cleared", ())]
 
         return self.call(snapshot)
@@ -118,21 +94,25 @@ class EngineLoop:
         engine = self.engine
         while not self._stop.is_set():
             self._run_calls(block=not engine.has_work)
+            self._deliver(engine.apply_transfers(engine.connector.poll()))
             if engine.has_work:
                 try:
-                    outputs = engine.step(self.on_layer_done)
+                    outputs = engine.step()
                 except Exception:
                     log.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
                 self.steps += 1
-                for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is not None:
-                        sink(out)
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
+                self._deliver(outputs)
             self._publish()
         self._fail_pending_calls()
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
 
     def _run_calls(self, block: bool) -> None:
         try:
@@ -151,7 +131,7 @@ class EngineLoop:
                 return
 
     def _publish(self) -> None:
-        self.stats = engine_stats(self.engine)
+        self.stats = self.engine.stats()
         events = self.engine.drain_block_events()
         if events:
             with self._sub_lock:
@@ -160,11 +140,13 @@ class EngineLoop:
                 cb(events)
 
     def _abort_all(self) -> list[StepOutput]:
+        """After a failed step: end every request that was in it or could be (not the reserved ones,
+        whose KV is still on its way and which no step has touched)."""
         outs = []
-        for rid in list(self.engine.requests):
-            seq = self.engine.requests[rid]
-            self.engine.abort(rid)
-            outs.append(StepOutput(rid, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
+        sched = self.engine.scheduler
+        for seq in [*sched.waiting, *sched.running]:
+            self.engine.abort(seq.request_id)
+            outs.append(StepOutput(seq.request_id, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
         return outs
 
     def _fail_pending_calls(self) -> None:

@@ -1,6 +1,6 @@
 """Runs one scheduled batch through the model: builds the step's inputs and
-attention metadata from block tables, runs the forward pass, returns logits
-for the sequences that sample this step.
+attention metadata from block tables, runs the forward pass, and samples the
+next token of each sequence whose step ends at its last token.
 
 On CUDA, pure-decode steps are replayed from CUDA graphs captured per (batch
 size, block-table width) bucket: a decode step is hundreds of small kernels, and
@@ -9,6 +9,7 @@ launching them one by one costs more than running them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -17,8 +18,13 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model import LayerHook, LlamaModel
+from splitserve.engine.model import LlamaModel
+from splitserve.engine.sampler import sample
+from splitserve.engine.scheduler import Sampled, ScheduledBatch
 from splitserve.engine.sequence import Sequence
+
+# Called as each layer of a batch lands in the cache: (layer, the batch's seqs, their new token counts).
+BatchLayerHook = Callable[[int, Seq[Sequence], Seq[int]], None]
 
 
 class ModelRunner:
@@ -31,12 +37,33 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.use_cuda_graphs:
             self.graphs = DecodeGraphs(model, kv_cache.tensor, cfg)
+        self.generator = torch.Generator().manual_seed(cfg.seed)  # for requests without a seed of their own
 
-    def run(
+    def run(self, batch: ScheduledBatch, on_layer_done: BatchLayerHook | None = None) -> Sampled:
+        """The next token of each sequence whose step ends at its last token."""
+        seqs = batch.seqs
+        hook = None
+        if on_layer_done is not None:
+            hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731
+        logits, indices = self.forward(seqs, batch.num_new_tokens, hook)
+        if not indices:
+            return Sampled([], [], [])
+        chosen = [seqs[i] for i in indices]
+        result = sample(
+            logits,
+            [s.params for s in chosen],
+            [s.token_ids[: s.num_prompt_tokens] for s in chosen],
+            [s.output_token_ids for s in chosen],
+            [s.generator for s in chosen],
+            self.generator,
+        )
+        return Sampled(indices, result.token_ids, result.logprobs)
+
+    def forward(
         self,
         seqs: Seq[Sequence],
         num_new_tokens: Seq[int],
-        on_layer_done: LayerHook | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Logits [S, vocab] (fp32) for the sequences whose step ends at their last token,
         and those sequences' indices in `seqs`."""

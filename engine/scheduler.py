@@ -1,13 +1,24 @@
-"""Which tokens of which requests run in the next step.
+"""Every request state of one engine, and the block manager: which tokens of
+which requests run in the next step, and what a step's results do to them.
+
+The states (and the one container that holds each):
+
+    WAITING -> RUNNING -> FINISHED                      local prefill: `add`
+    RESERVED -> RUNNING -> FINISHED                     decode role, KV from elsewhere: `reserve`, `commit_remote`
+    WAITING -> RUNNING -> HELD -> FINISHED              prefill role: blocks kept for the KV sender until `release`
+
+`requests` maps every unfinished id to its sequence, so `abort` is one lookup.
+Admission is one check for every path (`_has_room`): a request holds a seat
+from the moment it runs or is reserved, and at most `max_num_seqs` do.
 
 One token budget per step (`max_num_batched_tokens`) is shared by everything:
 running requests first (a decoding request takes one token, a request still
-prefilling takes its next chunk), then new requests in arrival order while the
-budget, the running-request limit and the free blocks allow. A prompt longer
-than the budget is prefilled in chunks over several steps. When a decoding
-request needs a block and none is free, the newest running request is
-preempted: its blocks are freed and it is recomputed later (its full blocks
-usually come back from the prefix cache).
+prefilling takes its next chunk), then waiting requests in arrival order while
+the budget, the seats and the free blocks allow. A prompt longer than the
+budget is prefilled in chunks over several steps. When a decoding request
+needs a block and none is free, the newest running request is preempted: its
+blocks are freed and it is recomputed later (its full blocks usually come back
+from the prefix cache).
 
 Only the scheduler touches the block manager; the runner sees block tables.
 """
@@ -15,10 +26,11 @@ Only the scheduler touches the block manager; the runner sees block tables.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from splitserve.engine.block_hash import block_hashes
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sequence import Sequence, SeqStatus
 
@@ -28,20 +40,97 @@ class ScheduledBatch(NamedTuple):
     num_new_tokens: list[int]  # tokens of each sequence computed this step
 
 
+class Sampled(NamedTuple):
+    """A step's draws: for the sequences whose step ended at their last token."""
+
+    indices: list[int]  # into the batch's seqs
+    token_ids: list[int]
+    logprobs: list[float | None]
+
+
+class StepOutput(NamedTuple):
+    request_id: str
+    token_id: int  # -1: no token (an abort, a failed transfer)
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done" | a transfer failure code | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class RemoteBlocks(NamedTuple):
+    """Blocks of a reserved request that a remote prefill must fill."""
+
+    block_ids: list[int]  # the blocks to fill, in prompt order (after the cached prefix)
+    num_cached_tokens: int  # the prefix already in this cache (a whole number of blocks)
+
+
+class SchedulerStats(NamedTuple):
+    queued_tokens: int
+    running_tokens: int
+    free_blocks: int
+    total_blocks: int
+    queue_length: int
+    running_requests: int
+    reserved_requests: int  # decode role: waiting for their KV
+    prefix_cache_queries: int  # full blocks looked up at admission, since start
+    prefix_cache_hits: int
+
+
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, eos_token_ids: frozenset[int], max_position: int) -> None:
         self.cfg = cfg
-        self.blocks = block_manager
+        self.blocks = blocks
+        self.eos_token_ids = eos_token_ids
+        self.max_position = max_position
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}
+        # aborted while reserved, but the connector could not yet promise that no write into their
+        # blocks can land: the blocks stay with them until the transfer's outcome comes (by transfer id)
+        self.aborting: dict[bytes, Sequence] = {}
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+    # ---- admission ----
+
+    def _has_room(self) -> bool:
+        return len(self.running) + len(self.reserved) < self.cfg.max_num_seqs
 
     def add(self, seq: Sequence) -> None:
+        self._admit_id(seq)
         self.waiting.append(seq)
+
+    def reserve(self, seq: Sequence) -> RemoteBlocks | None:
+        """Admit a request whose context KV is written by someone else; None if no seat or blocks now."""
+        if not self._has_room() or not self._allocate(seq):
+            return None
+        self._admit_id(seq)
+        seq.status = SeqStatus.RESERVED
+        self.reserved[seq.request_id] = seq
+        first = seq.num_cached_tokens // self.blocks.block_size
+        return RemoteBlocks(list(seq.block_table[first:]), seq.num_cached_tokens)
+
+    def _admit_id(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+
+    def _allocate(self, seq: Sequence) -> bool:
+        """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
+        changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
+        hashes = block_hashes(seq.token_ids, self.blocks.block_size)
+        if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
+            return False
+        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        return True
+
+    # ---- a step ----
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.cfg.max_num_batched_tokens
@@ -64,9 +153,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_room():
             seq = self.waiting[0]
-            if not self.allocate_blocks(seq):
+            if not self._allocate(seq):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = seq.num_cached_tokens
@@ -79,14 +168,12 @@ class Scheduler:
 
         return ScheduledBatch(seqs, counts) if seqs else None
 
-    def allocate_blocks(self, seq: Sequence) -> bool:
-        """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
-        changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
-        hashes = block_hashes(seq.token_ids, self.blocks.block_size)
-        if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
-            return False
-        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
-        return True
+    def postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[StepOutput]:
+        """Record a step: the computed tokens' KV is in the cache, the sampled tokens join their sequences."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        return [self._append(batch.seqs[i], t, lp) for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs)]
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -96,9 +183,124 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of whichever queue holds it (finish or abort); its blocks stay with it."""
-        if seq in self.running:
+    def _append(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        reason = None
+        if seq.prefill_only:
+            reason = "prefill_done"
+        elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_output_tokens or len(seq) >= self.max_position:
+            reason = "length"
+        if reason == "prefill_done":
             self.running.remove(seq)
-        elif seq in self.waiting:
+            seq.status = SeqStatus.HELD
+            self.held[seq.request_id] = seq
+        elif reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+        return StepOutput(seq.request_id, token, logprob, reason is not None, reason,
+                          seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        del self.requests[seq.request_id]
+        self.blocks.free_blocks(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- the remote half of a request's life ----
+
+    def commit_remote(self, request_id: str, transfer_id: bytes, first_token: int,
+                      logprob: float | None = None) -> StepOutput | None:
+        """A reserved request's KV has arrived: it runs, with the first token the prefill worker sampled.
+        None if that transfer's request is no longer reserved (aborted meanwhile)."""
+        seq = self.reserved.get(request_id)
+        if seq is None or seq.transfer_id != transfer_id:
+            return None
+        del self.reserved[request_id]
+        seq.num_computed_tokens = len(seq)
+        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)  # its seat was taken at reserve
+        # The router has the first token from the prefill worker already: it joins the sequence,
+        # but the output carries no token, only whether that token finished the request.
+        return self._append(seq, first_token, logprob)._replace(token_id=-1, logprob=None)
+
+    def fail_transfer(self, request_id: str, transfer_id: bytes, code: str) -> StepOutput | None:
+        """A request's KV transfer failed, and nothing writes or reads its blocks for it any more: the
+        request ends with the failure's code (a reserved one on a decode worker, a prefilling or held
+        one on a prefill worker). None if that transfer's request is gone already."""
+        seq = self.aborting.pop(transfer_id, None)
+        if seq is not None:  # aborted earlier; its blocks waited for this
+            self.blocks.free_blocks(seq.block_table)
+            return None
+        seq = self.requests.get(request_id)
+        if seq is None or seq.transfer_id != transfer_id:
+            return None
+        self.abort(request_id, cancel_transfer=lambda _: True)
+        seq.finish_reason = code
+        return StepOutput(request_id, -1, None, True, code, seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: a held request's KV has been sent; free its blocks."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self._finish(seq, "prefill_done")
+        return True
+
+    def abort(self, request_id: str, cancel_transfer: Callable[[bytes], bool]) -> bool:
+        """Stop a request wherever it is and free its blocks; False if unknown.
+
+        A reserved request's blocks are freed only once `cancel_transfer` promises that no
+        write into them can still land; otherwise they wait for the transfer's outcome.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        status = seq.status
+        if status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif status is SeqStatus.HELD:
+            del self.held[request_id]
+        elif status is SeqStatus.RESERVED:
+            del self.reserved[request_id]
+            if not cancel_transfer(seq.transfer_id):
+                del self.requests[request_id]
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                self.aborting[seq.transfer_id] = seq
+                return True
+        self._finish(seq, "abort")
+        return True
+
+    # ---- what the worker reports ----
+
+    def stats(self) -> SchedulerStats:
+        queued = sum(len(s) for s in self.waiting) + sum(
+            len(s) - s.num_computed_tokens for s in self.running if len(s) - s.num_computed_tokens > 1
+        )
+        return SchedulerStats(
+            queued_tokens=queued,
+            running_tokens=sum(len(s) for s in self.running),
+            free_blocks=self.blocks.num_free_blocks,
+            total_blocks=self.blocks.num_blocks,
+            queue_length=len(self.waiting),
+            running_requests=len(self.running),
+            reserved_requests=len(self.reserved),
+            prefix_cache_queries=self.blocks.stats.queries,
+            prefix_cache_hits=self.blocks.stats.hits,
+        )
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of `token_ids` this cache holds now (whole blocks)."""
+        hashes = block_hashes(token_ids, self.blocks.block_size)
+        return len(self.blocks.cached_prefix(hashes, len(token_ids))) * self.blocks.block_size
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        return self.blocks.drain_events()
+
+    def cached_block_hashes(self) -> tuple[bytes, ...]:
+        return tuple(self.blocks.hash_to_block)

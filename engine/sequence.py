@@ -13,7 +13,8 @@ from splitserve.engine.sampling import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # admitted to the engine, no blocks yet
     RUNNING = "running"  # holds blocks; prefilling (chunk by chunk) or decoding
-    AWAITING_KV = "awaiting_kv"  # holds reserved blocks that a remote prefill fills
+    RESERVED = "reserved"  # decode role: holds blocks that a remote prefill fills
+    HELD = "held"  # prefill role: finished computing, blocks kept until the KV sender is done
     FINISHED = "finished"
 
 
@@ -32,6 +33,7 @@ class Sequence:
         "arrival",
         "prefill_only",
         "max_output_tokens",
+        "transfer_id",
     )
 
     def __init__(
@@ -61,6 +63,7 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival = arrival  # admission order: preemption takes the newest first
         self.prefill_only = prefill_only  # prefill role: finish after the first token
+        self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -2,10 +2,10 @@
 layer into a decode worker's reservation, return the first token.
 
 The engine runs the request in prefill-only mode (chunked, batched with other
-prompts, reusing this worker's own prefix cache). A layer hook fires as each
-layer's KV of each chunk lands in the cache and queues exactly the blocks the
-decode worker lacks on the KV stream, so the transfer hides behind the
-remaining layers' compute. The first token goes back to the router as soon as
+prompts, reusing this worker's own prefix cache); its KV connector
+(prefill_worker/connector.py) streams each layer as it lands. The service only
+validates, opens the stream, admits through the engine loop and waits for the
+first token; every way out ends in one `engine.abort`. The first token goes back to the router as soon as
 it is sampled; the stream's confirmation and the release of this worker's
 blocks finish in the background.
 """
@@ -15,15 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
-import torch
 
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.loop import EngineLoop
-from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import KVSender, KVStream, TransferError
+from splitserve.prefill_worker.connector import SenderConnector
 from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
@@ -33,18 +31,6 @@ from splitserve.worker.config import WorkerConfig
 from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Outbound:
-    """One request's KV on its way to the decode worker."""
-
-    stream: KVStream
-    first_index: int  # index in this request's block table of the reservation's first block
-    sent_hi: int  # blocks below this were sent in earlier chunks (the last may have been partial)
-    job: _Job
-    chunk: tuple[int, int] = (0, 0)  # block range of the chunk in flight, fixed at its layer 0
-    failed: bool = False  # the stream broke: nothing more is sent, the request is dropped
 
 
 class _Stopped(Exception):
@@ -58,8 +44,9 @@ class _Stopped(Exception):
 class _Job:
     """One Prefill call's hold on its request id; `first` resolves with the first token or _Stopped."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, ticket: bytes) -> None:
         self.request_id = request_id
+        self.ticket = ticket  # the reservation's: the KV transfer's id
         self.first: Future[StepOutput] = Future()
         self.lock = threading.Lock()
         self.cancelled = False
@@ -84,47 +71,14 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def __init__(self, cfg: WorkerConfig, sender: KVSender) -> None:
         self.cfg = cfg
         self.sender = sender
-        self.outbound: dict[str, _Outbound] = {}  # touched on the engine thread only
         self.jobs: RequestIds[_Job] = RequestIds()
         self.finisher = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-finish")
         self.loop: EngineLoop | None = None
 
-    def attach(self, loop: EngineLoop) -> None:
+    def attach(self, loop: EngineLoop, connector: SenderConnector) -> None:
         self.loop = loop
+        self.connector = connector
         self.block_size = loop.engine.cfg.block_size
-        self.cuda = loop.engine.kv_cache.tensor.is_cuda
-
-    # ---- the layer hook, on the engine thread ----
-
-    def on_layer_done(self, layer: int, seqs: list[Sequence], counts: list[int]) -> None:
-        bs = self.block_size
-        synced = False
-        for seq, n in zip(seqs, counts):
-            ob = self.outbound.get(seq.request_id)
-            if ob is None or ob.failed:
-                continue
-            start = seq.num_computed_tokens  # not yet advanced past this step
-            if layer == 0:
-                # a partial block of the last chunk is sent again; blocks this worker had cached
-                # (computed by nobody in this step) go with the first chunk
-                lo = max(ob.first_index, min(ob.sent_hi, start // bs))
-                ob.chunk = (lo, -(-(start + n) // bs))
-            lo, hi = ob.chunk
-            if hi <= lo:
-                continue
-            if self.cuda and not synced:
-                torch.cuda.current_stream().synchronize()  # the layer's writes must land before the copy
-                synced = True
-            try:
-                ob.stream.send_layer(layer, seq.block_table[lo:hi], first_index=lo - ob.first_index)
-            except TransferError as e:
-                # Once: the decode side is gone (cancelled, lease over), so the prefill is wasted work.
-                log.warning("request %s: KV stream failed, dropping the prefill: %s", seq.request_id, e)
-                ob.failed = True
-                ob.job.stop(f"KV stream failed: {e}", grpc.StatusCode.UNAVAILABLE)
-                continue
-            if layer == len(self.loop.engine.model.layers) - 1:  # type: ignore[union-attr]
-                ob.sent_hi = hi
 
     # ---- Prefill ----
 
@@ -143,7 +97,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             first_index = self._check_reservation(request.reservation, len(prompt) + len(prior))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        job = _Job(rid)
+        job = _Job(rid, kv.ticket)
         if not self.jobs.claim(rid, job):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
         stream: KVStream | None = None
@@ -163,8 +117,9 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 with job.lock:
                     if job.cancelled:
                         return  # the router went away while this call waited for the step to end
-                    engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
-                    self.outbound[rid] = _Outbound(opened, first_index, sent_hi=first_index, job=job)
+                    seq = engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
+                    seq.transfer_id = kv.ticket
+                    self.connector.add(rid, opened, kv.ticket, first_index)
 
             self.loop.set_sink(rid, job.resolve)
             try:
@@ -179,8 +134,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
             except _Stopped as e:
                 context.abort(e.code, str(e))
-            if out.finish_reason != "prefill_done":
-                context.abort(grpc.StatusCode.ABORTED, f"prefill ended: {out.finish_reason}")
+            if out.finish_reason == "abort":
+                context.abort(grpc.StatusCode.ABORTED, "prefill aborted")
+            if out.finish_reason != "prefill_done":  # a failure code of its KV stream
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"KV stream failed: {out.finish_reason}")
             self.finisher.submit(self._finish, job, stream, out.token_id)
             handed_off = True
             result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
@@ -223,10 +180,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         rid = job.request_id
 
         def forget(engine: Engine) -> None:
-            ob = self.outbound.get(rid)
-            if ob is not None and ob.job is job:
-                del self.outbound[rid]
-                engine.abort(rid)  # running, waiting or held: its blocks go back
+            self.connector.remove(rid, job.ticket)
+            engine.abort(rid)  # waiting, running or held: its blocks go back (the id is this job's alone)
             self.jobs.release(rid, job)
 
         assert self.loop is not None

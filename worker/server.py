@@ -62,21 +62,29 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 
     if cfg.role == "decode":
+        from splitserve.decode_worker.connector import ReceiverConnector
         from splitserve.decode_worker.service import DecodeService
         from splitserve.kv_transfer import KVReceiver
 
         receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
         closers.append(receiver.close)
         kv_endpoint = receiver.endpoint
+        connector = ReceiverConnector(receiver, cancel_timeout_s=cfg.admit_timeout_s)
+        engine.connect(connector)
         loop = EngineLoop(engine)
-        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, receiver), server)
+        connector.wake = loop.wake
+        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop), server)
     else:
         from splitserve.kv_transfer import KVSender
+        from splitserve.prefill_worker.connector import SenderConnector
         from splitserve.prefill_worker.service import PrefillService
 
         service = PrefillService(cfg, KVSender(engine.kv_cache))
-        loop = EngineLoop(engine, on_layer_done=service.on_layer_done)
-        service.attach(loop)
+        sender_connector = SenderConnector(engine.cfg.block_size, len(engine.model.layers),
+                                           cuda=engine.kv_cache.tensor.is_cuda)
+        engine.connect(sender_connector)
+        loop = EngineLoop(engine)
+        service.attach(loop, sender_connector)
         closers.append(lambda: service.finisher.shutdown(wait=False))
         wgrpc.add_PrefillWorkerServicer_to_server(service, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")

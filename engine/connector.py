@@ -1,0 +1,68 @@
+"""The engine's one seam to the KV data plane (vLLM calls it a KV connector).
+
+The engine imports nothing of kv_transfer: a worker hands it an object with
+this interface, and the engine calls it at fixed points, always on the engine
+thread:
+
+- prefill role: `on_layer_done(layer, seqs, counts)` as each layer of a step
+  lands in the cache (`wants_layers` says whether to call it at all: a hook
+  keeps CUDA graphs off);
+- decode role: `reserve` when a request's KV is to be written by someone else,
+  `cancel` when such a request is aborted (True once no write into its blocks
+  can still land: only then are the blocks freed), and `poll`, once per loop
+  iteration, for the transfers that ended since the last poll.
+
+Outcomes are keyed by the transfer id the connector gave out, not by request
+id: a late outcome of an old transfer can never touch a newer request that
+reuses the id. `NullConnector` is the connector of a plain engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from splitserve.engine.sequence import Sequence
+
+
+class TransferOutcome(NamedTuple):
+    """One transfer that ended: completed with the first token, or failed with a code."""
+
+    request_id: str
+    transfer_id: bytes
+    first_token: int | None  # completed
+    code: str | None  # failed: "lease_expired", "cancelled", "disconnected", ...
+
+
+class Transfer(Protocol):
+    """What `reserve` hands back: the connector's own record, sent to whoever fills it."""
+
+    ticket: bytes  # the transfer id
+
+
+class KVConnector(Protocol):
+    wants_layers: bool
+
+    def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None: ...
+    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Transfer: ...
+    def cancel(self, transfer_id: bytes) -> bool: ...
+    def poll(self) -> list[TransferOutcome]: ...
+
+
+class NullConnector:
+    """No KV plane: nothing is reserved, nothing arrives."""
+
+    wants_layers = False
+
+    def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
+        pass
+
+    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Any:
+        raise RuntimeError("this engine has no KV connector: remote prefill is not available")
+
+    def cancel(self, transfer_id: bytes) -> bool:
+        return True
+
+    def poll(self) -> list[TransferOutcome]:
+        return []
