@@ -10,13 +10,39 @@ worker's cache into the blocks a decode worker reserved.
         stream.send_layer(layer, src_block_ids)            # per layer, from the compute loop
         stream.finish(first_token, timeout)                # returns once every byte is confirmed
 
-Frames: frame.py. Transports: transport.py (TCP), ucx.py, cuda_ipc.py, fake.py.
+Values: reservation.py. Frames: frame.py. Transports: transport.py (TCP), ucx.py,
+cuda_ipc.py, fake.py.
+
+The names below load their modules on first use, so that importing one light
+module (worker/config.py takes the transport names from reservation.py, and the
+router imports that config) does not load the data plane or register its metrics.
 """
 
-from splitserve.kv_transfer.receiver import KVReceiver
-from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation
-from splitserve.kv_transfer.sender import KVSender, KVStream, TransferError
+from __future__ import annotations
 
-__all__ = [
-    "Completed", "Failed", "FailureCode", "KVReceiver", "KVSender", "KVStream", "Outcome", "Reservation", "TransferError",
-]  # fmt: skip
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve.kv_transfer.receiver import KVReceiver
+    from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation
+    from splitserve.kv_transfer.sender import KVSender, KVStream, TransferError
+
+_HOMES = {
+    "Completed": "reservation", "Failed": "reservation", "FailureCode": "reservation", "Outcome": "reservation",
+    "Reservation": "reservation", "KVReceiver": "receiver", "KVSender": "sender", "KVStream": "sender",
+    "TransferError": "sender",
+}  # fmt: skip
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -5,6 +5,9 @@ sender writes into it; the receiver reports `Completed` or `Failed`. A failure
 carries a `FailureCode`, the same value that labels the metrics, so nobody
 has to tell failures apart by their text. Transport names are typed here too,
 so configs, reservations and both ends agree on the three there are.
+
+This module imports nothing else of kv_transfer: a config can name a transport
+without loading the data plane (or registering its metrics).
 """
 
 from __future__ import annotations

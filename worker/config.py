@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
+from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 
 ROLES = ("prefill", "decode")
-TRANSPORTS = ("tcp", "ucx", "cuda_ipc")
+TRANSPORTS: tuple[TransportName, ...] = TRANSPORT_NAMES
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # the address others reach this worker at ("auto" under Ray: the node's IP)
     grpc_port: int = 0  # 0: any free port
     kv_port: int = 0  # decode role: the kv_transfer receiver's port
-    kv_transport: str = "tcp"
+    kv_transport: TransportName = "tcp"
     cluster_token: str | None = None  # required in "x-splitserve-token" when set
     lease_ms: int = 300_000  # default lease of a REMOTE reservation (the router normally sends its own)
     admit_timeout_s: float = 30.0  # an engine call from a gRPC handler (waits for the current step)
