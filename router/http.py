@@ -265,8 +265,14 @@ class OpenAIServer:
     async def _read(self, request: web.Request) -> Any:
         try:
             raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyError(413, f"the body is larger than the limit of {MAX_BODY_BYTES} bytes") from None
+        except web.HTTPRequestEntityTooLarge:  # (counted after decompression too)
+            raise BodyError(413, f"the body is larger than the limit of {MAX_BODY_BYTES} bytes", close=True) from None
+        except web.RequestPayloadError as e:  # the payload itself is broken: a content-encoding that does not decode
+            # Nothing more can be read from it: marked ended, aiohttp does not try to drain it after the
+            # answer (which re-raises this error and logs it as an unhandled exception).
+            request.content.feed_eof()
+            why = " ".join(str(e).split())
+            raise BodyError(400, f"the body could not be read ({why})", close=True) from None
         return parse_json_body(raw, request.headers.get("Content-Type"))
 
     def _translate(self, body: Any, chat: bool) -> OpenAIRequest:
@@ -285,7 +291,10 @@ class OpenAIServer:
             oreq = self._translate(await self._read(request), chat)
             run = self.generation.admit(oreq.generate, authorization, None)
         except BodyError as e:
-            return _error(e.status, str(e))
+            resp = _error(e.status, str(e))
+            if e.close:
+                resp.force_close()
+            return resp
         except BadRequest as e:
             return _error(400, str(e))
         except RequestFailed as e:

@@ -25,11 +25,15 @@ _OPEN, _CLOSE = (ord("["), ord("{")), (ord("]"), ord("}"))
 
 
 class BodyError(Exception):
-    """The body cannot be read as JSON; answer with this HTTP status."""
+    """The body cannot be read as JSON; answer with this HTTP status.
 
-    def __init__(self, status: int, message: str) -> None:
+    close: the connection cannot carry another request (the body was not read to its end).
+    """
+
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.close = close
 
 
 def check_charset(content_type: str | None) -> None:

@@ -350,3 +350,19 @@ def test_a_client_disconnect_cancels_the_request_at_once(stream, token_delay_s, 
     assert elapsed < 2.0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_that_does_not_decompress_is_400_and_the_server_goes_on(encoding, caplog):
+    async def body(s):
+        headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+        async with s.post("/v1/completions", data=b"not compressed", headers=headers) as r:
+            bad = r.status, await r.json()
+        async with s.post("/v1/completions", json={"prompt": "x"}) as r:
+            return bad, r.status
+
+    with caplog.at_level(logging.WARNING):
+        (status, out), after = run(body)
+    assert (status, after) == (400, 200)
+    assert encoding in out["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
