@@ -32,6 +32,7 @@ from aiohttp import web
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.request import RequestFailed
+from splitserve.router.server import status_details
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ class OpenAIRequest(NamedTuple):
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    # json.dumps escapes non-ASCII, so a client's lone surrogate quoted back cannot break the encoding
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    # json.dumps escapes non-ASCII, so a client's lone surrogate quoted back cannot break the encoding;
+    # the length is bounded as gRPC's is, the same message either way
+    body = {"error": {"message": status_details(message), "type": kind, "code": status}}
+    return web.json_response(body, status=status)
 
 
 # ---- one field each: type, then what protobuf can hold
@@ -363,7 +366,8 @@ class OpenAIServer:
                         await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                     "choices": [choice]})
             except RequestFailed as e:
-                await send({"error": {"message": str(e), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}})
+                await send({"error": {"message": status_details(str(e)), "type": "server_error",
+                                      "code": _HTTP_STATUS.get(e.code, 500)}})
             if include_usage:
                 await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                             "usage": _usage(usage)})

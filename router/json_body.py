@@ -53,7 +53,7 @@ def _escaped(a: np.ndarray) -> np.ndarray:
     """True where a byte follows an odd run of backslashes (the 1st, 3rd, ... backslash of a
     run escapes the byte after it)."""
     backslash = a == _BACKSLASH
-    idx = np.arange(a.size, dtype=np.int32)
+    idx = np.arange(a.size, dtype=np.int32)  # (a body is megabytes, far below 2 GiB)
     run_start = backslash.copy()
     run_start[1:] &= ~backslash[:-1]
     start = np.maximum.accumulate(np.where(run_start, idx, 0))  # within a run: where it started

@@ -34,6 +34,16 @@ from splitserve.router.workers import WorkerSet
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Generation"
+# gRPC sends a status message in a trailer, percent-encoded, and a client drops a trailer past
+# 16 KiB: the call then fails RESOURCE_EXHAUSTED "Stream removed" instead of with its status.
+MAX_DETAILS_CHARS = 512
+
+
+def status_details(message: str) -> str:
+    """A status message short enough for any trailer (one that quotes a client's value can be megabytes)."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} characters in all)"
 
 
 def parse_request(raw: bytes) -> pb.GenerateRequest:
@@ -121,7 +131,7 @@ class GenerationService:
                     yield resp
             except RequestFailed as e:
                 code = e.code
-                await context.abort(e.code, str(e))
+                await context.abort(e.code, status_details(str(e)))
             except Exception:  # the router's own fault: logged, and INTERNAL rather than grpc's bare UNKNOWN
                 log.exception("Generate failed")
                 code = grpc.StatusCode.INTERNAL
@@ -162,7 +172,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
     async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:  # noqa: N802
         status = self._status(request.service)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:  # noqa: N802

@@ -272,7 +272,9 @@ def extreme(rng: random.Random, req: pb.GenerateRequest) -> None:
         lambda: setattr(req, "request_id", rng.choice(["x" * 129, "bad id", "\x00", "é", "a/b", "-"])),
         lambda: setattr(req, "text", rng.choice(["", "y" * 262_145, "\x00" * 10])),
         lambda: req.token_ids.ids.extend(rng.choice([[], [7] * 8000, [-(2**31)], [2**31 - 1]])),
-        lambda: req.chat.messages.extend([pb.ChatMessage(role=rng.choice(["", "tool", "user"]), content="q")] * rng.choice([1, 300])),
+        lambda: req.chat.messages.extend([pb.ChatMessage(role=rng.choice(["", "tool", "user"]), content="q")]
+                                         * rng.choice([1, 300])),
+        lambda: req.chat.messages.add(role="r" * 100_000, content="q"),  # a long value quoted back in the status
         lambda: setattr(sp, "max_tokens", 64) or req.token_ids.ids.extend([7] * 7935),  # prompt + max_tokens past max_model_len
     ])()
 
@@ -292,6 +294,7 @@ def bad_field(rng: random.Random) -> bytes:
         varint(5 << 3 | 0) + varint(1),  # sampling as a varint
         varint(3 << 3 | 5) + b"\x00\x00\x00\x00",  # token_ids as fixed32
         varint(99 << 3 | 0) + varint(1),  # an unknown field
+        b"".join(varint(n << 3 | 0) + varint(1) for n in range(100, 3000)),  # thousands of unknown fields, each named
         field(5, varint(99 << 3 | 2) + varint(1) + b"x"),  # an unknown sampling field
         varint(1 << 3 | 3) + varint(1 << 3 | 4),  # a group (deprecated wire types)
         field(4, field(1, b"\x0a" * 200)),  # nested lengths that run past their end

@@ -455,3 +455,36 @@ def test_the_api_key_is_checked_before_the_bytes_are_parsed() -> None:
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     run(scenario)
+
+
+def varint_field(number: int, value: int) -> bytes:
+    """A varint field in wire format, for field numbers the proto does not define."""
+    out, n = bytearray(), number << 3
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes([*out, n, value])
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="x" * 100_000, content="hi")]))
+         .SerializeToString(), "chat.messages[0].role"),
+        (pb.GenerateRequest(text="hi").SerializeToString() + b"".join(varint_field(n, 1) for n in range(100, 5000)),
+         "request"),  # 4900 unknown field numbers, each named
+    ],
+)
+def test_a_status_quoting_a_huge_value_still_arrives(raw: bytes, field: str) -> None:
+    # the details travel in a trailer; past 16 KiB a client drops it and sees RESOURCE_EXHAUSTED instead
+    async def scenario() -> None:
+        async with cluster() as c:
+            e = await status_of(raw_call(c, raw))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.details().startswith(f"{field}:")
+            assert len(e.details()) < 1000
+            health = health_pb2_grpc.HealthStub(c.channel)
+            e = await status_of(health.Check(health_pb2.HealthCheckRequest(service="s" * 100_000)))
+            assert e.code() == grpc.StatusCode.NOT_FOUND
+
+    run(scenario)
