@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from splitserve.engine.blocks import cdiv
+
 # torch, transformers and the engine are imported inside run(): the CLI lists this module's flags cheaply.
 if TYPE_CHECKING:
     import torch
@@ -381,14 +383,14 @@ def _bench(subject: Subject, dtype: torch.dtype, opts: Options, with_hf: bool) -
     cfg, weights = subject.load(dtype)
     hf_model = subject.hf(cfg, dtype, weights) if with_hf else None
     bs = 16
-    blocks = max(opts.batch * _ceil(opts.prompt_len + opts.new_tokens, bs), _ceil(opts.prefill_len + 1, bs))
+    blocks = max(opts.batch * cdiv(opts.prompt_len + opts.new_tokens, bs), cdiv(opts.prefill_len + 1, bs))
     ecfg = EngineConfig(
         device=str(dev),
         dtype=dtype_name(dtype),
         block_size=bs,
         num_blocks=2 * blocks + 8,
         max_num_seqs=max(opts.batch, 1),
-        max_num_batched_tokens=_ceil(max(opts.batch * opts.prompt_len, opts.prefill_len, 1), bs) * bs,
+        max_num_batched_tokens=cdiv(max(opts.batch * opts.prompt_len, opts.prefill_len, 1), bs) * bs,
     )
     engine = Engine(cfg, weights, ecfg)
     del weights
@@ -607,8 +609,6 @@ def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _elsize(dtype: torch.dtype) -> int:

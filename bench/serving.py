@@ -50,6 +50,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from splitserve.engine.blocks import cdiv
+
 MODES = ("disaggregated", "colocated")
 NEIGHBOUR = "busy neighbour"  # the ITL control: the prefill core running the same prefills, no serving
 BURST_KINDS = (*MODES, NEIGHBOUR)
@@ -369,7 +371,7 @@ class _Bench:
             kv = self._kv_bytes(n)
             dttft = statistics.median(ttft[("disaggregated", n)])
             print(f"[ttft] {n:5d} tokens: first -> second token: disaggregated {_ms(d)} | colocated {_ms(c)} "
-                  f"| KV moved {kv / 1e6:.2f} MB/request ({_ceil(n, self.layout.block_size)} blocks x "
+                  f"| KV moved {kv / 1e6:.2f} MB/request ({cdiv(n, self.layout.block_size)} blocks x "
                   f"{self.layout.num_layers} layers x {self.layout.bytes_per_block} B) = {kv / dttft / 1e6:.1f} MB/s "
                   f"over the disaggregated TTFT")  # fmt: skip
         if cpu:
@@ -393,7 +395,7 @@ class _Bench:
 
     def _kv_bytes(self, n: int) -> int:
         """Payload of one disaggregated request: every block of its prompt, every layer (frame headers aside)."""
-        return _ceil(n, self.layout.block_size) * self.layout.num_layers * self.layout.bytes_per_block
+        return cdiv(n, self.layout.block_size) * self.layout.num_layers * self.layout.bytes_per_block
 
     # ---- ITL ----
 
@@ -660,8 +662,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _load() -> str:

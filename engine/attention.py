@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.blocks import cdiv
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -100,7 +102,7 @@ def _prefill_attention(
             mask = None
             causal = q_len > 1
         else:
-            nb = -(-ctx_len // bs)
+            nb = cdiv(ctx_len, bs)
             blocks = layer_cache[meta.block_tables[i, :nb]]  # [nb, 2, bs, kv_heads, dim]
             ki = blocks[:, 0].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
             vi = blocks[:, 1].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]

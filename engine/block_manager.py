@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from splitserve.engine.block_hash import ROOT_HASH, BlockHash, hash_block
+from splitserve.engine.blocks import cdiv
 
 
 class BlockEvent(NamedTuple):
@@ -54,7 +55,7 @@ class BlockManager:
         return len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def cached_prefix(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
         """Block ids holding the longest cached prefix of `hashes`.
@@ -139,25 +140,6 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self.free[b] = None
         block_table.clear()
-
-    def uncache(self, block_ids: list[int]) -> None:
-        """Forget the cached hashes of blocks whose contents became invalid (a failed transfer)."""
-        removed = []
-        for b in block_ids:
-            h = self.block_hash[b]
-            if h is not None:
-                self.block_hash[b] = None
-                if self.hash_to_block.get(h) == b:
-                    del self.hash_to_block[h]
-                    removed.append(h)
-        if removed:
-            self.events.append(BlockEvent("removed", tuple(removed)))
-
-    def reset_prefix_cache(self) -> None:
-        for b in range(self.num_blocks):
-            self.block_hash[b] = None
-        self.hash_to_block.clear()
-        self.events.append(BlockEvent("cleared", ()))
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []

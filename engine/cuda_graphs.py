@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.blocks import cdiv
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.sequence import Sequence
@@ -26,7 +27,7 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.scratch_block = kv_cache.shape[1] - 1
         self.batch_sizes = sorted(cfg.cuda_graph_batch_sizes)
-        max_width = -(-model.cfg.max_position // cfg.block_size)
+        max_width = cdiv(model.cfg.max_position, cfg.block_size)
         self.widths = sorted({min(1 << k, max_width) for k in range(3, max_width.bit_length() + 1)} | {max_width})
         n, dev = self.batch_sizes[-1], model.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)

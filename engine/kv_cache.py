@@ -86,16 +86,3 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
-
-
-def contiguous_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Split block ids into runs of consecutive ids: (index in list, first id, count)."""
-    runs: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(block_ids):
-        j = i + 1
-        while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
-            j += 1
-        runs.append((i, block_ids[i], j - i))
-        i = j
-    return runs

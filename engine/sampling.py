@@ -15,6 +15,14 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+class InvalidSamplingParam(ValueError):
+    """A sampling field out of range; `field` names it (no one has to parse the message)."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field} {why}")
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -32,8 +40,7 @@ class SamplingParams:
     logprobs: bool = False  # return the log-probability of each chosen token
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"{field} {why}")
+        bad = InvalidSamplingParam
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")

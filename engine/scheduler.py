@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.block_manager import BlockEvent, BlockManager
+from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sequence import Sequence, SeqStatus
 
@@ -109,8 +110,8 @@ class Scheduler:
         self._admit_id(seq)
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.request_id] = seq
-        first = seq.num_cached_tokens // self.blocks.block_size
-        return RemoteBlocks(list(seq.block_table[first:]), seq.num_cached_tokens)
+        span = blocks_to_fill(len(seq), seq.num_cached_tokens, self.blocks.block_size)
+        return RemoteBlocks([seq.block_table[i] for i in span], seq.num_cached_tokens)
 
     def _admit_id(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.connector import TransferOutcome
+from splitserve.engine.blocks import cdiv
 from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import KVStream, TransferError
 
@@ -66,7 +67,7 @@ class SenderConnector:
                 # a partial block of the last chunk is sent again; blocks this worker had cached
                 # (computed by nobody in this step) go with the first chunk
                 lo = max(ob.first_index, min(ob.sent_hi, start // bs))
-                ob.chunk = (lo, -(-(start + n) // bs))
+                ob.chunk = (lo, cdiv(start + n, bs))
             lo, hi = ob.chunk
             if hi <= lo:
                 continue

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
+from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.kv_transfer import KVSender, KVStream, TransferError
@@ -155,11 +156,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 f"reservation.num_cached_tokens ({r.num_cached_tokens}) must be a multiple of {bs} "
                 f"below the context length ({context_len})"
             )
-        first_index = r.num_cached_tokens // bs
-        want = -(-context_len // bs) - first_index
-        if len(r.block_ids) != want:
-            raise ValueError(f"reservation.block_ids has {len(r.block_ids)} blocks; the context needs {want}")
-        return first_index
+        span = blocks_to_fill(context_len, r.num_cached_tokens, bs)
+        if len(r.block_ids) != len(span):
+            raise ValueError(f"reservation.block_ids has {len(r.block_ids)} blocks; the context needs {len(span)}")
+        return span.start
 
     def _finish(self, job: _Job, stream: KVStream, first_token: int) -> None:
         try:

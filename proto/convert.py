@@ -1,15 +1,23 @@
 """Conversions between the internal protobuf messages and the plain-data types
 the engine and kv_transfer use. Workers validate here what the router sent:
-a field out of range becomes a ValueError naming it (INVALID_ARGUMENT)."""
+a field out of range becomes a ValueError naming it (INVALID_ARGUMENT).
+
+The router uses the sampling conversions and must not pay for torch at start:
+the engine's and kv_transfer's types are imported only where they are built.
+"""
 
 from __future__ import annotations
 
-from splitserve.engine.block_manager import BlockEvent
-from splitserve.engine.kv_cache import KVLayout
-from splitserve.engine.loop import Stats
+from typing import TYPE_CHECKING
+
 from splitserve.engine.sampling import SamplingParams
-from splitserve.kv_transfer import Reservation as KVReservation
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+
+if TYPE_CHECKING:
+    from splitserve.engine.block_manager import BlockEvent
+    from splitserve.engine.kv_cache import KVLayout
+    from splitserve.engine.scheduler import SchedulerStats
+    from splitserve.kv_transfer import Reservation as KVReservation
 
 
 def sampling_from_proto(sp: wpb.SamplingParams) -> SamplingParams:
@@ -62,6 +70,8 @@ def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
 
 
 def layout_from_proto(m: wpb.KVLayout) -> KVLayout:
+    from splitserve.engine.kv_cache import KVLayout
+
     try:
         return KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype)
     except ValueError as e:
@@ -83,6 +93,8 @@ def reservation_to_proto(r: KVReservation, num_cached_tokens: int) -> wpb.Reserv
 
 
 def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
+    from splitserve.kv_transfer import Reservation as KVReservation
+
     if len(m.ticket) != 16:
         raise ValueError(f"reservation.ticket must be 16 bytes, got {len(m.ticket)}")
     if not m.block_ids:
@@ -113,7 +125,7 @@ def block_events_to_proto(events: list[BlockEvent]) -> wpb.BlockEventBatch:
     return out
 
 
-def stats_to_proto(worker_id: str, s: Stats, block_size: int) -> wpb.WorkerStats:
+def stats_to_proto(worker_id: str, s: SchedulerStats, block_size: int) -> wpb.WorkerStats:
     return wpb.WorkerStats(
         worker_id=worker_id,
         queued_tokens=s.queued_tokens,

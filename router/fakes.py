@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.blocks import blocks_to_fill, cdiv
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 
@@ -150,7 +151,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             self._subscribers.remove(q)
 
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
-        used = sum(-(-n // self.block_size) for n in self.active.values())
+        used = sum(cdiv(n, self.block_size) for n in self.active.values())
         return wpb.WorkerStats(
             worker_id=self.worker_id, queued_tokens=self.extra_queued_tokens, running_tokens=sum(self.active.values()),
             free_blocks=max(0, self.total_blocks - used), total_blocks=self.total_blocks,
@@ -182,7 +183,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             if request.prefill_mode == wpb.PREFILL_MODE_REMOTE:
                 ticket = os.urandom(16)
                 first = self.kv.expect(ticket)
-                n_blocks = -(-(len(ctx) - cached) // bs)
+                n_blocks = len(blocks_to_fill(len(ctx), cached, bs))
                 yield wpb.DecodeEvent(reservation=wpb.Reservation(
                     kv_endpoint=f"fake:{self.worker_id}", transport="fake", ticket=ticket, request_id=rid,
                     block_ids=list(range(n_blocks)), num_cached_tokens=cached, layout=LAYOUT,

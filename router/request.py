@@ -38,6 +38,7 @@ from enum import Enum
 import grpc
 
 from splitserve.engine.block_hash import block_hashes
+from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router import policy
@@ -134,14 +135,8 @@ class RequestRun:
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
         self.start = time.monotonic()
         self.last_token_at = 0.0
-        s = req.sampling
-        # the internal sampling message minus max_tokens, which shrinks after a migration
-        self._sampling = wpb.SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-        )
+        # the internal sampling message; max_tokens is set per attempt (it shrinks after a migration)
+        self._sampling = convert.sampling_to_proto(req.sampling)
 
     # ---- the attempt loop
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.sampling import InvalidSamplingParam, SamplingParams
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import RouterConfig
 from splitserve.router.tokenizer import RouterTokenizer
@@ -179,7 +179,6 @@ def validate(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokeni
         kw["max_tokens"] = min(cfg.default_max_tokens, room)
     try:
         sampling = SamplingParams(**kw)  # type: ignore[arg-type]
-    except ValueError as e:  # the engine's own checks, in case they are stricter than ours
-        name = str(e).split(" ", 1)[0]
-        raise ValidationError(f"sampling.{name}", str(e)) from None
+    except InvalidSamplingParam as e:  # the engine's own checks, in case they are stricter than ours
+        raise ValidationError(f"sampling.{e.field}", str(e)) from None
     return ValidRequest(request_id, tuple(ids), sampling, req.stream_options.continuous_usage)

@@ -106,12 +106,6 @@ def kernel_available() -> bool:
     return _extension() is not None
 
 
-def kernel_isa() -> int:
-    """0 none, 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512 BF16 (the path bf16 inputs take; fp32 ones take 2)."""
-    ext = _extension()
-    return 0 if ext is None else int(ext.isa())
-
-
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ w.T (+ bias), in x's dtype. w is [N, K]; x is [..., K], bf16 or fp32.
 

@@ -33,6 +33,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from splitserve.engine.blocks import cdiv
 from splitserve.engine.kernels.decode import StepMetadata
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
 from splitserve.engine.kernels.once import Once
@@ -183,13 +184,9 @@ class TritonDecodeStep:
         """silu(gate) * up from gate_up [B, 2 intermediate] = [gate | up], as F.silu(gate) * up rounds it."""
         if tuple(gate_up.shape) != self._gate_up_shape or gate_up.dtype != self.h.dtype or not gate_up.is_contiguous():
             raise ValueError(f"gate_up must be a contiguous {self.h.dtype} tensor {list(self._gate_up_shape)}")
-        grid = (gate_up.shape[0], _cdiv(self._intermediate, SILU_BLOCK))
+        grid = (gate_up.shape[0], cdiv(self._intermediate, SILU_BLOCK))
         self._ops.silu_mul_kernel[grid](self._act, gate_up, self._intermediate, BLOCK=SILU_BLOCK, num_warps=4)
         return self._act
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
@@ -199,8 +196,8 @@ def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, in
     splits = min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS // (batch * kv_heads), max_context // SPLIT_MIN_TOKENS)
     if splits <= 1:
         return 1, max_context
-    per_split = _cdiv(_cdiv(max_context, splits), ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N
-    return _cdiv(max_context, per_split), per_split
+    per_split = cdiv(cdiv(max_context, splits), ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N
+    return cdiv(max_context, per_split), per_split
 
 
 class TritonDecodeKernels:
