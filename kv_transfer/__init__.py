@@ -11,7 +11,8 @@ worker's cache into the blocks a decode worker reserved.
         stream.finish(first_token, timeout)                # returns once every byte is confirmed
 
 Values: reservation.py. Frames: frame.py. Transports: transport.py (TCP), ucx.py,
-cuda_ipc.py, fake.py.
+fake.py; which one a stream uses, and how its payloads move (bytes on the
+connection, or CUDA IPC device copies: cuda_ipc.py), links.py.
 
 The names below load their modules on first use, so that importing one light
 module (worker/config.py takes the transport names from reservation.py, and the

@@ -1,11 +1,14 @@
 """CUDA IPC: same-GPU peers copy KV device to device, with no host round trip.
 
-The decode side exports its cache tensor's CUDA IPC handle in the handshake's
-ack (plain bytes and integers, never pickled: the fields of torch's own
-`reduce_tensor` for CUDA tensors, packed with `struct`). The prefill side maps
-it once per receiver and, for each layer frame, copies its blocks straight
-into the reserved blocks, waits for the copy, then sends the layer frame with
-no payload over the TCP control connection so the receiver can count it.
+CUDA IPC is a way for a stream's layer payloads to travel, settled at its
+handshake (links.py decides; see frame.py for the handshake's value): the
+frames themselves go over a TCP connection like any other stream's. The decode
+side exports its cache tensor's CUDA IPC handle in the handshake's ack (plain
+bytes and integers, never pickled: the fields of torch's own `reduce_tensor`
+for CUDA tensors, packed with `struct`). The prefill side maps it once per
+receiver and, for each layer frame, `DeviceCopy` copies its blocks straight
+into the reserved blocks and waits for the copy; the stream then sends the
+layer frame with no payload, so the receiver can count it.
 
 Trust: the mapped tensor is the whole decode cache, so here the bounds are
 kept by the sender's code, not checked by the receiver. Same-GPU peers share a
@@ -16,7 +19,7 @@ serving both roles) cannot open its own IPC handle: CUDA refuses that. The
 mapping therefore also names the exporting process and a random key, and a
 sender in that process is handed the cache tensor itself.
 
-Imports without CUDA; the functions need it.
+Imports without CUDA; exporting and mapping a cache need it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Sequence
 import torch
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer.frame import FrameError
+from splitserve.kv_transfer.frame import CHECKSUM_NONE, FrameError
 
 # device, num_blocks, storage size, storage offset, tensor offset, refcount offset, event sync, gpu uuid,
 # exporting process id, key of the export in that process
@@ -37,6 +40,11 @@ _FIXED = struct.Struct("<iQQQqQB16sq16s")
 
 # This process's exported caches by key, for a sender in the same process (see the top).
 _EXPORTED: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def can_map(cache: KVCache) -> bool:
+    """Whether `cache` can take part in CUDA IPC (it lives on a CUDA device)."""
+    return cache.tensor.is_cuda
 
 
 def _uuid(device: int) -> bytes:
@@ -97,4 +105,22 @@ def copy_blocks(dest: torch.Tensor, layer: int, first_block: int, pieces: Sequen
     for p in pieces:
         dest[layer, offset : offset + p.shape[0]].copy_(p, non_blocking=True)
         offset += p.shape[0]
-    torch.cuda.current_stream(dest.device).synchronize()
+    if dest.is_cuda:  # a copy into host memory is done when copy_ returns
+        torch.cuda.current_stream(dest.device).synchronize()
+
+
+class DeviceCopy:
+    """A stream's layer payloads as device copies into the receiver's mapped cache (`import_cache`).
+
+    The sender's side of `frame.PAYLOAD_DEVICE_COPY`: the blocks are in place
+    before the layer frame leaves, and the frame carries no payload.
+    """
+
+    checksum_kind = CHECKSUM_NONE  # nothing crosses the connection to check
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self._dest = dest
+
+    def place(self, layer: int, first_block: int, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        copy_blocks(self._dest, layer, first_block, pieces)
+        return []

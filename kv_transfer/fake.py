@@ -58,8 +58,6 @@ class FakeListener:
 
 
 class FakeTransport:
-    kind = "fake"
-
     def __init__(self) -> None:
         self.listeners: dict[int, FakeListener] = {}
         self._ports = itertools.count(1)

@@ -23,15 +23,23 @@ Header, little-endian, `HEADER_SIZE` = 132 bytes:
 | 100    | 4    | payload checksum | of the payload, by checksum kind                          |
 | 104    | 8    | element count    | tensor elements in the payload (layer frames)             |
 | 112    | 8    | payload length   | bytes that follow the header                              |
-| 120    | 8    | value            | done: the first token; error: an error code               |
+| 120    | 8    | value            | done: the first token; handshake and its ack: see below   |
 | 128    | 4    | header crc32     | zlib.crc32 of bytes 0..127                                |
 
 Payloads by kind: handshake, the sender's `KVLayout` as `<IIIIB` (layers, KV
-heads, head dim, block size, dtype code) plus, for CUDA IPC, nothing more; ack
-and error, utf-8 text (an error's reason; a handshake ack may carry a CUDA IPC
-mapping); layer, the K and V of `block count` blocks of one layer, exactly as
-they lie in the cache (`[count, 2, block_size, kv_heads, head_dim]`); done,
-nothing. Control payloads are at most `MAX_CONTROL_PAYLOAD` bytes.
+heads, head dim, block size, dtype code); ack and error, utf-8 text (an error's
+reason), except a handshake's ack that grants device copies, whose payload is
+the CUDA IPC mapping of the receiver's cache; layer, the K and V of `block
+count` blocks of one layer, exactly as they lie in the cache (`[count, 2,
+block_size, kv_heads, head_dim]`), or nothing when the stream moves payloads
+by device copies; done, nothing. Control payloads are at most
+`MAX_CONTROL_PAYLOAD` bytes.
+
+A handshake's value says how the sender asks the stream's layer payloads to
+travel, and its ack's value what it got: `PAYLOAD_ON_CONNECTION` (0), as bytes
+after each layer header; `PAYLOAD_DEVICE_COPY` (1), copied by the sender into
+the receiver's cache through the mapping (CUDA IPC, same GPU) before it sends
+the layer header, which then carries no payload and no checksum.
 
 Why a lane-sum checksum: zlib.crc32 runs at about 2.7 GB/s per core here,
 slower than loopback TCP, so checking it on both ends would cost about half
@@ -63,6 +71,8 @@ CHECKSUM_KINDS = {"none": CHECKSUM_NONE, "crc32": CHECKSUM_CRC32, "lanesum": CHE
 
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+
+PAYLOAD_ON_CONNECTION, PAYLOAD_DEVICE_COPY = 0, 1  # a handshake's and its ack's value
 
 REQUEST_ID_BYTES = 64
 MAX_CONTROL_PAYLOAD = 4096

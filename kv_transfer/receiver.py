@@ -38,13 +38,11 @@ from typing import Callable
 import numpy as np
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.kv_transfer import frame, metrics
+from splitserve.kv_transfer import frame, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 # Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
-from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation
-from splitserve.kv_transfer.transport import (
-    Connection, ConnectionClosed, Listener, TCPTransport, Transport, Watchdog, Watched, open_transport,
-)  # fmt: skip
+from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation, TransportName
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Transport, Watchdog, Watched
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +104,7 @@ class KVReceiver:
         cache: KVCache,
         host: str = "127.0.0.1",
         port: int = 0,
-        transport: str | Transport = "tcp",
+        transport: TransportName | Transport = "tcp",
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         frame_timeout_s: float = FRAME_TIMEOUT_S,
@@ -115,7 +113,8 @@ class KVReceiver:
         max_unbound_connections: int = MAX_UNBOUND_CONNECTIONS,
     ) -> None:
         """`transport`: "tcp", "ucx" (TCP as well, for fallback) or "cuda_ipc" (a CUDA
-        cache; control over TCP), or a `Transport` object in place of TCP (the fake).
+        cache; control over TCP), or a `Transport` object in place of TCP (the fake);
+        what this machine and cache cannot serve falls back to TCP (links.py).
         The timeouts and the cap bound what slow or silent peers can hold (module docstring)."""
         if min(handshake_timeout_s, frame_timeout_s, frame_min_bytes_per_s, idle_timeout_s) <= 0:
             raise ValueError("timeouts and the minimum frame rate must be positive")
@@ -137,41 +136,17 @@ class KVReceiver:
         self._leases: list[tuple[float, bytes]] = []
         self._lease_cv = threading.Condition(self._lock)
         self._watchdog = Watchdog(self._on_dropped, name="kv-rx-watchdog")
-        base = transport if not isinstance(transport, str) else TCPTransport()
         try:
-            self._tcp = base.listen(host, port, self._serve)
+            self._listening = links.listen(transport, cache, host, port, self._serve)
         except BaseException:
             self._watchdog.close()
             raise
-        self.tcp_endpoint = f"{host}:{self._tcp.port}"
-        self.transport, self.endpoint = base.kind, self.tcp_endpoint
-        self._ucx: Listener | None = None
-        if transport == "ucx":
-            self._start_ucx(host)
-        elif transport == "cuda_ipc":
-            if cache.tensor.is_cuda:
-                self.transport = "cuda_ipc"  # control frames on the TCP listener, data by device copies
-            else:
-                log.warning("kv_transfer: CUDA IPC needs a CUDA cache; using TCP")
-                metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
-        elif transport != "tcp" and isinstance(transport, str):
-            raise ValueError(f"unknown transport {transport!r}")
+        self.transport: TransportName = self._listening.transport
+        self.endpoint = self._listening.endpoint
+        self.tcp_endpoint = f"{host}:{self._listening.tcp.port}"
         log.info("kv_transfer: receiver on %s (%s)", self.endpoint, self.transport)
-        metrics.TRANSPORT_CHOSEN.labels(side="receiver", transport=self.transport).inc()
         self._lease_thread = threading.Thread(target=self._lease_loop, name="kv-leases", daemon=True)
         self._lease_thread.start()
-
-    def _start_ucx(self, host: str) -> None:
-        t = open_transport("ucx")
-        if t.kind != "ucx":
-            return
-        try:
-            self._ucx = t.listen(host, 0, self._serve)
-        except Exception as e:
-            log.warning("kv_transfer: UCX listener failed (%s); using TCP", e)
-            metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
-            return
-        self.transport, self.endpoint = "ucx", f"{host}:{self._ucx.port}"
 
     # ---- the decode worker's side -------------------------------------------------
 
@@ -260,11 +235,11 @@ class KVReceiver:
             slots = list(self._slots.values())
             self._lease_cv.notify()
             conns = list(self._conns)
-        self._tcp.close()
+        self._listening.tcp.close()
         for c in conns:  # before the UCX listener, so that it closes with no handler alive
             c.close()
-        if self._ucx is not None:
-            self._ucx.close()
+        if self._listening.extra is not None:
+            self._listening.extra.close()
         for s in slots:
             self._fail(s, FailureCode.RECEIVER_CLOSED, "receiver closed")
         self._lease_thread.join(timeout=5)
@@ -389,7 +364,7 @@ class KVReceiver:
         slot: _Slot | None = None
         try:
             h = self._recv_frame_header(conn, w, header, handshake_by)
-            slot, ipc = self._handshake(conn, h)
+            slot, per_block = self._handshake(conn, h)
             # Bound: the wait for each next frame is the lease's to bound (its expiry closes us).
             self._watchdog.disarm(w)
             while True:
@@ -400,7 +375,7 @@ class KVReceiver:
                 if time.monotonic() > slot.deadline:
                     raise _Reject(FailureCode.LEASE_EXPIRED, "lease expired")
                 if h.kind == frame.LAYER:
-                    self._receive_layer(conn, slot, h, ipc)
+                    self._receive_layer(conn, slot, h, per_block)
                     self._watchdog.disarm(w)
                 elif h.kind == frame.DONE:
                     missing = np.argwhere(~slot.received)
@@ -494,7 +469,9 @@ class KVReceiver:
             n, conn.peer, self.max_unbound_connections,
         )  # fmt: skip
 
-    def _handshake(self, conn: Connection, h: Header) -> tuple[_Slot, bool]:
+    def _handshake(self, conn: Connection, h: Header) -> tuple[_Slot, int]:
+        """Bind the connection to the handshake's reservation; the slot, and the bytes
+        each block of a layer frame will carry on this connection (`links.grant`)."""
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
         layout = KVLayout(*frame.decode_layout(self._read_control(conn, h)))
@@ -515,17 +492,12 @@ class KVReceiver:
         if mismatch:
             self._fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
             raise _Reject(FailureCode.LAYOUT_MISMATCH, mismatch)
-        ipc = bool(h.value) and self.transport == "cuda_ipc"
-        mapping = b""
-        if ipc:
-            from splitserve.kv_transfer.cuda_ipc import export_cache
+        grant = links.grant(self.transport, h.value, self.cache)
+        ack = Header(frame.ACK, h.ticket, h.request_id, payload_length=len(grant.payload), value=grant.value)
+        conn.send([frame.encode_header(ack), grant.payload])
+        return slot, grant.bytes_per_block
 
-            mapping = export_cache(self.cache)
-        ack = Header(frame.ACK, h.ticket, h.request_id, payload_length=len(mapping), value=int(ipc))
-        conn.send([frame.encode_header(ack), mapping])
-        return slot, ipc
-
-    def _receive_layer(self, conn: Connection, slot: _Slot, h: Header, ipc: bool) -> None:
+    def _receive_layer(self, conn: Connection, slot: _Slot, h: Header, per_block: int) -> None:
         r, layout = slot.reservation, self.cache.layout
         if h.layer >= layout.num_layers:
             raise _Reject(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
@@ -539,13 +511,13 @@ class KVReceiver:
             raise _Reject(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
         if h.element_count != h.block_count * layout.elements_per_block:
             raise _Reject(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
-        expected = 0 if ipc else h.block_count * layout.bytes_per_block
+        expected = h.block_count * per_block
         if h.payload_length != expected:
             raise _Reject(
                 FailureCode.LENGTH_MISMATCH,
                 f"payload length {h.payload_length} does not match {h.block_count} blocks ({expected} bytes)",
             )
-        if not ipc:
+        if expected:  # else the sender copied the blocks in before sending this header (device copies)
             if h.checksum_kind == frame.CHECKSUM_NONE:
                 raise _Reject(FailureCode.BAD_FRAME, "layer frame without a checksum")
             view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count))

@@ -29,13 +29,11 @@ import threading
 import time
 from typing import Sequence
 
-import torch
-
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer import frame, metrics
+from splitserve.kv_transfer import frame, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
-from splitserve.kv_transfer.reservation import FailureCode, Reservation
-from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport, open_transport
+from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +55,6 @@ class _StaleConnection(TransferError):
     """The handshake found the connection dead (an idle one may have been closed by the receiver)."""
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class KVSender:
     def __init__(
         self,
@@ -73,18 +66,12 @@ class KVSender:
         transport: Transport | None = None,
     ) -> None:
         """`checksum`: "lanesum" (fast, see frame.py) or "crc32"; `queue_depth`: queued
-        send_layer calls before back-pressure; `transport`: in place of TCP (the fake)."""
+        send_layer calls before back-pressure; `transport`: in place of TCP (the fake).
+        Which transport a stream uses is the reservation's offer and links.py's choice."""
         self.cache = cache
         self.checksum_kind = frame.CHECKSUM_KINDS[checksum]
         self.queue_depth = queue_depth
-        self.connect_timeout = connect_timeout
-        self._tcp = transport or TCPTransport()
-        self._ucx: Transport | None = None
-        self._ipc_maps: dict[str, object] = {}  # CUDA IPC mappings, one per receiver, made once
-        # Connections whose last stream completed, per (transport, endpoint): the next
-        # stream to that receiver skips connecting (and UCX's endpoint wire-up).
-        self._idle: dict[tuple[str, str], list[Connection]] = {}
-        self._idle_lock = threading.Lock()
+        self._dialer = links.Dialer(cache, transport or TCPTransport(), connect_timeout)
 
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
@@ -92,79 +79,32 @@ class KVSender:
         if mismatch:
             raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
         while True:
-            conn, kind, key, reused = self._connect(reservation)
             try:
-                mapping = self._handshake(conn, reservation, want_ipc=kind == "cuda_ipc")
+                d = self._dialer.dial(reservation)
+            except ConnectionClosed as e:
+                raise TransferError(str(e)) from None
+            try:
+                value, payload = self._handshake(d.conn, reservation, d.ask)
+                transport, payloads = self._dialer.accept(d, reservation, value, payload, self.checksum_kind)
                 break
             except _StaleConnection as e:
-                conn.close()
-                if not reused:
+                d.conn.close()
+                if not d.reused:
                     raise TransferError(str(e)) from None
             except BaseException:
-                conn.close()
+                d.conn.close()
                 raise
-        if kind == "cuda_ipc" and mapping is None:
-            kind = "tcp"
-        metrics.TRANSPORT_CHOSEN.labels(side="sender", transport=kind).inc()
-        dest = None
-        if mapping is not None:
-            from splitserve.kv_transfer.cuda_ipc import import_cache
-
-            if reservation.tcp_endpoint not in self._ipc_maps:
-                self._ipc_maps[reservation.tcp_endpoint] = import_cache(mapping, self.cache)
-            dest = self._ipc_maps[reservation.tcp_endpoint]
-        return KVStream(self, conn, reservation, kind, dest, key)
+        return KVStream(self, d, reservation, transport, payloads)
 
     def close(self) -> None:
         """Close the idle connections."""
-        with self._idle_lock:
-            conns = [c for cs in self._idle.values() for c in cs]
-            self._idle.clear()
-        for c in conns:
-            c.close()
+        self._dialer.close()
 
-    def _release(self, key: tuple[str, str], conn: Connection) -> None:
-        with self._idle_lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < 8:
-                idle.append(conn)
-                return
-        conn.close()
-
-    def _connect(self, r: Reservation) -> tuple[Connection, str, tuple[str, str], bool]:
-        """A connection for `r`, an idle one if there is one: (conn, transport, pool key, reused)."""
-        if r.transport == "ucx":
-            if self._ucx is None:
-                self._ucx = open_transport("ucx")
-            if self._ucx.kind == "ucx":
-                key = ("ucx", r.endpoint)
-                with self._idle_lock:
-                    if self._idle.get(key):
-                        return self._idle[key].pop(), "ucx", key, True
-                try:
-                    return self._ucx.connect(*_split_endpoint(r.endpoint), self.connect_timeout), "ucx", key, False
-                except Exception as e:
-                    log.warning("kv_transfer: UCX endpoint to %s failed (%s); using TCP", r.endpoint, e)
-                    metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
-        kind = "tcp"
-        if r.transport == "cuda_ipc":
-            if self.cache.tensor.is_cuda:
-                kind = "cuda_ipc"
-            else:
-                metrics.TRANSPORT_FALLBACKS.labels(wanted="cuda_ipc", reason="cpu_cache").inc()
-        key = (kind, r.tcp_endpoint)
-        with self._idle_lock:
-            if self._idle.get(key):
-                return self._idle[key].pop(), kind, key, True
-        try:
-            return self._tcp.connect(*_split_endpoint(r.tcp_endpoint), self.connect_timeout), kind, key, False
-        except ConnectionClosed as e:
-            raise TransferError(str(e)) from None
-
-    def _handshake(self, conn: Connection, r: Reservation, want_ipc: bool) -> bytes | None:
+    def _handshake(self, conn: Connection, r: Reservation, ask: int) -> tuple[int, bytes]:
+        """The ack's value and payload (how the stream's layer payloads travel: links.py)."""
         lay = self.cache.layout
         body = frame.encode_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
-        h = Header(frame.HANDSHAKE, r.ticket, r.request_id, payload_length=len(body), value=int(want_ipc))
+        h = Header(frame.HANDSHAKE, r.ticket, r.request_id, payload_length=len(body), value=ask)
         try:
             conn.send([frame.encode_header(h), body])
             reply, payload = read_control(conn)
@@ -174,7 +114,7 @@ class KVSender:
             raise TransferError(payload.decode(errors="replace"))
         if reply.kind != frame.ACK:
             raise TransferError(f"handshake answered with a {frame.KIND_NAMES[reply.kind]} frame")
-        return payload if reply.value else None
+        return reply.value, payload
 
 
 def read_control(conn: Connection) -> tuple[Header, bytes]:
@@ -214,15 +154,14 @@ class KVStream:
     """One request's KV on its way; made by `KVSender.open`."""
 
     def __init__(
-        self, sender: KVSender, conn: Connection, r: Reservation, kind: str, ipc_dest: object, key: tuple[str, str]
+        self, sender: KVSender, d: links.Dialed, r: Reservation, transport: TransportName, payloads: links.LayerPayloads
     ) -> None:
-        self._key = key
         self.reservation = r
-        self.transport = kind
-        self._sender = sender
+        self.transport = transport
+        self._dialer, self._pool = sender._dialer, d.pool
         self._cache = sender.cache
-        self._conn = conn
-        self._ipc_dest = ipc_dest
+        self._conn = d.conn
+        self._payloads = payloads
         self._queue: queue.Queue = queue.Queue(maxsize=sender.queue_depth)
         self._error: str | None = None
         self._finished = threading.Event()
@@ -307,7 +246,7 @@ class KVStream:
 
     def _run(self) -> None:
         r = self.reservation
-        ck = self._sender.checksum_kind if self._ipc_dest is None else frame.CHECKSUM_NONE
+        ck = self._payloads.checksum_kind
         dtype_code = frame.DTYPE_CODES[self._cache.layout.dtype]
         epb = self._cache.layout.elements_per_block
         try:
@@ -319,13 +258,7 @@ class KVStream:
                     self._send_done()
                     return
                 for layer, first, n, pieces in item:  # type: ignore[attr-defined]
-                    if self._ipc_dest is not None:
-                        from splitserve.kv_transfer.cuda_ipc import copy_blocks
-
-                        copy_blocks(self._ipc_dest, layer, first, pieces)
-                        payload: list[torch.Tensor] = []
-                    else:
-                        payload = [frame.as_bytes(p) for p in pieces]
+                    payload = self._payloads.place(layer, first, pieces)
                     length = sum(p.numel() for p in payload)
                     h = Header(
                         frame.LAYER, r.ticket, r.request_id, layer=layer, first_block=first, block_count=n,
@@ -344,7 +277,7 @@ class KVStream:
             if self._error is not None and not self._sent_done:
                 self._send_error(self._error)
             if self._error is None and self._sent_done:
-                self._sender._release(self._key, self._conn)  # confirmed: reusable for the next stream
+                self._dialer.release(self._pool, self._conn)  # confirmed: reusable for the next stream
             else:
                 self._conn.close()
 

@@ -13,8 +13,10 @@ the same sizes the sender's buffers had. The frame protocol does exactly that:
 one header, then one payload per frame.
 
 TCP lives here; UCX in `ucx.py`; the in-memory fake for unit tests in
-`fake.py`. `open_transport` picks one by name and falls back to TCP. So does
-`Watchdog`, which bounds how long a peer may keep a connection's thread
+`fake.py`. Which one a stream uses is links.py's choice (CUDA IPC is not a
+transport: it changes how layer payloads move, over a TCP connection).
+
+`Watchdog`, here too, bounds how long a peer may keep a connection's thread
 waiting: it closes a connection whose deadline passed, and the close wakes
 the blocked `recv_into`.
 """
@@ -30,8 +32,6 @@ import time
 from typing import Callable, Protocol, Sequence, Union
 
 import torch
-
-from splitserve.kv_transfer import metrics
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ class Connection(Protocol):
     peer: str
     stream: bool  # a byte stream (a payload may be read in pieces), not messages
 
-
     def send(self, buffers: Sequence[Buffer]) -> None: ...
     def recv_into(self, buffer: Buffer) -> None: ...
     def close(self) -> None: ...
@@ -64,26 +63,8 @@ class Listener(Protocol):
 
 
 class Transport(Protocol):
-    kind: str  # "tcp" | "ucx" | "fake"
-
     def listen(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> Listener: ...
     def connect(self, host: str, port: int, timeout: float) -> Connection: ...
-
-
-def open_transport(kind: str) -> Transport:
-    """The transport named `kind`; UCX falls back to TCP when ucxx is unusable."""
-    if kind == "tcp":
-        return TCPTransport()
-    if kind == "ucx":
-        try:
-            from splitserve.kv_transfer.ucx import UCXTransport
-
-            return UCXTransport()
-        except Exception as e:  # ImportError, or UCX failing to initialise
-            log.warning("kv_transfer: UCX unavailable (%s); using TCP", e)
-            metrics.TRANSPORT_FALLBACKS.labels(wanted="ucx", reason=type(e).__name__).inc()
-            return TCPTransport()
-    raise ValueError(f"unknown transport {kind!r}; expected 'tcp' or 'ucx'")
 
 
 def host_view(buf: Buffer) -> memoryview:
@@ -177,8 +158,6 @@ class TCPListener:
 
 
 class TCPTransport:
-    kind = "tcp"
-
     def listen(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> Listener:
         return TCPListener(host, port, on_connection)
 

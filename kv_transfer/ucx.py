@@ -10,8 +10,8 @@ sizes the sender sent (header, then payload), straight into cache memory.
 UCX picks the wire (TCP, shared memory, CMA here; RDMA and CUDA memory where
 the machine has them).
 
-Importing this module fails without ucxx; `transport.open_transport` then
-falls back to TCP and says so.
+Importing this module fails without ucxx; links.py then falls back to TCP
+and says so.
 """
 
 from __future__ import annotations
@@ -145,8 +145,6 @@ class UCXListener:
 
 
 class UCXTransport:
-    kind = "ucx"
-
     def __init__(self) -> None:
         self._rt = _Runtime.get()
 

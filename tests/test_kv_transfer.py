@@ -247,7 +247,7 @@ def test_a_sender_reuses_its_connection_and_replaces_a_dead_one(transport):
             send_all(sender, r, [3 + i, 4 + i], first_token=i)
             assert rx.wait(r.ticket, 10) == Completed(i)
             assert_arrived(dst, src, [1, 2], [3 + i, 4 + i])
-            assert sum(len(v) for v in sender._idle.values()) == 1
+            assert sum(len(v) for v in sender._dialer._idle.values()) == 1
         for conn in list(rx._conns):  # the receiver drops the idle connection
             conn.close()
         r = rx.reserve("req-after-drop", [1, 2], lease_s=30)
@@ -340,24 +340,104 @@ def test_the_transfer_benchmark_runs_at_ci_size(capsys):
     assert "tcp        raw" in out and "ratio" in out and "pipelining (tcp)" in out
 
 
-def test_cuda_ipc_mapping_in_the_exporting_process_is_the_cache_itself(monkeypatch):
-    # CUDA will not open a process's own IPC handle, so a sender in the decode worker's
-    # process (a benchmark, a test) must get the tensor itself; no CUDA call on that path.
+# ---- CUDA IPC on a CPU: the export faked, the rest as on a GPU ----------------------------
+
+
+def fake_cuda_ipc(monkeypatch, mappable=lambda cache: True):
+    """CUDA IPC without CUDA: torch's reduce_tensor gives made-up handles and every cache
+    is on "one GPU"; `mappable(cache)` says which caches may take part. A sender in the
+    receiver's process is handed the cache tensor itself (no handle is opened), so a whole
+    stream runs here: the grant at the handshake, device copies, frames without payload."""
     from torch.multiprocessing import reductions
 
     from splitserve.kv_transfer import cuda_ipc
 
-    cache = KVCache(LAYOUT, 8)
-
     def fake_reduce(t):  # the 15 fields torch's reduce_tensor gives a CUDA tensor
         return None, (type(t), t.shape, t.stride(), 0, t.dtype, False, 0, b"handle", t.numel() * 4, 0, False,
-                      b"ref", 0, b"", True)
+                      b"ref", 0, b"", True)  # fmt: skip
 
     monkeypatch.setattr(reductions, "reduce_tensor", fake_reduce)
     monkeypatch.setattr(cuda_ipc, "_uuid", lambda device: b"u" * 16)
+    monkeypatch.setattr(cuda_ipc, "can_map", mappable)
+    return cuda_ipc
+
+
+def test_cuda_ipc_mapping_in_the_exporting_process_is_the_cache_itself(monkeypatch):
+    # CUDA will not open a process's own IPC handle, so a sender in the decode worker's
+    # process (a benchmark, a test) must get the tensor itself; no CUDA call on that path.
+    cuda_ipc = fake_cuda_ipc(monkeypatch)
+    cache = KVCache(LAYOUT, 8)
     blob = cuda_ipc.export_cache(cache)
     assert cuda_ipc.import_cache(blob, cache) is cache.tensor
     assert cuda_ipc.export_cache(cache) == blob  # every handshake of one cache: one entry, not one each
     other = cuda_ipc.export_cache(KVCache(LAYOUT, 8))  # its cache is gone once exported: no stale tensor
     with pytest.raises(frame.FrameError, match="no live cache"):
         cuda_ipc.import_cache(other, cache)
+
+
+@pytest.mark.timeout(30)
+def test_a_cuda_ipc_stream_copies_blocks_in_and_its_frames_carry_no_payload(monkeypatch):
+    fake_cuda_ipc(monkeypatch)
+    src, dst = random_cache(seed=12), KVCache(LAYOUT, 64)
+    dst_ids, src_ids = [3, 4, 10], [1, 2, 3]
+    bytes_rx0 = _metric("splitserve_kv_bytes_received_total", transport="cuda_ipc")
+    bytes_tx0 = _metric("splitserve_kv_bytes_sent_total", transport="cuda_ipc")
+    frames0 = _metric("splitserve_kv_frames_received_total", transport="cuda_ipc")
+    with KVReceiver(dst, transport="cuda_ipc") as rx:
+        sender = KVSender(src)
+        for first_token in (11, 12):  # the second stream reuses the connection and the mapping
+            r = rx.reserve(f"req-ipc-cpu-{first_token}", dst_ids, lease_s=30)
+            assert r.transport == "cuda_ipc" and r.endpoint == r.tcp_endpoint  # frames over the TCP listener
+            with sender.open(r) as stream:
+                assert stream.transport == "cuda_ipc"
+                for layer in [3, 1, 0, 2]:
+                    stream.send_layer(layer, src_ids)
+                stream.finish(first_token, timeout=10)
+            assert rx.wait(r.ticket, 10) == Completed(first_token)
+            assert_arrived(dst, src, dst_ids, src_ids)
+            dst.reset_blocks(dst_ids)
+        assert len(sender._dialer._mapped) == 1 and sum(len(v) for v in sender._dialer._idle.values()) == 1
+        assert_no_leak(rx, range(64))
+    assert _metric("splitserve_kv_bytes_received_total", transport="cuda_ipc") == bytes_rx0  # nothing on the wire
+    assert _metric("splitserve_kv_bytes_sent_total", transport="cuda_ipc") == bytes_tx0
+    assert _metric("splitserve_kv_frames_received_total", transport="cuda_ipc") == frames0 + 2 * 2 * LAYOUT.num_layers
+
+
+@pytest.mark.timeout(30)
+def test_cuda_ipc_falls_back_to_tcp_where_it_cannot_be_used_and_counts_it(monkeypatch):
+    def fallbacks(reason: str) -> float:
+        return _metric("splitserve_kv_transport_fallbacks_total", wanted="cuda_ipc", reason=reason)
+
+    src, dst = random_cache(seed=13), KVCache(LAYOUT, 64)
+    # a receiver whose cache cannot be mapped offers TCP
+    fake_cuda_ipc(monkeypatch, mappable=lambda cache: False)
+    before = fallbacks("cpu_cache")
+    with KVReceiver(dst, transport="cuda_ipc") as rx:
+        assert rx.transport == "tcp"
+        assert fallbacks("cpu_cache") == before + 1
+    # a sender whose cache cannot be mapped uses TCP to a receiver that offers CUDA IPC
+    fake_cuda_ipc(monkeypatch, mappable=lambda cache: cache is dst)
+    with KVReceiver(dst, transport="cuda_ipc") as rx:
+        r = rx.reserve("req-ipc-fallback", [5, 6], lease_s=30)
+        assert r.transport == "cuda_ipc"
+        with KVSender(src).open(r) as stream:
+            assert stream.transport == "tcp"
+            for layer in range(LAYOUT.num_layers):
+                stream.send_layer(layer, [7, 8])
+            stream.finish(3, timeout=10)
+        assert rx.wait(r.ticket, 10) == Completed(3)
+        assert_arrived(dst, src, [5, 6], [7, 8])
+        assert fallbacks("cpu_cache") == before + 2
+    # a reservation that claims CUDA IPC from a receiver that does not offer it: the ask is refused
+    fake_cuda_ipc(monkeypatch)
+    refused = fallbacks("not_granted")
+    with KVReceiver(dst) as rx:
+        r = dataclasses.replace(rx.reserve("req-ipc-refused", [9], lease_s=30), transport="cuda_ipc")
+        with KVSender(src).open(r) as stream:
+            assert stream.transport == "tcp"
+            for layer in range(LAYOUT.num_layers):
+                stream.send_layer(layer, [11])
+            stream.finish(4, timeout=10)
+        assert rx.wait(r.ticket, 10) == Completed(4)
+        assert_arrived(dst, src, [9], [11])
+    assert fallbacks("not_granted") == refused + 1

@@ -186,6 +186,17 @@ def test_oversized_length(setup):
     expect_failure(rx, r, FailureCode.LENGTH_MISMATCH, "payload length")
 
 
+def test_a_layer_frame_without_its_payload_is_refused_unless_device_copies_were_granted(setup):
+    rx, src, _ = setup
+    r = rx.reserve("no-payload", BAD_IDS, lease_s=30)
+    peer = RawPeer(r)
+    h, _ = peer.handshake(value=frame.PAYLOAD_DEVICE_COPY)  # asks; this receiver does not offer CUDA IPC
+    assert h.kind == frame.ACK and h.value == frame.PAYLOAD_ON_CONNECTION
+    hdr, _ = peer.layer_frame(src, 0, BAD_SRC[0], BAD_IDS[0], 3, payload_length=0, checksum_kind=frame.CHECKSUM_NONE)
+    peer.send(hdr)  # claims the blocks were copied in
+    expect_failure(rx, r, FailureCode.LENGTH_MISMATCH, "payload length 0 does not match 3 blocks")
+
+
 def test_length_over_the_frame_limit(setup):
     rx, src, _ = setup
     r, peer = started(rx, src)
@@ -399,12 +410,13 @@ def test_silent_connections_beyond_the_cap_are_closed_at_once_and_the_rest_at_th
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
 def test_ucx_peers_are_held_to_the_same_deadlines():
     """UCX is message-based (no first-byte read): its frame deadline starts when the header arrives."""
-    from splitserve.kv_transfer.transport import ConnectionClosed, open_transport
+    from splitserve.kv_transfer.transport import ConnectionClosed
+    from splitserve.kv_transfer.ucx import UCXTransport
 
     src, dst = random_cache(seed=11), KVCache(LAYOUT, 64)
     with KVReceiver(dst, transport="ucx", **TIGHT) as rx:
         assert rx.transport == "ucx"
-        ucx = open_transport("ucx")
+        ucx = UCXTransport()
         host, _, port = rx.endpoint.rpartition(":")
         timed_out0 = metric(DROPPED, reason="handshake_timeout")
         r = rx.reserve("ucx-stall", BAD_IDS, lease_s=30)
