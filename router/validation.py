@@ -45,7 +45,8 @@ def _reject_unknown(msg: Message, path: str) -> None:
     unknown = unknown_fields.UnknownFieldSet(msg)
     if len(unknown):
         numbers = sorted({f.field_number for f in unknown})
-        raise ValidationError(path or "request", f"unknown field number(s) {numbers}")
+        more = f" and {len(numbers) - 8} more" if len(numbers) > 8 else ""  # a status message stays small
+        raise ValidationError(path or "request", f"unknown field number(s) {numbers[:8]}{more}")
 
 
 def _float(sp: pb.SamplingParams, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -150,7 +151,7 @@ def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: Route
         for i, m in enumerate(msgs):
             _reject_unknown(m, f"chat.messages[{i}]")
             if m.role not in CHAT_ROLES:
-                raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+                raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role[:32]!r}")
             total += len(m.content)
         if total > cfg.max_prompt_chars:
             raise ValidationError("chat.messages", f"longer than {cfg.max_prompt_chars} characters in all")
