@@ -10,9 +10,11 @@ worker's cache into the blocks a decode worker reserved.
         stream.send_layer(layer, src_block_ids)            # per layer, from the compute loop
         stream.finish(first_token, timeout)                # returns once every byte is confirmed
 
-Values: reservation.py. Frames: frame.py. Transports: transport.py (TCP), ucx.py,
-fake.py; which one a stream uses, and how its payloads move (bytes on the
-connection, or CUDA IPC device copies: cuda_ipc.py), links.py.
+Values: reservation.py. Decode side: receiver.py (connections) over
+reservations.py (bookkeeping); prefill side: sender.py. Frames: frame.py.
+Transports: transport.py (TCP), ucx.py, fake.py; which one a stream uses, and
+how its payloads move (bytes on the connection, or CUDA IPC device copies:
+cuda_ipc.py), links.py.
 
 The names below load their modules on first use, so that importing one light
 module (worker/config.py takes the transport names from reservation.py, and the

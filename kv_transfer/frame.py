@@ -151,6 +151,12 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     return Header(kind, ticket, request_id, layer, first, count, dtype_code, elements, length, ck_kind, checksum, value)
 
 
+def control(kind: int, ticket: bytes, request_id: str, text: str = "") -> list[bytes]:
+    """An ack or error frame carrying `text` (cut to `MAX_CONTROL_PAYLOAD` bytes), as buffers for `send`."""
+    body = text.encode()[:MAX_CONTROL_PAYLOAD]
+    return [encode_header(Header(kind, ticket, request_id, payload_length=len(body))), body]
+
+
 def encode_layout(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str) -> bytes:
     return _LAYOUT.pack(num_layers, num_kv_heads, head_dim, block_size, DTYPE_CODES[dtype])
 

@@ -1,4 +1,4 @@
-"""The decode side of the KV plane: reservations, and the frames that fill them.
+"""The decode side of the KV plane: `KVReceiver`, and the connections that fill its reservations.
 
 A decode worker starts one `KVReceiver` over its `KVCache`. For each request
 it wants prefilled elsewhere it calls `reserve(request_id, block_ids, lease_s)`
@@ -6,13 +6,13 @@ and hands the plain-data `Reservation` to the router; a prefill worker opens a
 stream with it and pushes frames, which land straight in the reserved blocks.
 The worker learns the end through `wait(ticket, timeout)` or the `on_done`
 callback: `Completed(first_token)` once every layer of every block arrived and
-`Done` came, or `Failed(reason)`.
+`Done` came, or `Failed(reason, code)`.
 
-What the receiver promises the block manager (which stays the worker's):
-it writes only into a live reservation's blocks; on any failure (bad frame,
-lost sender, lease run out, cancel) it resets those blocks and reports the
-failure only after no write into them can still be in progress, so the
-worker may free the blocks as soon as it hears.
+The reservations themselves, and what the receiver promises the block manager
+about them, are reservations.py's. This module serves the connections: it
+listens (links.py picks the transport), binds each stream to its reservation
+at the handshake, checks every frame against it, and writes the payloads into
+the reserved blocks.
 
 What it promises the host: no peer holds a connection (and its thread) for
 long without progress. A fresh connection must complete its handshake within
@@ -28,9 +28,7 @@ One watchdog thread enforces the deadlines; drops are counted by reason in
 
 from __future__ import annotations
 
-import heapq
 import logging
-import secrets
 import threading
 import time
 from typing import Callable
@@ -42,20 +40,12 @@ from splitserve.kv_transfer import frame, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 # Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
 from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation, TransportName
+from splitserve.kv_transfer.reservations import Rejected, Reservations, Slot
 from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Transport, Watchdog, Watched
 
+__all__ = ["Completed", "Failed", "KVReceiver", "Outcome", "Reservation"]
+
 log = logging.getLogger(__name__)
-
-
-class _Reject(Exception):
-    """A frame or connection refused: `code` labels the metric, the message is the reason."""
-
-    def __init__(self, code: FailureCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_ACTIVE, _FAILING, _DONE = "active", "failing", "done"
 
 # How long a peer may keep a connection's thread waiting without progress (module docstring).
 HANDSHAKE_TIMEOUT_S = 10.0  # connect -> handshake whole; an honest sender handshakes at once
@@ -78,24 +68,6 @@ _DROP_TEXT = {
 
 def _drop_text(w: Watched) -> str:
     return _DROP_TEXT[FailureCode(w.expired)].format(w.held_s)
-
-
-class _Slot:
-    """The receiver's state for one reservation."""
-
-    def __init__(self, r: Reservation, deadline: float, on_done: Callable[[Reservation, Outcome], None] | None) -> None:
-        self.reservation = r
-        self.position = {b: i for i, b in enumerate(r.block_ids)}
-        self.received = np.zeros((r.layout.num_layers, len(r.block_ids)), dtype=bool)
-        self.deadline = deadline  # time.monotonic()
-        self.on_done = on_done
-        self.lock = threading.Lock()
-        self.state = _ACTIVE
-        self.writers = 0  # connection threads inside a write into the blocks
-        self.conn: Connection | None = None
-        self.outcome: Outcome | None = None
-        self.code: FailureCode | None = None  # once failed
-        self.finished = threading.Event()
 
 
 class KVReceiver:
@@ -126,29 +98,25 @@ class KVReceiver:
         self.frame_min_bytes_per_s = frame_min_bytes_per_s
         self.idle_timeout_s = idle_timeout_s
         self.max_unbound_connections = max_unbound_connections
+        self._book = Reservations(cache)
         self._lock = threading.Lock()
-        self._slots: dict[bytes, _Slot] = {}  # active, plus finished ones nobody has collected
-        self._reserved: set[int] = set()
         self._conns: dict[Connection, Watched] = {}
         self._unbound: set[Connection] = set()  # open, no handshake with a valid ticket yet
         self._refused_unlogged, self._refused_logged_at = 0, -1e9  # connections refused over the cap
         self._closed = False
-        self._leases: list[tuple[float, bytes]] = []
-        self._lease_cv = threading.Condition(self._lock)
         self._watchdog = Watchdog(self._on_dropped, name="kv-rx-watchdog")
         try:
             self._listening = links.listen(transport, cache, host, port, self._serve)
         except BaseException:
             self._watchdog.close()
+            self._book.close()
             raise
         self.transport: TransportName = self._listening.transport
         self.endpoint = self._listening.endpoint
         self.tcp_endpoint = f"{host}:{self._listening.tcp.port}"
         log.info("kv_transfer: receiver on %s (%s)", self.endpoint, self.transport)
-        self._lease_thread = threading.Thread(target=self._lease_loop, name="kv-leases", daemon=True)
-        self._lease_thread.start()
 
-    # ---- the decode worker's side -------------------------------------------------
+    # ---- the decode worker's side (kept by reservations.py) ------------------------
 
     def reserve(
         self,
@@ -162,87 +130,38 @@ class KVReceiver:
         `on_done(reservation, outcome)` runs on a receiver thread when it ends; it
         must not block. Without it, collect the outcome with `wait`.
         """
-        if not block_ids:
-            raise ValueError("a reservation needs at least one block")
-        if len(request_id.encode()) > frame.REQUEST_ID_BYTES:
-            raise ValueError(f"request id longer than {frame.REQUEST_ID_BYTES} bytes")
-        if lease_s <= 0:
-            raise ValueError("lease_s must be positive")
-        ids = tuple(int(b) for b in block_ids)
-        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= self.cache.num_blocks:
-            raise ValueError(f"block ids must be distinct and in 0..{self.cache.num_blocks - 1}")
-        r = Reservation(
-            request_id=request_id,
-            ticket=secrets.token_bytes(16),
-            transport=self.transport,
-            endpoint=self.endpoint,
-            tcp_endpoint=self.tcp_endpoint,
-            block_ids=ids,
-            layout=self.cache.layout,
-            lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
-        )
-        slot = _Slot(r, time.monotonic() + lease_s, on_done)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("receiver is closed")
-            overlap = self._reserved.intersection(ids)
-            if overlap:
-                raise ValueError(f"blocks {sorted(overlap)[:8]} are already in a live reservation")
-            self._reserved.update(ids)
-            self._slots[r.ticket] = slot
-            heapq.heappush(self._leases, (slot.deadline, r.ticket))
-            self._lease_cv.notify()
-        return r
+        return self._book.reserve(
+            request_id, block_ids, lease_s, on_done,
+            transport=self.transport, endpoint=self.endpoint, tcp_endpoint=self.tcp_endpoint,
+        )  # fmt: skip
 
     def wait(self, ticket: bytes, timeout: float) -> Outcome:
         """The reservation's outcome; raises TimeoutError if it has none within `timeout`."""
-        with self._lock:
-            slot = self._slots.get(ticket)
-        if slot is None:
-            raise KeyError("unknown ticket (never reserved, or its outcome was already collected)")
-        if not slot.finished.wait(timeout):
-            raise TimeoutError(f"reservation {slot.reservation.request_id} still in flight after {timeout}s")
-        with self._lock:
-            self._slots.pop(ticket, None)
-        assert slot.outcome is not None
-        return slot.outcome
+        return self._book.wait(ticket, timeout)
 
     def cancel(self, ticket: bytes, timeout: float = 5.0) -> None:
         """Drop a reservation (its request was cancelled); returns once its blocks are reset."""
-        with self._lock:
-            slot = self._slots.get(ticket)
-        if slot is None:
-            return
-        self._fail(slot, FailureCode.CANCELLED, "cancelled")
-        if not slot.finished.wait(timeout):
-            raise TimeoutError("a write into the cancelled reservation did not stop")
-        with self._lock:
-            self._slots.pop(ticket, None)
+        self._book.cancel(ticket, timeout)
 
     def live_blocks(self, block_ids: list[int]) -> list[int]:
         """Those of `block_ids` that a live reservation may still write (none, when the worker frees them)."""
-        with self._lock:
-            return [b for b in block_ids if b in self._reserved]
+        return self._book.live_blocks(block_ids)
 
     def active(self) -> int:
         """Reservations not yet completed or failed."""
-        with self._lock:
-            return sum(1 for s in self._slots.values() if s.state != _DONE)
+        return self._book.active()
 
     def close(self) -> None:
+        """Stop listening, drop every connection, fail every live reservation ("receiver_closed")."""
         with self._lock:
             self._closed = True
-            slots = list(self._slots.values())
-            self._lease_cv.notify()
             conns = list(self._conns)
         self._listening.tcp.close()
         for c in conns:  # before the UCX listener, so that it closes with no handler alive
             c.close()
         if self._listening.extra is not None:
             self._listening.extra.close()
-        for s in slots:
-            self._fail(s, FailureCode.RECEIVER_CLOSED, "receiver closed")
-        self._lease_thread.join(timeout=5)
+        self._book.close()
         self._watchdog.close()
 
     def __enter__(self) -> KVReceiver:
@@ -250,71 +169,6 @@ class KVReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- ending a reservation -----------------------------------------------------
-
-    def _fail(self, slot: _Slot, code: FailureCode, reason: str) -> None:
-        with slot.lock:
-            if slot.state != _ACTIVE:
-                return
-            slot.state, slot.outcome, slot.code = _FAILING, Failed(reason, code), code
-            conn, idle = slot.conn, slot.writers == 0
-        if conn is not None:
-            self._reply(conn, frame.ERROR, slot.reservation, reason)  # best effort: tell the sender why
-            conn.close()  # wakes a write blocked in recv_into; that thread then finalizes
-        if idle:
-            self._finalize(slot)
-
-    def _finalize(self, slot: _Slot) -> None:
-        """Reset a failed reservation's blocks, then tell the worker (no writer is left)."""
-        r = slot.reservation
-        self.cache.reset_blocks(list(r.block_ids))
-        with slot.lock:
-            slot.state = _DONE
-        outcome = slot.outcome
-        assert isinstance(outcome, Failed)
-        if slot.code != FailureCode.CANCELLED:
-            log.warning("kv_transfer: reservation %s failed: %s", r.request_id, outcome.reason)
-        metrics.RESERVATIONS_FAILED.labels(reason=slot.code).inc()
-        self._finish(slot)
-
-    def _complete(self, slot: _Slot, first_token: int) -> bool:
-        with slot.lock:
-            if slot.state != _ACTIVE:
-                return False
-            slot.state, slot.outcome = _DONE, Completed(first_token)
-        metrics.RESERVATIONS_COMPLETED.inc()
-        self._finish(slot)
-        return True
-
-    def _finish(self, slot: _Slot) -> None:
-        r = slot.reservation
-        with self._lock:
-            self._reserved.difference_update(r.block_ids)
-            if slot.on_done is not None:
-                self._slots.pop(r.ticket, None)
-        slot.finished.set()
-        if slot.on_done is not None:
-            assert slot.outcome is not None
-            try:
-                slot.on_done(r, slot.outcome)
-            except Exception:
-                log.exception("kv_transfer: on_done callback raised")
-
-    def _lease_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed:
-                    now = time.monotonic()
-                    if self._leases and self._leases[0][0] <= now:
-                        break
-                    self._lease_cv.wait(timeout=self._leases[0][0] - now if self._leases else None)
-                if self._closed:
-                    return
-                _, ticket = heapq.heappop(self._leases)
-                slot = self._slots.get(ticket)
-            if slot is not None:
-                self._fail(slot, FailureCode.LEASE_EXPIRED, "lease expired")
 
     # ---- one connection -----------------------------------------------------------
 
@@ -361,7 +215,7 @@ class KVReceiver:
         True if the connection may carry another. `handshake_by`: a fresh
         connection's handshake deadline (None on a reused one).
         """
-        slot: _Slot | None = None
+        slot: Slot | None = None
         try:
             h = self._recv_frame_header(conn, w, header, handshake_by)
             slot, per_block = self._handshake(conn, h)
@@ -371,9 +225,9 @@ class KVReceiver:
                 self._recv_frame_start(conn, header)
                 h = self._recv_frame_header(conn, w, header, None)
                 if h.ticket != slot.reservation.ticket:
-                    raise _Reject(FailureCode.TICKET_MISMATCH, "frame carries another ticket than the stream's")
+                    raise Rejected(FailureCode.TICKET_MISMATCH, "frame carries another ticket than the stream's")
                 if time.monotonic() > slot.deadline:
-                    raise _Reject(FailureCode.LEASE_EXPIRED, "lease expired")
+                    raise Rejected(FailureCode.LEASE_EXPIRED, "lease expired")
                 if h.kind == frame.LAYER:
                     self._receive_layer(conn, slot, h, per_block)
                     self._watchdog.disarm(w)
@@ -381,27 +235,26 @@ class KVReceiver:
                     missing = np.argwhere(~slot.received)
                     if len(missing):
                         layer, i = missing[0]
-                        raise _Reject(
+                        raise Rejected(
                             FailureCode.INCOMPLETE,
                             f"done before every layer arrived ({len(missing)} layer-blocks missing, first: "
                             f"layer {layer} block {slot.reservation.block_ids[i]})",
                         )
-                    if not self._complete(slot, h.value):
-                        raise _Reject(slot.code or FailureCode.NOT_LIVE, "reservation no longer live")
-                    self._reply(conn, frame.ACK, slot.reservation, "complete")
+                    self._book.complete(slot, h.value)
+                    self._reply(conn, frame.ACK, slot.reservation.ticket, slot.reservation.request_id, "complete")
                     return True
                 elif h.kind == frame.ERROR:
                     text = self._read_control(conn, h).decode(errors="replace")
-                    raise _Reject(FailureCode.ABORTED_BY_SENDER, f"sender aborted: {text}")
+                    raise Rejected(FailureCode.ABORTED_BY_SENDER, f"sender aborted: {text}")
                 else:
-                    raise _Reject(
+                    raise Rejected(
                         FailureCode.UNEXPECTED_FRAME, f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream"
                     )
-        except (FrameError, _Reject, ConnectionClosed) as e:
+        except (FrameError, Rejected, ConnectionClosed) as e:
             if w.expired and isinstance(e, ConnectionClosed):  # the watchdog's doing; it counted and logged
                 code, reason = FailureCode(w.expired), f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
             else:
-                if isinstance(e, _Reject):
+                if isinstance(e, Rejected):
                     code, reason = e.code, str(e)
                 elif isinstance(e, FrameError):
                     code, reason = FailureCode.BAD_FRAME, str(e)
@@ -409,18 +262,16 @@ class KVReceiver:
                     code, reason = FailureCode.DISCONNECTED, f"sender disconnected before done ({e})"
                 metrics.FRAMES_REJECTED.labels(reason=code).inc()
             if slot is not None:
-                self._fail(slot, code, reason)  # tells the sender why, if it still listens
+                self._book.fail(slot, code, reason)  # tells the sender why, if it still listens
             elif not w.expired:
                 log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
         except Exception as e:  # a bug here must not take the receiver down
             log.exception("kv_transfer: connection handler failed")
             if slot is not None:
-                self._fail(slot, FailureCode.INTERNAL, f"receiver error: {e}")
+                self._book.fail(slot, FailureCode.INTERNAL, f"receiver error: {e}")
         finally:
             if slot is not None:
-                with slot.lock:
-                    if slot.conn is conn:
-                        slot.conn = None
+                self._book.unbind(slot, conn)
         return False
 
     @staticmethod
@@ -469,79 +320,66 @@ class KVReceiver:
             n, conn.peer, self.max_unbound_connections,
         )  # fmt: skip
 
-    def _handshake(self, conn: Connection, h: Header) -> tuple[_Slot, int]:
+    def _handshake(self, conn: Connection, h: Header) -> tuple[Slot, int]:
         """Bind the connection to the handshake's reservation; the slot, and the bytes
         each block of a layer frame will carry on this connection (`links.grant`)."""
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
         layout = KVLayout(*frame.decode_layout(self._read_control(conn, h)))
-        with self._lock:
-            slot = self._slots.get(h.ticket)
-        if slot is None or slot.reservation.request_id != h.request_id:
-            self._reply_raw(conn, h, "unknown ticket")
-            raise _Reject(FailureCode.UNKNOWN_TICKET, "unknown ticket")
-        with slot.lock:
-            if slot.state != _ACTIVE or slot.conn is not None:
-                busy = "already has a stream" if slot.state == _ACTIVE else "is no longer live"
-                self._reply_raw(conn, h, f"reservation {busy}")
-                raise _Reject(FailureCode.TICKET_IN_USE, f"reservation {busy}")
-            slot.conn = conn
+        try:
+            slot = self._book.bind(h.ticket, h.request_id, conn)
+        except Rejected as e:
+            self._reply(conn, frame.ERROR, h.ticket, h.request_id, str(e))
+            raise
         with self._lock:  # bound by a valid ticket: no longer counts against the cap
             self._unbound.discard(conn)
         mismatch = self.cache.layout.mismatch(layout)
         if mismatch:
-            self._fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
-            raise _Reject(FailureCode.LAYOUT_MISMATCH, mismatch)
+            self._book.fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
+            raise Rejected(FailureCode.LAYOUT_MISMATCH, mismatch)
         grant = links.grant(self.transport, h.value, self.cache)
         ack = Header(frame.ACK, h.ticket, h.request_id, payload_length=len(grant.payload), value=grant.value)
         conn.send([frame.encode_header(ack), grant.payload])
         return slot, grant.bytes_per_block
 
-    def _receive_layer(self, conn: Connection, slot: _Slot, h: Header, per_block: int) -> None:
-        r, layout = slot.reservation, self.cache.layout
+    def _receive_layer(self, conn: Connection, slot: Slot, h: Header, per_block: int) -> None:
+        layout = self.cache.layout
         if h.layer >= layout.num_layers:
-            raise _Reject(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
+            raise Rejected(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
         if h.block_count == 0:
-            raise _Reject(FailureCode.BAD_FRAME, "layer frame with no blocks")
+            raise Rejected(FailureCode.BAD_FRAME, "layer frame with no blocks")
         ids = range(h.first_block, h.first_block + h.block_count)
         outside = [b for b in ids if b not in slot.position]
         if outside:
-            raise _Reject(FailureCode.BLOCK_OUT_OF_RANGE, f"block {outside[0]} is not in the reservation")
+            raise Rejected(FailureCode.BLOCK_OUT_OF_RANGE, f"block {outside[0]} is not in the reservation")
         if h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
-            raise _Reject(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
+            raise Rejected(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
         if h.element_count != h.block_count * layout.elements_per_block:
-            raise _Reject(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
+            raise Rejected(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
         expected = h.block_count * per_block
         if h.payload_length != expected:
-            raise _Reject(
+            raise Rejected(
                 FailureCode.LENGTH_MISMATCH,
                 f"payload length {h.payload_length} does not match {h.block_count} blocks ({expected} bytes)",
             )
         if expected:  # else the sender copied the blocks in before sending this header (device copies)
             if h.checksum_kind == frame.CHECKSUM_NONE:
-                raise _Reject(FailureCode.BAD_FRAME, "layer frame without a checksum")
+                raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
             view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count))
             check = frame.PayloadChecksum(h.checksum_kind)
             # On a byte stream, check each piece as it lands (still in cache, and the
             # sender keeps filling the socket buffer meanwhile); messages come whole.
             step = RECV_PIECE_BYTES if conn.stream else view.numel()
-            with slot.lock:
-                if slot.state != _ACTIVE:
-                    raise _Reject(slot.code or FailureCode.NOT_LIVE, "reservation no longer live")
-                slot.writers += 1
+            self._book.begin_write(slot)
             try:
                 for at in range(0, view.numel(), step):
                     piece = view[at : at + step]
                     conn.recv_into(piece)
                     check.update(piece)
             finally:
-                with slot.lock:
-                    slot.writers -= 1
-                    orphaned = slot.state == _FAILING and slot.writers == 0
-                if orphaned:  # failed while we wrote: the reset was left to us
-                    self._finalize(slot)
+                self._book.end_write(slot)
             if check.value != h.checksum:
-                raise _Reject(
+                raise Rejected(
                     FailureCode.CHECKSUM_MISMATCH,
                     f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
                 )
@@ -557,17 +395,9 @@ class KVReceiver:
         return bytes(buf)
 
     @staticmethod
-    def _reply(conn: Connection, kind: int, r: Reservation, text: str) -> None:
-        KVReceiver._reply_to(conn, kind, r.ticket, r.request_id, text)
-
-    @staticmethod
-    def _reply_raw(conn: Connection, h: Header, text: str) -> None:
-        KVReceiver._reply_to(conn, frame.ERROR, h.ticket, h.request_id, text)
-
-    @staticmethod
-    def _reply_to(conn: Connection, kind: int, ticket: bytes, request_id: str, text: str) -> None:
-        body = text.encode()[: frame.MAX_CONTROL_PAYLOAD]
+    def _reply(conn: Connection, kind: int, ticket: bytes, request_id: str, text: str) -> None:
+        """Best effort: a peer that went away needs no answer."""
         try:
-            conn.send([frame.encode_header(Header(kind, ticket, request_id, payload_length=len(body))), body])
+            conn.send(frame.control(kind, ticket, request_id, text))
         except ConnectionClosed:
             pass

@@ -305,8 +305,8 @@ class KVStream:
         return payload.decode(errors="replace") if reply.kind == frame.ERROR else None
 
     def _send_error(self, reason: str) -> None:
-        r, body = self.reservation, reason.encode()[: frame.MAX_CONTROL_PAYLOAD]
+        r = self.reservation
         try:
-            self._conn.send([frame.encode_header(Header(frame.ERROR, r.ticket, r.request_id, payload_length=len(body))), body])
+            self._conn.send(frame.control(frame.ERROR, r.ticket, r.request_id, reason))
         except Exception:
             pass
