@@ -263,6 +263,7 @@ def test_cuda_ipc_from_another_process():
     import subprocess
 
     dst = KVCache(LAYOUT, 64, device="cuda")
+    on_wire0 = _metric("splitserve_kv_bytes_received_total", transport="cuda_ipc")
     with KVReceiver(dst, transport="cuda_ipc") as rx:
         r = rx.reserve("req-ipc", [3, 4, 10], lease_s=30)
         assert r.transport == "cuda_ipc"
@@ -276,10 +277,11 @@ def test_cuda_ipc_from_another_process():
             capture_output=True, text=True, timeout=50,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["finished", "cuda_ipc"]
+        assert out.stdout.split() == ["finished", "cuda_ipc"]  # granted device copies, no fallback
         assert rx.wait(r.ticket, 10) == Completed(11)
         src = random_cache(seed=7)
         assert torch.equal(dst.tensor[:, [3, 4, 10]].cpu(), src.tensor[:, [1, 2, 3]])
+    assert _metric("splitserve_kv_bytes_received_total", transport="cuda_ipc") == on_wire0  # no payload on the wire
 
 
 # ---- fallback and metrics ------------------------------------------------------------

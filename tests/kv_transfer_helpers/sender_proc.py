@@ -14,13 +14,14 @@ import torch
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import KVSender, Reservation
+from splitserve.kv_transfer.reservation import TRANSPORT_NAMES
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ticket", required=True)
     p.add_argument("--request-id", required=True)
-    p.add_argument("--transport", default="tcp")
+    p.add_argument("--transport", default="tcp", choices=TRANSPORT_NAMES)
     p.add_argument("--endpoint", required=True)
     p.add_argument("--tcp-endpoint", required=True)
     p.add_argument("--dst", required=True, help="comma-separated receiver block ids")
