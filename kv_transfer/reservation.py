@@ -6,17 +6,18 @@ carries a `FailureCode`, the same value that labels the metrics, so nobody
 has to tell failures apart by their text. Transport names are typed here too,
 so configs, reservations and both ends agree on the three there are.
 
-This module imports nothing else of kv_transfer: a config can name a transport
-without loading the data plane (or registering its metrics).
+This module imports nothing else of kv_transfer, nor torch: a config can name
+a transport without loading the data plane (or registering its metrics).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Literal, NamedTuple, get_args
 
-from splitserve.engine.kv_cache import KVLayout
+if TYPE_CHECKING:  # an annotation only: this module stays free of torch
+    from splitserve.engine.kv_cache import KVLayout
 
 TransportName = Literal["tcp", "ucx", "cuda_ipc"]
 TRANSPORT_NAMES: tuple[TransportName, ...] = get_args(TransportName)
