@@ -1,40 +1,93 @@
-"""The router's one frozen configuration: routing weights, the local-or-remote
-prefill threshold, request limits, deadlines of every internal call, ports.
+"""The router's frozen configuration: `RoutingConfig` (the routing policy's
+numbers: block size, decode-worker cost weights, the local-or-remote prefill
+thresholds) and `RouterConfig`, the whole process's, which holds the routing
+section beside request limits, deadlines of every internal call, retries, ports.
 
-Validated once in `__post_init__`, never mutated; pass it to whatever needs it.
+Each section is validated once in its own `__post_init__`, never mutated; pass a
+function the section (or the numbers) it uses.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Literal, get_args
 
-MODES = ("auto", "disaggregated", "colocated")
-DECODE_POLICIES = ("kv_aware", "round_robin")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Mode = Literal["auto", "disaggregated", "colocated"]
+DecodePolicy = Literal["kv_aware", "round_robin"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+DECODE_POLICIES: tuple[DecodePolicy, ...] = get_args(DecodePolicy)
+
+
+def _check_numbers(section: DataclassInstance, positive: tuple[str, ...] = ()) -> None:
+    """Every number of a config section finite and >= 0; the ones named in `positive` > 0."""
+    name = type(section).__name__
+    for f in fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{name}.{f.name} must be finite, got {v!r}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ValueError(f"{name}.{f.name} must be >= 0, got {v!r}")
+    for p in positive:
+        if getattr(section, p) <= 0:
+            raise ValueError(f"{name}.{p} must be positive")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Which decode worker, and local or remote prefill for it. Every cost is in tokens:
+
+        cost(w) = prefill_weight * uncached prefill tokens(w) + queued and running tokens(w)
+                  + KV shortfall tokens(w)
+
+    (the terms are in router/policy.py)."""
+
+    block_size: int = 16  # tokens per KV block; must equal every worker's
+    decode_policy: DecodePolicy = "kv_aware"  # "round_robin": the baseline that ignores caches and load
+    # What one token the worker must prefill costs, in tokens of work it already has (queued or
+    # running): higher favours prefix-cache hits (TTFT), lower spreading the load (ITL). Not Dynamo's 1
+    # because the load the router sees lags: tokens routed to a worker stay counted until its next
+    # stats poll, however soon the request finished, and a cache hit must outweigh that phantom
+    # load (at 1, a short prompt's 48 cached tokens lost to the 59 of the request that cached them).
+    prefill_weight: float = 4.0
+    # 0: always the cheapest worker (ties broken by the RNG); > 0: softmax over -cost/T, T in tokens
+    temperature: float = 0.0
+
+    # --- local or remote prefill (per request, mode "auto")
+    mode: Mode = "auto"  # "auto" | "disaggregated" (always remote) | "colocated" (always local)
+    local_prefill_max_tokens: int = 256  # uncached suffix this short (or shorter): prefill locally
+    prefill_backlog_tokens: int = 8192  # prefill pool this backed up ...
+    decode_idle_tokens: int = 0  # ... while the decode worker has at most this much work: local
+
+    def __post_init__(self) -> None:
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"RoutingConfig.decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"RoutingConfig.mode must be one of {MODES}, got {self.mode!r}")
+        _check_numbers(self, positive=("block_size",))
+
+
+_DEFAULT_ROUTING = RoutingConfig()
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # --- the model, as far as the router needs it
-    block_size: int = 16  # tokens per KV block; must equal every worker's
+    """The router process's configuration. Routing lives in its own section; the rest is read
+    flat (cfg.max_inflight, cfg.admit_timeout_s, ...) by the server, validation and requests."""
+
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # Shorthands for two of `routing`'s fields, kept for callers written before the section
+    # existed (benchmarks and end-to-end tests build RouterConfig(mode=..., local_prefill_max_tokens=...)).
+    # Given, each replaces its field in `routing` (a routing= that sets the same field otherwise is
+    # an error); afterwards each reads back as routing's value. New code passes routing=RoutingConfig(...).
+    mode: Mode | None = None
+    local_prefill_max_tokens: int | None = None
+
+    # --- the model, as far as the router needs it (block_size is routing's)
     max_model_len: int = 8192  # prompt + generated tokens
-
-    # --- routing: cost = load_weight * load_score - overlap_weight * overlap_score
-    decode_policy: str = "kv_aware"  # "round_robin": the baseline that ignores caches and load
-    overlap_weight: float = 1.0
-    load_weight: float = 1.0
-    # load_score's parts: tokens of work over this scale, plus the used-block fraction
-    load_token_scale: float = 16384.0
-    token_load_weight: float = 1.0
-    block_load_weight: float = 1.0
-    # 0: always the cheapest worker (ties broken by the RNG); > 0: softmax over -cost/T
-    temperature: float = 0.0
-
-    # --- local or remote prefill (per request, mode "auto")
-    mode: str = "auto"  # "auto" | "disaggregated" (always remote) | "colocated" (always local)
-    local_prefill_max_tokens: int = 256  # uncached suffix this short (or shorter): prefill locally
-    prefill_backlog_tokens: int = 8192  # prefill pool this backed up ...
-    decode_idle_tokens: int = 0  # ... while the decode worker has at most this much work: local
 
     # --- client request limits
     max_prompt_tokens: int = 7936
@@ -59,7 +112,6 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0  # one Prefill call
     request_timeout_s: float = 600.0  # a whole Decode call (and the longest a client stream lives)
     lease_ms: int = 300_000  # asked of the decode worker for REMOTE reservations
-    cancel_timeout_s: float = 1.0
     stats_timeout_s: float = 1.0
     stats_interval_s: float = 0.5
     block_events_timeout_s: float = 3600.0  # a subscription is re-opened after this (fresh snapshot)
@@ -83,24 +135,30 @@ class RouterConfig:
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
 
     def __post_init__(self) -> None:
-        if self.decode_policy not in DECODE_POLICIES:
-            raise ValueError(f"RouterConfig.decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"RouterConfig.mode must be one of {MODES}, got {self.mode!r}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"RouterConfig.{f.name} must be finite, got {v!r}")
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"RouterConfig.{f.name} must be >= 0, got {v!r}")
-        for name in ("block_size", "max_model_len", "max_prompt_tokens", "max_tokens_cap",
-                     "default_max_tokens", "max_inflight", "load_token_scale", "max_request_faults"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RouterConfig.{name} must be positive")
+        routing = self.routing
+        for name, value in (("mode", self.mode), ("local_prefill_max_tokens", self.local_prefill_max_tokens)):
+            given = getattr(routing, name)
+            if value is not None and value != given and given != getattr(_DEFAULT_ROUTING, name):
+                raise ValueError(f"RouterConfig.{name}={value!r} disagrees with routing.{name}={given!r}")
+        if self.mode is not None:  # each validated by RoutingConfig's own __post_init__
+            routing = replace(routing, mode=self.mode)
+        if self.local_prefill_max_tokens is not None:
+            routing = replace(routing, local_prefill_max_tokens=self.local_prefill_max_tokens)
+        object.__setattr__(self, "routing", routing)
+        # read back as routing's, so the two never disagree (this is construction, not a later patch)
+        object.__setattr__(self, "mode", self.routing.mode)
+        object.__setattr__(self, "local_prefill_max_tokens", self.routing.local_prefill_max_tokens)
+        _check_numbers(self, positive=("max_model_len", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens",
+                                       "max_inflight", "max_request_faults"))
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("RouterConfig.max_prompt_tokens must be below max_model_len")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("RouterConfig.default_max_tokens must not exceed max_tokens_cap")
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (routing's): the router hashes prompts with it and checks workers against it."""
+        return self.routing.block_size
 
     @property
     def auth_metadata(self) -> tuple[tuple[str, str], ...]:

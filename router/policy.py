@@ -1,15 +1,22 @@
 """Routing as named pure functions: which decode worker, local or remote
 prefill, which prefill worker.
 
-Every term is a function of plain numbers and the frozen RouterConfig; the only
-randomness (tie-breaking, softmax sampling) comes from the `random.Random`
-passed in, so tests are exact. Each decision logs its formula with the numbers
-filled in at debug level.
+The decode worker's cost is in one unit, tokens (as in Dynamo's KV router), with
+the weight and block size from `RoutingConfig`:
 
-    cost(w) = load_weight * load_score(w) - overlap_weight * overlap_score(w)
-    load_score(w)    = token_load_weight * (queued + running) / load_token_scale
-                       + block_load_weight * (1 - free_blocks / total_blocks)
-    overlap_score(w) = cached leading blocks / prompt blocks
+    cost(w) = prefill_weight * uncached_prefill_tokens(w)   what w would have to prefill
+              + queued_and_running_tokens(w)                the work w already has
+              + kv_shortfall_tokens(w)                      the request's new KV that finds no free block on w
+
+The uncached count of the chosen worker is computed once and reused by the
+local-or-remote prefill decision. A `DecodeChooser`, selected once from config,
+turns the candidates into a choice: `KvAwareChooser` (the cost above) or
+`RoundRobinChooser` (the baseline that ignores caches and load).
+
+Every term is a function of plain numbers or of the one config section it
+reads; the only randomness (tie-breaking, softmax sampling) comes from the
+`random.Random` passed in, so tests are exact. Each decision logs its formula
+with the numbers filled in at debug level.
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ import logging
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -44,13 +51,15 @@ class WorkerLoad(NamedTuple):
 class DecodeCandidate(NamedTuple):
     worker: str
     overlap_blocks: int  # leading prompt blocks already in the worker's prefix cache
+    uncached_tokens: int  # context tokens past them: what this worker would have to prefill
     load: WorkerLoad
 
 
 class DecodeChoice(NamedTuple):
     worker: str
     overlap_blocks: int
-    cost: float
+    uncached_tokens: int
+    cost: float  # tokens; 0 from the round-robin baseline, which prices nothing
 
 
 class Route(NamedTuple):
@@ -60,78 +69,135 @@ class Route(NamedTuple):
     uncached_tokens: int  # tokens the chosen worker would have to prefill
 
 
-def overlap_score(overlap_blocks: int, prompt_blocks: int) -> float:
-    """Fraction of the prompt's full blocks already cached on the worker, in [0, 1]."""
-    if prompt_blocks <= 0:
-        return 0.0
-    return min(overlap_blocks, prompt_blocks) / prompt_blocks
+# ---- the cost's terms, all in tokens
 
 
-def load_score(load: WorkerLoad, cfg: RouterConfig) -> float:
-    """Work queued and running (in units of load_token_scale) plus the used-block fraction."""
-    used = 1.0 if load.total_blocks <= 0 else 1.0 - load.free_blocks / load.total_blocks
-    return cfg.token_load_weight * load.work_tokens / cfg.load_token_scale + cfg.block_load_weight * used
+def uncached_prefill_tokens(num_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    """Context tokens past the worker's cached prefix: what it (or a prefill worker for it) must prefill."""
+    return max(0, num_tokens - overlap_blocks * block_size)
 
 
-def decode_cost(overlap: float, load: float, cfg: RouterConfig) -> float:
-    """Lower is better."""
-    return cfg.load_weight * load - cfg.overlap_weight * overlap
+def queued_and_running_tokens(load: WorkerLoad) -> int:
+    """The work the worker already has: prompts waiting for prefill plus the contexts it decodes."""
+    return load.work_tokens
 
 
-def choose_decode_worker(
-    candidates: Sequence[DecodeCandidate], prompt_blocks: int, cfg: RouterConfig, rng: random.Random
-) -> DecodeChoice:
-    """The cheapest candidate (ties broken by rng), or with temperature > 0 a softmax draw over -cost/T."""
-    if not candidates:
-        raise ValueError("no decode worker to choose from")
-    costs = []
-    for c in candidates:
-        ov = overlap_score(c.overlap_blocks, prompt_blocks)
-        ld = load_score(c.load, cfg)
-        cost = decode_cost(ov, ld, cfg)
-        costs.append(cost)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "decode %s: cost = %g*load(%g*%d/%g + %g*(1 - %d/%d) = %.4f) - %g*overlap(%d/%d = %.4f) = %.4f",
-                c.worker, cfg.load_weight, cfg.token_load_weight, c.load.work_tokens, cfg.load_token_scale, cfg.block_load_weight,
-                c.load.free_blocks, c.load.total_blocks, ld, cfg.overlap_weight, c.overlap_blocks,
-                prompt_blocks, ov, cost,
-            )
+def kv_shortfall_tokens(uncached_tokens: int, free_blocks: int, block_size: int) -> int:
+    """Tokens of the request's new KV for which the worker has no free block (cached, evictable
+    blocks count as free): the request waits for running ones to finish, or is turned away.
+    Zero while the worker has room, then grows block by block as its free blocks run out."""
+    needed_blocks = -(-uncached_tokens // block_size)
+    return max(0, needed_blocks - free_blocks) * block_size
+
+
+def decode_cost(prefill_tokens: int, work_tokens: int, shortfall_tokens: int, prefill_weight: float) -> float:
+    """Lower is better; every term in tokens."""
+    return prefill_weight * prefill_tokens + work_tokens + shortfall_tokens
+
+
+def pick(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """The index of the cheapest cost (ties broken by rng), or with temperature > 0 a softmax draw
+    over -cost/T (T in the costs' unit)."""
     best = min(costs)
-    if cfg.temperature == 0.0:
-        tied = [i for i, c in enumerate(costs) if c - best <= 1e-12]
-        i = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
-    else:
-        weights = [math.exp(-(c - best) / cfg.temperature) for c in costs]
-        r = rng.random() * sum(weights)
-        i = len(weights) - 1
-        for j, wt in enumerate(weights):
-            r -= wt
-            if r < 0:
-                i = j
-                break
-    chosen = candidates[i]
-    log.debug("decode choice: %s (cost %.4f of %d candidates, T=%g)", chosen.worker, costs[i], len(costs), cfg.temperature)
-    return DecodeChoice(chosen.worker, chosen.overlap_blocks, costs[i])
+    if temperature == 0.0:
+        tied = [i for i, c in enumerate(costs) if c == best]
+        return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+    weights = [math.exp(-(c - best) / temperature) for c in costs]
+    r = rng.random() * sum(weights)
+    for i, wt in enumerate(weights):
+        r -= wt
+        if r < 0:
+            return i
+    return len(weights) - 1
+
+
+# ---- choosing the decode worker
+
+
+class DecodeChooser(Protocol):
+    def choose(self, candidates: Sequence[DecodeCandidate], rng: random.Random) -> DecodeChoice:
+        """One of `candidates` (never empty)."""
+        ...
+
+
+class KvAwareChooser:
+    """The cheapest candidate by the token cost (or a softmax draw with temperature > 0)."""
+
+    def __init__(self, routing: RoutingConfig) -> None:
+        self.routing = routing
+
+    def choose(self, candidates: Sequence[DecodeCandidate], rng: random.Random) -> DecodeChoice:
+        if not candidates:
+            raise ValueError("no decode worker to choose from")
+        r = self.routing
+        costs = []
+        for c in candidates:
+            work = queued_and_running_tokens(c.load)
+            shortfall = kv_shortfall_tokens(c.uncached_tokens, c.load.free_blocks, r.block_size)
+            cost = decode_cost(c.uncached_tokens, work, shortfall, r.prefill_weight)
+            costs.append(cost)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "decode %s: cost = %g*uncached(%d) + load(%d queued + %d running) "
+                    "+ shortfall(%d*max(0, %d blocks - %d free)) = %g",
+                    c.worker, r.prefill_weight, c.uncached_tokens, c.load.queued_tokens, c.load.running_tokens,
+                    r.block_size, -(-c.uncached_tokens // r.block_size), c.load.free_blocks, cost,
+                )
+        i = pick(costs, r.temperature, rng)
+        chosen = candidates[i]
+        log.debug("decode choice: %s (cost %g of %d candidates, T=%g)", chosen.worker, costs[i], len(costs), r.temperature)
+        return DecodeChoice(chosen.worker, chosen.overlap_blocks, chosen.uncached_tokens, costs[i])
+
+
+def round_robin(workers: Sequence[str], turn: int) -> str:
+    """The baseline: workers in address order, one request each in turn."""
+    ordered = sorted(workers)
+    return ordered[turn % len(ordered)]
+
+
+class RoundRobinChooser:
+    """The baseline that ignores caches and load; it counts its own turns, so keep one per router."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, candidates: Sequence[DecodeCandidate], rng: random.Random) -> DecodeChoice:
+        if not candidates:
+            raise ValueError("no decode worker to choose from")
+        by_worker = {c.worker: c for c in candidates}
+        chosen = by_worker[round_robin(list(by_worker), self.turn)]
+        log.debug("decode choice: %s (round robin, turn %d of %d candidates)", chosen.worker, self.turn, len(candidates))
+        self.turn += 1
+        return DecodeChoice(chosen.worker, chosen.overlap_blocks, chosen.uncached_tokens, 0.0)
+
+
+def decode_chooser(routing: RoutingConfig) -> DecodeChooser:
+    """The chooser routing.decode_policy names; select it once (the round-robin one keeps state)."""
+    if routing.decode_policy == "round_robin":
+        return RoundRobinChooser()
+    return KvAwareChooser(routing)
+
+
+# ---- local or remote prefill, and which prefill worker
 
 
 def choose_prefill_mode(
-    uncached_tokens: int, prefill_queue_tokens: int, decode_worker_idle: bool, cfg: RouterConfig
+    uncached_tokens: int, prefill_queue_tokens: int, decode_worker_idle: bool, routing: RoutingConfig
 ) -> PrefillMode:
     """Local when disaggregation costs more than it saves: a short uncached suffix,
     or a backed-up prefill pool while the decode worker has nothing else to do."""
-    if cfg.mode == "colocated":
+    if routing.mode == "colocated":
         mode: PrefillMode = "local"
         why = "mode=colocated"
-    elif cfg.mode == "disaggregated":
+    elif routing.mode == "disaggregated":
         mode, why = "remote", "mode=disaggregated"
     else:
-        short = uncached_tokens <= cfg.local_prefill_max_tokens
-        backed_up = prefill_queue_tokens >= cfg.prefill_backlog_tokens and decode_worker_idle
+        short = uncached_tokens <= routing.local_prefill_max_tokens
+        backed_up = prefill_queue_tokens >= routing.prefill_backlog_tokens and decode_worker_idle
         mode = "local" if short or backed_up else "remote"
         why = (
-            f"uncached {uncached_tokens} <= {cfg.local_prefill_max_tokens} is {short}; "
-            f"prefill queue {prefill_queue_tokens} >= {cfg.prefill_backlog_tokens} and decode idle "
+            f"uncached {uncached_tokens} <= {routing.local_prefill_max_tokens} is {short}; "
+            f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode idle "
             f"{decode_worker_idle} is {backed_up}"
         ) if log.isEnabledFor(logging.DEBUG) else ""
     if log.isEnabledFor(logging.DEBUG):
@@ -139,8 +205,8 @@ def choose_prefill_mode(
     return mode
 
 
-def is_idle(load: WorkerLoad, cfg: RouterConfig) -> bool:
-    return load.work_tokens <= cfg.decode_idle_tokens
+def is_idle(load: WorkerLoad, idle_tokens: int) -> bool:
+    return load.work_tokens <= idle_tokens
 
 
 def choose_prefill_worker(queued_tokens: Mapping[str, int], rng: random.Random) -> str:
@@ -154,10 +220,7 @@ def choose_prefill_worker(queued_tokens: Mapping[str, int], rng: random.Random) 
     return chosen
 
 
-def round_robin(workers: Sequence[str], turn: int) -> str:
-    """The baseline: workers in address order, one request each in turn."""
-    ordered = sorted(workers)
-    return ordered[turn % len(ordered)]
+# ---- the terms together
 
 
 def route(
@@ -168,26 +231,27 @@ def route(
     prefill_queued_tokens: Mapping[str, int],
     cfg: RouterConfig,
     rng: random.Random,
-    turn: int = 0,
+    chooser: DecodeChooser | None = None,
 ) -> Route:
     """One routing decision: the decode worker, then local or remote prefill for it.
 
     `num_tokens` is the context length (prompt plus any tokens already generated);
     `hashes` its full blocks' chained hashes. With no prefill worker, prefill is local.
-    `turn` counts the router's decisions (the round-robin baseline uses it).
+    `chooser`: the router's own (selected once from cfg.routing; the round-robin one counts
+    its turns); None makes one for this decision alone.
     """
+    routing = cfg.routing
+    if chooser is None:
+        chooser = decode_chooser(routing)
     overlaps = index.overlap(hashes)
-    if cfg.decode_policy == "round_robin":
-        w = round_robin(list(decode_loads), turn)
-        choice = DecodeChoice(w, overlaps.get(w, 0), 0.0)
-    else:
-        candidates = [DecodeCandidate(w, overlaps.get(w, 0), load) for w, load in decode_loads.items()]
-        choice = choose_decode_worker(candidates, len(hashes), cfg, rng)
-    uncached = num_tokens - choice.overlap_blocks * cfg.block_size
+    candidates = []
+    for w, load in decode_loads.items():
+        ov = overlaps.get(w, 0)
+        candidates.append(DecodeCandidate(w, ov, uncached_prefill_tokens(num_tokens, ov, routing.block_size), load))
+    choice = chooser.choose(candidates, rng)
     if prefill_queued_tokens:
-        mode = choose_prefill_mode(
-            uncached, min(prefill_queued_tokens.values()), is_idle(decode_loads[choice.worker], cfg), cfg
-        )
+        idle = is_idle(decode_loads[choice.worker], routing.decode_idle_tokens)
+        mode = choose_prefill_mode(choice.uncached_tokens, min(prefill_queued_tokens.values()), idle, routing)
     else:
         mode = "local"
-    return Route(choice.worker, mode, choice.overlap_blocks, uncached)
+    return Route(choice.worker, mode, choice.overlap_blocks, choice.uncached_tokens)

@@ -186,7 +186,7 @@ class RequestRun:
         hashes = block_hashes(context, self.cfg.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
         r = policy.route(hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng,
-                         self.workers.next_turn())
+                         self.workers.decode_chooser)
         self.workers.assigned(r.worker, r.uncached_tokens)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
         return r.worker, r.mode

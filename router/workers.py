@@ -7,6 +7,9 @@ Whoever starts the router (the Ray pool manager, a test) hands it plain
 must run on the router's event loop; from another thread use
 `loop.call_soon_threadsafe(workers.add, address, "decode")`.
 
+The set also keeps the decode chooser that routing uses (policy.decode_chooser,
+selected once from the config): every request reaches the workers through it.
+
 A worker about to be scaled away is first `drain`ed: routing no longer sees it,
 its stats poll goes on, and `drained` says when it has finished its work.
 """
@@ -24,7 +27,7 @@ import grpc
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.router.config import RouterConfig
-from splitserve.router.policy import WorkerLoad
+from splitserve.router.policy import DecodeChooser, WorkerLoad, decode_chooser
 from splitserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,8 @@ class WorkerSet:
         self._workers: dict[str, Worker] = {}
         self._on_health_change = on_health_change or (lambda: None)
         self._closed = False
-        self._turn = -1
+        # selected once, here, because the round-robin baseline counts its turns across requests
+        self.decode_chooser: DecodeChooser = decode_chooser(cfg.routing)
 
     # ---- membership (the pool manager's interface)
 
@@ -127,11 +131,6 @@ class WorkerSet:
 
     def prefill_queued_tokens(self, exclude: Iterable[str] = ()) -> dict[str, int]:
         return {w.address: w.load().queued_tokens for w in self.healthy("prefill", exclude)}
-
-    def next_turn(self) -> int:
-        """A count of routing decisions, for the round-robin baseline."""
-        self._turn += 1
-        return self._turn
 
     def assigned(self, address: str, tokens: int) -> None:
         w = self._workers.get(address)

@@ -18,7 +18,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import DecodePolicy, RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.worker.config import WorkerConfig
@@ -40,10 +40,11 @@ def request_sequence(seed: int = 0) -> list[list[int]]:
     return seq
 
 
-async def hit_rate(policy: str, prompts: list[list[int]]) -> float:
+async def hit_rate(policy: DecodePolicy, prompts: list[list[int]]) -> float:
     workers = [start_worker(WorkerConfig(role="decode", engine=ENGINE), Engine(CFG, WEIGHTS, ENGINE))
                for _ in range(DECODE_WORKERS)]
-    cfg = RouterConfig(grpc_port=0, mode="colocated", decode_policy=policy, block_size=ENGINE.block_size)
+    routing = RoutingConfig(mode="colocated", decode_policy=policy, block_size=ENGINE.block_size)
+    cfg = RouterConfig(grpc_port=0, routing=routing)
     router = Router(cfg, ByteTokenizer(), decode=[w.grpc_address for w in workers], rng=random.Random(0))
     port = await router.start(0)
     try:
@@ -74,7 +75,7 @@ async def until_indexed(router: Router, hashes: list[bytes], timeout_s: float = 
         await asyncio.sleep(0.005)
 
 
-def test_kv_aware_routing_hits_the_prefix_cache_far_more_than_round_robin():
+def test_kv_aware_routing_hits_the_prefix_cache_far_more_than_round_robin() -> None:
     prompts = request_sequence()
     kv = asyncio.run(hit_rate("kv_aware", prompts))
     rr = asyncio.run(hit_rate("round_robin", prompts))

@@ -4,142 +4,203 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from splitserve.engine.block_hash import block_hashes
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.policy import (
     DecodeCandidate,
+    KvAwareChooser,
+    RoundRobinChooser,
     WorkerLoad,
-    choose_decode_worker,
     choose_prefill_mode,
     choose_prefill_worker,
+    decode_chooser,
     decode_cost,
-    load_score,
-    overlap_score,
+    is_idle,
+    kv_shortfall_tokens,
+    pick,
+    queued_and_running_tokens,
+    round_robin,
     route,
+    uncached_prefill_tokens,
 )
 from splitserve.router.prefix_index import PrefixIndex
 
 IDLE = WorkerLoad(queued_tokens=0, running_tokens=0, free_blocks=100, total_blocks=100)
+ROUTING = RoutingConfig(prefill_weight=1.0)  # a prefill token worth one token of load: plain sums below
 
 
-def cfg(**kw: object) -> RouterConfig:
-    return RouterConfig(**kw)  # type: ignore[arg-type]
+def cand(worker: str, uncached: int, load: WorkerLoad = IDLE, overlap: int = 0) -> DecodeCandidate:
+    return DecodeCandidate(worker, overlap, uncached, load)
 
 
-# ---- overlap_score
+# ---- uncached_prefill_tokens
 
 
-def test_overlap_score_is_the_cached_fraction() -> None:
-    assert overlap_score(3, 4) == 0.75
-    assert overlap_score(0, 4) == 0.0
-    assert overlap_score(4, 4) == 1.0
+def test_uncached_tokens_are_the_context_past_the_cached_blocks() -> None:
+    assert uncached_prefill_tokens(100, 3, 16) == 52
+    assert uncached_prefill_tokens(100, 0, 16) == 100
+    assert uncached_prefill_tokens(64, 4, 16) == 0  # every block cached
 
 
-def test_overlap_score_of_a_prompt_without_full_blocks_is_zero() -> None:
-    assert overlap_score(0, 0) == 0.0
+# ---- queued_and_running_tokens
 
 
-# ---- load_score
+def test_load_is_queued_plus_running_tokens() -> None:
+    assert queued_and_running_tokens(WorkerLoad(300, 200, 0, 100)) == 500
 
 
-def test_load_score_counts_queued_and_running_tokens_over_the_scale() -> None:
-    c = cfg(load_token_scale=1000.0, block_load_weight=0.0)
-    assert load_score(WorkerLoad(300, 200, 100, 100), c) == 0.5
+# ---- kv_shortfall_tokens
 
 
-def test_load_score_counts_the_used_block_fraction() -> None:
-    c = cfg(token_load_weight=0.0, block_load_weight=2.0)
-    assert load_score(WorkerLoad(0, 0, 25, 100), c) == 1.5
+def test_no_shortfall_while_the_worker_has_room() -> None:
+    assert kv_shortfall_tokens(160, free_blocks=10, block_size=16) == 0
 
 
-def test_load_score_of_a_worker_without_blocks_is_full() -> None:
-    assert load_score(WorkerLoad(0, 0, 0, 0), cfg(token_load_weight=0.0)) == 1.0
+def test_shortfall_grows_block_by_block_as_free_blocks_run_out() -> None:
+    assert kv_shortfall_tokens(160, free_blocks=9, block_size=16) == 16
+    assert kv_shortfall_tokens(160, free_blocks=4, block_size=16) == 96
+    assert kv_shortfall_tokens(160, free_blocks=0, block_size=16) == 160
+
+
+def test_a_partial_block_needs_a_whole_one() -> None:
+    assert kv_shortfall_tokens(17, free_blocks=1, block_size=16) == 16
+    assert kv_shortfall_tokens(0, free_blocks=0, block_size=16) == 0
 
 
 # ---- decode_cost
 
 
-def test_decode_cost_weighs_load_against_overlap() -> None:
-    assert decode_cost(overlap=0.5, load=0.25, cfg=cfg(overlap_weight=2.0, load_weight=4.0)) == 0.0
-    assert decode_cost(overlap=1.0, load=0.0, cfg=cfg()) == -1.0
+def test_decode_cost_adds_weighted_prefill_tokens_to_load_and_shortfall() -> None:
+    assert decode_cost(prefill_tokens=100, work_tokens=50, shortfall_tokens=16, prefill_weight=2.0) == 266.0
+    assert decode_cost(prefill_tokens=100, work_tokens=0, shortfall_tokens=0, prefill_weight=1.0) == 100.0
 
 
-# ---- choose_decode_worker
+# ---- pick
 
 
-def test_the_worker_with_the_prefix_wins_at_equal_load() -> None:
-    cands = [DecodeCandidate("a", 0, IDLE), DecodeCandidate("b", 3, IDLE)]
-    assert choose_decode_worker(cands, 4, cfg(), random.Random(0)).worker == "b"
-
-
-def test_load_beats_a_small_overlap() -> None:
-    busy = WorkerLoad(16384, 0, 0, 100)  # load 1 + 1 = 2
-    cands = [DecodeCandidate("a", 1, busy), DecodeCandidate("b", 0, IDLE)]
-    choice = choose_decode_worker(cands, 4, cfg(), random.Random(0))
-    assert choice.worker == "b" and choice.cost == 0.0
+def test_pick_takes_the_cheapest() -> None:
+    assert pick([3.0, 1.0, 2.0], 0.0, random.Random(0)) == 1
 
 
 def test_ties_are_broken_by_the_rng_exactly() -> None:
-    cands = [DecodeCandidate(w, 0, IDLE) for w in "abcd"]
-    picks = [choose_decode_worker(cands, 4, cfg(), random.Random(seed)).worker for seed in range(6)]
-    expected = ["abcd"[random.Random(seed).randrange(4)] for seed in range(6)]
-    assert picks == expected
+    picks = [pick([5.0, 5.0, 5.0, 5.0], 0.0, random.Random(seed)) for seed in range(6)]
+    assert picks == [random.Random(seed).randrange(4) for seed in range(6)]
     assert len(set(picks)) > 1
 
 
-def test_softmax_temperature_samples_by_exp_of_minus_cost() -> None:
-    cands = [DecodeCandidate("a", 4, IDLE), DecodeCandidate("b", 0, IDLE)]  # costs -1 and 0
-    c = cfg(temperature=1.0)
+def test_softmax_temperature_samples_by_exp_of_minus_cost_over_t() -> None:
     rng = random.Random(7)
-    picks = [choose_decode_worker(cands, 4, c, rng).worker for _ in range(2000)]
-    share_a = picks.count("a") / len(picks)
-    # p(a) = e / (e + 1) = 0.731
-    assert abs(share_a - 0.731) < 0.03
-    # and exactly reproducible
-    rng2 = random.Random(7)
-    assert picks == [choose_decode_worker(cands, 4, c, rng2).worker for _ in range(2000)]
+    picks = [pick([0.0, 16.0], 16.0, rng) for _ in range(2000)]  # 16 tokens apart at T = 16 tokens
+    # p(first) = e / (e + 1) = 0.731
+    assert abs(picks.count(0) / len(picks) - 0.731) < 0.03
+    rng2 = random.Random(7)  # and exactly reproducible
+    assert picks == [pick([0.0, 16.0], 16.0, rng2) for _ in range(2000)]
+
+
+# ---- KvAwareChooser
+
+
+def test_the_worker_with_the_prefix_wins_at_equal_load() -> None:
+    choice = KvAwareChooser(ROUTING).choose([cand("a", 64), cand("b", 16, overlap=3)], random.Random(0))
+    assert (choice.worker, choice.overlap_blocks, choice.uncached_tokens, choice.cost) == ("b", 3, 16, 16.0)
+
+
+def test_load_beats_a_smaller_prefill() -> None:
+    busy = WorkerLoad(100, 0, 100, 100)
+    choice = KvAwareChooser(ROUTING).choose([cand("a", 16, busy, overlap=3), cand("b", 64)], random.Random(0))
+    assert (choice.worker, choice.cost) == ("b", 64.0)  # a: 16 + 100 = 116
+
+
+def test_the_prefill_weight_trades_cached_tokens_against_load() -> None:
+    busy = WorkerLoad(100, 0, 100, 100)
+    cands = [cand("a", 16, busy, overlap=3), cand("b", 64)]
+    choice = KvAwareChooser(RoutingConfig(prefill_weight=4.0)).choose(cands, random.Random(0))
+    assert (choice.worker, choice.cost) == ("a", 164.0)  # b: 4 * 64 = 256
+
+
+def test_by_default_a_cache_hit_outweighs_the_load_of_the_request_that_cached_it() -> None:
+    # the router counts a routed request's tokens until the worker's next stats poll, finished or not
+    lagging = WorkerLoad(59, 0, 100, 100)
+    choice = KvAwareChooser(RoutingConfig()).choose([cand("a", 18, lagging, overlap=3), cand("b", 66)], random.Random(0))
+    assert (choice.worker, choice.cost) == ("a", 4 * 18 + 59)
+
+
+def test_a_worker_out_of_free_blocks_pays_for_the_shortfall() -> None:
+    full = WorkerLoad(0, 0, 1, 100)
+    choice = KvAwareChooser(ROUTING).choose([cand("a", 48, full), cand("b", 60)], random.Random(0))
+    assert (choice.worker, choice.cost) == ("b", 60.0)  # a: 48 + 16 * (3 - 1) = 80
 
 
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(ValueError):
-        choose_decode_worker([], 4, cfg(), random.Random(0))
+        KvAwareChooser(ROUTING).choose([], random.Random(0))
+    with pytest.raises(ValueError):
+        RoundRobinChooser().choose([], random.Random(0))
 
 
 def test_the_decision_logs_its_formula_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
-    choose_decode_worker([DecodeCandidate("w1", 2, WorkerLoad(100, 0, 50, 100))], 4, cfg(), random.Random(0))
-    text = caplog.text
-    assert "decode w1: cost = 1*load(1*100/16384 + 1*(1 - 50/100) = 0.5061) - 1*overlap(2/4 = 0.5000) = 0.0061" in text
+    chooser = KvAwareChooser(RoutingConfig(prefill_weight=2.0))
+    chooser.choose([cand("w1", 40, WorkerLoad(100, 30, 2, 100), overlap=2)], random.Random(0))
+    assert ("decode w1: cost = 2*uncached(40) + load(100 queued + 30 running) "
+            "+ shortfall(16*max(0, 3 blocks - 2 free)) = 226") in caplog.text
+
+
+# ---- RoundRobinChooser
+
+
+def test_round_robin_takes_workers_in_address_order() -> None:
+    workers = ["b:1", "a:1", "c:1"]
+    assert [round_robin(workers, t) for t in range(5)] == ["a:1", "b:1", "c:1", "a:1", "b:1"]
+
+
+def test_the_round_robin_chooser_counts_its_turns_whatever_the_caches() -> None:
+    chooser = RoundRobinChooser()
+    cands = [cand("b:1", 0, overlap=9), cand("a:1", 100)]
+    picks = [chooser.choose(cands, random.Random(0)) for _ in range(3)]
+    assert [(c.worker, c.uncached_tokens) for c in picks] == [("a:1", 100), ("b:1", 0), ("a:1", 100)]
+
+
+def test_the_chooser_is_the_one_the_config_names() -> None:
+    assert isinstance(decode_chooser(RoutingConfig(decode_policy="round_robin")), RoundRobinChooser)
+    assert isinstance(decode_chooser(RoutingConfig(decode_policy="kv_aware")), KvAwareChooser)
 
 
 # ---- choose_prefill_mode
 
 
 def test_short_uncached_suffix_prefills_locally() -> None:
-    c = cfg(local_prefill_max_tokens=256)
-    assert choose_prefill_mode(256, 0, False, c) == "local"
-    assert choose_prefill_mode(257, 0, False, c) == "remote"
+    r = RoutingConfig(local_prefill_max_tokens=256)
+    assert choose_prefill_mode(256, 0, False, r) == "local"
+    assert choose_prefill_mode(257, 0, False, r) == "remote"
 
 
 def test_backed_up_prefill_pool_with_an_idle_decode_worker_prefills_locally() -> None:
-    c = cfg(local_prefill_max_tokens=0, prefill_backlog_tokens=1000)
-    assert choose_prefill_mode(5000, 1000, True, c) == "local"
-    assert choose_prefill_mode(5000, 1000, False, c) == "remote"  # decode worker busy
-    assert choose_prefill_mode(5000, 999, True, c) == "remote"  # pool not backed up
+    r = RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=1000)
+    assert choose_prefill_mode(5000, 1000, True, r) == "local"
+    assert choose_prefill_mode(5000, 1000, False, r) == "remote"  # decode worker busy
+    assert choose_prefill_mode(5000, 999, True, r) == "remote"  # pool not backed up
 
 
 def test_forced_modes() -> None:
-    assert choose_prefill_mode(1, 0, True, cfg(mode="disaggregated")) == "remote"
-    assert choose_prefill_mode(10**6, 0, False, cfg(mode="colocated")) == "local"
+    assert choose_prefill_mode(1, 0, True, RoutingConfig(mode="disaggregated")) == "remote"
+    assert choose_prefill_mode(10**6, 0, False, RoutingConfig(mode="colocated")) == "local"
 
 
 def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
-    choose_prefill_mode(300, 9000, True, cfg())
+    choose_prefill_mode(300, 9000, True, ROUTING)
     assert "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode idle True is True" in caplog.text
+
+
+def test_idle_is_at_most_the_idle_tokens_of_work() -> None:
+    assert is_idle(WorkerLoad(10, 20, 0, 0), 30)
+    assert not is_idle(WorkerLoad(10, 21, 0, 0), 30)
 
 
 # ---- choose_prefill_worker
@@ -158,26 +219,61 @@ def test_prefill_ties_are_broken_by_the_rng() -> None:
 
 
 def test_route_picks_the_prefix_holder_and_prefills_its_short_suffix_locally() -> None:
-    c = cfg(block_size=4, local_prefill_max_tokens=8)
+    cfg = RouterConfig(routing=RoutingConfig(block_size=4, local_prefill_max_tokens=8))
     prompt = list(range(40))
     hashes = block_hashes(prompt, 4)
     idx = PrefixIndex()
     idx.stored("a", hashes[:8])
     loads = {"a": IDLE, "b": IDLE}
-    r = route(hashes, len(prompt), idx, loads, {"p": 0}, c, random.Random(0))
+    r = route(hashes, len(prompt), idx, loads, {"p": 0}, cfg, random.Random(0))
     assert (r.worker, r.overlap_blocks, r.uncached_tokens, r.mode) == ("a", 8, 8, "local")
     idx.removed("a", hashes[4:])
-    r = route(hashes, len(prompt), idx, loads, {"p": 0}, c, random.Random(0))
+    r = route(hashes, len(prompt), idx, loads, {"p": 0}, cfg, random.Random(0))
     assert (r.worker, r.uncached_tokens, r.mode) == ("a", 24, "remote")
 
 
+def test_the_mode_sees_the_chosen_workers_uncached_tokens() -> None:
+    # b holds the prefix but is busy; a wins and must prefill all 40 tokens, so remote
+    cfg = RouterConfig(routing=RoutingConfig(block_size=4, local_prefill_max_tokens=8))
+    prompt = list(range(40))
+    hashes = block_hashes(prompt, 4)
+    idx = PrefixIndex()
+    idx.stored("b", hashes)
+    loads = {"a": IDLE, "b": WorkerLoad(1000, 0, 100, 100)}
+    r = route(hashes, len(prompt), idx, loads, {"p": 0}, cfg, random.Random(0))
+    assert (r.worker, r.overlap_blocks, r.uncached_tokens, r.mode) == ("a", 0, 40, "remote")
+
+
 def test_route_without_prefill_workers_is_local() -> None:
-    r = route([], 5000, PrefixIndex(), {"a": IDLE}, {}, cfg(), random.Random(0))
+    r = route([], 5000, PrefixIndex(), {"a": IDLE}, {}, RouterConfig(), random.Random(0))
     assert r.mode == "local"
 
 
-def test_round_robin_takes_workers_in_turn_whatever_their_caches():
-    from splitserve.router.policy import round_robin
+def test_route_keeps_the_round_robin_turn_in_the_chooser_it_is_given() -> None:
+    cfg = RouterConfig(routing=RoutingConfig(decode_policy="round_robin"))
+    chooser = decode_chooser(cfg.routing)
+    loads = {"b": IDLE, "a": IDLE}
+    picks = [route([], 10, PrefixIndex(), loads, {}, cfg, random.Random(0), chooser).worker for _ in range(3)]
+    assert picks == ["a", "b", "a"]
 
-    workers = ["b:1", "a:1", "c:1"]
-    assert [round_robin(workers, t) for t in range(5)] == ["a:1", "b:1", "c:1", "a:1", "b:1"]
+
+# ---- the routing section of the config
+
+
+def test_routing_config_rejects_what_it_cannot_route_with() -> None:
+    # values of any type (a flag or a file may hold anything): the point is what __post_init__ lets through
+    bad: list[tuple[str, Any]] = [("block_size", 0), ("prefill_weight", -1.0), ("temperature", float("nan")),
+                                  ("local_prefill_max_tokens", -1), ("mode", "sometimes"), ("decode_policy", "random")]
+    for field, value in bad:
+        with pytest.raises(ValueError, match=field):
+            replace(ROUTING, **{field: value})
+
+
+def test_router_config_shorthands_land_in_the_routing_section() -> None:
+    cfg = RouterConfig(mode="colocated", local_prefill_max_tokens=32)
+    assert cfg.routing == RoutingConfig(mode="colocated", local_prefill_max_tokens=32)
+    assert (cfg.mode, cfg.local_prefill_max_tokens) == ("colocated", 32)
+    assert RouterConfig(routing=RoutingConfig(mode="disaggregated")).mode == "disaggregated"
+    assert RouterConfig(routing=RoutingConfig(block_size=32)).block_size == 32
+    with pytest.raises(ValueError, match="disagrees"):
+        RouterConfig(mode="colocated", routing=RoutingConfig(mode="disaggregated"))
