@@ -21,16 +21,13 @@ log = logging.getLogger("splitserve.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.router.flags import add_router_arguments
     from splitserve.worker.server import add_engine_arguments
 
-    add_engine_arguments(p)
-    p.add_argument("--host", default="0.0.0.0", help="router address to bind")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint of the router (0: off)")
+    add_engine_arguments(p)  # --block-size among them, which the router shares
+    add_router_arguments(p)
     p.add_argument("--worker-host", default="127.0.0.1",
                    help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)")
-    p.add_argument("--mode", default="auto", choices=["auto", "disaggregated", "colocated"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--prefill-workers-max", type=int, default=None,
@@ -46,10 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-resources", default="{}", help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}')
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
-    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
-                   help="mode auto: prefill on the decode worker when the uncached suffix is this short")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"), help="clients must send it as a bearer token")
 
 
 def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
@@ -95,8 +89,8 @@ async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
     import ray
 
     from splitserve.engine.weights import load_tokenizer
-    from splitserve.router.config import RouterConfig
     from splitserve.router.engine_tokenizer import EngineTokenizer
+    from splitserve.router.flags import router_config_from_args
     from splitserve.router.pool import PoolManager, PoolSpec
     from splitserve.router.server import Router
     from splitserve.worker.config import WorkerConfig
@@ -126,11 +120,7 @@ async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
         PoolSpec("decode", a.decode_workers, worker("decode"), a.cpus_per_worker, a.gpus_per_worker,
                  json.loads(a.decode_resources), decode_scaling),
     ]
-    cfg = RouterConfig(host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port, mode=a.mode,
-                       http_port=None if a.http_port < 0 else a.http_port,
-                       block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens,
-                       api_key=a.api_key, cluster_token=cluster_token)
-    router = Router(cfg, tokenizer)
+    router = Router(router_config_from_args(a, cluster_token), tokenizer)
     pools = PoolManager(specs, router.workers, metrics=router.metrics)
 
     async def start() -> None:

@@ -9,20 +9,18 @@ import logging
 import os
 import signal
 
+from splitserve.router.config import RoutingConfig
+from splitserve.router.flags import add_router_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=[], required=True, help="decode worker host:port (repeatable)")
     p.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     p.add_argument("--model", default=None, help="the workers' model, for its tokenizer (default: embedded SmolLM2)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--mode", default="auto", choices=["auto", "disaggregated", "colocated"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--local-prefill-max-tokens", type=int, default=256)
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
-    p.add_argument("--cluster-token", default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"))
+    add_router_arguments(p)
+    p.add_argument("--block-size", type=int, default=RoutingConfig().block_size, help="tokens per KV block: the workers'")
+    p.add_argument("--cluster-token", default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
+                   help="sent to the workers (default: $SPLITSERVE_CLUSTER_TOKEN)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -34,14 +32,11 @@ def run(a: argparse.Namespace) -> int:
 
 async def _run(a: argparse.Namespace) -> int:
     from splitserve.engine.weights import load_tokenizer
-    from splitserve.router.config import RouterConfig
     from splitserve.router.engine_tokenizer import EngineTokenizer
+    from splitserve.router.flags import router_config_from_args
     from splitserve.router.server import Router
 
-    cfg = RouterConfig(host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port, mode=a.mode,
-                       http_port=None if a.http_port < 0 else a.http_port,
-                       block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens,
-                       api_key=a.api_key, cluster_token=a.cluster_token)
+    cfg = router_config_from_args(a, a.cluster_token)
     router = Router(cfg, EngineTokenizer(load_tokenizer(a.model)), decode=a.decode, prefill=a.prefill)
     port = await router.start()
     print(f"splitserve router: listening on {a.host}:{port}"

@@ -1,0 +1,37 @@
+"""The router's flags: `splitserve serve` and `splitserve router` take the same
+ones and build the same RouterConfig from them (router/flags.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.cli import build_parser
+from splitserve.router.config import RouterConfig, RoutingConfig
+from splitserve.router.flags import router_config_from_args
+
+ROUTER_FLAGS = ["--host", "127.0.0.1", "--grpc-port", "6000", "--http-port", "-1", "--metrics-port", "9400",
+                "--mode", "colocated", "--block-size", "32", "--local-prefill-max-tokens", "64", "--api-key", "k"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser(list(argv)).parse_args(list(argv))
+
+
+def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
+    served = router_config_from_args(parse("serve", *ROUTER_FLAGS), "token")
+    alone = router_config_from_args(parse("router", "--decode", "d:1", *ROUTER_FLAGS), "token")
+    assert served == alone == RouterConfig(
+        routing=RoutingConfig(mode="colocated", block_size=32, local_prefill_max_tokens=64),
+        host="127.0.0.1", grpc_port=6000, http_port=None, metrics_port=9400, api_key="k", cluster_token="token",
+    )
+
+
+def test_the_flags_defaults_are_the_configs() -> None:
+    cfg = router_config_from_args(parse("router", "--decode", "d:1", "--api-key", ""), None)
+    assert cfg.routing == RoutingConfig()
+    assert (cfg.host, cfg.grpc_port, cfg.metrics_port, cfg.http_port) == ("0.0.0.0", 50051, 0, 8000)
+
+
+def test_the_router_command_reads_its_cluster_token_flag() -> None:
+    a = parse("router", "--decode", "d:1", "--cluster-token", "secret")
+    assert router_config_from_args(a, a.cluster_token).auth_metadata == (("x-splitserve-token", "secret"),)
