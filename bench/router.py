@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from splitserve.router.event_loop import loop_name
 
@@ -221,7 +222,7 @@ def _decisions(args: argparse.Namespace) -> tuple[float, float]:
     return policy_rate, hashed_rate
 
 
-def _start(target: object, *args: object) -> tuple[mp.process.BaseProcess, mp.connection.Connection]:
+def _start(target: Callable[..., object], *args: object) -> tuple[mp.process.BaseProcess, mp.connection.Connection]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)

@@ -174,7 +174,8 @@ def _sharegpt_turns(max_bytes: int) -> list[str]:
             text = f.read(max_bytes)
     except OSError:
         return []
-    decoder, turns, i = json.JSONDecoder(), [], text.find("{")
+    decoder, i = json.JSONDecoder(), text.find("{")
+    turns: list[str] = []
     while i >= 0:
         try:
             obj, end = decoder.raw_decode(text, i)

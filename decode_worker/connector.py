@@ -64,7 +64,7 @@ class ReceiverConnector:
         return True
 
     def poll(self) -> list[TransferOutcome]:
-        out = []
+        out: list[TransferOutcome] = []
         while True:
             try:
                 o = self._outcomes.get_nowait()

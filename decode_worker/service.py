@@ -30,6 +30,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
+from splitserve.worker.grpc_abort import refuse
 from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,10 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 raise ValueError("prefill_mode must be LOCAL or REMOTE")
             params = convert.sampling_from_proto(request.sampling)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: Events[Any] = queue.SimpleQueue()
         if not self.calls.claim(rid, events):
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
+            refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
         self.loop.set_sink(rid, events.put)
         try:
             if not context.add_callback(lambda: events.put(_CANCELLED)):
@@ -88,7 +89,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 remote: RemotePrefill | None = self._call(
                     lambda engine: engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior), context)
                 if remote is None:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
+                    refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
                 yield wpb.DecodeEvent(reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens))
             yield from self._stream(events, params.logprobs)
         finally:
@@ -136,12 +137,11 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         try:
             return self.loop.call(fn).result(timeout=self.cfg.admit_timeout_s)
         except ValueError as e:  # the engine refused what the request asked for
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not admit the request in time")
+            refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not admit the request in time")
         except RuntimeError as e:
-            context.abort(grpc.StatusCode.INTERNAL, str(e))
-        raise AssertionError("context.abort returned")  # it raises
+            refuse(context, grpc.StatusCode.INTERNAL, str(e))
 
     # ---- the rest ----
 

@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ok, what = check_worker(a.address, a.role, a.timeout)
     except Exception as e:  # grpc.RpcError (UNAVAILABLE, UNAUTHENTICATED, DEADLINE_EXCEEDED) or worse
-        code = getattr(e, "code", None)
-        detail = f"{code().name}: {e.details()}" if callable(code) else repr(e)
+        import grpc  # imported already by the checks; here only for its types
+
+        detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)
         print(f"unhealthy: {a.target} at {a.address}: {detail}", file=sys.stderr)
         return 1
     print(f"{'healthy' if ok else 'unhealthy'}: {a.target} at {a.address}: {what}")

@@ -38,11 +38,13 @@ class TransferOutcome(NamedTuple):
 class Transfer(Protocol):
     """What `reserve` hands back: the connector's own record, sent to whoever fills it."""
 
-    ticket: bytes  # the transfer id
+    @property
+    def ticket(self) -> bytes: ...  # the transfer id
 
 
 class KVConnector(Protocol):
-    wants_layers: bool
+    @property
+    def wants_layers(self) -> bool: ...  # call on_layer_done (a hook keeps CUDA graphs off)
 
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None: ...
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Transfer: ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, self.widths[-1]), self.scratch_block, dtype=torch.long, device=dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs share one memory pool (torch types its handle privately)
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.batch_sizes[-1] and width <= self.widths[-1]

@@ -32,6 +32,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.tokenizer import Tokenizer
 
 __all__ = ["Engine", "RemotePrefill", "StepOutput"]
 
@@ -76,7 +77,7 @@ class Engine:
         self.connector = connector
 
     @staticmethod
-    def from_path(path: str | None, cfg: EngineConfig, progress: bool = True) -> tuple[Engine, object]:
+    def from_path(path: str | None, cfg: EngineConfig, progress: bool = True) -> tuple[Engine, Tokenizer]:
         """Load weights and tokenizer from a GGUF file or a HF directory (None: the default model)."""
         from splitserve.engine.weights import load_model
 

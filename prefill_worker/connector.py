@@ -14,6 +14,7 @@ import logging
 import queue
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -84,7 +85,7 @@ class SenderConnector:
             if layer == self.last_layer:
                 ob.sent_hi = hi
 
-    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> None:
+    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> NoReturn:
         raise RuntimeError("a prefill worker reserves nothing")
 
     def cancel(self, transfer_id: bytes) -> bool:

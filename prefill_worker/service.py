@@ -29,6 +29,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
+from splitserve.worker.grpc_abort import refuse
 from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             kv = convert.reservation_from_proto(request.reservation)
             first_index = self._check_reservation(request.reservation, len(prompt) + len(prior))
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         job = _Job(rid, kv.ticket)
         if not self.jobs.claim(rid, job):
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
+            refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
         stream: KVStream | None = None
         handed_off = False
         try:
@@ -111,7 +112,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 stream = self.sender.open(kv)
             except TransferError as e:
                 code = grpc.StatusCode.FAILED_PRECONDITION if e.code == "layout_mismatch" else grpc.StatusCode.UNAVAILABLE
-                context.abort(code, f"KV stream to {kv.endpoint}: {e}")
+                refuse(context, code, f"KV stream to {kv.endpoint}: {e}")
             opened = stream
 
             def admit(engine: Engine) -> None:
@@ -126,19 +127,19 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             try:
                 self.loop.call(admit).result(timeout=self.cfg.admit_timeout_s)
             except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except TimeoutError:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not admit the request in time")
+                refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not admit the request in time")
             try:
                 out = job.first.result(timeout=self.cfg.prefill_timeout_s)
             except TimeoutError:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+                refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
             except _Stopped as e:
-                context.abort(e.code, str(e))
+                refuse(context, e.code, str(e))
             if out.finish_reason == "abort":
-                context.abort(grpc.StatusCode.ABORTED, "prefill aborted")
+                refuse(context, grpc.StatusCode.ABORTED, "prefill aborted")
             if out.finish_reason != "prefill_done":  # a failure code of its KV stream
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"KV stream failed: {out.finish_reason}")
+                refuse(context, grpc.StatusCode.UNAVAILABLE, f"KV stream failed: {out.finish_reason}")
             self.finisher.submit(self._finish, job, stream, out.token_id)
             handed_off = True
             result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
@@ -186,8 +187,11 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
 
         assert self.loop is not None
         self.loop.drop_sink(rid, job.resolve)
-        # a stopped loop fails the call: nothing is left to free then, but the id is still given back
-        self.loop.call(forget).add_done_callback(lambda f: f.exception() and self.jobs.release(rid, job))
+        def after(f: Future[None]) -> None:
+            if f.exception() is not None:  # a stopped loop: nothing is left to free, but the id goes back
+                self.jobs.release(rid, job)
+
+        self.loop.call(forget).add_done_callback(after)
 
     # ---- the rest ----
 

@@ -94,6 +94,7 @@ def reservation_to_proto(r: KVReservation, num_cached_tokens: int) -> wpb.Reserv
 
 def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
     from splitserve.kv_transfer import Reservation as KVReservation
+    from splitserve.kv_transfer.reservation import TRANSPORT_NAMES
 
     if len(m.ticket) != 16:
         raise ValueError(f"reservation.ticket must be 16 bytes, got {len(m.ticket)}")
@@ -101,10 +102,13 @@ def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
         raise ValueError("reservation.block_ids is empty")
     if not m.kv_endpoint:
         raise ValueError("reservation.kv_endpoint is empty")
+    transport = m.transport or "tcp"
+    if transport not in TRANSPORT_NAMES:
+        raise ValueError(f"reservation.transport must be one of {TRANSPORT_NAMES}, got {transport!r}")
     return KVReservation(
         request_id=m.request_id,
         ticket=bytes(m.ticket),
-        transport=m.transport or "tcp",
+        transport=transport,
         endpoint=m.kv_endpoint,
         tcp_endpoint=m.kv_tcp_endpoint or m.kv_endpoint,
         block_ids=tuple(int(b) for b in m.block_ids),

@@ -52,6 +52,7 @@ def _time_pass(fn: Callable[[], object]) -> float:
 def _measure(weights: list[Tensor], xs: dict[int, Tensor], rounds: int, stat: str) -> tuple[float, float, float]:
     """GB/s of kernel, F.linear and plain read over one pass of `weights`, best or median of `rounds`."""
     ext = _extension()
+    assert ext is not None, "the kernel did not build"
     nbytes = sum(w.numel() * w.element_size() for w in weights)
 
     def run_kernel() -> None:

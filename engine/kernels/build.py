@@ -56,7 +56,7 @@ def _ensure_ninja_on_path() -> None:
         return
     candidates = [Path(sys.executable).parent]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         candidates.insert(0, Path(ninja.BIN_DIR))
     except (ImportError, AttributeError):

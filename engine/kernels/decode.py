@@ -46,11 +46,17 @@ ISA_NAMES = {1: "x86-64", 2: "avx2", 3: "avx512"}
 class StepMetadata(Protocol):
     """What a step needs of engine.attention.AttentionMetadata (not imported: it imports nothing from here)."""
 
-    slot_blocks: Tensor
-    slot_offsets: Tensor
-    block_tables: Tensor
-    context_lens: Tensor
-    is_decode: bool
+    # read-only, as the frozen dataclass has them
+    @property
+    def slot_blocks(self) -> Tensor: ...
+    @property
+    def slot_offsets(self) -> Tensor: ...
+    @property
+    def block_tables(self) -> Tensor: ...
+    @property
+    def context_lens(self) -> Tensor: ...
+    @property
+    def is_decode(self) -> bool: ...
 
 
 def _is_index(t: Tensor, shape: tuple[int, ...]) -> bool:
@@ -211,7 +217,7 @@ def _self_test(k: DecodeKernels) -> bool:
                                block_tables=torch.tensor([[1, 0], [2, 3]]), context_lens=torch.tensor([1, 6]),
                                is_decode=True)
         ones, zeros = torch.ones(b, dim, dtype=dtype), torch.zeros(b, dim, dtype=dtype)
-        step = k.step(h, cache, meta, ones, zeros, num_heads=heads, scale=dim**-0.5, eps=1e-5,  # type: ignore[arg-type]
+        step = k.step(h, cache, meta, ones, zeros, num_heads=heads, scale=dim**-0.5, eps=1e-5,
                       intermediate_size=inter)
         hf = (h + y).float()
         ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
