@@ -6,9 +6,7 @@ elsewhere), and a client that cancels (no block leaks anywhere)."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.worker.launch import spawn_worker
 
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e_helpers.cluster import FLAGS, expected, stats, wait_all_blocks_free, with_router  # noqa: E402
+from tests.e2e_helpers.cluster import FLAGS, expected, stats, wait_all_blocks_free, with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -34,8 +32,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.worker.launch import WorkerProcess, spawn_worker
 
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e_helpers.cluster import FLAGS, expected, free_port, scrape, wait_all_blocks_free, with_router  # noqa: E402
+from tests.e2e_helpers.cluster import FLAGS, expected, free_port, scrape, wait_all_blocks_free, with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

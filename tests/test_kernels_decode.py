@@ -16,21 +16,19 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
+from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
 
-import splitserve.engine.kernels.decode as kd  # noqa: E402
-import splitserve.engine.model as model_mod  # noqa: E402
-from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv  # noqa: E402
-from splitserve.engine.model import LlamaModel, apply_rope, rms_norm  # noqa: E402
-from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
+import splitserve.engine.kernels.decode as kd
+import splitserve.engine.model as model_mod
+from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
+from splitserve.engine.model import LlamaModel, apply_rope, rms_norm
+from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(300)
 

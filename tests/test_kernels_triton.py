@@ -13,7 +13,6 @@ is skipped."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -28,16 +27,15 @@ if torch.cuda.is_available():
     pytest.skip("a GPU runs these kernels natively, in tests/test_cuda.py", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
-import numpy as np  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
+from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
 
 import splitserve.engine.kernels.triton_decode as td  # noqa: E402
 from splitserve.engine.attention import AttentionMetadata, write_kv  # noqa: E402

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all  # noqa: E402
+from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all
 
-from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame  # noqa: E402
-from splitserve.kv_transfer.fake import FakeTransport  # noqa: E402
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
+from splitserve.kv_transfer.fake import FakeTransport
 
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed"))]

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kv_transfer_helpers.common import (  # noqa: E402
+from tests.kv_transfer_helpers.common import (
     LAYOUT, Bystander, RawPeer, assert_arrived, assert_no_leak, assert_zero, closed_by_peer, complete_stream, metric,
     random_cache, send_all, wait_until,
 )  # fmt: skip
 
-from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame  # noqa: E402
-from splitserve.kv_transfer.transport import Watchdog, Watched  # noqa: E402
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
+from splitserve.kv_transfer.transport import Watchdog, Watched
 
 pytestmark = pytest.mark.timeout(60)
 
