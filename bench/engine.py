@@ -297,7 +297,7 @@ def _ours_decode(engine: Engine, prompts: list[list[int]], n: int, tag: str) -> 
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
+    for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     t0, at_t0 = 0.0, -1
@@ -339,9 +339,8 @@ def _hf_decode(model: Any, prompts: list[list[int]], n: int, device: torch.devic
 
 def _ours_prefill(engine: Engine, prompt: list[int], tag: str) -> float:
     """Seconds to prefill one prompt and sample its first token."""
-    from splitserve.engine.sampling import SamplingParams
-
     from splitserve.bench.hw import sync
+    from splitserve.engine.sampling import SamplingParams
 
     engine.add_request(tag, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     sync(engine.model.device)
@@ -546,28 +545,28 @@ def _report_decode(
 def _prefill(tag: str, engine: Engine, probe: LinearProbe, opts: Options) -> None:
     import torch
 
-    cfg, T = engine.model_cfg, opts.prefill_len
-    g = torch.Generator().manual_seed(T)
+    cfg, n = engine.model_cfg, opts.prefill_len
+    g = torch.Generator().manual_seed(n)
     skip = ("lm_head",)  # prefill computes logits for its last token only
 
     def prompt() -> list[int]:
-        return torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+        return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
 
     _ours_prefill(engine, prompt(), "prefill-warm")
-    probe.pass_times(T, skip)
+    probe.pass_times(n, skip)
     times, rates = [], []
     for r in range(opts.repeats):
         times.append(_ours_prefill(engine, prompt(), f"prefill{r}"))
-        rates.append(probe.flops(T, skip) / sum(probe.pass_times(T, skip).values()))
+        rates.append(probe.flops(n, skip) / sum(probe.pass_times(n, skip).values()))
     probe.free_inputs()
     sec, rate = statistics.median(times), statistics.median(rates)
-    attn_flops = 2 * T * T * cfg.q_size * cfg.num_layers  # causal: half of QK^T and PV's 4 T^2 d per head
-    flops = probe.flops(T, skip) + 2 * cfg.vocab_size * cfg.hidden_size + attn_flops
+    attn_flops = 2 * n * n * cfg.q_size * cfg.num_layers  # causal: half of QK^T and PV's 4 n^2 d per head (n tokens)
+    flops = probe.flops(n, skip) + 2 * cfg.vocab_size * cfg.hidden_size + attn_flops
     achieved = flops / sec
     target = "" if opts.device.type == "cpu" else _target(achieved / rate, TARGETS_CUDA["prefill_matmul"], "%")
-    print(f"{tag} prefill   {T} tokens: ours {_f(T / sec)} tok/s ({_f(sec * 1e3)} ms); {_f(flops / 1e12)} TFLOP "
+    print(f"{tag} prefill   {n} tokens: ours {_f(n / sec)} tok/s ({_f(sec * 1e3)} ms); {_f(flops / 1e12)} TFLOP "
           f"(attention {_f(attn_flops / 1e12)}) = {_f(achieved / 1e12)} TFLOP/s = {_pct(achieved / rate)} of F.linear at "
-          f"{T} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}")  # fmt: skip
+          f"{n} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}")  # fmt: skip
 
 
 def _profile(tag: str, engine: Engine, prompts: list[list[int]], n: int, batch: int, dev: torch.device) -> None:
@@ -585,8 +584,9 @@ def _profile(tag: str, engine: Engine, prompts: list[list[int]], n: int, batch: 
 
 
 def _agreement(ours: list[list[int]], hf: list[list[int]]) -> str:
-    same = sum(a == b for a, b in zip(ours, hf))
-    first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, hf)]
+    same = sum(a == b for a, b in zip(ours, hf, strict=True))
+    # a request that stopped early agrees up to its end
+    first = [next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)) for a, b in zip(ours, hf, strict=True)]
     where = "" if same == len(ours) else f"; first difference at token {min(first)}"
     return f"ours and HF's tokens identical for {same} of {len(ours)} requests of the first repetition{where}"
 

@@ -154,5 +154,5 @@ class CpuShare:
         end = self._sample()
         if self._start is None or end is None or end[2] <= self._start[2]:
             return float("nan")
-        busy, own, wall = (e - s for e, s in zip(end, self._start))
+        busy, own, wall = (e - s for e, s in zip(end, self._start, strict=True))
         return max(0.0, (busy - own) / wall)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import random
@@ -75,17 +76,16 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
     import logging
 
     logging.disable(logging.WARNING)
-    from splitserve.router.config import RouterConfig
-    from splitserve.router.event_loop import run as run_loop
-    from splitserve.router.server import Router
-    from splitserve.router.tokenizer import ByteTokenizer
-
     import grpc
 
     from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.event_loop import run as run_loop
+    from splitserve.router.server import Router
+    from splitserve.router.tokenizer import ByteTokenizer
 
     class BareProxy(generate_pb2_grpc.GenerationServicer):
         """The floor for any gRPC-to-gRPC router in Python: forward, relay, nothing else."""
@@ -140,7 +140,7 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
     prompt = [random.Random(i).randrange(256) for i in range(args.prompt_tokens)]
     n = args.tokens
     channels = [grpc.aio.insecure_channel(a) for a in addr.values()]
-    ch = dict(zip(addr, channels))
+    ch = dict(zip(addr, channels, strict=True))
     decode = wgrpc.DecodeWorkerStub(ch["decode"])
     prefill = wgrpc.PrefillWorkerStub(ch["prefill"])
     front = {m: generate_pb2_grpc.GenerationStub(ch[m]) for m in ("colocated", "disaggregated", "bare")}
@@ -177,7 +177,7 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
         res: dict[str, list[float]] = {k: [] for k in ("direct", "router", "direct_first", "router_first")}
         for i in range(args.warmup + args.requests):
             # alternate which path goes first, so drift hits both alike
-            pair = [("direct", lambda: direct(remote, i)), ("router", lambda: routed(mode, i))]
+            pair = [("direct", functools.partial(direct, remote, i)), ("router", functools.partial(routed, mode, i))]
             for name, fn in pair if i % 2 else pair[::-1]:
                 total, first = await fn()
                 if i >= args.warmup:
@@ -274,8 +274,8 @@ def run(args: argparse.Namespace) -> int:
             t, f = r[path], r[path + "_first"]
             print(f"{mode:<14} {path:<8} {_pct(t, 50) * 1e3:10.3f} {_pct(t, 99) * 1e3:10.3f} "
                   f"{_pct(f, 50) * 1e3:10.3f} {_pct(f, 99) * 1e3:10.3f}")
-        paired = [a - b for a, b in zip(r["router"], r["direct"])]
-        paired_first = [a - b for a, b in zip(r["router_first"], r["direct_first"])]
+        paired = [a - b for a, b in zip(r["router"], r["direct"], strict=True)]
+        paired_first = [a - b for a, b in zip(r["router_first"], r["direct_first"], strict=True)]
         per_token = (statistics.median(paired) - statistics.median(paired_first)) / max(1, args.tokens - 1)
         added[mode] = (_pct(paired, 50), _pct(paired, 99), _pct(paired_first, 50), per_token)
     print()

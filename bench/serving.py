@@ -272,7 +272,7 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
     slow = opts.request_timeout_s  # a long prefill on one busy core takes tens of seconds: the router's
     routers = {  # default deadlines are for real hardware; here they only have to end a hang
         m: Router(RouterConfig(host="127.0.0.1", grpc_port=0, mode=m, admit_timeout_s=slow / 4, token_timeout_s=slow / 4,
-                               prefill_timeout_s=slow / 2, request_timeout_s=slow, lease_ms=int(slow * 1000)),  # fmt: skip
+                               prefill_timeout_s=slow / 2, request_timeout_s=slow, lease_ms=int(slow * 1000)),
                   EngineTokenizer(tokenizer), decode=[cluster.decode.grpc_address], prefill=[cluster.prefill.grpc_address])
         for m in MODES
     }
@@ -421,7 +421,7 @@ class _Bench:
                 last.clear()
                 try:
                     await self._one("colocated", o.stream_prompt, o.stream_tokens, f"steady{k}", on_tokens)
-                except Exception as e:  # noqa: BLE001 (recorded and failed below)
+                except Exception as e:  # recorded and failed below
                     if not stop.is_set():
                         errors.append(f"steady stream {k}: {type(e).__name__}: {e}")
                         return

@@ -292,7 +292,6 @@ def _raw_tcp_roundtrip(piece: torch.Tensor, landing: torch.Tensor) -> float:
 
 
 def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) -> float:
-    import asyncio
 
     import ucxx
 

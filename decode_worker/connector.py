@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from splitserve.decode_worker import metrics
 from splitserve.engine.connector import TransferOutcome

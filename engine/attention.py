@@ -94,7 +94,7 @@ def _prefill_attention(
     bs = layer_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
-    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
         qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, heads, q_len, dim]
         if ctx_len == q_len:  # nothing cached before this chunk: attend to the new tokens only
             ki = k_new[start : start + q_len].transpose(0, 1)[None]

@@ -198,7 +198,7 @@ class Engine:
         """Run prompts to completion together; the output token ids of each."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             self.add_request(rid, prompt, p)
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_work:

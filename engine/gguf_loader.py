@@ -25,7 +25,6 @@ from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.weights import LoadedModel, ModelLoadError, ProgressLine
 
-
 GGUF_MAGIC = b"GGUF"
 
 # architecture -> whether llama.cpp permuted the Q/K rows for its rotary layout

@@ -75,7 +75,7 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[int] = []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
             input_ids.extend(seq.token_ids[start:end])

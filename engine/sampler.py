@@ -101,5 +101,5 @@ def sample(
     logprobs: list[float | None] = [None] * len(tokens)
     if raw_logprobs is not None:
         chosen = raw_logprobs.gather(1, torch.as_tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-        logprobs = [lp if p.logprobs else None for lp, p in zip(chosen, params)]
+        logprobs = [lp if p.logprobs else None for lp, p in zip(chosen, params, strict=True)]
     return SampleResult(tokens, logprobs)

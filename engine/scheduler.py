@@ -33,7 +33,7 @@ from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.engine.sequence import SeqStatus, Sequence
 
 
 class ScheduledBatch(NamedTuple):
@@ -171,10 +171,10 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[StepOutput]:
         """Record a step: the computed tokens' KV is in the cache, the sampled tokens join their sequences."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        return [self._append(batch.seqs[i], t, lp) for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs)]
+        return [self._append(batch.seqs[i], t, lp) for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs, strict=True)]
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -376,7 +376,7 @@ def _merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
 def _merges_from_scores(vocab: dict[str, int], tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens is a merge, ranked by the merged token's score."""
     found = []
-    for token, score in zip(tokens, scores):
+    for token, score in zip(tokens, scores, strict=True):
         local = [
             (token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
         ]
@@ -390,15 +390,16 @@ def _add_special_tokens(backend: tokenizers.Tokenizer, meta: Mapping[str, Any], 
     """Control tokens become special added tokens, user-defined ones plain added tokens, so
     that both are matched whole in text (as llama.cpp does) instead of cut into pieces."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    # no token types (or fewer than tokens): the untyped tokens are plain vocabulary
     types: list[int] = meta.get("tokenizer.ggml.token_type") or []
     control = [
         AddedToken(t, special=True, normalized=False)
-        for t, kind in zip(tokens, types)
+        for t, kind in zip(tokens, types, strict=False)
         if kind == _CONTROL and spelled_ok(t)
     ]
     if control:
         backend.add_special_tokens(control)
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == _USER_DEFINED]
+    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED]
     if user:
         backend.add_tokens(user)
 

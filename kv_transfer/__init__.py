@@ -26,10 +26,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from splitserve.kv_transfer.receiver import KVReceiver
-    from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation
-    from splitserve.kv_transfer.sender import KVSender, KVStream, TransferError
+if TYPE_CHECKING:  # `X as X`: a re-export, as PEP 484 spells it for ruff and mypy
+    from splitserve.kv_transfer.receiver import KVReceiver as KVReceiver
+    from splitserve.kv_transfer.reservation import Completed as Completed
+    from splitserve.kv_transfer.reservation import Failed as Failed
+    from splitserve.kv_transfer.reservation import FailureCode as FailureCode
+    from splitserve.kv_transfer.reservation import Outcome as Outcome
+    from splitserve.kv_transfer.reservation import Reservation as Reservation
+    from splitserve.kv_transfer.sender import KVSender as KVSender
+    from splitserve.kv_transfer.sender import KVStream as KVStream
+    from splitserve.kv_transfer.sender import TransferError as TransferError
 
 _HOMES = {
     "Completed": "reservation", "Failed": "reservation", "FailureCode": "reservation", "Outcome": "reservation",

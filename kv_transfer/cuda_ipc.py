@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import struct
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

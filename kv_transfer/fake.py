@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed, host_view
 

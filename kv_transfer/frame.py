@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
+
 # Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
 from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation, TransportName
 from splitserve.kv_transfer.reservations import Rejected, Reservations, Slot

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, links, metrics
@@ -138,7 +138,7 @@ def _paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int,
     transport (UCX) sees the same sizes on both sides.
     """
     runs: list[tuple[int, int, int]] = []
-    for i, (d, s) in enumerate(zip(dst, src)):
+    for i, (d, s) in enumerate(zip(dst, src, strict=True)):
         if i and runs and d == dst[i - 1] + 1 and s == src[i - 1] + 1:
             first_d, first_s, n = runs[-1]
             runs[-1] = (first_d, first_s, n + 1)

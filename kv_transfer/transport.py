@@ -29,13 +29,14 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Protocol, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 log = logging.getLogger(__name__)
 
-Buffer = Union[bytes, bytearray, memoryview, torch.Tensor]
+Buffer = bytes | bytearray | memoryview | torch.Tensor
 
 # Loopback moves bytes with two memcpys; bigger buffers mean fewer wakeups.
 # The kernel caps them at net.core.[rw]mem_max.

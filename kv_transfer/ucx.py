@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any
 
 import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-import ucxx  # noqa: E402
+import ucxx
 
-from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed  # noqa: E402
+from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed
 
 
 class _Runtime:

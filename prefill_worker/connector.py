@@ -18,8 +18,8 @@ from typing import NoReturn
 
 import torch
 
-from splitserve.engine.connector import TransferOutcome
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.connector import TransferOutcome
 from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import KVStream, TransferError
 
@@ -59,7 +59,7 @@ class SenderConnector:
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
         bs = self.block_size
         synced = False
-        for seq, n in zip(seqs, counts):
+        for seq, n in zip(seqs, counts, strict=True):
             ob = self.outbound.get(seq.request_id)
             if ob is None or ob.failed:
                 continue

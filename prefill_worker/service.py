@@ -22,8 +22,8 @@ from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.kv_transfer import KVSender, KVStream, TransferError
-from splitserve.prefill_worker.connector import SenderConnector
 from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
+from splitserve.prefill_worker.connector import SenderConnector
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc

@@ -92,7 +92,7 @@ class PoolManager:
         for spec in specs:
             self.pending[spec.role] += 1
         results = await asyncio.gather(*[self._start_one(spec) for spec in specs], return_exceptions=True)
-        for spec, r in zip(specs, results):
+        for spec, r in zip(specs, results, strict=True):
             self.pending[spec.role] -= 1
             if isinstance(r, _Member):
                 self._register(spec.role, r)
@@ -168,7 +168,7 @@ class PoolManager:
             answers = await asyncio.gather(
                 *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
                 return_exceptions=True)
-            for (role, m), answer in zip(watched, answers):
+            for (role, m), answer in zip(watched, answers, strict=True):
                 if isinstance(answer, BaseException):
                     self._replace(role, m, answer)
 

@@ -116,13 +116,13 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
             finally:
                 await router.stop()
             out: list = [None] * len(ids)
-            for i, r in zip(first + rest, wave1 + wave2):
+            for i, r in zip(first + rest, wave1 + wave2, strict=True):
                 out[i] = r
             return out, router
 
         results, router = asyncio.run(run())
         assert len(results) >= 20
-        for i, ((got, usage), want) in enumerate(zip(results, expected)):
+        for i, ((got, usage), want) in enumerate(zip(results, expected, strict=True)):
             assert got == want, f"request {i} ({len(ids[i])} prompt tokens) differs"
             assert usage.prompt_tokens == len(ids[i]) and usage.completion_tokens == NEW_TOKENS
 

@@ -31,7 +31,6 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.worker.launch import WorkerProcess, spawn_worker
-
 from tests.e2e_helpers.cluster import FLAGS, expected, free_port, scrape, wait_all_blocks_free, with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -253,7 +253,7 @@ class TestFixedPools:
             return [first, *rest]
 
         results = fixed.run(scenario)
-        for i, ((got, usage), want) in enumerate(zip(results, expected)):
+        for i, ((got, usage), want) in enumerate(zip(results, expected, strict=True)):
             assert got == want, f"request {i} ({len(ids[i])} prompt tokens) differs"
             assert usage.prompt_tokens == len(ids[i]) and usage.completion_tokens == NEW_TOKENS
         assert sum(u.cached_tokens for _, u in results) > 0
@@ -341,6 +341,6 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
             await c.close()
 
     results = asyncio.run(scenario())
-    for i, ((got, usage), want) in enumerate(zip(results, expected)):
+    for i, ((got, usage), want) in enumerate(zip(results, expected, strict=True)):
         assert got == want, f"burst request {i} differs"
         assert usage.completion_tokens == NEW_TOKENS

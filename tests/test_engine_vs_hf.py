@@ -77,7 +77,7 @@ def test_greedy_tokens_match_transformers(variant):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 37, 130)]
     engine = Engine(cfg, weights, EngineConfig(num_blocks=128, max_num_batched_tokens=64))
     ours = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    for prompt, got in zip(prompts, ours):
+    for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ids = torch.tensor([prompt])
             # an explicit mask: HF would otherwise mask every prompt token equal to pad_token_id

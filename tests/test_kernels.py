@@ -135,7 +135,7 @@ def test_concurrent_callers_get_their_own_results(ext):
     gen = torch.Generator().manual_seed(4)
     ws = [torch.randn(700, 576, generator=gen).to(torch.bfloat16) for _ in range(4)]
     xs = [torch.randn(2, 576, generator=gen).to(torch.bfloat16) for _ in range(4)]
-    expected = [kl.linear(x, w) for x, w in zip(xs, ws)]
+    expected = [kl.linear(x, w) for x, w in zip(xs, ws, strict=True)]
 
     def run(i: int) -> bool:
         return all(torch.equal(kl.linear(xs[i], ws[i]), expected[i]) for _ in range(20))

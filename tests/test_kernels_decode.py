@@ -22,13 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
-
 import splitserve.engine.kernels.decode as kd
 import splitserve.engine.model as model_mod
 from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
 from splitserve.engine.model import LlamaModel, apply_rope, rms_norm
 from splitserve.engine.testing import random_weights, tiny_model_config
+from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -210,7 +209,7 @@ def test_same_bits_for_any_thread_count(kernels, dtype):
         torch.set_num_threads(before)
     for r in results[2:]:
         base = results[0] if r[0] is None else results[1]
-        for a, b in zip(r[1:], base[1:]):
+        for a, b in zip(r[1:], base[1:], strict=True):
             assert torch.equal(a, b)
 
 

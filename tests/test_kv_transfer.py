@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all
-
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
 from splitserve.kv_transfer.fake import FakeTransport
+from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all
 
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed"))]

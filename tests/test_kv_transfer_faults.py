@@ -22,14 +22,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.kv_transfer_helpers.common import (
-    LAYOUT, Bystander, RawPeer, assert_arrived, assert_no_leak, assert_zero, closed_by_peer, complete_stream, metric,
-    random_cache, send_all, wait_until,
-)  # fmt: skip
-
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
 from splitserve.kv_transfer.transport import Watchdog, Watched
+from tests.kv_transfer_helpers.common import (
+    LAYOUT,
+    Bystander,
+    RawPeer,
+    assert_arrived,
+    assert_no_leak,
+    assert_zero,
+    closed_by_peer,
+    complete_stream,
+    metric,
+    random_cache,
+    send_all,
+    wait_until,
+)  # fmt: skip
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -412,7 +421,7 @@ def test_ucx_peers_are_held_to_the_same_deadlines():
     from splitserve.kv_transfer.transport import ConnectionClosed
     from splitserve.kv_transfer.ucx import UCXTransport
 
-    src, dst = random_cache(seed=11), KVCache(LAYOUT, 64)
+    dst = KVCache(LAYOUT, 64)
     with KVReceiver(dst, transport="ucx", **TIGHT) as rx:
         assert rx.transport == "ucx"
         ucx = UCXTransport()

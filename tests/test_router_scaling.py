@@ -21,8 +21,11 @@ def pool(*queued: int) -> dict[str, WorkerLoad]:
     return {f"w{i}": load(q) for i, q in enumerate(queued)}
 
 
+FRESH = ScalerState()  # frozen: one shared default is safe
+
+
 def run(steps: list[tuple[float, dict[str, WorkerLoad]]], cfg: ScalingConfig = CFG, pending: int = 0,
-        draining: int = 0, state: ScalerState = ScalerState()) -> tuple[list[ScalingDecision], ScalerState]:
+        draining: int = 0, state: ScalerState = FRESH) -> tuple[list[ScalingDecision], ScalerState]:
     """Apply the policy at each (time, loads), threading its state; every decision in order."""
     out = []
     for now, loads in steps:

@@ -76,7 +76,7 @@ def test_nothing_after_a_match() -> None:
 )
 def test_any_split_gives_the_unsplit_answer(text: str, stops: list[str], data: st.DataObject) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     hits = [(i + len(s), i) for s in stops if (i := text.find(s)) != -1]
     expected = (text[: min(hits)[1]], True) if hits else (text, False)
     assert stream(stops, pieces) == expected

@@ -157,7 +157,7 @@ def test_sampler_never_fails_on_any_accepted_value(params, logits, history):
     result = sample(rows, params, [history] * n, [history[::-1]] * n, gens, torch.Generator().manual_seed(0))
     assert len(result.token_ids) == n
     assert all(0 <= t < VOCAB for t in result.token_ids)
-    for p, row, t in zip(params, rows, result.token_ids):
+    for p, row, t in zip(params, rows, result.token_ids, strict=True):
         if p.greedy and not p.has_penalties:
             assert t == int(row.argmax())
 

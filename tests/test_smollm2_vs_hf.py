@@ -63,7 +63,7 @@ def test_greedy_tokens_identical_to_transformers(loaded, hf):
     engine = Engine(loaded.config, loaded.weights, EngineConfig(num_blocks=512, max_num_batched_tokens=256))
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     compared = 0
-    for prompt, got in zip(prompts, ours):
+    for prompt, got in zip(prompts, ours, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf.generate(
@@ -75,7 +75,7 @@ def test_greedy_tokens_identical_to_transformers(loaded, hf):
                 return_dict_in_generate=True,
             )
         want = out.sequences[0, len(prompt) :].tolist()
-        for j, (a, b) in enumerate(zip(got, want)):
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):  # both run NEW_TOKENS past EOS
             if a != b:
                 top2 = out.scores[j][0].topk(2).values
                 gap = float(top2[0] - top2[1])

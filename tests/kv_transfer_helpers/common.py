@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from prometheus_client import REGISTRY
@@ -28,7 +28,7 @@ def random_cache(layout: KVLayout = LAYOUT, num_blocks: int = 64, seed: int = 0)
 
 
 def assert_arrived(dst: KVCache, src: KVCache, dst_ids, src_ids) -> None:
-    for d, s in zip(dst_ids, src_ids):
+    for d, s in zip(dst_ids, src_ids, strict=True):
         assert torch.equal(dst.tensor[:, d], src.tensor[:, s]), f"block {s} -> {d} differs"
 
 
