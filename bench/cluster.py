@@ -155,7 +155,8 @@ class CoreLoad:
         if os.path.exists(self.ready_file):
             return True
         if self.proc.poll() is not None:
-            raise ClusterError(f"core load exited with {self.proc.returncode}: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+            err = self.proc.stderr.read().decode()[-2000:] if self.proc.stderr is not None else ""
+            raise ClusterError(f"core load exited with {self.proc.returncode}: {err}")
         return False
 
     def kill(self) -> None:

@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from splitserve.router.event_loop import loop_name
 
@@ -93,7 +93,9 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
         def __init__(self, channel: grpc.aio.Channel) -> None:
             self.stub = wgrpc.DecodeWorkerStub(channel)
 
-        async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        async def Generate(  # noqa: N802 (the gRPC method name)
+            self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[pb.GenerateResponse]:
             call = self.stub.Decode(wpb.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=request.token_ids.ids,
                 sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),

@@ -48,13 +48,16 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
 from splitserve.engine.blocks import cdiv
 
-MODES = ("disaggregated", "colocated")
-NEIGHBOUR = "busy neighbour"  # the ITL control: the prefill core running the same prefills, no serving
-BURST_KINDS = (*MODES, NEIGHBOUR)
+if TYPE_CHECKING:
+    from splitserve.router.config import Mode
+
+MODES: tuple[Mode, ...] = ("disaggregated", "colocated")
+NEIGHBOUR: Final = "busy neighbour"  # the ITL control: the prefill core running the same prefills, no serving
+BURST_KINDS: tuple[Mode | Literal["busy neighbour"], ...] = (*MODES, NEIGHBOUR)
 TARGET_TTFT_RATIO = 1.10  # disaggregated / colocated at the longest length (2K tokens)
 TARGET_ITL_RATIO = 1.3  # disaggregated: ITL in bursts / ITL quiet, p50 and p99
 STEP_GRACE_S = 0.05  # a burst window reaches this far past its last first token
@@ -301,8 +304,8 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
 
 
 class _Bench:
-    def __init__(self, opts: Options, cluster: Any, stubs: dict[str, Any], prompts: PromptSource, layout: Any,
-                 routers: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(self, opts: Options, cluster: Any, stubs: dict[Mode, Any], prompts: PromptSource, layout: Any,
+                 routers: dict[Mode, Any]) -> None:  # fmt: skip
         self.opts = opts
         self.routers = routers
         self.cluster = cluster
@@ -310,7 +313,7 @@ class _Bench:
         self.prompts = prompts
         self.layout = layout
         self.rc = 0
-        self.fallbacks_seen: dict[str, int] = {}
+        self.fallbacks_seen: dict[Mode, int] = {}
         self.cached_tokens = 0  # prefix-cache hits of measured requests (should stay 0)
         self.n = 0
 
@@ -318,7 +321,7 @@ class _Bench:
         self.n += 1
         return f"bench-{tag}-{self.n}"
 
-    async def _one(self, mode: str, length: int, max_tokens: int, tag: str, on_tokens: Any = None) -> Trace:
+    async def _one(self, mode: Mode, length: int, max_tokens: int, tag: str, on_tokens: Any = None) -> Trace:
         tr = await _generate(self.stubs[mode], self.prompts.take(length), max_tokens, self._rid(tag),
                              self.opts.request_timeout_s, on_tokens)  # fmt: skip
         self.cached_tokens += tr.cached_tokens
@@ -457,7 +460,7 @@ class _Bench:
             return
         self._report_itl(samples, w)
 
-    async def _burst(self, w: _Windows, mode: str) -> None:
+    async def _burst(self, w: _Windows, mode: Mode) -> None:
         """Long prompts through `mode`'s router; the window ends at the last first token. Each burst
         request's own decode (first token to last) is left out of every window: it is decode load, not prefill."""
         o = self.opts
@@ -526,8 +529,9 @@ class _Bench:
         d, c, n = ratios["disaggregated"], ratios["colocated"], ratios[NEIGHBOUR]
         print(f"[itl] disaggregated over the busy-neighbour control: p50 {d[0] / n[0]:.2f}x p99 {d[1] / n[1]:.2f}x "
               f"(what disaggregation adds beyond a busy neighbour core)")  # fmt: skip
-        if all(use[k] is not None for k in ("quiet", "disaggregated", NEIGHBOUR)):
-            (qs, qt), (ds, dt), (ns, nt) = use["quiet"], use["disaggregated"], use[NEIGHBOUR]  # type: ignore[misc]
+        quiet, disaggregated, neighbour = use["quiet"], use["disaggregated"], use[NEIGHBOUR]
+        if quiet is not None and disaggregated is not None and neighbour is not None:
+            (qs, qt), (ds, dt), (ns, nt) = quiet, disaggregated, neighbour
             print(f"[itl] decode worker in disaggregated bursts over quiet: {dt / qt:.2f}x the CPU time per token "
                   f"(busy neighbour {nt / qt:.2f}x), on {ds / qs:.2f}x the share of its core (busy neighbour "
                   f"{ns / qs:.2f}x)")  # fmt: skip
@@ -553,7 +557,7 @@ class _Bench:
             print(f"[{part}] ERROR fallbacks {wrong}: the figures are not clean (see the router's warnings)")
             self.rc = 1
 
-    def _decisions(self, mode: str, decided: str) -> int:
+    def _decisions(self, mode: Mode, decided: str) -> int:
         v = self.routers[mode].metrics.registry.get_sample_value("splitserve_router_routing_decisions_total", {"mode": decided})
         return int(v or 0)
 

@@ -23,14 +23,16 @@ import socket
 import statistics
 import threading
 import time
+from typing import Any
 
 import torch
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import Completed, KVReceiver, KVSender, frame
+from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.kv_transfer.transport import SOCKET_BUFFER_BYTES
 
-TARGETS = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}
+TARGETS: dict[TransportName, float] = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}
 
 
 def _size(text: str) -> int:
@@ -68,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
           f"{layout.head_dim}, block {layout.block_size}); torch threads {torch.get_num_threads()}")  # fmt: skip
     _checksum_cost(src)
 
-    rows, kv_rate = [], {}
-    for kind in args.transports.split(","):
-        why = _unavailable(kind)
-        if why:
-            rows.append(f"{kind:9s}  skipped: {why}")
+    rows: list[str] = []
+    kv_rate: dict[TransportName, float] = {}
+    for name in args.transports.split(","):
+        kind = next((t for t in TRANSPORT_NAMES if t == name), None)
+        why = "unknown transport" if kind is None else _unavailable(kind)
+        if kind is None or why:
+            rows.append(f"{name:9s}  skipped: {why}")
             continue
         # raw and kv_transfer back to back, `repeats` times: on a shared machine the
         # load drifts, and a pair taken together sees the same load
@@ -110,13 +114,11 @@ def run(args: argparse.Namespace) -> int:
 # ---- helpers ------------------------------------------------------------------------
 
 
-def _unavailable(kind: str) -> str | None:
+def _unavailable(kind: TransportName) -> str | None:
     if kind == "ucx" and importlib.util.find_spec("ucxx") is None:
         return "ucxx not installed"
     if kind == "cuda_ipc" and not torch.cuda.is_available():
         return "no CUDA device on this machine"
-    if kind not in TARGETS:
-        return "unknown transport"
     return None
 
 
@@ -135,7 +137,7 @@ def _layer_views(cache: KVCache) -> list[torch.Tensor]:
     return [frame.as_bytes(cache.layer(i)) for i in range(cache.layout.num_layers)]
 
 
-def _raw(kind: str, src: KVCache, dst: KVCache) -> float:
+def _raw(kind: TransportName, src: KVCache, dst: KVCache) -> float:
     if kind == "tcp":
         return _raw_tcp(_layer_views(src), _layer_views(dst))
     if kind == "ucx":
@@ -161,7 +163,7 @@ def _raw_tcp(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
         c, _ = ls.accept()
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         for r in recvs:
-            view, got = memoryview(r.numpy()), 0
+            view, got = r.numpy().data, 0
             while got < len(view):
                 got += c.recv_into(view[got:])
         c.sendall(b"k")
@@ -174,7 +176,7 @@ def _raw_tcp(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     t = time.perf_counter()
     for p in sends:
-        s.sendall(memoryview(p.numpy()))
+        s.sendall(p.numpy().data)
     s.recv(1)
     dt = time.perf_counter() - t
     th.join()
@@ -198,7 +200,7 @@ def _raw_ucx(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
     async def go() -> None:
         finished = asyncio.Event()
 
-        async def handler(ep) -> None:  # type: ignore[no-untyped-def]
+        async def handler(ep: Any) -> None:  # a ucxx endpoint (ucxx has no types)
             for r in recvs:
                 await ep.recv(r.numpy())
             await ep.send(bytearray(1))
@@ -219,7 +221,7 @@ def _raw_ucx(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
     return total / done["dt"] / 1e9
 
 
-def _kv(kind: str, src: KVCache, dst: KVCache, checksum: str) -> float:
+def _kv(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float:
     if kind == "cuda_ipc" and src.tensor.device.type != "cuda":
         s, d = KVCache(src.layout, src.num_blocks, device="cuda"), KVCache(src.layout, src.num_blocks, device="cuda")
         s.tensor.copy_(src.tensor)
@@ -240,7 +242,7 @@ def _kv(kind: str, src: KVCache, dst: KVCache, checksum: str) -> float:
     return s.nbytes / dt / 1e9
 
 
-def _latency(kind: str, src: KVCache, dst: KVCache, n: int, checksum: str, reps: int = 50) -> tuple[float, float]:
+def _latency(kind: TransportName, src: KVCache, dst: KVCache, n: int, checksum: str, reps: int = 50) -> tuple[float, float]:
     raw = []
     if kind == "tcp":
         piece, landing = frame.as_bytes(src.blocks(0, 0, n)), frame.as_bytes(dst.blocks(0, 0, n))
@@ -271,7 +273,7 @@ def _raw_tcp_roundtrip(piece: torch.Tensor, landing: torch.Tensor) -> float:
     c, _ = ls.accept()
     for x in (s, c):
         x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = memoryview(landing.numpy())
+    view = landing.numpy().data
 
     def server() -> None:
         got = 0
@@ -282,7 +284,7 @@ def _raw_tcp_roundtrip(piece: torch.Tensor, landing: torch.Tensor) -> float:
     th = threading.Thread(target=server)
     th.start()
     t = time.perf_counter()
-    s.sendall(memoryview(piece.numpy()))
+    s.sendall(piece.numpy().data)
     s.recv(1)
     dt = time.perf_counter() - t
     th.join()
@@ -300,7 +302,7 @@ def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) ->
     times: list[float] = []
 
     async def go() -> None:
-        async def handler(ep) -> None:  # type: ignore[no-untyped-def]
+        async def handler(ep: Any) -> None:  # a ucxx endpoint (ucxx has no types)
             for _ in range(reps):
                 await ep.recv(landing.numpy())
                 await ep.send(bytearray(1))
@@ -320,7 +322,7 @@ def _raw_ucx_roundtrip(piece: torch.Tensor, landing: torch.Tensor, reps: int) ->
     return statistics.median(times)
 
 
-def _pipelining(kind: str, src: KVCache, dst: KVCache, rate_gbs: float, args: argparse.Namespace) -> None:
+def _pipelining(kind: TransportName, src: KVCache, dst: KVCache, rate_gbs: float, args: argparse.Namespace) -> None:
     """A model-shaped sender: compute a layer (matmuls for layer_ms), write its KV, send it at once."""
     lay = src.layout
     layer_bytes = src.nbytes / lay.num_layers

@@ -65,7 +65,7 @@ class _Reader(gguf.GGUFReader):
     # The reader slices its np.memmap once per metadata item, and memmap's per-slice
     # bookkeeping is half of a SmolLM2 load. A plain ndarray view of the same mapping
     # reads the same bytes without it.
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # a property where the base class has an attribute
     def data(self) -> np.ndarray:
         return self._plain
 

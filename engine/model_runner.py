@@ -44,7 +44,7 @@ class ModelRunner:
         seqs = batch.seqs
         hook = None
         if on_layer_done is not None:
-            hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731
+            hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731 (None or this closure)
         logits, indices = self.forward(seqs, batch.num_new_tokens, hook)
         if not indices:
             return Sampled([], [], [])

@@ -26,7 +26,7 @@ def tiny_model_config(**overrides: object) -> ModelConfig:
         name="tiny",
     )
     base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    return ModelConfig(**base)  # type: ignore[arg-type]  # the overrides' names and values are the caller's
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -216,6 +216,8 @@ def checksum(kind: int, pieces: Sequence[torch.Tensor]) -> int:
 def _lane_sums(p: torch.Tensor) -> memoryview:
     n = p.numel()
     full = n - n % LANE_BYTES
+    # ndarray.data is memoryview(ndarray), and typed so (numpy's stubs give arrays the
+    # buffer protocol only from Python 3.12 on)
     if p.device.type == "cpu":  # numpy: single-threaded SIMD, no thread-pool wakeups for small frames
         a = p.numpy()
         sums = [a[:full].view(np.int64).reshape(-1, LANE_BYTES // 8).sum(axis=1)] if full else []
@@ -223,7 +225,7 @@ def _lane_sums(p: torch.Tensor) -> memoryview:
             tail = np.zeros(-(-(n - full) // 8) * 8, dtype=np.uint8)
             tail[: n - full] = a[full:]
             sums.append(tail.view(np.int64).sum().reshape(1))
-        return memoryview(np.concatenate(sums) if len(sums) > 1 else sums[0]).cast("B")
+        return (np.concatenate(sums) if len(sums) > 1 else sums[0]).data.cast("B")
     parts = []
     if full:
         main = p[:full]
@@ -231,11 +233,11 @@ def _lane_sums(p: torch.Tensor) -> memoryview:
             main = main.clone()
         parts.append(main.view(torch.int64).view(-1, LANE_BYTES // 8).sum(dim=1))
     if n > full:
-        tail = torch.zeros(-(-(n - full) // 8) * 8, dtype=torch.uint8, device=p.device)
-        tail[: n - full] = p[full:]
-        parts.append(tail.view(torch.int64).sum().reshape(1))
-    return memoryview(torch.cat(parts).cpu().numpy()).cast("B")
+        padded = torch.zeros(-(-(n - full) // 8) * 8, dtype=torch.uint8, device=p.device)
+        padded[: n - full] = p[full:]
+        parts.append(padded.view(torch.int64).sum().reshape(1))
+    return torch.cat(parts).cpu().numpy().data.cast("B")
 
 
 def _host_memoryview(p: torch.Tensor) -> memoryview:
-    return memoryview(p.cpu().numpy()).cast("B")
+    return p.cpu().numpy().data.cast("B")

@@ -190,8 +190,9 @@ class KVReceiver:
         try:
             header = bytearray(frame.HEADER_SIZE)
             connected = time.monotonic()
-            handshake_by: float | None = connected + self.handshake_timeout_s
-            self._watchdog.arm(w, handshake_by, FailureCode.HANDSHAKE_TIMEOUT, connected)
+            first_by = connected + self.handshake_timeout_s
+            handshake_by: float | None = first_by
+            self._watchdog.arm(w, first_by, FailureCode.HANDSHAKE_TIMEOUT, connected)
             while True:
                 try:
                     self._recv_frame_start(conn, header)  # idle between streams: a close here is no error

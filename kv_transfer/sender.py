@@ -28,12 +28,16 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
 from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +151,13 @@ def _paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int,
     return runs
 
 
-_DONE_ITEM = object()
+class _Done:
+    """The send queue's last item: Done goes out after the frames queued before it."""
+
+
+_DONE_ITEM = _Done()
+# One layer's frames, as queued: (layer, first destination block, blocks, the blocks' tensors).
+_Frames = list[tuple[int, int, int, list["torch.Tensor"]]]
 
 
 class KVStream:
@@ -162,7 +172,7 @@ class KVStream:
         self._cache = sender.cache
         self._conn = d.conn
         self._payloads = payloads
-        self._queue: queue.Queue = queue.Queue(maxsize=sender.queue_depth)
+        self._queue: queue.Queue[_Frames | _Done | None] = queue.Queue(maxsize=sender.queue_depth)
         self._error: str | None = None
         self._finished = threading.Event()
         self._first_token: int | None = None
@@ -183,7 +193,7 @@ class KVStream:
         if first_index < 0 or first_index + len(src_block_ids) > len(r.block_ids):
             raise ValueError("blocks beyond the reservation")
         dst = r.block_ids[first_index : first_index + len(src_block_ids)]
-        frames = []
+        frames: _Frames = []
         for dst_first, src_first, n in _paired_runs(dst, src_block_ids):
             piece = self._cache.blocks(layer, src_first, n)
             frames.append((layer, dst_first, n, [piece.clone() if snapshot else piece]))
@@ -223,7 +233,7 @@ class KVStream:
 
     # ---- internals ---------------------------------------------------------------
 
-    def _put(self, item: object, timeout: float = 60.0) -> None:
+    def _put(self, item: _Frames | _Done, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             self._raise_if_failed()
@@ -254,10 +264,10 @@ class KVStream:
                 item = self._queue.get()
                 if item is None:
                     break
-                if item is _DONE_ITEM:
+                if isinstance(item, _Done):
                     self._send_done()
                     return
-                for layer, first, n, pieces in item:  # type: ignore[attr-defined]
+                for layer, first, n, pieces in item:
                     payload = self._payloads.place(layer, first, pieces)
                     length = sum(p.numel() for p in payload)
                     h = Header(

@@ -73,7 +73,7 @@ def host_view(buf: Buffer) -> memoryview:
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise TypeError("this transport moves host memory; stage device tensors first")
-        return memoryview(buf.numpy()).cast("B")
+        return buf.numpy().data.cast("B")  # ndarray.data: memoryview(ndarray), typed as one
     return memoryview(buf).cast("B")
 
 

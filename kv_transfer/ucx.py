@@ -20,7 +20,6 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ def _ucx_buffer(buf: Buffer) -> Any:
 
 
 class UCXConnection:
-    def __init__(self, rt: _Runtime, ep: Any, peer: str, on_close: Future | None = None) -> None:
+    def __init__(self, rt: _Runtime, ep: Any, peer: str, on_close: asyncio.Future[None] | None = None) -> None:
         self._rt = rt
         self._ep = ep
         self.peer = peer
@@ -124,7 +123,7 @@ class UCXListener:
         self.host = "0.0.0.0"
 
         async def handler(ep: Any) -> None:
-            closed: asyncio.Future = asyncio.get_running_loop().create_future()
+            closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             conn = UCXConnection(rt, ep, f"ucx-peer-{id(ep):x}", closed)
             threading.Thread(target=on_connection, args=(conn,), name="kv-ucx-conn", daemon=True).start()
             await closed  # keep the handler (and so the endpoint) alive until the connection ends

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -206,6 +207,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         assert self.loop is not None
         return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
 
-    def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+    def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
         assert self.loop is not None
         return stream_block_events(self.loop, context)

@@ -25,7 +25,7 @@ def loop_name() -> str:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return "asyncio"
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 (imported only to see that it imports)
     except ImportError:
         return "asyncio"
     return "uvloop"

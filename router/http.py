@@ -246,7 +246,7 @@ class OpenAIServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return int(self._runner.addresses[0][1])  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -24,7 +24,7 @@ class RouterMetrics:
             "splitserve_router_local_prefill_threshold_tokens",
             "Uncached prompt tokens at or below which prefill is local", registry=r,
         )
-        self.local_threshold.set(cfg.local_prefill_max_tokens)
+        self.local_threshold.set(cfg.routing.local_prefill_max_tokens)
         self.prompt_blocks = Counter("splitserve_router_prompt_blocks", "Full prompt blocks routed", registry=r)
         self.prefix_hit_blocks = Counter("splitserve_router_prefix_hit_blocks", "Prompt blocks cached on the chosen decode worker", registry=r)
         self.prefix_hit_rate = Gauge("splitserve_router_prefix_hit_rate", "prefix_hit_blocks / prompt_blocks since start", registry=r)

@@ -22,12 +22,15 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.scaling import ScalerState, ScalingConfig, decide
-from splitserve.router.workers import WorkerSet
+from splitserve.router.workers import Role, WorkerSet
 from splitserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:  # the actor's module imports ray, as this one does: when the pool starts
+    from splitserve.worker.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ STOP_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class PoolSpec:
-    role: str  # "prefill" | "decode"
+    role: Role
     replicas: int  # started at once; with scaling, the initial size
     worker: WorkerConfig
     num_cpus: float = 1.0
@@ -79,8 +82,8 @@ class PoolManager:
         self.watch_interval_s = watch_interval_s
         self.metrics = metrics or RouterMetrics(workers.cfg)
         self.clock = clock
-        self.members: dict[str, list[_Member]] = {s.role: [] for s in specs}
-        self.pending: dict[str, int] = {s.role: 0 for s in specs}  # actors starting
+        self.members: dict[Role, list[_Member]] = {s.role: [] for s in specs}
+        self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
         self._actor_cls = ray.remote(_actor_class())
         self._serial = 0
         self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
@@ -122,9 +125,9 @@ class PoolManager:
         log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
         return _Member(actor, cfg.worker_id, grpc_address, kv)
 
-    def _register(self, role: str, m: _Member) -> None:
+    def _register(self, role: Role, m: _Member) -> None:
         self.members[role].append(m)
-        self.workers.add(m.grpc_address, role)  # type: ignore[arg-type]
+        self.workers.add(m.grpc_address, role)
 
     def _publish_sizes(self) -> None:
         for role, members in self.members.items():
@@ -139,13 +142,13 @@ class PoolManager:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    def _add_worker(self, role: str) -> None:
+    def _add_worker(self, role: Role) -> None:
         """One more worker in the pool, counted as pending from now until it is up (or failed)."""
         self.pending[role] += 1
         self._publish_sizes()
         self._spawn(self._boot(role))
 
-    async def _boot(self, role: str) -> None:
+    async def _boot(self, role: Role) -> None:
         try:
             m = await self._start_one(self.specs[role])
         except Exception:
@@ -172,7 +175,7 @@ class PoolManager:
                 if isinstance(answer, BaseException):
                     self._replace(role, m, answer)
 
-    def _replace(self, role: str, m: _Member, why: BaseException) -> None:
+    def _replace(self, role: Role, m: _Member, why: BaseException) -> None:
         members = self.members[role]
         if m.draining or m not in members:
             return  # the scaler took it away while we asked
@@ -186,13 +189,13 @@ class PoolManager:
 
     # ---- the scaler
 
-    async def _scale_loop(self, role: str, cfg: ScalingConfig) -> None:
+    async def _scale_loop(self, role: Role, cfg: ScalingConfig) -> None:
         state = ScalerState()
         while True:
             await asyncio.sleep(cfg.interval_s)
             state = self._scale_once(role, cfg, state)
 
-    def _scale_once(self, role: str, cfg: ScalingConfig, state: ScalerState) -> ScalerState:
+    def _scale_once(self, role: Role, cfg: ScalingConfig, state: ScalerState) -> ScalerState:
         members = self.members[role]
         loads = {}
         for m in members:
@@ -204,10 +207,10 @@ class PoolManager:
         if d.action == "hold":
             log.debug("%s pool: hold: %s", role, d.reason)
             return state
-        log.info("%s pool: %s %d: %s", role, d.action, d.count, d.reason)
+        log.info("%s pool: %s %d: %s", role, d.action, d.num_workers, d.reason)
         self.metrics.scaling_decisions.labels(role, d.action).inc()
         if d.action == "grow":
-            for _ in range(d.count):
+            for _ in range(d.num_workers):
                 self._add_worker(role)
         else:
             (m,) = [m for m in members if m.grpc_address == d.worker]
@@ -216,7 +219,7 @@ class PoolManager:
             self._spawn(self._drain(role, m, cfg.drain_timeout_s))
         return state
 
-    async def _drain(self, role: str, m: _Member, timeout_s: float) -> None:
+    async def _drain(self, role: Role, m: _Member, timeout_s: float) -> None:
         """Until the worker has finished its requests (or the deadline), then remove and stop it."""
         workers = self.workers
         workers.drain(m.grpc_address)
@@ -255,7 +258,7 @@ class PoolManager:
 
     # ----
 
-    def addresses(self, role: str) -> list[tuple[str, str | None]]:
+    def addresses(self, role: Role) -> list[tuple[str, str | None]]:
         return [(m.grpc_address, m.kv_endpoint) for m in self.members.get(role, [])]
 
     async def stop(self) -> None:
@@ -276,7 +279,7 @@ async def _ray_get(ref: Any) -> Any:
     return await ref
 
 
-def _actor_class() -> type:
+def _actor_class() -> type[WorkerActor]:
     from splitserve.worker.actor import WorkerActor
 
     return WorkerActor

@@ -32,7 +32,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from enum import Enum
 
 import grpc
@@ -51,7 +51,7 @@ from splitserve.router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
 
-_FINISH = {wpb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP, wpb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH: dict[wpb.FinishReason, pb.FinishReason] = {wpb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP, wpb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
 
 
 class RequestFailed(Exception):
@@ -211,7 +211,7 @@ class RequestRun:
         sampling.CopyFrom(self._sampling)
         sampling.max_tokens = self.req.sampling.max_tokens - len(self.generated)
         rid = attempt_id()
-        call = w.stub.Decode(
+        call = w.decode_stub().Decode(
             wpb.DecodeRequest(
                 request_id=rid,
                 prompt_token_ids=self.req.prompt_token_ids,
@@ -258,7 +258,7 @@ class RequestRun:
         finally:
             call.cancel()  # no-op when the call is done; an abort for the worker otherwise
 
-    async def _next(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, admitted: bool) -> wpb.DecodeEvent:
+    async def _next(self, call: grpc.aio.UnaryStreamCall[wpb.DecodeRequest, wpb.DecodeEvent], timeout_s: float, admitted: bool) -> wpb.DecodeEvent:
         try:
             async with asyncio.timeout(min(timeout_s, self._remaining_s())):
                 ev = await call.read()
@@ -275,7 +275,7 @@ class RequestRun:
                 raise _Retry(f"not admitted: {e.details()}", fault=Fault.BUSY) from None
             raise _Retry(f"Decode failed: {e.code().name} {e.details()}",
                          fault=Fault.WORKER if fault is Fault.BUSY else fault) from None
-        if ev is grpc.aio.EOF:
+        if not isinstance(ev, wpb.DecodeEvent):  # grpc.aio.EOF
             raise _Retry("Decode stream ended without a finish event")
         return ev
 
@@ -312,7 +312,7 @@ class RequestRun:
                 self.metrics.prefill_retries.inc()
             try:
                 self.workers.assigned(address, len(request.prompt_token_ids))
-                return await w.stub.Prefill(request, timeout=timeout, metadata=self.cfg.auth_metadata)
+                return await w.prefill_stub().Prefill(request, timeout=timeout, metadata=self.cfg.auth_metadata)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._check_deadline()
@@ -339,7 +339,7 @@ class RequestRun:
             completion_tokens=len(self.generated),
         )
 
-    def _emit(self, token_ids: list[int], logprobs: list[float]) -> pb.GenerateResponse | None:
+    def _emit(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> pb.GenerateResponse | None:
         room = self.req.sampling.max_tokens - len(self.generated)
         if room <= 0 or self.finished:
             return None
@@ -379,7 +379,7 @@ class RequestRun:
             return released.text, True
         return released.text + self.stopper.flush(), False
 
-    def _final(self, reason: int) -> pb.GenerateResponse:
+    def _final(self, reason: pb.FinishReason) -> pb.GenerateResponse:
         self.finished = True
         text, stopped = self._drain()
         return pb.GenerateResponse(

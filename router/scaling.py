@@ -87,7 +87,7 @@ class ScalerState:
 
 class ScalingDecision(NamedTuple):
     action: Action
-    count: int  # grow: workers to start; shrink: 1; hold: 0
+    num_workers: int  # grow: workers to start; shrink: 1; hold: 0 (not `count`: that is tuple.count)
     worker: str | None  # shrink: the worker to drain
     reason: str  # the formula with the numbers filled in, for the log
 

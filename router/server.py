@@ -18,6 +18,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -30,6 +31,9 @@ from splitserve.router.request import RequestFailed, RequestRun
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidationError, validate
 from splitserve.router.workers import WorkerSet
+
+if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads only then
+    from splitserve.router.http import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +128,8 @@ class GenerationService:
         code = grpc.StatusCode.OK
         try:
             try:
-                authorization = dict(context.invocation_metadata() or ()).get("authorization")
+                value = dict(context.invocation_metadata() or ()).get("authorization")
+                authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
                 self.check_key(authorization)
                 run = self.admit(parse_request(request), authorization, context.time_remaining())
                 async for resp in self.stream(run):
@@ -162,7 +167,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
     def notify(self) -> None:
         self._changed.set()
 
-    def _status(self, service: str) -> int:
+    def _status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus:
         if service not in ("", SERVICE_NAME):
             return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
         if self.workers.healthy("decode"):
@@ -214,7 +219,7 @@ class Router:
         self._initial = (list(decode), list(prefill))
         self.server: grpc.aio.Server | None = None
         self.port = 0
-        self.http = None
+        self.http: OpenAIServer | None = None
         self.http_port = 0
 
     def _health_changed(self) -> None:

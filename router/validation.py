@@ -44,7 +44,7 @@ class ValidRequest:
 def _reject_unknown(msg: Message, path: str) -> None:
     unknown = unknown_fields.UnknownFieldSet(msg)
     if len(unknown):
-        numbers = sorted({f.field_number for f in unknown})
+        numbers = sorted({unknown[i].field_number for i in range(len(unknown))})  # indexed: the set has no __iter__
         more = f" and {len(numbers) - 8} more" if len(numbers) > 8 else ""  # a status message stays small
         raise ValidationError(path or "request", f"unknown field number(s) {numbers[:8]}{more}")
 
@@ -170,16 +170,17 @@ def validate(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokeni
     _reject_unknown(req.stream_options, "stream_options")
     ids = tokenize_prompt(req, cfg, tokenizer)
     room = cfg.max_model_len - len(ids)
-    if "max_tokens" in kw:
-        if kw["max_tokens"] > room:  # type: ignore[operator]
+    max_tokens = kw.get("max_tokens")
+    if isinstance(max_tokens, int):
+        if max_tokens > room:
             raise ValidationError(
                 "sampling.max_tokens",
-                f"{kw['max_tokens']} plus the prompt's {len(ids)} tokens exceed max_model_len {cfg.max_model_len}",
+                f"{max_tokens} plus the prompt's {len(ids)} tokens exceed max_model_len {cfg.max_model_len}",
             )
     else:
         kw["max_tokens"] = min(cfg.default_max_tokens, room)
     try:
-        sampling = SamplingParams(**kw)  # type: ignore[arg-type]
+        sampling = SamplingParams(**kw)  # type: ignore[arg-type]  # kw: the fields validate_sampling checked
     except InvalidSamplingParam as e:  # the engine's own checks, in case they are stricter than ours
         raise ValidationError(f"sampling.{e.field}", str(e)) from None
     return ValidRequest(request_id, tuple(ids), sampling, req.stream_options.continuous_usage)

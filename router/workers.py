@@ -59,6 +59,18 @@ class Worker:
     idle_polls: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
+    def decode_stub(self) -> wgrpc.DecodeWorkerStub:
+        """The stub of a decode worker (its pool is where routing found it)."""
+        if not isinstance(self.stub, wgrpc.DecodeWorkerStub):
+            raise TypeError(f"{self.address} is a {self.role} worker, not a decode worker")
+        return self.stub
+
+    def prefill_stub(self) -> wgrpc.PrefillWorkerStub:
+        """The stub of a prefill worker (its pool is where routing found it)."""
+        if not isinstance(self.stub, wgrpc.PrefillWorkerStub):
+            raise TypeError(f"{self.address} is a {self.role} worker, not a prefill worker")
+        return self.stub
+
     def load(self) -> WorkerLoad:
         s = self.stats or wpb.WorkerStats()
         return WorkerLoad(s.queued_tokens + self.assigned_tokens, s.running_tokens, s.free_blocks, s.total_blocks)

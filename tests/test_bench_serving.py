@@ -33,7 +33,7 @@ def _record_returns(monkeypatch, cls: type, name: str) -> list:
     returned: list = []
     real = getattr(cls, name)
 
-    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
         returned.append(out)
         return out

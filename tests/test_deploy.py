@@ -65,6 +65,7 @@ def compose() -> dict:
 
 def healthcheck_module():
     spec = importlib.util.spec_from_file_location("splitserve_deploy_healthcheck", DEPLOY / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -318,6 +319,7 @@ def exported_metrics() -> dict[str, set[str]]:
         if not isinstance(m, MetricWrapperBase):
             continue
         labels = set(m._labelnames)
+        assert m._type is not None
         suffixes = {"counter": ["_total", "_created"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count", "_created"]}[m._type]
         for s in suffixes:
             out[m._name + s] = labels | ({"le"} if s == "_bucket" else set())
@@ -670,7 +672,7 @@ def test_healthcheck_router_serving_only_with_a_healthy_decode_worker():
         try:
             await router.wait_for_workers(10)
             assert await asyncio.to_thread(hc.main, ["router", "--address", f"127.0.0.1:{port}"]) == 0
-            await decode.server.stop(0)
+            await decode.stop()
             deadline = time.monotonic() + 15
             while router.workers.healthy("decode"):
                 assert time.monotonic() < deadline, "router never noticed the decode worker go"
@@ -752,6 +754,13 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return total
 
 
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """A sample that must be there."""
+    v = sample(text, name, **labels)
+    assert v is not None, f"{name} {labels} not exported"
+    return v
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
@@ -820,12 +829,12 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
         router = scraped["router"]
         assert sample(router, "splitserve_router_requests_total", code="OK") == 3
         assert sample(router, "splitserve_router_ttft_seconds_count") == 3
-        assert sample(router, "splitserve_router_itl_seconds_count") > 0
-        assert sample(router, "splitserve_router_routing_decisions_total", mode="remote") >= 1
-        assert sample(router, "splitserve_router_routing_decisions_total", mode="local") >= 1
+        assert sample_value(router, "splitserve_router_itl_seconds_count") > 0
+        assert sample_value(router, "splitserve_router_routing_decisions_total", mode="remote") >= 1
+        assert sample_value(router, "splitserve_router_routing_decisions_total", mode="local") >= 1
         assert sample(router, "splitserve_router_prefix_hit_rate") is not None
-        assert sample(scraped["prefill"], "splitserve_kv_bytes_sent_total") > 0
-        assert sample(scraped["decode"], "splitserve_kv_bytes_received_total") > 0
+        assert sample_value(scraped["prefill"], "splitserve_kv_bytes_sent_total") > 0
+        assert sample_value(scraped["decode"], "splitserve_kv_bytes_received_total") > 0
         print("prefix hit rate", sample(router, "splitserve_router_prefix_hit_rate"),
               "kv bytes", sample(scraped["decode"], "splitserve_kv_bytes_received_total"))
     finally:

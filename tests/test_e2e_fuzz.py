@@ -261,6 +261,11 @@ def valid_request(rng: random.Random) -> pb.GenerateRequest:
 def extreme(rng: random.Random, req: pb.GenerateRequest) -> None:
     """Values the wire format carries but the API refuses, each for validation to name."""
     sp = req.sampling
+
+    def past_max_model_len() -> None:  # prompt + max_tokens
+        sp.max_tokens = 64
+        req.token_ids.ids.extend([7] * 7935)
+
     rng.choice([
         lambda: setattr(sp, rng.choice(["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                                         "frequency_penalty"]), rng.choice([float("nan"), float("inf"), -float("inf"),
@@ -275,7 +280,7 @@ def extreme(rng: random.Random, req: pb.GenerateRequest) -> None:
         lambda: req.chat.messages.extend([pb.ChatMessage(role=rng.choice(["", "tool", "user"]), content="q")]
                                          * rng.choice([1, 300])),
         lambda: req.chat.messages.add(role="r" * 100_000, content="q"),  # a long value quoted back in the status
-        lambda: setattr(sp, "max_tokens", 64) or req.token_ids.ids.extend([7] * 7935),  # prompt + max_tokens past max_model_len
+        past_max_model_len,
     ])()
 
 
@@ -404,7 +409,8 @@ async def fuzz() -> tuple[Counter[str], Counter[str], list[str]]:
 
     async with real_router() as (router, d):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-        generate = channel.unary_stream("/splitserve.v1.Generation/Generate", request_serializer=None,
+        generate: grpc.aio.UnaryStreamMultiCallable[bytes, pb.GenerateResponse] = channel.unary_stream(
+            "/splitserve.v1.Generation/Generate", request_serializer=None,
                                         response_deserializer=pb.GenerateResponse.FromString)
         async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
             before = await normal_answers(s, channel)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 import pytest
@@ -34,6 +36,14 @@ from splitserve.worker.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, expected, free_port, scrape, wait_all_blocks_free, with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+class DecodeCall(Protocol):
+    """A blocking Decode call: its events, as they come, and a way to cancel it."""
+
+    def __iter__(self) -> Iterator[wpb.DecodeEvent]: ...
+    def __next__(self) -> wpb.DecodeEvent: ...
+    def cancel(self) -> bool: ...
 
 TOPICS = ["printing press", "steam engine", "telegraph", "compass", "windmill", "telescope", "bicycle", "camera"]
 LONG_PROMPT = "Tell me everything you know about the history of the printing press, in detail. " * 12
@@ -147,7 +157,7 @@ def test_cancels_inside_the_reservation_window_never_corrupt_the_cache(model, cl
     rng = random.Random(8)
     codes: dict[str, int] = {}
 
-    def decode(rid: str, prompt: list[int], mode: int) -> grpc.Call:
+    def decode(rid: str, prompt: list[int], mode: wpb.PrefillMode) -> DecodeCall:
         sampling = wpb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, top_p=1.0, repetition_penalty=1.0)
         return stub.Decode(wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                              prefill_mode=mode, lease_ms=LEASE_MS), timeout=60)

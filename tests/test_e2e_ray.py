@@ -39,6 +39,7 @@ from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.pool import PoolManager, PoolSpec
 from splitserve.router.scaling import ScalingConfig
 from splitserve.router.server import Router
+from splitserve.router.workers import Role
 from splitserve.worker.config import WorkerConfig
 
 # Ray reads its auth settings once, when it is first imported, and nothing imports it while
@@ -182,8 +183,8 @@ class Cluster:
             assert time.monotonic() < end, f"blocks still held: {held}"
             await asyncio.sleep(0.05)
 
-    def healthy(self, role: str) -> list[str]:
-        return [w.address for w in self.router.workers.healthy(role)]  # type: ignore[arg-type]
+    def healthy(self, role: Role) -> list[str]:
+        return [w.address for w in self.router.workers.healthy(role)]
 
     async def close(self) -> None:
         await self.channel.close()
@@ -310,7 +311,10 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
             metrics = c.router.metrics
             (first,) = c.pools.members["prefill"]
             burst = [asyncio.ensure_future(c.generate(p)) for p in wave1]
-            grown = lambda: counted(metrics.scaling_decisions, role="prefill", action="grow") > 0  # noqa: E731
+
+            def grown() -> bool:
+                return counted(metrics.scaling_decisions, role="prefill", action="grow") > 0
+
             await until(lambda: grown() or all(f.done() for f in burst), "the prefill pool decided to grow")
             assert grown(), "the burst ended before the pool decided to grow"
             # the new actor boots for longer than the burst lasts; the shrink window waits for it

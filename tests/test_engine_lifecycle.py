@@ -150,6 +150,7 @@ def test_blocks_a_transfer_may_still_write_are_freed_only_when_it_ends():
     engine = tiny_engine()
     engine.connect(_StuckConnector())
     remote = engine.reserve("r", PROMPT, GREEDY, 30.0)
+    assert remote is not None
     free_before_abort = engine.blocks.num_free_blocks
     assert engine.abort("r")
     assert engine.lookup("r") is None and engine.blocks.num_free_blocks == free_before_abort

@@ -5,6 +5,7 @@ biases): greedy tokens must be identical."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(120)
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "llama-tied-gqa": dict(),
     "llama-untied-mha": dict(num_kv_heads=4, tie_embeddings=False),
     "llama3-rope-scaling": dict(

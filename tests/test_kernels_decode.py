@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -221,11 +222,11 @@ def test_indices_outside_the_cache_are_refused_before_any_access(kernels):
     cache, meta, qkv = decode_batch(gen, BF16, [20, 5], 4, 2, 32, 8)
     num_blocks = cache.shape[1]
 
-    def with_(**changes: torch.Tensor) -> kd.DecodeStep:
+    def with_(**changes: tuple[Any, int]) -> kd.DecodeStep:  # field=(index, value)
         m = SimpleNamespace(**{f: getattr(meta, f).clone() for f in INDEX_FIELDS}, is_decode=True)
         for name, (row, value) in changes.items():
             getattr(m, name)[row] = value
-        return make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, m, 4)  # type: ignore[arg-type]
+        return make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, m, 4)  # type: ignore[arg-type]  # a stand-in meta
 
     before = cache.clone()
     bad = {
@@ -262,7 +263,7 @@ def test_wrong_tensors_are_refused(kernels):
         step.attention(2, qkv)  # the cache has two layers
     prefill = SimpleNamespace(**{f: getattr(meta, f) for f in INDEX_FIELDS}, is_decode=False)
     with pytest.raises(ValueError):
-        make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, prefill, 4)  # type: ignore[arg-type]
+        make_step(kernels, torch.zeros(2, 8, dtype=BF16), cache, prefill, 4)  # type: ignore[arg-type]  # a stand-in meta
     with pytest.raises(ValueError):
         make_step(kernels, torch.zeros(2, 8, dtype=torch.float16), cache.half(), meta, 4)
 
@@ -290,7 +291,12 @@ def test_cpu_decode_steps_take_the_kernels(kernels, smol_like, monkeypatch, dtyp
     weights, tokens = smol_like
     calls = []
     real = kd.DecodeKernels.step
-    monkeypatch.setattr(kd.DecodeKernels, "step", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(kd.DecodeKernels, "step", counted)
     decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
     assert len(calls) == 10  # every decode step, and the prefill not
     calls.clear()

@@ -15,7 +15,17 @@ import pytest
 import torch
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
+from splitserve.kv_transfer import (
+    Completed,
+    Failed,
+    FailureCode,
+    KVReceiver,
+    KVSender,
+    Outcome,
+    Reservation,
+    TransferError,
+    frame,
+)
 from splitserve.kv_transfer.fake import FakeTransport
 from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all
 
@@ -207,7 +217,12 @@ def test_on_done_callback_and_cancel():
     seen: list = []
     done = threading.Event()
     with KVReceiver(dst) as rx:
-        r = rx.reserve("req-cb", [1], lease_s=30, on_done=lambda res, out: (seen.append((res.request_id, out)), done.set()))
+
+        def on_done(res: Reservation, out: Outcome) -> None:
+            seen.append((res.request_id, out))
+            done.set()
+
+        r = rx.reserve("req-cb", [1], lease_s=30, on_done=on_done)
         send_all(KVSender(src), r, [2])
         assert done.wait(10) and seen == [("req-cb", Completed(7))]
 
@@ -299,7 +314,7 @@ def test_ucx_unusable_falls_back_to_tcp_and_says_so(monkeypatch):
         raise RuntimeError("no UCX transports here")
 
     fake_module = types.ModuleType("splitserve.kv_transfer.ucx")
-    fake_module.UCXTransport = broken  # type: ignore[attr-defined]
+    fake_module.UCXTransport = broken  # type: ignore[attr-defined]  # a stand-in module, built here
     monkeypatch.setitem(sys.modules, "splitserve.kv_transfer.ucx", fake_module)
     before = _metric("splitserve_kv_transport_fallbacks_total", wanted="ucx", reason="RuntimeError")
     src, dst = random_cache(seed=9), KVCache(LAYOUT, 64)

@@ -18,13 +18,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
-from splitserve.kv_transfer.transport import Watchdog, Watched
+from splitserve.kv_transfer.transport import Buffer, ConnectionClosed, Watchdog, Watched
 from tests.kv_transfer_helpers.common import (
     LAYOUT,
     Bystander,
@@ -66,7 +68,14 @@ def setup():
 # Small deadlines, so slow and silent peers are dropped within a test. The handshake
 # deadline is the tighter, so a fresh connection's drops say "handshake_timeout";
 # the rate gives a layer frame of 3 blocks (1,536 bytes) 1.5 s over the base.
-TIGHT = dict(handshake_timeout_s=0.5, frame_timeout_s=0.8, frame_min_bytes_per_s=1024, idle_timeout_s=0.5)
+class Deadlines(TypedDict):
+    handshake_timeout_s: float
+    frame_timeout_s: float
+    frame_min_bytes_per_s: int
+    idle_timeout_s: float
+
+
+TIGHT = Deadlines(handshake_timeout_s=0.5, frame_timeout_s=0.8, frame_min_bytes_per_s=1024, idle_timeout_s=0.5)
 DROPPED = "splitserve_kv_connections_dropped_total"
 
 
@@ -107,6 +116,7 @@ def test_sender_killed_mid_stream(setup):
          "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "sent"
         proc.send_signal(signal.SIGKILL)
@@ -418,7 +428,6 @@ def test_silent_connections_beyond_the_cap_are_closed_at_once_and_the_rest_at_th
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
 def test_ucx_peers_are_held_to_the_same_deadlines():
     """UCX is message-based (no first-byte read): its frame deadline starts when the header arrives."""
-    from splitserve.kv_transfer.transport import ConnectionClosed
     from splitserve.kv_transfer.ucx import UCXTransport
 
     dst = KVCache(LAYOUT, 64)
@@ -460,11 +469,27 @@ def test_ucx_peers_are_held_to_the_same_deadlines():
 
 
 class _Conn:
+    """A connection that only records its closing: all a watchdog does to one."""
+
+    peer = "watched"
+    stream = True
+
     def __init__(self) -> None:
         self.closed = threading.Event()
 
+    def send(self, buffers: Sequence[Buffer]) -> None:
+        raise ConnectionClosed("a watched stand-in moves no bytes")
+
+    def recv_into(self, buffer: Buffer) -> None:
+        raise ConnectionClosed("a watched stand-in moves no bytes")
+
     def close(self) -> None:
         self.closed.set()
+
+
+def closed(w: Watched) -> threading.Event:
+    assert isinstance(w.conn, _Conn)
+    return w.conn.closed
 
 
 def test_the_watchdog_closes_a_connection_at_its_current_deadline_only():
@@ -479,10 +504,10 @@ def test_the_watchdog_closes_a_connection_at_its_current_deadline_only():
     dog.arm(disarmed, now + 0.1, "first", now)
     dog.disarm(disarmed)
     try:
-        assert earlier.conn.closed.wait(5) and earlier.expired == "moved_earlier"
-        assert later.conn.closed.wait(5) and later.expired == "moved_later"
+        assert closed(earlier).wait(5) and earlier.expired == "moved_earlier"
+        assert closed(later).wait(5) and later.expired == "moved_later"
         assert time.monotonic() - now >= 0.5
         assert fired == [earlier, later]
-        assert not disarmed.conn.closed.is_set() and disarmed.expired == ""
+        assert not closed(disarmed).is_set() and disarmed.expired == ""
     finally:
         dog.close()

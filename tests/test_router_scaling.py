@@ -44,7 +44,7 @@ def actions(ds: list[ScalingDecision]) -> list[str]:
 def test_grows_when_the_queue_stays_over_target_for_the_window():
     ds, state = run([(0.0, pool(1500)), (2.5, pool(1500)), (4.9, pool(1500)), (5.0, pool(1500))])
     assert actions(ds) == ["hold", "hold", "hold", "grow"]
-    assert ds[-1].count == 1 and "over target" in ds[-1].reason and "1500" in ds[-1].reason
+    assert ds[-1].num_workers == 1 and "over target" in ds[-1].reason and "1500" in ds[-1].reason
     assert state == ScalerState(last_change=5.0)  # the windows start again after a change
 
 
@@ -63,7 +63,7 @@ def test_grows_by_what_the_load_asks_for():
 
 def test_never_grows_beyond_max():
     ds, _ = run([(0.0, pool(9000)), (5.0, pool(9000))])
-    assert ds[-1].action == "grow" and ds[-1].count == 2  # to max_replicas 3, not 9
+    assert ds[-1].action == "grow" and ds[-1].num_workers == 2  # to max_replicas 3, not 9
     ds, _ = run([(0.0, pool(5000, 5000, 5000)), (60.0, pool(5000, 5000, 5000))])
     assert actions(ds) == ["hold", "hold"] and "at max_replicas" in ds[-1].reason
 
@@ -73,7 +73,7 @@ def test_counts_pending_starts_so_a_booting_worker_is_not_doubled():
     assert actions(ds) == ["hold", "hold", "hold"]  # 1500 tokens want 2 workers: one is running, one starting
     assert "starting cover it" in ds[-1].reason
     ds, _ = run([(0.0, pool(2500)), (5.0, pool(2500))], pending=1)
-    assert ds[-1].action == "grow" and ds[-1].count == 1  # 3 wanted, 1 running, 1 starting
+    assert ds[-1].action == "grow" and ds[-1].num_workers == 1  # 3 wanted, 1 running, 1 starting
 
 
 def test_cooldown_holds_after_a_change_and_then_lets_the_next_one_through():
@@ -90,7 +90,7 @@ def test_free_block_pressure_grows_a_decode_pool_whatever_its_token_load():
     cfg = dataclasses.replace(CFG, metric="work_tokens", min_free_block_fraction=0.2)
     full = {"d0": load(queued=0, running=300, free=10, total=100)}
     ds, _ = run([(0.0, full), (5.0, full)], cfg=cfg)
-    assert ds[-1].action == "grow" and ds[-1].count == 1 and "free blocks below 0.20" in ds[-1].reason
+    assert ds[-1].action == "grow" and ds[-1].num_workers == 1 and "free blocks below 0.20" in ds[-1].reason
     ds, _ = run([(0.0, full), (5.0, full)], cfg=cfg, pending=1)
     assert ds[-1].action == "hold"  # the one starting is what the pressure asked for
 
@@ -109,7 +109,7 @@ def test_work_tokens_count_running_tokens_and_queued_tokens_do_not():
 def test_shrinks_only_when_below_low_water_for_the_window():
     ds, _ = run([(0.0, pool(50, 10)), (10.0, pool(50, 10)), (19.9, pool(50, 10)), (20.0, pool(50, 10))])
     assert actions(ds) == ["hold", "hold", "hold", "shrink"]
-    assert ds[-1].count == 1 and "under low water" in ds[-1].reason
+    assert ds[-1].num_workers == 1 and "under low water" in ds[-1].reason
 
 
 def test_a_one_poll_dip_does_not_shrink():
@@ -163,7 +163,7 @@ def test_no_shrink_while_a_worker_starts_or_another_drains():
 def test_below_min_grows_at_once_counting_pending_starts():
     cfg = dataclasses.replace(CFG, min_replicas=2)
     d, state = decide(cfg, pool(0), 0, 0, 0.0, ScalerState(last_change=-1.0))  # inside a cooldown, too
-    assert d.action == "grow" and d.count == 1 and "below min_replicas" in d.reason
+    assert d.action == "grow" and d.num_workers == 1 and "below min_replicas" in d.reason
     assert state.last_change == 0.0
     d, _ = decide(cfg, pool(0), 1, 0, 0.0, ScalerState())
     assert d.action == "hold"
@@ -225,6 +225,7 @@ def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():
     a = serve_args("--prefill-workers-max", "3", "--prefill-target-tokens", "2000",
                    "--decode-workers", "2", "--decode-workers-max", "4")
     p, d = scaling_config(a, "prefill"), scaling_config(a, "decode")
+    assert p is not None and d is not None
     assert (p.min_replicas, p.max_replicas, p.metric, p.target_tokens_per_worker) == (1, 3, "queued_tokens", 2000)
     assert p.low_water_tokens_per_worker < p.target_tokens_per_worker and p.min_free_block_fraction == 0
     assert (d.min_replicas, d.max_replicas, d.metric) == (2, 4, "work_tokens") and d.min_free_block_fraction > 0

@@ -16,11 +16,11 @@ TOK = ByteTokenizer()
 
 def req(**kw: object) -> pb.GenerateRequest:
     kw.setdefault("text", "hello")
-    return pb.GenerateRequest(**kw)  # type: ignore[arg-type]
+    return pb.GenerateRequest(**kw)  # type: ignore[arg-type]  # any field, of any type: validation's input
 
 
 def sampling(**kw: object) -> pb.GenerateRequest:
-    return req(sampling=pb.SamplingParams(**kw))  # type: ignore[arg-type]
+    return req(sampling=pb.SamplingParams(**kw))  # type: ignore[arg-type]  # any field, of any type
 
 
 def rejected(r: pb.GenerateRequest, cfg: RouterConfig = CFG) -> str:

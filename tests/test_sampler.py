@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -120,9 +122,6 @@ def test_engine_reports_logprobs_when_asked():
 
 
 # ---- no accepted value may make a step fail (a failed step aborts the whole batch)
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 EXTREME_FLOATS = (1e-45, 1e-38, 1e-30, 1e-6, 1e-5, 1.0000001e-5, 0.5, 1.0, 2.0, 100.0)
 VOCAB = 7

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import ray
+
 from splitserve.worker.config import WorkerConfig
 
 
 class WorkerActor:
-    """Wrapped with `ray.remote` by the pool manager, with the pool's resources."""
+    """Wrapped with `ray.remote` by the pool manager, with the pool's resources. Its methods
+    are `ray.method`s so that, in Ray's types, a handle's methods have `.remote`."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         import dataclasses
@@ -18,19 +21,20 @@ class WorkerActor:
         from splitserve.worker.server import start_worker
 
         if cfg.host == "auto":  # multi-node: listen on and advertise this node's address
-            import ray
-
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.cfg = cfg
         self.worker = start_worker(cfg)
 
+    @ray.method
     def addresses(self) -> tuple[str, str | None]:
         """(gRPC address, KV endpoint or None) as other nodes reach them."""
         return self.worker.grpc_address, self.worker.kv_endpoint
 
+    @ray.method
     def ping(self) -> int:
         return self.worker.loop.steps
 
+    @ray.method
     def stop(self) -> None:
         self.worker.stop()

@@ -50,7 +50,7 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         torch.set_num_threads(cfg.threads)
     if engine is None:
         engine, _ = Engine.from_path(cfg.model, cfg.engine, progress=False)
-    interceptors = [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
+    interceptors: list[grpc.ServerInterceptor] = [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + 8, thread_name_prefix=f"{cfg.role}-rpc"),
         interceptors=interceptors,

@@ -14,7 +14,7 @@ from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import frame
 from splitserve.kv_transfer.frame import Header
 from splitserve.kv_transfer.receiver import KVReceiver
-from splitserve.kv_transfer.reservation import Reservation
+from splitserve.kv_transfer.reservation import Completed, Reservation
 from splitserve.kv_transfer.sender import KVSender
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
@@ -136,7 +136,8 @@ class Bystander:
         self.stream.send_layer(1, self.src_ids)
         self.stream.send_layer(3, self.src_ids)
         self.stream.finish(99, timeout=10)
-        assert self.rx.wait(self.r.ticket, 10).first_token == 99
+        outcome = self.rx.wait(self.r.ticket, 10)
+        assert isinstance(outcome, Completed) and outcome.first_token == 99
         assert_arrived(self.rx.cache, self.src, self.dst_ids, self.src_ids)
 
 
