@@ -62,9 +62,17 @@ def _local(a: argparse.Namespace) -> int:
     else:
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in _messages(a)]))
     params = SamplingParams(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        seed=a.seed, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.seed,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        stop=tuple(a.stop),
+        ignore_eos=a.ignore_eos,
     )
     engine.add_request("local", prompt, params)
     detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(a.stop)
@@ -94,9 +102,16 @@ def _remote(a: argparse.Namespace) -> int:
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 
     sp = pb.SamplingParams(
-        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        max_tokens=a.max_tokens,
+        stop=a.stop,
+        ignore_eos=a.ignore_eos,
     )
     if a.seed is not None:
         sp.seed = a.seed
@@ -128,4 +143,6 @@ def _print_stats(a: argparse.Namespace, start: float, first: float | None, n: in
     if a.stats and first is not None:
         end = time.perf_counter()
         rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
-        print(f"[ttft {1000 * (first - start):.0f} ms, {n} tokens, {rate:.1f} tokens/s after the first]", file=sys.stderr)
+        print(
+            f"[ttft {1000 * (first - start):.0f} ms, {n} tokens, {rate:.1f} tokens/s after the first]", file=sys.stderr
+        )

@@ -26,21 +26,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(p)  # --block-size among them, which the router shares
     add_router_arguments(p)
-    p.add_argument("--worker-host", default="127.0.0.1",
-                   help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)")
+    p.add_argument(
+        "--worker-host",
+        default="127.0.0.1",
+        help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)",
+    )
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--prefill-workers-max", type=int, default=None,
-                   help="scale the prefill pool on its queue between --prefill-workers and this (default: no scaling)")
-    p.add_argument("--decode-workers-max", type=int, default=None,
-                   help="scale the decode pool on its load between --decode-workers and this (default: no scaling)")
-    p.add_argument("--prefill-target-tokens", type=int, default=4096,
-                   help="queued prompt tokens per prefill worker above which the prefill pool grows")
-    p.add_argument("--decode-target-tokens", type=int, default=16384,
-                   help="queued and running context tokens per decode worker above which the decode pool grows")
+    p.add_argument(
+        "--prefill-workers-max",
+        type=int,
+        default=None,
+        help="scale the prefill pool on its queue between --prefill-workers and this (default: no scaling)",
+    )
+    p.add_argument(
+        "--decode-workers-max",
+        type=int,
+        default=None,
+        help="scale the decode pool on its load between --decode-workers and this (default: no scaling)",
+    )
+    p.add_argument(
+        "--prefill-target-tokens",
+        type=int,
+        default=4096,
+        help="queued prompt tokens per prefill worker above which the prefill pool grows",
+    )
+    p.add_argument(
+        "--decode-target-tokens",
+        type=int,
+        default=16384,
+        help="queued and running context tokens per decode worker above which the decode pool grows",
+    )
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
-    p.add_argument("--prefill-resources", default="{}", help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}')
+    p.add_argument(
+        "--prefill-resources",
+        default="{}",
+        help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}',
+    )
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
@@ -57,11 +80,15 @@ def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
         raise ValueError(f"--{role}-workers-max ({workers_max}) is below --{role}-workers ({workers})")
     target = getattr(a, f"{role}_target_tokens")
     decode = role == "decode"
-    return ScalingConfig(min_replicas=workers, max_replicas=workers_max,
-                         metric="work_tokens" if decode else "queued_tokens",
-                         target_tokens_per_worker=target, low_water_tokens_per_worker=target // 4,
-                         # a decode pool short of KV blocks queues requests before its token load shows it
-                         min_free_block_fraction=0.1 if decode else 0.0)
+    return ScalingConfig(
+        min_replicas=workers,
+        max_replicas=workers_max,
+        metric="work_tokens" if decode else "queued_tokens",
+        target_tokens_per_worker=target,
+        low_water_tokens_per_worker=target // 4,
+        # a decode pool short of KV blocks queues requests before its token load shows it
+        min_free_block_fraction=0.1 if decode else 0.0,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
-                 decode_scaling: ScalingConfig | None) -> int:
+async def _serve(
+    a: argparse.Namespace, prefill_scaling: ScalingConfig | None, decode_scaling: ScalingConfig | None
+) -> int:
     # Ray's own plane: token auth on, dashboard off. Ray reads these when it is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
@@ -111,30 +139,59 @@ async def _serve(a: argparse.Namespace, prefill_scaling: ScalingConfig | None,
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
 
     def worker(role: str) -> WorkerConfig:
-        return WorkerConfig(role=role, model=a.model, engine=engine_cfg, host=a.worker_host,
-                            kv_transport=a.kv_transport, cluster_token=cluster_token, threads=a.threads)
+        return WorkerConfig(
+            role=role,
+            model=a.model,
+            engine=engine_cfg,
+            host=a.worker_host,
+            kv_transport=a.kv_transport,
+            cluster_token=cluster_token,
+            threads=a.threads,
+        )
 
     specs = [
-        PoolSpec("prefill", a.prefill_workers, worker("prefill"), a.cpus_per_worker, a.gpus_per_worker,
-                 json.loads(a.prefill_resources), prefill_scaling),
-        PoolSpec("decode", a.decode_workers, worker("decode"), a.cpus_per_worker, a.gpus_per_worker,
-                 json.loads(a.decode_resources), decode_scaling),
+        PoolSpec(
+            "prefill",
+            a.prefill_workers,
+            worker("prefill"),
+            a.cpus_per_worker,
+            a.gpus_per_worker,
+            json.loads(a.prefill_resources),
+            prefill_scaling,
+        ),
+        PoolSpec(
+            "decode",
+            a.decode_workers,
+            worker("decode"),
+            a.cpus_per_worker,
+            a.gpus_per_worker,
+            json.loads(a.decode_resources),
+            decode_scaling,
+        ),
     ]
     router = Router(router_config_from_args(a, cluster_token), tokenizer)
     pools = PoolManager(specs, router.workers, metrics=router.metrics)
 
     async def start() -> None:
         port = await router.start()
-        prefill, decode = (f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} "
-                           f"{spec.role}" for spec in specs)
-        print(f"splitserve: starting {prefill} and {decode} worker(s) "
-              f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})", flush=True)
+        prefill, decode = (
+            f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
+            for spec in specs
+        )
+        print(
+            f"splitserve: starting {prefill} and {decode} worker(s) "
+            f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})",
+            flush=True,
+        )
         await pools.start()
         await router.wait_for_workers(timeout_s=120)
         print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
         if router.http is not None:
-            print(f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
-                  "/v1/completions)", flush=True)
+            print(
+                f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
+                "/v1/completions)",
+                flush=True,
+            )
         for role in ("prefill", "decode"):
             for g, kv in pools.addresses(role):
                 print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)

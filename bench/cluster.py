@@ -69,7 +69,9 @@ class WorkerProcess:
             self.grpc_address, self.kv_endpoint = parts[0], parts[1]
             return True
         if self.proc.poll() is not None:
-            raise ClusterError(f"{self.role} worker exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}")
+            raise ClusterError(
+                f"{self.role} worker exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}"
+            )
         return False
 
     def log_tail(self, n: int = 4000) -> str:

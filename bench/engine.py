@@ -67,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 64; quick 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 32; quick 16)")
     p.add_argument("--batch", type=int, default=32, help="the batched decode figure's batch size")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved ours/HF/probe repetitions (default 5; quick 2)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="interleaved ours/HF/probe repetitions (default 5; quick 2)"
+    )
     p.add_argument("--prefill-len", type=int, default=None, help="prompt length of the prefill figure, 0: none "
                    "(default 4096 on CUDA, 0 on CPU)")  # fmt: skip
     p.add_argument("--read-bytes", type=int, default=None, help="buffer of the bandwidth probe (default 1 GiB CPU, "
@@ -586,7 +588,10 @@ def _profile(tag: str, engine: Engine, prompts: list[list[int]], n: int, batch: 
 def _agreement(ours: list[list[int]], hf: list[list[int]]) -> str:
     same = sum(a == b for a, b in zip(ours, hf, strict=True))
     # a request that stopped early agrees up to its end
-    first = [next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)) for a, b in zip(ours, hf, strict=True)]
+    first = [
+        next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+        for a, b in zip(ours, hf, strict=True)
+    ]
     where = "" if same == len(ours) else f"; first difference at token {min(first)}"
     return f"ours and HF's tokens identical for {same} of {len(ours)} requests of the first repetition{where}"
 
@@ -607,8 +612,6 @@ def _f(x: float) -> str:
 
 def _pct(x: float) -> str:
     return f"{x:.0%}"
-
-
 
 
 def _elsize(dtype: torch.dtype) -> int:

@@ -30,12 +30,16 @@ and then the report to update a section.
 
 
 def build(results: Path = RESULTS) -> str:
-    files = sorted(results.glob("*.txt"), key=lambda p: (
-        ORDER.index(p.stem.split("-")[0]) if p.stem.split("-")[0] in ORDER else len(ORDER), p.name))
+    files = sorted(
+        results.glob("*.txt"),
+        key=lambda p: (ORDER.index(p.stem.split("-")[0]) if p.stem.split("-")[0] in ORDER else len(ORDER), p.name),
+    )
     parts = [HEADER]
     for f in files:
         kind = f.stem.split("-")[0]
-        parts.append(f"## {TITLES.get(kind, f.stem)}\n\n`bench/results/{f.name}`\n\n```\n{f.read_text().rstrip()}\n```\n\n")
+        parts.append(
+            f"## {TITLES.get(kind, f.stem)}\n\n`bench/results/{f.name}`\n\n```\n{f.read_text().rstrip()}\n```\n\n"
+        )
     return "".join(parts)
 
 

@@ -96,10 +96,15 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
         async def Generate(  # noqa: N802 (the gRPC method name)
             self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[pb.GenerateResponse]:
-            call = self.stub.Decode(wpb.DecodeRequest(
-                request_id=request.request_id, prompt_token_ids=request.token_ids.ids,
-                sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),
-                prefill_mode=wpb.PREFILL_MODE_LOCAL), timeout=30)
+            call = self.stub.Decode(
+                wpb.DecodeRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.token_ids.ids,
+                    sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),
+                    prefill_mode=wpb.PREFILL_MODE_LOCAL,
+                ),
+                timeout=30,
+            )
             async for ev in call:
                 if ev.WhichOneof("event") == "tokens":
                     yield pb.GenerateResponse(request_id=request.request_id, token_ids=ev.tokens.token_ids)
@@ -113,8 +118,9 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
         routers = {}
         for mode in ("colocated", "disaggregated"):
             cfg = RouterConfig(host="127.0.0.1", grpc_port=0, mode=mode)
-            routers[mode] = Router(cfg, ByteTokenizer(), decode=[workers["decode"]], prefill=[workers["prefill"]],
-                                   rng=random.Random(0))
+            routers[mode] = Router(
+                cfg, ByteTokenizer(), decode=[workers["decode"]], prefill=[workers["prefill"]], rng=random.Random(0)
+            )
         ports = {m: await r.start() for m, r in routers.items()}
         for r in routers.values():
             await r.wait_for_workers()
@@ -151,14 +157,25 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
     async def direct(remote: bool, i: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         first = 0.0
-        call = decode.Decode(wpb.DecodeRequest(
-            request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling, lease_ms=30000,
-            prefill_mode=wpb.PREFILL_MODE_REMOTE if remote else wpb.PREFILL_MODE_LOCAL), timeout=30)
+        call = decode.Decode(
+            wpb.DecodeRequest(
+                request_id=f"d{i}",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                lease_ms=30000,
+                prefill_mode=wpb.PREFILL_MODE_REMOTE if remote else wpb.PREFILL_MODE_LOCAL,
+            ),
+            timeout=30,
+        )
         async for ev in call:
             kind = ev.WhichOneof("event")
             if kind == "reservation":
-                await prefill.Prefill(wpb.PrefillRequest(request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling,
-                                                          reservation=ev.reservation), timeout=30)
+                await prefill.Prefill(
+                    wpb.PrefillRequest(
+                        request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling, reservation=ev.reservation
+                    ),
+                    timeout=30,
+                )
                 first = time.perf_counter()
             elif kind == "tokens" and not first:
                 first = time.perf_counter()
@@ -167,8 +184,11 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
     async def routed(mode: str, i: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         first = 0.0
-        req = pb.GenerateRequest(request_id=f"r{i}", token_ids=pb.TokenIds(ids=prompt),
-                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        req = pb.GenerateRequest(
+            request_id=f"r{i}",
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        )
         async for r in front[mode].Generate(req, timeout=30):
             if r.token_ids and not first:
                 first = time.perf_counter()
@@ -264,35 +284,47 @@ def run(args: argparse.Namespace) -> int:
     if pin:
         os.sched_setaffinity(0, set(cpus))
 
-    print(f"router overhead against mock workers: {args.requests} requests per path and mode after {args.warmup} warm-up,")
-    print(f"interleaved; {args.prompt_tokens}-token prompts, {args.tokens} tokens each; gRPC on loopback;"
-          f" {'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'};"
-          f" router event loop {loop_name()}")
+    print(
+        f"router overhead against mock workers: {args.requests} requests per path and mode after {args.warmup} warm-up,"
+    )
+    print(
+        f"interleaved; {args.prompt_tokens}-token prompts, {args.tokens} tokens each; gRPC on loopback;"
+        f" {'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'};"
+        f" router event loop {loop_name()}"
+    )
     print()
     print(f"{'mode':<14} {'path':<8} {'total p50':>10} {'total p99':>10} {'first p50':>10} {'first p99':>10}   (ms)")
     added: dict[str, tuple[float, float, float, float]] = {}
     for mode, r in lat.items():
         for path in ("direct", "router"):
             t, f = r[path], r[path + "_first"]
-            print(f"{mode:<14} {path:<8} {_pct(t, 50) * 1e3:10.3f} {_pct(t, 99) * 1e3:10.3f} "
-                  f"{_pct(f, 50) * 1e3:10.3f} {_pct(f, 99) * 1e3:10.3f}")
+            print(
+                f"{mode:<14} {path:<8} {_pct(t, 50) * 1e3:10.3f} {_pct(t, 99) * 1e3:10.3f} "
+                f"{_pct(f, 50) * 1e3:10.3f} {_pct(f, 99) * 1e3:10.3f}"
+            )
         paired = [a - b for a, b in zip(r["router"], r["direct"], strict=True)]
         paired_first = [a - b for a, b in zip(r["router_first"], r["direct_first"], strict=True)]
         per_token = (statistics.median(paired) - statistics.median(paired_first)) / max(1, args.tokens - 1)
         added[mode] = (_pct(paired, 50), _pct(paired, 99), _pct(paired_first, 50), per_token)
     print()
-    print(f"{'mode':<14} {'added p50':>10} {'added p99':>10} {'first-token p50':>16} {'per further token':>18}   (ms, router minus direct, paired)")
+    print(
+        f"{'mode':<14} {'added p50':>10} {'added p99':>10} {'first-token p50':>16} {'per further token':>18}   (ms, router minus direct, paired)"
+    )
     for mode, (p50, p99, f50, tok) in added.items():
         print(f"{mode:<14} {p50 * 1e3:10.3f} {p99 * 1e3:10.3f} {f50 * 1e3:16.3f} {tok * 1e3:18.4f}")
     print("(bare: a gRPC pass-through proxy with no validation, routing or detokenization; the floor of the extra hop)")
     print()
-    print(f"routing decisions per second, one core, {args.decode_workers} decode workers, {args.prompt_tokens}-token prompts:")
+    print(
+        f"routing decisions per second, one core, {args.decode_workers} decode workers, {args.prompt_tokens}-token prompts:"
+    )
     print(f"  policy (prefix overlap + cost + mode):     {policy_rate:12,.0f} /s")
     print(f"  with the prompt's block hashing included:  {hashed_rate:12,.0f} /s")
     print()
     worst = max(a[0] for m, a in added.items() if m != "bare") * 1e3
     ok = worst <= TARGET_ADDED_P50_MS
-    print(f"target added p50 <= {TARGET_ADDED_P50_MS:g} ms: {'PASS' if worst <= TARGET_ADDED_P50_MS else 'FAIL'} (worst mode {worst:.3f} ms)")
+    print(
+        f"target added p50 <= {TARGET_ADDED_P50_MS:g} ms: {'PASS' if worst <= TARGET_ADDED_P50_MS else 'FAIL'} (worst mode {worst:.3f} ms)"
+    )
     dec_ok = policy_rate >= TARGET_DECISIONS_PER_S
     print(f"target >= {TARGET_DECISIONS_PER_S:,.0f} decisions/s: {'PASS' if dec_ok else 'FAIL'} ({policy_rate:,.0f}/s)")
     return 0 if ok and dec_ok else 1

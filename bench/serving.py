@@ -70,8 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the workers' dtype (default float32)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step, the prefill chunk (default 512; quick 32)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, the prefill chunk (default 512; quick 32)",
+    )
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx"])
     p.add_argument("--no-pin", action="store_true", help="do not pin the workers to cores")
     p.add_argument("--no-swap", action="store_true", help="TTFT: keep each worker on its core in every repetition")
@@ -79,12 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="TTFT repetitions per length and mode (default 6; quick 2)")
     p.add_argument("--streams", type=int, default=None, help="ITL: steady streams (default 6; quick 2)")
     p.add_argument("--stream-prompt", type=int, default=None, help="ITL: steady prompt tokens (default 32; quick 16)")
-    p.add_argument("--stream-tokens", type=int, default=None, help="ITL: tokens per steady request (default 128; quick 24)")
+    p.add_argument(
+        "--stream-tokens", type=int, default=None, help="ITL: tokens per steady request (default 128; quick 24)"
+    )
     p.add_argument("--burst-len", type=int, default=None, help="ITL: burst prompt tokens (default 1536; quick 96)")
     p.add_argument("--burst-size", type=int, default=2, help="ITL: prompts per burst")
     p.add_argument("--burst-tokens", type=int, default=4, help="ITL: tokens each burst prompt generates")
-    p.add_argument("--bursts", type=int, default=None, help="ITL: bursts per mode, and control windows (default 3; quick 1)")
-    p.add_argument("--quiet-s", type=float, default=None, help="ITL: quiet spell before each burst (default 8; quick 1.5)")
+    p.add_argument(
+        "--bursts", type=int, default=None, help="ITL: bursts per mode, and control windows (default 3; quick 1)"
+    )
+    p.add_argument(
+        "--quiet-s", type=float, default=None, help="ITL: quiet spell before each burst (default 8; quick 1.5)"
+    )
     p.add_argument("--prompts", choices=["sharegpt", "random"], default="sharegpt", help="prompt token source")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="CI-sized run: short prompts, few repetitions")
@@ -274,9 +284,21 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
 
     slow = opts.request_timeout_s  # a long prefill on one busy core takes tens of seconds: the router's
     routers = {  # default deadlines are for real hardware; here they only have to end a hang
-        m: Router(RouterConfig(host="127.0.0.1", grpc_port=0, mode=m, admit_timeout_s=slow / 4, token_timeout_s=slow / 4,
-                               prefill_timeout_s=slow / 2, request_timeout_s=slow, lease_ms=int(slow * 1000)),
-                  EngineTokenizer(tokenizer), decode=[cluster.decode.grpc_address], prefill=[cluster.prefill.grpc_address])
+        m: Router(
+            RouterConfig(
+                host="127.0.0.1",
+                grpc_port=0,
+                mode=m,
+                admit_timeout_s=slow / 4,
+                token_timeout_s=slow / 4,
+                prefill_timeout_s=slow / 2,
+                request_timeout_s=slow,
+                lease_ms=int(slow * 1000),
+            ),
+            EngineTokenizer(tokenizer),
+            decode=[cluster.decode.grpc_address],
+            prefill=[cluster.prefill.grpc_address],
+        )
         for m in MODES
     }
     channels = []
@@ -513,7 +535,11 @@ class _Bench:
 
         def usage(kind: str) -> str:
             u = use[kind]
-            return "decode worker CPU n/a" if u is None else f"decode worker {u[0]:.2f} of a core, {_ms(u[1])} CPU per steady token"
+            return (
+                "decode worker CPU n/a"
+                if u is None
+                else f"decode worker {u[0]:.2f} of a core, {_ms(u[1])} CPU per steady token"
+            )
 
         q50, q99 = _pct(by["quiet"], 50), _pct(by["quiet"], 99)
         print(f"[itl] {'quiet':16s}: p50 {_ms(q50)} p99 {_ms(q99)} ({len(by['quiet'])} samples) | {usage('quiet')}")
@@ -542,7 +568,6 @@ class _Bench:
               f"{'worse' if worse else 'NOT worse'} than disaggregated")  # fmt: skip
         self._report_cache_hits("itl")
 
-
     def _report_cache_hits(self, part: str) -> None:
         note = "" if self.cached_tokens == 0 else " (prompts were meant to be unique: figures include cache hits)"
         print(f"[{part}] prefix-cache hits on measured requests: {self.cached_tokens} tokens{note}")
@@ -558,7 +583,9 @@ class _Bench:
             self.rc = 1
 
     def _decisions(self, mode: Mode, decided: str) -> int:
-        v = self.routers[mode].metrics.registry.get_sample_value("splitserve_router_routing_decisions_total", {"mode": decided})
+        v = self.routers[mode].metrics.registry.get_sample_value(
+            "splitserve_router_routing_decisions_total", {"mode": decided}
+        )
         return int(v or 0)
 
 
@@ -665,8 +692,6 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-
 
 
 def _load() -> str:

@@ -48,11 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--transports", default="tcp,ucx,cuda_ipc", help="comma-separated; missing ones are reported and skipped")
+    p.add_argument(
+        "--transports", default="tcp,ucx,cuda_ipc", help="comma-separated; missing ones are reported and skipped"
+    )
     p.add_argument("--checksum", default="lanesum", choices=sorted(frame.CHECKSUM_KINDS))
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
     p.add_argument("--latency-blocks", default="1,4,16", help="frame sizes (blocks) for the latency figure")
-    p.add_argument("--layer-ms", type=float, default=0.0, help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer)")
+    p.add_argument(
+        "--layer-ms",
+        type=float,
+        default=0.0,
+        help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,7 +249,9 @@ def _kv(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float
     return s.nbytes / dt / 1e9
 
 
-def _latency(kind: TransportName, src: KVCache, dst: KVCache, n: int, checksum: str, reps: int = 50) -> tuple[float, float]:
+def _latency(
+    kind: TransportName, src: KVCache, dst: KVCache, n: int, checksum: str, reps: int = 50
+) -> tuple[float, float]:
     raw = []
     if kind == "tcp":
         piece, landing = frame.as_bytes(src.blocks(0, 0, n)), frame.as_bytes(dst.blocks(0, 0, n))

@@ -54,8 +54,10 @@ class ReceiverConnector:
         try:
             self.receiver.cancel(transfer_id, timeout=self.cancel_timeout_s)
         except TimeoutError:
-            log.error("a write into a cancelled reservation did not stop in %gs; its blocks are freed when it does",
-                      self.cancel_timeout_s)
+            log.error(
+                "a write into a cancelled reservation did not stop in %gs; its blocks are freed when it does",
+                self.cancel_timeout_s,
+            )
             return False
         live = self.receiver.live_blocks(list(blocks))
         if live:

@@ -78,6 +78,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 return  # the call is over already
             prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
             if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
+
                 def admit_local(engine: Engine) -> int:
                     engine.add_request(rid, prompt, params, output_token_ids=prior)
                     return engine.scheduler.cached_prefix_tokens(prompt + prior)
@@ -87,10 +88,15 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             else:
                 lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
                 remote: RemotePrefill | None = self._call(
-                    lambda engine: engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior), context)
+                    lambda engine: engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior), context
+                )
                 if remote is None:
-                    refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
-                yield wpb.DecodeEvent(reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens))
+                    refuse(
+                        context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now"
+                    )
+                yield wpb.DecodeEvent(
+                    reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens)
+                )
             yield from self._stream(events, params.logprobs)
         finally:
             # Ordered after the admission on the engine thread: whatever it admitted is found here.
@@ -129,8 +135,9 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if last.finished:
                 reason = last.finish_reason or ""
                 message = "" if reason in ("stop", "length") else f"ended: {reason}"
-                yield wpb.DecodeEvent(finish=wpb.Finish(reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED),
-                                                        message=message))
+                yield wpb.DecodeEvent(
+                    finish=wpb.Finish(reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED), message=message)
+                )
                 return
 
     def _call(self, fn: Callable[[Engine], T], context: grpc.ServicerContext) -> T:
@@ -155,5 +162,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
     def GetStats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
         return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
 
-    def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
+    def BlockEvents(
+        self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
         return stream_block_events(self.loop, context)

@@ -56,7 +56,9 @@ def check_worker(address: str, role: str, timeout: float) -> tuple[bool, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve-healthcheck", description="Exit 0 when the splitserve process is healthy.")
+    p = argparse.ArgumentParser(
+        prog="splitserve-healthcheck", description="Exit 0 when the splitserve process is healthy."
+    )
     sub = p.add_subparsers(dest="target", required=True)
     default = os.environ.get("SPLITSERVE_HEALTH_ADDRESS", "127.0.0.1:50051")
     r = sub.add_parser("router", help="grpc.health.v1 Check on the router")

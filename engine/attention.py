@@ -66,7 +66,9 @@ def paged_attention(
     return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale)
 
 
-def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     bsz, heads, dim = q.shape
     kv_heads = layer_cache.shape[3]
     ctx = layer_cache[meta.block_tables]  # [B, max_blocks, 2, bs, kv_heads, dim]

@@ -84,9 +84,7 @@ class DecodeGraphs:
             context_lens_list=[],  # unused on the decode path
             is_decode=True,
         )
-        return self.model.forward(
-            self.input_ids[:bp], self.positions[:bp], self.kv_cache, meta, self.rows[:bp], None
-        )
+        return self.model.forward(self.input_ids[:bp], self.positions[:bp], self.kv_cache, meta, self.rows[:bp], None)
 
     def _capture(self, bp: int, wp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.inference_mode():

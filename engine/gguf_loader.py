@@ -114,6 +114,7 @@ def open_gguf(path: str) -> Any:
 
 def read_metadata(reader: Any, path: str) -> dict[str, Any]:
     """Every key-value field as plain Python values (str, int, float, bool, or lists of them)."""
+
     def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
         if kind == GGUFValueType.STRING:
             return bytes(part).decode("utf-8")

@@ -146,7 +146,9 @@ class EngineLoop:
         sched = self.engine.scheduler
         for seq in [*sched.waiting, *sched.running]:
             self.engine.abort(seq.request_id)
-            outs.append(StepOutput(seq.request_id, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
+            outs.append(
+                StepOutput(seq.request_id, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+            )
         return outs
 
     def _fail_pending_calls(self) -> None:

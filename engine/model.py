@@ -141,7 +141,11 @@ class LlamaModel:
             for lw in self.layers
             for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)
         )
-        return per_layer + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+        return (
+            per_layer
+            + self.norm.numel() * self.norm.element_size()
+            + self.lm_head.numel() * self.lm_head.element_size()
+        )
 
     def forward(
         self,

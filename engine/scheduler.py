@@ -79,7 +79,9 @@ class SchedulerStats(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, eos_token_ids: frozenset[int], max_position: int) -> None:
+    def __init__(
+        self, cfg: EngineConfig, blocks: BlockManager, eos_token_ids: frozenset[int], max_position: int
+    ) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
@@ -174,7 +176,10 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        return [self._append(batch.seqs[i], t, lp) for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs, strict=True)]
+        return [
+            self._append(batch.seqs[i], t, lp)
+            for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs, strict=True)
+        ]
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -201,8 +206,9 @@ class Scheduler:
         elif reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, token, logprob, reason is not None, reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens)
+        return StepOutput(
+            seq.request_id, token, logprob, reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens
+        )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         del self.requests[seq.request_id]
@@ -212,8 +218,9 @@ class Scheduler:
 
     # ---- the remote half of a request's life ----
 
-    def commit_remote(self, request_id: str, transfer_id: bytes, first_token: int,
-                      logprob: float | None = None) -> StepOutput | None:
+    def commit_remote(
+        self, request_id: str, transfer_id: bytes, first_token: int, logprob: float | None = None
+    ) -> StepOutput | None:
         """A reserved request's KV has arrived: it runs, with the first token the prefill worker sampled.
         None if that transfer's request is no longer reserved (aborted meanwhile)."""
         seq = self.reserved.get(request_id)

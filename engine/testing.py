@@ -40,7 +40,10 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
         return (1.0 + 0.1 * torch.randn(cfg.hidden_size, generator=g)).to(dtype)
 
     h, i = cfg.hidden_size, cfg.intermediate_size
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(cfg.vocab_size, h, std=1.0), "model.norm.weight": norm()}
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": randn(cfg.vocab_size, h, std=1.0),
+        "model.norm.weight": norm(),
+    }
     if not cfg.tie_embeddings:
         w["lm_head.weight"] = randn(cfg.vocab_size, h, std=h**-0.5)
     for layer in range(cfg.num_layers):

@@ -60,9 +60,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **dict.fromkeys(
         ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"], ((_DIGITS, _GPT2), False)
     ),
-    **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], ((_LLAMA3,), True)
-    ),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], ((_LLAMA3,), True)),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2"], ((_QWEN2,), False)),
     **dict.fromkeys(["gpt-4o", "llama4"], ((_GPT4O,), False)),
     "tekken": ((_TEKKEN,), False),
@@ -399,7 +397,11 @@ def _add_special_tokens(backend: tokenizers.Tokenizer, meta: Mapping[str, Any], 
     ]
     if control:
         backend.add_special_tokens(control)
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED
+    ]
     if user:
         backend.add_tokens(user)
 

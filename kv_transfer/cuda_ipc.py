@@ -64,8 +64,18 @@ def export_cache(cache: KVCache) -> bytes:
     if key is None:
         key = os.urandom(16)
         _EXPORTED[key] = t
-    fixed = _FIXED.pack(device, cache.num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, int(event_sync),
-                        _uuid(device), os.getpid(), key)
+    fixed = _FIXED.pack(
+        device,
+        cache.num_blocks,
+        size_bytes,
+        offset_bytes,
+        tensor_offset,
+        ref_offset,
+        int(event_sync),
+        _uuid(device),
+        os.getpid(),
+        key,
+    )
     return fixed + b"".join(struct.pack("<H", len(b)) + b for b in blobs)
 
 

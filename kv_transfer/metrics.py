@@ -15,8 +15,12 @@ FRAMES_RECEIVED = Counter("splitserve_kv_frames_received", "KV layer frames acce
 FRAMES_REJECTED = Counter("splitserve_kv_frames_rejected", "Frames or connections rejected, by reason", ["reason"])
 RESERVATIONS_COMPLETED = Counter("splitserve_kv_reservations_completed", "Reservations whose KV arrived in full")
 RESERVATIONS_FAILED = Counter("splitserve_kv_reservations_failed", "Reservations that failed, by reason", ["reason"])
-TRANSPORT_CHOSEN = Counter("splitserve_kv_transport_chosen", "KV streams opened, by the transport used", ["side", "transport"])
-TRANSPORT_FALLBACKS = Counter("splitserve_kv_transport_fallbacks", "Times a wanted transport was unusable and TCP was used", ["wanted", "reason"])
+TRANSPORT_CHOSEN = Counter(
+    "splitserve_kv_transport_chosen", "KV streams opened, by the transport used", ["side", "transport"]
+)
+TRANSPORT_FALLBACKS = Counter(
+    "splitserve_kv_transport_fallbacks", "Times a wanted transport was unusable and TCP was used", ["wanted", "reason"]
+)
 BYTES_SENT = Counter("splitserve_kv_bytes_sent", "KV payload bytes sent", ["transport"])
 CONNECTIONS_DROPPED = Counter(
     "splitserve_kv_connections_dropped",

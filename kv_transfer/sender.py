@@ -180,7 +180,9 @@ class KVStream:
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{r.request_id}", daemon=True)
         self._thread.start()
 
-    def send_layer(self, layer: int, src_block_ids: Sequence[int], first_index: int = 0, snapshot: bool = False) -> None:
+    def send_layer(
+        self, layer: int, src_block_ids: Sequence[int], first_index: int = 0, snapshot: bool = False
+    ) -> None:
         """Queue one layer's K and V: `src_block_ids[i]` goes to `reservation.block_ids[first_index + i]`.
 
         Returns at once unless the queue is full (back-pressure). A block may be
@@ -229,7 +231,9 @@ class KVStream:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if not self._finished.is_set():
-            self.abort("stream left without finish" if exc_type is None else f"prefill failed: {exc_type.__name__}: {exc}")
+            self.abort(
+                "stream left without finish" if exc_type is None else f"prefill failed: {exc_type.__name__}: {exc}"
+            )
 
     # ---- internals ---------------------------------------------------------------
 

@@ -112,7 +112,9 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             try:
                 stream = self.sender.open(kv)
             except TransferError as e:
-                code = grpc.StatusCode.FAILED_PRECONDITION if e.code == "layout_mismatch" else grpc.StatusCode.UNAVAILABLE
+                code = (
+                    grpc.StatusCode.FAILED_PRECONDITION if e.code == "layout_mismatch" else grpc.StatusCode.UNAVAILABLE
+                )
                 refuse(context, code, f"KV stream to {kv.endpoint}: {e}")
             opened = stream
 
@@ -188,6 +190,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
 
         assert self.loop is not None
         self.loop.drop_sink(rid, job.resolve)
+
         def after(f: Future[None]) -> None:
             if f.exception() is not None:  # a stopped loop: nothing is left to free, but the id goes back
                 self.jobs.release(rid, job)
@@ -207,6 +210,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         assert self.loop is not None
         return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
 
-    def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
+    def BlockEvents(
+        self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
         assert self.loop is not None
         return stream_block_events(self.loop, context)

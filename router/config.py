@@ -64,7 +64,9 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if self.decode_policy not in DECODE_POLICIES:
-            raise ValueError(f"RoutingConfig.decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}")
+            raise ValueError(
+                f"RoutingConfig.decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"RoutingConfig.mode must be one of {MODES}, got {self.mode!r}")
         _check_numbers(self, positive=("block_size",))
@@ -148,8 +150,17 @@ class RouterConfig:
         # read back as routing's, so the two never disagree (this is construction, not a later patch)
         object.__setattr__(self, "mode", self.routing.mode)
         object.__setattr__(self, "local_prefill_max_tokens", self.routing.local_prefill_max_tokens)
-        _check_numbers(self, positive=("max_model_len", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens",
-                                       "max_inflight", "max_request_faults"))
+        _check_numbers(
+            self,
+            positive=(
+                "max_model_len",
+                "max_prompt_tokens",
+                "max_tokens_cap",
+                "default_max_tokens",
+                "max_inflight",
+                "max_request_faults",
+            ),
+        )
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("RouterConfig.max_prompt_tokens must be below max_model_len")
         if self.default_max_tokens > self.max_tokens_cap:

@@ -21,7 +21,7 @@ DISABLE_ENV = "SPLITSERVE_NO_UVLOOP"
 
 
 def loop_name() -> str:
-    """"uvloop" or "asyncio": the loop `run` will use."""
+    """ "uvloop" or "asyncio": the loop `run` will use."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return "asyncio"
     try:

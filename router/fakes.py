@@ -63,7 +63,9 @@ class _FakeBase:
         self.cancel_calls.append(request.request_id)
         return wpb.CancelResponse(found=False)
 
-    async def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+    async def BlockEvents(
+        self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
         await asyncio.Event().wait()  # no prefix cache to report
         yield wpb.BlockEventBatch()
 
@@ -104,7 +106,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         die_after_tokens: int | None = None,  # stop this worker's server after sending this many tokens
         refuse: bool = False,  # answer every Decode with RESOURCE_EXHAUSTED
         extra_queued_tokens: int = 0,  # reported in stats on top of the real load (to steer routing)
-        fail: grpc.StatusCode | None = None,  # answer every Decode with this status, as a worker refusing the request would
+        fail: grpc.StatusCode
+        | None = None,  # answer every Decode with this status, as a worker refusing the request would
     ) -> None:
         super().__init__(script, block_size, total_blocks, worker_id)
         self.kv = kv
@@ -137,14 +140,18 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         for q in self._subscribers:
             q.put_nowait(batch)
 
-    async def BlockEvents(self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+    async def BlockEvents(
+        self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
         q: asyncio.Queue[wpb.BlockEventBatch] = asyncio.Queue()
         self._subscribers.append(q)
         try:
-            yield wpb.BlockEventBatch(events=[
-                wpb.BlockEvent(cleared=wpb.AllBlocksCleared()),
-                wpb.BlockEvent(stored=wpb.BlocksStored(block_hashes=sorted(self.cache))),
-            ])
+            yield wpb.BlockEventBatch(
+                events=[
+                    wpb.BlockEvent(cleared=wpb.AllBlocksCleared()),
+                    wpb.BlockEvent(stored=wpb.BlocksStored(block_hashes=sorted(self.cache))),
+                ]
+            )
             while True:
                 yield await q.get()
         finally:
@@ -153,12 +160,18 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
         used = sum(cdiv(n, self.block_size) for n in self.active.values())
         return wpb.WorkerStats(
-            worker_id=self.worker_id, queued_tokens=self.extra_queued_tokens, running_tokens=sum(self.active.values()),
-            free_blocks=max(0, self.total_blocks - used), total_blocks=self.total_blocks,
-            running_requests=len(self.active), block_size=self.block_size,
+            worker_id=self.worker_id,
+            queued_tokens=self.extra_queued_tokens,
+            running_tokens=sum(self.active.values()),
+            free_blocks=max(0, self.total_blocks - used),
+            total_blocks=self.total_blocks,
+            running_requests=len(self.active),
+            block_size=self.block_size,
         )
 
-    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeEvent]:  # noqa: N802
+    async def Decode(
+        self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.DecodeEvent]:  # noqa: N802
         self.requests.append(request)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
@@ -184,11 +197,18 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
                 ticket = os.urandom(16)
                 first = self.kv.expect(ticket)
                 n_blocks = len(blocks_to_fill(len(ctx), cached, bs))
-                yield wpb.DecodeEvent(reservation=wpb.Reservation(
-                    kv_endpoint=f"fake:{self.worker_id}", transport="fake", ticket=ticket, request_id=rid,
-                    block_ids=list(range(n_blocks)), num_cached_tokens=cached, layout=LAYOUT,
-                    lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
-                ))
+                yield wpb.DecodeEvent(
+                    reservation=wpb.Reservation(
+                        kv_endpoint=f"fake:{self.worker_id}",
+                        transport="fake",
+                        ticket=ticket,
+                        request_id=rid,
+                        block_ids=list(range(n_blocks)),
+                        num_cached_tokens=cached,
+                        layout=LAYOUT,
+                        lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
+                    )
+                )
                 try:
                     out.append(await asyncio.wait_for(first, self.lease_s))
                 except TimeoutError:
@@ -261,8 +281,13 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
         finally:
             self.stats_held -= 1
         self.stats_answered += 1
-        return wpb.WorkerStats(worker_id=self.worker_id, queued_tokens=self.queued_tokens, free_blocks=self.total_blocks,
-                               total_blocks=self.total_blocks, block_size=self.block_size)
+        return wpb.WorkerStats(
+            worker_id=self.worker_id,
+            queued_tokens=self.queued_tokens,
+            free_blocks=self.total_blocks,
+            total_blocks=self.total_blocks,
+            block_size=self.block_size,
+        )
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext) -> wpb.PrefillResult:  # noqa: N802
         self.requests.append(request)

@@ -21,21 +21,38 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_DEFAULTS.host, help="router address to bind")
     p.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
-    p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
-                   help="Prometheus endpoint of the router (0: off)")
-    p.add_argument("--mode", default=_DEFAULTS.routing.mode, choices=MODES,
-                   help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), "
-                        "or per request (auto)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=_DEFAULTS.routing.local_prefill_max_tokens,
-                   help="mode auto: prefill on the decode worker when the uncached suffix is this short")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="clients must send it as a bearer token (default: $SPLITSERVE_API_KEY)")
+    p.add_argument(
+        "--metrics-port", type=int, default=_DEFAULTS.metrics_port, help="Prometheus endpoint of the router (0: off)"
+    )
+    p.add_argument(
+        "--mode",
+        default=_DEFAULTS.routing.mode,
+        choices=MODES,
+        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=_DEFAULTS.routing.local_prefill_max_tokens,
+        help="mode auto: prefill on the decode worker when the uncached suffix is this short",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY"),
+        help="clients must send it as a bearer token (default: $SPLITSERVE_API_KEY)",
+    )
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
     """The RouterConfig the flags of add_router_arguments (and --block-size) describe.
     `cluster_token`: the control plane's credential, which each command gets its own way."""
     routing = RoutingConfig(mode=a.mode, block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens)
-    return RouterConfig(routing=routing, host=a.host, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
-                        http_port=None if a.http_port < 0 else a.http_port,
-                        api_key=a.api_key, cluster_token=cluster_token)
+    return RouterConfig(
+        routing=routing,
+        host=a.host,
+        grpc_port=a.grpc_port,
+        metrics_port=a.metrics_port,
+        http_port=None if a.http_port < 0 else a.http_port,
+        api_key=a.api_key,
+        cluster_token=cluster_token,
+    )

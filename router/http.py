@@ -54,8 +54,21 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 # (top_k, min_p, repetition_penalty, ignore_eos) are the ones vLLM accepts too.
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed")
-_COMMON = {"model", "user", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "stop",
-           "logprobs", "request_id", "ignore_eos", *_FLOATS, *_INTS}
+_COMMON = {
+    "model",
+    "user",
+    "stream",
+    "stream_options",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "logprobs",
+    "request_id",
+    "ignore_eos",
+    *_FLOATS,
+    *_INTS,
+}
 _KNOWN = {True: _COMMON | {"messages"}, False: _COMMON | {"prompt"}}  # by chat or not
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
@@ -147,8 +160,9 @@ def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool, vocab_s
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}]: must be an object with string role and content")
-            req.chat.messages.add(role=_string(m["role"], f"messages[{i}].role"),
-                                  content=_string(m["content"], f"messages[{i}].content"))
+            req.chat.messages.add(
+                role=_string(m["role"], f"messages[{i}].role"), content=_string(m["content"], f"messages[{i}].content")
+            )
         return
     prompt = fields.get("prompt")
     if isinstance(prompt, str):
@@ -231,12 +245,14 @@ class OpenAIServer:
         self.generation = generation  # router.server.GenerationService
         self.model_name = model_name
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
-        self.app.add_routes([
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/v1/completions", self.completions),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-        ])
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions", self.completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+            ]
+        )
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -253,11 +269,15 @@ class OpenAIServer:
             await self._runner.cleanup()
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "splitserve"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "splitserve"}]}
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         healthy = bool(self.generation.workers.decode_loads())
-        return web.json_response({"status": "ok" if healthy else "no healthy decode worker"}, status=200 if healthy else 503)
+        return web.json_response(
+            {"status": "ok" if healthy else "no healthy decode worker"}, status=200 if healthy else 503
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=True)
@@ -329,13 +349,20 @@ class OpenAIServer:
             choice["text"] = content
         if logprobs:
             choice["logprobs"] = {"token_logprobs": logprobs}
-        return web.json_response({
-            "id": rid, "object": kind, "created": created, "model": self.model_name,
-            "choices": [choice], "usage": _usage(usage),
-        })
+        return web.json_response(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": _usage(usage),
+            }
+        )
 
-    async def _stream(self, request: web.Request, run: Any, rid: str, kind: str, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, run: Any, rid: str, kind: str, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
         created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = kind + (".chunk" if chat else "")
@@ -363,14 +390,36 @@ class OpenAIServer:
                         else:
                             choice = {"index": 0, "text": r.text, "finish_reason": finish}
                         first = False
-                        await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                    "choices": [choice]})
+                        await send(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": self.model_name,
+                                "choices": [choice],
+                            }
+                        )
             except RequestFailed as e:
-                await send({"error": {"message": status_details(str(e)), "type": "server_error",
-                                      "code": _HTTP_STATUS.get(e.code, 500)}})
+                await send(
+                    {
+                        "error": {
+                            "message": status_details(str(e)),
+                            "type": "server_error",
+                            "code": _HTTP_STATUS.get(e.code, 500),
+                        }
+                    }
+                )
             if include_usage:
-                await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                            "usage": _usage(usage)})
+                await send(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": _usage(usage),
+                    }
+                )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:

@@ -18,9 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     p.add_argument("--model", default=None, help="the workers' model, for its tokenizer (default: embedded SmolLM2)")
     add_router_arguments(p)
-    p.add_argument("--block-size", type=int, default=RoutingConfig().block_size, help="tokens per KV block: the workers'")
-    p.add_argument("--cluster-token", default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
-                   help="sent to the workers (default: $SPLITSERVE_CLUSTER_TOKEN)")
+    p.add_argument(
+        "--block-size", type=int, default=RoutingConfig().block_size, help="tokens per KV block: the workers'"
+    )
+    p.add_argument(
+        "--cluster-token",
+        default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
+        help="sent to the workers (default: $SPLITSERVE_CLUSTER_TOKEN)",
+    )
 
 
 def run(a: argparse.Namespace) -> int:
@@ -39,8 +44,11 @@ async def _run(a: argparse.Namespace) -> int:
     cfg = router_config_from_args(a, a.cluster_token)
     router = Router(cfg, EngineTokenizer(load_tokenizer(a.model)), decode=a.decode, prefill=a.prefill)
     port = await router.start()
-    print(f"splitserve router: listening on {a.host}:{port}"
-          + (f", OpenAI-compatible HTTP on {router.http_port}" if router.http is not None else ""), flush=True)
+    print(
+        f"splitserve router: listening on {a.host}:{port}"
+        + (f", OpenAI-compatible HTTP on {router.http_port}" if router.http is not None else ""),
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

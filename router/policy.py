@@ -140,12 +140,21 @@ class KvAwareChooser:
                 log.debug(
                     "decode %s: cost = %g*uncached(%d) + load(%d queued + %d running) "
                     "+ shortfall(%d*max(0, %d blocks - %d free)) = %g",
-                    c.worker, r.prefill_weight, c.uncached_tokens, c.load.queued_tokens, c.load.running_tokens,
-                    r.block_size, -(-c.uncached_tokens // r.block_size), c.load.free_blocks, cost,
+                    c.worker,
+                    r.prefill_weight,
+                    c.uncached_tokens,
+                    c.load.queued_tokens,
+                    c.load.running_tokens,
+                    r.block_size,
+                    -(-c.uncached_tokens // r.block_size),
+                    c.load.free_blocks,
+                    cost,
                 )
         i = pick(costs, r.temperature, rng)
         chosen = candidates[i]
-        log.debug("decode choice: %s (cost %g of %d candidates, T=%g)", chosen.worker, costs[i], len(costs), r.temperature)
+        log.debug(
+            "decode choice: %s (cost %g of %d candidates, T=%g)", chosen.worker, costs[i], len(costs), r.temperature
+        )
         return DecodeChoice(chosen.worker, chosen.overlap_blocks, chosen.uncached_tokens, costs[i])
 
 
@@ -166,7 +175,9 @@ class RoundRobinChooser:
             raise ValueError("no decode worker to choose from")
         by_worker = {c.worker: c for c in candidates}
         chosen = by_worker[round_robin(list(by_worker), self.turn)]
-        log.debug("decode choice: %s (round robin, turn %d of %d candidates)", chosen.worker, self.turn, len(candidates))
+        log.debug(
+            "decode choice: %s (round robin, turn %d of %d candidates)", chosen.worker, self.turn, len(candidates)
+        )
         self.turn += 1
         return DecodeChoice(chosen.worker, chosen.overlap_blocks, chosen.uncached_tokens, 0.0)
 
@@ -196,10 +207,14 @@ def choose_prefill_mode(
         backed_up = prefill_queue_tokens >= routing.prefill_backlog_tokens and decode_worker_idle
         mode = "local" if short or backed_up else "remote"
         why = (
-            f"uncached {uncached_tokens} <= {routing.local_prefill_max_tokens} is {short}; "
-            f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode idle "
-            f"{decode_worker_idle} is {backed_up}"
-        ) if log.isEnabledFor(logging.DEBUG) else ""
+            (
+                f"uncached {uncached_tokens} <= {routing.local_prefill_max_tokens} is {short}; "
+                f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode idle "
+                f"{decode_worker_idle} is {backed_up}"
+            )
+            if log.isEnabledFor(logging.DEBUG)
+            else ""
+        )
     if log.isEnabledFor(logging.DEBUG):
         log.debug("prefill mode %s: %s", mode, why)
     return mode

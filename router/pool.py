@@ -70,9 +70,15 @@ class _Member:
 class PoolManager:
     """Owns the actors of every pool. Runs on the router's event loop."""
 
-    def __init__(self, specs: list[PoolSpec], workers: WorkerSet, start_timeout_s: float = 300.0,
-                 watch_interval_s: float = 2.0, metrics: RouterMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        specs: list[PoolSpec],
+        workers: WorkerSet,
+        start_timeout_s: float = 300.0,
+        watch_interval_s: float = 2.0,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         import ray
 
         self._ray = ray
@@ -113,8 +119,11 @@ class PoolManager:
         self._serial += 1
         cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
         actor = self._actor_cls.options(
-            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
-            name=cfg.worker_id, max_restarts=0,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            resources=dict(spec.resources),
+            name=cfg.worker_id,
+            max_restarts=0,
         ).remote(cfg)
         try:
             grpc_address, kv = await asyncio.wait_for(_ray_get(actor.addresses.remote()), self.start_timeout_s)
@@ -170,7 +179,8 @@ class PoolManager:
             watched = [(role, m) for role, members in self.members.items() for m in members if not m.draining]
             answers = await asyncio.gather(
                 *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
-                return_exceptions=True)
+                return_exceptions=True,
+            )
             for (role, m), answer in zip(watched, answers, strict=True):
                 if isinstance(answer, BaseException):
                     self._replace(role, m, answer)
@@ -179,8 +189,9 @@ class PoolManager:
         members = self.members[role]
         if m.draining or m not in members:
             return  # the scaler took it away while we asked
-        log.warning("%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id, m.grpc_address,
-                    type(why).__name__)
+        log.warning(
+            "%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id, m.grpc_address, type(why).__name__
+        )
         members.remove(m)
         self.workers.remove(m.grpc_address)
         self._kill(m.actor)  # hung rather than dead: make sure
@@ -230,8 +241,13 @@ class PoolManager:
                 log.info("%s worker %s stopped answering while draining", role, m.worker_id)
                 break
             if self.clock() > deadline:
-                log.warning("%s worker %s still busy after %.0f s of draining; stopping it anyway "
-                            "(its requests are retried elsewhere)", role, m.worker_id, timeout_s)
+                log.warning(
+                    "%s worker %s still busy after %.0f s of draining; stopping it anyway "
+                    "(its requests are retried elsewhere)",
+                    role,
+                    m.worker_id,
+                    timeout_s,
+                )
                 break
             await asyncio.sleep(workers.cfg.stats_interval_s)
         workers.remove(m.grpc_address)

@@ -51,7 +51,10 @@ from splitserve.router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
 
-_FINISH: dict[wpb.FinishReason, pb.FinishReason] = {wpb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP, wpb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH: dict[wpb.FinishReason, pb.FinishReason] = {
+    wpb.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
+    wpb.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH,
+}
 
 
 class RequestFailed(Exception):
@@ -103,7 +106,9 @@ class _Retry(Exception):
     force_local: prefill on the decode worker this time.
     """
 
-    def __init__(self, message: str, exclude: bool = True, fault: Fault = Fault.WORKER, force_local: bool = False) -> None:
+    def __init__(
+        self, message: str, exclude: bool = True, fault: Fault = Fault.WORKER, force_local: bool = False
+    ) -> None:
         super().__init__(message)
         self.exclude = exclude
         self.fault = fault
@@ -185,8 +190,9 @@ class RequestRun:
         context = [*self.req.prompt_token_ids, *self.generated]
         hashes = block_hashes(context, self.cfg.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
-        r = policy.route(hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng,
-                         self.workers.decode_chooser)
+        r = policy.route(
+            hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng, self.workers.decode_chooser
+        )
         self.workers.assigned(r.worker, r.uncached_tokens)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
         return r.worker, r.mode
@@ -250,15 +256,21 @@ class RequestRun:
                         yield self._final(_FINISH[reason])
                         return
                     if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
-                        raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True)
-                    raise _Retry(f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}",
-                                 fault=Fault.UNCLEAR)
+                        raise _Retry(
+                            f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True
+                        )
+                    raise _Retry(
+                        f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}",
+                        fault=Fault.UNCLEAR,
+                    )
                 else:
                     raise _Retry(f"protocol error: {kind} event after the first")
         finally:
             call.cancel()  # no-op when the call is done; an abort for the worker otherwise
 
-    async def _next(self, call: grpc.aio.UnaryStreamCall[wpb.DecodeRequest, wpb.DecodeEvent], timeout_s: float, admitted: bool) -> wpb.DecodeEvent:
+    async def _next(
+        self, call: grpc.aio.UnaryStreamCall[wpb.DecodeRequest, wpb.DecodeEvent], timeout_s: float, admitted: bool
+    ) -> wpb.DecodeEvent:
         try:
             async with asyncio.timeout(min(timeout_s, self._remaining_s())):
                 ev = await call.read()
@@ -273,8 +285,9 @@ class RequestRun:
                 raise RequestFailed(e.code(), f"the decode worker refused the request: {e.details()}") from None
             if fault is Fault.BUSY and not admitted:
                 raise _Retry(f"not admitted: {e.details()}", fault=Fault.BUSY) from None
-            raise _Retry(f"Decode failed: {e.code().name} {e.details()}",
-                         fault=Fault.WORKER if fault is Fault.BUSY else fault) from None
+            raise _Retry(
+                f"Decode failed: {e.code().name} {e.details()}", fault=Fault.WORKER if fault is Fault.BUSY else fault
+            ) from None
         if not isinstance(ev, wpb.DecodeEvent):  # grpc.aio.EOF
             raise _Retry("Decode stream ended without a finish event")
         return ev
@@ -303,8 +316,12 @@ class RequestRun:
             w = self.workers.get(address)
             if w is None:
                 continue
-            lease_left = reservation.lease_deadline_unix_ms / 1000 - time.time() if reservation.lease_deadline_unix_ms else None
-            timeout = min(self.cfg.prefill_timeout_s, self._remaining_s(), *([lease_left] if lease_left is not None else []))
+            lease_left = (
+                reservation.lease_deadline_unix_ms / 1000 - time.time() if reservation.lease_deadline_unix_ms else None
+            )
+            timeout = min(
+                self.cfg.prefill_timeout_s, self._remaining_s(), *([lease_left] if lease_left is not None else [])
+            )
             if timeout <= 0:
                 last = "reservation lease passed"
                 break
@@ -383,6 +400,8 @@ class RequestRun:
         self.finished = True
         text, stopped = self._drain()
         return pb.GenerateResponse(
-            request_id=self.req.request_id, text=text,
-            finish_reason=pb.FINISH_REASON_STOP if stopped else reason, usage=self._usage(),
+            request_id=self.req.request_id,
+            text=text,
+            finish_reason=pb.FINISH_REASON_STOP if stopped else reason,
+            usage=self._usage(),
         )

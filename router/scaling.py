@@ -54,8 +54,9 @@ class ScalingConfig:
         if self.metric not in METRICS:
             raise ValueError(f"ScalingConfig.metric must be one of {METRICS}, got {self.metric!r}")
         if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"ScalingConfig needs 1 <= min_replicas <= max_replicas, got {self.min_replicas}, "
-                             f"{self.max_replicas}")
+            raise ValueError(
+                f"ScalingConfig needs 1 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}"
+            )
         if self.target_tokens_per_worker <= 0:
             raise ValueError("ScalingConfig.target_tokens_per_worker must be positive")
         if not 0 <= self.low_water_tokens_per_worker < self.target_tokens_per_worker:
@@ -105,12 +106,20 @@ def free_block_fraction(loads: Mapping[str, WorkerLoad]) -> float:
 def least_loaded(loads: Mapping[str, WorkerLoad], metric: str) -> str:
     """The worker whose drain costs least: least load, then least work, then most free blocks;
     the address breaks ties so the choice is deterministic."""
-    return min(loads, key=lambda a: (worker_load(loads[a], metric), loads[a].work_tokens,
-                                     loads[a].total_blocks - loads[a].free_blocks, a))
+    return min(
+        loads,
+        key=lambda a: (
+            worker_load(loads[a], metric),
+            loads[a].work_tokens,
+            loads[a].total_blocks - loads[a].free_blocks,
+            a,
+        ),
+    )
 
 
-def decide(cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, draining: int, now: float,
-           state: ScalerState) -> tuple[ScalingDecision, ScalerState]:
+def decide(
+    cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, draining: int, now: float, state: ScalerState
+) -> tuple[ScalingDecision, ScalerState]:
     """One application of the policy.
 
     `loads`: the routable workers of the pool (not booting, not draining), by address, so the
@@ -122,12 +131,18 @@ def decide(cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, dr
     free = free_block_fraction(loads)
     pressure = cfg.min_free_block_fraction > 0 and free < cfg.min_free_block_fraction
     over = replicas > 0 and (mean > cfg.target_tokens_per_worker or pressure)
-    under = (replicas > cfg.min_replicas and pending == 0 and not pressure
-             and mean < cfg.low_water_tokens_per_worker
-             and total / (replicas - 1) <= cfg.target_tokens_per_worker)
-    numbers = (f"{cfg.metric} {total} over {replicas} worker(s) (mean {mean:.0f}, target "
-               f"{cfg.target_tokens_per_worker}, low water {cfg.low_water_tokens_per_worker}), free blocks "
-               f"{free:.2f}, {pending} starting, {draining} draining")
+    under = (
+        replicas > cfg.min_replicas
+        and pending == 0
+        and not pressure
+        and mean < cfg.low_water_tokens_per_worker
+        and total / (replicas - 1) <= cfg.target_tokens_per_worker
+    )
+    numbers = (
+        f"{cfg.metric} {total} over {replicas} worker(s) (mean {mean:.0f}, target "
+        f"{cfg.target_tokens_per_worker}, low water {cfg.low_water_tokens_per_worker}), free blocks "
+        f"{free:.2f}, {pending} starting, {draining} draining"
+    )
     state = ScalerState(
         over_since=(state.over_since if state.over_since is not None else now) if over else None,
         under_since=(state.under_since if state.under_since is not None else now) if under else None,
@@ -154,13 +169,15 @@ def decide(cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, dr
         n = min(desired, cfg.max_replicas) - replicas - pending
         if n > 0:
             why = f"free blocks below {cfg.min_free_block_fraction:.2f}" if pressure else "over target"
-            return ScalingDecision("grow", n, None,
-                                   f"{why} for {now - state.over_since:.1f} s (want {desired}): {numbers}"), changed
+            return ScalingDecision(
+                "grow", n, None, f"{why} for {now - state.over_since:.1f} s (want {desired}): {numbers}"
+            ), changed
         limit = "at max_replicas" if replicas + pending >= cfg.max_replicas else "the workers starting cover it"
         return ScalingDecision("hold", 0, None, f"over, but {limit}: {numbers}"), state
     if under and state.under_since is not None and now - state.under_since >= cfg.shrink_after_s:
         w = least_loaded(loads, cfg.metric)
-        return ScalingDecision("shrink", 1, w,
-                               f"under low water for {now - state.under_since:.1f} s, draining {w}: {numbers}"), changed
+        return ScalingDecision(
+            "shrink", 1, w, f"under low water for {now - state.under_since:.1f} s, draining {w}: {numbers}"
+        ), changed
     window = "over, waiting out the window" if over else "under, waiting out the window" if under else "within bounds"
     return ScalingDecision("hold", 0, None, f"{window}: {numbers}"), state

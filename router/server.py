@@ -55,13 +55,20 @@ def parse_request(raw: bytes) -> pb.GenerateRequest:
     try:
         return pb.GenerateRequest.FromString(raw)
     except Exception as e:  # DecodeError mostly (bad wire format, invalid UTF-8); any parse failure is the bytes'
-        raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request: not a valid GenerateRequest ({type(e).__name__}: {e})") from None
+        raise RequestFailed(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid GenerateRequest ({type(e).__name__}: {e})"
+        ) from None
 
 
 class GenerationService:
-    def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer, workers: WorkerSet,
-                 metrics: RouterMetrics, rng: random.Random) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer: RouterTokenizer,
+        workers: WorkerSet,
+        metrics: RouterMetrics,
+        rng: random.Random,
+    ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.workers = workers
@@ -74,7 +81,9 @@ class GenerationService:
     def check_key(self, authorization: str | None) -> None:
         """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
         if self._bearer is not None and authorization != self._bearer:
-            raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)")
+            raise RequestFailed(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
+            )
 
     def admit(self, request: pb.GenerateRequest, authorization: str | None, time_remaining: float | None) -> RequestRun:
         """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
@@ -85,8 +94,9 @@ class GenerationService:
         """
         self.check_key(authorization)
         if self.inflight >= self.cfg.max_inflight:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"router at its limit of {self.cfg.max_inflight} requests in flight")
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {self.cfg.max_inflight} requests in flight"
+            )
         try:
             req = validate(request, self.cfg, self.tokenizer)
         except ValidationError as e:
@@ -96,9 +106,12 @@ class GenerationService:
             raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
         if req.request_id in self._active:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
-        timeout = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
-        return RequestRun(req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng,
-                          deadline=time.monotonic() + timeout)
+        timeout = (
+            self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
+        )
+        return RequestRun(
+            req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng, deadline=time.monotonic() + timeout
+        )
 
     async def stream(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]:
         """Run an admitted request, counted in flight; failures come out as RequestFailed."""
@@ -152,7 +165,9 @@ def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHa
     """splitserve.v1.Generation's methods, Generate without a request deserializer (it gets bytes)."""
     return {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString,
+            service.Generate,
+            request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString,
         ),
     }
 
@@ -174,13 +189,17 @@ class HealthService(health_pb2_grpc.HealthServicer):
             return health_pb2.HealthCheckResponse.SERVING
         return health_pb2.HealthCheckResponse.NOT_SERVING
 
-    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:  # noqa: N802
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:  # noqa: N802
         status = self._status(request.service)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:  # noqa: N802
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:  # noqa: N802
         last = None
         while True:
             status = self._status(request.service)
@@ -194,11 +213,11 @@ class HealthService(health_pb2_grpc.HealthServicer):
 class Router:
     """The front door process's parts, started and stopped together.
 
-        router = Router(cfg, tokenizer, decode=["10.0.0.5:7001"], prefill=["10.0.0.6:7101"])
-        port = await router.start()
-        router.workers.add("10.0.0.7:7001", "decode")   # the pool manager's interface
-        ...
-        await router.stop()
+    router = Router(cfg, tokenizer, decode=["10.0.0.5:7001"], prefill=["10.0.0.6:7101"])
+    port = await router.start()
+    router.workers.add("10.0.0.7:7001", "decode")   # the pool manager's interface
+    ...
+    await router.stop()
     """
 
     def __init__(

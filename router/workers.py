@@ -77,7 +77,9 @@ class Worker:
 
 
 class WorkerSet:
-    def __init__(self, cfg: RouterConfig, index: PrefixIndex, on_health_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, cfg: RouterConfig, index: PrefixIndex, on_health_change: Callable[[], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.index = index
         self._workers: dict[str, Worker] = {}
@@ -135,8 +137,9 @@ class WorkerSet:
 
     def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
         ex = set(exclude)
-        return [w for w in self._workers.values()
-                if w.role == role and w.healthy and not w.draining and w.address not in ex]
+        return [
+            w for w in self._workers.values() if w.role == role and w.healthy and not w.draining and w.address not in ex
+        ]
 
     def decode_loads(self, exclude: Iterable[str] = ()) -> dict[str, WorkerLoad]:
         return {w.address: w.load() for w in self.healthy("decode", exclude)}
@@ -189,8 +192,12 @@ class WorkerSet:
             else:
                 if st.block_size and st.block_size != cfg.block_size:
                     if w.healthy or w.failures == 0:
-                        log.error("worker %s has block_size %d, the router %d: not routing to it",
-                                  w.address, st.block_size, cfg.block_size)
+                        log.error(
+                            "worker %s has block_size %d, the router %d: not routing to it",
+                            w.address,
+                            st.block_size,
+                            cfg.block_size,
+                        )
                     w.healthy, w.failures = False, 1
                 else:
                     w.stats, w.failures, w.healthy = st, 0, True
@@ -206,7 +213,9 @@ class WorkerSet:
         cfg = self.cfg
         index = self.index
         while not self._closed:
-            call = w.stub.BlockEvents(wpb.BlockEventsRequest(), timeout=cfg.block_events_timeout_s, metadata=cfg.auth_metadata)
+            call = w.stub.BlockEvents(
+                wpb.BlockEventsRequest(), timeout=cfg.block_events_timeout_s, metadata=cfg.auth_metadata
+            )
             try:
                 async for batch in call:
                     for ev in batch.events:
@@ -229,5 +238,7 @@ class WorkerSet:
 def _idle(st: wpb.WorkerStats) -> bool:
     # free == total: no block reserved or in use (cached, evictable blocks count as free), so a
     # prefill worker has also seen its last KV transfer confirmed
-    return (st.queued_tokens == st.running_tokens == st.queue_length == st.running_requests == 0
-            and st.free_blocks == st.total_blocks)
+    return (
+        st.queued_tokens == st.running_tokens == st.queue_length == st.running_requests == 0
+        and st.free_blocks == st.total_blocks
+    )

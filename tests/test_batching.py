@@ -28,7 +28,9 @@ def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
 
 
 def alone(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-    engine = Engine(CFG, WEIGHTS, EngineConfig(num_blocks=256, max_num_batched_tokens=1024, enable_prefix_caching=False))
+    engine = Engine(
+        CFG, WEIGHTS, EngineConfig(num_blocks=256, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    )
     return engine.generate([prompt], params)[0]
 
 
@@ -60,7 +62,10 @@ def test_requests_joining_between_steps_match_alone():
 
 def test_seeded_sampling_is_batch_invariant():
     prompts = prompts_with_shared_prefixes(seed=2)[:5]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True) for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+        for i in range(5)
+    ]
     expected = [alone(p, sp) for p, sp in zip(prompts, params, strict=True)]
     engine = Engine(CFG, WEIGHTS, EngineConfig(num_blocks=256, max_num_batched_tokens=32))
     assert engine.generate(prompts, params) == expected

@@ -25,7 +25,9 @@ def _figures(text: str, pattern: str) -> list[float]:
 
 
 def test_quick_run_prints_every_figure_for_both_dtypes(capsys):
-    rc = cli.main(["bench", "engine", "--model", "tiny", "--quick", "--batch", "4", "--prefill-len", "64", "--threads", "1"])
+    rc = cli.main(
+        ["bench", "engine", "--model", "tiny", "--quick", "--batch", "4", "--prefill-len", "64", "--threads", "1"]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     for dtype in ("fp32", "bf16"):
@@ -38,11 +40,18 @@ def test_quick_run_prints_every_figure_for_both_dtypes(capsys):
             assert len(re.findall(line, out)) == 1, out
             _figures(out, line)
             assert re.search(tag + rf" batch {batch}\s+greedy    ours and HF's tokens identical", out)
-        _figures(out, tag + rf" batch 1   roofline  {NUMBER} MB/step .* memory read {NUMBER} GB/s = floor {NUMBER} ms/step")
-        _figures(out, tag + rf" batch 1   achieved  ours {NUMBER} GB/s = {NUMBER}% of the memory roofline \| HF {NUMBER} GB/s")
+        _figures(
+            out, tag + rf" batch 1   roofline  {NUMBER} MB/step .* memory read {NUMBER} GB/s = floor {NUMBER} ms/step"
+        )
+        _figures(
+            out,
+            tag + rf" batch 1   achieved  ours {NUMBER} GB/s = {NUMBER}% of the memory roofline \| HF {NUMBER} GB/s",
+        )
         _figures(out, tag + rf" batch 4\s+compute   {NUMBER} GFLOP/step .* = {NUMBER} GFLOP/s")
         _figures(out, tag + rf" batch 4\s+achieved  ours {NUMBER} GFLOP/s = {NUMBER}% of the matmul rate")
-        _figures(out, tag + rf" prefill   64 tokens: ours {NUMBER} tok/s .* = {NUMBER} TFLOP/s = {NUMBER}% of F\.linear")
+        _figures(
+            out, tag + rf" prefill   64 tokens: ours {NUMBER} tok/s .* = {NUMBER} TFLOP/s = {NUMBER}% of F\.linear"
+        )
     assert re.search(r"machine: .*; torch .*, 1 threads", out)
 
 

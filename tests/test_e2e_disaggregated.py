@@ -32,7 +32,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 12
 NUM_BLOCKS = 1024
-ENGINE_FLAGS = ("--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--max-num-batched-tokens", "128", "--threads", "1")
+ENGINE_FLAGS = (
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    str(NUM_BLOCKS),
+    "--max-num-batched-tokens",
+    "128",
+    "--threads",
+    "1",
+)
 TRANSPORTS = ["tcp"] + (["ucx"] if importlib.util.find_spec("ucxx") else [])
 
 SYSTEMS = [
@@ -100,9 +109,12 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
     decode = spawn_worker("decode", *ENGINE_FLAGS, "--kv-transport", transport)
     prefill = spawn_worker("prefill", *ENGINE_FLAGS)
     try:
+
         async def run() -> tuple[list[tuple[list[int], pb.Usage]], Router]:
             cfg = RouterConfig(grpc_port=0, mode="auto", local_prefill_max_tokens=24)
-            router = Router(cfg, EngineTokenizer(model.tokenizer), decode=[decode.grpc_address], prefill=[prefill.grpc_address])
+            router = Router(
+                cfg, EngineTokenizer(model.tokenizer), decode=[decode.grpc_address], prefill=[prefill.grpc_address]
+            )
             port = await router.start(0)
             await router.wait_for_workers(30)
             try:
@@ -126,8 +138,12 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
             assert got == want, f"request {i} ({len(ids[i])} prompt tokens) differs"
             assert usage.prompt_tokens == len(ids[i]) and usage.completion_tokens == NEW_TOKENS
 
-        decisions = {s.labels["mode"]: s.value for m in router.metrics.decisions.collect() for s in m.samples
-                     if s.name.endswith("_total")}
+        decisions = {
+            s.labels["mode"]: s.value
+            for m in router.metrics.decisions.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
         # every request with a question goes remote; short ones after the first find the default system
         # prompt cached on the decode worker and prefill locally
         assert decisions.get("remote", 0) >= len(SYSTEMS) * len(QUESTIONS), decisions

@@ -34,10 +34,12 @@ def test_decode_worker_killed_mid_stream_the_request_migrates(model):
     d1, d2 = spawn_worker("decode", *FLAGS), spawn_worker("decode", *FLAGS)
     p = spawn_worker("prefill", *FLAGS)
     try:
+
         async def body(stub, router):
             got: list[int] = []
-            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                                     sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
             killed = None
             async for r in stub.Generate(req, timeout=300):
                 got += list(r.token_ids)
@@ -61,13 +63,17 @@ def test_prefill_worker_killed_mid_prefill_the_request_still_completes(model):
     want = expected(model, [ids], 8)[0]
     d = spawn_worker("decode", *FLAGS)
     # the first prefill worker is slowed to a crawl (one small chunk per step) so it can be killed mid-prefill
-    p1 = spawn_worker("prefill", "--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "16", "--threads", "1")
+    p1 = spawn_worker(
+        "prefill", "--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "16", "--threads", "1"
+    )
     p2 = spawn_worker("prefill", *FLAGS)
     try:
+
         async def body(stub, router):
             router.workers.remove(p2.grpc_address)  # the request must start on p1
-            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                                     sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            )
             call = stub.Generate(req, timeout=300)
             deadline = time.monotonic() + 60
             while stats(p1).queued_tokens == 0:  # p1 has started on it
@@ -92,11 +98,14 @@ def test_client_cancel_frees_every_block(model):
     ids = EngineTokenizer(model.tokenizer).encode_chat([("user", LONG_PROMPT)])
     d, p = spawn_worker("decode", *FLAGS), spawn_worker("prefill", *FLAGS)
     try:
+
         async def body(stub, router):
             calls = []
             for i in range(4):
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids + [i]),
-                                         sampling=pb.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+                req = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=ids + [i]),
+                    sampling=pb.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                )
                 calls.append(stub.Generate(req, timeout=300))
             # two cancelled after their first token, two while still prefilling
             for c in calls[:2]:

@@ -61,22 +61,111 @@ pytestmark = pytest.mark.timeout(60 + CASES * 0.03)  # about 20 s for the defaul
 
 # ---- HTTP cases
 
-KNOWN = ["model", "user", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs",
-         "request_id", "ignore_eos", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-         "repetition_penalty", "top_k", "seed", "messages", "prompt"]
-RAW = "\x00raw\x00"  # a placeholder replaced by a raw JSON token (or non-token) after json.dumps
-RAW_TOKENS = ["1e400", "-1e400", "NaN", "-Infinity", "9" * 5000, "-0", "01", "1.", "tru", "nul", '"\\ud800"',
-              '"\\udc00\\ud800"', '"\\u12"', '"\\x41"', '"a\\', "[" * 40 + "]" * 40, "{" * 33 + "}" * 33]
-WEIRD: list[Any] = [
-    None, True, False, 0, 1, -1, 0.5, -0.0, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1,
-    1e308, -1e308, float("inf"), float("nan"), "", "x", "\ud800", "a\udfffb", "\ud83d", "é漢", "\x00", " " * 300,
-    [], {}, [1, 2], [[[]]], {"role": "user"}, ["\ud800"], [2**31], [257, 0], "9" * 100, RAW, [RAW], {"a": RAW},
-    [7] * 9000, "y" * 300_000, ["s"] * 20, ["z" * 100], [{"role": "user", "content": "q"}] * 300,  # past the limits
+KNOWN = [
+    "model",
+    "user",
+    "stream",
+    "stream_options",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "logprobs",
+    "request_id",
+    "ignore_eos",
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_k",
+    "seed",
+    "messages",
+    "prompt",
 ]
-CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "application/json; charset=UTF8",
-                 "application/json; charset=foo", "application/json; charset=latin-1", "text/plain",
-                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/json; charset",
-                 ";;;", 'application/json; charset="utf-16"', "*/*", "application/json; charset=utf-8; charset=ascii"]
+RAW = "\x00raw\x00"  # a placeholder replaced by a raw JSON token (or non-token) after json.dumps
+RAW_TOKENS = [
+    "1e400",
+    "-1e400",
+    "NaN",
+    "-Infinity",
+    "9" * 5000,
+    "-0",
+    "01",
+    "1.",
+    "tru",
+    "nul",
+    '"\\ud800"',
+    '"\\udc00\\ud800"',
+    '"\\u12"',
+    '"\\x41"',
+    '"a\\',
+    "[" * 40 + "]" * 40,
+    "{" * 33 + "}" * 33,
+]
+WEIRD: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    0.5,
+    -0.0,
+    2**31 - 1,
+    2**31,
+    -(2**31) - 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    1e308,
+    -1e308,
+    float("inf"),
+    float("nan"),
+    "",
+    "x",
+    "\ud800",
+    "a\udfffb",
+    "\ud83d",
+    "é漢",
+    "\x00",
+    " " * 300,
+    [],
+    {},
+    [1, 2],
+    [[[]]],
+    {"role": "user"},
+    ["\ud800"],
+    [2**31],
+    [257, 0],
+    "9" * 100,
+    RAW,
+    [RAW],
+    {"a": RAW},
+    [7] * 9000,
+    "y" * 300_000,
+    ["s"] * 20,
+    ["z" * 100],
+    [{"role": "user", "content": "q"}] * 300,  # past the limits
+]
+CONTENT_TYPES = [
+    None,
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/json; charset=UTF8",
+    "application/json; charset=foo",
+    "application/json; charset=latin-1",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/json; charset",
+    ";;;",
+    'application/json; charset="utf-16"',
+    "*/*",
+    "application/json; charset=utf-8; charset=ascii",
+]
 INTERESTING_BYTES = [b"\xff", b"\xed\xa0\x80", b"\xc3", b'"', b"\\", b"[" * 40, b"\x00", b"\\ud800", b"{", b"}", b","]
 
 
@@ -91,15 +180,31 @@ class HttpCase:
 def valid_body(rng: random.Random, chat: bool) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if chat:
-        body["messages"] = [{"role": rng.choice(["system", "user", "assistant"]), "content": rng.choice(["hi", "é漢", "x" * 50])}
-                            for _ in range(rng.randint(1, 3))]
+        body["messages"] = [
+            {"role": rng.choice(["system", "user", "assistant"]), "content": rng.choice(["hi", "é漢", "x" * 50])}
+            for _ in range(rng.randint(1, 3))
+        ]
     else:
-        body["prompt"] = rng.choice(["Say hello", "é", [1, 2, 3], [rng.randrange(258) for _ in range(rng.randint(1, 20))]])
-    for key, values in (("max_tokens", [1, 4, 16]), ("temperature", [0.0, 0.7]), ("top_p", [0.9, 1]),
-                        ("top_k", [0, 5]), ("seed", [1, 2**40]), ("stop", ["world", ["!", "end"]]),
-                        ("stream", [True, False]), ("stream_options", [{"include_usage": True}]),
-                        ("logprobs", [True, False, 2]), ("request_id", ["fuzz-1", "a.b:c"]), ("model", ["m"]),
-                        ("ignore_eos", [False]), ("n", [1]), ("presence_penalty", [0.5]), ("min_p", [0.1])):
+        body["prompt"] = rng.choice(
+            ["Say hello", "é", [1, 2, 3], [rng.randrange(258) for _ in range(rng.randint(1, 20))]]
+        )
+    for key, values in (
+        ("max_tokens", [1, 4, 16]),
+        ("temperature", [0.0, 0.7]),
+        ("top_p", [0.9, 1]),
+        ("top_k", [0, 5]),
+        ("seed", [1, 2**40]),
+        ("stop", ["world", ["!", "end"]]),
+        ("stream", [True, False]),
+        ("stream_options", [{"include_usage": True}]),
+        ("logprobs", [True, False, 2]),
+        ("request_id", ["fuzz-1", "a.b:c"]),
+        ("model", ["m"]),
+        ("ignore_eos", [False]),
+        ("n", [1]),
+        ("presence_penalty", [0.5]),
+        ("min_p", [0.1]),
+    ):
         if rng.random() < 0.3:
             body[key] = rng.choice(values)
     return body
@@ -148,7 +253,7 @@ def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
         elif op == 1:
             b[pos:pos] = rng.randbytes(rng.randint(1, 4))
         elif op == 2:
-            del b[pos:pos + rng.randint(1, 8)]
+            del b[pos : pos + rng.randint(1, 8)]
         elif op == 3:
             del b[pos:]
         else:
@@ -170,9 +275,21 @@ def http_case(rng: random.Random) -> HttpCase:
     if kind < 0.1:
         body = rng.randbytes(rng.randint(0, 200))
     elif kind < 0.2:
-        body = rng.choice([b"", b"[" * rng.randint(30, 100_000), b"{" * 5000, b'{"prompt": ' * 2000,
-                           b"{}", b"[]", b"null", b'"x"', b"\xef\xbb\xbf{}", b" " * 1000,
-                           b'{"prompt": "' + b"a" * (9 << 20) + b'"}'])  # past the 8 MiB limit
+        body = rng.choice(
+            [
+                b"",
+                b"[" * rng.randint(30, 100_000),
+                b"{" * 5000,
+                b'{"prompt": ' * 2000,
+                b"{}",
+                b"[]",
+                b"null",
+                b'"x"',
+                b"\xef\xbb\xbf{}",
+                b" " * 1000,
+                b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+            ]
+        )  # past the 8 MiB limit
     elif kind < 0.35:
         body = dumps(rng, valid_body(rng, chat))
     elif kind < 0.8:
@@ -195,14 +312,15 @@ def http_case(rng: random.Random) -> HttpCase:
 
 async def send_http(s: aiohttp.ClientSession, case: HttpCase) -> str:
     """The answer's status; for a stream, 'stream-error-<code>' if an error event came instead of tokens."""
-    async with s.request(case.method, case.path, data=case.body, headers=case.headers,
-                         skip_auto_headers=["Content-Type"]) as r:
+    async with s.request(
+        case.method, case.path, data=case.body, headers=case.headers, skip_auto_headers=["Content-Type"]
+    ) as r:
         raw = await r.read()
         if r.status != 200 or not r.headers.get("Content-Type", "").startswith("text/event-stream"):
             if r.status == 200 and case.path.endswith("completions"):
                 json.loads(raw)  # a whole answer is JSON
             return str(r.status)
-    lines = [x[len(b"data: "):] for x in raw.split(b"\n") if x.startswith(b"data: ")]
+    lines = [x[len(b"data: ") :] for x in raw.split(b"\n") if x.startswith(b"data: ")]
     assert lines[-1] == b"[DONE]", raw[-200:]
     for chunk in map(json.loads, lines[:-1]):
         if "error" in chunk:
@@ -242,9 +360,17 @@ def valid_request(rng: random.Random) -> pb.GenerateRequest:
         for _ in range(rng.randint(1, 3)):
             req.chat.messages.add(role=rng.choice(["system", "user", "assistant"]), content=rng.choice(["hi", "é"]))
     sp = req.sampling
-    for name, values in (("temperature", [0.0, 0.8]), ("top_p", [0.5, 1.0]), ("top_k", [0, 7]), ("seed", [3]),
-                         ("max_tokens", [1, 8, 32]), ("min_p", [0.0, 0.2]), ("ignore_eos", [True, False]),
-                         ("logprobs", [True]), ("repetition_penalty", [1.1])):
+    for name, values in (
+        ("temperature", [0.0, 0.8]),
+        ("top_p", [0.5, 1.0]),
+        ("top_k", [0, 7]),
+        ("seed", [3]),
+        ("max_tokens", [1, 8, 32]),
+        ("min_p", [0.0, 0.2]),
+        ("ignore_eos", [True, False]),
+        ("logprobs", [True]),
+        ("repetition_penalty", [1.1]),
+    ):
         if rng.random() < 0.3:
             setattr(sp, name, rng.choice(values))
     if rng.random() < 0.2:
@@ -266,44 +392,55 @@ def extreme(rng: random.Random, req: pb.GenerateRequest) -> None:
         sp.max_tokens = 64
         req.token_ids.ids.extend([7] * 7935)
 
-    rng.choice([
-        lambda: setattr(sp, rng.choice(["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                                        "frequency_penalty"]), rng.choice([float("nan"), float("inf"), -float("inf"),
-                                                                          -1.0, 3.4e38, 1e-45])),
-        lambda: setattr(sp, rng.choice(["top_k", "max_tokens"]), rng.choice([-(2**31), -1, 2**31 - 1, 259])),
-        lambda: setattr(sp, "seed", rng.choice([-(2**63), -1, 2**63 - 1])),
-        lambda: sp.stop.extend(rng.choice([[""], ["s"] * 20, ["z" * 100], ["\x00"]])),
-        lambda: sp.stop_token_ids.extend(rng.choice([[-1], [2**31 - 1], [258], [1] * 100])),
-        lambda: setattr(req, "request_id", rng.choice(["x" * 129, "bad id", "\x00", "é", "a/b", "-"])),
-        lambda: setattr(req, "text", rng.choice(["", "y" * 262_145, "\x00" * 10])),
-        lambda: req.token_ids.ids.extend(rng.choice([[], [7] * 8000, [-(2**31)], [2**31 - 1]])),
-        lambda: req.chat.messages.extend([pb.ChatMessage(role=rng.choice(["", "tool", "user"]), content="q")]
-                                         * rng.choice([1, 300])),
-        lambda: req.chat.messages.add(role="r" * 100_000, content="q"),  # a long value quoted back in the status
-        past_max_model_len,
-    ])()
+    rng.choice(
+        [
+            lambda: setattr(
+                sp,
+                rng.choice(
+                    ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+                ),
+                rng.choice([float("nan"), float("inf"), -float("inf"), -1.0, 3.4e38, 1e-45]),
+            ),
+            lambda: setattr(sp, rng.choice(["top_k", "max_tokens"]), rng.choice([-(2**31), -1, 2**31 - 1, 259])),
+            lambda: setattr(sp, "seed", rng.choice([-(2**63), -1, 2**63 - 1])),
+            lambda: sp.stop.extend(rng.choice([[""], ["s"] * 20, ["z" * 100], ["\x00"]])),
+            lambda: sp.stop_token_ids.extend(rng.choice([[-1], [2**31 - 1], [258], [1] * 100])),
+            lambda: setattr(req, "request_id", rng.choice(["x" * 129, "bad id", "\x00", "é", "a/b", "-"])),
+            lambda: setattr(req, "text", rng.choice(["", "y" * 262_145, "\x00" * 10])),
+            lambda: req.token_ids.ids.extend(rng.choice([[], [7] * 8000, [-(2**31)], [2**31 - 1]])),
+            lambda: req.chat.messages.extend(
+                [pb.ChatMessage(role=rng.choice(["", "tool", "user"]), content="q")] * rng.choice([1, 300])
+            ),
+            lambda: req.chat.messages.add(role="r" * 100_000, content="q"),  # a long value quoted back in the status
+            past_max_model_len,
+        ]
+    )()
 
 
 def bad_field(rng: random.Random) -> bytes:
     """One field that a parser must refuse or a validator must name: invalid UTF-8, a wrong wire type,
     an out-of-range or unknown number."""
     bad = rng.choice(BAD_UTF8)
-    return rng.choice([
-        field(1, bad),  # request_id
-        field(2, bad),  # text
-        field(4, field(1, field(1, bad) + field(2, b"hi"))),  # chat.messages[0].role
-        field(4, field(1, field(1, b"user") + field(2, bad))),  # chat.messages[0].content
-        field(5, field(11, bad)),  # sampling.stop[0]
-        field(3, field(1, b"".join(varint(rng.choice([2**31, 2**40, -1, 2**64 - 1, 300])) for _ in range(3)))),
-        varint(2 << 3 | 0) + varint(5),  # text as a varint
-        varint(5 << 3 | 0) + varint(1),  # sampling as a varint
-        varint(3 << 3 | 5) + b"\x00\x00\x00\x00",  # token_ids as fixed32
-        varint(99 << 3 | 0) + varint(1),  # an unknown field
-        b"".join(varint(n << 3 | 0) + varint(1) for n in range(100, 3000)),  # thousands of unknown fields, each named
-        field(5, varint(99 << 3 | 2) + varint(1) + b"x"),  # an unknown sampling field
-        varint(1 << 3 | 3) + varint(1 << 3 | 4),  # a group (deprecated wire types)
-        field(4, field(1, b"\x0a" * 200)),  # nested lengths that run past their end
-    ])
+    return rng.choice(
+        [
+            field(1, bad),  # request_id
+            field(2, bad),  # text
+            field(4, field(1, field(1, bad) + field(2, b"hi"))),  # chat.messages[0].role
+            field(4, field(1, field(1, b"user") + field(2, bad))),  # chat.messages[0].content
+            field(5, field(11, bad)),  # sampling.stop[0]
+            field(3, field(1, b"".join(varint(rng.choice([2**31, 2**40, -1, 2**64 - 1, 300])) for _ in range(3)))),
+            varint(2 << 3 | 0) + varint(5),  # text as a varint
+            varint(5 << 3 | 0) + varint(1),  # sampling as a varint
+            varint(3 << 3 | 5) + b"\x00\x00\x00\x00",  # token_ids as fixed32
+            varint(99 << 3 | 0) + varint(1),  # an unknown field
+            b"".join(
+                varint(n << 3 | 0) + varint(1) for n in range(100, 3000)
+            ),  # thousands of unknown fields, each named
+            field(5, varint(99 << 3 | 2) + varint(1) + b"x"),  # an unknown sampling field
+            varint(1 << 3 | 3) + varint(1 << 3 | 4),  # a group (deprecated wire types)
+            field(4, field(1, b"\x0a" * 200)),  # nested lengths that run past their end
+        ]
+    )
 
 
 def grpc_case(rng: random.Random) -> bytes:
@@ -340,8 +477,9 @@ async def real_router() -> AsyncIterator[tuple[Router, FakeDecodeWorker]]:
     await d.start()
     await p.start()
     # small generations: a valid case costs a few tokens, not the default 256
-    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, max_tokens_cap=64,
-                       default_max_tokens=32)
+    cfg = RouterConfig(
+        host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, max_tokens_cap=64, default_max_tokens=32
+    )
     router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(SEED))
     await router.start()
     await router.wait_for_workers()
@@ -357,8 +495,11 @@ async def normal_answers(s: aiohttp.ClientSession, channel: grpc.aio.Channel) ->
     async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 64}) as r:
         assert r.status == 200
         http_text = (await r.json())["choices"][0]["text"]
-    stub = channel.unary_stream("/splitserve.v1.Generation/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                                response_deserializer=pb.GenerateResponse.FromString)
+    stub = channel.unary_stream(
+        "/splitserve.v1.Generation/Generate",
+        request_serializer=pb.GenerateRequest.SerializeToString,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     grpc_text = "".join([r.text async for r in stub(pb.GenerateRequest(text="hi"))])
     return http_text, grpc_text
 
@@ -410,8 +551,10 @@ async def fuzz() -> tuple[Counter[str], Counter[str], list[str]]:
     async with real_router() as (router, d):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
         generate: grpc.aio.UnaryStreamMultiCallable[bytes, pb.GenerateResponse] = channel.unary_stream(
-            "/splitserve.v1.Generation/Generate", request_serializer=None,
-                                        response_deserializer=pb.GenerateResponse.FromString)
+            "/splitserve.v1.Generation/Generate",
+            request_serializer=None,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
             before = await normal_answers(s, channel)
             assert before == (ANSWER, ANSWER)
@@ -432,15 +575,25 @@ def test_no_client_input_gets_a_server_error(caplog: pytest.LogCaptureFixture) -
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING):
         http, rpc, bad = asyncio.run(fuzz())
-    print(f"\nfuzz seed={SEED} cases={CASES} per door, {time.monotonic() - t0:.1f}s\n"
-          f"  HTTP: {dict(sorted(http.items()))}\n  gRPC: {dict(sorted(rpc.items()))}")
+    print(
+        f"\nfuzz seed={SEED} cases={CASES} per door, {time.monotonic() - t0:.1f}s\n"
+        f"  HTTP: {dict(sorted(http.items()))}\n  gRPC: {dict(sorted(rpc.items()))}"
+    )
     assert sum(http.values()) == sum(rpc.values()) == CASES
     assert not bad, "\n".join(bad[:10])
     # aiohttp logs (at ERROR) the broken HTTP it meets outside any handler: an encoding its parser cannot
     # decode (it answers 400 itself), or a body that fails to decompress as it drains it after a 404 or
     # 405. The client's garbage, met by aiohttp's code; not a fault of the router.
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not (
-        r.name == "aiohttp.server" and r.exc_info and isinstance(r.exc_info[1], (HttpProcessingError, RequestPayloadError)))]
+    errors = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.ERROR
+        and not (
+            r.name == "aiohttp.server"
+            and r.exc_info
+            and isinstance(r.exc_info[1], (HttpProcessingError, RequestPayloadError))
+        )
+    ]
     assert not errors, [r.getMessage() for r in errors[:5]]
     warnings = [r for r in caplog.records if r.name == "splitserve.router.http"]
     assert not warnings, [r.getMessage() for r in warnings[:5]]  # a body that slipped past the checks

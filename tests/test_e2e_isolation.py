@@ -45,6 +45,7 @@ class DecodeCall(Protocol):
     def __next__(self) -> wpb.DecodeEvent: ...
     def cancel(self) -> bool: ...
 
+
 TOPICS = ["printing press", "steam engine", "telegraph", "compass", "windmill", "telescope", "bicycle", "camera"]
 LONG_PROMPT = "Tell me everything you know about the history of the printing press, in detail. " * 12
 FREED_WHILE_RESERVED = "splitserve_decode_blocks_freed_while_reserved_total"
@@ -87,8 +88,9 @@ def chat(model, text: str) -> list[int]:
 
 
 def greedy(ids: list[int], n: int, **kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                              sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), **kw)
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), **kw
+    )
 
 
 async def tokens_of(call) -> list[int]:
@@ -110,15 +112,31 @@ def test_poison_requests_leave_eight_greedy_streams_and_health_untouched(model, 
     want = expected(model, prompts, n)
     base = chat(model, "Say something nice.")
     poisons = [
-        pb.GenerateRequest(request_id="p" * 100, token_ids=pb.TokenIds(ids=base),
-                           sampling=pb.SamplingParams(max_tokens=4)),  # a KV frame holds 64 bytes of id
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=base), sampling=pb.SamplingParams(temperature=1e-45, max_tokens=4)),
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=base), sampling=pb.SamplingParams(temperature=1e-38, max_tokens=4)),
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=base),
-                           sampling=pb.SamplingParams(temperature=1.0, repetition_penalty=1e-45, max_tokens=4)),
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=base),
-                           sampling=pb.SamplingParams(temperature=1e-38, repetition_penalty=1e-45, top_p=1e-45,
-                                                      min_p=1.0, presence_penalty=2, frequency_penalty=-2, max_tokens=4)),
+        pb.GenerateRequest(
+            request_id="p" * 100, token_ids=pb.TokenIds(ids=base), sampling=pb.SamplingParams(max_tokens=4)
+        ),  # a KV frame holds 64 bytes of id
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=base), sampling=pb.SamplingParams(temperature=1e-45, max_tokens=4)
+        ),
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=base), sampling=pb.SamplingParams(temperature=1e-38, max_tokens=4)
+        ),
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=base),
+            sampling=pb.SamplingParams(temperature=1.0, repetition_penalty=1e-45, max_tokens=4),
+        ),
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=base),
+            sampling=pb.SamplingParams(
+                temperature=1e-38,
+                repetition_penalty=1e-45,
+                top_p=1e-45,
+                min_p=1.0,
+                presence_penalty=2,
+                frequency_penalty=-2,
+                max_tokens=4,
+            ),
+        ),
     ]
 
     async def body(stub, router):
@@ -135,8 +153,9 @@ def test_poison_requests_leave_eight_greedy_streams_and_health_untouched(model, 
             health.append((await hstub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status)
         return got, poison_codes, health
 
-    got, codes, health = asyncio.run(with_router(cluster.decode, cluster.prefill, model.tokenizer, body,
-                                                 mode="disaggregated"))
+    got, codes, health = asyncio.run(
+        with_router(cluster.decode, cluster.prefill, model.tokenizer, body, mode="disaggregated")
+    )
     assert got == want
     assert codes and set(codes) == {grpc.StatusCode.OK}, codes
     assert set(health) == {health_pb2.HealthCheckResponse.SERVING}
@@ -159,12 +178,20 @@ def test_cancels_inside_the_reservation_window_never_corrupt_the_cache(model, cl
 
     def decode(rid: str, prompt: list[int], mode: wpb.PrefillMode) -> DecodeCall:
         sampling = wpb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, top_p=1.0, repetition_penalty=1.0)
-        return stub.Decode(wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                             prefill_mode=mode, lease_ms=LEASE_MS), timeout=60)
+        return stub.Decode(
+            wpb.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, prefill_mode=mode, lease_ms=LEASE_MS
+            ),
+            timeout=60,
+        )
 
     def local_greedy(prompt: list[int]) -> list[int]:
-        return [t for ev in decode(f"check-{rng.random()}", prompt, wpb.PREFILL_MODE_LOCAL)
-                if ev.WhichOneof("event") == "tokens" for t in ev.tokens.token_ids]
+        return [
+            t
+            for ev in decode(f"check-{rng.random()}", prompt, wpb.PREFILL_MODE_LOCAL)
+            if ev.WhichOneof("event") == "tokens"
+            for t in ev.tokens.token_ids
+        ]
 
     with grpc.insecure_channel(d.grpc_address) as ch:
         stub = wgrpc.DecodeWorkerStub(ch)
@@ -262,8 +289,11 @@ def test_a_cancel_storm_gives_every_block_back_within_seconds(model, cluster):
         assert router.metrics.inflight._value.get() == 0
         return settled, settled + await asyncio.to_thread(wait_all_blocks_free, cluster.all, 15.0)
 
-    settled, freed = asyncio.run(with_router(cluster.decode, cluster.prefill, model.tokenizer, body,
-                                             local_prefill_max_tokens=32))
-    print(f"cancel storm: 300 requests, stages {stages}; nothing in flight {settled:.2f} s and every block back "
-          f"{freed:.2f} s after the last cancel")
+    settled, freed = asyncio.run(
+        with_router(cluster.decode, cluster.prefill, model.tokenizer, body, local_prefill_max_tokens=32)
+    )
+    print(
+        f"cancel storm: 300 requests, stages {stages}; nothing in flight {settled:.2f} s and every block back "
+        f"{freed:.2f} s after the last cancel"
+    )
     assert cluster.freed_while_reserved() == 0

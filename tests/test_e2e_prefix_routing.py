@@ -41,8 +41,10 @@ def request_sequence(seed: int = 0) -> list[list[int]]:
 
 
 async def hit_rate(policy: DecodePolicy, prompts: list[list[int]]) -> float:
-    workers = [start_worker(WorkerConfig(role="decode", engine=ENGINE), Engine(CFG, WEIGHTS, ENGINE))
-               for _ in range(DECODE_WORKERS)]
+    workers = [
+        start_worker(WorkerConfig(role="decode", engine=ENGINE), Engine(CFG, WEIGHTS, ENGINE))
+        for _ in range(DECODE_WORKERS)
+    ]
     routing = RoutingConfig(mode="colocated", decode_policy=policy, block_size=ENGINE.block_size)
     cfg = RouterConfig(grpc_port=0, routing=routing)
     router = Router(cfg, ByteTokenizer(), decode=[w.grpc_address for w in workers], rng=random.Random(0))
@@ -53,7 +55,9 @@ async def hit_rate(policy: DecodePolicy, prompts: list[list[int]]) -> float:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pbg.GenerationStub(ch)
             for ids in prompts:
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=2))
+                req = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=2)
+                )
                 async for r in stub.Generate(req, timeout=60):
                     if r.HasField("usage"):
                         cached += r.usage.cached_tokens

@@ -59,12 +59,18 @@ ENGINE = EngineConfig(dtype="float32", num_blocks=NUM_BLOCKS, max_num_batched_to
 DEADLINE_S = 180.0  # an actor's start (model load on a busy core) and any one wait below
 
 CHATS = [
-    [("system", "You are a meticulous assistant for a railway company. Answer precisely and never invent rules."),
-     ("user", "Can I get a refund if my train is two hours late, and does it matter whether I booked online?")],
-    [("system", "You are a meticulous assistant for a railway company. Answer precisely and never invent rules."),
-     ("user", "What is the difference between a day return and an open return when travelling off-peak?")],
-    [("system", "You are a friendly cooking tutor. Explain techniques step by step."),
-     ("user", "How do I caramelise onions without burning them, and how long should it take on a gas hob?")],
+    [
+        ("system", "You are a meticulous assistant for a railway company. Answer precisely and never invent rules."),
+        ("user", "Can I get a refund if my train is two hours late, and does it matter whether I booked online?"),
+    ],
+    [
+        ("system", "You are a meticulous assistant for a railway company. Answer precisely and never invent rules."),
+        ("user", "What is the difference between a day return and an open return when travelling off-peak?"),
+    ],
+    [
+        ("system", "You are a friendly cooking tutor. Explain techniques step by step."),
+        ("user", "How do I caramelise onions without burning them, and how long should it take on a gas hob?"),
+    ],
     [("user", "Say yes.")],
 ]
 PARAGRAPH = (
@@ -155,8 +161,10 @@ class Cluster:
     async def generate(self, ids: list[int]) -> tuple[list[int], pb.Usage]:
         toks: list[int] = []
         usage = pb.Usage()
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                                 sampling=pb.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        req = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        )
         async for r in self.stub.Generate(req, timeout=DEADLINE_S):
             toks += list(r.token_ids)
             if r.HasField("usage"):
@@ -174,8 +182,9 @@ class Cluster:
         decode worker confirms the KV, which may come after the client has its answer: poll."""
         end = time.monotonic() + 30
         while True:
-            stats = [(a, await self.stats(a, role)) for role in ("prefill", "decode")
-                     for a, _ in self.pools.addresses(role)]
+            stats = [
+                (a, await self.stats(a, role)) for role in ("prefill", "decode") for a, _ in self.pools.addresses(role)
+            ]
             held = {a: s.total_blocks - s.free_blocks for a, s in stats if s.free_blocks != s.total_blocks}
             if not held:
                 assert all(s.total_blocks == NUM_BLOCKS for _, s in stats)
@@ -199,8 +208,10 @@ async def start_cluster(model, prefill_scaling: ScalingConfig | None = None) -> 
     def worker(role: str) -> WorkerConfig:
         return WorkerConfig(role=role, engine=ENGINE, cluster_token=token, threads=1)
 
-    specs = [PoolSpec("prefill", 1, worker("prefill"), scaling=prefill_scaling),
-             PoolSpec("decode", 1, worker("decode"))]
+    specs = [
+        PoolSpec("prefill", 1, worker("prefill"), scaling=prefill_scaling),
+        PoolSpec("decode", 1, worker("decode")),
+    ]
     # disaggregated: every request goes through the prefill pool and the KV transfer
     cfg = RouterConfig(host="127.0.0.1", grpc_port=0, mode="disaggregated", cluster_token=token)
     router = Router(cfg, EngineTokenizer(model.tokenizer))
@@ -271,8 +282,10 @@ class TestFixedPools:
         async def scenario(c: Cluster) -> list[tuple[list[int], pb.Usage]]:
             (old,) = c.pools.members["decode"]
             ray_cluster.kill(old.actor)
-            await until(lambda: [m.grpc_address for m in c.pools.members["decode"]] not in ([], [old.grpc_address]),
-                        "a new decode actor registered")
+            await until(
+                lambda: [m.grpc_address for m in c.pools.members["decode"]] not in ([], [old.grpc_address]),
+                "a new decode actor registered",
+            )
             (new,) = c.pools.members["decode"]
             assert new.worker_id != old.worker_id and c.router.workers.get(old.grpc_address) is None
             await until(lambda: c.healthy("decode") == [new.grpc_address], "the new decode worker is healthy")
@@ -299,10 +312,17 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
     assert all(len(p) > 240 for p in wave1 + wave2)
     expected = reference(model, wave1 + wave2)
     scaling = ScalingConfig(
-        min_replicas=1, max_replicas=2, metric="queued_tokens",
+        min_replicas=1,
+        max_replicas=2,
+        metric="queued_tokens",
         # eight prompts of ~260 tokens on one worker are far over; the queue of one is not
-        target_tokens_per_worker=256, low_water_tokens_per_worker=32,
-        grow_after_s=0.5, shrink_after_s=5.0, cooldown_s=1.0, interval_s=0.25, drain_timeout_s=60.0,
+        target_tokens_per_worker=256,
+        low_water_tokens_per_worker=32,
+        grow_after_s=0.5,
+        shrink_after_s=5.0,
+        cooldown_s=1.0,
+        interval_s=0.25,
+        drain_timeout_s=60.0,
     )
 
     async def scenario() -> list[tuple[list[int], pb.Usage]]:

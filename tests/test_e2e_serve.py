@@ -24,8 +24,13 @@ class Serve:
     def __init__(self, tmp: Path) -> None:
         self.log = tmp / "serve.log"
         # its own session, so that the test can see every process of it is gone
-        self.proc = subprocess.Popen([*SPLITSERVE, "serve", *FLAGS], stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+        self.proc = subprocess.Popen(
+            [*SPLITSERVE, "serve", *FLAGS],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ),
+        )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -59,9 +64,22 @@ def serve(tmp_path):
 def test_serve_answers_generate_and_stops_on_sigterm(serve):
     line = serve.wait_for("splitserve: listening on", 240)
     port = line.split("listening on ")[1].split()[0].rsplit(":", 1)[1]
-    out = subprocess.run([*SPLITSERVE, "generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "8",
-                          "--temperature", "0", "What is the capital of France?"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            *SPLITSERVE,
+            "generate",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout, out.stdout
     assert serve.terminate() == 0, serve.text()[-3000:]

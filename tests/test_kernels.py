@@ -27,8 +27,19 @@ ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512bf16"}
 
 # [N, K]: N odd and not a multiple of the 4-row tile; K below, at and past the
 # vector widths (8, 16, 32 lanes) and not a multiple of any; the SmolLM2 shapes.
-SHAPES = [(1, 1), (3, 15), (7, 16), (17, 17), (5, 31), (64, 32), (33, 33), (257, 100),
-          (130, 1537), (960, 576), (576, 1536)]
+SHAPES = [
+    (1, 1),
+    (3, 15),
+    (7, 16),
+    (17, 17),
+    (5, 31),
+    (64, 32),
+    (33, 33),
+    (257, 100),
+    (130, 1537),
+    (960, 576),
+    (576, 1536),
+]
 BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 13, 32]
 
 
@@ -168,6 +179,7 @@ def test_isa_beyond_the_cpu_is_refused(ext):
 
 
 # ------------------------------------------------------------ fp32 weights
+
 
 def _fp32_isas(ext) -> list[int]:
     # fp32 W runs AVX-512F (levels 2 and 3) or AVX2: asking for level 3 must work too

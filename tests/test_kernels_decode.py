@@ -153,8 +153,12 @@ def test_decode_attention_matches_an_fp32_reference(kernels, dtype, heads, kv_he
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         t = len(ctx)
         after_write = cache0.clone()
-        write_kv(after_write[0], qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
-                 qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim), meta)
+        write_kv(
+            after_write[0],
+            qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
+            qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim),
+            meta,
+        )
         ref = fp32_attention(qkv[:, :q_size].view(t, heads, head_dim), after_write[0], meta, scale).reshape(t, -1)
         for k in isas(kernels):
             cache = cache0.clone()
@@ -200,8 +204,17 @@ def test_same_bits_for_any_thread_count(kernels, dtype):
             for batch in (slice(None), slice(0, 1)):  # batch 1 splits a sequence's kv heads between threads
                 sub = SimpleNamespace(**{f: getattr(meta, f)[batch].contiguous() for f in INDEX_FIELDS}, is_decode=True)
                 cache, qkv, h = cache0.clone(), qkv0[batch].clone(), h0[batch].clone()
-                step = kernels.step(h, cache, sub, cos[batch].contiguous(), sin[batch].contiguous(), num_heads=heads,
-                                    scale=dim**-0.5, eps=1e-5, intermediate_size=inter)
+                step = kernels.step(
+                    h,
+                    cache,
+                    sub,
+                    cos[batch].contiguous(),
+                    sin[batch].contiguous(),
+                    num_heads=heads,
+                    scale=dim**-0.5,
+                    eps=1e-5,
+                    intermediate_size=inter,
+                )
                 attn = step.attention(1, qkv).clone()
                 x = step.norm(w, residual=y[batch].contiguous()).clone()
                 act = step.silu_mul(gate_up[batch].contiguous()).clone()
@@ -271,7 +284,13 @@ def test_wrong_tensors_are_refused(kernels):
 # ----------------------------------------------------------------- the model
 
 SMOL_LIKE = tiny_model_config(  # SmolLM2's head layout, fewer and narrower layers
-    hidden_size=192, num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=512, vocab_size=1000,
+    hidden_size=192,
+    num_layers=3,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=512,
+    vocab_size=1000,
 )
 
 
@@ -321,11 +340,15 @@ def test_fp32_logits_within_ulps_of_torchs(kernels, smol_like, monkeypatch):
 def test_only_cpu_decode_steps_are_offered_the_kernels(kernels, smol_like):
     weights, _ = smol_like
     cache_shape = (SMOL_LIKE.num_layers, 4, 2, 16, SMOL_LIKE.num_kv_heads, SMOL_LIKE.head_dim)
-    meta = AttentionMetadata(torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True)
+    meta = AttentionMetadata(
+        torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
+    )
     cpu = LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), meta) is kernels
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=F32), meta) is None  # a cache of another dtype
-    prefill = AttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1], False)
+    prefill = AttentionMetadata(
+        meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1], False
+    )
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), prefill) is None
     elsewhere = LlamaModel(SMOL_LIKE, weights, torch.device("meta"), BF16)  # stands in for CUDA: any non-CPU device
     assert elsewhere._decode_kernels(torch.zeros(cache_shape, dtype=BF16, device="meta"), meta) is None
@@ -363,6 +386,7 @@ def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeyp
     torch_only(monkeypatch)
     expected = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25)
     monkeypatch.undo()
+
     def raises(k: kd.DecodeKernels) -> bool:
         raise TypeError("decode_attention() takes 26 arguments (24 given)")
 

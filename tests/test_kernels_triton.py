@@ -193,8 +193,9 @@ def split_everything(monkeypatch) -> None:
 @pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ATTENTION_SHAPES)
-def test_decode_attention_matches_an_fp32_reference(kernels, monkeypatch, dtype, heads, kv_heads, head_dim,
-                                                    block_size, split):
+def test_decode_attention_matches_an_fp32_reference(
+    kernels, monkeypatch, dtype, heads, kv_heads, head_dim, block_size, split
+):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + block_size)
     if split:
         split_everything(monkeypatch)
@@ -204,8 +205,12 @@ def test_decode_attention_matches_an_fp32_reference(kernels, monkeypatch, dtype,
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         t = len(ctx)
         after_write = cache0.clone()
-        write_kv(after_write[0], qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
-                 qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim), meta)
+        write_kv(
+            after_write[0],
+            qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim),
+            qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim),
+            meta,
+        )
         ref = fp32_attention(qkv[:, :q_size].view(t, heads, head_dim), after_write[0], meta, scale).reshape(t, -1)
         cache = cache0.clone()
         step = make_step(kernels, torch.zeros(t, 8, dtype=dtype), cache, meta, heads)
@@ -220,8 +225,9 @@ def test_decode_attention_matches_an_fp32_reference(kernels, monkeypatch, dtype,
         assert bool((err <= tol).all()), (ctx, float(err.max()))
 
 
-@pytest.mark.parametrize("batch,kv_heads,max_context", [(1, 8, 8192), (1, 8, 128), (32, 8, 4096), (3, 2, 1000),
-                                                     (1, 1, 300)])
+@pytest.mark.parametrize(
+    "batch,kv_heads,max_context", [(1, 8, 8192), (1, 8, 128), (32, 8, 4096), (3, 2, 1000), (1, 1, 300)]
+)
 def test_context_splits_cover_the_context_in_whole_tiles(batch, kv_heads, max_context):
     splits, per_split = td.context_splits(batch, kv_heads, max_context)
     assert 1 <= splits <= td.MAX_SPLITS
@@ -264,16 +270,24 @@ def test_wrong_tensors_are_refused(kernels):
     with pytest.raises(ValueError, match="residual"):
         step.norm(torch.ones(8), residual=torch.zeros(3, 8))
     with pytest.raises(ValueError, match="int64"):
-        make_step(kernels, torch.zeros(2, 8), cache, AttentionMetadata(
-            meta.slot_blocks.int(), meta.slot_offsets, meta.block_tables, meta.context_lens, [1, 1], [3, 5], True), 4)
+        make_step(
+            kernels,
+            torch.zeros(2, 8),
+            cache,
+            AttentionMetadata(
+                meta.slot_blocks.int(), meta.slot_offsets, meta.block_tables, meta.context_lens, [1, 1], [3, 5], True
+            ),
+            4,
+        )
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         make_step(kernels, torch.zeros(2, 8, dtype=torch.float64), cache.double(), meta, 4)
 
 
 # ------------------------------------------------------------------ model
 
-TINY = tiny_model_config(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                         vocab_size=256, max_position=128)
+TINY = tiny_model_config(
+    num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, vocab_size=256, max_position=128
+)
 
 
 @pytest.fixture(scope="module")
@@ -337,9 +351,12 @@ def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeyp
 
     weights, _ = tiny
     monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: kernels)
-    meta = AttentionMetadata(torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True)
-    prefill = AttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1],
-                                False)
+    meta = AttentionMetadata(
+        torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
+    )
+    prefill = AttentionMetadata(
+        meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1], False
+    )
     cuda = torch.device("cuda")
 
     def cache(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -62,7 +62,9 @@ def test_checksum_catches_a_flipped_bit_anywhere(kind):
         bad = data.clone()
         bad[pos] ^= 0x10
         assert frame.checksum(kind, [bad]) != good
-    swapped = torch.cat([data[frame.LANE_BYTES : 2 * frame.LANE_BYTES], data[: frame.LANE_BYTES], data[2 * frame.LANE_BYTES :]])
+    swapped = torch.cat(
+        [data[frame.LANE_BYTES : 2 * frame.LANE_BYTES], data[: frame.LANE_BYTES], data[2 * frame.LANE_BYTES :]]
+    )
     assert frame.checksum(kind, [swapped]) != good
 
 
@@ -339,8 +341,13 @@ def test_metrics_count_bytes_frames_and_outcomes():
         rx.wait(r.ticket, 10)
         r2 = rx.reserve("req-expires", [9], lease_s=0.01)
         assert isinstance(rx.wait(r2.ticket, 10), Failed)
-    assert _metric("splitserve_kv_bytes_received_total", transport="tcp") == b0 + 3 * LAYOUT.num_layers * LAYOUT.bytes_per_block
-    assert _metric("splitserve_kv_frames_received_total", transport="tcp") == f0 + 2 * LAYOUT.num_layers  # runs 1-2 and 5
+    assert (
+        _metric("splitserve_kv_bytes_received_total", transport="tcp")
+        == b0 + 3 * LAYOUT.num_layers * LAYOUT.bytes_per_block
+    )
+    assert (
+        _metric("splitserve_kv_frames_received_total", transport="tcp") == f0 + 2 * LAYOUT.num_layers
+    )  # runs 1-2 and 5
     assert _metric("splitserve_kv_reservations_completed_total") == c0 + 1
     assert _metric("splitserve_kv_reservations_failed_total", reason="lease_expired") == x0 + 1
 

@@ -33,8 +33,19 @@ def test_generated_modules_import_inside_the_package() -> None:
 
 @pytest.mark.parametrize(
     "field",
-    ["temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-     "frequency_penalty", "max_tokens", "logprobs", "ignore_eos"],
+    [
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "max_tokens",
+        "logprobs",
+        "ignore_eos",
+    ],
 )
 def test_public_sampling_fields_have_presence(field: str) -> None:
     """Unset must stay distinguishable from 0, so the server's defaults apply."""

@@ -9,8 +9,24 @@ from splitserve.cli import build_parser
 from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.flags import router_config_from_args
 
-ROUTER_FLAGS = ["--host", "127.0.0.1", "--grpc-port", "6000", "--http-port", "-1", "--metrics-port", "9400",
-                "--mode", "colocated", "--block-size", "32", "--local-prefill-max-tokens", "64", "--api-key", "k"]
+ROUTER_FLAGS = [
+    "--host",
+    "127.0.0.1",
+    "--grpc-port",
+    "6000",
+    "--http-port",
+    "-1",
+    "--metrics-port",
+    "9400",
+    "--mode",
+    "colocated",
+    "--block-size",
+    "32",
+    "--local-prefill-max-tokens",
+    "64",
+    "--api-key",
+    "k",
+]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -20,9 +36,18 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
     served = router_config_from_args(parse("serve", *ROUTER_FLAGS), "token")
     alone = router_config_from_args(parse("router", "--decode", "d:1", *ROUTER_FLAGS), "token")
-    assert served == alone == RouterConfig(
-        routing=RoutingConfig(mode="colocated", block_size=32, local_prefill_max_tokens=64),
-        host="127.0.0.1", grpc_port=6000, http_port=None, metrics_port=9400, api_key="k", cluster_token="token",
+    assert (
+        served
+        == alone
+        == RouterConfig(
+            routing=RoutingConfig(mode="colocated", block_size=32, local_prefill_max_tokens=64),
+            host="127.0.0.1",
+            grpc_port=6000,
+            http_port=None,
+            metrics_port=9400,
+            api_key="k",
+            cluster_token="token",
+        )
     )
 
 

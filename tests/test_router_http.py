@@ -53,7 +53,9 @@ def run(body, **kw):
 
 def test_chat_completion_whole_answer_with_usage():
     async def body(s):
-        async with s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}) as r:
+        async with s.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+        ) as r:
             return r.status, await r.json()
 
     status, out = run(body)
@@ -73,7 +75,7 @@ def test_completion_streamed_as_server_sent_events():
 
     lines = run(body)
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
+    chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == ANSWER
     assert chunks[-1]["usage"]["completion_tokens"] >= len(SCRIPT)
@@ -192,16 +194,18 @@ def test_a_body_protobuf_cannot_hold_is_400_naming_the_field(path, raw, field):
     assert field in out["error"]["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=foo", "application/json; charset=latin-1",
-                                          "text/plain; charset="])
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=foo", "application/json; charset=latin-1", "text/plain; charset="]
+)
 def test_a_charset_other_than_utf8_is_refused_naming_it(content_type):
     status, out = run(lambda s: post_raw(s, "/v1/chat/completions", json.dumps(CHAT).encode(), content_type))
     assert status == 415
     assert "charset" in out["error"]["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=UTF-8", 'application/json; charset="utf8"',
-                                          "text/plain", None])
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=UTF-8", 'application/json; charset="utf8"', "text/plain", None]
+)
 def test_utf8_or_no_charset_is_read(content_type):
     status, out = run(lambda s: post_raw(s, "/v1/chat/completions", json.dumps(CHAT).encode(), content_type))
     assert status == 200
@@ -280,7 +284,9 @@ def test_a_field_of_the_other_endpoint_is_refused():
 
 def test_from_openai_output_always_serialises():
     # the translation's contract: whatever it returns, protobuf can encode
-    req = from_openai({"prompt": [0, 2**31 - 1], "stop": ["é"], "seed": 2**63 - 1, "request_id": "r"}, chat=False).generate
+    req = from_openai(
+        {"prompt": [0, 2**31 - 1], "stop": ["é"], "seed": 2**63 - 1, "request_id": "r"}, chat=False
+    ).generate
     assert pb.GenerateRequest.FromString(req.SerializeToString()) == req
 
 
@@ -314,8 +320,10 @@ async def open_request(port: int, payload: dict) -> tuple[asyncio.StreamReader, 
     """A request on a raw socket, so the test decides when the connection goes away."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     body = json.dumps(payload).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     await writer.drain()
     return reader, writer
 

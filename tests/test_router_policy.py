@@ -126,7 +126,9 @@ def test_the_prefill_weight_trades_cached_tokens_against_load() -> None:
 def test_by_default_a_cache_hit_outweighs_the_load_of_the_request_that_cached_it() -> None:
     # the router counts a routed request's tokens until the worker's next stats poll, finished or not
     lagging = WorkerLoad(59, 0, 100, 100)
-    choice = KvAwareChooser(RoutingConfig()).choose([cand("a", 18, lagging, overlap=3), cand("b", 66)], random.Random(0))
+    choice = KvAwareChooser(RoutingConfig()).choose(
+        [cand("a", 18, lagging, overlap=3), cand("b", 66)], random.Random(0)
+    )
     assert (choice.worker, choice.cost) == ("a", 4 * 18 + 59)
 
 
@@ -147,8 +149,10 @@ def test_the_decision_logs_its_formula_with_the_numbers(caplog: pytest.LogCaptur
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
     chooser = KvAwareChooser(RoutingConfig(prefill_weight=2.0))
     chooser.choose([cand("w1", 40, WorkerLoad(100, 30, 2, 100), overlap=2)], random.Random(0))
-    assert ("decode w1: cost = 2*uncached(40) + load(100 queued + 30 running) "
-            "+ shortfall(16*max(0, 3 blocks - 2 free)) = 226") in caplog.text
+    assert (
+        "decode w1: cost = 2*uncached(40) + load(100 queued + 30 running) "
+        "+ shortfall(16*max(0, 3 blocks - 2 free)) = 226"
+    ) in caplog.text
 
 
 # ---- RoundRobinChooser
@@ -195,7 +199,10 @@ def test_forced_modes() -> None:
 def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
     choose_prefill_mode(300, 9000, True, ROUTING)
-    assert "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode idle True is True" in caplog.text
+    assert (
+        "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode idle True is True"
+        in caplog.text
+    )
 
 
 def test_idle_is_at_most_the_idle_tokens_of_work() -> None:
@@ -262,8 +269,14 @@ def test_route_keeps_the_round_robin_turn_in_the_chooser_it_is_given() -> None:
 
 def test_routing_config_rejects_what_it_cannot_route_with() -> None:
     # values of any type (a flag or a file may hold anything): the point is what __post_init__ lets through
-    bad: list[tuple[str, Any]] = [("block_size", 0), ("prefill_weight", -1.0), ("temperature", float("nan")),
-                                  ("local_prefill_max_tokens", -1), ("mode", "sometimes"), ("decode_policy", "random")]
+    bad: list[tuple[str, Any]] = [
+        ("block_size", 0),
+        ("prefill_weight", -1.0),
+        ("temperature", float("nan")),
+        ("local_prefill_max_tokens", -1),
+        ("mode", "sometimes"),
+        ("decode_policy", "random"),
+    ]
     for field, value in bad:
         with pytest.raises(ValueError, match=field):
             replace(ROUTING, **{field: value})

@@ -9,8 +9,16 @@ import pytest
 from splitserve.router.policy import WorkerLoad
 from splitserve.router.scaling import ScalerState, ScalingConfig, ScalingDecision, decide, least_loaded
 
-CFG = ScalingConfig(min_replicas=1, max_replicas=3, metric="queued_tokens", target_tokens_per_worker=1000,
-                    low_water_tokens_per_worker=100, grow_after_s=5.0, shrink_after_s=20.0, cooldown_s=30.0)
+CFG = ScalingConfig(
+    min_replicas=1,
+    max_replicas=3,
+    metric="queued_tokens",
+    target_tokens_per_worker=1000,
+    low_water_tokens_per_worker=100,
+    grow_after_s=5.0,
+    shrink_after_s=20.0,
+    cooldown_s=30.0,
+)
 
 
 def load(queued: int = 0, running: int = 0, free: int = 100, total: int = 100) -> WorkerLoad:
@@ -24,8 +32,13 @@ def pool(*queued: int) -> dict[str, WorkerLoad]:
 FRESH = ScalerState()  # frozen: one shared default is safe
 
 
-def run(steps: list[tuple[float, dict[str, WorkerLoad]]], cfg: ScalingConfig = CFG, pending: int = 0,
-        draining: int = 0, state: ScalerState = FRESH) -> tuple[list[ScalingDecision], ScalerState]:
+def run(
+    steps: list[tuple[float, dict[str, WorkerLoad]]],
+    cfg: ScalingConfig = CFG,
+    pending: int = 0,
+    draining: int = 0,
+    state: ScalerState = FRESH,
+) -> tuple[list[ScalingDecision], ScalerState]:
     """Apply the policy at each (time, loads), threading its state; every decision in order."""
     out = []
     for now, loads in steps:
@@ -184,18 +197,21 @@ def test_decide_keeps_no_state_of_its_own():
 # ---- the config
 
 
-@pytest.mark.parametrize("bad", [
-    dict(min_replicas=0),
-    dict(min_replicas=3, max_replicas=2),
-    dict(metric="free_blocks"),
-    dict(target_tokens_per_worker=0),
-    dict(low_water_tokens_per_worker=1000),  # not below the target
-    dict(min_free_block_fraction=1.0),
-    dict(cooldown_s=-1.0),
-    dict(grow_after_s=float("nan")),
-    dict(interval_s=0.0),
-    dict(drain_timeout_s=float("inf")),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(min_replicas=0),
+        dict(min_replicas=3, max_replicas=2),
+        dict(metric="free_blocks"),
+        dict(target_tokens_per_worker=0),
+        dict(low_water_tokens_per_worker=1000),  # not below the target
+        dict(min_free_block_fraction=1.0),
+        dict(cooldown_s=-1.0),
+        dict(grow_after_s=float("nan")),
+        dict(interval_s=0.0),
+        dict(drain_timeout_s=float("inf")),
+    ],
+)
 def test_config_rejects_nonsense(bad):
     with pytest.raises(ValueError):
         dataclasses.replace(CFG, **bad)
@@ -222,8 +238,16 @@ def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():
     assert scaling_config(a, "prefill") is None and scaling_config(a, "decode") is None
     a = serve_args("--prefill-workers", "2", "--prefill-workers-max", "2")
     assert scaling_config(a, "prefill") is None
-    a = serve_args("--prefill-workers-max", "3", "--prefill-target-tokens", "2000",
-                   "--decode-workers", "2", "--decode-workers-max", "4")
+    a = serve_args(
+        "--prefill-workers-max",
+        "3",
+        "--prefill-target-tokens",
+        "2000",
+        "--decode-workers",
+        "2",
+        "--decode-workers-max",
+        "4",
+    )
     p, d = scaling_config(a, "prefill"), scaling_config(a, "decode")
     assert p is not None and d is not None
     assert (p.min_replicas, p.max_replicas, p.metric, p.target_tokens_per_worker) == (1, 3, "queued_tokens", 2000)

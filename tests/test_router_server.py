@@ -43,16 +43,25 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(decode: list[dict[str, Any]] | None = None, prefill: list[dict[str, Any]] | None = None,
-                  script: list[int] = SCRIPT, **cfg_kw: Any) -> AsyncIterator[Cluster]:
+async def cluster(
+    decode: list[dict[str, Any]] | None = None,
+    prefill: list[dict[str, Any]] | None = None,
+    script: list[int] = SCRIPT,
+    **cfg_kw: Any,
+) -> AsyncIterator[Cluster]:
     kv = FakeKVPlane()
     decoders = [FakeDecodeWorker(kv, script, worker_id=f"d{i}", **kw) for i, kw in enumerate(decode or [{}])]
     prefillers = [FakePrefillWorker(kv, script, worker_id=f"p{i}", **kw) for i, kw in enumerate(prefill or [{}])]
     for f in [*decoders, *prefillers]:
         await f.start()
     cfg = RouterConfig(host="127.0.0.1", grpc_port=0, stats_interval_s=0.05, reconnect_backoff_s=0.05, **cfg_kw)
-    router = Router(cfg, ByteTokenizer(), decode=[d.address for d in decoders],
-                    prefill=[p.address for p in prefillers], rng=random.Random(0))
+    router = Router(
+        cfg,
+        ByteTokenizer(),
+        decode=[d.address for d in decoders],
+        prefill=[p.address for p in prefillers],
+        rng=random.Random(0),
+    )
     port = await router.start()
     await router.wait_for_workers()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -144,8 +153,11 @@ def test_stop_string_cuts_the_text_and_cancels_the_decode_stream() -> None:
 def test_max_tokens_ends_with_length() -> None:
     async def scenario() -> None:
         async with cluster() as c:
-            rs = await c.generate(text="hi", sampling=pb.SamplingParams(max_tokens=5),
-                                  stream_options=pb.StreamOptions(continuous_usage=True))
+            rs = await c.generate(
+                text="hi",
+                sampling=pb.SamplingParams(max_tokens=5),
+                stream_options=pb.StreamOptions(continuous_usage=True),
+            )
             assert joined(rs) == ("Hello", SCRIPT[:5])
             assert rs[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert [r.usage.completion_tokens for r in rs if r.token_ids] == [1, 2, 3, 4, 5]
@@ -281,7 +293,9 @@ def test_client_cancel_during_prefill_reaches_both_workers() -> None:
             await until(lambda: bool(c.prefill[0].requests))
             call.cancel()
             await until(lambda: len(c.prefill[0].cancelled) == 1)
-            await until(lambda: c.decode[0].cancelled == c.prefill[0].cancelled and not c.decode[0].active)  # one attempt id, both workers
+            await until(
+                lambda: c.decode[0].cancelled == c.prefill[0].cancelled and not c.decode[0].active
+            )  # one attempt id, both workers
 
     run(scenario)
 
@@ -289,8 +303,9 @@ def test_client_cancel_during_prefill_reaches_both_workers() -> None:
 def test_decode_worker_dying_mid_stream_migrates_the_request() -> None:
     async def scenario() -> None:
         # d0 looks idle and dies after 4 tokens; d1 looks busy, so it is only the fallback
-        async with cluster(decode=[{"die_after_tokens": 4}, {"extra_queued_tokens": 8000}],
-                           local_prefill_max_tokens=10_000) as c:
+        async with cluster(
+            decode=[{"die_after_tokens": 4}, {"extra_queued_tokens": 8000}], local_prefill_max_tokens=10_000
+        ) as c:
             rs = await c.generate(text=LONG, sampling=pb.SamplingParams(max_tokens=12))
             assert joined(rs) == (ANSWER[:12], SCRIPT[:12])
             assert rs[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -420,8 +435,11 @@ def test_workers_see_an_id_of_the_routers_own_never_the_clients() -> None:
 
 def raw_generate(channel: grpc.aio.Channel) -> Any:
     """Generate with the request as raw bytes, as a client with another (or a broken) encoder sends it."""
-    return channel.unary_stream("/splitserve.v1.Generation/Generate", request_serializer=None,
-                                response_deserializer=pb.GenerateResponse.FromString)
+    return channel.unary_stream(
+        "/splitserve.v1.Generation/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
 
 
 async def raw_call(c: Cluster, raw: bytes, metadata: Any = None) -> list[pb.GenerateResponse]:
@@ -438,7 +456,9 @@ async def raw_call(c: Cluster, raw: bytes, metadata: Any = None) -> list[pb.Gene
         b"\x12\x05hi",  # text longer than the message
     ],
 )
-def test_bytes_that_are_not_a_generate_request_are_invalid_argument(raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+def test_bytes_that_are_not_a_generate_request_are_invalid_argument(
+    raw: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> None:
         async with cluster() as c:
             e = await status_of(raw_call(c, raw))
@@ -475,10 +495,16 @@ def varint_field(number: int, value: int) -> bytes:
 @pytest.mark.parametrize(
     ("raw", "field"),
     [
-        (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="x" * 100_000, content="hi")]))
-         .SerializeToString(), "chat.messages[0].role"),
-        (pb.GenerateRequest(text="hi").SerializeToString() + b"".join(varint_field(n, 1) for n in range(100, 5000)),
-         "request"),  # 4900 unknown field numbers, each named
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatMessages(messages=[pb.ChatMessage(role="x" * 100_000, content="hi")])
+            ).SerializeToString(),
+            "chat.messages[0].role",
+        ),
+        (
+            pb.GenerateRequest(text="hi").SerializeToString() + b"".join(varint_field(n, 1) for n in range(100, 5000)),
+            "request",
+        ),  # 4900 unknown field numbers, each named
     ],
 )
 def test_a_status_quoting_a_huge_value_still_arrives(raw: bytes, field: str) -> None:

@@ -9,8 +9,16 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.router.validation import ValidationError, validate
 
-CFG = RouterConfig(max_model_len=1024, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64,
-                   max_stop_strings=2, max_stop_string_chars=8, max_prompt_chars=2000, max_chat_messages=3)
+CFG = RouterConfig(
+    max_model_len=1024,
+    max_prompt_tokens=512,
+    max_tokens_cap=256,
+    default_max_tokens=64,
+    max_stop_strings=2,
+    max_stop_string_chars=8,
+    max_prompt_chars=2000,
+    max_chat_messages=3,
+)
 TOK = ByteTokenizer()
 
 
@@ -42,9 +50,25 @@ def test_explicit_zero_is_not_unset() -> None:
 
 
 def test_every_field_is_carried() -> None:
-    s = validate(sampling(temperature=0.5, top_p=0.5, top_k=5, min_p=0.25, seed=7, repetition_penalty=1.5,
-                          presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=9, stop_token_ids=[3, 3, 4],
-                          stop=["x"], logprobs=True, ignore_eos=True), CFG, TOK).sampling
+    s = validate(
+        sampling(
+            temperature=0.5,
+            top_p=0.5,
+            top_k=5,
+            min_p=0.25,
+            seed=7,
+            repetition_penalty=1.5,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            max_tokens=9,
+            stop_token_ids=[3, 3, 4],
+            stop=["x"],
+            logprobs=True,
+            ignore_eos=True,
+        ),
+        CFG,
+        TOK,
+    ).sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.repetition_penalty) == (0.5, 0.5, 5, 0.25, 7, 1.5)
     assert (s.presence_penalty, s.frequency_penalty, s.max_tokens) == (0.5, -0.5, 9)
     assert (s.stop_token_ids, s.stop, s.logprobs, s.ignore_eos) == ((3, 4), ("x",), True, True)
@@ -68,8 +92,10 @@ def test_an_empty_request_id_gets_a_fresh_one() -> None:
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 258])), "token_ids.ids[1]:"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "token_ids.ids[0]:"),
         (pb.GenerateRequest(chat=pb.ChatMessages()), "chat.messages:"),
-        (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="root", content="x")])),
-         "chat.messages[0].role:"),
+        (
+            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="root", content="x")])),
+            "chat.messages[0].role:",
+        ),
         (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * 4)), "chat.messages:"),
         (sampling(temperature=-0.1), "sampling.temperature:"),
         (sampling(temperature=float("nan")), "sampling.temperature:"),
@@ -97,7 +123,9 @@ def test_each_bad_field_is_named(request_: pb.GenerateRequest, field: str) -> No
 
 def test_prompt_plus_max_tokens_must_fit_the_model() -> None:
     cfg = RouterConfig(max_model_len=560, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64)
-    assert rejected(req(text="x" * 400, sampling=pb.SamplingParams(max_tokens=201)), cfg).startswith("sampling.max_tokens:")
+    assert rejected(req(text="x" * 400, sampling=pb.SamplingParams(max_tokens=201)), cfg).startswith(
+        "sampling.max_tokens:"
+    )
     # unset max_tokens shrinks to the room left instead
     assert validate(req(text="x" * 500), cfg, TOK).sampling.max_tokens == 60
 

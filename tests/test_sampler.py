@@ -77,9 +77,20 @@ def test_logprob_is_the_raw_log_softmax_of_the_chosen_token():
     assert res.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4]))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
-                                          ("max_tokens", 0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
-                                          ("seed", -1), ("temperature", math.nan)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("seed", -1),
+        ("temperature", math.nan),
+    ],
+)
 def test_bad_parameters_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -145,8 +156,13 @@ def extreme_params(draw) -> SamplingParams:
 @settings(max_examples=400, deadline=None)
 @given(
     params=st.lists(extreme_params(), min_size=1, max_size=4),
-    logits=st.lists(st.lists(st.sampled_from((-3.4e38, -1e30, -1.0, 0.0, 1e-30, 1.0, 1e30, 3.4e38)),
-                             min_size=VOCAB, max_size=VOCAB), min_size=4, max_size=4),
+    logits=st.lists(
+        st.lists(
+            st.sampled_from((-3.4e38, -1e30, -1.0, 0.0, 1e-30, 1.0, 1e30, 3.4e38)), min_size=VOCAB, max_size=VOCAB
+        ),
+        min_size=4,
+        max_size=4,
+    ),
     history=st.lists(st.integers(0, VOCAB - 1), max_size=6),
 )
 def test_sampler_never_fails_on_any_accepted_value(params, logits, history):

@@ -50,7 +50,9 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         torch.set_num_threads(cfg.threads)
     if engine is None:
         engine, _ = Engine.from_path(cfg.model, cfg.engine, progress=False)
-    interceptors: list[grpc.ServerInterceptor] = [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
+    )
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + 8, thread_name_prefix=f"{cfg.role}-rpc"),
         interceptors=interceptors,
@@ -80,8 +82,9 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         from splitserve.prefill_worker.service import PrefillService
 
         service = PrefillService(cfg, KVSender(engine.kv_cache))
-        sender_connector = SenderConnector(engine.cfg.block_size, len(engine.model.layers),
-                                           cuda=engine.kv_cache.tensor.is_cuda)
+        sender_connector = SenderConnector(
+            engine.cfg.block_size, len(engine.model.layers), cuda=engine.kv_cache.tensor.is_cuda
+        )
         engine.connect(sender_connector)
         loop = EngineLoop(engine)
         service.attach(loop, sender_connector)
@@ -99,9 +102,13 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by every command that builds an engine."""
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)"
+    )
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -128,8 +135,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
-    p.add_argument("--cluster-token", default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
-                   help="required from callers (default: $SPLITSERVE_CLUSTER_TOKEN)")
+    p.add_argument(
+        "--cluster-token",
+        default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
+        help="required from callers (default: $SPLITSERVE_CLUSTER_TOKEN)",
+    )
     p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint (0: off)")
     add_engine_arguments(p)

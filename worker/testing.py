@@ -27,20 +27,41 @@ from splitserve.kv_transfer.fake import FakeTransport
 from splitserve.prefill_worker.connector import SenderConnector
 
 
-def tiny_engine(num_blocks: int = 64, max_num_seqs: int = 8, block_size: int = 4, max_num_batched_tokens: int = 64) -> Engine:
+def tiny_engine(
+    num_blocks: int = 64, max_num_seqs: int = 8, block_size: int = 4, max_num_batched_tokens: int = 64
+) -> Engine:
     cfg = tiny_model_config()
-    return Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                                         max_num_batched_tokens=max_num_batched_tokens))
+    return Engine(
+        cfg,
+        random_weights(cfg),
+        EngineConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
+    )
 
 
 def assert_engine_empty(engine: Engine) -> None:
     """Every block free, every request state empty."""
     s = engine.scheduler
-    held = {name: len(c) for name, c in (("waiting", s.waiting), ("running", s.running), ("reserved", s.reserved),
-                                          ("held", s.held), ("requests", s.requests), ("aborting", s.aborting)) if c}
+    held = {
+        name: len(c)
+        for name, c in (
+            ("waiting", s.waiting),
+            ("running", s.running),
+            ("reserved", s.reserved),
+            ("held", s.held),
+            ("requests", s.requests),
+            ("aborting", s.aborting),
+        )
+        if c
+    }
     assert not held, f"engine still holds {held}"
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, (
-        f"{engine.blocks.num_blocks - engine.blocks.num_free_blocks} blocks not freed")
+        f"{engine.blocks.num_blocks - engine.blocks.num_free_blocks} blocks not freed"
+    )
     assert all(rc == 0 for rc in engine.blocks.ref_counts)
 
 
@@ -64,8 +85,14 @@ class EnginePair:
         decode.connect(decode_connector)
         prefill_connector = SenderConnector(prefill.cfg.block_size, len(prefill.model.layers), cuda=False)
         prefill.connect(prefill_connector)
-        return EnginePair(prefill, decode, receiver, KVSender(prefill.kv_cache, transport=transport),
-                          decode_connector, prefill_connector)
+        return EnginePair(
+            prefill,
+            decode,
+            receiver,
+            KVSender(prefill.kv_cache, transport=transport),
+            decode_connector,
+            prefill_connector,
+        )
 
     def close(self) -> None:
         self.receiver.close()
@@ -80,7 +107,9 @@ class EnginePair:
         stream = self.sender.open(remote.transfer)
         seq = self.prefill.add_request(rid, prompt, params, prefill_only=True)
         seq.transfer_id = remote.transfer.ticket
-        self.prefill_connector.add(rid, stream, remote.transfer.ticket, remote.num_cached_tokens // self.prefill.cfg.block_size)
+        self.prefill_connector.add(
+            rid, stream, remote.transfer.ticket, remote.num_cached_tokens // self.prefill.cfg.block_size
+        )
         return stream
 
     def step_prefill(self) -> list[StepOutput]:

@@ -1,4 +1,4 @@
 """CPU kernels for decode, JIT-compiled at first use; each falls back to torch.
 
-    from splitserve.engine.kernels.linear import linear, kernel_available
+from splitserve.engine.kernels.linear import linear, kernel_available
 """

@@ -89,8 +89,9 @@ def _copies(n: int, k: int, count: int, dtype: torch.dtype) -> list[Tensor]:
     return [torch.randn(n, k, dtype=dtype) for _ in range(count)]
 
 
-def bench(threads: int, batch: int, copies: int, rounds: int, stat: str = "best",
-          dtype: torch.dtype = torch.bfloat16) -> list[Row]:
+def bench(
+    threads: int, batch: int, copies: int, rounds: int, stat: str = "best", dtype: torch.dtype = torch.bfloat16
+) -> list[Row]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     size = torch.empty((), dtype=dtype).element_size()
@@ -128,19 +129,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--stat", choices=["best", "median"], default="best")
-    ap.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["bf16"],
-                    help="weight dtype (x the same): bf16, fp32 or both")
+    ap.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        nargs="+",
+        default=["bf16"],
+        help="weight dtype (x the same): bf16, fp32 or both",
+    )
     args = ap.parse_args(argv)
     ext = _extension()
     print(f"kernel: {'ISA level ' + str(ext.isa()) if ext is not None else 'unavailable (F.linear only)'}")
     for threads in args.threads:
         print(f"\nthreads={threads}: x.sum() over 1 GiB fp32: {plain_read_gbs(threads):.1f} GB/s")
         for dtype_name, batch in [(d, b) for d in args.dtype for b in args.batch]:
-            print(f"  {dtype_name} B={batch:<3} {'matrix':<21}{'MB':>7}{'kernel':>9}{'F.linear':>10}{'read':>8}"
-                  f"{'kern/read':>11}{'kern/F':>8}")
+            print(
+                f"  {dtype_name} B={batch:<3} {'matrix':<21}{'MB':>7}{'kernel':>9}{'F.linear':>10}{'read':>8}"
+                f"{'kern/read':>11}{'kern/F':>8}"
+            )
             for r in bench(threads, batch, args.copies, args.rounds, args.stat, DTYPES[dtype_name]):
-                print(f"        {r.name:<26}{r.mbytes:>7.1f}{r.kernel:>9.1f}{r.torch:>10.1f}{r.read:>8.1f}"
-                      f"{r.kernel / r.read:>10.0%}{r.kernel / r.torch:>8.2f}")
+                print(
+                    f"        {r.name:<26}{r.mbytes:>7.1f}{r.kernel:>9.1f}{r.torch:>10.1f}{r.read:>8.1f}"
+                    f"{r.kernel / r.read:>10.0%}{r.kernel / r.torch:>8.2f}"
+                )
 
 
 if __name__ == "__main__":

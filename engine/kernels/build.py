@@ -84,8 +84,9 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
     instead), when the platform is not x86-64 Linux or the compile or import fails.
     """
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        log.warning("splitserve kernels need x86-64 Linux (this is %s %s); using %s",
-                    sys.platform, platform.machine(), fallback)
+        log.warning(
+            "splitserve kernels need x86-64 Linux (this is %s %s); using %s", sys.platform, platform.machine(), fallback
+        )
         return None
     folder = build_dir(name, _HERE / source)
     started = time.perf_counter()
@@ -110,8 +111,7 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
         )
     except Exception as exc:  # a compiler, ninja or loader failure of any kind
         detail = str(exc).strip()
-        log.warning("could not build kernel %s in %s; using %s. %s",
-                    name, folder, fallback, detail[-2000:])
+        log.warning("could not build kernel %s in %s; using %s. %s", name, folder, fallback, detail[-2000:])
         return None
     elapsed = time.perf_counter() - started
     if elapsed > 2.0:

@@ -74,16 +74,29 @@ class DecodeStep:
     method: `norm`'s output by the next `norm`, and so on. A layer consumes each before that.
     """
 
-    def __init__(self, ext: ModuleType, isa: int, h: Tensor, kv_cache: Tensor, meta: StepMetadata,
-                 cos: Tensor, sin: Tensor, num_heads: int, scale: float, eps: float, intermediate_size: int):
+    def __init__(
+        self,
+        ext: ModuleType,
+        isa: int,
+        h: Tensor,
+        kv_cache: Tensor,
+        meta: StepMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        num_heads: int,
+        scale: float,
+        eps: float,
+        intermediate_size: int,
+    ):
         dtype = h.dtype
         if dtype is not _BF16 and dtype is not _F32:
             raise ValueError(f"decode kernels take bf16 or fp32, not {dtype}")
         if h.dim() != 2 or not h.is_cpu or not h.is_contiguous():
             raise ValueError("h must be a contiguous CPU tensor [batch, hidden]")
         if kv_cache.dim() != 6 or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.dtype is not dtype:
-            raise ValueError(f"kv_cache must be a contiguous CPU {dtype} tensor "
-                             "[layers, blocks, 2, block_size, kv_heads, head_dim]")
+            raise ValueError(
+                f"kv_cache must be a contiguous CPU {dtype} tensor [layers, blocks, 2, block_size, kv_heads, head_dim]"
+            )
         if not meta.is_decode:
             raise ValueError("a decode step needs one new token per sequence")
         batch, hidden = h.shape
@@ -91,8 +104,12 @@ class DecodeStep:
         tables = meta.block_tables
         if tables.dim() != 2 or tables.shape[0] != batch:
             raise ValueError(f"block_tables must be [{batch}, width]")
-        indices = (("slot_blocks", meta.slot_blocks, (batch,)), ("slot_offsets", meta.slot_offsets, (batch,)),
-                   ("context_lens", meta.context_lens, (batch,)), ("block_tables", tables, tuple(tables.shape)))
+        indices = (
+            ("slot_blocks", meta.slot_blocks, (batch,)),
+            ("slot_offsets", meta.slot_offsets, (batch,)),
+            ("context_lens", meta.context_lens, (batch,)),
+            ("block_tables", tables, tuple(tables.shape)),
+        )
         for name, t, shape in indices:
             if not _is_index(t, shape):
                 raise ValueError(f"{name} must be a contiguous CPU int64 tensor of shape {shape}")
@@ -125,9 +142,21 @@ class DecodeStep:
         width = self._qkv_shape[1]
         # decode_attention's arguments after k_new/v_new and after the cache pointer
         self._slots = (width, meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr())
-        self._rest = (blocks, tables.data_ptr(), tables.shape[1], meta.context_lens.data_ptr(),
-                      cos.data_ptr(), sin.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
-                      self._bf16, float(scale))
+        self._rest = (
+            blocks,
+            tables.data_ptr(),
+            tables.shape[1],
+            meta.context_lens.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            self._bf16,
+            float(scale),
+        )
 
     def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
         """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
@@ -136,8 +165,18 @@ class DecodeStep:
             raise ValueError(f"norm weight must be a contiguous CPU {self.dtype} tensor {list(self._hidden_shape)}")
         if residual is not None and not _fits(residual, self.dtype, tuple(h.shape)):
             raise ValueError(f"residual must be a contiguous CPU {self.dtype} tensor {list(h.shape)}")
-        self._ext.rms_norm(self._x.data_ptr(), h.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                           weight.data_ptr(), h.shape[0], h.shape[1], self._eps, self._bf16, self._threads, self._isa)
+        self._ext.rms_norm(
+            self._x.data_ptr(),
+            h.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            h.shape[0],
+            h.shape[1],
+            self._eps,
+            self._bf16,
+            self._threads,
+            self._isa,
+        )
         return self._x
 
     def _attend(self, layer: int, qkv: Tensor, write: bool, read: bool) -> None:
@@ -146,9 +185,20 @@ class DecodeStep:
         if not _fits(qkv, self.dtype, self._qkv_shape):
             raise ValueError(f"qkv must be a contiguous CPU {self.dtype} tensor {list(self._qkv_shape)}")
         p = qkv.data_ptr()
-        self._ext.decode_attention(self._attn.data_ptr(), p, self._qkv_shape[1], p + self._k_off, p + self._v_off,
-                                   *self._slots, self._cache + layer * self._layer_bytes, *self._rest,
-                                   int(write), int(read), self._threads, self._isa)
+        self._ext.decode_attention(
+            self._attn.data_ptr(),
+            p,
+            self._qkv_shape[1],
+            p + self._k_off,
+            p + self._v_off,
+            *self._slots,
+            self._cache + layer * self._layer_bytes,
+            *self._rest,
+            int(write),
+            int(read),
+            self._threads,
+            self._isa,
+        )
 
     def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
         """Attention output [B, heads * head_dim] (the o projection's input) of one layer.
@@ -169,8 +219,15 @@ class DecodeStep:
         """silu(gate) * up from gate_up [B, 2 intermediate] = [gate | up], as F.silu(gate) * up rounds it."""
         if not _fits(gate_up, self.dtype, self._gate_up_shape):
             raise ValueError(f"gate_up must be a contiguous CPU {self.dtype} tensor {list(self._gate_up_shape)}")
-        self._ext.silu_mul(self._act.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], self._intermediate,
-                           self._bf16, self._threads, self._isa)
+        self._ext.silu_mul(
+            self._act.data_ptr(),
+            gate_up.data_ptr(),
+            gate_up.shape[0],
+            self._intermediate,
+            self._bf16,
+            self._threads,
+            self._isa,
+        )
         return self._act
 
 
@@ -191,8 +248,19 @@ class DecodeKernels:
     def with_isa(self, isa: int) -> DecodeKernels:
         return DecodeKernels(self._ext, isa)
 
-    def step(self, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, *,
-             num_heads: int, scale: float, eps: float, intermediate_size: int) -> DecodeStep:
+    def step(
+        self,
+        h: Tensor,
+        kv_cache: Tensor,
+        meta: StepMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        num_heads: int,
+        scale: float,
+        eps: float,
+        intermediate_size: int,
+    ) -> DecodeStep:
         """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
 
         cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
@@ -213,12 +281,15 @@ def _self_test(k: DecodeKernels) -> bool:
         y = torch.randn(b, hidden, generator=gen).to(dtype)
         w = torch.randn(hidden, generator=gen).to(dtype)
         cache = torch.zeros(1, 4, 2, bs, kv_heads, dim, dtype=dtype)
-        meta = SimpleNamespace(slot_blocks=torch.tensor([1, 3]), slot_offsets=torch.tensor([0, 1]),
-                               block_tables=torch.tensor([[1, 0], [2, 3]]), context_lens=torch.tensor([1, 6]),
-                               is_decode=True)
+        meta = SimpleNamespace(
+            slot_blocks=torch.tensor([1, 3]),
+            slot_offsets=torch.tensor([0, 1]),
+            block_tables=torch.tensor([[1, 0], [2, 3]]),
+            context_lens=torch.tensor([1, 6]),
+            is_decode=True,
+        )
         ones, zeros = torch.ones(b, dim, dtype=dtype), torch.zeros(b, dim, dtype=dtype)
-        step = k.step(h, cache, meta, ones, zeros, num_heads=heads, scale=dim**-0.5, eps=1e-5,
-                      intermediate_size=inter)
+        step = k.step(h, cache, meta, ones, zeros, num_heads=heads, scale=dim**-0.5, eps=1e-5, intermediate_size=inter)
         hf = (h + y).float()
         ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
         ok &= bool(torch.allclose(step.norm(w, residual=y).float(), ref.float(), rtol=tol, atol=tol))
@@ -228,12 +299,10 @@ def _self_test(k: DecodeKernels) -> bool:
         # sequence 0 sees only its new token: attention returns its v for every query head
         qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
         out = step.attention(0, qkv)
-        v0 = qkv[0, (heads + kv_heads) * dim:].view(kv_heads, dim).repeat_interleave(heads // kv_heads, 0)
+        v0 = qkv[0, (heads + kv_heads) * dim :].view(kv_heads, dim).repeat_interleave(heads // kv_heads, 0)
         ok &= bool(torch.allclose(out[0].float(), v0.flatten().float(), rtol=tol, atol=tol))
         ok &= bool(torch.equal(cache[0, 1, 1, 0], v0[:: heads // kv_heads]))
     return ok
-
-
 
 
 def _load() -> DecodeKernels | None:

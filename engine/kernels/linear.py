@@ -40,7 +40,6 @@ _BF16 = torch.bfloat16
 _F32 = torch.float32
 
 
-
 def kernels_disabled() -> bool:
     """SPLITSERVE_NO_KERNELS set to anything but "" or "0". Read once, at the first call of linear."""
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
@@ -53,9 +52,20 @@ def _run(ext: ModuleType, x: Tensor, w: Tensor, bias: Tensor | None, isa: int = 
     b, n = x.shape[0], w.shape[0]
     y = x.new_empty(b, n)  # the cheapest of torch's allocating calls (~1 us)
     bias_kind = 0 if bias is None else (1 if bias.dtype is _BF16 else 2)
-    ext.linear(y.data_ptr(), x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
-               b, n, x.shape[1], x.dtype is _F32, bias_kind, torch.get_num_threads(), isa,
-               w.dtype is _F32)
+    ext.linear(
+        y.data_ptr(),
+        x.data_ptr(),
+        w.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        b,
+        n,
+        x.shape[1],
+        x.dtype is _F32,
+        bias_kind,
+        torch.get_num_threads(),
+        isa,
+        w.dtype is _F32,
+    )
     return y
 
 
@@ -133,11 +143,20 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         and w.is_contiguous()
         and x.shape[-1] == w.shape[1]
         and w.shape[1] > 0
-        and (bias is None or (bias.dim() == 1 and bias.is_cpu and bias.is_contiguous()
-                              and (bias.dtype is _BF16 or bias.dtype is _F32)
-                              and bias.shape[0] == w.shape[0]))
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                              or (bias is not None and bias.requires_grad)))
+        and (
+            bias is None
+            or (
+                bias.dim() == 1
+                and bias.is_cpu
+                and bias.is_contiguous()
+                and (bias.dtype is _BF16 or bias.dtype is _F32)
+                and bias.shape[0] == w.shape[0]
+            )
+        )
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
+        )
     ):
         max_rows = MAX_ROWS if wd is _BF16 else MAX_ROWS_F32
         if x.dim() == 2:

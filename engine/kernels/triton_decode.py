@@ -69,16 +69,29 @@ class TritonDecodeStep:
     method's next call; a layer consumes each before that.
     """
 
-    def __init__(self, ops: ModuleType, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor,
-                 num_heads: int, scale: float, eps: float, intermediate_size: int):
+    def __init__(
+        self,
+        ops: ModuleType,
+        h: Tensor,
+        kv_cache: Tensor,
+        meta: StepMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        num_heads: int,
+        scale: float,
+        eps: float,
+        intermediate_size: int,
+    ):
         dtype, dev = h.dtype, h.device
         if dtype not in DTYPES:
             raise ValueError(f"Triton decode kernels take bf16, fp16 or fp32, not {dtype}")
         if h.dim() != 2 or not h.is_contiguous():
             raise ValueError("h must be a contiguous tensor [batch, hidden]")
         if kv_cache.dim() != 6 or not kv_cache.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device != dev:
-            raise ValueError(f"kv_cache must be a contiguous {dtype} tensor on {dev} "
-                             "[layers, blocks, 2, block_size, kv_heads, head_dim]")
+            raise ValueError(
+                f"kv_cache must be a contiguous {dtype} tensor on {dev} "
+                "[layers, blocks, 2, block_size, kv_heads, head_dim]"
+            )
         if not meta.is_decode:
             raise ValueError("a decode step needs one new token per sequence")
         batch, hidden = h.shape
@@ -87,8 +100,12 @@ class TritonDecodeStep:
         # the block table may be a column slice of a wider buffer (cuda_graphs.py): rows strided
         if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1:
             raise ValueError(f"block_tables must be [{batch}, width] with contiguous rows")
-        for name, t in (("slot_blocks", meta.slot_blocks), ("slot_offsets", meta.slot_offsets),
-                        ("context_lens", meta.context_lens), ("block_tables", tables)):
+        for name, t in (
+            ("slot_blocks", meta.slot_blocks),
+            ("slot_offsets", meta.slot_offsets),
+            ("context_lens", meta.context_lens),
+            ("block_tables", tables),
+        ):
             if t.dtype != _LONG or t.device != dev or t.shape[0] != batch or (t.dim() == 1 and not t.is_contiguous()):
                 raise ValueError(f"{name} must be an int64 tensor on {dev} with {batch} rows")
         for name, t in (("cos", cos), ("sin", sin)):
@@ -113,8 +130,13 @@ class TritonDecodeStep:
         self._cache_strides = kv_cache.stride()[1:5]  # block, k/v, token, head (a layer's view shares them)
         group = num_heads // kv_heads
         self._attn_meta = dict(
-            NUM_HEADS=num_heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=_pow2(group, 16),
-            HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim, 16), BLOCK_N=ATTENTION_BLOCK_N,
+            NUM_HEADS=num_heads,
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            GROUP_PAD=_pow2(group, 16),
+            HEAD_DIM=head_dim,
+            DIM_PAD=_pow2(head_dim, 16),
+            BLOCK_N=ATTENTION_BLOCK_N,
             QK_PRECISION="ieee" if dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
         )
         self._scale_log2 = float(scale) * math.log2(math.e)
@@ -129,12 +151,20 @@ class TritonDecodeStep:
         h = self.h
         if weight.shape != h.shape[1:] or weight.dtype != h.dtype or not weight.is_contiguous():
             raise ValueError(f"norm weight must be a contiguous {h.dtype} tensor [{h.shape[1]}]")
-        if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype
-                                     or not residual.is_contiguous()):
+        if residual is not None and (
+            residual.shape != h.shape or residual.dtype != h.dtype or not residual.is_contiguous()
+        ):
             raise ValueError(f"residual must be a contiguous {h.dtype} tensor {list(h.shape)}")
         self._ops.rms_norm_kernel[(h.shape[0],)](
-            self._x, h, h if residual is None else residual, weight, h.shape[1], self._eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=self._norm_block, num_warps=self._norm_warps,
+            self._x,
+            h,
+            h if residual is None else residual,
+            weight,
+            h.shape[1],
+            self._eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=self._norm_block,
+            num_warps=self._norm_warps,
         )
         return self._x
 
@@ -150,10 +180,20 @@ class TritonDecodeStep:
         cache = self._check(layer, qkv)
         meta = self._meta
         self._ops.rope_write_kv_kernel[(qkv.shape[0], self._num_heads + 2 * self._kv_heads)](
-            qkv, self._cos, self._sin, cache, meta.slot_blocks, meta.slot_offsets,
-            qkv.stride(0), self._cos.stride(0), *self._cache_strides,
-            NUM_HEADS=self._num_heads, KV_HEADS=self._kv_heads, HEAD_DIM=self._head_dim,
-            HALF_PAD=_pow2(self._head_dim // 2), num_warps=1,
+            qkv,
+            self._cos,
+            self._sin,
+            cache,
+            meta.slot_blocks,
+            meta.slot_offsets,
+            qkv.stride(0),
+            self._cos.stride(0),
+            *self._cache_strides,
+            NUM_HEADS=self._num_heads,
+            KV_HEADS=self._kv_heads,
+            HEAD_DIM=self._head_dim,
+            HALF_PAD=_pow2(self._head_dim // 2),
+            num_warps=1,
         )
 
     def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
@@ -169,14 +209,33 @@ class TritonDecodeStep:
         meta = self._meta
         batch, splits = qkv.shape[0], self._splits
         self._ops.paged_decode_attention_kernel[(batch, self._kv_heads, splits)](
-            self._attn, self._part_acc, self._part_ml, qkv, cache, meta.block_tables, meta.context_lens,
-            qkv.stride(0), meta.block_tables.stride(0), *self._cache_strides, self._tokens_per_split,
-            self._scale_log2, **self._attn_meta, NUM_SPLITS=splits, num_warps=ATTENTION_WARPS,
+            self._attn,
+            self._part_acc,
+            self._part_ml,
+            qkv,
+            cache,
+            meta.block_tables,
+            meta.context_lens,
+            qkv.stride(0),
+            meta.block_tables.stride(0),
+            *self._cache_strides,
+            self._tokens_per_split,
+            self._scale_log2,
+            **self._attn_meta,
+            NUM_SPLITS=splits,
+            num_warps=ATTENTION_WARPS,
         )
         if splits > 1:
             self._ops.combine_splits_kernel[(batch, self._num_heads)](
-                self._attn, self._part_acc, self._part_ml, NUM_HEADS=self._num_heads, HEAD_DIM=self._head_dim,
-                DIM_PAD=self._attn_meta["DIM_PAD"], NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), num_warps=1,
+                self._attn,
+                self._part_acc,
+                self._part_ml,
+                NUM_HEADS=self._num_heads,
+                HEAD_DIM=self._head_dim,
+                DIM_PAD=self._attn_meta["DIM_PAD"],
+                NUM_SPLITS=splits,
+                SPLITS_PAD=_pow2(splits),
+                num_warps=1,
             )
         return self._attn
 
@@ -206,16 +265,25 @@ class TritonDecodeKernels:
     def __init__(self, ops: ModuleType):
         self._ops = ops
 
-    def step(self, h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, *,
-             num_heads: int, scale: float, eps: float, intermediate_size: int) -> TritonDecodeStep:
+    def step(
+        self,
+        h: Tensor,
+        kv_cache: Tensor,
+        meta: StepMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        num_heads: int,
+        scale: float,
+        eps: float,
+        intermediate_size: int,
+    ) -> TritonDecodeStep:
         """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
 
         cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
         dtype; meta is the step's AttentionMetadata (a decode step).
         """
         return TritonDecodeStep(self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
-
-
 
 
 def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
@@ -257,13 +325,14 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     gate, up = gate_up.chunk(2, dim=-1)
     want_act = F.silu(gate) * up
 
-    step = k.step(h.clone(), cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=eps,
-                  intermediate_size=inter)
+    step = k.step(h.clone(), cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=eps, intermediate_size=inter)
     got_x = step.norm(w)
     got_attn = step.attention(0, qkv.clone())
     got_act = step.silu_mul(gate_up)
-    close = all(torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
-                for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache)))
+    close = all(
+        torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
+        for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache))
+    )
     return bool(close)
 
 
@@ -281,8 +350,9 @@ def _load() -> TritonDecodeKernels | None:
         try:
             ok = _self_test(k, torch.device("cuda"))
         except Exception as e:  # a compile error, a launch failure: the torch path is no worse
-            log.warning("Triton decode kernels failed their self-test (%s: %s); CUDA decode runs on torch",
-                        type(e).__name__, e)
+            log.warning(
+                "Triton decode kernels failed their self-test (%s: %s); CUDA decode runs on torch", type(e).__name__, e
+            )
             return None
         if not ok:
             log.warning("Triton decode kernels disagree with torch on their self-test; CUDA decode runs on torch")

@@ -19,8 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(out_ptr, h_ptr, res_ptr, w_ptr, hidden, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(out_ptr, h_ptr, res_ptr, w_ptr, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: with HAS_RESIDUAL, h += residual (in place, rounded as torch
     adds), then out = w * RMSNorm(h), normalised in fp32 and rounded before the weight."""
     dtype = h_ptr.dtype.element_ty
@@ -42,10 +41,24 @@ def rms_norm_kernel(out_ptr, h_ptr, res_ptr, w_ptr, hidden, eps,
 
 
 @triton.jit
-def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_blocks_ptr, slot_offsets_ptr,
-                         qkv_stride, rope_stride, stride_block, stride_kv, stride_tok, stride_head,
-                         NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         HALF_PAD: tl.constexpr):
+def rope_write_kv_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_blocks_ptr,
+    slot_offsets_ptr,
+    qkv_stride,
+    rope_stride,
+    stride_block,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     """Grid (tokens, heads + 2 kv_heads): program (b, j) takes head j of row b of qkv, q heads
     first, then k, then v. q and k heads are rotated in place (HF's rotate_half); k and v
     heads are stored at the token's slot of `cache_ptr` (one layer: [blocks, 2, bs, kv, dim])."""
@@ -83,12 +96,32 @@ def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_blocks_ptr, 
 
 
 @triton.jit
-def paged_decode_attention_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qkv_ptr, cache_ptr, block_tables_ptr,
-                                  context_lens_ptr, qkv_stride, table_stride, stride_block, stride_kv, stride_tok,
-                                  stride_head, tokens_per_split, scale_log2,
-                                  NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-                                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, QK_PRECISION: tl.constexpr):
+def paged_decode_attention_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qkv_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qkv_stride,
+    table_stride,
+    stride_block,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    tokens_per_split,
+    scale_log2,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QK_PRECISION: tl.constexpr,
+):
     """Grid (sequences, kv_heads, splits): one program attends the GROUP query heads that share
     a kv head, so each K/V tile is read once for all of them, over its split's share of the
     context (tokens_per_split from split * tokens_per_split on; one split: all of it). Tiles of
@@ -143,9 +176,16 @@ def paged_decode_attention_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qkv_ptr, c
 
 
 @triton.jit
-def combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def combine_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     """Grid (sequences, heads): the splits' partial softmaxes rescaled to their common max and
     summed (split 0 always holds token 0, so that max is finite)."""
     dtype = out_ptr.dtype.element_ty

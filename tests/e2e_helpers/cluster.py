@@ -43,9 +43,14 @@ def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 30.0) 
         if all(x.free_blocks == x.total_blocks and x.running_requests == 0 and x.queue_length == 0 for x in s):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
-            raise AssertionError("blocks not returned: " + ", ".join(
-                f"{x.worker_id}: {x.free_blocks}/{x.total_blocks} free, {x.queue_length} queued, "
-                f"{x.running_requests} running" for x in s))
+            raise AssertionError(
+                "blocks not returned: "
+                + ", ".join(
+                    f"{x.worker_id}: {x.free_blocks}/{x.total_blocks} free, {x.queue_length} queued, "
+                    f"{x.running_requests} running"
+                    for x in s
+                )
+            )
         time.sleep(0.05)
 
 
@@ -55,11 +60,20 @@ def expected(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     return engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
 
 
-async def with_router(decode: list[WorkerProcess], prefill: list[WorkerProcess], tokenizer: Any,
-                      body: Callable[[pbg.GenerationStub, Router], Awaitable[T]], **cfg: Any) -> T:
+async def with_router(
+    decode: list[WorkerProcess],
+    prefill: list[WorkerProcess],
+    tokenizer: Any,
+    body: Callable[[pbg.GenerationStub, Router], Awaitable[T]],
+    **cfg: Any,
+) -> T:
     """Run `body(stub, router)` against a router (in this process) in front of the workers."""
-    router = Router(RouterConfig(grpc_port=0, **cfg), EngineTokenizer(tokenizer),
-                    decode=[w.grpc_address for w in decode], prefill=[w.grpc_address for w in prefill])
+    router = Router(
+        RouterConfig(grpc_port=0, **cfg),
+        EngineTokenizer(tokenizer),
+        decode=[w.grpc_address for w in decode],
+        prefill=[w.grpc_address for w in prefill],
+    )
     port = await router.start(0)
     await router.wait_for_workers(30)
     try:
@@ -80,6 +94,6 @@ def scrape(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total

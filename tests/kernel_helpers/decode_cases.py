@@ -17,8 +17,16 @@ class Kernels(Protocol):  # engine.kernels.decode.DecodeKernels, engine.kernels.
 
 
 def decode_batch(
-    gen: torch.Generator, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-    block_size: int, layers: int = 2, pad: int = 2, slack: int = 0,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    context_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    layers: int = 2,
+    pad: int = 2,
+    slack: int = 0,
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
     """A random cache whose sequences hold scattered blocks, block tables padded with 0 past
     each sequence's blocks (and `pad` columns more), and one qkv row per sequence. With
@@ -56,9 +64,16 @@ def rope_rows(positions: list[int], head_dim: int, dtype: torch.dtype) -> tuple[
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def make_step(k: Kernels, h: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: int,
-              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-              intermediate: int = 8) -> Any:
+def make_step(
+    k: Kernels,
+    h: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    heads: int,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    intermediate: int = 8,
+) -> Any:
     dim = cache.shape[-1]
     if cos is None:  # RoPE as the identity
         cos = torch.ones(h.shape[0], dim, dtype=h.dtype)
@@ -79,10 +94,9 @@ def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     return torch.stack(out)
 
 
-
-
-def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16,
-                  on_layer_done=None) -> torch.Tensor:
+def decode_logits(
+    model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16, on_layer_done=None
+) -> torch.Tensor:
     """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
     the logits of every decode step."""
     cfg = model.cfg
@@ -92,17 +106,35 @@ def decode_logits(model: LlamaModel, tokens: list[int], prompt_len: int, block_s
 
     def meta(pos: list[int], decode: bool) -> AttentionMetadata:
         p = torch.tensor(pos)
-        return AttentionMetadata(table[0, p // block_size].contiguous(), p % block_size, table,
-                                 torch.tensor([pos[-1] + 1]), [len(pos)], [pos[-1] + 1], decode)
+        return AttentionMetadata(
+            table[0, p // block_size].contiguous(),
+            p % block_size,
+            table,
+            torch.tensor([pos[-1] + 1]),
+            [len(pos)],
+            [pos[-1] + 1],
+            decode,
+        )
 
     out = []
     with torch.inference_mode():
         pos = list(range(prompt_len))
-        model.forward(torch.tensor(tokens[:prompt_len]), torch.tensor(pos), cache, meta(pos, False),
-                      torch.tensor([prompt_len - 1]))
+        model.forward(
+            torch.tensor(tokens[:prompt_len]),
+            torch.tensor(pos),
+            cache,
+            meta(pos, False),
+            torch.tensor([prompt_len - 1]),
+        )
         for p in range(prompt_len, len(tokens)):
-            out.append(model.forward(torch.tensor([tokens[p]]), torch.tensor([p]), cache, meta([p], True),
-                                     torch.tensor([0]), on_layer_done)[0])
+            out.append(
+                model.forward(
+                    torch.tensor([tokens[p]]),
+                    torch.tensor([p]),
+                    cache,
+                    meta([p], True),
+                    torch.tensor([0]),
+                    on_layer_done,
+                )[0]
+            )
     return torch.stack(out)
-
-

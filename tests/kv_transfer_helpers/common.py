@@ -73,9 +73,14 @@ class RawPeer:
     def layer_frame(self, cache: KVCache, layer: int, src_first: int, dst_first: int, count: int, **override):
         payload = frame.as_bytes(cache.blocks(layer, src_first, count))
         fields = dict(
-            layer=layer, first_block=dst_first, block_count=count, dtype_code=frame.DTYPE_CODES[cache.layout.dtype],
-            element_count=count * cache.layout.elements_per_block, payload_length=payload.numel(),
-            checksum_kind=frame.CHECKSUM_LANESUM, checksum=frame.checksum(frame.CHECKSUM_LANESUM, [payload]),
+            layer=layer,
+            first_block=dst_first,
+            block_count=count,
+            dtype_code=frame.DTYPE_CODES[cache.layout.dtype],
+            element_count=count * cache.layout.elements_per_block,
+            payload_length=payload.numel(),
+            checksum_kind=frame.CHECKSUM_LANESUM,
+            checksum=frame.checksum(frame.CHECKSUM_LANESUM, [payload]),
         )
         fields.update(override)
         return self.header(frame.LAYER, **fields), bytes(payload.numpy())
