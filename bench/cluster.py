@@ -41,7 +41,8 @@ class WorkerArgs:
 
     def flags(self) -> list[str]:
         f = ["--dtype", self.dtype, "--threads", str(self.threads), "--num-blocks", str(self.num_blocks),
-             "--max-num-batched-tokens", str(self.max_num_batched_tokens), "--kv-transport", self.kv_transport]  # fmt: skip
+             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+             "--kv-transport", self.kv_transport]  # fmt: skip
         return f + (["--model", self.model] if self.model else [])
 
 
@@ -137,7 +138,8 @@ params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 open(ready + ".tmp", "w").close()
 os.replace(ready + ".tmp", ready)
 while True:
-    engine.generate([torch.randint(vocab // 8, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)], params)
+    prompts = [torch.randint(vocab // 8, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    engine.generate(prompts, params)
 """
 
 
@@ -219,7 +221,8 @@ class LocalCluster:
         self.prefill.pin(prefill_core)
 
     def core_load(self, core: int | None, prompt_len: int, batch: int) -> CoreLoad:
-        """Start a prefill-without-serving process (killed by `close` at the latest); poll it ready, kill it when done."""
+        """Start a prefill-without-serving process (killed by `close` at the latest); poll it ready, kill it
+        when done."""
         load = CoreLoad(core if self.cores is not None else None, self._tmp.name, self.args, prompt_len, batch)
         self.loads.append(load)
         return load

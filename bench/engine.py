@@ -420,8 +420,9 @@ def _hardware(tag: str, buf: torch.Tensor, probe: LinearProbe, opts: Options) ->
     hw.read_bandwidth(buf)  # first touch
     reads = [hw.read_bandwidth(buf) for _ in range(max(5, opts.repeats))]
     what = "device-to-device copy, read + written" if buf.device.type == "cuda" else "torch.sum over fp32"
-    print(f"{tag} hardware  memory read {_f(statistics.median(reads))} GB/s ({what}, {_f(buf.numel() * 4 / 2**20)} MiB, "
-          f"median of {len(reads)}: {_f(min(reads))}..{_f(max(reads))})")  # fmt: skip
+    print(f"{tag} hardware  memory read {_f(statistics.median(reads))} GB/s ({what}, "
+          f"{_f(buf.numel() * 4 / 2**20)} MiB, median of {len(reads)}: "
+          f"{_f(min(reads))}..{_f(max(reads))})")  # fmt: skip
     for batch in sorted({1, opts.batch}):
         probe.pass_times(batch)  # warm-up
         passes = [probe.pass_times(batch) for _ in range(3)]
@@ -430,7 +431,8 @@ def _hardware(tag: str, buf: torch.Tensor, probe: LinearProbe, opts: Options) ->
         if batch == 1:
             parts = ", ".join(f"{g.name} {_f(_wbytes(g) / per[g.name] / 1e9)}" for g in probe.groups)
             print(f"{tag} hardware  F.linear at batch 1 over {_f(probe.weight_bytes / 1e6)} MB of the model's weight "
-                  f"shapes: {_f(total * 1e3)} ms = {_f(probe.weight_bytes / total / 1e9)} GB/s (per shape GB/s: {parts})")  # fmt: skip
+                  f"shapes: {_f(total * 1e3)} ms = {_f(probe.weight_bytes / total / 1e9)} GB/s (per shape GB/s: "
+                  f"{parts})")  # fmt: skip
         else:
             parts = ", ".join(f"{g.name} {_f(probe.group_flops(g, batch) / per[g.name] / 1e9)}" for g in probe.groups)
             print(f"{tag} hardware  F.linear at batch {batch} over the model's weight shapes: {_f(total * 1e3)} ms = "
@@ -495,9 +497,9 @@ def _report_decode(
         line += f"  [other processes: {_f(others)} cores busy]"
     print(line)
     if cpu and others >= 0.5 and _threads() > 1:
-        print(f"{tag} batch {batch:<3d} warning   other processes kept {_f(others)} cores busy: with {_threads()} torch "
-              "threads each parallel op waits for a descheduled thread, so this figure measures the load more than "
-              "the code (rerun on a quiet machine, or with --threads 1)")  # fmt: skip
+        print(f"{tag} batch {batch:<3d} warning   other processes kept {_f(others)} cores busy: with "
+              f"{_threads()} torch threads each parallel op waits for a descheduled thread, so this figure measures "
+              "the load more than the code (rerun on a quiet machine, or with --threads 1)")  # fmt: skip
     if agree:
         print(f"{tag} batch {batch:<3d} greedy    {agree}")
 
@@ -513,10 +515,12 @@ def _report_decode(
     if batch == 1:
         floor_ms = step_bytes / read / 1e6
         achieved = step_bytes * ours / 1e9
-        print(f"{tag} batch 1   roofline  {_f(step_bytes / 1e6)} MB/step (weights {_f(engine.model.weight_bytes / 1e6)} "
-              f"+ KV {_f(kv_bytes / 1e6)}) / memory read {_f(read)} GB/s = floor {_f(floor_ms)} ms/step "
+        print(f"{tag} batch 1   roofline  {_f(step_bytes / 1e6)} MB/step (weights "
+              f"{_f(engine.model.weight_bytes / 1e6)} + KV {_f(kv_bytes / 1e6)}) / memory read {_f(read)} GB/s "
+              f"= floor {_f(floor_ms)} ms/step "
               f"({_f(1e3 / floor_ms)} tok/s); F.linear alone over the weights {_f(lin * 1e3)} ms/step "
-              f"= {_f(probe.weight_bytes / lin / 1e9)} GB/s = {_pct(probe.weight_bytes / lin / 1e9 / read)}")  # fmt: skip
+              f"= {_f(probe.weight_bytes / lin / 1e9)} GB/s "
+              f"= {_pct(probe.weight_bytes / lin / 1e9 / read)}")  # fmt: skip
         target = ""
         if cpu and dtype == _bf16():
             target = _target(achieved / read, TARGETS_CPU["b1_roofline_bf16"], "%")
@@ -532,16 +536,17 @@ def _report_decode(
     step_flops = probe.flops(batch) + attn_flops
     rate = probe.flops(batch) / lin
     achieved = step_flops * ours / batch
-    print(f"{tag} batch {batch:<3d} compute   {_f(step_flops / 1e9)} GFLOP/step (matmul {_f(probe.flops(batch) / 1e9)} + "
-          f"attention {_f(attn_flops / 1e9)}); F.linear at batch {batch} over the model's shapes {_f(lin * 1e3)} ms "
+    print(f"{tag} batch {batch:<3d} compute   {_f(step_flops / 1e9)} GFLOP/step (matmul "
+          f"{_f(probe.flops(batch) / 1e9)} + attention {_f(attn_flops / 1e9)}); F.linear at batch {batch} over "
+          f"the model's shapes {_f(lin * 1e3)} ms "
           f"= {_f(rate / 1e9)} GFLOP/s; memory read {_f(read)} GB/s")  # fmt: skip
     hf_part = ""
     if not math.isnan(reps[0].hf):
         hf_ach = step_flops * statistics.median(r.hf for r in reps) / batch
         hf_part = f" | HF {_f(hf_ach / 1e9)} GFLOP/s = {_pct(hf_ach / rate)}"
     target = _target(achieved / rate, TARGETS_CPU["bn_matmul"], "%") if cpu else ""
-    print(f"{tag} batch {batch:<3d} achieved  ours {_f(achieved / 1e9)} GFLOP/s = {_pct(achieved / rate)} of the matmul "
-          f"rate ({_f(step_bytes * ours / batch / 1e9)} GB/s){hf_part}{target}")  # fmt: skip
+    print(f"{tag} batch {batch:<3d} achieved  ours {_f(achieved / 1e9)} GFLOP/s = {_pct(achieved / rate)} of "
+          f"the matmul rate ({_f(step_bytes * ours / batch / 1e9)} GB/s){hf_part}{target}")  # fmt: skip
 
 
 def _prefill(tag: str, engine: Engine, probe: LinearProbe, opts: Options) -> None:
@@ -567,8 +572,8 @@ def _prefill(tag: str, engine: Engine, probe: LinearProbe, opts: Options) -> Non
     achieved = flops / sec
     target = "" if opts.device.type == "cpu" else _target(achieved / rate, TARGETS_CUDA["prefill_matmul"], "%")
     print(f"{tag} prefill   {n} tokens: ours {_f(n / sec)} tok/s ({_f(sec * 1e3)} ms); {_f(flops / 1e12)} TFLOP "
-          f"(attention {_f(attn_flops / 1e12)}) = {_f(achieved / 1e12)} TFLOP/s = {_pct(achieved / rate)} of F.linear at "
-          f"{n} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}")  # fmt: skip
+          f"(attention {_f(attn_flops / 1e12)}) = {_f(achieved / 1e12)} TFLOP/s = {_pct(achieved / rate)} of "
+          f"F.linear at {n} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}")  # fmt: skip
 
 
 def _profile(tag: str, engine: Engine, prompts: list[list[int]], n: int, batch: int, dev: torch.device) -> None:

@@ -308,14 +308,16 @@ def run(args: argparse.Namespace) -> int:
         added[mode] = (_pct(paired, 50), _pct(paired, 99), _pct(paired_first, 50), per_token)
     print()
     print(
-        f"{'mode':<14} {'added p50':>10} {'added p99':>10} {'first-token p50':>16} {'per further token':>18}   (ms, router minus direct, paired)"
+        f"{'mode':<14} {'added p50':>10} {'added p99':>10} {'first-token p50':>16} {'per further token':>18}   "
+        f"(ms, router minus direct, paired)"
     )
     for mode, (p50, p99, f50, tok) in added.items():
         print(f"{mode:<14} {p50 * 1e3:10.3f} {p99 * 1e3:10.3f} {f50 * 1e3:16.3f} {tok * 1e3:18.4f}")
     print("(bare: a gRPC pass-through proxy with no validation, routing or detokenization; the floor of the extra hop)")
     print()
     print(
-        f"routing decisions per second, one core, {args.decode_workers} decode workers, {args.prompt_tokens}-token prompts:"
+        f"routing decisions per second, one core, {args.decode_workers} decode workers, "
+        f"{args.prompt_tokens}-token prompts:"
     )
     print(f"  policy (prefix overlap + cost + mode):     {policy_rate:12,.0f} /s")
     print(f"  with the prompt's block hashing included:  {hashed_rate:12,.0f} /s")
@@ -323,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
     worst = max(a[0] for m, a in added.items() if m != "bare") * 1e3
     ok = worst <= TARGET_ADDED_P50_MS
     print(
-        f"target added p50 <= {TARGET_ADDED_P50_MS:g} ms: {'PASS' if worst <= TARGET_ADDED_P50_MS else 'FAIL'} (worst mode {worst:.3f} ms)"
+        f"target added p50 <= {TARGET_ADDED_P50_MS:g} ms: {'PASS' if worst <= TARGET_ADDED_P50_MS else 'FAIL'} "
+        f"(worst mode {worst:.3f} ms)"
     )
     dec_ok = policy_rate >= TARGET_DECISIONS_PER_S
     print(f"target >= {TARGET_DECISIONS_PER_S:,.0f} decisions/s: {'PASS' if dec_ok else 'FAIL'} ({policy_rate:,.0f}/s)")

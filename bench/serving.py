@@ -402,8 +402,8 @@ class _Bench:
                   f"over the disaggregated TTFT")  # fmt: skip
         if cpu:
             for n in o.lengths:
-                (dp, dd), (cp, cd) = ((statistics.median(x[0] for x in cpu[(m, n)]), statistics.median(x[1] for x in cpu[(m, n)]))
-                                      for m in MODES)  # fmt: skip
+                (dp, dd), (cp, cd) = ((statistics.median(x[0] for x in cpu[(m, n)]),
+                                       statistics.median(x[1] for x in cpu[(m, n)])) for m in MODES)  # fmt: skip
                 print(f"[ttft] {n:5d} tokens: worker CPU time per request: disaggregated {dp + dd:.2f} s (prefill "
                       f"{dp:.2f} + decode {dd:.2f}) | colocated {cp + cd:.2f} s (prefill {cp:.2f} + decode {cd:.2f}) "
                       f"| ratio {(dp + dd) / max(cp + cd, 1e-9):.3f}x")  # fmt: skip

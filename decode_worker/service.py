@@ -162,7 +162,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
     def GetStats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
         return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
 
-    def BlockEvents(
+    def BlockEvents(  # noqa: N802
         self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
+    ) -> Iterator[wpb.BlockEventBatch]:
         return stream_block_events(self.loop, context)

@@ -210,8 +210,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         assert self.loop is not None
         return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
 
-    def BlockEvents(
+    def BlockEvents(  # noqa: N802
         self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[wpb.BlockEventBatch]:  # noqa: N802
+    ) -> Iterator[wpb.BlockEventBatch]:
         assert self.loop is not None
         return stream_block_events(self.loop, context)

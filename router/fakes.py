@@ -63,9 +63,9 @@ class _FakeBase:
         self.cancel_calls.append(request.request_id)
         return wpb.CancelResponse(found=False)
 
-    async def BlockEvents(
+    async def BlockEvents(  # noqa: N802
         self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+    ) -> AsyncIterator[wpb.BlockEventBatch]:
         await asyncio.Event().wait()  # no prefix cache to report
         yield wpb.BlockEventBatch()
 
@@ -140,9 +140,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         for q in self._subscribers:
             q.put_nowait(batch)
 
-    async def BlockEvents(
+    async def BlockEvents(  # noqa: N802
         self, request: wpb.BlockEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[wpb.BlockEventBatch]:  # noqa: N802
+    ) -> AsyncIterator[wpb.BlockEventBatch]:
         q: asyncio.Queue[wpb.BlockEventBatch] = asyncio.Queue()
         self._subscribers.append(q)
         try:
@@ -169,9 +169,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             block_size=self.block_size,
         )
 
-    async def Decode(
+    async def Decode(  # noqa: N802
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[wpb.DecodeEvent]:  # noqa: N802
+    ) -> AsyncIterator[wpb.DecodeEvent]:
         self.requests.append(request)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")

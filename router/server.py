@@ -189,17 +189,17 @@ class HealthService(health_pb2_grpc.HealthServicer):
             return health_pb2.HealthCheckResponse.SERVING
         return health_pb2.HealthCheckResponse.NOT_SERVING
 
-    async def Check(
+    async def Check(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:  # noqa: N802
+    ) -> health_pb2.HealthCheckResponse:
         status = self._status(request.service)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(
+    async def Watch(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:  # noqa: N802
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last = None
         while True:
             status = self._status(request.service)

@@ -542,7 +542,8 @@ def test_the_build_context_installs_as_a_working_package(tmp_path):
         "for sub in ('serve', 'worker', 'router', 'generate'):\n"
         "    p = c.build_parser([sub, '--help'])\n"
         "import splitserve.worker.server, splitserve.router.main, splitserve.router.server, splitserve.serve\n"
-        "import splitserve.proto.grpc.health.v1.health_pb2_grpc, splitserve.proto.splitserve.internal.v1.worker_pb2_grpc\n"
+        "import splitserve.proto.grpc.health.v1.health_pb2_grpc, "
+        "splitserve.proto.splitserve.internal.v1.worker_pb2_grpc\n"
         "print('ok')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}

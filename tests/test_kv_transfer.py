@@ -288,7 +288,8 @@ def test_cuda_ipc_from_another_process():
             [sys.executable, str(helper), "--ticket", r.ticket.hex(), "--request-id", r.request_id,
              "--transport", r.transport, "--endpoint", r.endpoint, "--tcp-endpoint", r.tcp_endpoint,
              "--dst", "3,4,10", "--src", "1,2,3", "--layers", "3,1,0,2", "--seed", "7", "--device", "cuda",
-             "--finish", "11", "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
+             "--finish", "11",
+             "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
             capture_output=True, text=True, timeout=50,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr

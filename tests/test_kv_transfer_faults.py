@@ -40,7 +40,7 @@ from tests.kv_transfer_helpers.common import (
     random_cache,
     send_all,
     wait_until,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.timeout(60)
 
