@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install serve test bench proto
+.PHONY: install serve test lint typecheck bench proto
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,15 @@ serve: install
 
 test: install
 	$(PY) -m pytest
+
+# ruff's and mypy's settings are in pyproject.toml; both read the package through
+# the committed link `splitserve -> .`, so they run from the repository root.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
 
 bench: install
 	$(VENV)/bin/splitserve bench engine
