@@ -61,6 +61,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from splitserve.engine.blocks import cdiv
+
 MAGIC = b"SSKV"
 VERSION = 1
 
@@ -222,7 +224,7 @@ def _lane_sums(p: torch.Tensor) -> memoryview:
         a = p.numpy()
         sums = [a[:full].view(np.int64).reshape(-1, LANE_BYTES // 8).sum(axis=1)] if full else []
         if n > full:
-            tail = np.zeros(-(-(n - full) // 8) * 8, dtype=np.uint8)
+            tail = np.zeros(cdiv(n - full, 8) * 8, dtype=np.uint8)
             tail[: n - full] = a[full:]
             sums.append(tail.view(np.int64).sum().reshape(1))
         return (np.concatenate(sums) if len(sums) > 1 else sums[0]).data.cast("B")
@@ -233,7 +235,7 @@ def _lane_sums(p: torch.Tensor) -> memoryview:
             main = main.clone()
         parts.append(main.view(torch.int64).view(-1, LANE_BYTES // 8).sum(dim=1))
     if n > full:
-        padded = torch.zeros(-(-(n - full) // 8) * 8, dtype=torch.uint8, device=p.device)
+        padded = torch.zeros(cdiv(n - full, 8) * 8, dtype=torch.uint8, device=p.device)
         padded[: n - full] = p[full:]
         parts.append(padded.view(torch.int64).sum().reshape(1))
     return torch.cat(parts).cpu().numpy().data.cast("B")

@@ -27,6 +27,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple, Protocol
 
+from splitserve.engine.blocks import cdiv
 from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.prefix_index import PrefixIndex
 
@@ -86,7 +87,7 @@ def kv_shortfall_tokens(uncached_tokens: int, free_blocks: int, block_size: int)
     """Tokens of the request's new KV for which the worker has no free block (cached, evictable
     blocks count as free): the request waits for running ones to finish, or is turned away.
     Zero while the worker has room, then grows block by block as its free blocks run out."""
-    needed_blocks = -(-uncached_tokens // block_size)
+    needed_blocks = cdiv(uncached_tokens, block_size)
     return max(0, needed_blocks - free_blocks) * block_size
 
 
@@ -146,7 +147,7 @@ class KvAwareChooser:
                     c.load.queued_tokens,
                     c.load.running_tokens,
                     r.block_size,
-                    -(-c.uncached_tokens // r.block_size),
+                    cdiv(c.uncached_tokens, r.block_size),
                     c.load.free_blocks,
                     cost,
                 )

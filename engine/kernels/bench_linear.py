@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from splitserve.engine.blocks import cdiv
 from splitserve.engine.kernels.linear import _extension, _run
 
 # SmolLM2-135M, [N, K] per matrix as nn.Linear stores it.
@@ -81,7 +82,7 @@ def _measure(weights: list[Tensor], xs: dict[int, Tensor], rounds: int, stat: st
 
 def _copy_count(nbytes: int, copies: int) -> int:
     """`copies`, raised until a pass reads 3x the 32 MB L3, capped where one copy alone is past it."""
-    floor = -(-96_000_000 // nbytes)
+    floor = cdiv(96_000_000, nbytes)
     return max(floor, copies) if nbytes * copies < 200_000_000 else max(2, floor)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.blocks import cdiv
 from splitserve.engine.model import LlamaModel
 
 
@@ -31,7 +32,7 @@ def decode_batch(
     """A random cache whose sequences hold scattered blocks, block tables padded with 0 past
     each sequence's blocks (and `pad` columns more), and one qkv row per sequence. With
     `slack`, the tables are a column slice of a wider buffer, as cuda_graphs.py passes them."""
-    need = [-(-n // block_size) for n in context_lens]
+    need = [cdiv(n, block_size) for n in context_lens]
     num_blocks = sum(need) + 3
     cache = torch.randn(layers, num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the padding value
@@ -86,7 +87,7 @@ def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     bs, kv_heads, dim = cache.shape[2], cache.shape[3], cache.shape[4]
     out = []
     for b, n in enumerate(meta.context_lens_list):
-        blocks = cache[meta.block_tables[b, : -(-n // bs)]].float()
+        blocks = cache[meta.block_tables[b, : cdiv(n, bs)]].float()
         k = blocks[:, 0].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
         v = blocks[:, 1].reshape(-1, kv_heads, dim)[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
@@ -100,7 +101,7 @@ def decode_logits(
     """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
     the logits of every decode step."""
     cfg = model.cfg
-    nb = -(-len(tokens) // block_size) + 1
+    nb = cdiv(len(tokens), block_size) + 1
     cache = torch.zeros(cfg.num_layers, nb + 1, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
     table = (torch.arange(nb) + 1).flip(0)[None].contiguous()  # blocks in descending order, 0 unused
 
