@@ -23,6 +23,11 @@ from splitserve.kv_transfer import Completed, KVReceiver, Outcome, Reservation
 log = logging.getLogger(__name__)
 
 
+# How long `cancel` may hold the engine thread waiting for a write into the blocks to stop
+# (closing the connection wakes it at once); past it the blocks wait for the transfer's outcome.
+CANCEL_WAIT_S = 1.0
+
+
 class ReceiverConnector:
     wants_layers = False
 

@@ -90,8 +90,6 @@ class Engine:
     def _new_sequence(
         self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, prior_output: list[int]
     ) -> Sequence:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.model_cfg.vocab_size

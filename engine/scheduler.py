@@ -102,23 +102,24 @@ class Scheduler:
         return len(self.running) + len(self.reserved) < self.cfg.max_num_seqs
 
     def add(self, seq: Sequence) -> None:
-        self._admit_id(seq)
+        self._check_id(seq)
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def reserve(self, seq: Sequence) -> RemoteBlocks | None:
         """Admit a request whose context KV is written by someone else; None if no seat or blocks now."""
+        self._check_id(seq)  # before any block is taken
         if not self._has_room() or not self._allocate(seq):
             return None
-        self._admit_id(seq)
+        self.requests[seq.request_id] = seq
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.request_id] = seq
         span = blocks_to_fill(len(seq), seq.num_cached_tokens, self.blocks.block_size)
         return RemoteBlocks([seq.block_table[i] for i in span], seq.num_cached_tokens)
 
-    def _admit_id(self, seq: Sequence) -> None:
+    def _check_id(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        self.requests[seq.request_id] = seq
 
     def _allocate(self, seq: Sequence) -> bool:
         """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing

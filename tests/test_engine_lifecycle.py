@@ -156,3 +156,12 @@ def test_blocks_a_transfer_may_still_write_are_freed_only_when_it_ends():
     assert engine.lookup("r") is None and engine.blocks.num_free_blocks == free_before_abort
     assert engine.apply_transfers([TransferOutcome("r", remote.transfer.ticket, None, "cancelled")]) == []
     assert_engine_empty(engine)
+
+
+def test_a_duplicate_id_is_refused_before_any_block_is_taken(pair):
+    pair.reserve("r", PROMPT, GREEDY)
+    free = pair.decode.blocks.num_free_blocks
+    with pytest.raises(ValueError, match="already in use"):
+        pair.decode.reserve("r", PROMPT, GREEDY, 30.0)
+    assert pair.decode.blocks.num_free_blocks == free
+    pair.decode.abort("r")

@@ -64,14 +64,14 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 
     if cfg.role == "decode":
-        from splitserve.decode_worker.connector import ReceiverConnector
+        from splitserve.decode_worker.connector import CANCEL_WAIT_S, ReceiverConnector
         from splitserve.decode_worker.service import DecodeService
         from splitserve.kv_transfer import KVReceiver
 
         receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
         closers.append(receiver.close)
         kv_endpoint = receiver.endpoint
-        connector = ReceiverConnector(receiver, cancel_timeout_s=cfg.admit_timeout_s)
+        connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
         engine.connect(connector)
         loop = EngineLoop(engine)
         connector.wake = loop.wake
