@@ -38,6 +38,7 @@ from splitserve.bench.serve.metrics import burst_summary, summarize
 from splitserve.bench.serve.progress import Progress
 from splitserve.bench.serve.report import format_run
 from splitserve.bench.serve.results import BenchResult, RunResult, json_safe, save_result
+from splitserve.bench.serve.tokenizer import load_text_tokenizer
 
 SECRET_ARGS = ("api_key",)  # never written into the result file
 
@@ -52,9 +53,7 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 2
-    from splitserve.engine.weights import load_tokenizer
-
-    tok = load_tokenizer(a.tokenizer)
+    tok = load_text_tokenizer(a.tokenizer)
     workload = build_workload(cfg.data, tok)
     clock = Clock(time.perf_counter, asyncio.sleep)
     runs = asyncio.run(run_all(cfg, workload, clock))
