@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install serve test lint typecheck bench proto
+.PHONY: install serve test lint typecheck bench proto bench-peer
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ typecheck: install
 
 bench: install
 	$(VENV)/bin/splitserve bench engine
+
+# vLLM's CPU build against splitserve, same model and load (its own venv under ~/.cache; long: tens of minutes)
+bench-peer: install
+	$(VENV)/bin/splitserve bench peer
 
 proto: install
 	$(PY) -m splitserve.proto.generate
