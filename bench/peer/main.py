@@ -61,7 +61,10 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
         "sweep": [Load("sweep", ("--dataset", "sharegpt", "--num-prompts", n(20, 3), "--request-rate",
                                  "0.5,1" if quick else rates, "--sharegpt-output-len", out_len, "--ignore-eos",
                                  "--seed", "2", *slo), timeout_s)],
-        "burst": [Load("burst", ("--dataset", "burst", "--num-prompts", n(40, 6), "--seed", "3", *slo), timeout_s)],
+        # bench serve's burst schedule (steady streams, long prompts at once in between): its own defaults
+        "burst": [Load("burst", ("--dataset", "burst", "--seed", "3", *slo,
+                                 *(("--burst-count", "1", "--burst-interval-s", "2", "--burst-input-len", "200",
+                                    "--burst-steady-output-len", "32") if quick else ())), timeout_s)],
         # one long prompt alone, then two at once, one output token: the prefill rate
         "prefill": [
             Load(f"prefill{k}", ("--dataset", "random", "--random-input-len", prompt_len, "--random-output-len", "1",
@@ -79,7 +82,8 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
 def bench_serve_argv(load: Load, base_url: str, model: str, tokenizer: str, json_path: str, label: str,
                      backend: str) -> list[str]:  # fmt: skip
     return [sys.executable, "-m", "splitserve.cli", "bench", "serve", "--backend", backend, "--base-url", base_url,
-            "--model", model, "--tokenizer", tokenizer, *load.flags, "--json", json_path, "--label", label]  # fmt: skip
+            "--model", model, "--tokenizer", tokenizer, "--no-progress", *load.flags, "--json", json_path,
+            "--label", label]  # fmt: skip
 
 
 def system_specs(systems: list[str], splitserve_flags: str, vllm_flags: str, router_flags: str,
