@@ -93,8 +93,8 @@ def test_sharegpt_sessions_are_first_human_turns_filtered_and_seeded(tok):
         assert 4 <= t.prompt_len <= 1024 and t.prompt_len + t.output_len <= 2048
     again = datasets.sharegpt_sessions(tok, 20, random.Random(3), output_len=None, pool=300)
     assert again == sessions
-    fixed = datasets.sharegpt_sessions(tok, 5, random.Random(3), output_len=8, pool=300)
-    assert all(s.turns[0].output_len == 8 for s in fixed)
+    fixed = datasets.sharegpt_sessions(tok, 5, random.Random(3), output_len=8, max_prompt_len=64, pool=300)
+    assert all(s.turns[0].output_len == 8 and s.turns[0].prompt_len <= 64 for s in fixed)
 
 
 def test_random_prompts_have_the_lengths_asked_for(tok):

@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=100, help="requests per run (conversation: sessions)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output tokens (default: the reply's)")
+    g.add_argument("--sharegpt-max-input-len", type=int, default=1024, help="longest prompt kept (vLLM's filter: 1024)")
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128, help="random and prefix: output tokens")
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in mean*(1 -/+ ratio)")
@@ -70,6 +71,7 @@ class DatasetConfig:
     num_prompts: int = 100  # requests per run (conversation: sessions)
     seed: int = 0
     sharegpt_output_len: int | None = None  # None: the reply's own length
+    sharegpt_max_input_len: int = 1024  # vLLM's bound; lower it for a slow server
     random_input_len: int = 1024
     random_output_len: int = 128  # random and prefix
     random_range_ratio: float = 0.0
@@ -102,7 +104,11 @@ class DatasetConfig:
             self.conversation_output_len, self.burst_steady_input_len, self.burst_steady_output_len,
             self.burst_input_len, self.burst_output_len,
         )  # fmt: skip
-        if min(lengths) < 1 or (self.sharegpt_output_len is not None and self.sharegpt_output_len < 1):
+        if (
+            min(lengths) < 1
+            or self.sharegpt_max_input_len < 4
+            or (self.sharegpt_output_len is not None and self.sharegpt_output_len < 1)
+        ):
             raise ValueError("token lengths must be >= 1")
         if not self.burst_interval_s >= 0:
             raise ValueError("--burst-interval-s must be >= 0")
@@ -148,6 +154,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
             num_prompts=a.num_prompts,
             seed=a.seed,
             sharegpt_output_len=a.sharegpt_output_len,
+            sharegpt_max_input_len=a.sharegpt_max_input_len,
             random_input_len=a.random_input_len,
             random_output_len=a.random_output_len,
             random_range_ratio=a.random_range_ratio,

@@ -122,7 +122,13 @@ def sharegpt_pairs(path: str | None = None) -> Iterator[tuple[list[str], list[st
 
 
 def sharegpt_sessions(
-    tok: TextTokenizer, num: int, rng: random.Random, output_len: int | None, pool: int = 4000, path: str | None = None
+    tok: TextTokenizer,
+    num: int,
+    rng: random.Random,
+    output_len: int | None,
+    max_prompt_len: int = MAX_PROMPT_LEN,
+    pool: int = 4000,
+    path: str | None = None,
 ) -> list[Session]:
     """`num` one-turn sessions: first human turn as prompt, vLLM's length filter.
 
@@ -136,7 +142,7 @@ def sharegpt_sessions(
     for prompt, reply in candidates:
         prompt_len = len(tok.encode(prompt))
         out_len = output_len if output_len is not None else len(tok.encode(reply))
-        if not keep_sharegpt(prompt_len, out_len, fixed_output=output_len is not None):
+        if prompt_len > max_prompt_len or not keep_sharegpt(prompt_len, out_len, fixed_output=output_len is not None):
             continue
         out.append(Session((Turn(prompt, prompt_len, out_len, "plain"),)))
         if len(out) == num:

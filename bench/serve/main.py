@@ -85,7 +85,7 @@ def run(a: argparse.Namespace) -> int:
 def build_workload(d: DatasetConfig, tok: TextTokenizer) -> list[Session] | BurstPlan:
     rng = random.Random(d.seed)
     if d.name == "sharegpt":
-        return sharegpt_sessions(tok, d.num_prompts, rng, d.sharegpt_output_len)
+        return sharegpt_sessions(tok, d.num_prompts, rng, d.sharegpt_output_len, d.sharegpt_max_input_len)
     if d.name == "random":
         return random_sessions(tok, d.num_prompts, d.random_input_len, d.random_output_len, d.random_range_ratio, rng)
     if d.name == "prefix":
