@@ -20,7 +20,7 @@ class Progress:
         self.failed += not ok
         if not self.enabled:
             return
-        tenth = self.done * 10 // max(self.total, 1)
+        tenth = self.done * 10 // self.total if self.total > 0 else self.done // 10
         if self.tty:
             self.out.write("\r\x1b[K" + self.line())
         elif tenth != self._shown_tenth:
@@ -29,9 +29,11 @@ class Progress:
         self.out.flush()
 
     def line(self, width: int = 30) -> str:
+        failed = f", {self.failed} failed" if self.failed else ""
+        if self.total <= 0:  # open-ended (the burst scenario's steady streams): a count, no bar
+            return f"{self.label}: {self.done} done{failed}"
         filled = self.done * width // max(self.total, 1)
         bar = "#" * filled + "." * (width - filled)
-        failed = f", {self.failed} failed" if self.failed else ""
         return f"{self.label} [{bar}] {self.done}/{self.total}{failed}"
 
     def close(self) -> None:
