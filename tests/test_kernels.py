@@ -296,7 +296,13 @@ def recording_ext(monkeypatch):
     monkeypatch.setattr(kl._EXT, "value", object())
     monkeypatch.setattr(kl._EXT, "done", True)
     monkeypatch.setattr(kl, "_run", run)
+    _pin_native_bf16(monkeypatch, True)  # the fallback is then plain F.linear, whatever this CPU has
     return calls
+
+
+def _pin_native_bf16(monkeypatch, native: bool) -> None:
+    monkeypatch.setattr(kl._NATIVE_BF16, "value", native)
+    monkeypatch.setattr(kl._NATIVE_BF16, "done", True)
 
 
 def test_calls_that_do_not_fit_go_to_f_linear(recording_ext):
@@ -343,6 +349,7 @@ def test_fp32_calls_that_fit_and_that_do_not(recording_ext):
 def test_without_a_kernel_linear_is_f_linear(monkeypatch):
     monkeypatch.setattr(kl._EXT, "value", None)
     monkeypatch.setattr(kl._EXT, "done", True)
+    _pin_native_bf16(monkeypatch, True)
     assert not kl.kernel_available()
     w = torch.randn(9, 20).to(torch.bfloat16)
     x = torch.randn(3, 20).to(torch.bfloat16)
@@ -350,6 +357,32 @@ def test_without_a_kernel_linear_is_f_linear(monkeypatch):
     assert torch.equal(kl.linear(x, w, b), F.linear(x, w, b))
     # the contract beyond F.linear holds on the fallback too: fp32 x with bf16 w
     assert torch.equal(kl.linear(x.float(), w, b), F.linear(x.float(), w.float(), b.float()))
+
+
+def test_bf16_gemm_runs_in_fp32_where_the_cpu_lacks_bf16_arithmetic(monkeypatch):
+    """Past the kernel's rows, a bf16 product on a CPU without AVX512-BF16/AMX is widened to fp32
+    (oneDNN's emulated bf16 GEMM ran 8x slower than fp32 on an AVX2 host): the result is the
+    fp32 product rounded once to bf16, so no less accurate than F.linear's."""
+    _pin_native_bf16(monkeypatch, False)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(kl.MAX_ROWS + 7, 96, generator=gen).to(torch.bfloat16)
+    w = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(40, generator=gen).to(torch.bfloat16)
+    y = kl.linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (kl.MAX_ROWS + 7, 40)
+    assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+    ref = x.double() @ w.double().T + b.double()
+    err = (y.double() - ref).abs().max()
+    assert err <= (F.linear(x, w, b).double() - ref).abs().max()
+    _pin_native_bf16(monkeypatch, True)  # with bf16 arithmetic in hardware, oneDNN's bf16 GEMM
+    assert torch.equal(kl.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(kl, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert not kl._NATIVE_BF16._make()
+    monkeypatch.setattr(kl, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert kl._NATIVE_BF16._make()
 
 
 def test_env_var_forces_f_linear_without_building():
