@@ -184,12 +184,13 @@ def _ctx(**kw: Any) -> LaunchContext:
     return LaunchContext(model_dir="/m", served_model_name="smol", workdir="/w", vllm_python="/v/bin/python", **kw)
 
 
-def test_cores_split_in_halves_for_a_pair_and_whole_for_one_server() -> None:
+def test_cores_split_in_halves_for_a_pair_one_worker_each_colocated_and_whole_for_vllm() -> None:
     assert placement("vllm", (0, 1)) == Placement(server=(0, 1))
-    assert placement("colocated", (0, 1)) == Placement(decode=(0, 1))
-    assert placement("disaggregated", (0, 1)) == Placement(prefill=(0,), decode=(1,))
-    assert placement("auto", (0, 1, 2, 3)) == Placement(prefill=(0, 1), decode=(2, 3))
-    assert placement("auto", (0,)) == Placement()
+    assert placement("colocated", (0, 1)) == Placement(workers=(("decode", (0,)), ("decode", (1,))))
+    assert placement("disaggregated", (0, 1)) == Placement(workers=(("decode", (1,)), ("prefill", (0,))))
+    assert placement("auto", (0, 1, 2, 3)) == Placement(workers=(("decode", (2, 3)), ("prefill", (0, 1))))
+    assert placement("auto", (0,)) == Placement(workers=(("decode", None), ("prefill", None)))
+    assert placement("colocated", None) == Placement(workers=(("decode", None),))
     assert placement("vllm", None) == Placement()
 
 
@@ -218,26 +219,30 @@ def test_a_worker_is_pinned_with_one_thread_per_core_and_takes_the_systems_flags
 
 def test_the_router_runs_the_systems_mode_with_the_workers_block_size() -> None:
     spec = SystemSpec("auto", flags=("--block-size", "32"), router_flags=("--local-prefill-max-tokens", "64"))
-    argv = router_argv(spec, _ctx(), "127.0.0.1:7001", "127.0.0.1:7002", 8000)
+    argv = router_argv(spec, _ctx(), ["127.0.0.1:7001"], ["127.0.0.1:7002"], 8000)
     assert argv[1:4] == ["-m", "splitserve.cli", "router"]
     assert argv[argv.index("--mode") + 1] == "auto" and argv[argv.index("--http-port") + 1] == "8000"
     assert (
         argv[argv.index("--decode") + 1] == "127.0.0.1:7001" and argv[argv.index("--prefill") + 1] == "127.0.0.1:7002"
     )
     assert argv[argv.index("--block-size") + 1] == "32" and argv[-2:] == ["--local-prefill-max-tokens", "64"]
-    colocated = router_argv(SystemSpec("colocated"), _ctx(), "127.0.0.1:7001", None, 8000)
+    colocated = router_argv(SystemSpec("colocated"), _ctx(), ["127.0.0.1:7001", "127.0.0.1:7003"], [], 8000)
     assert "--prefill" not in colocated and colocated[colocated.index("--mode") + 1] == "colocated"
+    assert [colocated[i + 1] for i, a in enumerate(colocated) if a == "--decode"] == [
+        "127.0.0.1:7001",
+        "127.0.0.1:7003",
+    ]
 
 
 def test_cores_used_names_each_process_and_its_threads() -> None:
     used = cores_used(SystemSpec("disaggregated"), placement("disaggregated", (0, 1)))
-    assert used == {"total": 2, "pinned": True, "processes": {"prefill": {"cores": [0], "threads": 1},
-                                                               "decode": {"cores": [1], "threads": 1}}}  # fmt: skip
+    assert used == {"total": 2, "pinned": True, "processes": {"decode": {"cores": [1], "threads": 1},
+                                                               "prefill": {"cores": [0], "threads": 1}}}  # fmt: skip
     assert describe_cores("disaggregated", used) == (
-        "disaggregated: 2 cores: prefill cores 0 (1 threads), decode cores 1 (1 threads)"
+        "disaggregated: 2 cores: decode cores 1 (1 threads), prefill cores 0 (1 threads)"
     )
-    colocated = cores_used(SystemSpec("colocated", flags=("--threads", "1")), placement("colocated", (0, 1)))
-    assert colocated["processes"] == {"decode": {"cores": [0, 1], "threads": 1}}
+    colocated = cores_used(SystemSpec("colocated"), placement("colocated", (0, 1)))
+    assert colocated["processes"] == {"decode0": {"cores": [0], "threads": 1}, "decode1": {"cores": [1], "threads": 1}}
 
 
 def test_system_flags_stack_in_order() -> None:
