@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -513,6 +514,20 @@ def test_dockerignore_keeps_the_sources_and_drops_the_rest(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_every_package_of_the_tree_is_in_the_distribution():
+    """setuptools installs only the packages pyproject lists: a new folder left out works in the
+    editable install and the tests, and is missing from the wheel and the image."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    top_skip = {"tests", "splitserve", "build", "dist"}  # splitserve: the link to the root
+    found = set()
+    for folder, dirs, files in os.walk(ROOT):
+        skip = top_skip if Path(folder) == ROOT else set()
+        dirs[:] = [d for d in dirs if d not in skip and d != "__pycache__" and not d.startswith(".")]
+        if "__init__.py" in files:
+            found.add(".".join(("splitserve", *Path(folder).relative_to(ROOT).parts)))
+    assert found == listed
+
+
 def test_the_build_context_installs_as_a_working_package(tmp_path):
     """What the image's `pip install .` does, from what .dockerignore lets through."""
     ctx = tmp_path / "ctx"
@@ -544,6 +559,7 @@ def test_the_build_context_installs_as_a_working_package(tmp_path):
         "import splitserve.worker.server, splitserve.router.main, splitserve.router.server, splitserve.serve\n"
         "import splitserve.proto.grpc.health.v1.health_pb2_grpc, "
         "splitserve.proto.splitserve.internal.v1.worker_pb2_grpc\n"
+        "import splitserve.bench.serve.main, splitserve.bench.peer.main\n"
         "print('ok')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
