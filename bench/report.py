@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ["engine", "transfer", "router", "serving"]  # the issues' order; others follow by name
+ORDER = ["engine", "transfer", "router", "serving", "peer"]  # the issues' order; others follow by name
 TITLES = {
     "engine": "Engine decode against Hugging Face transformers and the hardware limits (issue 2)",
     "transfer": "KV transfer per transport against the raw link, latency, pipelining (issue 3)",
     "router": "Router overhead against mock workers (issue 4)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
+    "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
 }
 
 HEADER = """# Benchmarks
@@ -40,6 +41,9 @@ def build(results: Path = RESULTS) -> str:
         parts.append(
             f"## {TITLES.get(kind, f.stem)}\n\n`bench/results/{f.name}`\n\n```\n{f.read_text().rstrip()}\n```\n\n"
         )
+        # the run's charts, where it drew any into bench/results/<its name>/
+        for png in sorted((results / f.stem).glob("*.png")):
+            parts.append(f"![{png.stem}](bench/results/{f.stem}/{png.name})\n\n")
     return "".join(parts)
 
 
