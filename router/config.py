@@ -59,8 +59,12 @@ class RoutingConfig:
     # --- local or remote prefill (per request, mode "auto")
     mode: Mode = "auto"  # "auto" | "disaggregated" (always remote) | "colocated" (always local)
     local_prefill_max_tokens: int = 256  # uncached suffix this short (or shorter): prefill locally
-    prefill_backlog_tokens: int = 8192  # prefill pool this backed up ...
-    decode_idle_tokens: int = 0  # ... while the decode worker has at most this much work: local
+    # Or local when the prefill pool is backed up: its least-queued worker has at least this many
+    # prompt tokens to prefill before it could start this one, and the decode worker would finish
+    # this prompt (after its own queued prefill) no later than that. Tokens, not seconds: both sides
+    # prefill at about the same rate on one kind of hardware, so the comparison needs no clock.
+    # Size it to the TTFT you would give up waiting for: about 700 tokens is 3 s on one CPU core.
+    prefill_backlog_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.decode_policy not in DECODE_POLICIES:

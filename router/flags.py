@@ -37,6 +37,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="mode auto: prefill on the decode worker when the uncached suffix is this short",
     )
     p.add_argument(
+        "--prefill-backlog-tokens",
+        type=int,
+        default=_DEFAULTS.routing.prefill_backlog_tokens,
+        help="mode auto: prefill on the decode worker when every prefill worker has at least this many prompt "
+        "tokens queued and the decode worker would finish the prompt before the pool could start it",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("SPLITSERVE_API_KEY"),
         help="clients must send it as a bearer token (default: $SPLITSERVE_API_KEY)",
@@ -46,7 +53,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
     """The RouterConfig the flags of add_router_arguments (and --block-size) describe.
     `cluster_token`: the control plane's credential, which each command gets its own way."""
-    routing = RoutingConfig(mode=a.mode, block_size=a.block_size, local_prefill_max_tokens=a.local_prefill_max_tokens)
+    routing = RoutingConfig(
+        mode=a.mode,
+        block_size=a.block_size,
+        local_prefill_max_tokens=a.local_prefill_max_tokens,
+        prefill_backlog_tokens=a.prefill_backlog_tokens,
+    )
     return RouterConfig(
         routing=routing,
         host=a.host,

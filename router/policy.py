@@ -194,10 +194,14 @@ def decode_chooser(routing: RoutingConfig) -> DecodeChooser:
 
 
 def choose_prefill_mode(
-    uncached_tokens: int, prefill_queue_tokens: int, decode_worker_idle: bool, routing: RoutingConfig
+    uncached_tokens: int, prefill_queue_tokens: int, decode_queue_tokens: int, routing: RoutingConfig
 ) -> PrefillMode:
-    """Local when disaggregation costs more than it saves: a short uncached suffix,
-    or a backed-up prefill pool while the decode worker has nothing else to do."""
+    """Local when disaggregation costs more than it saves: a short uncached suffix (the KV transfer
+    and the second hop cost more than the prefill itself), or a prefill pool so backed up that it
+    could not start this prompt before the decode worker had finished it (`prefill_queue_tokens`:
+    the least-queued prefill worker's; `decode_queue_tokens`: the decode worker's own prompt tokens
+    yet to prefill). The second is Dynamo's prefill-load rule and llm-d's decider: a disaggregated
+    prompt that waits in a queue pays for its ITL protection in TTFT, past what the SLO allows."""
     if routing.mode == "colocated":
         mode: PrefillMode = "local"
         why = "mode=colocated"
@@ -205,13 +209,16 @@ def choose_prefill_mode(
         mode, why = "remote", "mode=disaggregated"
     else:
         short = uncached_tokens <= routing.local_prefill_max_tokens
-        backed_up = prefill_queue_tokens >= routing.prefill_backlog_tokens and decode_worker_idle
+        backed_up = (
+            prefill_queue_tokens >= routing.prefill_backlog_tokens
+            and decode_queue_tokens + uncached_tokens <= prefill_queue_tokens
+        )
         mode = "local" if short or backed_up else "remote"
         why = (
             (
                 f"uncached {uncached_tokens} <= {routing.local_prefill_max_tokens} is {short}; "
-                f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode idle "
-                f"{decode_worker_idle} is {backed_up}"
+                f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode queue "
+                f"{decode_queue_tokens} + {uncached_tokens} <= it is {backed_up}"
             )
             if log.isEnabledFor(logging.DEBUG)
             else ""
@@ -219,10 +226,6 @@ def choose_prefill_mode(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("prefill mode %s: %s", mode, why)
     return mode
-
-
-def is_idle(load: WorkerLoad, idle_tokens: int) -> bool:
-    return load.work_tokens <= idle_tokens
 
 
 def choose_prefill_worker(queued_tokens: Mapping[str, int], rng: random.Random) -> str:
@@ -266,8 +269,8 @@ def route(
         candidates.append(DecodeCandidate(w, ov, uncached_prefill_tokens(num_tokens, ov, routing.block_size), load))
     choice = chooser.choose(candidates, rng)
     if prefill_queued_tokens:
-        idle = is_idle(decode_loads[choice.worker], routing.decode_idle_tokens)
-        mode = choose_prefill_mode(choice.uncached_tokens, min(prefill_queued_tokens.values()), idle, routing)
+        decode_queue = decode_loads[choice.worker].queued_tokens
+        mode = choose_prefill_mode(choice.uncached_tokens, min(prefill_queued_tokens.values()), decode_queue, routing)
     else:
         mode = "local"
     return Route(choice.worker, mode, choice.overlap_blocks, choice.uncached_tokens)

@@ -24,6 +24,8 @@ ROUTER_FLAGS = [
     "32",
     "--local-prefill-max-tokens",
     "64",
+    "--prefill-backlog-tokens",
+    "700",
     "--api-key",
     "k",
 ]
@@ -40,7 +42,9 @@ def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
         served
         == alone
         == RouterConfig(
-            routing=RoutingConfig(mode="colocated", block_size=32, local_prefill_max_tokens=64),
+            routing=RoutingConfig(
+                mode="colocated", block_size=32, local_prefill_max_tokens=64, prefill_backlog_tokens=700
+            ),
             host="127.0.0.1",
             grpc_port=6000,
             http_port=None,

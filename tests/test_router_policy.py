@@ -20,7 +20,6 @@ from splitserve.router.policy import (
     choose_prefill_worker,
     decode_chooser,
     decode_cost,
-    is_idle,
     kv_shortfall_tokens,
     pick,
     queued_and_running_tokens,
@@ -180,34 +179,39 @@ def test_the_chooser_is_the_one_the_config_names() -> None:
 
 def test_short_uncached_suffix_prefills_locally() -> None:
     r = RoutingConfig(local_prefill_max_tokens=256)
-    assert choose_prefill_mode(256, 0, False, r) == "local"
-    assert choose_prefill_mode(257, 0, False, r) == "remote"
+    assert choose_prefill_mode(256, 0, 0, r) == "local"
+    assert choose_prefill_mode(257, 0, 0, r) == "remote"
 
 
-def test_backed_up_prefill_pool_with_an_idle_decode_worker_prefills_locally() -> None:
+def test_a_prompt_the_backed_up_pool_cannot_start_soon_prefills_on_the_decode_worker() -> None:
     r = RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=1000)
-    assert choose_prefill_mode(5000, 1000, True, r) == "local"
-    assert choose_prefill_mode(5000, 1000, False, r) == "remote"  # decode worker busy
-    assert choose_prefill_mode(5000, 999, True, r) == "remote"  # pool not backed up
+    assert choose_prefill_mode(600, 1000, 0, r) == "local"  # done here before the pool could start it
+    assert choose_prefill_mode(600, 1000, 400, r) == "local"  # 400 + 600 <= 1000: still no later
+    assert choose_prefill_mode(600, 1000, 401, r) == "remote"  # the decode worker's own queue is longer
+    assert choose_prefill_mode(1001, 1000, 0, r) == "remote"  # this prompt alone outlasts the pool's wait
+    assert choose_prefill_mode(600, 999, 0, r) == "remote"  # the pool is not backed up
 
 
 def test_forced_modes() -> None:
-    assert choose_prefill_mode(1, 0, True, RoutingConfig(mode="disaggregated")) == "remote"
-    assert choose_prefill_mode(10**6, 0, False, RoutingConfig(mode="colocated")) == "local"
+    assert choose_prefill_mode(1, 0, 0, RoutingConfig(mode="disaggregated")) == "remote"
+    assert choose_prefill_mode(10**6, 0, 10**6, RoutingConfig(mode="colocated")) == "local"
 
 
 def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
-    choose_prefill_mode(300, 9000, True, ROUTING)
+    choose_prefill_mode(300, 9000, 100, ROUTING)
     assert (
-        "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode idle True is True"
-        in caplog.text
+        "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode queue "
+        "100 + 300 <= it is True" in caplog.text
     )
 
 
-def test_idle_is_at_most_the_idle_tokens_of_work() -> None:
-    assert is_idle(WorkerLoad(10, 20, 0, 0), 30)
-    assert not is_idle(WorkerLoad(10, 21, 0, 0), 30)
+def test_route_reads_the_chosen_decode_workers_own_prefill_queue() -> None:
+    cfg = RouterConfig(routing=RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=100))
+    idle, busy = WorkerLoad(0, 0, 100, 100), WorkerLoad(5000, 0, 100, 100)
+    args = ([], 300, PrefixIndex())
+    assert route(*args, {"d:1": idle}, {"p:1": 400}, cfg, random.Random(0)).mode == "local"
+    assert route(*args, {"d:1": busy}, {"p:1": 400}, cfg, random.Random(0)).mode == "remote"
 
 
 # ---- choose_prefill_worker
