@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from splitserve import cli
 from splitserve.bench.peer import report
 from splitserve.bench.peer.main import bench_serve_argv, loads_for, system_specs
 from splitserve.bench.peer.servers import (
@@ -175,6 +176,14 @@ def test_a_missing_figure_reads_as_a_dash_not_a_ratio() -> None:
     assert report.format_cell(None, 2.0, False) == "-"
     assert report.format_cell(3.0, None, False) == "3"
     assert report.ratio(1.0, 0.0) is None
+
+
+def test_replot_redraws_the_charts_from_the_saved_run(tmp_path: Path) -> None:
+    (tmp_path / "peer.json").write_text(json.dumps({"systems": _results()}))
+    assert cli.main(["bench", "peer", "--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "sweep-goodput.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "burst-itl-timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "sharegpt-latency-cdf.png").exists()  # the saved run has no sharegpt load
 
 
 # ---- command lines ------------------------------------------------------------------------------

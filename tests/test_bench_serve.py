@@ -19,7 +19,7 @@ from splitserve.bench.serve import arrivals, datasets, metrics
 from splitserve.bench.serve.backends import Outcome, Prompt
 from splitserve.bench.serve.driver import Clock, run_load
 from splitserve.bench.serve.fake_openai import MODEL, FakeScript, running_fake
-from splitserve.bench.serve.plots import plot_sweep
+from splitserve.bench.serve.plots import plot_burst, plot_compare, plot_sweep
 from splitserve.bench.serve.progress import Progress
 from splitserve.bench.serve.results import BenchResult, RequestRecord, RunResult, load_result, save_result
 from splitserve.bench.serve.tokenizer import load_text_tokenizer
@@ -285,6 +285,17 @@ def test_plot_sweep_draws_one_line_per_system(tmp_path):
     path = plot_sweep(results, tmp_path)
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_and_burst_charts_draw_several_systems(tmp_path):
+    results = [_result("sys-a", [math.inf]).to_dict(), _result("sys-b", [math.inf]).to_dict()]
+    results[0]["runs"][0]["requests"][0]["tag"] = "steady"
+    results[0]["runs"][0]["burst"] = {"windows_s": [[0.1, 0.4]]}
+    for path, name in ((plot_compare(results, tmp_path, "sharegpt"), "sharegpt-latency-cdf.png"),
+                       (plot_burst(results, tmp_path), "burst-itl-timeline.png")):  # fmt: skip
+        assert path == str(tmp_path / name)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- whole runs against the fake server ----------------------------------------------------------

@@ -126,6 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a system to serve")
     p.add_argument("--load-timeout", type=float, default=3600.0, help="seconds for one bench serve run")
+    p.add_argument("--replot", action="store_true", help="only redraw the charts from --out's peer.json")
 
 
 def parse_cores(value: str | None) -> tuple[int, ...] | None:
@@ -137,6 +138,10 @@ def parse_cores(value: str | None) -> tuple[int, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(os.path.join(args.out, "peer.json"), encoding="utf-8") as f:
+            plot(json.load(f)["systems"], args.out)
+        return 0
     from splitserve.bench.peer.hf_export import export_hf_dir
     from splitserve.bench.peer.vllm_env import DEFAULT_VENV, VllmEnvError, VllmEnvSpec, ensure_vllm_env
 
@@ -254,15 +259,22 @@ def finish(results: dict[str, dict[str, Any]], systems: list[str], loads: list[s
 
 
 def plot(results: dict[str, dict[str, Any]], out: str) -> None:
-    """Goodput and SLO attainment against the rate, one line per system, where bench serve can draw it."""
-    try:
-        from splitserve.bench.serve.plots import plot_sweep
-    except ImportError:
-        return
-    sweeps = [r["loads"]["sweep"] for r in results.values() if "runs" in r["loads"].get("sweep", {})]
-    if sweeps:
-        plot_sweep(sweeps, out)
-        print(f"plots in {out}")
+    """The charts, one line (or panel) per system: goodput and SLO attainment against the rate;
+    the ShareGPT load's TTFT, TPOT and ITL distributions; the burst load's ITL over time."""
+    from splitserve.bench.serve.plots import plot_burst, plot_compare, plot_sweep
+
+    def of(load: str) -> list[dict[str, Any]]:
+        return [r["loads"][load] for r in results.values() if "runs" in r.get("loads", {}).get(load, {})]
+
+    drawn = []
+    if of("sweep"):
+        drawn.append(plot_sweep(of("sweep"), out))
+    if of("sharegpt"):
+        drawn.append(plot_compare(of("sharegpt"), out, "sharegpt"))
+    if of("burst"):
+        drawn.append(plot_burst(of("burst"), out))
+    for path in drawn:
+        print(f"plot {path}")
 
 
 def _split(value: str) -> list[str]:

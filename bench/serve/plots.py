@@ -3,7 +3,10 @@
 `plot_run` draws one run's latency distributions as CDFs (TTFT, TPOT, ITL);
 `plot_sweep` draws goodput and SLO attainment against the request rate, one
 line per system label, from any number of result files (the peer harness
-passes several systems' results). Both take the JSON shape as plain dicts.
+passes several systems' results); `plot_compare` draws several systems' CDFs
+of one load on the same axes; `plot_burst` the steady streams' inter-token
+gaps over time with the burst windows shaded, one panel per system. All take
+the JSON shape as plain dicts.
 """
 
 from __future__ import annotations
@@ -42,14 +45,20 @@ def _cdf(ax: Any, values_ms: list[float], title: str) -> None:
     ax.set_ylim(0, 1.02)
 
 
-def plot_run(run: dict[str, Any], out_dir: str | os.PathLike[str], label: str) -> str:
-    """One run's TTFT, TPOT and ITL CDFs side by side; returns the PNG's path."""
+def _latencies_ms(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
+    """TTFT, TPOT and ITL samples of a run's successful requests, in ms."""
     ok = [r for r in run["requests"] if r["error"] is None]
     ttft = [r["ttft_s"] * 1000 for r in ok]
     tpot = [
         (r["latency_s"] - r["ttft_s"]) * 1000 / (r["output_len"] - 1) for r in ok if r["output_len"] > 1
     ]  # the same definition as metrics.tpot_s
     itl = [g * 1000 for r in ok for g in r["itl_s"]]
+    return ttft, tpot, itl
+
+
+def plot_run(run: dict[str, Any], out_dir: str | os.PathLike[str], label: str) -> str:
+    """One run's TTFT, TPOT and ITL CDFs side by side; returns the PNG's path."""
+    ttft, tpot, itl = _latencies_ms(run)
     rate = _rate_name(run["request_rate"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, values, title in zip(axes, (ttft, tpot, itl), ("TTFT", "TPOT", "ITL"), strict=True):
@@ -100,6 +109,72 @@ def plot_sweep(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "sweep-goodput.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_compare(results: list[dict[str, Any]], out_dir: str | os.PathLike[str], name: str) -> str:
+    """Each result's first run as TTFT, TPOT and ITL CDFs, one line per result's label, on shared
+    axes (ITL on a log scale: the stalls that matter are orders of magnitude past the median)."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    slos: dict[str, float] = {}
+    for res in results:
+        run = res["runs"][0]
+        slos = slos or (run.get("slos") or {})
+        for ax, values in zip(axes, _latencies_ms(run), strict=True):
+            if values:
+                xs = sorted(values)
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=res["label"])
+    for ax, title in zip(axes, ("TTFT", "TPOT", "ITL"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("ms" + (" (log scale)" if title == "ITL" else ""))
+        ax.set_ylabel("fraction of samples")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        slo = slos.get(title.lower())
+        if slo is not None:
+            ax.axvline(slo, color="grey", linestyle="--", linewidth=1)
+        if ax.lines:
+            ax.legend(loc="lower right")
+    axes[2].set_xscale("log")
+    fig.suptitle(f"{name}: latency distributions per system (dashed: the SLO)")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{_safe(name)}-latency-cdf.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_burst(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> str:
+    """Per system, every inter-token gap of the steady streams at the time it ended, the burst
+    windows (sent until the last burst prompt's first token) shaded: the interference scenario."""
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.6 * len(results) + 0.6), sharex=True, squeeze=False)
+    for ax, res in zip(axes[:, 0], results, strict=True):
+        run = res["runs"][0]
+        for start, end in (run.get("burst") or {}).get("windows_s", []):
+            ax.axvspan(start, end, color="tab:red", alpha=0.15, linewidth=0)
+        xs: list[float] = []
+        ys: list[float] = []
+        for r in run["requests"]:
+            if r["tag"] != "steady" or r["error"] is not None:
+                continue
+            t = r["start_s"] + r["ttft_s"]
+            for gap in r["itl_s"]:
+                t += gap
+                xs.append(t)
+                ys.append(gap * 1000)
+        ax.scatter(xs, ys, s=3)
+        ax.set_yscale("log")
+        ax.set_ylabel("ITL ms")
+        ax.grid(alpha=0.3)
+        ax.set_title(res["label"], loc="left", fontsize=10)
+    axes[-1, 0].set_xlabel("s since the run started (shaded: burst prefills in flight)")
+    fig.suptitle("steady streams' inter-token gaps while long prompts arrive in bursts")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "burst-itl-timeline.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
