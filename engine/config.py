@@ -158,6 +158,10 @@ class EngineConfig:
     num_blocks: int = 2048  # KV cache capacity in blocks
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per step; prompts longer than this are chunked
+    # A prompt with more than this many tokens left to prefill yields its place in a step to a
+    # waiting prompt of at most this many, and takes what the step has left (0: strict arrival
+    # order, as vLLM by default). Bounds the TTFT of short prompts that arrive behind a long one.
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     use_cuda_graphs: bool = True
@@ -173,6 +177,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_batched_tokens < self.block_size or self.max_num_batched_tokens % self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a positive multiple "

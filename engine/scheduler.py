@@ -15,7 +15,9 @@ One token budget per step (`max_num_batched_tokens`) is shared by everything:
 running requests first (a decoding request takes one token, a request still
 prefilling takes its next chunk), then waiting requests in arrival order while
 the budget, the seats and the free blocks allow. A prompt longer than the
-budget is prefilled in chunks over several steps. When a decoding request
+budget is prefilled in chunks over several steps. With
+`long_prefill_token_threshold`, a long prefill in progress lets a short prompt
+waiting at the head of the queue go first, and takes what the step has left. When a decoding request
 needs a block and none is free, the newest running request is preempted: its
 blocks are freed and it is recomputed later (its full blocks usually come back
 from the prefix cache).
@@ -140,25 +142,64 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        long_t = self.cfg.long_prefill_token_threshold
+        # Long prefills in progress step aside for a short prompt waiting at the head of the queue
+        # (a short one behind a long one would otherwise wait out all of the long one's chunks).
+        yields = bool(long_t and self.waiting and len(self.waiting[0]) <= long_t)
+        deferred: list[Sequence] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.blocks.append_slot(seq.block_table, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:  # preempted itself: nothing left to take from
+            i += 1
+            if yields and len(seq) - seq.num_computed_tokens > long_t:
+                deferred.append(seq)
+                continue
+            n = self._take_running(seq, budget)
+            if n is None:  # preempted itself: nothing left to take from
                 break
             seqs.append(seq)
             counts.append(n)
             budget -= n
-            i += 1
 
+        if deferred:  # the short prompts first, then the long prefills take what is left
+            budget = self._admit_waiting(seqs, counts, budget, max_tokens=long_t)
+            for seq in deferred:
+                if budget <= 0 or seq.status is not SeqStatus.RUNNING:  # preempted meanwhile
+                    continue
+                # No preemption now: the newest running requests may be in this step already. A
+                # prompt's blocks were all allocated at admission, so a chunk never needs a new one.
+                n = self._take_running(seq, budget, may_preempt=False)
+                if n is None:
+                    continue
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+
+        self._admit_waiting(seqs, counts, budget)
+        return ScheduledBatch(seqs, counts) if seqs else None
+
+    def _take_running(self, seq: Sequence, budget: int, may_preempt: bool = True) -> int | None:
+        """Tokens of running `seq` in this step, blocks made room for by preempting the newest
+        running requests; None when `seq` itself had to be preempted (or, without `may_preempt`,
+        when its blocks do not fit)."""
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        while not self.blocks.append_slot(seq.block_table, seq.num_computed_tokens + n):
+            if not may_preempt:
+                return None
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                break
+        return n if seq.status is SeqStatus.RUNNING else None
+
+    def _admit_waiting(self, seqs: list[Sequence], counts: list[int], budget: int, max_tokens: int = 0) -> int:
+        """Start waiting requests in arrival order while budget, seats and blocks allow (with
+        `max_tokens`, only while the next one is that short); returns the budget left."""
         while self.waiting and budget > 0 and self._has_room():
             seq = self.waiting[0]
+            if max_tokens and len(seq) > max_tokens:
+                break
             if not self._allocate(seq):
                 break
             self.waiting.popleft()
@@ -169,8 +210,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-
-        return ScheduledBatch(seqs, counts) if seqs else None
+        return budget
 
     def postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[StepOutput]:
         """Record a step: the computed tokens' KV is in the cache, the sampled tokens join their sequences."""

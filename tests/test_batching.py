@@ -45,10 +45,15 @@ def test_one_batch_with_small_chunks_and_prefix_hits_matches_alone():
     assert engine.blocks.num_free_blocks == 256
 
 
-def test_requests_joining_between_steps_match_alone():
+@pytest.mark.parametrize("long_prefill", [0, 16])
+def test_requests_joining_between_steps_match_alone(long_prefill):
     prompts = prompts_with_shared_prefixes(seed=1)
     expected = [alone(p) for p in prompts]
-    engine = Engine(CFG, WEIGHTS, EngineConfig(num_blocks=256, max_num_batched_tokens=48))
+    engine = Engine(
+        CFG,
+        WEIGHTS,
+        EngineConfig(num_blocks=256, max_num_batched_tokens=48, long_prefill_token_threshold=long_prefill),
+    )
     got: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     while pending or engine.has_work:
@@ -71,11 +76,51 @@ def test_seeded_sampling_is_batch_invariant():
     assert engine.generate(prompts, params) == expected
 
 
-def test_preemption_under_block_pressure_keeps_outputs():
+@pytest.mark.parametrize("long_prefill", [0, 16])
+def test_preemption_under_block_pressure_keeps_outputs(long_prefill):
     prompts = prompts_with_shared_prefixes(seed=3)[:6]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [alone(p, params) for p in prompts]
-    engine = Engine(CFG, WEIGHTS, EngineConfig(num_blocks=14, block_size=16, max_num_batched_tokens=64))
+    engine = Engine(
+        CFG,
+        WEIGHTS,
+        EngineConfig(
+            num_blocks=14, block_size=16, max_num_batched_tokens=64, long_prefill_token_threshold=long_prefill
+        ),
+    )
     assert engine.generate(prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.blocks.num_free_blocks == 14
+
+
+@pytest.mark.parametrize("long_prefill", [0, 32])
+def test_a_short_prompt_behind_a_long_prefill_goes_first_only_with_the_threshold(long_prefill):
+    """Chunks of 64: a 300-token prompt takes 5 steps. A 20-token prompt arriving after its first
+    chunk waits out the other 4 in arrival order; with the threshold it takes its first token in the
+    very next step, beside what is left of that step for the long prompt, which still ends in step
+    5 (the same tokens, in other chunks) and gives the same output."""
+    g = torch.Generator().manual_seed(5)
+    long_prompt, short_prompt = (torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (300, 20))
+    engine = Engine(
+        CFG,
+        WEIGHTS,
+        EngineConfig(num_blocks=256, max_num_batched_tokens=64, long_prefill_token_threshold=long_prefill),
+    )
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("long", long_prompt, params)
+    engine.step()  # the long prompt's first chunk
+    engine.add_request("short", short_prompt, params)
+    first_token_step: dict[str, int] = {}
+    got: dict[str, list[int]] = {}
+    step = 1
+    while engine.has_work:
+        step += 1
+        for out in engine.step():
+            first_token_step.setdefault(out.request_id, step)
+            got.setdefault(out.request_id, []).append(out.token_id)
+    if long_prefill:
+        assert first_token_step["short"] == 2 and first_token_step["long"] == 5
+    else:
+        assert first_token_step["long"] == 5 and first_token_step["short"] == 5
+    assert got == {"long": alone(long_prompt, params), "short": alone(short_prompt, params)}
+    assert engine.blocks.num_free_blocks == 256

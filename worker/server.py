@@ -113,6 +113,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (the prefill chunk)")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
+        "(0: arrival order)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
 
 
@@ -125,6 +132,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         num_blocks=a.num_blocks,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
     )
 
 
