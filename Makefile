@@ -38,8 +38,12 @@ bench: install
 	$(VENV)/bin/splitserve bench engine
 
 # vLLM's CPU build against splitserve, same model and load (its own venv under ~/.cache; long: tens of minutes)
+# vLLM's CPU build against splitserve on this machine (about 35 minutes on 2 cores). The flags are
+# the splitserve configuration BENCHMARKS.md records: bf16 weights (decode on a CPU is bound by
+# reading them), short prompts ahead of long prefills, and auto's load-aware local prefill.
 bench-peer: install
-	$(VENV)/bin/splitserve bench peer
+	$(VENV)/bin/splitserve bench peer --splitserve-flags "--dtype bfloat16 --long-prefill-token-threshold 256" \
+		--router-flags "--prefill-backlog-tokens 700"
 
 proto: install
 	$(PY) -m splitserve.proto.generate
