@@ -18,6 +18,19 @@ TITLES = {
     "router": "Router overhead against mock workers (issue 4)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
     "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
+    # a kind's further runs, by file name
+    "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
+    "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
+}
+
+# What a section's output does not say itself (earlier runs that predate the line that now prints it).
+NOTES = {
+    "peer-cpu": "Each row group is one `splitserve bench serve` load from `bench/peer/main.py` (`loads_for`), "
+    "the same for every system: `sharegpt` 40 ShareGPT prompts at concurrency 4, 128 output tokens (EOS "
+    "ignored); `sweep` 20 ShareGPT prompts per Poisson rate; `burst` 4 steady streams (32-token prompts, "
+    "128 tokens) with 3 bursts of two 1,536-token prompts, 8 s apart; `prefill1`/`prefill2` one, then two "
+    "1,000-token prompts at once, 1 output token. Goodput counts requests with TTFT <= 3 s and TPOT <= 100 ms. "
+    "Newer runs print these lines themselves (`load NAME: bench serve ...`).",
 }
 
 HEADER = """# Benchmarks
@@ -38,9 +51,9 @@ def build(results: Path = RESULTS) -> str:
     parts = [HEADER]
     for f in files:
         kind = f.stem.split("-")[0]
-        parts.append(
-            f"## {TITLES.get(kind, f.stem)}\n\n`bench/results/{f.name}`\n\n```\n{f.read_text().rstrip()}\n```\n\n"
-        )
+        note = f"{NOTES[f.stem]}\n\n" if f.stem in NOTES else ""
+        title = TITLES.get(f.stem) or TITLES.get(kind, f.stem)
+        parts.append(f"## {title}\n\n`bench/results/{f.name}`\n\n{note}```\n{f.read_text().rstrip()}\n```\n\n")
         # the run's charts, where it drew any into bench/results/<its name>/
         for png in sorted((results / f.stem).glob("*.png")):
             parts.append(f"![{png.stem}](bench/results/{f.stem}/{png.name})\n\n")

@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs,
                         vllm_python=vllm_python, cores=parse_cores(args.cores), kv_cache_gib=args.kv_cache_gib,
                         start_timeout_s=args.start_timeout)  # fmt: skip
+    for load in loads:  # what each row of the table measured, before any figure
+        print(f"load {load.name}: bench serve {' '.join(load.flags)} --backend {args.backend}", flush=True)
     results = {spec.name: run_system(spec, ctx, loads, out, args.backend) for spec in specs}
     return finish(results, [s.name for s in specs], [load.name for load in loads], out, ctx)
 
