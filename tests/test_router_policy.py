@@ -209,9 +209,8 @@ def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) ->
 def test_route_reads_the_chosen_decode_workers_own_prefill_queue() -> None:
     cfg = RouterConfig(routing=RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=100))
     idle, busy = WorkerLoad(0, 0, 100, 100), WorkerLoad(5000, 0, 100, 100)
-    args = ([], 300, PrefixIndex())
-    assert route(*args, {"d:1": idle}, {"p:1": 400}, cfg, random.Random(0)).mode == "local"
-    assert route(*args, {"d:1": busy}, {"p:1": 400}, cfg, random.Random(0)).mode == "remote"
+    assert route([], 300, PrefixIndex(), {"d:1": idle}, {"p:1": 400}, cfg, random.Random(0)).mode == "local"
+    assert route([], 300, PrefixIndex(), {"d:1": busy}, {"p:1": 400}, cfg, random.Random(0)).mode == "remote"
 
 
 # ---- choose_prefill_worker
