@@ -26,14 +26,6 @@ from splitserve.bench.serve.tokenizer import load_text_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory, smollm2_path):
-    """The embedded tokenizer saved as an HF directory: it loads in a tenth of a second."""
-    d = tmp_path_factory.mktemp("tokenizer")
-    load_text_tokenizer(smollm2_path).save(d)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
 def tok(tok_dir):
     return load_text_tokenizer(tok_dir)
 

@@ -73,13 +73,6 @@ def routers(workers: dict[str, WorkerProcess], tokenizer, modes: list[Mode]) -> 
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory, smollm2_path):
-    d = tmp_path_factory.mktemp("tokenizer")
-    load_text_tokenizer(smollm2_path).save(d)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
 def cluster(tok_dir):
     with ThreadPoolExecutor(2) as pool:  # the two start side by side (model load is most of the test's time)
         started = {role: pool.submit(spawn_worker, role, *FLAGS) for role in ("decode", "prefill")}

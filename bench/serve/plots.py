@@ -45,6 +45,16 @@ def _cdf(ax: Any, values_ms: list[float], title: str) -> None:
     ax.set_ylim(0, 1.02)
 
 
+def _save(fig: Any, out_dir: str | os.PathLike[str], name: str) -> str:
+    """Write the figure as out_dir/name (the folder made if missing), free it, return the path."""
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _latencies_ms(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
     """TTFT, TPOT and ITL samples of a run's successful requests, in ms."""
     ok = [r for r in run["requests"] if r["error"] is None]
@@ -64,12 +74,7 @@ def plot_run(run: dict[str, Any], out_dir: str | os.PathLike[str], label: str) -
     for ax, values, title in zip(axes, (ttft, tpot, itl), ("TTFT", "TPOT", "ITL"), strict=True):
         _cdf(ax, values, f"{title} ({len(values)} samples)")
     fig.suptitle(f"{label}: request rate {rate} req/s, {run['completed']} completed, {run['failed']} failed")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{_safe(label)}-rate-{_safe(rate)}-latency-cdf.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, f"{_safe(label)}-rate-{_safe(rate)}-latency-cdf.png")
 
 
 def plot_sweep(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> str:
@@ -106,12 +111,7 @@ def plot_sweep(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -
     ax_good.set_ylim(bottom=0)
     ax_att.set_ylim(0, 1.05)
     fig.suptitle(f"goodput against load ({slo_text})")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "sweep-goodput.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "sweep-goodput.png")
 
 
 def plot_compare(results: list[dict[str, Any]], out_dir: str | os.PathLike[str], name: str) -> str:
@@ -139,12 +139,7 @@ def plot_compare(results: list[dict[str, Any]], out_dir: str | os.PathLike[str],
             ax.legend(loc="lower right")
     axes[2].set_xscale("log")
     fig.suptitle(f"{name}: latency distributions per system (dashed: the SLO)")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{_safe(name)}-latency-cdf.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, f"{_safe(name)}-latency-cdf.png")
 
 
 def plot_burst(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> str:
@@ -172,9 +167,4 @@ def plot_burst(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -
         ax.set_title(res["label"], loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("s since the run started (shaded: burst prefills in flight)")
     fig.suptitle("steady streams' inter-token gaps while long prompts arrive in bursts")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "burst-itl-timeline.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "burst-itl-timeline.png")
