@@ -14,6 +14,7 @@ INVALID_ARGUMENT, not with the UNKNOWN and traceback of a failing deserializer.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import time
@@ -76,11 +77,13 @@ class GenerationService:
         self.rng = rng
         self.inflight = 0
         self._active: set[str] = set()  # request ids in flight
-        self._bearer = f"Bearer {cfg.api_key}" if cfg.api_key else None
+        self._bearer = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     def check_key(self, authorization: str | None) -> None:
         """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
-        if self._bearer is not None and authorization != self._bearer:
+        # in constant time: a comparison that stops at the first wrong byte lets a client find the
+        # key byte by byte from response times (the workers' token check does the same)
+        if self._bearer is not None and not hmac.compare_digest((authorization or "").encode(), self._bearer):
             raise RequestFailed(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
             )

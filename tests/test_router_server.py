@@ -237,10 +237,34 @@ def test_api_key_is_required_when_configured() -> None:
         async with cluster(api_key="sekrit") as c:
             e = await status_of(c.generate(text="hi"))
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+            for wrong in ("Bearer sekriT", "Bearer sekri", "Bearer sekrit2", "sekrit"):
+                e = await status_of(c.generate(text="hi", metadata=(("authorization", wrong),)))
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED, wrong
             rs = await c.generate(text="hi", metadata=(("authorization", "Bearer sekrit"),))
             assert joined(rs)[0] == ANSWER
 
     run(scenario)
+
+
+def test_the_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hmac.compare_digest, never ==: an early-exit comparison leaks the key through timing."""
+    import splitserve.router.server as server
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = server.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(server.hmac, "compare_digest", spy)
+
+    async def scenario() -> None:
+        async with cluster(api_key="sekrit") as c:
+            await status_of(c.generate(text="hi", metadata=(("authorization", "Bearer nope"),)))
+
+    run(scenario)
+    assert (b"Bearer nope", b"Bearer sekrit") in compared
 
 
 def test_a_request_id_in_flight_cannot_be_reused() -> None:
