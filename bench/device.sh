@@ -28,7 +28,10 @@ export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_transfer.py 2>&1 | tee "$out/cuda-tests.txt"
+# a failing test must not cost the figures (a GPU call is scarce): the script exits with its status at the end
+tests_rc=0
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_transfer.py 2>&1 | tee "$out/cuda-tests.txt" \
+  || tests_rc=$?
 
 # shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
 cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
@@ -42,3 +45,4 @@ transfer=(python3 -m splitserve.cli bench transfer --transports tcp,cuda_ipc --s
   echo "\$ bash bench/device.sh   # ${transfer[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPLITSERVE_COMMIT:-?}")"
   "${transfer[@]}" 2>&1
 } | tee "$out/transfer-cuda.txt"
+exit "$tests_rc"

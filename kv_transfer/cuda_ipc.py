@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
+import uuid
 import weakref
 from collections.abc import Sequence
 
@@ -48,8 +49,17 @@ def can_map(cache: KVCache) -> bool:
 
 
 def _uuid(device: int) -> bytes:
+    """The GPU's 16-byte UUID, to refuse a peer on another GPU (zeros where torch does not say)."""
     u = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    return u.bytes if u is not None else b"\0" * 16
+    if u is None:
+        return b"\0" * 16
+    raw = getattr(u, "bytes", None)  # a list of 16 ints from torch's binding, or bytes
+    if raw is not None and not isinstance(raw, str):
+        return bytes(bytearray(raw))[:16].ljust(16, b"\0")
+    try:  # torch's str() of the UUID, "GPU-" prefixed on some builds
+        return uuid.UUID(str(u).removeprefix("GPU-")).bytes
+    except ValueError:
+        return b"\0" * 16
 
 
 def export_cache(cache: KVCache) -> bytes:
@@ -85,7 +95,7 @@ def import_cache(blob: bytes, local: KVCache) -> torch.Tensor:
 
     if len(blob) < _FIXED.size:
         raise FrameError("CUDA IPC mapping too short")
-    (device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, uuid, pid,
+    (device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, gpu, pid,
      key) = _FIXED.unpack_from(blob)  # fmt: skip
     if pid == os.getpid():
         own = _EXPORTED.get(key)
@@ -98,7 +108,7 @@ def import_cache(blob: bytes, local: KVCache) -> torch.Tensor:
         blobs.append(blob[pos + 2 : pos + 2 + n])
         pos += 2 + n
     handle, ref_handle, event_handle = blobs
-    if uuid != _uuid(device):
+    if gpu != _uuid(device):
         raise FrameError("CUDA IPC peer is on another GPU")
     lay = local.layout
     shape = (lay.num_layers, num_blocks, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
