@@ -21,6 +21,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.sequence import Sequence
 
+_FIELDS = 5  # input_ids, positions, slot_blocks, slot_offsets, context_lens: one row each per sequence
+
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, cfg: EngineConfig) -> None:
@@ -31,12 +33,21 @@ class DecodeGraphs:
         max_width = cdiv(model.cfg.max_position, cfg.block_size)
         self.widths = sorted({min(1 << k, max_width) for k in range(3, max_width.bit_length() + 1)} | {max_width})
         n, dev = self.batch_sizes[-1], model.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_blocks = torch.full((n,), self.scratch_block, dtype=torch.long, device=dev)
-        self.slot_offsets = torch.zeros(n, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.block_tables = torch.full((n, self.widths[-1]), self.scratch_block, dtype=torch.long, device=dev)
+        width = self.widths[-1]
+        # The static inputs are views of one device buffer, filled from one pinned host buffer by
+        # one copy a step: six small copies from pageable memory cost more host time than a
+        # SmolLM2 decode step's kernels leave (each blocks until its bytes have left).
+        size = _FIELDS * n + n * width
+        self.staging = torch.empty(size, dtype=torch.long, device=dev)
+        self.host = torch.empty(size, dtype=torch.long, pin_memory=True)
+        self._host = self.host.numpy()
+        self._copied = torch.cuda.Event()  # the last copy out of `host` has happened
+        self.input_ids, self.positions, self.slot_blocks, self.slot_offsets, self.context_lens = (
+            self.staging[i * n : (i + 1) * n] for i in range(_FIELDS)
+        )
+        self.block_tables = self.staging[_FIELDS * n :].view(n, width)
+        self._n, self._width = n, width
+        self._stage([], [], [], [], [], [], n)  # every row padding until a step fills it
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs share one memory pool (torch types its handle privately)
@@ -57,22 +68,40 @@ class DecodeGraphs:
         bp = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         width = max(len(s.block_table) for s in seqs)
         wp = self.widths[bisect.bisect_left(self.widths, width)]
-        tables = torch.full((bp, wp), self.scratch_block, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.as_tensor(s.block_table)
-        pad = bp - b
-        self.input_ids[:bp].copy_(torch.as_tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bp].copy_(torch.as_tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_blocks[:bp].copy_(torch.as_tensor(slot_blocks + [self.scratch_block] * pad), non_blocking=True)
-        self.slot_offsets[:bp].copy_(torch.as_tensor(slot_offsets + [0] * pad), non_blocking=True)
-        self.context_lens[:bp].copy_(torch.as_tensor(context_lens + [1] * pad), non_blocking=True)
-        self.block_tables[:bp, :wp].copy_(tables, non_blocking=True)
+        self._stage([s.block_table for s in seqs], input_ids, positions, slot_blocks, slot_offsets, context_lens, bp)
         key = (bp, wp)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bp, wp)
         graph, out = self.graphs[key]
         graph.replay()
         return out[:b].clone()
+
+    def _stage(
+        self,
+        tables: list[list[int]],
+        input_ids: list[int],
+        positions: list[int],
+        slot_blocks: list[int],
+        slot_offsets: list[int],
+        context_lens: list[int],
+        bp: int,
+    ) -> None:
+        """Write rows 0..bp of every input into the host buffer (rows past the batch as padding) and
+        copy them to the device in one transfer, ordered before the next replay on the stream."""
+        self._copied.synchronize()  # the host buffer is free again once the last copy has read it
+        n, b, h = self._n, len(input_ids), self._host
+        for i, (values, pad) in enumerate(
+            ((input_ids, 0), (positions, 0), (slot_blocks, self.scratch_block), (slot_offsets, 0), (context_lens, 1))
+        ):
+            h[i * n : i * n + b] = values
+            h[i * n + b : i * n + bp] = pad
+        end = _FIELDS * n + bp * self._width
+        rows = h[_FIELDS * n : end].reshape(bp, self._width)
+        rows.fill(self.scratch_block)
+        for i, table in enumerate(tables):
+            rows[i, : len(table)] = table
+        self.staging[:end].copy_(self.host[:end], non_blocking=True)
+        self._copied.record()
 
     def _forward(self, bp: int, wp: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -215,15 +215,15 @@ class LlamaModel:
         )  # fmt: skip
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
-            qkv = linear(x, lw.qkv, lw.qkv_bias)
+            qkv = step.linear(x, lw.qkv, lw.qkv_bias)
             if on_layer_done is None:
                 attn = step.attention(i, qkv)  # RoPE on q and k, K/V into the cache, attention
             else:
                 step.write_kv(i, qkv)
                 on_layer_done(i)
                 attn = step.attention(i, qkv, write=False)
-            x = step.norm(lw.post_norm, residual=linear(attn, lw.o))
-            down = linear(step.silu_mul(linear(x, lw.gate_up)), lw.down)
+            x = step.norm(lw.post_norm, residual=step.linear(attn, lw.o))
+            down = step.silu_mul_linear(step.linear(x, lw.gate_up), lw.down)
             # the next layer's input norm, or the final one, with this layer's residual add
             x = step.norm(self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm, residual=down)
-        return linear(x[logits_indices], self.lm_head).float()
+        return step.linear(x[logits_indices], self.lm_head).float()

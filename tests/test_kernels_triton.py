@@ -145,6 +145,47 @@ def test_silu_mul_matches_torch(kernels, dtype, rows, inter):
     assert_like_torch(step.silu_mul(gate_up), ref, fp32_rtol=3e-6)
 
 
+# --------------------------------------------- matrix products (gemv_kernel)
+
+
+def assert_product_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Within one rounding of the exact product: bf16 at most 1 ulp from the fp32 sum rounded once
+    (the kernel sums in fp32 and rounds once, cuBLAS likewise), fp32 within a few ulps of fp64."""
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert out.dtype is x.dtype and out.shape == exact.shape
+    if out.dtype is BF16:
+        assert int(ulps_apart(out, exact.to(BF16)).max()) <= 1
+    else:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])  # 5: past GEMV_MAX_ROWS, F.linear
+@pytest.mark.parametrize("n,k,with_bias", [(7, 37, True), (64, 576, False), (9, 1100, True)])
+def test_linear_matches_the_exact_product(kernels, dtype, rows, n, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    step = make_step(kernels, torch.zeros(rows, 8, dtype=dtype), cache, meta, heads=2)
+    assert_product_close(step.linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter,out", [(1, 1536, 16), (3, 40, 9), (5, 24, 8)])  # 5 rows: two calls
+def test_silu_mul_linear_reads_the_activation_as_silu_mul_rounds_it(kernels, dtype, rows, inter, out):
+    gen = torch.Generator().manual_seed(rows + inter + out)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :2] = torch.tensor([-100.0, 100.0]).to(dtype)
+    w = (torch.randn(out, inter, generator=gen) / inter**0.5).to(dtype)
+    cache, meta, _ = decode_batch(gen, dtype, [1] * rows, 2, 1, 8, 4)
+    step = make_step(kernels, torch.zeros(rows, 8, dtype=dtype), cache, meta, heads=2, intermediate=inter)
+    act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(dtype)  # the rounded activation, as torch has it
+    assert_product_close(step.silu_mul_linear(gate_up, w), act, w, None)
+
+
 # ------------------------------------------------- RoPE and the cache write
 
 

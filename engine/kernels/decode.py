@@ -11,6 +11,8 @@ dispatch for nanoseconds of arithmetic. Here a layer is four calls:
     attn = step.attention(layer, qkv)         # RoPE on q and k, K/V into the cache, paged attention
     x = step.norm(w_post, residual=o)         # h += o, x = RMSNorm(h)
     act = step.silu_mul(gate_up)              # silu(gate) * up
+    y = step.linear(x, w)                     # x @ w.T: linear.py here, its own kernel on the GPU
+    down = step.silu_mul_linear(gate_up, w)   # silu_mul, then linear (one kernel on the GPU)
 
 bf16 and fp32 on the CPU only. Every property the C++ relies on (dtype,
 shape, contiguity, device) is checked here, the step's fixed tensors once per
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension
-from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled, linear
 from splitserve.engine.kernels.once import Once
 
 log = logging.getLogger(__name__)
@@ -229,6 +231,14 @@ class DecodeStep:
             self._isa,
         )
         return self._act
+
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias): linear.py's kernel (the Triton step's counterpart takes its own)."""
+        return linear(x, w, bias)
+
+    def silu_mul_linear(self, gate_up: Tensor, w: Tensor) -> Tensor:
+        """linear(silu_mul(gate_up), w): two calls here, one kernel on the Triton step."""
+        return linear(self.silu_mul(gate_up), w)
 
 
 class DecodeKernels:

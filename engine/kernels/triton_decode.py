@@ -8,11 +8,15 @@ LlamaModel._fused_decode runs either:
     attn = step.attention(layer, qkv)         # RoPE on q and k, K/V into the cache, paged attention
     x = step.norm(w_post, residual=o)         # h += o, x = RMSNorm(h)
     act = step.silu_mul(gate_up)              # silu(gate) * up
+    y = step.linear(x, w)                     # x @ w.T, on gemv_kernel at batch 1..4
+    down = step.silu_mul_linear(gate_up, w)   # silu(gate) * up read straight into the down product
 
 Plain PyTorch plus CUDA graphs leaves a decode step some fifty small kernels a
-layer; these make it five beside the matrix products (two norms, RoPE with the
-KV write, attention, SiLU * up), six where attention's context is split across
-programs (split-K, "flash decoding", for long contexts at small batch).
+layer; these make it four beside the matrix products (two norms, RoPE with the
+KV write, attention; SiLU * up is read into the down product), five where
+attention's context is split across programs (split-K, "flash decoding", for
+long contexts at small batch). At batch 1..4 the matrix products are weight
+streams, and they run on gemv_kernel, which beats cuBLAS there (GEMV_MAX_ROWS).
 Everything is capturable in a CUDA graph: grids come from shapes alone, no
 value is read back to the host, buffers are allocated with torch (in the
 graph's pool when captured), and the first launch, which compiles, happens in
@@ -31,6 +35,7 @@ import math
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from splitserve.engine.blocks import cdiv
@@ -56,6 +61,15 @@ SILU_BLOCK = 1024
 SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100
 SPLIT_MIN_TOKENS = 256  # below this, a guess, a split's reads do not pay for the combine
 MAX_SPLITS = 64
+# Matrix products of up to GEMV_MAX_ROWS rows run on gemv_kernel, past that on cuBLAS (F.linear):
+# measured on an H100 at batch 1, the kernel streams the Llama-3-8B shapes at 2.6-3.1 TB/s where
+# cuBLAS gives 2.4-2.9, and runs SmolLM2's 1-3 MB matrices in 2.7-3.1 us against 3.4-5.1 (tools
+# of the kind in bench/engine.py; the step-level figures are in BENCHMARKS.md). Past a few rows
+# a GEMM's tiles win. Tiles of 4 weight rows; the K chunk shrinks as rows grow, to hold the
+# product tile (rows x 4 x K chunk) at 2048 values.
+GEMV_MAX_ROWS = 4
+GEMV_BLOCK_N = 4
+GEMV_TILE = 2048
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -241,11 +255,48 @@ class TritonDecodeStep:
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """silu(gate) * up from gate_up [B, 2 intermediate] = [gate | up], as F.silu(gate) * up rounds it."""
-        if tuple(gate_up.shape) != self._gate_up_shape or gate_up.dtype != self.h.dtype or not gate_up.is_contiguous():
-            raise ValueError(f"gate_up must be a contiguous {self.h.dtype} tensor {list(self._gate_up_shape)}")
+        self._check_gate_up(gate_up)
         grid = (gate_up.shape[0], cdiv(self._intermediate, SILU_BLOCK))
         self._ops.silu_mul_kernel[grid](self._act, gate_up, self._intermediate, BLOCK=SILU_BLOCK, num_warps=4)
         return self._act
+
+    def _check_gate_up(self, gate_up: Tensor) -> None:
+        if tuple(gate_up.shape) != self._gate_up_shape or gate_up.dtype != self.h.dtype or not gate_up.is_contiguous():
+            raise ValueError(f"gate_up must be a contiguous {self.h.dtype} tensor {list(self._gate_up_shape)}")
+
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias), as F.linear: gemv_kernel for a few rows, cuBLAS past them (a new tensor)."""
+        if not self._gemv_fits(x, w, bias):
+            return F.linear(x, w, bias)
+        return self._gemv(x, w, bias, x.shape[1], silu_mul=False)
+
+    def silu_mul_linear(self, gate_up: Tensor, w: Tensor) -> Tensor:
+        """linear(silu_mul(gate_up), w) in one kernel where gemv_kernel takes it (a new tensor)."""
+        self._check_gate_up(gate_up)
+        rows = gate_up.shape[0]
+        if rows > GEMV_MAX_ROWS or w.dtype != gate_up.dtype or not w.is_contiguous() or w.dim() != 2 or \
+                w.shape[1] != self._intermediate or w.device != gate_up.device:  # fmt: skip
+            return F.linear(self.silu_mul(gate_up), w)
+        return self._gemv(gate_up, w, None, self._intermediate, silu_mul=True)
+
+    def _gemv_fits(self, x: Tensor, w: Tensor, bias: Tensor | None) -> bool:
+        return (
+            x.dim() == 2 and w.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] == w.shape[1]
+            and x.dtype == w.dtype and x.device == w.device and x.is_contiguous() and w.is_contiguous()
+            and (bias is None or (bias.dtype == w.dtype and bias.shape == (w.shape[0],) and bias.is_contiguous()))
+        )  # fmt: skip
+
+    def _gemv(self, x: Tensor, w: Tensor, bias: Tensor | None, k: int, silu_mul: bool) -> Tensor:
+        rows, n = x.shape[0], w.shape[0]
+        y = x.new_empty(rows, n)
+        rows_pad = _pow2(rows)
+        block_k = min(_pow2(k, 16), GEMV_TILE // (rows_pad * GEMV_BLOCK_N))
+        self._ops.gemv_kernel[(cdiv(n, GEMV_BLOCK_N),)](
+            y, x, w, w if bias is None else bias, rows, n, k, x.shape[1],
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROWS_PAD=rows_pad, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
+            num_warps=4,
+        )  # fmt: skip
+        return y
 
 
 def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
@@ -290,8 +341,6 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     """One small fp32 decode step's norm, RoPE + KV write + attention and SiLU * up against the
     torch code they replace. Triton compiles on first launch, on whatever GPU this is: a
     kernel that fails or disagrees there must cost the torch path, not wrong tokens."""
-    import torch.nn.functional as F
-
     from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
     from splitserve.engine.model import apply_rope, rms_norm
 
@@ -329,10 +378,16 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     got_x = step.norm(w)
     got_attn = step.attention(0, qkv.clone())
     got_act = step.silu_mul(gate_up)
+    wd, wl, bias = rand(hidden, inter), rand(hidden, hidden), rand(hidden)
+    got_down = step.silu_mul_linear(gate_up, wd)
+    got_lin = step.linear(h, wl, bias)
+    want_down = F.linear(want_act, wd)
+    want_lin = F.linear(h, wl, bias)
     close = all(
         torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
-        for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache))
-    )
+        for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache),
+                     (got_down, want_down), (got_lin, want_lin))
+    )  # fmt: skip
     return bool(close)
 
 

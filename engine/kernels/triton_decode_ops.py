@@ -216,3 +216,49 @@ def silu_mul_kernel(out_ptr, gate_up_ptr, inter, BLOCK: tl.constexpr):
     u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * inter + col, (silu * u).to(dtype), mask=mask)
+
+
+@triton.jit
+def gemv_kernel(
+    y_ptr, x_ptr, w_ptr, b_ptr, rows, N, K,
+    x_stride,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (column tiles of y,): y = x @ w.T (+ bias) for a few rows of x, each weight read once.
+
+    Decode's matrix products at batch 1..4 are weight streams: the program reads a tile of
+    BLOCK_N weight rows and multiplies it against every row of x at once, fp32 sums rounded
+    once at the end. With SILU_MUL, x is gate_up = [gate | up] (x_stride = 2 K) and each of its
+    values is silu(gate) * up rounded as silu_mul_kernel rounds it, so the MLP's down product
+    needs no activation buffer and no kernel of its own.
+    """
+    dtype = y_ptr.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    r = tl.arange(0, ROWS_PAD)
+    r_mask = r < rows
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + r.to(tl.int64)[:, None] * x_stride
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        xm = r_mask[:, None] & k_mask[None, :]
+        if SILU_MUL:
+            g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            x = (silu * u).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(dtype), mask=r_mask[:, None] & n_mask[None, :])
