@@ -61,15 +61,21 @@ SILU_BLOCK = 1024
 SPLIT_TARGET_PROGRAMS = 264  # two per SM of an H100
 SPLIT_MIN_TOKENS = 256  # below this, a guess, a split's reads do not pay for the combine
 MAX_SPLITS = 64
-# Matrix products of up to GEMV_MAX_ROWS rows run on gemv_kernel, past that on cuBLAS (F.linear):
-# measured on an H100 at batch 1, the kernel streams the Llama-3-8B shapes at 2.6-3.1 TB/s where
-# cuBLAS gives 2.4-2.9, and runs SmolLM2's 1-3 MB matrices in 2.7-3.1 us against 3.4-5.1 (tools
-# of the kind in bench/engine.py; the step-level figures are in BENCHMARKS.md). Past a few rows
-# a GEMM's tiles win. Tiles of 4 weight rows; the K chunk shrinks as rows grow, to hold the
-# product tile (rows x 4 x K chunk) at 2048 values.
+# Matrix products of up to GEMV_MAX_ROWS rows run on gemv_kernel, past that on cuBLAS (F.linear).
+# Measured on an H100 at batch 1 with cold weights (one copy per layer, replayed in a CUDA graph):
+# Llama-3-8B's lm_head 336 us against cuBLAS's 393, its layer's four products 161 us against 165
+# (qkv level, o, gate_up and down ahead by 1-5%), and SmolLM2's 1-4 MB matrices 2.2-4.2 us against
+# 3.5-5.4, where a step is launch-bound. Tiles of 4 weight rows by a K chunk of 2048 (1024 below
+# K 4096, where the smaller chunk won), shrunk as rows grow so that the product tile (rows x 4 x
+# chunk) stays at 8192 values. Past a few rows a GEMM's tiles win.
 GEMV_MAX_ROWS = 4
 GEMV_BLOCK_N = 4
-GEMV_TILE = 2048
+GEMV_TILE = 8192
+# silu_mul_linear reads SiLU * up straight into the down product (one kernel fewer a layer) up to
+# this intermediate size: at SmolLM2's 1536 the saved launch wins (a step's graph 0.945 -> 0.894
+# ms), at Llama-3-8B's 14336 each program's recomputed activation costs more than it saves (6.25
+# -> 6.63 ms).
+FUSED_SILU_MAX_INTER = 4096
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -274,15 +280,15 @@ class TritonDecodeStep:
         """linear(silu_mul(gate_up), w) in one kernel where gemv_kernel takes it (a new tensor)."""
         self._check_gate_up(gate_up)
         rows = gate_up.shape[0]
-        if rows > GEMV_MAX_ROWS or w.dtype != gate_up.dtype or not w.is_contiguous() or w.dim() != 2 or \
-                w.shape[1] != self._intermediate or w.device != gate_up.device:  # fmt: skip
+        fused = rows <= GEMV_MAX_ROWS and self._intermediate <= FUSED_SILU_MAX_INTER
+        if not fused or not _weight_fits(w, self._intermediate, gate_up):
             return F.linear(self.silu_mul(gate_up), w)
         return self._gemv(gate_up, w, None, self._intermediate, silu_mul=True)
 
     def _gemv_fits(self, x: Tensor, w: Tensor, bias: Tensor | None) -> bool:
         return (
-            x.dim() == 2 and w.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] == w.shape[1]
-            and x.dtype == w.dtype and x.device == w.device and x.is_contiguous() and w.is_contiguous()
+            x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous()
+            and _weight_fits(w, x.shape[1], x)
             and (bias is None or (bias.dtype == w.dtype and bias.shape == (w.shape[0],) and bias.is_contiguous()))
         )  # fmt: skip
 
@@ -290,13 +296,19 @@ class TritonDecodeStep:
         rows, n = x.shape[0], w.shape[0]
         y = x.new_empty(rows, n)
         rows_pad = _pow2(rows)
-        block_k = min(_pow2(k, 16), GEMV_TILE // (rows_pad * GEMV_BLOCK_N))
+        chunk = 2048 if k >= 4096 else 1024
+        block_k = min(_pow2(k, 16), chunk, GEMV_TILE // (rows_pad * GEMV_BLOCK_N))
         self._ops.gemv_kernel[(cdiv(n, GEMV_BLOCK_N),)](
             y, x, w, w if bias is None else bias, rows, n, k, x.shape[1],
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROWS_PAD=rows_pad, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
             num_warps=4,
         )  # fmt: skip
         return y
+
+
+def _weight_fits(w: Tensor, k: int, x: Tensor) -> bool:
+    """w can stream through gemv_kernel against x: [N, k] contiguous, x's dtype and device."""
+    return w.dim() == 2 and w.shape[1] == k and w.dtype == x.dtype and w.device == x.device and w.is_contiguous()
 
 
 def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
