@@ -6,7 +6,7 @@
 #     bash bench/device.sh [OUT_DIR]          # from the repository root
 #     BENCH_ARGS="--model llama-3-8b" bash bench/device.sh /tmp/out   # other bench flags
 #
-# The copy a GPU machine gets has no .git: pass the commit it is, as
+# The copy a GPU machine gets has no .git, or a stale one: pass the commit it is, as
 # SPLITSERVE_COMMIT=$(git rev-parse --short HEAD), so that the figures name it.
 #
 # The repository goes on the path as the `splitserve` package through a symlink
@@ -36,13 +36,13 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv
 # shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
 cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
 {
-  echo "\$ bash bench/device.sh   # ${cmd[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPLITSERVE_COMMIT:-?}")"
+  echo "\$ bash bench/device.sh   # ${cmd[*]}, at ${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}"
   "${cmd[@]}" 2>&1
 } | tee "$out/engine-cuda.txt"
 
 transfer=(python3 -m splitserve.cli bench transfer --transports tcp,cuda_ipc --size 1G --repeats 5)
 {
-  echo "\$ bash bench/device.sh   # ${transfer[*]}, at $(git rev-parse --short HEAD 2>/dev/null || echo "${SPLITSERVE_COMMIT:-?}")"
+  echo "\$ bash bench/device.sh   # ${transfer[*]}, at ${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}"
   "${transfer[@]}" 2>&1
 } | tee "$out/transfer-cuda.txt"
 exit "$tests_rc"

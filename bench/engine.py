@@ -670,9 +670,13 @@ def _code_version() -> str:
             return ""
 
     commit = git("rev-parse", "--short", "HEAD")
-    if not commit:  # a copy without .git (a GPU machine's): the commit as the caller states it
-        stated = os.environ.get("SPLITSERVE_COMMIT")
-        return f"{stated} (stated, not checked)" if stated else "-"
+    stated = os.environ.get("SPLITSERVE_COMMIT")
+    # a GPU machine's copy has no .git, or a stale one (its HEAD is not the tree that was sent):
+    # the commit as the caller states it wins there
+    if stated and not (commit and stated.startswith(commit)):
+        return f"{stated} (stated, not checked)"
+    if not commit:
+        return "-"
     return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
 
 
