@@ -30,8 +30,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 
 # a failing test must not cost the figures (a GPU call is scarce): the script exits with its status at the end
 tests_rc=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_transfer.py 2>&1 | tee "$out/cuda-tests.txt" \
-  || tests_rc=$?
+tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_transfer.py)
+{
+  echo "\$ bash bench/device.sh   # ${tests[*]}, at ${SPLITSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}"
+  "${tests[@]}" 2>&1
+} | tee "$out/cuda-tests.txt" || tests_rc=$?
 
 # shellcheck disable=SC2206  # BENCH_ARGS is split on purpose
 cmd=(python3 -m splitserve.cli bench engine --device cuda ${BENCH_ARGS:-})
