@@ -9,8 +9,8 @@ for the workers and the router), `router` adds its own.
 from __future__ import annotations
 
 import argparse
-import os
 
+from splitserve.credentials import add_secret_argument
 from splitserve.router.config import MODES, RouterConfig, RoutingConfig
 
 _DEFAULTS = RouterConfig()
@@ -44,10 +44,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "tokens queued and the decode worker would finish the prompt before the pool could start it",
     )
     p.add_argument(
-        "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY"),
-        help="clients must send it as a bearer token (default: $SPLITSERVE_API_KEY)",
+        "--max-inflight",
+        type=int,
+        default=_DEFAULTS.max_inflight,
+        help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
     )
+    add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
@@ -65,6 +67,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         grpc_port=a.grpc_port,
         metrics_port=a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
+        max_inflight=a.max_inflight,
         api_key=a.api_key,
         cluster_token=cluster_token,
     )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
+from splitserve.credentials import add_secret_argument
 from splitserve.router.config import RoutingConfig
 from splitserve.router.flags import add_router_arguments
 
@@ -21,10 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size", type=int, default=RoutingConfig().block_size, help="tokens per KV block: the workers'"
     )
-    p.add_argument(
-        "--cluster-token",
-        default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
-        help="sent to the workers (default: $SPLITSERVE_CLUSTER_TOKEN)",
+    add_secret_argument(
+        p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, sent to the workers on every call"
     )
 
 

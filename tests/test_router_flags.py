@@ -26,6 +26,8 @@ ROUTER_FLAGS = [
     "64",
     "--prefill-backlog-tokens",
     "700",
+    "--max-inflight",
+    "12",
     "--api-key",
     "k",
 ]
@@ -49,6 +51,7 @@ def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
             grpc_port=6000,
             http_port=None,
             metrics_port=9400,
+            max_inflight=12,
             api_key="k",
             cluster_token="token",
         )
@@ -59,6 +62,7 @@ def test_the_flags_defaults_are_the_configs() -> None:
     cfg = router_config_from_args(parse("router", "--decode", "d:1", "--api-key", ""), None)
     assert cfg.routing == RoutingConfig()
     assert (cfg.host, cfg.grpc_port, cfg.metrics_port, cfg.http_port) == ("0.0.0.0", 50051, 0, 8000)
+    assert cfg.max_inflight == RouterConfig().max_inflight
 
 
 def test_the_router_command_reads_its_cluster_token_flag() -> None:
