@@ -40,9 +40,11 @@ class WorkerArgs:
     kv_transport: str = "tcp"
 
     def flags(self) -> list[str]:
+        # no cluster token: both workers listen on loopback, their only caller the benchmark's router
         f = ["--dtype", self.dtype, "--threads", str(self.threads), "--num-blocks", str(self.num_blocks),
              "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-             "--kv-transport", self.kv_transport]  # fmt: skip
+             "--kv-transport", self.kv_transport,
+             "--insecure-no-cluster-token"]  # fmt: skip
         return f + (["--model", self.model] if self.model else [])
 
 

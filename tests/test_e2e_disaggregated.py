@@ -41,6 +41,7 @@ ENGINE_FLAGS = (
     "128",
     "--threads",
     "1",
+    "--insecure-no-cluster-token",  # loopback only
 )
 TRANSPORTS = ["tcp"] + (["ucx"] if importlib.util.find_spec("ucxx") else [])
 

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 TOKEN_KEY = "x-splitserve-token"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address to listen on) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def cluster_token_refusal(token: str | None, insecure: bool, host: str) -> str | None:
+    """Why a worker must not start with these settings, or None. Without a token anyone who
+    reaches the port can reserve blocks, start prefills and read streams, so that is allowed
+    only when asked for by name and only on a loopback address."""
+    give = "give --cluster-token-file, $SPLITSERVE_CLUSTER_TOKEN or --cluster-token"
+    if token:
+        return None
+    if not insecure:
+        return f"no cluster token: {give} (or --insecure-no-cluster-token with a loopback --host)"
+    if not is_loopback(host):
+        return f"--insecure-no-cluster-token is only accepted with a loopback --host, not {host!r}: {give}"
+    return None
 
 
 class ClusterTokenInterceptor(grpc.ServerInterceptor):

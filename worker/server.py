@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from splitserve.credentials import add_secret_argument
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
-from splitserve.worker.auth import ClusterTokenInterceptor
+from splitserve.worker.auth import ClusterTokenInterceptor, cluster_token_refusal
 from splitserve.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     interceptors: list[grpc.ServerInterceptor] = (
         [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
     )
+    if not cfg.cluster_token:  # the command refuses this off loopback; a library caller chose it
+        log.warning("%s worker %s: no cluster token, every control call is accepted", cfg.role, cfg.worker_id)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + 8, thread_name_prefix=f"{cfg.role}-rpc"),
         interceptors=interceptors,
@@ -143,10 +147,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    add_secret_argument(
+        p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, required from every caller"
+    )
     p.add_argument(
-        "--cluster-token",
-        default=os.environ.get("SPLITSERVE_CLUSTER_TOKEN"),
-        help="required from callers (default: $SPLITSERVE_CLUSTER_TOKEN)",
+        "--insecure-no-cluster-token",
+        action="store_true",
+        help="start without a cluster token, every control call accepted; only with a loopback --host",
     )
     p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint (0: off)")
@@ -160,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
+    refusal = cluster_token_refusal(a.cluster_token, a.insecure_no_cluster_token, a.host)
+    if refusal is not None:
+        print(f"splitserve worker: {refusal}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = WorkerConfig(
         role=a.role,

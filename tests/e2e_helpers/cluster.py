@@ -26,7 +26,18 @@ from splitserve.worker.launch import WorkerProcess
 
 T = TypeVar("T")
 
-FLAGS = ("--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "64", "--threads", "1")
+# loopback workers without a cluster token (the hostile-input tests check the token on workers that have one)
+FLAGS = (
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    "512",
+    "--max-num-batched-tokens",
+    "64",
+    "--threads",
+    "1",
+    "--insecure-no-cluster-token",
+)
 
 
 def stats(w: WorkerProcess) -> wpb.WorkerStats:
