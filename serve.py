@@ -12,10 +12,12 @@ import os
 import secrets
 import signal
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from splitserve.router.scaling import ScalingConfig
+    from splitserve.router.server import Router
 
 log = logging.getLogger("splitserve.serve")
 
@@ -67,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: how long requests in flight may run on while no new ones are taken",
+    )
 
 
 def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
@@ -169,7 +177,13 @@ async def _serve(
             decode_scaling,
         ),
     ]
-    router = Router(router_config_from_args(a, cluster_token), tokenizer)
+    router_cfg = router_config_from_args(a, cluster_token)
+    # ready (health SERVING) once every pool that will serve requests has a worker up; a colocated
+    # router never calls the prefill pool
+    required = tuple(
+        spec.role for spec in specs if spec.replicas and (spec.role == "decode" or router_cfg.mode != "colocated")
+    )
+    router = Router(replace(router_cfg, required_pools=required), tokenizer)
     pools = PoolManager(specs, router.workers, metrics=router.metrics)
 
     async def start() -> None:
@@ -204,11 +218,34 @@ async def _serve(
             starting.result()  # a failed start ends here, through the finally below
             await stopping
     finally:
-        print("splitserve: stopping", flush=True)
+        started = starting.done() and not starting.cancelled() and starting.exception() is None
         for t in (starting, stopping):
             t.cancel()
         await asyncio.gather(starting, stopping, return_exceptions=True)
-        await pools.stop()
+        if started:
+            await _drain(router, a.shutdown_grace_s, loop)
+        print("splitserve: stopping", flush=True)
+        # the router first: no request may be routed to a worker that is going away
         await router.stop()
+        await pools.stop()
         ray.shutdown()
     return 0
+
+
+async def _drain(router: Router, grace_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    """A graceful stop: health turns NOT_SERVING and new requests are refused at once, while the
+    requests in flight finish, for up to `grace_s` (a second signal cuts it short)."""
+    router.drain()
+    n = router.generation.inflight
+    print(f"splitserve: draining: health NOT_SERVING, {n} request(s) in flight, up to {grace_s:g} s", flush=True)
+    again = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, again.set)
+    drained = asyncio.ensure_future(router.drained(grace_s))
+    forced = asyncio.ensure_future(again.wait())
+    await asyncio.wait({drained, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not (drained.done() and drained.result()):
+        drained.cancel()
+        left = router.generation.inflight
+        print(f"splitserve: {left} request(s) still in flight after the grace period; cutting them", flush=True)

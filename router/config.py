@@ -107,6 +107,9 @@ class RouterConfig:
     allow_logprobs: bool = True
     max_request_id_chars: int = 128
 
+    # --- readiness: health is NOT_SERVING until each of these pools has a ready worker
+    required_pools: tuple[str, ...] = ("decode",)
+
     # --- overload
     max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once
 
@@ -167,6 +170,8 @@ class RouterConfig:
         )
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("RouterConfig.max_prompt_tokens must be below max_model_len")
+        if not set(self.required_pools) <= {"decode", "prefill"}:
+            raise ValueError(f"RouterConfig.required_pools must name decode and/or prefill, got {self.required_pools}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("RouterConfig.default_max_tokens must not exceed max_tokens_cap")
 

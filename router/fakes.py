@@ -123,6 +123,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.cancelled: list[str] = []  # request ids whose Decode call the router cancelled
         self.cache: set[bytes] = set()
         self.tokens_sent = 0
+        self.stats_busy = False  # answer GetStats with RESOURCE_EXHAUSTED, as a worker at its call limit does
+        self.stats_refused = 0  # GetStats calls answered so
         self._subscribers: list[asyncio.Queue[wpb.BlockEventBatch]] = []
 
     def _store(self, hashes: list[bytes]) -> None:
@@ -158,6 +160,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             self._subscribers.remove(q)
 
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        if self.stats_busy:
+            self.stats_refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded")
         used = sum(cdiv(n, self.block_size) for n in self.active.values())
         return wpb.WorkerStats(
             worker_id=self.worker_id,

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front door: `POST /v1/chat/completions`,
 `POST /v1/completions` (streaming as server-sent events or whole), `GET
-/v1/models`, `GET /health`.
+/v1/models`, `GET /health` (200 once ready, router/readiness.py; 503 naming
+what it waits for), `GET /metrics` (the router's Prometheus metrics).
 
 Each request is translated into the public `GenerateRequest` and goes through
 exactly the gRPC path: the same admission, validation, routing and streaming.
@@ -18,19 +19,23 @@ request at once (handler cancellation), wherever the handler is waiting.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
+from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
 from splitserve.router.server import status_details
 
@@ -241,9 +246,13 @@ def from_openai(body: Any, chat: bool, vocab_size: int | None = None) -> OpenAIR
 
 
 class OpenAIServer:
-    def __init__(self, generation: Any, model_name: str) -> None:
+    def __init__(
+        self, generation: Any, model_name: str, ready: Callable[[], Readiness], registry: CollectorRegistry
+    ) -> None:
         self.generation = generation  # router.server.GenerationService
         self.model_name = model_name
+        self.ready = ready  # Router.readiness
+        self.registry = registry  # the router's metrics
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.add_routes(
             [
@@ -251,6 +260,7 @@ class OpenAIServer:
                 web.post("/v1/completions", self.completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
             ]
         )
         self._runner: web.AppRunner | None = None
@@ -274,10 +284,15 @@ class OpenAIServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        healthy = bool(self.generation.workers.decode_loads())
-        return web.json_response(
-            {"status": "ok" if healthy else "no healthy decode worker"}, status=200 if healthy else 503
-        )
+        r = self.ready()
+        body = {"status": "ok"} if r.ready else {"status": r.code, "reason": r.reason}
+        return web.json_response(body, status=200 if r.ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics, on the HTTP port too (no separate port to open)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=True)
@@ -425,7 +440,11 @@ class OpenAIServer:
         except ConnectionResetError:
             # The client went away between two writes, before its disconnect cancelled this
             # handler: leaving the `async with` closed the stream (and so the worker calls).
-            log.debug("request %s: the client disconnected", rid)
+            # An ordinary event, not a fault: one line, no traceback.
+            log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
+        except asyncio.CancelledError:  # the disconnect noticed while waiting (handler cancellation)
+            log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
+            raise
         return resp
 
 

@@ -150,8 +150,9 @@ class RequestRun:
         force_local = False
         moves = 0
         last_error = ""
+        all_busy = True  # every attempt so far was refused for lack of room (or there was none)
         while True:
-            worker, mode = self._route(excluded, force_local, last_error)
+            worker, mode = self._route(excluded, force_local, last_error, busy=bool(excluded) and all_busy)
             try:
                 async for resp in self._attempt(worker, mode):
                     yield resp
@@ -161,6 +162,7 @@ class RequestRun:
                 last_error = f"{worker}: {e}"
                 if e.exclude:
                     excluded.append(worker)
+                all_busy = all_busy and e.fault is Fault.BUSY
                 if e.fault is Fault.WORKER:
                     self.workers.mark_failed(worker)
                 elif e.fault is Fault.UNCLEAR:
@@ -168,7 +170,8 @@ class RequestRun:
                 force_local = force_local or e.force_local
                 moves += 1
                 if moves > self.cfg.max_migrations:
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"gave up after {moves} attempts: {e}") from None
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED if all_busy else grpc.StatusCode.UNAVAILABLE
+                    raise RequestFailed(code, f"gave up after {moves} attempts: {e}") from None
                 if self.generated:
                     self.metrics.migrations.inc()
 
@@ -182,9 +185,17 @@ class RequestRun:
                 f"(query-of-death protection); last: {e}",
             ) from None
 
-    def _route(self, exclude: list[str], force_local: bool, last_error: str) -> tuple[str, policy.PrefillMode]:
+    def _route(
+        self, exclude: list[str], force_local: bool, last_error: str, busy: bool = False
+    ) -> tuple[str, policy.PrefillMode]:
+        """`busy`: every worker tried so far refused for lack of room; if none is left, that is
+        overload (RESOURCE_EXHAUSTED, HTTP 429: retry later), not an outage."""
         loads = self.workers.decode_loads(exclude)
         if not loads:
+            if busy:
+                raise RequestFailed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"every decode worker is full; retry later ({last_error})"
+                )
             why = f" (last attempt: {last_error})" if last_error else ""
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}")
         context = [*self.req.prompt_token_ids, *self.generated]

@@ -18,7 +18,7 @@ import hmac
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,6 +28,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.readiness import Readiness, readiness
 from splitserve.router.request import RequestFailed, RequestRun
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidationError, validate
@@ -76,6 +77,9 @@ class GenerationService:
         self.metrics = metrics
         self.rng = rng
         self.inflight = 0
+        self.draining = False  # set by Router.drain: new requests are refused, running ones go on
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
         self._active: set[str] = set()  # request ids in flight
         self._bearer = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
@@ -96,6 +100,8 @@ class GenerationService:
         itself fails.
         """
         self.check_key(authorization)
+        if self.draining:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: retry on another replica")
         if self.inflight >= self.cfg.max_inflight:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {self.cfg.max_inflight} requests in flight"
@@ -120,6 +126,7 @@ class GenerationService:
         """Run an admitted request, counted in flight; failures come out as RequestFailed."""
         rid = run.req.request_id
         self.inflight += 1
+        self._idle.clear()
         self.metrics.inflight.inc()
         self._active.add(rid)
         try:
@@ -134,8 +141,18 @@ class GenerationService:
             raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
         finally:
             self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
             self.metrics.inflight.dec()
             self._active.discard(rid)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Whether nothing is in flight within `timeout_s` (for a graceful stop)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: bytes, context: grpc.aio.ServicerContext
@@ -176,10 +193,11 @@ def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHa
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
-    """SERVING while at least one decode worker is healthy."""
+    """SERVING while the router is ready (router/readiness.py): every required pool has a ready
+    worker and the router is not draining."""
 
-    def __init__(self, workers: WorkerSet) -> None:
-        self.workers = workers
+    def __init__(self, ready: Callable[[], Readiness]) -> None:
+        self.ready = ready
         self._changed = asyncio.Event()
 
     def notify(self) -> None:
@@ -188,7 +206,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
     def _status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus:
         if service not in ("", SERVICE_NAME):
             return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-        if self.workers.healthy("decode"):
+        if self.ready().ready:
             return health_pb2.HealthCheckResponse.SERVING
         return health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -236,8 +254,9 @@ class Router:
         self.index = PrefixIndex()
         self.metrics = metrics or RouterMetrics(cfg)
         self.workers = WorkerSet(cfg, self.index, on_health_change=self._health_changed)
-        self.health = HealthService(self.workers)
+        self.health = HealthService(self.readiness)
         self.generation = GenerationService(cfg, tokenizer, self.workers, self.metrics, rng or random.Random())
+        self.draining = False
         self._initial = (list(decode), list(prefill))
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -246,6 +265,27 @@ class Router:
 
     def _health_changed(self) -> None:
         self.health.notify()
+
+    def readiness(self) -> Readiness:
+        """Whether to take requests now, and if not, why (gRPC health and GET /health both ask this)."""
+        ready: dict[str, int] = {}
+        known: dict[str, int] = {}
+        for w in self.workers.all():
+            known[w.role] = known.get(w.role, 0) + 1
+            if w.healthy and not w.draining:
+                ready[w.role] = ready.get(w.role, 0) + 1
+        return readiness(ready, known, self.cfg.required_pools, self.draining)
+
+    def drain(self) -> None:
+        """Stop taking requests (health turns NOT_SERVING; new calls get UNAVAILABLE); in-flight
+        ones go on. The first step of a graceful stop: see `drained`."""
+        self.draining = True
+        self.generation.draining = True
+        self.health.notify()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Whether every request in flight finished within `timeout_s` (after `drain`)."""
+        return await self.generation.wait_idle(timeout_s)
 
     async def start(self, port: int | None = None) -> int:
         """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
@@ -259,7 +299,7 @@ class Router:
         if self.cfg.http_port is not None:
             from splitserve.router.http import OpenAIServer
 
-            self.http = OpenAIServer(self.generation, self.cfg.model_name)
+            self.http = OpenAIServer(self.generation, self.cfg.model_name, self.readiness, self.metrics.registry)
             self.http_port = await self.http.start(self.cfg.host, self.cfg.http_port)
             log.info("OpenAI-compatible HTTP on %s:%d", self.cfg.host, self.http_port)
         decode, prefill = self._initial

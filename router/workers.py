@@ -185,10 +185,14 @@ class WorkerSet:
             try:
                 st = await w.stub.GetStats(wpb.StatsRequest(), timeout=cfg.stats_timeout_s, metadata=cfg.auth_metadata)
             except grpc.aio.AioRpcError as e:
-                w.failures += 1
-                if w.failures >= cfg.unhealthy_after_failures:
-                    w.healthy = False
-                log.debug("stats from %s failed (%d in a row): %s", w.address, w.failures, e.code())
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # the worker answered, at its own limit of concurrent calls: alive and busy, not dead
+                    log.debug("stats from %s refused: the worker is at its call limit", w.address)
+                else:
+                    w.failures += 1
+                    if w.failures >= cfg.unhealthy_after_failures:
+                        w.healthy = False
+                    log.debug("stats from %s failed (%d in a row): %s", w.address, w.failures, e.code())
             else:
                 if st.block_size and st.block_size != cfg.block_size:
                     if w.healthy or w.failures == 0:

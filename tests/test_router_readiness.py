@@ -1,0 +1,175 @@
+"""Readiness, draining and overload at the router: health says NOT_SERVING (gRPC) and 503 (HTTP,
+naming what it waits for) until every required pool has a ready worker; a drain refuses new
+requests at once while those in flight finish; a full pool is 429 / RESOURCE_EXHAUSTED, not an
+outage; a worker at its own call limit is busy, not dead; /metrics is on the HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.proto.splitserve.v1 import generate_pb2_grpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+from splitserve.router.readiness import DRAINING, NO_WORKER, READY, readiness
+from splitserve.router.server import Router
+from splitserve.router.tokenizer import ByteTokenizer
+from tests.test_router_server import cluster, joined, run, status_of, until
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# ---- the pure function
+
+
+def test_ready_needs_a_ready_worker_in_every_required_pool() -> None:
+    assert readiness({"decode": 1}, {"decode": 1}, ("decode",), False).code == READY
+    r = readiness({"decode": 1}, {"decode": 1, "prefill": 2}, ("decode", "prefill"), False)
+    assert (r.code, r.reason) == (NO_WORKER, "no ready prefill worker (2 starting)")
+    r = readiness({}, {}, ("decode",), False)
+    assert (r.code, r.reason, r.ready) == (NO_WORKER, "no decode worker yet", False)
+    # a pool that is not required does not hold readiness back
+    assert readiness({"decode": 1}, {"decode": 1, "prefill": 1}, ("decode",), False).ready
+
+
+def test_draining_is_never_ready() -> None:
+    r = readiness({"decode": 3, "prefill": 3}, {"decode": 3, "prefill": 3}, ("decode",), True)
+    assert r.code == DRAINING and not r.ready and "shutting down" in r.reason
+
+
+def test_required_pools_are_checked() -> None:
+    with pytest.raises(ValueError, match="required_pools"):
+        RouterConfig(required_pools=("decode", "encode"))
+
+
+# ---- the router
+
+
+async def _health(port: int) -> Any:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())).status
+
+
+def test_health_waits_for_every_required_pool_on_both_front_doors() -> None:
+    async def scenario() -> None:
+        kv = FakeKVPlane()
+        d, p = FakeDecodeWorker(kv, [1, 2], worker_id="d0"), FakePrefillWorker(kv, [1, 2], worker_id="p0")
+        await d.start()
+        cfg = RouterConfig(
+            host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, required_pools=("decode", "prefill")
+        )
+        router = Router(cfg, ByteTokenizer(), decode=[d.address], rng=random.Random(0))
+        port = await router.start()
+        try:
+            await router.wait_for_workers()
+            # the decode pool is up, the prefill pool is not: not ready on either front door
+            assert await _health(port) == NOT_SERVING
+            url = f"http://127.0.0.1:{router.http_port}"
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url}/health") as h:
+                    assert h.status == 503
+                    assert await h.json() == {"status": NO_WORKER, "reason": "no prefill worker yet"}
+                await p.start()
+                router.workers.add(p.address, "prefill")
+                await router.wait_for_workers()
+                assert await _health(port) == SERVING
+                async with s.get(f"{url}/health") as h:
+                    assert (h.status, await h.json()) == (200, {"status": "ok"})
+        finally:
+            await router.stop(0)
+            await d.stop()
+            await p.stop()
+
+    run(scenario)
+
+
+def test_a_drain_refuses_new_requests_at_once_and_lets_those_in_flight_finish() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 0.02}]) as c:
+            watch = health_pb2_grpc.HealthStub(c.channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == SERVING
+            running = asyncio.ensure_future(c.generate(text="hi", request_id="in-flight"))
+            await until(lambda: c.router.generation.inflight == 1)
+            c.router.drain()
+            assert (await watch.read()).status == NOT_SERVING  # pushed to watchers at once
+            watch.cancel()
+            e = await status_of(c.generate(text="late"))
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (e.details() or "")
+            assert c.router.generation.inflight == 1  # the refusal did not wait for anything
+            assert await c.router.drained(timeout_s=10)
+            text, _ = joined(await running)
+            assert text == "Hello, world! The end."
+
+    run(scenario)
+
+
+def test_drained_says_when_the_grace_period_runs_out() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"token_delay_s": 5.0}]) as c:
+            running = asyncio.ensure_future(c.generate(text="hi"))
+            await until(lambda: c.router.generation.inflight == 1)
+            c.router.drain()
+            assert not await c.router.drained(timeout_s=0.2)
+            running.cancel()
+
+    run(scenario)
+
+
+def test_every_decode_worker_full_is_resource_exhausted_not_unavailable() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"refuse": True}, {"refuse": True}]) as c:
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            assert "full" in (e.details() or "")
+            # and neither worker was taken for dead
+            assert all(w.healthy for w in c.router.workers.all())
+
+    run(scenario)
+
+
+def test_a_worker_at_its_call_limit_is_busy_not_dead() -> None:
+    async def scenario() -> None:
+        async with cluster(unhealthy_after_failures=1) as c:
+            d = c.decode[0]
+            w = c.router.workers.all()[0]
+            d.stats_busy = True
+            await until(lambda: d.stats_refused >= 4)  # past unhealthy_after_failures, several times over
+            assert w.healthy and w.failures == 0
+            joined(await c.generate(text="hi"))
+
+    run(scenario)
+
+
+def test_metrics_are_on_the_http_port() -> None:
+    async def scenario() -> None:
+        kv = FakeKVPlane()
+        d = FakeDecodeWorker(kv, list(b"ok"), worker_id="d0")
+        await d.start()
+        cfg = RouterConfig(host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05)
+        router = Router(cfg, ByteTokenizer(), decode=[d.address], rng=random.Random(0))
+        port = await router.start()
+        try:
+            await router.wait_for_workers()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = generate_pb2_grpc.GenerationStub(ch)
+                [r async for r in stub.Generate(pb.GenerateRequest(text="hi"))]
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{router.http_port}/metrics") as m:
+                assert m.status == 200 and m.headers["Content-Type"].startswith("text/plain")
+                text = await m.text()
+            assert 'splitserve_router_requests_total{code="OK"} 1.0' in text
+            assert "splitserve_router_ttft_seconds_bucket" in text
+        finally:
+            await router.stop(0)
+            await d.stop()
+
+    run(scenario)
