@@ -28,6 +28,7 @@ from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+from splitserve.worker.admission import QueueFull, check_room
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.grpc_abort import refuse
@@ -80,6 +81,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
 
                 def admit_local(engine: Engine) -> int:
+                    check_room(engine, self.cfg.waiting_limit)
                     engine.add_request(rid, prompt, params, output_token_ids=prior)
                     return engine.scheduler.cached_prefix_tokens(prompt + prior)
 
@@ -145,6 +147,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             return self.loop.call(fn).result(timeout=self.cfg.admit_timeout_s)
         except ValueError as e:  # the engine refused what the request asked for
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except TimeoutError:
             refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not admit the request in time")
         except RuntimeError as e:

@@ -28,6 +28,7 @@ from splitserve.prefill_worker.connector import SenderConnector
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+from splitserve.worker.admission import QueueFull, check_room
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.grpc_abort import refuse
@@ -122,6 +123,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 with job.lock:
                     if job.cancelled:
                         return  # the router went away while this call waited for the step to end
+                    check_room(engine, self.cfg.waiting_limit)
                     seq = engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
                     seq.transfer_id = kv.ticket
                     self.connector.add(rid, opened, kv.ticket, first_index)
@@ -131,6 +133,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 self.loop.call(admit).result(timeout=self.cfg.admit_timeout_s)
             except ValueError as e:
                 refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except QueueFull as e:
+                refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except TimeoutError:
                 refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not admit the request in time")
             try:

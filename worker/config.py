@@ -27,6 +27,11 @@ class WorkerConfig:
     request_timeout_s: float = 600.0  # the longest one Decode stream may live
     prefill_timeout_s: float = 300.0  # a Prefill call, KV confirmed included
     max_concurrent_rpcs: int = 512  # beyond: RESOURCE_EXHAUSTED from gRPC itself
+    # Requests admitted but not yet running (waiting for a seat or blocks) beyond which new ones are
+    # refused at once (RESOURCE_EXHAUSTED, the router tries another worker or answers 429): a deep
+    # queue only turns overload into missed deadlines. 0: twice the engine's max_num_seqs.
+    max_waiting_requests: int = 0
+    warm_up: bool = True  # one short request through the engine before listening (worker/warm_up.py)
     threads: int = 0  # torch intra-op threads; 0: torch's default
 
     def __post_init__(self) -> None:
@@ -37,5 +42,12 @@ class WorkerConfig:
         for f in ("grpc_port", "kv_port"):
             if not 0 <= getattr(self, f) < 65536:
                 raise ValueError(f"{f} must be a port number")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0 (0: twice max_num_seqs)")
         if self.lease_ms <= 0 or self.admit_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("lease_ms and timeouts must be positive")
+
+    @property
+    def waiting_limit(self) -> int:
+        """Requests that may wait for a seat at once (max_waiting_requests, or its default)."""
+        return self.max_waiting_requests or 2 * self.engine.max_num_seqs

@@ -1,0 +1,84 @@
+"""A worker's bounded waiting queue (worker/admission.py) and its warm-up step (worker/warm_up.py),
+on a real gRPC worker with a tiny model: past the limit a request is refused at once with
+RESOURCE_EXHAUSTED while the admitted ones run to the end, and no block is lost either way."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+from splitserve.worker.config import WorkerConfig
+from splitserve.worker.server import start_worker
+from splitserve.worker.testing import assert_engine_empty
+from splitserve.worker.warm_up import warm_up
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = tiny_model_config()
+WEIGHTS = random_weights(CFG, seed=3)
+TOKEN = "admission-test-token"
+META = (("x-splitserve-token", TOKEN),)
+
+
+def decode_call(stub: wgrpc.DecodeWorkerStub, rid: str, max_tokens: int):  # type: ignore[no-untyped-def]
+    sampling = wpb.SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, top_p=1.0, repetition_penalty=1.0
+    )
+    return stub.Decode(
+        wpb.DecodeRequest(
+            request_id=rid, prompt_token_ids=[3, 4, 5, 6, 7], sampling=sampling, prefill_mode=wpb.PREFILL_MODE_LOCAL
+        ),
+        metadata=META,
+        timeout=60,
+    )
+
+
+def test_past_the_waiting_limit_a_request_is_refused_at_once_and_the_admitted_finish() -> None:
+    ecfg = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    engine = Engine(CFG, WEIGHTS, ecfg)
+    w = start_worker(WorkerConfig(role="decode", engine=ecfg, cluster_token=TOKEN, max_waiting_requests=1), engine)
+    try:
+        with grpc.insecure_channel(w.grpc_address) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            running = decode_call(stub, "running", 200)  # takes the only seat
+            assert next(running).WhichOneof("event") == "local_prefill"
+            assert next(running).WhichOneof("event") == "tokens"  # it runs
+            waiting = decode_call(stub, "waiting", 4)  # queued behind it: the one waiting place
+            assert next(waiting).WhichOneof("event") == "local_prefill"
+            t = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                next(decode_call(stub, "refused", 4))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limit 1" in (e.value.details() or "")
+            assert time.monotonic() - t < 2.0  # refused, not queued until a deadline
+            tokens = [t for ev in running if ev.WhichOneof("event") == "tokens" for t in ev.tokens.token_ids]
+            assert len(tokens) == 200 - 1  # the first token event was read above
+            later = [t for ev in waiting if ev.WhichOneof("event") == "tokens" for t in ev.tokens.token_ids]
+            assert len(later) == 4
+        w.loop.call(assert_engine_empty).result(timeout=10)
+    finally:
+        w.stop()
+
+
+def test_the_default_limit_is_twice_the_seats() -> None:
+    cfg = WorkerConfig(role="decode", engine=EngineConfig(max_num_seqs=24))
+    assert cfg.waiting_limit == 48
+    assert WorkerConfig(role="decode", max_waiting_requests=5).waiting_limit == 5
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        WorkerConfig(role="decode", max_waiting_requests=-1)
+
+
+def test_warm_up_runs_a_request_and_leaves_the_engine_empty() -> None:
+    engine = Engine(CFG, WEIGHTS, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=32))
+    free = engine.blocks.num_free_blocks
+    assert warm_up(engine) >= 0.0
+    assert engine.blocks.num_free_blocks == free
+    assert_engine_empty(engine)
+    assert not engine.blocks.hash_to_block  # nothing entered the prefix cache
