@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=300.0,
+        help="how long to wait for the server to be ready (its workers loaded and warmed up) before giving up",
+    )
     add_engine_arguments(p)
 
 
@@ -121,8 +131,10 @@ def _remote(a: argparse.Namespace) -> int:
         chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in _messages(a)])
         req = pb.GenerateRequest(chat=chat, sampling=sp)
     metadata = (("authorization", f"Bearer {a.api_key}"),) if a.api_key else ()
-    start, first, n = time.perf_counter(), None, 0
     with grpc.insecure_channel(a.address) as channel:
+        if not wait_ready(channel, a.address, a.wait_s):
+            return 1
+        start, first, n = time.perf_counter(), None, 0
         try:
             for resp in pbg.GenerationStub(channel).Generate(req, metadata=metadata, timeout=600):
                 if resp.token_ids:
@@ -137,6 +149,60 @@ def _remote(a: argparse.Namespace) -> int:
     sys.stdout.flush()
     _print_stats(a, start, first, n)
     return 0
+
+
+def wait_ready(channel: grpc.Channel, address: str, wait_s: float) -> bool:
+    """Until the router's health is SERVING (its pools have ready workers), up to `wait_s`; says once
+    on stderr what it waits for. False, with the reason printed, when the time runs out."""
+    import grpc
+
+    from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    end = time.monotonic() + wait_s
+    said = ""
+
+    def say(why: str) -> None:
+        nonlocal said
+        if why != said:
+            print(f"splitserve generate: waiting for {address} to be ready: {why}", file=sys.stderr, flush=True)
+            said = why
+
+    def give_up() -> bool:
+        said_ = said or "nothing listening there"
+        print(f"splitserve generate: {address} was not ready within {wait_s:g} s ({said_})", file=sys.stderr)
+        return False
+
+    connected = grpc.channel_ready_future(channel)
+    try:
+        connected.result(timeout=min(1.0, wait_s))
+    except grpc.FutureTimeoutError:
+        say("nothing listening there yet")
+        try:
+            connected.result(timeout=max(end - time.monotonic(), 0.001))
+        except grpc.FutureTimeoutError:
+            return give_up()
+    while True:
+        left = end - time.monotonic()
+        try:
+            # Watch pushes every change of status: no polling. wait_for_ready: a router not yet
+            # listening is waited for too, rather than failing at once.
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(), timeout=max(left, 0.001), wait_for_ready=True
+            )
+            for status in watch:
+                if status.status == serving:
+                    watch.cancel()
+                    return True
+                say("the server is up, its worker pools are not ready yet (health NOT_SERVING)")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= end:
+                return give_up()
+            if e.code() != grpc.StatusCode.UNAVAILABLE:  # health not served, wrong address kind, ...
+                why = f"{e.code().name}: {e.details()}"
+                print(f"splitserve generate: health check of {address}: {why}", file=sys.stderr)
+                return False
+            say("nothing listening there yet")
 
 
 def _print_stats(a: argparse.Namespace, start: float, first: float | None, n: int) -> None:
