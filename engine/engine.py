@@ -19,6 +19,7 @@ The engine is not thread-safe: one thread owns it.
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.stats import Clock, IterationStats, StatsRecorder
 from splitserve.engine.tokenizer import Tokenizer
 
 __all__ = ["Engine", "RemotePrefill", "StepOutput"]
@@ -52,7 +54,9 @@ class Engine:
         cfg: EngineConfig,
         eos_token_ids: tuple[int, ...] = (),
         connector: KVConnector | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
+        """`clock` times requests for metrics (engine/stats.py)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.model = LlamaModel(model_cfg, weights, cfg.torch_device, cfg.torch_dtype)
@@ -67,7 +71,8 @@ class Engine:
         self.kv_cache = KVCache(self.layout, cfg.num_blocks + 1, cfg.torch_device)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
-        self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position)
+        self.clock = clock
+        self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
         self.runner = ModelRunner(self.model, self.kv_cache, cfg)
         self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
@@ -109,7 +114,7 @@ class Engine:
                 f"the cache has {self.blocks.num_blocks}"
             )
         self._arrivals += 1
-        return Sequence(request_id, prompt, params, self._arrivals, prefill_only, prior_output)
+        return Sequence(request_id, prompt, params, self._arrivals, prefill_only, prior_output, self.clock())
 
     def add_request(
         self,
@@ -189,6 +194,10 @@ class Engine:
 
     def drain_block_events(self) -> list[BlockEvent]:
         return self.scheduler.drain_block_events()
+
+    def drain_iteration_stats(self) -> IterationStats:
+        """Token counts and request times since the last drain (engine/stats.py)."""
+        return self.scheduler.recorder.drain()
 
     # ---- convenience ----
 

@@ -6,7 +6,8 @@ hear back through per-request sinks called with each `StepOutput`. Once per
 iteration the loop polls the engine's KV connector for transfers that ended
 (a decode worker's arriving KV), so the KV plane's threads never touch the
 engine. Block events and a stats snapshot are published after every step for
-the router.
+the router, and the step's `IterationStats` go to `on_iteration` (the worker's
+metrics) on this thread.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.scheduler import SchedulerStats
+from splitserve.engine.stats import IterationStats
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,15 @@ Stats = SchedulerStats  # what GetStats reports, snapshotted after every step
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        idle_wait_s: float = 0.05,
+        on_iteration: Callable[[IterationStats], None] | None = None,
+    ) -> None:
+        """`on_iteration` is called on the engine thread with what each step counted; it must not block."""
         self.engine = engine
+        self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[StepOutput], None]] = {}
@@ -132,6 +141,9 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.stats = self.engine.stats()
+        it = self.engine.drain_iteration_stats()
+        if self.on_iteration is not None and not it.empty:
+            self.on_iteration(it)
         events = self.engine.drain_block_events()
         if events:
             with self._sub_lock:

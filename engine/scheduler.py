@@ -36,6 +36,7 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sequence import SeqStatus, Sequence
+from splitserve.engine.stats import StatsRecorder
 
 
 class ScheduledBatch(NamedTuple):
@@ -82,9 +83,15 @@ class SchedulerStats(NamedTuple):
 
 class Scheduler:
     def __init__(
-        self, cfg: EngineConfig, blocks: BlockManager, eos_token_ids: frozenset[int], max_position: int
+        self,
+        cfg: EngineConfig,
+        blocks: BlockManager,
+        eos_token_ids: frozenset[int],
+        max_position: int,
+        recorder: StatsRecorder,
     ) -> None:
         self.cfg = cfg
+        self.recorder = recorder  # told as requests run, get tokens and finish (for metrics)
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
         self.max_position = max_position
@@ -130,6 +137,8 @@ class Scheduler:
         if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
             return False
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        if self.blocks.enable_prefix_caching:
+            self.recorder.prefix_lookup(len(seq), seq.num_cached_tokens)
         return True
 
     # ---- a step ----
@@ -206,6 +215,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self.recorder.scheduled(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             seqs.append(seq)
             counts.append(n)
@@ -230,8 +240,9 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprob: float | None, sampled: bool = True) -> StepOutput:
         seq.token_ids.append(token)
+        self.recorder.token(seq, sampled)
         p = seq.params
         reason = None
         if seq.prefill_only:
@@ -244,6 +255,7 @@ class Scheduler:
             self.running.remove(seq)
             seq.status = SeqStatus.HELD
             self.held[seq.request_id] = seq
+            self.recorder.finished(seq, reason)  # done as far as its latency goes; `release` frees it
         elif reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
@@ -252,6 +264,8 @@ class Scheduler:
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not SeqStatus.HELD:  # a held one was recorded when its prefill finished
+            self.recorder.finished(seq, reason)
         del self.requests[seq.request_id]
         self.blocks.free_blocks(seq.block_table)
         seq.status = SeqStatus.FINISHED
@@ -272,9 +286,10 @@ class Scheduler:
         self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)  # its seat was taken at reserve
+        self.recorder.scheduled(seq)
         # The router has the first token from the prefill worker already: it joins the sequence,
         # but the output carries no token, only whether that token finished the request.
-        return self._append(seq, first_token, logprob)._replace(token_id=-1, logprob=None)
+        return self._append(seq, first_token, logprob, sampled=False)._replace(token_id=-1, logprob=None)
 
     def fail_transfer(self, request_id: str, transfer_id: bytes, code: str) -> StepOutput | None:
         """A request's KV transfer failed, and nothing writes or reads its blocks for it any more: the
@@ -318,6 +333,7 @@ class Scheduler:
         elif status is SeqStatus.RESERVED:
             del self.reserved[request_id]
             if not cancel_transfer(seq.transfer_id):
+                self.recorder.finished(seq, "abort")
                 del self.requests[request_id]
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
                 self.aborting[seq.transfer_id] = seq

@@ -8,6 +8,7 @@ import enum
 import torch
 
 from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.stats import RequestTimes
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +35,7 @@ class Sequence:
         "prefill_only",
         "max_output_tokens",
         "transfer_id",
+        "times",
     )
 
     def __init__(
@@ -44,6 +46,7 @@ class Sequence:
         arrival: int,
         prefill_only: bool = False,
         prior_output: list[int] | None = None,
+        arrival_time: float = 0.0,
     ) -> None:
         self.request_id = request_id
         prior = list(prior_output or ())
@@ -64,6 +67,7 @@ class Sequence:
         self.arrival = arrival  # admission order: preemption takes the newest first
         self.prefill_only = prefill_only  # prefill role: finish after the first token
         self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
+        self.times = RequestTimes(arrival_time)  # for metrics (engine/stats.py), on the engine's clock
 
     def __len__(self) -> int:
         return len(self.token_ids)
