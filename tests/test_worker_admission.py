@@ -5,6 +5,7 @@ RESOURCE_EXHAUSTED while the admitted ones run to the end, and no block is lost 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -27,7 +28,7 @@ TOKEN = "admission-test-token"
 META = (("x-splitserve-token", TOKEN),)
 
 
-def decode_call(stub: wgrpc.DecodeWorkerStub, rid: str, max_tokens: int):  # type: ignore[no-untyped-def]
+def decode_call(stub: wgrpc.DecodeWorkerStub, rid: str, max_tokens: int) -> Any:
     sampling = wpb.SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True, top_p=1.0, repetition_penalty=1.0
     )
