@@ -21,6 +21,7 @@ from splitserve.decode_worker.connector import ReceiverConnector
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
 from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.stats import Clock
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.kv_transfer import KVReceiver, KVSender, KVStream
 from splitserve.kv_transfer.fake import FakeTransport
@@ -28,7 +29,11 @@ from splitserve.prefill_worker.connector import SenderConnector
 
 
 def tiny_engine(
-    num_blocks: int = 64, max_num_seqs: int = 8, block_size: int = 4, max_num_batched_tokens: int = 64
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    clock: Clock = time.monotonic,
 ) -> Engine:
     cfg = tiny_model_config()
     return Engine(
@@ -40,6 +45,7 @@ def tiny_engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         ),
+        clock=clock,
     )
 
 
@@ -75,11 +81,11 @@ class EnginePair:
     prefill_connector: SenderConnector
 
     @staticmethod
-    def tiny(decode_max_num_seqs: int = 8, num_blocks: int = 64) -> EnginePair:
+    def tiny(decode_max_num_seqs: int = 8, num_blocks: int = 64, clock: Clock = time.monotonic) -> EnginePair:
         transport = FakeTransport()
         # the prefill engine takes 8 tokens a step, so a prompt's layers go out over several steps
-        prefill = tiny_engine(num_blocks, max_num_batched_tokens=8)
-        decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs)
+        prefill = tiny_engine(num_blocks, max_num_batched_tokens=8, clock=clock)
+        decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs, clock=clock)
         receiver = KVReceiver(decode.kv_cache, transport=transport)
         decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
         decode.connect(decode_connector)
