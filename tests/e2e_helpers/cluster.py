@@ -26,31 +26,23 @@ from splitserve.worker.launch import WorkerProcess
 
 T = TypeVar("T")
 
-# loopback workers without a cluster token (the hostile-input tests check the token on workers that have one)
-FLAGS = (
-    "--dtype",
-    "float32",
-    "--num-blocks",
-    "512",
-    "--max-num-batched-tokens",
-    "64",
-    "--threads",
-    "1",
-    "--insecure-no-cluster-token",
-)
+ENGINE_FLAGS = ("--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "64", "--threads", "1")
+# loopback workers without a cluster token (test_e2e_hostile checks the token on workers that have one)
+FLAGS = (*ENGINE_FLAGS, "--insecure-no-cluster-token")
 
 
-def stats(w: WorkerProcess) -> wpb.WorkerStats:
+def stats(w: WorkerProcess, token: str | None = None) -> wpb.WorkerStats:
+    """GetStats, with the cluster token when the worker has one."""
     with grpc.insecure_channel(w.grpc_address) as ch:
         stub = wgrpc.DecodeWorkerStub(ch) if w.role == "decode" else wgrpc.PrefillWorkerStub(ch)
-        return stub.GetStats(wpb.StatsRequest(), timeout=10)
+        return stub.GetStats(wpb.StatsRequest(), timeout=10, metadata=(("x-splitserve-token", token),) if token else ())
 
 
-def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 30.0) -> float:
+def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 30.0, token: str | None = None) -> float:
     """Until every worker has all its blocks free and nothing queued or running; returns the seconds it took."""
     t0 = time.monotonic()
     while True:
-        s = [stats(w) for w in workers]
+        s = [stats(w, token) for w in workers]
         if all(x.free_blocks == x.total_blocks and x.running_requests == 0 and x.queue_length == 0 for x in s):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
