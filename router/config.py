@@ -126,6 +126,9 @@ class RouterConfig:
     block_events_timeout_s: float = 3600.0  # a subscription is re-opened after this (fresh snapshot)
     reconnect_backoff_s: float = 0.5
     unhealthy_after_failures: int = 2  # stats polls failed in a row
+    # With no decode worker healthy at all (the last one died, the pool is starting), a request waits
+    # this long, within its own deadline, for one (the pool manager's replacement) and goes on there.
+    no_decode_wait_s: float = 60.0
 
     # --- retries
     max_migrations: int = 2  # decode workers a request may move to after the first dies

@@ -152,7 +152,12 @@ class RequestRun:
         last_error = ""
         all_busy = True  # every attempt so far was refused for lack of room (or there was none)
         while True:
-            worker, mode = self._route(excluded, force_local, last_error, busy=bool(excluded) and all_busy)
+            busy = bool(excluded) and all_busy
+            if not busy and not self.workers.healthy("decode"):
+                # the whole decode pool is down (its last worker died, or it is still starting):
+                # wait for the replacement within the deadline instead of failing every stream
+                await self.workers.wait_for_decode(min(self.cfg.no_decode_wait_s, self._remaining_s()))
+            worker, mode = self._route(excluded, force_local, last_error, busy=busy)
             try:
                 async for resp in self._attempt(worker, mode):
                     yield resp

@@ -84,6 +84,7 @@ class WorkerSet:
         self.index = index
         self._workers: dict[str, Worker] = {}
         self._on_health_change = on_health_change or (lambda: None)
+        self._changed = asyncio.Event()  # replaced, after being set, at every change of health
         self._closed = False
         # selected once, here, because the round-robin baseline counts its turns across requests
         self.decode_chooser: DecodeChooser = decode_chooser(cfg.routing)
@@ -117,7 +118,7 @@ class WorkerSet:
         self.index.cleared(address)
         asyncio.get_running_loop().create_task(w.channel.close())
         log.info("removed %s worker %s", w.role, address)
-        self._on_health_change()
+        self._health_changed()
 
     async def close(self) -> None:
         self._closed = True
@@ -126,6 +127,25 @@ class WorkerSet:
                 t.cancel()
             await w.channel.close()
         self._workers.clear()
+
+    def _health_changed(self) -> None:
+        self._on_health_change()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_for_decode(self, timeout_s: float) -> bool:
+        """Until some decode worker is healthy (a replacement for a dead one, the first one at
+        start), up to `timeout_s`; whether one is. Woken by health changes, not by polling."""
+        end = asyncio.get_running_loop().time() + timeout_s
+        while not self.healthy("decode"):
+            left = end - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     # ---- what routing reads
 
@@ -157,7 +177,7 @@ class WorkerSet:
         w = self._workers.get(address)
         if w is not None and w.healthy:
             w.healthy = False
-            self._on_health_change()
+            self._health_changed()
 
     def drain(self, address: str) -> None:
         """Stop routing new requests to this worker; its running ones finish (see `drained`)."""
@@ -165,7 +185,7 @@ class WorkerSet:
         if w is not None and not w.draining:
             w.draining, w.idle_polls = True, 0
             log.info("draining %s worker %s", w.role, address)
-            self._on_health_change()
+            self._health_changed()
 
     def drained(self, address: str) -> bool:
         """A draining worker has answered two stats polls in a row with nothing queued, running or held."""
@@ -210,7 +230,7 @@ class WorkerSet:
                         w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
             if w.healthy != was:
                 log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
-                self._on_health_change()
+                self._health_changed()
             await asyncio.sleep(cfg.stats_interval_s)
 
     async def _follow_blocks(self, w: Worker) -> None:

@@ -173,3 +173,35 @@ def test_metrics_are_on_the_http_port() -> None:
             await d.stop()
 
     run(scenario)
+
+
+# ---- the decode pool's last worker dies
+
+
+def test_streams_wait_for_a_replacement_when_the_last_decode_worker_dies() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"die_after_tokens": 6, "token_delay_s": 0.01}]) as c:
+            want = "Hello, world! The end."
+            streams = [asyncio.ensure_future(c.generate(text="hi", request_id=f"s{i}")) for i in range(3)]
+            await until(lambda: not c.router.workers.healthy("decode"))  # the only worker is gone
+            assert not any(s.done() for s in streams)  # and no stream failed for it
+            replacement = FakeDecodeWorker(FakeKVPlane(), list(want.encode()), worker_id="d-new")
+            await replacement.start()
+            c.decode.append(replacement)  # stopped by the cluster's exit
+            c.router.workers.add(replacement.address, "decode")  # what the pool manager does
+            for s in streams:
+                assert joined(await s)[0] == want
+            assert replacement.requests  # the streams went on there
+
+    run(scenario)
+
+
+def test_without_a_replacement_the_wait_ends_unavailable() -> None:
+    async def scenario() -> None:
+        async with cluster(decode=[{"die_after_tokens": 3}], no_decode_wait_s=0.3) as c:
+            t = asyncio.get_running_loop().time()
+            e = await status_of(c.generate(text="hi"))
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            assert 0.25 <= asyncio.get_running_loop().time() - t < 5.0
+
+    run(scenario)

@@ -194,7 +194,7 @@ def test_prefix_aware_routing_follows_the_block_events() -> None:
 
 def test_health_reports_serving_while_a_decode_worker_is_healthy() -> None:
     async def scenario() -> None:
-        async with cluster() as c:
+        async with cluster(no_decode_wait_s=0.2) as c:
             health = health_pb2_grpc.HealthStub(c.channel)
             ok = await health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"))
             assert ok.status == health_pb2.HealthCheckResponse.SERVING
