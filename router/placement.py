@@ -1,0 +1,69 @@
+"""Can the pools' Ray actors be placed? The asks against the cluster's nodes, before any starts.
+
+Ray queues an actor whose resources no node has, silently and for ever: `serve
+--decode-workers 2` on a 2-CPU machine used to wait with one worker up and no
+word why. Checked here first, every shortfall comes out as one line with the
+numbers (asked, available) and the flag to change. Pure: the caller reads the
+nodes (`ray.nodes()`) and decides what a shortfall means (a local cluster
+stops; one joined with --ray-address may have an autoscaler that adds nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+CPU, GPU = "CPU", "GPU"
+_FLAG = {CPU: "--cpus-per-worker", GPU: "--gpus-per-worker"}
+
+
+@dataclass(frozen=True)
+class PoolAsk:
+    """One pool's initial workers and what each asks Ray for."""
+
+    role: str  # "prefill" or "decode"
+    replicas: int
+    per_worker: Mapping[str, float] = field(default_factory=dict)  # CPU, GPU and custom resources
+
+    def total(self, resource: str) -> float:
+        return self.replicas * self.per_worker.get(resource, 0.0)
+
+
+def placement_problems(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]]) -> list[str]:
+    """What cannot be placed, a line each ([] when every worker fits). `nodes`: each alive node's
+    total resources, as Ray reports them."""
+    problems = []
+    resources = sorted({r for a in asks for r, v in a.per_worker.items() if v > 0})
+    for r in resources:
+        asked = sum(a.total(r) for a in asks)
+        have = sum(n.get(r, 0.0) for n in nodes)
+        if asked > have + 1e-9:
+            parts = " + ".join(f"{a.replicas} {a.role} x {a.per_worker.get(r, 0.0):g}" for a in asks if a.total(r))
+            problems.append(
+                f"{r}: the pools ask for {asked:g} ({parts}), the Ray cluster has {have:g}: {_fix(r, asks, have)}"
+            )
+    for a in asks:  # a worker is placed whole on one node: the sums can fit while no node does
+        if a.replicas and not any(all(n.get(r, 0.0) + 1e-9 >= v for r, v in a.per_worker.items()) for n in nodes):
+            want = ", ".join(f"{r} {v:g}" for r, v in sorted(a.per_worker.items()) if v > 0)
+            problems.append(f"no node of the Ray cluster can hold one {a.role} worker ({want})")
+    return problems
+
+
+def _fix(resource: str, asks: Sequence[PoolAsk], have: float) -> str:
+    workers = sum(a.replicas for a in asks if a.total(resource))
+    if resource in _FLAG:
+        fits = int(have / workers * 100) / 100 if workers and have > 0 else 0.0
+        lower = f"set {_FLAG[resource]} to {fits:g} or less, " if fits > 0 else ""
+        return f"{lower}start fewer workers (--prefill-workers, --decode-workers), or add nodes"
+    return (
+        f"start a node with --resources '{{\"{resource}\": N}}', or drop it from --prefill-resources/--decode-resources"
+    )
+
+
+def fractional_cpus(asks: Sequence[PoolAsk], cluster_cpus: float) -> float:
+    """CPUs per worker that fit every initial worker on `cluster_cpus` (at most 1): the default on a
+    machine with fewer cores than workers, said out loud by the caller."""
+    workers = sum(a.replicas for a in asks)
+    if workers == 0 or cluster_cpus >= workers:
+        return 1.0
+    return int(cluster_cpus / workers * 100) / 100

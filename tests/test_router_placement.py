@@ -1,0 +1,41 @@
+"""router/placement.py: what the pools ask of Ray against what its nodes have, checked before any
+actor is started, each shortfall a line with the numbers and the flag to change."""
+
+from __future__ import annotations
+
+from splitserve.router.placement import CPU, GPU, PoolAsk, fractional_cpus, placement_problems
+
+TWO_CPUS = [{CPU: 2.0, "memory": 1e10}]
+
+
+def test_workers_that_fit_have_no_problem() -> None:
+    asks = [PoolAsk("prefill", 1, {CPU: 1.0}), PoolAsk("decode", 1, {CPU: 1.0})]
+    assert placement_problems(asks, TWO_CPUS) == []
+
+
+def test_too_many_cpus_says_asked_available_and_what_to_change() -> None:
+    asks = [PoolAsk("prefill", 1, {CPU: 1.0}), PoolAsk("decode", 2, {CPU: 1.0})]
+    [p] = placement_problems(asks, TWO_CPUS)
+    assert p.startswith("CPU: the pools ask for 3 (1 prefill x 1 + 2 decode x 1), the Ray cluster has 2: ")
+    assert "set --cpus-per-worker to 0.66 or less" in p and "--decode-workers" in p
+
+
+def test_a_missing_gpu_or_custom_resource_is_named() -> None:
+    asks = [PoolAsk("prefill", 1, {CPU: 0.5, "prefill_node": 1.0}), PoolAsk("decode", 1, {CPU: 0.5, GPU: 1.0})]
+    problems = placement_problems(asks, TWO_CPUS)
+    assert any(p.startswith("GPU: the pools ask for 1 (1 decode x 1), the Ray cluster has 0") for p in problems)
+    assert any("prefill_node" in p and "--resources" in p for p in problems)
+    assert "no node of the Ray cluster can hold one decode worker (CPU 0.5, GPU 1)" in problems
+
+
+def test_enough_in_sum_but_no_node_big_enough() -> None:
+    nodes = [{CPU: 2.0}, {CPU: 2.0}]
+    [p] = placement_problems([PoolAsk("decode", 1, {CPU: 3.0})], nodes)
+    assert p == "no node of the Ray cluster can hold one decode worker (CPU 3)"
+
+
+def test_fractional_cpus_share_a_small_machine() -> None:
+    asks = [PoolAsk("prefill", 1, {CPU: 1.0}), PoolAsk("decode", 2, {CPU: 1.0})]
+    assert fractional_cpus(asks, 2.0) == 0.66
+    assert placement_problems([PoolAsk(a.role, a.replicas, {CPU: 0.66}) for a in asks], TWO_CPUS) == []
+    assert fractional_cpus(asks, 8.0) == 1.0
