@@ -271,6 +271,8 @@ def test_prometheus_scrapes_every_metrics_port():
         for t in sc["targets"]
     }
     assert targets == want
+    workers = [job for job in prom["scrape_configs"] if job["job_name"] == "splitserve-workers"]
+    assert workers and workers[0].get("honor_labels") is True, "the engine series' own role label must be kept"
     mount = services["prometheus"]["volumes"][0].split(":")
     assert (ROOT / mount[0]).resolve() == (DEPLOY / "prometheus" / "prometheus.yml").resolve()
 
@@ -327,11 +329,19 @@ def exported_metrics() -> dict[str, set[str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     import splitserve.kv_transfer.metrics as kv_metrics
+    from splitserve.engine.scheduler import SchedulerStats
     from splitserve.router.config import RouterConfig
     from splitserve.router.metrics import RouterMetrics
+    from splitserve.worker.metrics import WorkerMetrics
 
     objs = list(vars(RouterMetrics(RouterConfig())).values()) + list(vars(kv_metrics).values())
     out: dict[str, set[str]] = {}
+    # the workers' engine series, gauges read at scrape time included: every sample as served
+    engine = WorkerMetrics("m", "decode", "w")
+    engine.watch(lambda: SchedulerStats(0, 0, 1, 1, 0, 0, 0, 0, 0))
+    for family in engine.registry.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
     for m in objs:
         if not isinstance(m, MetricWrapperBase):
             continue
@@ -356,13 +366,13 @@ def test_dashboard_asks_only_for_exported_metrics_and_labels():
     exported = exported_metrics()
     scrape_labels = {"instance", "job", "role"}
     for title, expr in dashboard_exprs():
-        names = re.findall(r"\bsplitserve_[a-z0-9_]+", expr)
+        names = re.findall(r"\bsplitserve[_:][a-z0-9_:]+", expr)
         assert names, f"panel {title!r}: no splitserve metric in {expr}"
         known = set(scrape_labels)
         for n in names:
             assert n in exported, f"panel {title!r}: {n} is not exported (have {sorted(exported)})"
             known |= exported[n]
-        for selector in re.findall(r"\b(splitserve_[a-z0-9_]+)\{([^}]*)\}", expr):
+        for selector in re.findall(r"\b(splitserve[_:][a-z0-9_:]+)\{([^}]*)\}", expr):
             for label in re.findall(r"([a-z_]+)\s*=~?", selector[1]):
                 assert label in exported[selector[0]] | scrape_labels, (
                     f"panel {title!r}: {selector[0]} has no label {label}"
@@ -382,6 +392,16 @@ def test_dashboard_covers_the_serving_signals():
         "splitserve_router_prefix_hit",
         "splitserve_kv_bytes_sent_total",
         "splitserve_kv_bytes_received_total",
+        # the workers' engines, under vLLM's names
+        "splitserve:time_to_first_token_seconds_bucket",
+        "splitserve:inter_token_latency_seconds_bucket",
+        "splitserve:num_requests_running",
+        "splitserve:num_requests_waiting",
+        "splitserve:kv_cache_usage_perc",
+        "splitserve:prefix_cache_hits_total",
+        "splitserve:prefix_cache_queries_total",
+        "splitserve:prompt_tokens_total",
+        "splitserve:generation_tokens_total",
     ):
         assert must in exprs, must
     assert "by (mode)" in exprs and 'mode="remote"' in exprs  # local vs remote prefill
@@ -964,6 +984,10 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
         assert sample(router, "splitserve_router_prefix_hit_rate") is not None
         assert sample_value(scraped["prefill"], "splitserve_kv_bytes_sent_total") > 0
         assert sample_value(scraped["decode"], "splitserve_kv_bytes_received_total") > 0
+        # the engines' own series, labelled by the worker (Prometheus keeps them: honor_labels)
+        assert sample_value(scraped["prefill"], "splitserve:prompt_tokens_total", role="prefill") > 0
+        assert sample_value(scraped["decode"], "splitserve:generation_tokens_total", role="decode") > 0
+        assert sample_value(scraped["decode"], "splitserve:time_to_first_token_seconds_count", role="decode") == 3
         print(
             "prefix hit rate",
             sample(router, "splitserve_router_prefix_hit_rate"),
