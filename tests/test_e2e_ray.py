@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -254,7 +255,7 @@ def fixed(ray_cluster, model):
 
 
 class TestFixedPools:
-    def test_greedy_through_the_ray_pools_equals_the_single_process_engine(self, fixed, model):
+    def test_greedy_through_the_ray_pools_equals_the_single_process_engine(self, fixed, ray_cluster, model):
         ids = encode(model, CHATS)
         expected = reference(model, ids)
 
@@ -274,6 +275,15 @@ class TestFixedPools:
         for role in ("prefill", "decode"):
             assert counted(metrics.pool_workers, role=role, state="serving") == 1
             assert counted(metrics.pool_workers, role=role, state="starting") == 0
+        # every actor serves its engine's metrics, as a worker process does
+        for role, members in fixed.cluster.pools.members.items():
+            (member,) = members
+            address = ray_cluster.get(member.actor.metrics.remote(), timeout=30)
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            counter = "prompt_tokens" if role == "prefill" else "generation_tokens"
+            served = [line for line in text.splitlines() if line.startswith(f"splitserve:{counter}_total{{")]
+            assert served and f'role="{role}"' in served[0] and float(served[0].rsplit(" ", 1)[1]) > 0, served
 
     def test_a_killed_decode_actor_is_replaced_and_requests_succeed_after(self, fixed, ray_cluster, model):
         ids = encode(model, CHATS[2:])

@@ -26,6 +26,8 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.worker.auth import ClusterTokenInterceptor, cluster_token_refusal
 from splitserve.worker.config import WorkerConfig
+from splitserve.worker.metrics import WorkerMetrics, start_metrics_server
+from splitserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class RunningWorker:
     loop: EngineLoop
     server: grpc.Server
     closers: list
+    metrics: WorkerMetrics  # the engine's series; `serve_metrics` puts them on HTTP
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.server.stop(grace_s).wait(grace_s + 1)
@@ -52,6 +55,8 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         torch.set_num_threads(cfg.threads)
     if engine is None:
         engine, _ = Engine.from_path(cfg.model, cfg.engine, progress=False)
+    if cfg.warm_up:  # before listening: a client's first token must not pay for lazy builds
+        warm_up(engine)
     interceptors: list[grpc.ServerInterceptor] = (
         [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
     )
@@ -65,6 +70,8 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     )
     closers: list = []
     kv_endpoint = None
+    metrics = WorkerMetrics(engine.model_cfg.name, cfg.role, cfg.worker_id)
+    engine.drain_iteration_stats()  # counted from here on: a warm-up request is not traffic
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 
     if cfg.role == "decode":
@@ -77,7 +84,7 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         kv_endpoint = receiver.endpoint
         connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
         engine.connect(connector)
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, on_iteration=metrics.record)
         connector.wake = loop.wake
         wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop), server)
     else:
@@ -90,10 +97,11 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
             engine.cfg.block_size, len(engine.model.layers), cuda=engine.kv_cache.tensor.is_cuda
         )
         engine.connect(sender_connector)
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, on_iteration=metrics.record)
         service.attach(loop, sender_connector)
         closers.append(lambda: service.finisher.shutdown(wait=False))
         wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+    metrics.watch(lambda: loop.stats)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     if port == 0:
         loop.stop()
@@ -101,7 +109,14 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     server.start()
     address = f"{cfg.host}:{port}"
     log.info("%s worker %s listening on %s (kv %s)", cfg.role, cfg.worker_id, address, kv_endpoint)
-    return RunningWorker(cfg, address, kv_endpoint, loop, server, closers)
+    return RunningWorker(cfg, address, kv_endpoint, loop, server, closers, metrics)
+
+
+def serve_metrics(worker: RunningWorker, port: int) -> str:
+    """The worker's Prometheus endpoint on its host (port 0: a free one); its "host:port"."""
+    address, close = start_metrics_server(worker.metrics.registry, worker.cfg.host, port)
+    worker.closers.append(close)
+    return address
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,6 +140,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(0: arrival order)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+
+
+def add_admission_arguments(p: argparse.ArgumentParser) -> None:
+    """A worker's admission limit, for every command that starts workers."""
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="requests a worker lets wait for a seat; beyond, new ones are refused at once "
+        "(RESOURCE_EXHAUSTED, HTTP 429 at the router) (0: twice --max-num-seqs)",
+    )
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -156,8 +182,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start without a cluster token, every control call accepted; only with a loopback --host",
     )
     p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint (0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus endpoint on --host (0: a free port, named in the ready line; -1: off)",
+    )
     add_engine_arguments(p)
+    add_admission_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,13 +215,14 @@ def run(a: argparse.Namespace) -> int:
         kv_transport=a.kv_transport,
         cluster_token=a.cluster_token,
         threads=a.threads,
+        max_waiting_requests=a.max_waiting_requests,
     )
     worker = start_worker(cfg)
-    if a.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(a.metrics_port)  # kv_transfer's counters live in the default registry
-    print(f"{cfg.role} worker ready: grpc {worker.grpc_address} kv {worker.kv_endpoint or '-'}", flush=True)
+    metrics = serve_metrics(worker, a.metrics_port) if a.metrics_port >= 0 else "-"
+    print(
+        f"{cfg.role} worker ready: grpc {worker.grpc_address} kv {worker.kv_endpoint or '-'} metrics {metrics}",
+        flush=True,
+    )
     if a.ready_file:
         with open(a.ready_file + ".tmp", "w") as f:
             f.write(f"{worker.grpc_address} {worker.kv_endpoint or '-'}\n")
