@@ -13,20 +13,20 @@ import secrets
 import signal
 import sys
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from splitserve.router.scaling import ScalingConfig
-    from splitserve.router.server import Router
 
 log = logging.getLogger("splitserve.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from splitserve.router.flags import add_router_arguments
-    from splitserve.worker.server import add_engine_arguments
+    from splitserve.worker.server import add_admission_arguments, add_engine_arguments
 
     add_engine_arguments(p)  # --block-size among them, which the router shares
+    add_admission_arguments(p)
     add_router_arguments(p)
     p.add_argument(
         "--worker-host",
@@ -59,7 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16384,
         help="queued and running context tokens per decode worker above which the decode pool grows",
     )
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="CPUs each worker asks Ray for (default 1, or the share that fits every worker on a local "
+        "cluster with fewer CPUs than workers, said at start)",
+    )
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument(
         "--prefill-resources",
@@ -69,12 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: how long requests in flight may run on while no new ones are taken",
-    )
 
 
 def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
@@ -129,6 +129,7 @@ async def _serve(
     from splitserve.router.flags import router_config_from_args
     from splitserve.router.pool import PoolManager, PoolSpec
     from splitserve.router.server import Router
+    from splitserve.router.shutdown import drain
     from splitserve.worker.config import WorkerConfig
     from splitserve.worker.server import engine_config_from_args
 
@@ -136,6 +137,10 @@ async def _serve(
         ray.init(address=a.ray_address, logging_level=logging.WARNING)
     else:
         ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    cpus_per_worker = _place(a, ray)
+    if cpus_per_worker is None:
+        ray.shutdown()
+        return 2
     # Ours from here on (ray.init installs its own, which dies loudly): a signal during the
     # start stops what has started, like one after it.
     stop = asyncio.Event()
@@ -155,6 +160,7 @@ async def _serve(
             kv_transport=a.kv_transport,
             cluster_token=cluster_token,
             threads=a.threads,
+            max_waiting_requests=a.max_waiting_requests,
         )
 
     specs = [
@@ -162,7 +168,7 @@ async def _serve(
             "prefill",
             a.prefill_workers,
             worker("prefill"),
-            a.cpus_per_worker,
+            cpus_per_worker,
             a.gpus_per_worker,
             json.loads(a.prefill_resources),
             prefill_scaling,
@@ -171,7 +177,7 @@ async def _serve(
             "decode",
             a.decode_workers,
             worker("decode"),
-            a.cpus_per_worker,
+            cpus_per_worker,
             a.gpus_per_worker,
             json.loads(a.decode_resources),
             decode_scaling,
@@ -223,7 +229,7 @@ async def _serve(
             t.cancel()
         await asyncio.gather(starting, stopping, return_exceptions=True)
         if started:
-            await _drain(router, a.shutdown_grace_s, loop)
+            await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve")
         print("splitserve: stopping", flush=True)
         # the router first: no request may be routed to a worker that is going away
         await router.stop()
@@ -232,20 +238,37 @@ async def _serve(
     return 0
 
 
-async def _drain(router: Router, grace_s: float, loop: asyncio.AbstractEventLoop) -> None:
-    """A graceful stop: health turns NOT_SERVING and new requests are refused at once, while the
-    requests in flight finish, for up to `grace_s` (a second signal cuts it short)."""
-    router.drain()
-    n = router.generation.inflight
-    print(f"splitserve: draining: health NOT_SERVING, {n} request(s) in flight, up to {grace_s:g} s", flush=True)
-    again = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, again.set)
-    drained = asyncio.ensure_future(router.drained(grace_s))
-    forced = asyncio.ensure_future(again.wait())
-    await asyncio.wait({drained, forced}, return_when=asyncio.FIRST_COMPLETED)
-    forced.cancel()
-    if not (drained.done() and drained.result()):
-        drained.cancel()
-        left = router.generation.inflight
-        print(f"splitserve: {left} request(s) still in flight after the grace period; cutting them", flush=True)
+def _place(a: argparse.Namespace, ray: Any) -> float | None:
+    """CPUs per worker, once the pools' initial workers are known to fit the Ray cluster; None
+    (after saying why, with the numbers) when a local cluster cannot hold them."""
+    from splitserve.router.placement import CPU, GPU, PoolAsk, fractional_cpus, placement_problems
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+    def asks(cpus: float) -> list[PoolAsk]:
+        return [
+            PoolAsk(role, getattr(a, f"{role}_workers"), {CPU: cpus, GPU: a.gpus_per_worker, **custom})
+            for role, custom in (
+                ("prefill", json.loads(a.prefill_resources)),
+                ("decode", json.loads(a.decode_resources)),
+            )
+        ]
+
+    cpus = a.cpus_per_worker
+    if cpus is None:
+        cpus = 1.0
+        if not a.ray_address:  # a machine of our own: share its cores rather than wait for more
+            have = sum(n.get(CPU, 0.0) for n in nodes)
+            cpus = fractional_cpus(asks(1.0), have)
+            if cpus < 1.0:
+                n = a.prefill_workers + a.decode_workers
+                print(f"splitserve: {n} workers on {have:g} CPUs: each asks Ray for {cpus:g} CPU "
+                      "(--cpus-per-worker to change)", flush=True)  # fmt: skip
+    problems = placement_problems(asks(cpus), nodes)
+    for p in problems:
+        print(f"splitserve serve: cannot place the workers: {p}", file=sys.stderr, flush=True)
+    if problems and not a.ray_address:
+        return None
+    if problems:  # a joined cluster may have an autoscaler that adds the nodes
+        print("splitserve serve: starting anyway: an autoscaler may add the nodes", file=sys.stderr, flush=True)
+    return cpus

@@ -50,6 +50,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
     )
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
+        "run on for up to this long before the router stops (a second signal cuts it short)",
+    )
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:

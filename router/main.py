@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from dataclasses import replace
 
 from splitserve.credentials import add_secret_argument
 from splitserve.router.config import RoutingConfig
@@ -38,8 +39,12 @@ async def _run(a: argparse.Namespace) -> int:
     from splitserve.router.engine_tokenizer import EngineTokenizer
     from splitserve.router.flags import router_config_from_args
     from splitserve.router.server import Router
+    from splitserve.router.shutdown import drain
 
     cfg = router_config_from_args(a, a.cluster_token)
+    # ready once every pool it was given has a worker up (a colocated router never calls the prefill pool)
+    required = ("decode", "prefill") if a.prefill and cfg.mode != "colocated" else ("decode",)
+    cfg = replace(cfg, required_pools=required)
     router = Router(cfg, EngineTokenizer(load_tokenizer(a.model)), decode=a.decode, prefill=a.prefill)
     port = await router.start()
     print(
@@ -52,5 +57,6 @@ async def _run(a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve router")
     await router.stop()
     return 0

@@ -21,11 +21,11 @@ FLAGS = ["--grpc-port", "0", "--http-port", "-1", "--threads", "1", "--num-block
 
 
 class Serve:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *flags: str) -> None:
         self.log = tmp / "serve.log"
         # its own session, so that the test can see every process of it is gone
         self.proc = subprocess.Popen(
-            [*SPLITSERVE, "serve", *FLAGS],
+            [*SPLITSERVE, "serve", *FLAGS, *flags],
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -42,6 +42,22 @@ class Serve:
             assert time.monotonic() < end, f"no {line!r} within {timeout_s:g}s:\n{self.text()[-3000:]}"
             time.sleep(0.2)
         return next(ln for ln in self.text().splitlines() if line in ln)
+
+    def grpc_port(self) -> int:
+        line = self.wait_for("splitserve: listening on", 240)
+        return int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+
+    def left_behind(self) -> list[str]:
+        """Processes still in serve's session (Ray's included), as 'pid command'."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:  # the session id, 6th field of /proc/PID/stat
+                found.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:120]!r}")
+        return found
 
     def terminate(self, timeout_s: float = 90.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -62,8 +78,7 @@ def serve(tmp_path):
 
 
 def test_serve_answers_generate_and_stops_on_sigterm(serve):
-    line = serve.wait_for("splitserve: listening on", 240)
-    port = line.split("listening on ")[1].split()[0].rsplit(":", 1)[1]
+    port = serve.grpc_port()
     out = subprocess.run(
         [
             *SPLITSERVE,
@@ -92,3 +107,51 @@ def test_sigterm_during_the_start_stops_what_has_started(serve):
     assert serve.terminate() == 0, serve.text()[-3000:]
     assert "splitserve: stopping" in serve.text()
     assert "SIGTERM received" not in serve.text()
+
+
+def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_leaves_no_process(serve):
+    import grpc
+
+    from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+    from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
+
+    port = serve.grpc_port()
+    gen = subprocess.Popen(
+        [*SPLITSERVE, "generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "160", "--ignore-eos",
+         "--temperature", "0", "Tell me about France."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert gen.stdout is not None
+        first = gen.stdout.read(1)  # tokens are streaming: a request is in flight
+        assert first, gen.stderr.read() if gen.stderr else ""
+        serve.proc.send_signal(signal.SIGTERM)
+        serve.wait_for("splitserve: draining", 30)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                list(pbg.GenerationStub(ch).Generate(pb.GenerateRequest(text="late"), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (e.value.details() or "")
+        rest, err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, err
+        assert len((first + rest).decode()) > 100  # the whole answer, not a cut stream
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+    assert serve.proc.wait(120) == 0, serve.text()[-3000:]
+    assert "request(s) in flight" in serve.text() and "still in flight" not in serve.text()
+    assert serve.left_behind() == []
+
+
+def test_pools_that_do_not_fit_the_ray_cluster_are_refused_at_once_with_the_numbers(tmp_path):
+    s = Serve(tmp_path, "--cpus-per-worker", "1000")
+    try:
+        assert s.proc.wait(120) == 2, s.text()[-3000:]
+    finally:
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+    text = s.text()
+    assert "cannot place the workers: CPU: the pools ask for 2000 (1 prefill x 1000 + 1 decode x 1000)" in text
+    assert "--cpus-per-worker" in text
