@@ -33,7 +33,15 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.worker.launch import WorkerProcess, spawn_worker
-from tests.e2e_helpers.cluster import FLAGS, expected, free_port, scrape, wait_all_blocks_free, with_router
+from tests.e2e_helpers.cluster import (
+    FLAGS,
+    expected,
+    free_port,
+    scrape,
+    stats,
+    wait_all_blocks_free,
+    with_router,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -255,16 +263,19 @@ def test_a_request_id_reused_right_after_a_cancel_gets_its_answer(model, cluster
 
 
 def test_a_cancel_storm_gives_every_block_back_within_seconds(model, cluster):
+    """1,000 cancels at random points of a request's life: queued at the router, prefilling, right
+    after the first token (the prefill worker's, before decode has started), decoding."""
     prompts = [chat(model, LONG_PROMPT + t) for t in TOPICS] + [chat(model, f"Hi, {t}!") for t in TOPICS]
     rng = random.Random(11)
     stages: dict[str, int] = {}
+    n = 1000
 
     async def one(stub, i: int) -> None:
         call = stub.Generate(greedy(rng.choice(prompts), 48), timeout=120)
-        stage = rng.choice(["queued", "prefill", "tokens"])
+        stage = rng.choice(["queued", "prefill", "handover", "tokens"])
         stages[stage] = stages.get(stage, 0) + 1
-        if stage == "tokens":
-            k = rng.randint(1, 6)
+        if stage in ("handover", "tokens"):
+            k = 1 if stage == "handover" else rng.randint(2, 6)
             async for _ in call:
                 k -= 1
                 if k == 0:
@@ -280,20 +291,33 @@ def test_a_cancel_storm_gives_every_block_back_within_seconds(model, cluster):
             async with sem:
                 await one(stub, i)
 
-        await asyncio.gather(*(bounded(i) for i in range(300)))
+        await asyncio.gather(*(bounded(i) for i in range(n)))
         t0 = time.monotonic()
         while router.generation.inflight:
             assert time.monotonic() - t0 < 10, f"{router.generation.inflight} requests still in flight"
             await asyncio.sleep(0.05)
         settled = time.monotonic() - t0
-        assert router.metrics.inflight._value.get() == 0
-        return settled, settled + await asyncio.to_thread(wait_all_blocks_free, cluster.all, 15.0)
+        reg = router.metrics.registry
+        codes = {
+            c: reg.get_sample_value("splitserve_router_requests_total", {"code": c}) or 0.0
+            for c in ("OK", "CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL")
+        }
+        assert reg.get_sample_value("splitserve_router_inflight_requests") == 0
+        return settled, settled + await asyncio.to_thread(wait_all_blocks_free, cluster.all, 15.0), codes
 
-    settled, freed = asyncio.run(
+    settled, freed, codes = asyncio.run(
         with_router(cluster.decode, cluster.prefill, model.tokenizer, body, local_prefill_max_tokens=32)
     )
     print(
-        f"cancel storm: 300 requests, stages {stages}; nothing in flight {settled:.2f} s and every block back "
-        f"{freed:.2f} s after the last cancel"
+        f"cancel storm: {n} requests, stages {stages}; nothing in flight {settled:.2f} s and every block back "
+        f"{freed:.2f} s after the last cancel; router codes {codes}"
     )
+    # every request the router saw counted once, as cancelled (or finished just before its cancel),
+    # and none failed; a cancel while queued may come before the call reached the router at all
+    counted = codes["CANCELLED"] + codes["OK"]
+    assert n - stages["queued"] <= counted <= n and codes["CANCELLED"] >= 0.9 * n, codes
+    assert codes["UNAVAILABLE"] == codes["RESOURCE_EXHAUSTED"] == codes["INTERNAL"] == 0, codes
+    for w in cluster.all:
+        st = stats(w)
+        assert (st.running_requests, st.queued_tokens) == (0, 0), st
     assert cluster.freed_while_reserved() == 0
