@@ -18,7 +18,10 @@ class QueueFull(Exception):
 
 
 def check_room(engine: Engine, limit: int) -> None:
-    """Raise QueueFull when `limit` requests already wait on this engine."""
-    waiting = len(engine.scheduler.waiting)
+    """Raise QueueFull when `limit` requests already wait on this engine for a seat. Requests
+    queued since the last step that free seats will take at the next one are not waiting."""
+    s = engine.scheduler
+    free_seats = max(0, engine.cfg.max_num_seqs - len(s.running) - len(s.reserved))
+    waiting = len(s.waiting) - free_seats
     if waiting >= limit:
         raise QueueFull(f"{waiting} requests already wait for a seat on this worker (limit {limit}); retry later")
