@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install serve test lint typecheck bench proto bench-peer
+.PHONY: install test-tools serve test lint typecheck bench proto bench-peer
 
 install: $(VENV)/.installed
 
@@ -22,8 +22,15 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/splitserve serve
 
-test: install
+test: install test-tools
 	$(PY) -m pytest
+
+# Tools the end-to-end tests run for real, from Debian's packages: Prometheus scrapes a running
+# cluster in tests/test_e2e_prometheus.py. Installed once (as root, or through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-tools:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
 # ruff's and mypy's settings are in pyproject.toml; both read the package through
 # the committed link `splitserve -> .`, so they run from the repository root.
