@@ -130,6 +130,7 @@ async def _serve(
     from splitserve.router.pool import PoolManager, PoolSpec
     from splitserve.router.server import Router
     from splitserve.router.shutdown import drain
+    from splitserve.tracing import setup_tracing
     from splitserve.worker.config import WorkerConfig
     from splitserve.worker.server import engine_config_from_args
 
@@ -150,6 +151,7 @@ async def _serve(
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
     engine_cfg = engine_config_from_args(a)
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
+    setup_tracing(a.otlp_traces_endpoint, "router")  # the router's spans; the workers' need it in their actors
 
     def worker(role: str) -> WorkerConfig:
         return WorkerConfig(

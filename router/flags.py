@@ -12,6 +12,7 @@ import argparse
 
 from splitserve.credentials import add_secret_argument
 from splitserve.router.config import MODES, RouterConfig, RoutingConfig
+from splitserve.tracing import add_tracing_argument
 
 _DEFAULTS = RouterConfig()
 
@@ -57,6 +58,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
         "run on for up to this long before the router stops (a second signal cuts it short)",
     )
+    add_tracing_argument(p)
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:

@@ -33,6 +33,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from splitserve import tracing
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.readiness import Readiness
@@ -327,7 +328,8 @@ class OpenAIServer:
         try:
             self.generation.check_key(authorization)  # before reading: a stranger's body is not parsed
             oreq = self._translate(await self._read(request), chat)
-            run = self.generation.admit(oreq.generate, authorization, None)
+            trace_parent = tracing.extract(request.headers)  # the client's traceparent, if it sent one
+            run = self.generation.admit(oreq.generate, authorization, None, trace_parent, front_door="http")
         except BodyError as e:
             resp = _error(e.status, str(e))
             if e.close:

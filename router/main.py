@@ -40,7 +40,9 @@ async def _run(a: argparse.Namespace) -> int:
     from splitserve.router.flags import router_config_from_args
     from splitserve.router.server import Router
     from splitserve.router.shutdown import drain
+    from splitserve.tracing import setup_tracing
 
+    setup_tracing(a.otlp_traces_endpoint, "router")
     cfg = router_config_from_args(a, a.cluster_token)
     # ready once every pool it was given has a worker up (a colocated router never calls the prefill pool)
     required = ("decode", "prefill") if a.prefill and cfg.mode != "colocated" else ("decode",)

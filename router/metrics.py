@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitserve.router.config import RouterConfig
+from splitserve.tracing import PHASE_BUCKETS, PHASE_METRIC
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -65,6 +66,15 @@ class RouterMetrics:
             ["role", "action"],
             registry=r,
         )
+        # the router's phases of a request (tracing.py), under the name the workers give theirs
+        self.phase = Histogram(
+            PHASE_METRIC,
+            "Time in each phase of a request, the same as its trace span (router: routing)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.routing_time = self.phase.labels("routing")
         self._blocks = 0
         self._hits = 0
 

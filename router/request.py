@@ -20,6 +20,11 @@ by message text (`classify`):
   `max_request_faults` workers is not tried on another (query-of-death
   protection), so one poisonous request cannot walk through the pool.
 
+Each request is one trace (tracing.py): under the front door's span (`span`),
+a span for routing (which is also the `routing` phase), one for each decode
+attempt and one for each Prefill call, whose contexts go to the workers in the
+calls' metadata.
+
 Workers never see the client's request id: each attempt gets an id of the
 router's own (`attempt_id`), so a client that reuses an id, or sends one longer
 than the KV plane's frames hold, cannot collide with state a worker still holds.
@@ -36,7 +41,10 @@ from collections.abc import AsyncIterator, Sequence
 from enum import Enum
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
+from splitserve import tracing
 from splitserve.engine.block_hash import block_hashes
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
@@ -125,6 +133,7 @@ class RequestRun:
         metrics: RouterMetrics,
         rng: random.Random,
         deadline: float,  # time.monotonic() by which the whole request must end
+        span: Span | None = None,  # the request's own (tracing.py), ended by whoever streams it
     ) -> None:
         self.req = req
         self.cfg = cfg
@@ -132,6 +141,8 @@ class RequestRun:
         self.metrics = metrics
         self.rng = rng
         self.deadline = deadline
+        self.span = span if span is not None else INVALID_SPAN
+        self.trace = tracing.child(self.span)  # what this request's spans and worker calls hang under
         self.detok = tokenizer.detokenizer(req.prompt_token_ids)
         self.stopper = StopMatcher(req.sampling.stop)
         self.generated: list[int] = []
@@ -194,7 +205,19 @@ class RequestRun:
         self, exclude: list[str], force_local: bool, last_error: str, busy: bool = False
     ) -> tuple[str, policy.PrefillMode]:
         """`busy`: every worker tried so far refused for lack of room; if none is left, that is
-        overload (RESOURCE_EXHAUSTED, HTTP 429: retry later), not an outage."""
+        overload (RESOURCE_EXHAUSTED, HTTP 429: retry later), not an outage. Timed as the
+        `routing` phase (span router.route)."""
+        with tracing.phase("router.route", self.trace, self.metrics.routing_time) as span:
+            worker, mode, overlap = self._choose(exclude, force_local, last_error, busy)
+            if span.is_recording():
+                span.set_attributes(
+                    {"splitserve.worker": worker, "splitserve.prefill_mode": mode, "splitserve.overlap_blocks": overlap}
+                )
+        return worker, mode
+
+    def _choose(
+        self, exclude: list[str], force_local: bool, last_error: str, busy: bool
+    ) -> tuple[str, policy.PrefillMode, int]:
         loads = self.workers.decode_loads(exclude)
         if not loads:
             if busy:
@@ -211,7 +234,7 @@ class RequestRun:
         )
         self.workers.assigned(r.worker, r.uncached_tokens)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
-        return r.worker, r.mode
+        return r.worker, r.mode, r.overlap_blocks
 
     def _remaining_s(self) -> float:
         left = self.deadline - time.monotonic()
@@ -225,6 +248,35 @@ class RequestRun:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
 
     async def _attempt(self, address: str, mode: policy.PrefillMode) -> AsyncIterator[pb.GenerateResponse]:
+        """One decode attempt, its span (router.decode_attempt) around it."""
+        rid = attempt_id()
+        span = tracing.start_span(
+            "router.decode_attempt",
+            self.trace,
+            {
+                "splitserve.worker": address,
+                "splitserve.prefill_mode": mode,
+                "splitserve.attempt_id": rid,
+                "splitserve.prior_tokens": len(self.generated),
+            },
+            kind=SpanKind.CLIENT,
+        )
+        error: str | None = None
+        try:
+            async for resp in self._decode(address, mode, rid, tracing.child(span)):
+                yield resp
+        except (_Retry, RequestFailed) as e:
+            error = str(e)
+            raise
+        except asyncio.CancelledError:
+            error = "cancelled"
+            raise
+        finally:
+            tracing.end_span(span, error)
+
+    async def _decode(
+        self, address: str, mode: policy.PrefillMode, rid: str, trace: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
         w = self.workers.get(address)
         if w is None:
             raise _Retry("worker was removed")
@@ -232,7 +284,6 @@ class RequestRun:
         sampling = wpb.SamplingParams()
         sampling.CopyFrom(self._sampling)
         sampling.max_tokens = self.req.sampling.max_tokens - len(self.generated)
-        rid = attempt_id()
         call = w.decode_stub().Decode(
             wpb.DecodeRequest(
                 request_id=rid,
@@ -243,13 +294,13 @@ class RequestRun:
                 lease_ms=cfg.lease_ms,
             ),
             timeout=min(cfg.request_timeout_s, self._remaining_s()),
-            metadata=cfg.auth_metadata,
+            metadata=tracing.inject(cfg.auth_metadata, trace),
         )
         try:
             first = await self._next(call, cfg.admit_timeout_s, admitted=False)
             kind = first.WhichOneof("event")
             if kind == "reservation":
-                result = await self._prefill(rid, first.reservation, sampling)
+                result = await self._prefill(rid, first.reservation, sampling, trace)
                 self._set_cached(result.num_cached_tokens)
                 lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
                 resp = self._emit([result.first_token_id], lp)
@@ -308,8 +359,11 @@ class RequestRun:
             raise _Retry("Decode stream ended without a finish event")
         return ev
 
-    async def _prefill(self, rid: str, reservation: wpb.Reservation, sampling: wpb.SamplingParams) -> wpb.PrefillResult:
+    async def _prefill(
+        self, rid: str, reservation: wpb.Reservation, sampling: wpb.SamplingParams, trace: Context
+    ) -> wpb.PrefillResult:
         """Prefill on the least-queued prefill worker; on failure, on another, same reservation.
+        Each call is a span (router.prefill) under `trace`, the decode attempt's.
 
         A prefill worker is marked failed only for its own faults (Fault.WORKER); one that
         refuses the reservation (a layout it cannot map, say) stays in routing for others.
@@ -343,10 +397,18 @@ class RequestRun:
                 break
             if attempt:
                 self.metrics.prefill_retries.inc()
+            span = tracing.start_span(
+                "router.prefill", trace, {"splitserve.worker": address, "splitserve.try": attempt}, SpanKind.CLIENT
+            )
+            error: str | None = "cancelled"
             try:
                 self.workers.assigned(address, len(request.prompt_token_ids))
-                return await w.prefill_stub().Prefill(request, timeout=timeout, metadata=self.cfg.auth_metadata)
+                metadata = tracing.inject(self.cfg.auth_metadata, tracing.child(span))
+                result = await w.prefill_stub().Prefill(request, timeout=timeout, metadata=metadata)
+                error = None
+                return result
             except grpc.aio.AioRpcError as e:
+                error = f"{e.code().name} {e.details()}"
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._check_deadline()
                 last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
@@ -356,6 +418,8 @@ class RequestRun:
                     self.workers.mark_failed(address)
                 elif fault is Fault.UNCLEAR:
                     self._count_unclear_failure(RuntimeError(last))
+            finally:
+                tracing.end_span(span, error)
         # The decode worker is fine; it will prefill the request itself.
         raise _Retry(last, exclude=False, fault=Fault.BUSY, force_local=True)
 

@@ -22,7 +22,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
 
+from splitserve import tracing
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import RouterConfig
@@ -92,14 +95,38 @@ class GenerationService:
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
             )
 
-    def admit(self, request: pb.GenerateRequest, authorization: str | None, time_remaining: float | None) -> RequestRun:
+    def admit(
+        self,
+        request: pb.GenerateRequest,
+        authorization: str | None,
+        time_remaining: float | None,
+        trace_parent: Context | None = None,
+        front_door: str = "grpc",
+    ) -> RequestRun:
         """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
 
         Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED,
         INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS; INTERNAL (logged) if validation
         itself fails.
+
+        The request's trace starts here: its span (router.generate, under the client's
+        `trace_parent` when it sent a traceparent) ends with `stream`, or here if it is refused.
         """
         self.check_key(authorization)
+        span = tracing.start_span(
+            "router.generate",
+            trace_parent or Context(),
+            {"splitserve.request_id": request.request_id[:128], "splitserve.front_door": front_door},
+            kind=SpanKind.SERVER,
+        )
+        try:
+            return self._admit(request, time_remaining, span)
+        except RequestFailed as e:
+            span.set_attribute("rpc.grpc.status_code", e.code.value[0])
+            tracing.end_span(span, status_details(str(e)))
+            raise
+
+    def _admit(self, request: pb.GenerateRequest, time_remaining: float | None, span: Span) -> RequestRun:
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: retry on another replica")
         if self.inflight >= self.cfg.max_inflight:
@@ -119,12 +146,22 @@ class GenerationService:
             self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
         )
         return RequestRun(
-            req, self.cfg, self.tokenizer, self.workers, self.metrics, self.rng, deadline=time.monotonic() + timeout
+            req,
+            self.cfg,
+            self.tokenizer,
+            self.workers,
+            self.metrics,
+            self.rng,
+            deadline=time.monotonic() + timeout,
+            span=span,
         )
 
     async def stream(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]:
-        """Run an admitted request, counted in flight; failures come out as RequestFailed."""
+        """Run an admitted request, counted in flight; failures come out as RequestFailed. Ends
+        the request's span."""
         rid = run.req.request_id
+        error: str | None = None
+        code = grpc.StatusCode.OK
         self.inflight += 1
         self._idle.clear()
         self.metrics.inflight.inc()
@@ -132,14 +169,27 @@ class GenerationService:
         try:
             async for resp in run.run():
                 yield resp
-        except RequestFailed:
+        except RequestFailed as e:
+            code, error = e.code, status_details(str(e))
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            code, error = grpc.StatusCode.CANCELLED, "cancelled"
             raise
         except Exception:  # a bug here must not look like the client's fault
             log.exception("request %s failed", rid)
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
+            code, error = grpc.StatusCode.INTERNAL, "internal error in the router"
+            raise RequestFailed(code, error) from None
         finally:
+            if run.span.is_recording():
+                run.span.set_attributes(
+                    {
+                        "rpc.grpc.status_code": code.value[0],
+                        "splitserve.prompt_tokens": len(run.req.prompt_token_ids),
+                        "splitserve.completion_tokens": len(run.generated),
+                        "splitserve.cached_tokens": run.cached_tokens or 0,
+                    }
+                )
+            tracing.end_span(run.span, error)
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
@@ -164,7 +214,8 @@ class GenerationService:
                 value = dict(context.invocation_metadata() or ()).get("authorization")
                 authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
                 self.check_key(authorization)
-                run = self.admit(parse_request(request), authorization, context.time_remaining())
+                trace_parent = tracing.extract(context.invocation_metadata())
+                run = self.admit(parse_request(request), authorization, context.time_remaining(), trace_parent)
                 async for resp in self.stream(run):
                     yield resp
             except RequestFailed as e:
