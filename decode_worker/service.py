@@ -10,6 +10,11 @@ prefill worker sampled. Every way out (finish, client cancel, lease expiry, a
 failed transfer) ends in one `engine.abort`, which frees the blocks exactly
 once and only when no transfer can still write them. The call owns its request
 id on this worker until then (worker/request_ids.py).
+
+Traced under the router's attempt (tracing.py): decode.admission (the `admission`
+phase: the engine's admission or reservation), then decode.stream until the call
+ends, and under it decode.handover (the `handover` phase: the engine takes the
+arrived KV, to the first token it samples), both on the engine's timestamps.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.context import Context
 
+from splitserve import tracing
 from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
 from splitserve.engine.loop import EngineLoop
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.stats import RequestTimes
 from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
@@ -32,6 +41,7 @@ from splitserve.worker.admission import QueueFull, check_room
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.grpc_abort import refuse
+from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
@@ -49,17 +59,41 @@ _CANCELLED = object()  # put on a call's event queue when the router goes away: 
 Events = queue.SimpleQueue  # StepOutput | _CANCELLED
 
 
+class _CallTrace:
+    """What one Decode call's trace needs: a remote-prefill request's times for the handover
+    phase (noted on the engine thread), and how its stream ended."""
+
+    def __init__(self) -> None:
+        self.times: RequestTimes | None = None  # the engine's, set at reservation
+        self.first_step: float | None = None  # when the first token this engine sampled joined the request
+        self.handover_recorded = False  # (the handler's thread from here on)
+        self.error: str | None = "cancelled"  # why the stream ended; None: it finished (stop, length)
+
+    def sink(self, events: Events[Any]) -> Callable[[StepOutput], None]:
+        """The call's sink (engine thread): notes the first sampled token's time, then queues the output."""
+
+        def put(out: StepOutput) -> None:
+            if self.first_step is None and out.token_id >= 0 and self.times is not None:
+                self.first_step = self.times.last_token
+            events.put(out)
+
+        return put
+
+
 class DecodeService(wgrpc.DecodeWorkerServicer):
-    def __init__(self, cfg: WorkerConfig, loop: EngineLoop) -> None:
+    def __init__(self, cfg: WorkerConfig, loop: EngineLoop, metrics: WorkerMetrics | None = None) -> None:
         self.cfg = cfg
         self.loop = loop
         self.block_size = loop.engine.cfg.block_size
         self.calls: RequestIds[Events[Any]] = RequestIds()  # request id -> its call's event queue
+        self.admission_time = metrics.phase("admission") if metrics is not None else None
+        self.handover_time = metrics.phase("handover") if metrics is not None else None
 
     # ---- Decode ----
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[wpb.DecodeEvent]:  # noqa: N802
         rid = request.request_id
+        parent = tracing.extract(context.invocation_metadata())
         try:
             if not rid:
                 raise ValueError("request_id is empty")
@@ -73,48 +107,69 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         events: Events[Any] = queue.SimpleQueue()
         if not self.calls.claim(rid, events):
             refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
-        self.loop.set_sink(rid, events.put)
+        notes = _CallTrace()
+        sink = notes.sink(events)
+        self.loop.set_sink(rid, sink)
         try:
             if not context.add_callback(lambda: events.put(_CANCELLED)):
                 return  # the call is over already
-            prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
-            if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
-
-                def admit_local(engine: Engine) -> int:
-                    check_room(engine, self.cfg.waiting_limit)
-                    engine.add_request(rid, prompt, params, output_token_ids=prior)
-                    return engine.scheduler.cached_prefix_tokens(prompt + prior)
-
-                cached = self._call(admit_local, context)
-                yield wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
-            else:
-                lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
-                remote: RemotePrefill | None = self._call(
-                    lambda engine: engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior), context
-                )
-                if remote is None:
-                    refuse(
-                        context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now"
-                    )
-                yield wpb.DecodeEvent(
-                    reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens)
-                )
-            yield from self._stream(events, params.logprobs)
+            remote = request.prefill_mode == wpb.PREFILL_MODE_REMOTE
+            attributes = {"splitserve.attempt_id": rid, "splitserve.prefill_mode": "remote" if remote else "local"}
+            with tracing.phase("decode.admission", parent, self.admission_time, attributes):
+                first = self._admit(request, params, notes, context)
+            yield first
+            span = tracing.start_span("decode.stream", parent, attributes)
+            try:
+                yield from self._stream(events, params.logprobs, notes, tracing.child(span))
+            finally:
+                tracing.end_span(span, notes.error)
         finally:
             # Ordered after the admission on the engine thread: whatever it admitted is found here.
             try:
                 self.loop.call(lambda engine: engine.abort(rid)).result(timeout=self.cfg.admit_timeout_s)
             except (TimeoutError, RuntimeError) as e:  # a stopped loop frees nothing any more
                 log.warning("request %s: engine abort did not run: %s", rid, e)
-            self.loop.drop_sink(rid, events.put)
+            self.loop.drop_sink(rid, sink)
             self.calls.release(rid, events)
 
-    def _stream(self, events: Events[Any], logprobs: bool) -> Iterator[wpb.DecodeEvent]:
+    def _admit(
+        self, request: wpb.DecodeRequest, params: SamplingParams, notes: _CallTrace, context: grpc.ServicerContext
+    ) -> wpb.DecodeEvent:
+        """Admit the request (LOCAL) or reserve its blocks (REMOTE); the call's first event."""
+        rid = request.request_id
+        prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
+        if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
+
+            def admit_local(engine: Engine) -> int:
+                check_room(engine, self.cfg.waiting_limit)
+                engine.add_request(rid, prompt, params, output_token_ids=prior)
+                return engine.scheduler.cached_prefix_tokens(prompt + prior)
+
+            cached = self._call(admit_local, context)
+            return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
+        lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
+
+        def reserve(engine: Engine) -> RemotePrefill | None:
+            remote = engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior)
+            seq = engine.lookup(rid) if remote is not None else None
+            notes.times = seq.times if seq is not None else None
+            return remote
+
+        remote = self._call(reserve, context)
+        if remote is None:
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
+        return wpb.DecodeEvent(reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens))
+
+    def _stream(
+        self, events: Events[Any], logprobs: bool, notes: _CallTrace, trace: Context
+    ) -> Iterator[wpb.DecodeEvent]:
+        """The engine's outputs as events until the finish (noted in `notes.error`)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while True:
             try:
                 item = events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
+                notes.error = "request timed out"
                 yield wpb.DecodeEvent(finish=wpb.Finish(reason=wpb.FINISH_REASON_ABORTED, message="request timed out"))
                 return
             if item is _CANCELLED:
@@ -130,6 +185,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                     return
                 outs.append(nxt)
             sampled = [o for o in outs if o.token_id >= 0]
+            if sampled and not notes.handover_recorded and notes.first_step is not None:
+                notes.handover_recorded = True
+                times = notes.times
+                if times is not None and times.scheduled is not None:  # set when the KV arrived
+                    tracing.record_phase(
+                        "decode.handover", trace, self.handover_time, times.scheduled, notes.first_step
+                    )
             if sampled:
                 lps = [o.logprob or 0.0 for o in sampled] if logprobs else []
                 yield wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[o.token_id for o in sampled], logprobs=lps))
@@ -137,6 +199,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if last.finished:
                 reason = last.finish_reason or ""
                 message = "" if reason in ("stop", "length") else f"ended: {reason}"
+                notes.error = message or None  # before the yield: the router may hang up after it
                 yield wpb.DecodeEvent(
                     finish=wpb.Finish(reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED), message=message)
                 )

@@ -6,17 +6,23 @@ Streams are added and removed by the service on the engine thread, and the
 layer hook runs there too. A stream that breaks (the decode side cancelled, its
 lease ran out) stops sending and is reported by `poll`, which ends the request:
 its prefill is wasted work from then on.
+
+Each layer queued on a stream is an event (kv.layer) on the request's KV span
+(prefill_worker/service.py), and the time the last layer of its last chunk was
+computed starts the `kv_transfer_tail` phase.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.connector import TransferOutcome
@@ -27,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Outbound:
+class Outbound:
     """One request's KV on its way to the decode worker."""
 
     stream: KVStream
@@ -36,6 +42,9 @@ class _Outbound:
     sent_hi: int  # blocks below this were sent in earlier chunks (the last may have been partial)
     chunk: tuple[int, int] = (0, 0)  # block range of the chunk in flight, fixed at its layer 0
     failed: bool = False  # the stream broke: nothing more is sent
+    span: Span = INVALID_SPAN  # the request's KV span: one event per layer queued
+    # time.monotonic() when the last layer of the context's last chunk was computed (and queued)
+    computed_at: float | None = None
 
 
 class SenderConnector:
@@ -45,11 +54,15 @@ class SenderConnector:
         self.block_size = block_size
         self.last_layer = num_layers - 1
         self.cuda = cuda
-        self.outbound: dict[str, _Outbound] = {}  # engine thread only
+        self.outbound: dict[str, Outbound] = {}  # engine thread only
         self._failed: queue.SimpleQueue[TransferOutcome] = queue.SimpleQueue()
 
-    def add(self, request_id: str, stream: KVStream, ticket: bytes, first_index: int) -> None:
-        self.outbound[request_id] = _Outbound(stream, ticket, first_index, sent_hi=first_index)
+    def add(
+        self, request_id: str, stream: KVStream, ticket: bytes, first_index: int, span: Span = INVALID_SPAN
+    ) -> Outbound:
+        ob = Outbound(stream, ticket, first_index, sent_hi=first_index, span=span)
+        self.outbound[request_id] = ob
+        return ob
 
     def remove(self, request_id: str, ticket: bytes) -> None:
         ob = self.outbound.get(request_id)
@@ -82,8 +95,14 @@ class SenderConnector:
                 ob.failed = True
                 self._failed.put(TransferOutcome(seq.request_id, ob.ticket, None, e.code))
                 continue
+            if ob.span.is_recording():
+                ob.span.add_event(
+                    "kv.layer", {"layer": layer, "first_block": lo - ob.first_index, "blocks": hi - lo, "tokens": n}
+                )
             if layer == self.last_layer:
                 ob.sent_hi = hi
+                if start + n >= len(seq):  # the context's last chunk: its KV is all computed
+                    ob.computed_at = time.monotonic()
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> NoReturn:
         raise RuntimeError("a prefill worker reserves nothing")

@@ -8,23 +8,35 @@ validates, opens the stream, admits through the engine loop and waits for the
 first token; every way out ends in one `engine.abort`. The first token goes back to the router as soon as
 it is sampled; the stream's confirmation and the release of this worker's
 blocks finish in the background.
+
+Traced under the router's Prefill call (tracing.py): prefill.queue and
+prefill.compute (the `prefill_queue` and `prefill_compute` phases, on the
+engine's timestamps: admitted, first scheduled, first token), and prefill.kv_send
+from opening the KV stream to the decode worker's confirmation, with an event per
+layer queued (prefill_worker/connector.py) and under it prefill.kv_transfer_tail
+(the `kv_transfer_tail` phase: the last layer computed to the confirmation).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import INVALID_SPAN, Span
 
+from splitserve import tracing
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.loop import EngineLoop
+from splitserve.engine.stats import RequestTimes
 from splitserve.kv_transfer import KVSender, KVStream, TransferError
 from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
-from splitserve.prefill_worker.connector import SenderConnector
+from splitserve.prefill_worker.connector import Outbound, SenderConnector
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -32,6 +44,7 @@ from splitserve.worker.admission import QueueFull, check_room
 from splitserve.worker.blocks import stream_block_events
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.grpc_abort import refuse
+from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
@@ -54,6 +67,10 @@ class _Job:
         self.first: Future[StepOutput] = Future()
         self.lock = threading.Lock()
         self.cancelled = False
+        # for the trace: the KV span, and what the engine thread hands over at admission
+        self.kv_span: Span = INVALID_SPAN
+        self.times: RequestTimes | None = None
+        self.outbound: Outbound | None = None
 
     def resolve(self, out: StepOutput) -> None:
         with self.lock:
@@ -72,9 +89,12 @@ class _Job:
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
-    def __init__(self, cfg: WorkerConfig, sender: KVSender) -> None:
+    def __init__(self, cfg: WorkerConfig, sender: KVSender, metrics: WorkerMetrics | None = None) -> None:
         self.cfg = cfg
         self.sender = sender
+        self.queue_time = metrics.phase("prefill_queue") if metrics is not None else None
+        self.compute_time = metrics.phase("prefill_compute") if metrics is not None else None
+        self.tail_time = metrics.phase("kv_transfer_tail") if metrics is not None else None
         self.jobs: RequestIds[_Job] = RequestIds()
         self.finisher = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-finish")
         self.loop: EngineLoop | None = None
@@ -89,6 +109,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResult:  # noqa: N802
         assert self.loop is not None
         rid = request.request_id
+        parent = tracing.extract(context.invocation_metadata())
         prompt = list(request.prompt_token_ids)
         prior = list(request.output_token_ids)
         try:
@@ -110,6 +131,15 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             # Before anything is queued: a cancel from here on stops the job wherever it is.
             if not context.add_callback(job.cancel):
                 job.cancel()
+            job.kv_span = tracing.start_span(
+                "prefill.kv_send",
+                parent,
+                {
+                    "splitserve.attempt_id": rid,
+                    "splitserve.kv_endpoint": kv.endpoint,
+                    "splitserve.blocks": len(kv.block_ids),
+                },
+            )
             try:
                 stream = self.sender.open(kv)
             except TransferError as e:
@@ -126,7 +156,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                     check_room(engine, self.cfg.waiting_limit)
                     seq = engine.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
                     seq.transfer_id = kv.ticket
-                    self.connector.add(rid, opened, kv.ticket, first_index)
+                    job.times = seq.times
+                    job.outbound = self.connector.add(rid, opened, kv.ticket, first_index, job.kv_span)
 
             self.loop.set_sink(rid, job.resolve)
             try:
@@ -147,6 +178,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 refuse(context, grpc.StatusCode.ABORTED, "prefill aborted")
             if out.finish_reason != "prefill_done":  # a failure code of its KV stream
                 refuse(context, grpc.StatusCode.UNAVAILABLE, f"KV stream failed: {out.finish_reason}")
+            self._trace_prefill(job, parent, out)
             self.finisher.submit(self._finish, job, stream, out.token_id)
             handed_off = True
             result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
@@ -169,15 +201,37 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             raise ValueError(f"reservation.block_ids has {len(r.block_ids)} blocks; the context needs {len(span)}")
         return span.start
 
+    def _trace_prefill(self, job: _Job, parent: Context, out: StepOutput) -> None:
+        """The prefill_queue and prefill_compute phases, from the engine's times (set by now: the
+        first token came after them)."""
+        t = job.times
+        if t is None or t.scheduled is None or t.first_token is None:
+            return
+        attributes: tracing.Attributes = {
+            "splitserve.attempt_id": job.request_id,
+            "splitserve.prompt_tokens": out.num_prompt_tokens,
+            "splitserve.cached_tokens": out.num_cached_tokens,
+        }
+        tracing.record_phase("prefill.queue", parent, self.queue_time, t.arrival, t.scheduled, attributes)
+        tracing.record_phase("prefill.compute", parent, self.compute_time, t.scheduled, t.first_token, attributes)
+
     def _finish(self, job: _Job, stream: KVStream, first_token: int) -> None:
         try:
             stream.finish(first_token, timeout=self.cfg.prefill_timeout_s)
+            confirmed = time.monotonic()
+            computed = job.outbound.computed_at if job.outbound is not None else None
+            if computed is not None:
+                tail = tracing.child(job.kv_span)
+                tracing.record_phase("prefill.kv_transfer_tail", tail, self.tail_time, computed, confirmed)
+            tracing.end_span(job.kv_span)
         except TransferError as e:
             log.warning("request %s: KV not confirmed: %s", job.request_id, e)
+            tracing.end_span(job.kv_span, f"KV not confirmed: {e}")
         finally:
             self._forget(job)
 
     def _drop(self, job: _Job, stream: KVStream | None, reason: str) -> None:
+        tracing.end_span(job.kv_span, reason)
         job.stop(reason)
         if stream is not None:
             stream.abort(reason)

@@ -18,14 +18,17 @@ The endpoint also serves the process's default registry: the KV plane's
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
+from splitserve.tracing import PHASE_BUCKETS, PHASE_METRIC
 
 LABELS = ("model_name", "role", "worker_id")
 
@@ -38,6 +41,13 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 Snapshot = Callable[[], SchedulerStats]
+
+# a worker's phases of one request (tracing.py times each as a span and an observation):
+# admission: Decode call to reservation (or local admission);
+# handover: the engine takes the arrived KV to the first token it samples;
+# prefill_queue, prefill_compute: admitted to first scheduled, to the first token;
+# kv_transfer_tail: the last layer computed to the decode worker's confirmation of every byte
+PHASES = ("admission", "handover", "prefill_queue", "prefill_compute", "kv_transfer_tail")
 
 
 class WorkerMetrics:
@@ -99,7 +109,21 @@ class WorkerMetrics:
             REQUEST_BUCKETS,
         )
         self.decode = histogram("splitserve:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
+        self._phase = Histogram(
+            PHASE_METRIC,
+            "Time in each phase of a request, the same as its trace span: decode worker admission, handover; "
+            "prefill worker prefill_queue, prefill_compute, kv_transfer_tail (tracing.py)",
+            (*LABELS, "phase"),
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineGauges(self))
+
+    def phase(self, name: str) -> Histogram:
+        """The histogram of one phase of a request on this worker (see PHASES)."""
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        return self._phase.labels(*self.label_values, name)
 
     def watch(self, snapshot: Snapshot) -> None:
         """Read the gauges from `snapshot()` at each scrape (the engine loop's `stats`); absent until then."""
@@ -176,9 +200,30 @@ class _Both(Collector):
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[str, Callable[[], None]]:
     """Serve `registry` and the process's default registry at http://host:port/metrics (port 0: a free
     one). Returns the bound "host:port" and a function that stops the server."""
-    served = CollectorRegistry(auto_describe=True)  # names known, so `?name[]=` filters work
+    served = CollectorRegistry()
     served.register(_Both(registry, REGISTRY))
-    server, _ = start_http_server(port, addr=host, registry=served)
+
+    class Handler(BaseHTTPRequestHandler):
+        # Always the text format. prometheus_client's own server answers a scraper that accepts
+        # OpenMetrics (Prometheus does) in that format, and its OpenMetrics writer turns the ':' of
+        # vLLM-style names into '_': Prometheus stored splitserve_time_to_first_token_seconds.
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            body = generate_latest(served)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # a scrape every few seconds is not news
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
 
     def close() -> None:
         server.shutdown()

@@ -24,6 +24,7 @@ from splitserve.credentials import add_secret_argument
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
+from splitserve.tracing import add_tracing_argument, setup_tracing
 from splitserve.worker.auth import ClusterTokenInterceptor, cluster_token_refusal
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.metrics import WorkerMetrics, start_metrics_server
@@ -86,13 +87,13 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         engine.connect(connector)
         loop = EngineLoop(engine, on_iteration=metrics.record)
         connector.wake = loop.wake
-        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop), server)
+        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
     else:
         from splitserve.kv_transfer import KVSender
         from splitserve.prefill_worker.connector import SenderConnector
         from splitserve.prefill_worker.service import PrefillService
 
-        service = PrefillService(cfg, KVSender(engine.kv_cache))
+        service = PrefillService(cfg, KVSender(engine.kv_cache), metrics)
         sender_connector = SenderConnector(
             engine.cfg.block_size, len(engine.model.layers), cuda=engine.kv_cache.tensor.is_cuda
         )
@@ -190,6 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(p)
     add_admission_arguments(p)
+    add_tracing_argument(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +206,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"splitserve worker: {refusal}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(a.otlp_traces_endpoint, f"{a.role}-worker")
     cfg = WorkerConfig(
         role=a.role,
         worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
