@@ -118,9 +118,9 @@ def encode(model, chats: list[list[tuple[str, str]]]) -> list[list[int]]:
     return [enc.encode_chat(c) for c in chats]
 
 
-def reference(model, prompts: list[list[int]]) -> list[list[int]]:
+def reference(model, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
     engine = Engine(model.config, model.weights, ENGINE)
-    return engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    return engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
 
 
 async def until(cond: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
@@ -311,6 +311,38 @@ class TestFixedPools:
         assert counted(metrics.scaling_decisions, role="decode", action="replace") == 1
         assert counted(metrics.scaling_decisions, role="decode", action="grow") == 0
         assert counted(metrics.pool_workers, role="decode", state="serving") == 1
+
+    def test_the_only_decode_actor_killed_under_load_every_stream_completes_unchanged(self, fixed, ray_cluster, model):
+        """No decode pool for a while is no failure: the streams wait for the pool manager's
+        replacement (within their deadlines) and go on there with the undisturbed greedy text."""
+        ids = encode(model, CHATS)
+        n = 48
+        want = reference(model, ids, n)
+
+        async def stream(c: Cluster, p: list[int], got: list[int]) -> list[int]:
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
+            async for r in c.stub.Generate(req, timeout=DEADLINE_S):
+                got += list(r.token_ids)
+            return got
+
+        async def scenario(c: Cluster) -> list[list[int]]:
+            (old,) = c.pools.members["decode"]
+            progress: list[list[int]] = [[] for _ in ids]
+            streams = [asyncio.ensure_future(stream(c, p, got)) for p, got in zip(ids, progress, strict=True)]
+            await until(lambda: all(len(g) >= 2 for g in progress), "every stream decoding")
+            ray_cluster.kill(old.actor)
+            await until(lambda: old.grpc_address not in c.healthy("decode"), "the router sees the decode pool empty")
+            assert not any(s.done() for s in streams)  # no stream failed for want of a decode worker
+            out = await asyncio.gather(*streams)
+            (new,) = c.pools.members["decode"]
+            assert new.worker_id != old.worker_id
+            await c.no_blocks_held()
+            return out
+
+        assert fixed.run(scenario) == want
+        assert counted(fixed.cluster.router.metrics.migrations) >= 1
 
 
 # ---- a prefill pool that scales on its queue
