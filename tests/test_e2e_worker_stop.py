@@ -60,6 +60,8 @@ def test_sigterm_mid_request_exits_within_the_grace_period(role: str) -> None:
         took = asyncio.run(with_router([d], [p], model.tokenizer, body, mode="disaggregated"))
         print(f"{role} worker exited {took:.2f} s after SIGTERM")
         assert victim.proc.returncode == 0, victim.log()[-2000:]
+        log = victim.log()  # the warm-up step ran before the worker listened (and so before it could be ready)
+        assert log.index("warm-up step done") < log.index("listening on"), log[-2000:]
         assert took < 15.0, victim.log()[-2000:]  # the grace period and an engine step, not a call deadline
         if survivor is d:
             wait_all_blocks_free([d])
