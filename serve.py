@@ -151,7 +151,7 @@ async def _serve(
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
     engine_cfg = engine_config_from_args(a)
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
-    setup_tracing(a.otlp_traces_endpoint, "router")  # the router's spans; the workers' need it in their actors
+    setup_tracing(a.otlp_traces_endpoint, "router")  # the router's; each worker actor sets up its own
 
     def worker(role: str) -> WorkerConfig:
         return WorkerConfig(
@@ -163,6 +163,7 @@ async def _serve(
             cluster_token=cluster_token,
             threads=a.threads,
             max_waiting_requests=a.max_waiting_requests,
+            otlp_traces_endpoint=a.otlp_traces_endpoint,
         )
 
     specs = [

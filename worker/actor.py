@@ -20,12 +20,14 @@ class WorkerActor:
     def __init__(self, cfg: WorkerConfig) -> None:
         import dataclasses
 
+        from splitserve.tracing import setup_tracing
         from splitserve.worker.server import serve_metrics, start_worker
 
         if cfg.host == "auto":  # multi-node: listen on and advertise this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.cfg = cfg
+        setup_tracing(cfg.otlp_traces_endpoint, f"{cfg.role}-worker")  # an actor is a process of its own
         self.worker = start_worker(cfg)
         self.metrics_address = serve_metrics(self.worker, 0)
         logging.getLogger(__name__).info("%s worker %s metrics on %s", cfg.role, cfg.worker_id, self.metrics_address)
