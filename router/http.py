@@ -358,6 +358,9 @@ class OpenAIServer:
                         usage = r.usage
         except RequestFailed as e:
             return _error(_HTTP_STATUS.get(e.code, 500), str(e), "server_error")
+        except asyncio.CancelledError:  # the client went away while the answer was being made
+            log.info("request %s: the client disconnected before its answer; request cancelled", rid)
+            raise
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:

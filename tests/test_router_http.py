@@ -358,6 +358,9 @@ def test_a_client_disconnect_cancels_the_request_at_once(stream, token_delay_s, 
     assert elapsed < 2.0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+    # the disconnect is an ordinary event: said once, in one line, with no traceback
+    said = [r for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and said[0].exc_info is None, said
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
