@@ -1,0 +1,215 @@
+"""A measured cost profile: what this project's engine took per step on one
+machine, the models fitted to it, and the cost model the simulator reads it as.
+
+The measurements (`plan/calibrate.py` takes them) stay in the profile beside
+the fitted coefficients, so a reader can check the fit against its points:
+
+    prefill      piecewise linear in the chunk's tokens, nothing cached; plus a linear attention
+                 term, seconds per new token per cached token of context, fitted to chunks prefilled
+                 after a cached prefix
+    decode step  base + per_seq x batch + per_ctx x context tokens (least squares, no negative term)
+    transfer     base + per_byte x bytes for the whole KV of a prompt, of which the layers sent while
+                 the prefill still computes are hidden (costs.pipelined_tail_s)
+
+Saved as JSON (`save_profile`, `load_profile`); `ProfileCosts` is the `CostModel`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from splitserve.plan.costs import pipelined_tail_s
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    description: str  # model, dtype, threads, machine: what was measured
+    max_num_batched_tokens: int  # the chunk the engine ran with
+    num_layers: int
+    kv_bytes_per_token: int  # all layers, K and V, in the engine's dtype
+    prefill_points: tuple[tuple[int, float], ...]  # (tokens, seconds), nothing cached, by tokens
+    prefill_cached_points: tuple[tuple[int, int, float], ...]  # (tokens, cached tokens, seconds)
+    decode_points: tuple[tuple[int, int, float], ...]  # (batch, context tokens in all, seconds per step)
+    transfer_points: tuple[tuple[int, float], ...]  # (bytes, seconds for the whole transfer)
+    # fitted from the points (`fit_profile`)
+    prefill_s_per_token_ctx: float
+    decode_base_s: float
+    decode_s_per_seq: float
+    decode_s_per_ctx_token: float
+    transfer_base_s: float
+    transfer_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        if not self.prefill_points:
+            raise ValueError("a profile needs at least one prefill point")
+        if any(a[0] >= b[0] for a, b in zip(self.prefill_points, self.prefill_points[1:], strict=False)):
+            raise ValueError("prefill points must be sorted by tokens, each length once")
+        if self.num_layers < 1 or self.kv_bytes_per_token <= 0:
+            raise ValueError("num_layers and kv_bytes_per_token must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **asdict(self)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Profile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')!r}; this build reads {PROFILE_VERSION}")
+        return Profile(
+            description=str(d["description"]),
+            max_num_batched_tokens=int(d["max_num_batched_tokens"]),
+            num_layers=int(d["num_layers"]),
+            kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+            prefill_points=tuple((int(n), float(s)) for n, s in d["prefill_points"]),
+            prefill_cached_points=tuple((int(n), int(c), float(s)) for n, c, s in d["prefill_cached_points"]),
+            decode_points=tuple((int(b), int(c), float(s)) for b, c, s in d["decode_points"]),
+            transfer_points=tuple((int(n), float(s)) for n, s in d["transfer_points"]),
+            prefill_s_per_token_ctx=float(d["prefill_s_per_token_ctx"]),
+            decode_base_s=float(d["decode_base_s"]),
+            decode_s_per_seq=float(d["decode_s_per_seq"]),
+            decode_s_per_ctx_token=float(d["decode_s_per_ctx_token"]),
+            transfer_base_s=float(d["transfer_base_s"]),
+            transfer_s_per_byte=float(d["transfer_s_per_byte"]),
+        )
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(profile.to_dict(), f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_profile(path: str) -> Profile:
+    with open(path, encoding="utf-8") as f:
+        return Profile.from_dict(json.load(f))
+
+
+# ---- fitting -----------------------------------------------------------------------------------
+
+
+def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], nonnegative: bool = True) -> list[float]:
+    """Coefficients c minimising sum((row . c - y)^2), by the normal equations (a handful of columns).
+    With `nonnegative`, a column whose coefficient comes out negative is dropped (its coefficient 0)
+    and the rest refitted: a step never gets cheaper with more work."""
+    if not rows or len(rows) != len(ys):
+        raise ValueError("least_squares needs as many rows as values, at least one")
+    k = len(rows[0])
+    active = list(range(k))
+    while True:
+        coef = _solve_normal(rows, ys, active)
+        negative = [j for j in active if coef[j] < 0]
+        if not nonnegative or not negative:
+            return coef
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
+def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float], cols: list[int]) -> list[float]:
+    n = len(cols)
+    a = [[sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+         for i in cols]  # fmt: skip
+    for c in range(n):  # Gauss-Jordan with partial pivoting
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        a[c], a[p] = a[p], a[c]
+        if abs(a[c][c]) < 1e-300:
+            continue  # a column with no information keeps coefficient 0
+        for r in range(n):
+            if r != c and a[r][c] != 0.0:
+                f = a[r][c] / a[c][c]
+                a[r] = [x - f * y for x, y in zip(a[r], a[c], strict=True)]
+    coef = [0.0] * len(rows[0])
+    for i, j in enumerate(cols):
+        coef[j] = a[i][n] / a[i][i] if abs(a[i][i]) >= 1e-300 else 0.0
+    return coef
+
+
+def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
+    """Piecewise linear through `points` (sorted by x), extended along the end segments, never below 0.
+    One point: proportional to x."""
+    if len(points) == 1:
+        x0, y0 = points[0]
+        return max(0.0, y0 * x / x0) if x0 else y0
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def fit_profile(
+    description: str,
+    max_num_batched_tokens: int,
+    num_layers: int,
+    kv_bytes_per_token: int,
+    prefill_points: Sequence[tuple[int, float]],
+    prefill_cached_points: Sequence[tuple[int, int, float]],
+    decode_points: Sequence[tuple[int, int, float]],
+    transfer_points: Sequence[tuple[int, float]],
+) -> Profile:
+    """A profile from measured points, the models fitted. Repeated prefill lengths are averaged."""
+    by_len: dict[int, list[float]] = {}
+    for n, s in prefill_points:
+        by_len.setdefault(n, []).append(s)
+    prefill = tuple(sorted((n, sum(v) / len(v)) for n, v in by_len.items()))
+    # attention over the cached prefix: what a chunk took beyond the same chunk alone, per token x cached token
+    extra = [(n * c, s - interpolate(prefill, n)) for n, c, s in prefill_cached_points if c > 0]
+    per_token_ctx = least_squares([[x] for x, _ in extra], [y for _, y in extra])[0] if extra else 0.0
+    base = per_seq = per_ctx = 0.0
+    if decode_points:
+        base, per_seq, per_ctx = least_squares(
+            [[1.0, b, c] for b, c, _ in decode_points], [s for *_, s in decode_points]
+        )
+    t_base = t_byte = 0.0
+    if transfer_points:
+        t_base, t_byte = least_squares([[1.0, b] for b, _ in transfer_points], [s for _, s in transfer_points])
+    return Profile(
+        description=description,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_layers=num_layers,
+        kv_bytes_per_token=kv_bytes_per_token,
+        prefill_points=prefill,
+        prefill_cached_points=tuple(prefill_cached_points),
+        decode_points=tuple(decode_points),
+        transfer_points=tuple(transfer_points),
+        prefill_s_per_token_ctx=per_token_ctx,
+        decode_base_s=base,
+        decode_s_per_seq=per_seq,
+        decode_s_per_ctx_token=per_ctx,
+        transfer_base_s=t_base,
+        transfer_s_per_byte=t_byte,
+    )
+
+
+class ProfileCosts:
+    """The `CostModel` of a measured profile."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
+        if tokens <= 0:
+            return 0.0
+        p = self.profile
+        return interpolate(p.prefill_points, tokens) + p.prefill_s_per_token_ctx * tokens * cached_tokens
+
+    def decode_step_s(self, batch: int, context_tokens_total: int) -> float:
+        p = self.profile
+        return p.decode_base_s + p.decode_s_per_seq * batch + p.decode_s_per_ctx_token * context_tokens_total
+
+    def whole_transfer_s(self, tokens: int) -> float:
+        """The whole KV of `tokens` over the measured path, nothing hidden."""
+        p = self.profile
+        return p.transfer_base_s + p.transfer_s_per_byte * tokens * p.kv_bytes_per_token
+
+    def transfer_s(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        p = self.profile
+        wire = p.transfer_s_per_byte * tokens * p.kv_bytes_per_token
+        return p.transfer_base_s + pipelined_tail_s(wire, self.prefill_s(tokens), p.num_layers)
