@@ -24,6 +24,7 @@ TITLES = {
     "transfer-cuda": "KV transfer over CUDA IPC and TCP on the H100 (issue 3)",
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
     "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
+    "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
 }
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).

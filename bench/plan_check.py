@@ -1,0 +1,188 @@
+"""`splitserve bench plan-check`: the simulator behind `splitserve plan --simulate`
+against real runs on this machine.
+
+1. Calibrate: this project's engine step costs measured here (plan/calibrate.py),
+   pinned to one core with one torch thread as each benchmark worker runs, fitted
+   into a profile (saved beside the run's JSON files). `--profile` reuses one.
+2. Measure: each system (colocated: one worker per core behind a router;
+   disaggregated: a prefill and a decode worker on a core each) is started as
+   `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
+   ShareGPT, one short run per Poisson rate, each rate with its own prompts (a
+   prompt seen before would be a prefix-cache hit).
+3. Simulate the same requests (each run's own send times and the prompt and output
+   lengths the server counted) on a cluster of the same shape with the profile's
+   costs, and print simulated against measured TTFT and ITL p50 and p90, their
+   ratio, and whether it is within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, NamedTuple
+
+TOLERANCE = 0.25  # |simulated / measured - 1| at most this
+DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "splitserve", "plan-check")
+MODES = ("colocated", "disaggregated")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of colocated, disaggregated")
+    p.add_argument("--rates", default="0.5,1,1.5", help="Poisson request rates (req/s), one run each")
+    p.add_argument("--num-prompts", type=int, default=32, help="ShareGPT requests per run")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens of every request (EOS ignored)")
+    p.add_argument("--max-input-len", type=int, default=1024, help="longest ShareGPT prompt kept")
+    p.add_argument("--dtype", default="float32", help="the workers' dtype, and the calibration's")
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--profile", default=None, help="a saved profile JSON instead of calibrating now")
+    p.add_argument("--cores", default=None, help="cores to pin to, e.g. 0,1 (default: all usable)")
+    p.add_argument("--seed", type=int, default=10, help="the first run's prompt seed (each run adds one)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="profile, bench serve JSON files and logs")
+    p.add_argument("--load-timeout", type=float, default=900.0, help="seconds for one bench serve run")
+
+
+class Row(NamedTuple):
+    mode: str
+    rate: float
+    requests: int
+    metric: str
+    measured_ms: float
+    simulated_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.simulated_ms / self.measured_ms if self.measured_ms > 0 else float("nan")
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE
+
+
+def run(args: argparse.Namespace) -> int:
+    from splitserve.bench.peer.hf_export import export_hf_dir
+    from splitserve.bench.peer.main import SERVED_MODEL_NAME, parse_cores
+    from splitserve.bench.peer.servers import LaunchContext
+    from splitserve.plan.calibrate import CalibrationConfig, calibrate
+    from splitserve.plan.profile import load_profile, save_profile
+
+    print(f"$ splitserve {shlex.join(sys.argv[1:])}   # at {_commit()}", flush=True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not modes or any(m not in MODES for m in modes) or not rates or min(rates) <= 0:
+        print(f"bench plan-check: --modes from {', '.join(MODES)}, --rates positive", file=sys.stderr)
+        return 2
+    cores = parse_cores(args.cores)
+    out = os.path.abspath(args.out)
+    logs = os.path.join(out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    if args.profile:
+        profile = load_profile(args.profile)
+        print(f"profile: {args.profile}")
+    else:
+        core = cores[0] if cores else None
+        t0 = time.monotonic()
+        profile = calibrate(CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=core),
+                            log=lambda s: print("  " + s, flush=True))  # fmt: skip
+        path = os.path.join(out, "profile.json")
+        save_profile(profile, path)
+        print(f"profile: calibrated in {time.monotonic() - t0:.0f}s, saved to {path}")
+    _print_profile(profile)
+    model_dir = export_hf_dir(args.model, os.path.join(os.path.dirname(DEFAULT_OUT), "peer", "model"))
+    ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores)
+    rows: list[Row] = []
+    failed = False
+    for mode in modes:
+        try:
+            rows += _check_mode(mode, rates, args, ctx, out, profile)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"[{mode}] ERROR: {e}", flush=True)
+            failed = True
+    print()
+    print(format_table(rows))
+    within = sum(r.within for r in rows)
+    print(f"\n{within} of {len(rows)} simulated figures within {TOLERANCE:.0%} of the measured ones")
+    return 1 if failed or not rows else 0
+
+
+def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str,
+                profile: Any) -> list[Row]:  # fmt: skip
+    from splitserve.bench.peer.main import Load, run_load, warmup
+    from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
+    from splitserve.bench.serve.results import RunResult
+    from splitserve.plan.profile import ProfileCosts
+    from splitserve.plan.sim_sweep import requests_from_run
+    from splitserve.plan.simulate import ClusterSpec, Mode, simulate
+
+    spec = SystemSpec(mode, flags=("--dtype", args.dtype))
+    where = placement(mode, ctx.cores)
+    decode, prefill = len(where.cores_of("decode")), len(where.cores_of("prefill"))
+    sim_mode: Mode = "colocated" if mode == "colocated" else "disaggregated"
+    cluster = ClusterSpec(sim_mode, decode_workers=decode, prefill_workers=prefill)
+    print(f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
+          f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}", flush=True)  # fmt: skip
+    try:
+        system = start_system(spec, ctx)
+    except ServerError as e:
+        raise RuntimeError(f"did not start: {e}") from None
+    rows = []
+    with system:
+        print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
+        warmup(system.base_url, ctx.served_model_name)
+        for i, rate in enumerate(rates):
+            flags = ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
+                     "--sharegpt-output-len", str(args.output_len), "--sharegpt-max-input-len",
+                     str(args.max_input_len), "--ignore-eos", "--seed", str(args.seed + i))  # fmt: skip
+            load = Load(f"rate{rate:g}", flags, args.load_timeout)
+            print(f"[{mode}] load {load.name}: bench serve {' '.join(flags)}", flush=True)
+            data = run_load(system, load, ctx, out, "openai-chat")
+            if "error" in data:
+                raise RuntimeError(f"rate {rate:g}: {data['error']}")
+            measured = RunResult.from_dict(data["runs"][0])
+            sim = simulate(requests_from_run(measured), cluster, ProfileCosts(profile), random.Random(args.seed))
+            rows += compare(mode, rate, measured, sim)
+    return rows
+
+
+def compare(mode: str, rate: float, measured: Any, sim: Any) -> list[Row]:
+    """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult, s)."""
+    n = measured.completed
+    return [
+        Row(mode, rate, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * 1e3),
+        Row(mode, rate, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * 1e3),
+        Row(mode, rate, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * 1e3),
+        Row(mode, rate, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * 1e3),
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'mode':14s} {'rate':>5s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
+             f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r.mode:14s} {r.rate:5g} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
+                     f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _print_profile(p: Any) -> None:
+    print(f"profile of {p.description}: chunk {p.max_num_batched_tokens}, {p.num_layers} layers, "
+          f"KV {p.kv_bytes_per_token} B/token")  # fmt: skip
+    print("  prefill (ms): " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in p.prefill_points)
+          + f"; + {p.prefill_s_per_token_ctx * 1e9:.1f} ns per new token per cached token")  # fmt: skip
+    print(f"  decode step = {p.decode_base_s * 1e3:.2f} ms + {p.decode_s_per_seq * 1e3:.3f} ms/request "
+          f"+ {p.decode_s_per_ctx_token * 1e6:.2f} us/context token")  # fmt: skip
+    print(f"  KV transfer = {p.transfer_base_s * 1e3:.2f} ms + {p.transfer_s_per_byte * 1e9:.3f} ms/MB whole")
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=here)  # fmt: skip
+        return done.stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"

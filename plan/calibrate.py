@@ -1,0 +1,204 @@
+"""Measure this project's own step costs on the machine at hand and fit a profile.
+
+The engine is the one the workers run (engine/engine.py, the embedded SmolLM2
+unless a model is given, the workers' default dtype), with the workers'
+threads and, where the machine allows, pinned to one core as the benchmarks pin
+each worker. What is timed is `Engine.step()` itself:
+
+- prefill: one fresh prompt of N tokens in one step, for N up to the chunk;
+  and chunks that follow a prefix already computed (a long prompt's later
+  chunks), for the attention over that prefix;
+- decode: B requests decoding together, each step's time against B and the
+  step's total context, at two prompt lengths;
+- KV transfer: a prompt's KV of N tokens (every layer, the engine's layout)
+  through kv_transfer's TCP path (`KVSender` into a `KVReceiver`, as
+  bench/transfer.py measures it), start to the receiver's confirmation.
+
+Each figure is the median of a few repetitions; `fit_profile` turns the points
+into the models the simulator reads.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from splitserve.plan.profile import Profile, fit_profile
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
+    dtype: str = "float32"  # the CPU workers' default
+    threads: int = 1  # torch threads, as each benchmark worker runs
+    core: int | None = None  # pin this process to it while measuring; None: leave the affinity
+    max_num_batched_tokens: int = 512  # the workers' default chunk
+    prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512)
+    cached_prefills: tuple[tuple[int, int], ...] = ((128, 512), (512, 512), (256, 768), (512, 1024))  # (new, cached)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    decode_prompts: tuple[int, ...] = (64, 512)
+    decode_steps: int = 6  # timed steps per (batch, prompt)
+    transfer_tokens: tuple[int, ...] = (64, 256, 1024)
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.threads < 1 or self.repeats < 1 or self.decode_steps < 1:
+            raise ValueError("threads, repeats and decode_steps must be >= 1")
+        if max(self.prefill_tokens) > self.max_num_batched_tokens:
+            raise ValueError("a measured prefill must fit one step (the chunk)")
+
+
+def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+
+    torch.set_num_threads(cfg.threads)
+    restore = os.sched_getaffinity(0) if cfg.core is not None else None
+    if cfg.core is not None:
+        os.sched_setaffinity(0, {cfg.core})
+    try:
+        ecfg = EngineConfig(
+            dtype=cfg.dtype,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_blocks=4096,
+            enable_prefix_caching=False,  # every timed prompt is computed, never found
+        )
+        engine, _ = Engine.from_path(cfg.model, ecfg, progress=False)
+        layout = engine.layout
+        kv_per_token = layout.num_layers * layout.bytes_per_block // layout.block_size
+        name = engine.model_cfg.name
+        log(f"calibrating {name}, {cfg.dtype}, {cfg.threads} torch thread(s), chunk {cfg.max_num_batched_tokens}, "
+            f"core {cfg.core if cfg.core is not None else 'unpinned'}; KV {kv_per_token} B/token")  # fmt: skip
+        runner = _Runner(engine)
+        runner.prefill(64)  # warm-up: first-use costs stay out of the figures
+        prefill = [(n, statistics.median(runner.prefill(n) for _ in range(cfg.repeats))) for n in cfg.prefill_tokens]
+        log("prefill: " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in prefill))
+        cached = [
+            (n, c, statistics.median(runner.chunk_after(n, c) for _ in range(cfg.repeats)))
+            for n, c in cfg.cached_prefills
+        ]
+        log("prefill after a prefix: " + ", ".join(f"{n} after {c}: {s * 1e3:.1f} ms" for n, c, s in cached))
+        decode = [pt for b in cfg.decode_batches for p in cfg.decode_prompts for pt in runner.decode(b, p, cfg)]
+        log("decode: " + ", ".join(f"b{b} ctx {c}: {s * 1e3:.1f} ms" for b, c, s in decode[:: cfg.decode_steps]))
+        transfer = [(n * kv_per_token, _transfer_s(layout, n, cfg.repeats)) for n in cfg.transfer_tokens]
+        log("transfer: " + ", ".join(f"{b / 2**20:.1f} MiB {s * 1e3:.1f} ms" for b, s in transfer))
+    finally:
+        if restore is not None:
+            os.sched_setaffinity(0, restore)
+    where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
+    description = (f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} "
+                   f"{_cpu_name()}")  # fmt: skip
+    return fit_profile(description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached,
+                       decode, transfer)  # fmt: skip
+
+
+class _Runner:
+    """Requests through the engine, each step timed."""
+
+    def __init__(self, engine: object) -> None:
+        from splitserve.engine.engine import Engine
+
+        assert isinstance(engine, Engine)
+        self.engine = engine
+        self.n = 0
+        self.vocab = min(engine.model_cfg.vocab_size, 32000)
+
+    def _prompt(self, n: int) -> list[int]:
+        self.n += 1  # a distinct prompt each time (no cache anyway; the ids vary the input)
+        return [(self.n * 7919 + i * 104729) % (self.vocab - 256) + 256 for i in range(n)]
+
+    def _add(self, n: int, max_tokens: int) -> str:
+        from splitserve.engine.sampling import SamplingParams
+
+        rid = f"cal-{self.n}"
+        self.engine.add_request(rid, self._prompt(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return rid
+
+    def _timed_step(self) -> float:
+        t = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t
+
+    def _drain(self) -> None:
+        while self.engine.has_work:
+            self.engine.step()
+
+    def prefill(self, n: int) -> float:
+        self._add(n, 1)
+        s = self._timed_step()
+        self._drain()
+        return s
+
+    def chunk_after(self, n: int, cached: int) -> float:
+        """A chunk of n tokens after `cached` of the same prompt (cached a multiple of the chunk)."""
+        chunk = self.engine.cfg.max_num_batched_tokens
+        if cached % chunk:
+            raise ValueError(f"cached ({cached}) must be a multiple of the chunk ({chunk})")
+        self._add(cached + n, 1)
+        for _ in range(cached // chunk):
+            self.engine.step()
+        s = self._timed_step()
+        self._drain()
+        return s
+
+    def decode(self, batch: int, prompt: int, cfg: CalibrationConfig) -> list[tuple[int, int, float]]:
+        """(batch, total context, seconds) for each timed step of `batch` requests decoding together."""
+        sched = self.engine.scheduler
+        chunk = self.engine.cfg.max_num_batched_tokens
+        enough = batch * prompt // chunk + cfg.decode_steps + 8  # nobody finishes before the timed steps end
+        rids = [self._add(prompt, enough) for _ in range(batch)]
+        while sched.waiting or any(len(s) - s.num_computed_tokens > 1 for s in sched.running):
+            self.engine.step()  # the prefills, chunk by chunk
+        self.engine.step()  # one untimed decode step
+        out = []
+        for _ in range(cfg.decode_steps):
+            context = sum(len(s) for s in sched.running)
+            out.append((len(sched.running), context, self._timed_step()))
+        for rid in rids:
+            self.engine.abort(rid)
+        return out
+
+
+def _transfer_s(layout: object, tokens: int, repeats: int) -> float:
+    """A prompt's KV of `tokens` (all layers) over kv_transfer's TCP path, to the receiver's confirmation."""
+    import torch
+
+    from splitserve.engine.kv_cache import KVCache, KVLayout
+    from splitserve.kv_transfer import Completed, KVReceiver, KVSender
+
+    assert isinstance(layout, KVLayout)
+    blocks = -(-tokens // layout.block_size)
+    src, dst = KVCache(layout, blocks), KVCache(layout, blocks)
+    src.tensor.copy_(torch.randn(src.tensor.shape).to(src.tensor.dtype))
+    ids = list(range(blocks))
+    times = []
+    with KVReceiver(dst, transport="tcp") as rx:
+        sender = KVSender(src)
+        for _ in range(repeats + 1):  # the first is a warm-up (connection, page faults)
+            r = rx.reserve("calibrate", ids, lease_s=60)
+            t = time.perf_counter()
+            stream = sender.open(r)
+            for layer in range(layout.num_layers):
+                stream.send_layer(layer, ids)
+            stream.finish(1, timeout=60)
+            if rx.wait(r.ticket, 10) != Completed(1):
+                raise RuntimeError("calibration transfer not confirmed")
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
