@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "generate": ("splitserve.generate", "generate text (in-process with --local, else through a router)"),
     "router": ("splitserve.router.main", "run the router alone, in front of workers given by address"),
     "worker": ("splitserve.worker.server", "run one prefill or decode worker as a plain process"),
+    "plan": ("splitserve.plan.main", "disaggregate or not: capacity, roofline, five checks and a recommendation"),
 }
 
 # `splitserve bench NAME`: NAME -> module exposing add_arguments(parser) and run(args) -> int.

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from splitserve.plan.deployment import Deployment, RequestCosts
+from splitserve.plan.deployment import Deployment, RequestCosts, request_costs
 from splitserve.plan.workload import Workload
 
 Verdict = Literal["for", "against", "neutral"]
@@ -76,7 +76,7 @@ def check_transfer(c: RequestCosts, wl: Workload) -> Check:
         exposed * 1e3,
         "ms exposed",
         verdict,
-        f"{c.kv_bytes / 1e6:.1f} MB per prompt: {c.transfer_s * 1e3:.1f} ms whole vs {c.prefill_s * 1e3:.1f} ms "
+        f"{c.kv_bytes / 1e6:,.1f} MB per prompt: {c.transfer_s * 1e3:.1f} ms whole vs {c.prefill_s * 1e3:.1f} ms "
         f"prefill, {exposed * 1e3:.1f} ms left after prefill ({share:.0%} of the {wl.ttft_slo_s * 1e3:.0f} ms "
         f"TTFT objective); {why}",
     )
@@ -244,3 +244,20 @@ def recommend(dep: Deployment, wl: Workload, c: RequestCosts, checks: list[Check
             "to queue, prefill remotely and send (router flag --local-prefill-max-tokens)"
         )
     return Recommendation(True, p, d, served, colocated, threshold, reasons)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `splitserve plan` answers for one deployment and workload."""
+
+    deployment: Deployment
+    workload: Workload
+    costs: RequestCosts
+    checks: list[Check]
+    recommendation: Recommendation
+
+
+def decide(dep: Deployment, wl: Workload) -> Plan:
+    costs = request_costs(dep, wl)
+    checks = five_checks(dep, wl, costs)
+    return Plan(dep, wl, costs, checks, recommend(dep, wl, costs, checks))

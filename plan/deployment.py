@@ -74,6 +74,17 @@ class Deployment:
         nbytes = tokens * self.kv_bytes_per_token_per_gpu
         return capacity.transfer_seconds(nbytes, net.bytes_per_s, net.latency_s, self.shape.layers)
 
+    def does_not_fit(self, context: int) -> str | None:
+        """Why not one request of `context` tokens fits beside the weights, or None when one does."""
+        if self.max_batch(context) > 0:
+            return None
+        room = self.gpu.memory_bytes * (1 - self.reserve)
+        return (
+            f"{self.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU (TP {self.tp}) and one request's KV "
+            f"({context * self.kv_bytes_per_token_per_gpu / 1e9:.2f} GB) do not fit in {room / 1e9:.1f} GB of "
+            f"{self.gpu.name}: raise --tp or lower --weight-dtype"
+        )
+
     def exposed_transfer_s(self, tokens: int, cached: int = 0) -> float:
         """What is left of the transfer after the prefill of `tokens` ends, layers sent as they finish."""
         return pipelined_tail_s(self.transfer_s(tokens), self.prefill_s(tokens, cached), self.shape.layers)
