@@ -18,6 +18,10 @@ from splitserve.plan.deployment import Deployment, RequestCosts, request_costs
 from splitserve.plan.workload import Workload
 
 Verdict = Literal["for", "against", "neutral"]
+CheckKey = Literal["decode_share", "transfer", "prefix_reuse", "gpu_count", "network"]
+# An "against" from these is a cost the split adds to every request, so it decides alone;
+# the others are votes.
+VETOES: tuple[CheckKey, ...] = ("transfer", "prefix_reuse")
 
 MIN_PHASE_SHARE = 0.10  # each phase at least this share of GPU time for them to interfere
 TRANSFER_HIDDEN_TTFT = 0.10  # exposed transfer at most this share of the TTFT objective: hidden
@@ -32,6 +36,7 @@ LONGEST_PROMPT = 1 << 20  # the threshold search's end
 
 @dataclass(frozen=True)
 class Check:
+    key: CheckKey
     name: str
     value: float
     unit: str
@@ -50,6 +55,7 @@ def check_decode_share(c: RequestCosts) -> Check:
         verdict = "against"
         why = "prefill is a small share: prompts rarely interrupt decode, chunked prefill absorbs them"
     return Check(
+        "decode_share",
         "decode share of GPU time",
         share,
         "share",
@@ -72,6 +78,7 @@ def check_transfer(c: RequestCosts, wl: Workload) -> Check:
     else:
         verdict, why = "neutral", "the transfer is partly hidden"
     return Check(
+        "transfer",
         "KV transfer against the network",
         exposed * 1e3,
         "ms exposed",
@@ -91,7 +98,8 @@ def check_prefix_reuse(wl: Workload) -> Check:
         verdict, why = "for", "prompts are mostly new, so every one needs a full prefill somewhere"
     else:
         verdict, why = "neutral", "some reuse: route by prefix overlap either way"
-    return Check("prefix-cache hit rate", r, "share", verdict, f"{r:.0%} of prompt tokens cached; {why}")
+    reason = f"{r:.0%} of prompt tokens cached; {why}"
+    return Check("prefix_reuse", "prefix-cache hit rate", r, "share", verdict, reason)
 
 
 def best_split(replicas: int, prefill_share: float) -> tuple[int, float]:
@@ -109,7 +117,8 @@ def best_split(replicas: int, prefill_share: float) -> tuple[int, float]:
 def check_gpu_count(dep: Deployment, c: RequestCosts) -> Check:
     n = dep.replicas
     if n < 2:
-        return Check("GPU count", n, "replicas", "against", f"{dep.gpus} GPUs at TP {dep.tp}: one replica, no split")
+        reason = f"{dep.gpus} GPUs at TP {dep.tp}: one replica, no split"
+        return Check("gpu_count", "GPU count", n, "replicas", "against", reason)
     p, idle = best_split(n, 1 - c.decode_share)
     if n < FEW_REPLICAS or idle > STRANDED_COSTLY:
         verdict: Verdict = "against"
@@ -119,6 +128,7 @@ def check_gpu_count(dep: Deployment, c: RequestCosts) -> Check:
     else:
         verdict, why = "neutral", "a split is possible but coarse"
     return Check(
+        "gpu_count",
         "GPU count",
         n,
         "replicas",
@@ -139,6 +149,7 @@ def check_network(dep: Deployment) -> Check:
     else:
         verdict, why = "neutral", "usable, not fast"
     return Check(
+        "network",
         "network",
         net.gbps,
         "Gb/s",
@@ -206,12 +217,14 @@ def recommend(dep: Deployment, wl: Workload, c: RequestCosts, checks: list[Check
     colocated = n / per_request
     fors = [ch.name for ch in checks if ch.verdict == "for"]
     againsts = [ch.name for ch in checks if ch.verdict == "against"]
-    transfer_against = any(ch.name.startswith("KV transfer") and ch.verdict == "against" for ch in checks)
+    vetoed = {ch.key for ch in checks if ch.key in VETOES and ch.verdict == "against"}
     reasons = [f"for: {', '.join(fors) or 'none'}; against: {', '.join(againsts) or 'none'}"]
-    yes = n >= 2 and len(fors) > len(againsts) and not transfer_against
+    yes = n >= 2 and len(fors) > len(againsts) and not vetoed
     if not yes:
-        if transfer_against:
+        if "transfer" in vetoed:
             reasons.append("the KV transfer would add to every TTFT: keep prefill where the KV is used")
+        if "prefix_reuse" in vetoed:
+            reasons.append("most of each prompt is already cached on a decode worker: prefill the rest there")
         reasons.append(f"colocated, {n} replicas serve about {colocated:.1f} requests/s")
         if wl.rate > colocated:
             reasons.append(f"the rate {wl.rate:g}/s needs about {math.ceil(wl.rate * per_request) * dep.tp} GPUs")

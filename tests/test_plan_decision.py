@@ -29,7 +29,7 @@ def workload(prompt=200, output=100, reuse=0.0, rate=5.0, ttft_ms=1000.0, tpot_m
 
 
 def verdicts(plan: decision.Plan) -> dict[str, str]:
-    return {c.name: c.verdict for c in plan.checks}
+    return {c.key: c.verdict for c in plan.checks}
 
 
 @pytest.mark.timeout(30)
@@ -39,7 +39,7 @@ def test_short_prompts_and_outputs_on_two_gpus_over_tcp_stay_colocated():
     assert not rec.disaggregate
     assert (rec.prefill_replicas, rec.decode_replicas, rec.local_prefill_max_tokens) == (0, 2, None)
     v = verdicts(plan)
-    assert v["GPU count"] == v["network"] == v["KV transfer against the network"] == "against"
+    assert v["gpu_count"] == v["network"] == v["transfer"] == "against"
     assert any("keep prefill where the KV is used" in r for r in rec.reasons)
 
 
@@ -56,6 +56,17 @@ def test_long_prompts_on_64_h100s_over_400_gbps_rdma_disaggregate():
     assert 0 < rec.local_prefill_max_tokens < 8192  # short uncached suffixes still prefill locally
     # the honest part: the split buys latency, not throughput
     assert rec.capacity_rps <= rec.colocated_rps
+
+
+@pytest.mark.timeout(30)
+def test_high_prefix_reuse_keeps_prefill_where_the_prefix_is_cached_even_when_other_checks_say_yes():
+    dep = deployment(gpus=8, gbps=100, rdma=True)
+    fresh = decide(dep, workload(prompt=4096, output=256, reuse=0.0, rate=20))
+    reused = decide(dep, workload(prompt=4096, output=256, reuse=0.8, rate=20))
+    assert fresh.recommendation.disaggregate
+    assert verdicts(reused)["prefix_reuse"] == "against"
+    assert not reused.recommendation.disaggregate
+    assert any("already cached" in r for r in reused.recommendation.reasons)
 
 
 @pytest.mark.timeout(30)
