@@ -62,6 +62,9 @@ def sweep_rates(
     return out
 
 
+ATTAINMENT_TIE = 0.005  # SLO attainments this close are a tie, broken by the lower TTFT p90
+
+
 class SplitPoint(NamedTuple):
     prefill_gpus: int
     decode_gpus: int
@@ -84,7 +87,7 @@ def best_split(
     prefill_gpus_per_worker: int | None = None,
     grid: int = 8,
 ) -> SplitSearch:
-    """The prefill:decode split of `gpus` with the most goodput (ties: the lower TTFT p90) for a
+    """The prefill:decode split of `gpus` with the most goodput (within ATTAINMENT_TIE: the lower TTFT p90) for a
     disaggregated (or auto) `spec`, whose worker counts are replaced. `prefill_gpus_per_worker`:
     the prefill workers' tensor-parallel size when it differs from spec.gpus_per_worker."""
     if spec.mode == "colocated":
@@ -105,7 +108,12 @@ def best_split(
         return seen[p]
 
     def better(a: SplitPoint, b: SplitPoint) -> bool:
-        return (a.result.goodput, -a.result.ttft.p90) > (b.result.goodput, -b.result.ttft.p90)
+        # every split serves the same requests, so the share that meets the SLOs ranks them by goodput
+        # without the noise of when the last request happened to finish (goodput's denominator)
+        ga, gb = a.result.slo_attainment, b.result.slo_attainment
+        if abs(ga - gb) > ATTAINMENT_TIE:
+            return ga > gb
+        return a.result.ttft.p90 < b.result.ttft.p90
 
     step = max(1, max_p // grid)
     for p in range(1, max_p + 1, step):

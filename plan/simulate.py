@@ -153,9 +153,11 @@ def simulate(
     reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens)
             for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]  # fmt: skip
     sim.run(reqs)
+    # a bug, not a result: every request finishes, and every worker ends empty
     unfinished = sum(1 for r in reqs if r.finish_s < 0)
-    if unfinished:
-        raise RuntimeError(f"simulation ended with {unfinished} requests unfinished")  # a bug, not a result
+    left = [x for w in sim.decode + sim.prefill for x in w.leftovers()]
+    if unfinished or left or any(sim.lines.values()):
+        raise RuntimeError(f"simulation ended with {unfinished} requests unfinished; left: {left[:8]}")
     return _result(reqs, sim, cluster, slo, rate)
 
 

@@ -1,0 +1,114 @@
+"""The measured profile: fitting on synthetic points with known coefficients, the JSON
+round trip, the cost model it makes, and plan-check's side-by-side table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.bench.plan_check import Row, compare, format_table
+from splitserve.bench.serve.results import RunResult, Stats
+from splitserve.plan.profile import (
+    Profile,
+    ProfileCosts,
+    fit_profile,
+    interpolate,
+    least_squares,
+    load_profile,
+    save_profile,
+)
+from splitserve.plan.simulate import Percentiles
+
+pytestmark = pytest.mark.timeout(60)
+
+KV = 46080  # SmolLM2-135M in float32: 30 layers x 2 x 3 KV heads x 64 x 4 bytes
+
+
+def synthetic() -> Profile:
+    """Points from known models: prefill 5 ms + 1 ms/token, attention 2 ns per token x cached token;
+    a decode step 10 ms + 0.5 ms/request + 1 us/context token; transfer 1 ms + 1 ns/byte."""
+    prefill = [(n, 0.005 + 0.001 * n) for n in (16, 256, 512)] + [(64, 0.068), (64, 0.070)]  # a repeat, averaged
+    cached = [(n, c, 0.005 + 0.001 * n + 2e-9 * n * c) for n, c in ((128, 512), (512, 512), (512, 1024))]
+    decode = [(b, c, 0.010 + 0.0005 * b + 1e-6 * c) for b in (1, 2, 4, 8, 16) for c in (64 * b, 512 * b)]
+    transfer = [(n * KV, 0.001 + 1e-9 * n * KV) for n in (64, 256, 1024)]
+    return fit_profile("synthetic", 512, 30, KV, prefill, cached, decode, transfer)
+
+
+def test_fitting_recovers_the_coefficients_of_synthetic_points():
+    p = synthetic()
+    assert p.prefill_points[1] == (64, pytest.approx(0.069))  # the two 64-token points averaged
+    assert p.prefill_s_per_token_ctx == pytest.approx(2e-9)
+    assert (p.decode_base_s, p.decode_s_per_seq, p.decode_s_per_ctx_token) == pytest.approx((0.010, 0.0005, 1e-6))
+    assert (p.transfer_base_s, p.transfer_s_per_byte) == pytest.approx((0.001, 1e-9))
+
+
+def test_the_profile_cost_model():
+    c = ProfileCosts(synthetic())
+    assert c.prefill_s(256) == pytest.approx(0.261)
+    assert c.prefill_s(160) == pytest.approx(0.165)  # between measured lengths: the straight line
+    assert c.prefill_s(256, cached_tokens=1000) == pytest.approx(0.261 + 2e-9 * 256 * 1000)
+    assert c.decode_step_s(4, 2000) == pytest.approx(0.010 + 0.002 + 0.002)
+    assert c.decode_step_s(0, 0) == pytest.approx(0.010)  # the step's fixed part
+    wire = 1e-9 * 512 * KV  # 23.6 ms; the prefill (517 ms) hides all but the last of 30 layers
+    assert c.whole_transfer_s(512) == pytest.approx(0.001 + wire)
+    assert c.transfer_s(512) == pytest.approx(0.001 + wire / 30)
+    assert c.prefill_s(0) == c.transfer_s(0) == 0.0
+
+
+def test_least_squares_keeps_no_negative_term():
+    rows = [[1.0, x] for x in (1, 2, 3, 4)]
+    assert least_squares(rows, [3.0, 5.0, 7.0, 9.0]) == pytest.approx([1.0, 2.0])
+    # falling values: a slope below zero is dropped, the mean is what is left
+    assert least_squares(rows, [4.0, 3.0, 2.0, 1.0]) == pytest.approx([2.5, 0.0])
+    assert least_squares(rows, [4.0, 3.0, 2.0, 1.0], nonnegative=False) == pytest.approx([5.0, -1.0])
+
+
+def test_interpolate_extends_the_end_segments_and_never_goes_below_zero():
+    pts = [(10, 1.0), (20, 2.0), (40, 3.0)]
+    assert interpolate(pts, 15) == pytest.approx(1.5)
+    assert interpolate(pts, 80) == pytest.approx(5.0)
+    assert interpolate(pts, 0) == 0.0
+    assert interpolate([(100, 0.5)], 50) == pytest.approx(0.25)
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = synthetic()
+    path = tmp_path / "sub" / "profile.json"
+    save_profile(p, str(path))
+    assert load_profile(str(path)) == p
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version"):
+        load_profile(str(path))
+
+
+def test_a_profile_needs_sorted_prefill_points():
+    with pytest.raises(ValueError):
+        fit_profile("x", 512, 30, KV, [], [], [], [])
+    good = synthetic()
+    with pytest.raises(ValueError, match="sorted"):
+        Profile(**{**good.__dict__, "prefill_points": ((64, 0.1), (16, 0.02))})
+
+
+def test_plan_check_puts_simulated_beside_measured():
+    ms = Stats(0.0, 100.0, 200.0, 300.0)
+    run = RunResult(1.0, 1.0, None, 3, 5.0, 3, 0, 0.6, 1.0, 1.0, 1, 1, ms, ms, Stats(0.0, 20.0, 40.0, 50.0), ms,
+                    None, None, {}, None, [])  # fmt: skip
+
+    class Sim:
+        ttft = Percentiles(0.0, 0.110, 0.300, 0.4)
+        itl = Percentiles(0.0, 0.021, 0.040, 0.05)
+
+    rows = compare("colocated", 1.0, run, Sim())
+    assert [(r.metric, r.within) for r in rows] == [
+        ("TTFT p50", True),
+        ("TTFT p90", False),
+        ("ITL p50", True),
+        ("ITL p90", True),
+    ]
+    assert rows[1].ratio == pytest.approx(1.5)
+    table = format_table(rows)
+    assert "TTFT p90" in table and "NO" in table and table.count("yes") == 3
+    assert Row("x", 1.0, 1, "ITL p50", 0.0, 1.0).within is False  # nothing measured: not within
