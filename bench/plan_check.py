@@ -9,7 +9,8 @@ against real runs on this machine.
    `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
    ShareGPT, one short run per Poisson rate, each rate with its own prompts (a
    prompt seen before would be a prefix-cache hit).
-3. Simulate the same requests (each run's own send times and the prompt and output
+3. Also bench serve's burst load (steady streams, bursts of long prompts), unless --no-burst.
+4. Simulate the same requests (each run's own send times and the prompt and output
    lengths the server counted) on a cluster of the same shape with the profile's
    costs, and print simulated against measured TTFT and ITL p50 and p90, their
    ratio, and whether it is within 25%.
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--profile", default=None, help="a saved profile JSON instead of calibrating now")
     p.add_argument("--cores", default=None, help="cores to pin to, e.g. 0,1 (default: all usable)")
+    p.add_argument(
+        "--no-burst", action="store_true", help="skip bench serve's burst load (steady streams, long prompts)"
+    )
     p.add_argument("--seed", type=int, default=10, help="the first run's prompt seed (each run adds one)")
     p.add_argument("--out", default=DEFAULT_OUT, help="profile, bench serve JSON files and logs")
     p.add_argument("--load-timeout", type=float, default=900.0, help="seconds for one bench serve run")
@@ -48,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class Row(NamedTuple):
     mode: str
-    rate: float
+    load: str  # "sharegpt@RATE" or "burst"
     requests: int
     metric: str
     measured_ms: float
@@ -133,37 +137,41 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     with system:
         print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
         warmup(system.base_url, ctx.served_model_name)
-        for i, rate in enumerate(rates):
-            flags = ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
-                     "--sharegpt-output-len", str(args.output_len), "--sharegpt-max-input-len",
-                     str(args.max_input_len), "--ignore-eos", "--seed", str(args.seed + i))  # fmt: skip
-            load = Load(f"rate{rate:g}", flags, args.load_timeout)
-            print(f"[{mode}] load {load.name}: bench serve {' '.join(flags)}", flush=True)
+        loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
+                      "--request-rate", f"{rate:g}", "--sharegpt-output-len", str(args.output_len),
+                      "--sharegpt-max-input-len", str(args.max_input_len), "--ignore-eos", "--seed",
+                      str(args.seed + i)), args.load_timeout) for i, rate in enumerate(rates)]  # fmt: skip
+        if not args.no_burst:  # bench serve's own burst schedule and defaults
+            loads.append(
+                Load("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates))), args.load_timeout)
+            )
+        for load in loads:
+            print(f"[{mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
             data = run_load(system, load, ctx, out, "openai-chat")
             if "error" in data:
-                raise RuntimeError(f"rate {rate:g}: {data['error']}")
+                raise RuntimeError(f"{load.name}: {data['error']}")
             measured = RunResult.from_dict(data["runs"][0])
             sim = simulate(requests_from_run(measured), cluster, ProfileCosts(profile), random.Random(args.seed))
-            rows += compare(mode, rate, measured, sim)
+            rows += compare(mode, load.name, measured, sim)
     return rows
 
 
-def compare(mode: str, rate: float, measured: Any, sim: Any) -> list[Row]:
+def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
     """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult, s)."""
     n = measured.completed
     return [
-        Row(mode, rate, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * 1e3),
-        Row(mode, rate, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * 1e3),
-        Row(mode, rate, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * 1e3),
-        Row(mode, rate, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * 1e3),
+        Row(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * 1e3),
+        Row(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * 1e3),
+        Row(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * 1e3),
+        Row(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * 1e3),
     ]
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [f"{'mode':14s} {'rate':>5s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
+    lines = [f"{'mode':14s} {'load':13s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
              f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"]  # fmt: skip
     for r in rows:
-        lines.append(f"{r.mode:14s} {r.rate:5g} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
+        lines.append(f"{r.mode:14s} {r.load:13s} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
                      f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}")  # fmt: skip
     return "\n".join(lines)
 

@@ -101,7 +101,7 @@ def test_plan_check_puts_simulated_beside_measured():
         ttft = Percentiles(0.0, 0.110, 0.300, 0.4)
         itl = Percentiles(0.0, 0.021, 0.040, 0.05)
 
-    rows = compare("colocated", 1.0, run, Sim())
+    rows = compare("colocated", "sharegpt@1", run, Sim())
     assert [(r.metric, r.within) for r in rows] == [
         ("TTFT p50", True),
         ("TTFT p90", False),
@@ -111,4 +111,4 @@ def test_plan_check_puts_simulated_beside_measured():
     assert rows[1].ratio == pytest.approx(1.5)
     table = format_table(rows)
     assert "TTFT p90" in table and "NO" in table and table.count("yes") == 3
-    assert Row("x", 1.0, 1, "ITL p50", 0.0, 1.0).within is False  # nothing measured: not within
+    assert Row("x", "burst", 1, "ITL p50", 0.0, 1.0).within is False  # nothing measured: not within
