@@ -38,7 +38,7 @@ class CalibrationConfig:
     core: int | None = None  # pin this process to it while measuring; None: leave the affinity
     max_num_batched_tokens: int = 512  # the workers' default chunk
     prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512)
-    cached_prefills: tuple[tuple[int, int], ...] = ((128, 512), (512, 512), (256, 768), (512, 1024))  # (new, cached)
+    cached_prefills: tuple[tuple[int, int], ...] = ((128, 512), (512, 512), (256, 1024), (512, 1024))  # (new, cached)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_prompts: tuple[int, ...] = (64, 512)
     decode_steps: int = 6  # timed steps per (batch, prompt)
@@ -50,6 +50,8 @@ class CalibrationConfig:
             raise ValueError("threads, repeats and decode_steps must be >= 1")
         if max(self.prefill_tokens) > self.max_num_batched_tokens:
             raise ValueError("a measured prefill must fit one step (the chunk)")
+        if any(c % self.max_num_batched_tokens or n > self.max_num_batched_tokens for n, c in self.cached_prefills):
+            raise ValueError("a cached prefix is whole chunks, and the timed chunk fits one step")
 
 
 def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
