@@ -36,6 +36,9 @@ NOTES = {
     "and attention is 40% (SmolLM2) of the FLOPs; the Llama-3-8B shape meets it. Greedy agreement with HF at "
     "batch 32 on the Llama-3-8B shape is low from the first steps: random weights leave near-tied logits that "
     "bf16 rounding in another order flips (Llama-3.2-1B agrees 32 of 32).",
+    "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
+    "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
+    "workers also stream every token over gRPC.",
     "peer-cpu": "Each row group is one `splitserve bench serve` load from `bench/peer/main.py` (`loads_for`), "
     "the same for every system: `sharegpt` 40 ShareGPT prompts at concurrency 4, 128 output tokens (EOS "
     "ignored); `sweep` 20 ShareGPT prompts per Poisson rate; `burst` 4 steady streams (32-token prompts, "
