@@ -26,13 +26,14 @@ KV arrival), so the cost grows with simulated steps, not with requests x tokens.
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from splitserve.plan.costs import CostModel
 from splitserve.plan.sim_worker import SimRequest, SimWorker
@@ -324,3 +325,18 @@ def _result(reqs: list[SimRequest], sim: _Cluster, spec: ClusterSpec, slo: Slo |
         steps=sim.steps,
         outcomes=outcomes,
     )
+
+
+# ---- the `splitserve plan --simulate` hook (plan/main.py looks for these two here) -----------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.plan.sim_cli import add_arguments as add
+
+    add(p)
+
+
+def run_simulation(args: argparse.Namespace, plan: Any) -> int:
+    from splitserve.plan.sim_cli import run_simulation as run
+
+    return run(args, plan)
