@@ -19,6 +19,7 @@ machine give, whatever kernel the engine itself happens to use.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from typing import NamedTuple
 
@@ -26,6 +27,18 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.config import ModelConfig
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def sync(device: torch.device) -> None:

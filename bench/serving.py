@@ -41,15 +41,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import random
 import statistics
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
+from splitserve.bench.serve.metrics import percentile
 from splitserve.engine.blocks import cdiv
 
 if TYPE_CHECKING:
@@ -246,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from splitserve.bench.cluster import LocalCluster, WorkerArgs, usable_cores
+    from splitserve.bench.hw import cpu_name
     from splitserve.engine.weights import load_tokenizer
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving bench: {layout.name}, {args.dtype}, {args.threads} torch thread(s) per worker, "
           f"prefill chunk {opts.chunk} tokens, KV over {args.kv_transport}; {where}; "
           f"router and client unpinned; prompts: {prompts.kind}")  # fmt: skip
-    print(f"machine: {platform.machine()} {_cpu_name()}, {os.cpu_count()} cores visible, "
+    print(f"machine: {platform.machine()} {cpu_name()}, {os.cpu_count()} cores visible, "
           f"load average {_load()} at start")  # fmt: skip
     wargs = WorkerArgs(model=args.model, dtype=args.dtype, threads=args.threads, num_blocks=args.num_blocks,
                        max_num_batched_tokens=opts.chunk, kv_transport=args.kv_transport)  # fmt: skip
@@ -541,12 +541,12 @@ class _Bench:
                 else f"decode worker {u[0]:.2f} of a core, {_ms(u[1])} CPU per steady token"
             )
 
-        q50, q99 = _pct(by["quiet"], 50), _pct(by["quiet"], 99)
+        q50, q99 = percentile(by["quiet"], 50), percentile(by["quiet"], 99)
         print(f"[itl] {'quiet':16s}: p50 {_ms(q50)} p99 {_ms(q99)} ({len(by['quiet'])} samples) | {usage('quiet')}")
         ratios = {}
         for kind in BURST_KINDS:
             v = by[kind]
-            p50, p99 = _pct(v, 50), _pct(v, 99)
+            p50, p99 = percentile(v, 50), percentile(v, 99)
             ratios[kind] = (p50 / q50, p99 / q99)
             span = "busy" if kind == NEIGHBOUR else "burst prefill"
             print(f"[itl] {kind:16s}: p50 {_ms(p50)} p99 {_ms(p99)} max {_ms(max(v))} ({len(v)} samples) "
@@ -681,15 +681,6 @@ def _deadline_s(o: Options) -> float:
     return ("ttft" in o.parts) * ttft + ("itl" in o.parts) * itl + 120
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    """Percentile with linear interpolation between closest ranks."""
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
 
@@ -699,14 +690,3 @@ def _load() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "?"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from splitserve.bench.serve.metrics import percentile
 from splitserve.plan.costs import CostModel
 from splitserve.plan.sim_worker import SimRequest, SimWorker
 from splitserve.router.config import RoutingConfig
@@ -250,17 +251,6 @@ class _Cluster:
 
 
 # ---- figures -------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default, bench serve's); 0.0 for none."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def weighted_percentiles(samples: Sequence[tuple[float, int]], qs: Sequence[float]) -> list[float]:

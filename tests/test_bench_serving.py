@@ -106,10 +106,3 @@ def test_prompts_are_unique_and_exact():
     assert [len(p) for p in prompts] == [300, 300, 300, 300, 16]
     firsts = {tuple(p[:16]) for p in prompts}
     assert len(firsts) == len(prompts)
-
-
-def test_percentile_interpolates():
-    assert serving._pct([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert serving._pct([1.0, 2.0], 50) == 1.5
-    assert serving._pct([1.0, 2.0, 3.0], 100) == 3.0
-    assert serving._pct([7.0], 99) == 7.0
