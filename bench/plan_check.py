@@ -4,6 +4,10 @@ against real runs on this machine.
 1. Calibrate: this project's engine step costs measured here (plan/calibrate.py),
    pinned to one core with one torch thread as each benchmark worker runs, fitted
    into a profile (saved beside the run's JSON files). `--profile` reuses one.
+   On the first system started, before its loads, the serving overhead (what a
+   served token costs beyond the engine step: plan/calibrate.py's
+   `serving_point`) is measured and fitted into the profile, unless the profile
+   has it already.
 2. Measure: each system (colocated: one worker per core behind a router;
    disaggregated: a prefill and a decode worker on a core each) is started as
    `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for mode in modes:
         try:
-            rows += _check_mode(mode, rates, args, ctx, out, profile)
+            mode_rows, profile = _check_mode(mode, rates, args, ctx, out, profile)
+            rows += mode_rows
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"[{mode}] ERROR: {e}", flush=True)
             failed = True
@@ -114,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str,
-                profile: Any) -> list[Row]:  # fmt: skip
+                profile: Any) -> tuple[list[Row], Any]:  # fmt: skip
+    """The rows of one system, and the profile (with the serving overhead measured on this system
+    if it had none)."""
     from splitserve.bench.peer.main import Load, run_load, warmup
     from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
     from splitserve.bench.serve.results import RunResult
@@ -137,6 +144,8 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     with system:
         print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
         warmup(system.base_url, ctx.served_model_name)
+        if not profile.serve_points:
+            profile = _measure_serving(system, ctx, out, profile, decode, args)
         loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
                       "--request-rate", f"{rate:g}", "--sharegpt-output-len", str(args.output_len),
                       "--sharegpt-max-input-len", str(args.max_input_len), "--ignore-eos", "--seed",
@@ -153,7 +162,33 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
             measured = RunResult.from_dict(data["runs"][0])
             sim = simulate(requests_from_run(measured), cluster, ProfileCosts(profile), random.Random(args.seed))
             rows += compare(mode, load.name, measured, sim)
-    return rows
+    return rows, profile
+
+
+def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace) -> Any:
+    """The serving overhead on this running system (plan/calibrate.py's `serving_point`, one bench
+    serve run per batch), fitted into the profile, which is saved again."""
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.serve.results import RunResult
+    from splitserve.plan.calibrate import SERVE_BATCHES, serving_load_flags, serving_point
+    from splitserve.plan.profile import save_profile, with_serving
+
+    name = system.spec.name
+    points = []
+    for i, batch in enumerate(SERVE_BATCHES):
+        load = Load(f"serving-b{batch}", serving_load_flags(batch, workers, args.seed + 100 + i), args.load_timeout)
+        data = run_load(system, load, ctx, out, "openai-chat")
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        b, context, engine_s, served_s = serving_point(RunResult.from_dict(data["runs"][0]).requests, workers, profile)
+        print(f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
+              f"served gap {served_s * 1e3:.1f} ms", flush=True)  # fmt: skip
+        points.append((b, context, engine_s, served_s))
+    profile = with_serving(profile, points, f"{name}, {workers} worker(s)")
+    save_profile(profile, os.path.join(out, "profile.json"))
+    print(f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
+          f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile", flush=True)  # fmt: skip
+    return profile
 
 
 def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
@@ -184,6 +219,9 @@ def _print_profile(p: Any) -> None:
     print(f"  decode step = {p.decode_base_s * 1e3:.2f} ms + {p.decode_s_per_seq * 1e3:.3f} ms/request "
           f"+ {p.decode_s_per_ctx_token * 1e6:.2f} us/context token")  # fmt: skip
     print(f"  KV transfer = {p.transfer_base_s * 1e3:.2f} ms + {p.transfer_s_per_byte * 1e9:.3f} ms/MB whole")
+    if p.serve_points:
+        print(f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
+              f"{p.serve_s_per_seq * 1e3:.3f} ms/token")  # fmt: skip
 
 
 def _commit() -> str:

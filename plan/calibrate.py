@@ -16,6 +16,17 @@ each worker. What is timed is `Engine.step()` itself:
 
 Each figure is the median of a few repetitions; `fit_profile` turns the points
 into the models the simulator reads.
+
+A served token costs more than `Engine.step()`: the worker's engine loop hands
+each step's tokens to its gRPC streams, the router detokenizes and relays them,
+the client parses them, and on a machine this small the router and the client
+share the workers' cores. `serving_points` measures that on a running system
+(bench plan-check's, started as it runs its loads): `bench serve` sends B
+requests per worker at once (equal short prompts, fixed output, EOS ignored),
+and while all of them decode together, every gap a client saw between two
+tokens is set against the engine-alone decode step at the same batch and
+context (the fitted model above). `with_serving` (plan/profile.py) fits the
+difference as a per-step and a per-token cost.
 """
 
 from __future__ import annotations
@@ -24,10 +35,15 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from splitserve.plan.profile import Profile, fit_profile
+from splitserve.plan.profile import Profile, engine_decode_step_s, fit_profile
+
+SERVE_BATCHES = (1, 2, 4, 8)  # requests decoding together per worker
+SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode together soon
+SERVE_OUTPUT_TOKENS = 48
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class CalibrationConfig:
 def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
     import torch
 
+    from splitserve.bench.hw import cpu_name
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
 
@@ -95,7 +112,7 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Pro
             os.sched_setaffinity(0, restore)
     where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
     description = (f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} "
-                   f"{_cpu_name()}")  # fmt: skip
+                   f"{cpu_name()}")  # fmt: skip
     return fit_profile(description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached,
                        decode, transfer)  # fmt: skip
 
@@ -195,12 +212,39 @@ def _transfer_s(layout: object, tokens: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+def serving_load_flags(batch: int, workers: int, seed: int) -> tuple[str, ...]:
+    """`bench serve` flags of one serving measurement: `batch` requests per worker, all at once."""
+    return ("--dataset", "random", "--num-prompts", str(batch * workers), "--random-input-len",
+            str(SERVE_PROMPT_TOKENS), "--random-output-len", str(SERVE_OUTPUT_TOKENS), "--request-rate", "inf",
+            "--ignore-eos", "--seed", str(seed))  # fmt: skip
+
+
+def serving_point(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, int, float, float]:
+    """(batch per worker, context per worker, engine-alone step s, served gap s) of one run of
+    `serving_load_flags`: `records` are its bench serve RequestRecords. Only the gaps while every
+    request decodes count (after the last first token, before the first last token), so each is
+    one decode step of the same batch on every worker (the router spreads requests sent at once
+    evenly: least queued and running tokens). Both figures are medians over those gaps; the engine
+    step of each gap is the profile's decode model at that gap's context."""
+    ok = [r for r in records if r.error is None and r.itl_s]
+    if not ok or len(ok) % workers:
+        raise ValueError(f"{len(ok)} completed requests do not spread evenly over {workers} workers")
+    batch = len(ok) // workers
+    times = []
+    for r in ok:
+        t = [r.start_s + r.ttft_s]
+        for gap in r.itl_s:
+            t.append(t[-1] + gap)
+        times.append(t)
+    lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
+    served, engine, contexts = [], [], []
+    for r, t in zip(ok, times, strict=True):
+        for k in range(1, len(t)):
+            if t[k - 1] >= lo and t[k] <= hi:
+                context = batch * (r.prompt_len + k)  # the step that made token k+1 read k+prompt tokens each
+                served.append(t[k] - t[k - 1])
+                engine.append(engine_decode_step_s(profile, batch, context))
+                contexts.append(context)
+    if not served:
+        raise ValueError("no gap while every request decoded (outputs too short?)")
+    return batch, int(statistics.median(contexts)), statistics.median(engine), statistics.median(served)

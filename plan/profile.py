@@ -10,6 +10,10 @@ the fitted coefficients, so a reader can check the fit against its points:
     decode step  base + per_seq x batch + per_ctx x context tokens (least squares, no negative term)
     transfer     base + per_byte x bytes for the whole KV of a prompt, of which the layers sent while
                  the prefill still computes are hidden (costs.pipelined_tail_s)
+    serving      what a served step costs beyond `Engine.step()`: per step + per_seq x batch (least
+                 squares, no negative term), fitted to the gap between tokens a client saw through a
+                 router and a real worker against the engine-alone decode step at the same batch and
+                 context (`plan/calibrate.py`'s `serving_points`); 0 when not measured
 
 Saved as JSON (`save_profile`, `load_profile`); `ProfileCosts` is the `CostModel`.
 """
@@ -19,12 +23,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from splitserve.plan.costs import pipelined_tail_s
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the serving overhead
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,12 @@ class Profile:
     decode_s_per_ctx_token: float
     transfer_base_s: float
     transfer_s_per_byte: float
+    # (batch per worker, context tokens per worker, engine-alone step s, served gap s), medians of
+    # each batch's gaps; empty when the serving overhead was not measured
+    serve_points: tuple[tuple[int, int, float, float], ...]
+    serve_system: str  # what served them: "colocated, 2 workers" ("" when not measured)
+    serve_step_s: float  # fitted: per step a served worker runs ...
+    serve_s_per_seq: float  # ... and per token it delivers
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -75,6 +85,10 @@ class Profile:
             decode_s_per_ctx_token=float(d["decode_s_per_ctx_token"]),
             transfer_base_s=float(d["transfer_base_s"]),
             transfer_s_per_byte=float(d["transfer_s_per_byte"]),
+            serve_points=tuple((int(b), int(c), float(e), float(s)) for b, c, e, s in d["serve_points"]),
+            serve_system=str(d["serve_system"]),
+            serve_step_s=float(d["serve_step_s"]),
+            serve_s_per_seq=float(d["serve_s_per_seq"]),
         )
 
 
@@ -183,24 +197,49 @@ def fit_profile(
         decode_s_per_ctx_token=per_ctx,
         transfer_base_s=t_base,
         transfer_s_per_byte=t_byte,
+        serve_points=(),
+        serve_system="",
+        serve_step_s=0.0,
+        serve_s_per_seq=0.0,
     )
 
 
+def engine_decode_step_s(p: Profile, batch: int, context_tokens_total: int) -> float:
+    """`Engine.step()` alone for one decode step (the fitted model, no serving overhead)."""
+    return p.decode_base_s + p.decode_s_per_seq * batch + p.decode_s_per_ctx_token * context_tokens_total
+
+
+def with_serving(profile: Profile, points: Sequence[tuple[int, int, float, float]], system: str) -> Profile:
+    """The profile with the serving overhead fitted to `points` (see `Profile.serve_points`):
+    served gap - engine step = per step + per_seq x batch."""
+    if not points:
+        raise ValueError("no serving points to fit")
+    step, per_seq = least_squares([[1.0, b] for b, *_ in points], [s - e for _, _, e, s in points])
+    return replace(profile, serve_points=tuple(points), serve_system=system, serve_step_s=step,
+                   serve_s_per_seq=per_seq)  # fmt: skip
+
+
 class ProfileCosts:
-    """The `CostModel` of a measured profile."""
+    """The `CostModel` of a measured profile: a served worker's steps, each the engine's step plus
+    the measured serving overhead (per step, and per token delivered: the decodes of a decode
+    step; a prefill step's first token rides on its per-step part)."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
 
-    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
-        if tokens <= 0:
-            return 0.0
+    def _engine_prefill_s(self, tokens: int, cached_tokens: int) -> float:
         p = self.profile
         return interpolate(p.prefill_points, tokens) + p.prefill_s_per_token_ctx * tokens * cached_tokens
 
+    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self._engine_prefill_s(tokens, cached_tokens) + self.profile.serve_step_s
+
     def decode_step_s(self, batch: int, context_tokens_total: int) -> float:
         p = self.profile
-        return p.decode_base_s + p.decode_s_per_seq * batch + p.decode_s_per_ctx_token * context_tokens_total
+        overhead = p.serve_step_s + p.serve_s_per_seq * batch
+        return engine_decode_step_s(p, batch, context_tokens_total) + overhead
 
     def whole_transfer_s(self, tokens: int) -> float:
         """The whole KV of `tokens` over the measured path, nothing hidden."""
@@ -212,4 +251,4 @@ class ProfileCosts:
             return 0.0
         p = self.profile
         wire = p.transfer_s_per_byte * tokens * p.kv_bytes_per_token
-        return p.transfer_base_s + pipelined_tail_s(wire, self.prefill_s(tokens), p.num_layers)
+        return p.transfer_base_s + pipelined_tail_s(wire, self._engine_prefill_s(tokens, 0), p.num_layers)
