@@ -5,7 +5,8 @@ The cost model is the plan's own roofline (`DeploymentCosts`, an adapter of
 plan/deployment.py's step times), or a profile measured here with
 `--sim-profile` (plan/calibrate.py). Each mode runs at each rate on Poisson
 arrivals of the workload's lengths; `--sim-split` searches the prefill:decode
-split of the GPU budget at the highest rate.
+split of the GPU budget at the highest rate. `--plot DIR` draws both as PNGs
+(plan/sim_plots.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-profile", default=None, help="a measured profile JSON (plan/calibrate.py) for the costs")
     g.add_argument("--sim-max-batched-tokens", type=int, default=8192, help="tokens per engine step (the chunk)")
     g.add_argument("--sim-seed", type=int, default=0)
+    charts = "PNG charts here: goodput against rate per mode, and against the split with --sim-split"
+    g.add_argument("--plot", default=None, metavar="DIR", help=charts)
 
 
 def run_simulation(args: argparse.Namespace, plan: Any) -> int:
@@ -79,13 +82,20 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
           f"{rec.local_prefill_max_tokens or 256} uncached tokens")  # fmt: skip
     print(f"{'mode':14s} {'rate':>6s} {'goodput':>8s} {'SLO met':>7s} {'TTFT p50':>9s} {'p90':>8s} {'p99':>8s} "
           f"{'TPOT p50':>9s} {'p90':>7s} {'ITL p50':>8s} {'p99':>7s} {'wall':>6s}")  # fmt: skip
+    results = []
     for rate in rates:
         reqs = _requests(rate, lengths, reuse, args.sim_seed)
         for mode in modes:
             spec = _spec(mode, replicas, p, dep, chunk, kv_tokens, rec.local_prefill_max_tokens)
             t = time.perf_counter()
             r = simulate(reqs, spec, costs, random.Random(args.sim_seed), slo, rate)
+            results.append(r)
             print(_row(r, time.perf_counter() - t))
+    charts = []
+    if args.plot:
+        from splitserve.plan.sim_plots import plot_rates
+
+        charts.append(plot_rates(results, slo, args.plot))
     if args.sim_split and replicas >= 2:
         rate = max(rates)
         t = time.perf_counter()
@@ -99,6 +109,12 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
             r = pt.result
             print(f"  {pt.prefill_gpus:4d} prefill : {pt.decode_gpus:4d} decode GPUs  goodput {r.goodput:8.2f} "
                   f"req/s  SLO met {r.slo_attainment:6.1%}  TTFT p90 {_ms(r.ttft.p90)}{mark}")  # fmt: skip
+        if args.plot:
+            from splitserve.plan.sim_plots import plot_split
+
+            charts.append(plot_split(search, rate, slo, args.plot))
+    for path in charts:
+        print(f"chart: {path}")
     return 0
 
 

@@ -6,7 +6,8 @@ line per system label, from any number of result files (the peer harness
 passes several systems' results); `plot_compare` draws several systems' CDFs
 of one load on the same axes; `plot_burst` the steady streams' inter-token
 gaps over time with the burst windows shaded, one panel per system. All take
-the JSON shape as plain dicts.
+the JSON shape as plain dicts. `save_figure` is the one save step (plan/sim_plots.py's
+charts go through it too).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _cdf(ax: Any, values_ms: list[float], title: str) -> None:
     ax.set_ylim(0, 1.02)
 
 
-def _save(fig: Any, out_dir: str | os.PathLike[str], name: str) -> str:
+def save_figure(fig: Any, out_dir: str | os.PathLike[str], name: str) -> str:
     """Write the figure as out_dir/name (the folder made if missing), free it, return the path."""
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
@@ -74,7 +75,7 @@ def plot_run(run: dict[str, Any], out_dir: str | os.PathLike[str], label: str) -
     for ax, values, title in zip(axes, (ttft, tpot, itl), ("TTFT", "TPOT", "ITL"), strict=True):
         _cdf(ax, values, f"{title} ({len(values)} samples)")
     fig.suptitle(f"{label}: request rate {rate} req/s, {run['completed']} completed, {run['failed']} failed")
-    return _save(fig, out_dir, f"{_safe(label)}-rate-{_safe(rate)}-latency-cdf.png")
+    return save_figure(fig, out_dir, f"{_safe(label)}-rate-{_safe(rate)}-latency-cdf.png")
 
 
 def plot_sweep(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> str:
@@ -111,7 +112,7 @@ def plot_sweep(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -
     ax_good.set_ylim(bottom=0)
     ax_att.set_ylim(0, 1.05)
     fig.suptitle(f"goodput against load ({slo_text})")
-    return _save(fig, out_dir, "sweep-goodput.png")
+    return save_figure(fig, out_dir, "sweep-goodput.png")
 
 
 def plot_compare(results: list[dict[str, Any]], out_dir: str | os.PathLike[str], name: str) -> str:
@@ -139,7 +140,7 @@ def plot_compare(results: list[dict[str, Any]], out_dir: str | os.PathLike[str],
             ax.legend(loc="lower right")
     axes[2].set_xscale("log")
     fig.suptitle(f"{name}: latency distributions per system (dashed: the SLO)")
-    return _save(fig, out_dir, f"{_safe(name)}-latency-cdf.png")
+    return save_figure(fig, out_dir, f"{_safe(name)}-latency-cdf.png")
 
 
 def plot_burst(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> str:
@@ -167,4 +168,4 @@ def plot_burst(results: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -
         ax.set_title(res["label"], loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("s since the run started (shaded: burst prefills in flight)")
     fig.suptitle("steady streams' inter-token gaps while long prompts arrive in bursts")
-    return _save(fig, out_dir, "burst-itl-timeline.png")
+    return save_figure(fig, out_dir, "burst-itl-timeline.png")
