@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import sys
 from types import ModuleType
 
 from splitserve.plan.decision import Plan, decide
@@ -109,6 +111,18 @@ def build(args: argparse.Namespace) -> tuple[Deployment, Workload]:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # a reader gone early shows here, inside the try, not at the exit's flush
+        return code
+    except BrokenPipeError:
+        # the reader stopped reading (`splitserve plan ... | head`): it has what it wanted; no
+        # traceback, and nothing more to a closed pipe at exit (Python's documented recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         dep, wl = build(args)
     except (ValueError, OSError) as e:

@@ -47,3 +47,50 @@ def test_the_deployment_adapter_passes_per_request_context():
     assert c.prefill_s(5, 1000) == 6
     assert c.transfer_s(200) == 2
     assert c.prefill_s(0) == c.transfer_s(0) == 0
+
+
+def test_plan_simulate_plot_writes_the_rate_and_split_charts(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    charts = tmp_path / "charts"
+    rc = main(["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--network-gbps", "400",
+               "--rdma", "--prompt-len", "2048:512", "--output-len", "128", "--rate", "20", "--simulate",
+               "--sim-requests", "200", "--sim-rates", "10,20", "--sim-split", "--plot", str(charts)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    for name in ("sim-goodput-vs-rate.png", "sim-goodput-vs-split.png"):
+        path = charts / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"chart: {path}" in out
+
+
+def test_plot_rates_draws_one_line_per_mode_over_the_rates(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from splitserve.plan import sim_plots
+
+    drawn = {}
+
+    def keep(fig, out_dir, name):
+        drawn[name] = [[(line.get_label(), list(line.get_xdata())) for line in ax.lines] for ax in fig.axes]
+        return str(tmp_path / name)
+
+    monkeypatch.setattr(sim_plots, "save_figure", keep)
+    rc = main(["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--network-gbps", "400",
+               "--rdma", "--prompt-len", "2048:512", "--output-len", "128", "--simulate", "--sim-requests", "100",
+               "--sim-rates", "20,10", "--plot", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    goodput_axes = drawn["sim-goodput-vs-rate.png"][0]
+    assert goodput_axes == [(m, [10.0, 20.0]) for m in ("colocated", "disaggregated", "auto")]
+    assert "sim-goodput-vs-split.png" not in drawn  # no --sim-split, no split chart
+
+
+def test_plan_piped_into_a_reader_that_stops_exits_quietly():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "plan", "--model", "llama-3-8b", "--simulate",
+                             "--sim-requests", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes before the plan is printed (`| head` after its lines)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=100) == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
