@@ -1,22 +1,28 @@
 """The measured profile: fitting on synthetic points with known coefficients, the JSON
-round trip, the cost model it makes, and plan-check's side-by-side table."""
+round trip, the cost model it makes, the serving overhead (its measurement from a client's
+records and its place in every step), and plan-check's side-by-side table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from splitserve.bench.plan_check import Row, compare, format_table
-from splitserve.bench.serve.results import RunResult, Stats
+from splitserve.bench.serve.results import RequestRecord, RunResult, Stats
+from splitserve.plan.calibrate import serving_load_flags, serving_point
+from splitserve.plan.costs import mixed_step_s
 from splitserve.plan.profile import (
     Profile,
     ProfileCosts,
+    engine_decode_step_s,
     fit_profile,
     interpolate,
     least_squares,
     load_profile,
     save_profile,
+    with_serving,
 )
 from splitserve.plan.simulate import Percentiles
 
@@ -73,15 +79,79 @@ def test_interpolate_extends_the_end_segments_and_never_goes_below_zero():
 
 
 def test_profile_json_round_trip(tmp_path):
-    p = synthetic()
+    p = with_serving(synthetic(), [(1, 100, 0.011, 0.013), (4, 400, 0.013, 0.019)], "colocated, 2 worker(s)")
     path = tmp_path / "sub" / "profile.json"
     save_profile(p, str(path))
     assert load_profile(str(path)) == p
     data = json.loads(path.read_text())
-    data["version"] = 99
+    data["version"] = 1  # before the serving overhead: refused, not read as no overhead
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="version"):
         load_profile(str(path))
+    data["version"] = 2
+    del data["serve_step_s"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(KeyError):
+        load_profile(str(path))
+
+
+def test_with_serving_fits_a_per_step_and_a_per_token_overhead():
+    p = synthetic()
+    # served gaps 1.5 ms + 0.8 ms per request above the engine's step
+    pts = [(b, 100 * b, engine_decode_step_s(p, b, 100 * b), engine_decode_step_s(p, b, 100 * b) + 0.0015 + 0.0008 * b)
+           for b in (1, 2, 4, 8)]  # fmt: skip
+    s = with_serving(p, pts, "colocated, 2 worker(s)")
+    assert (s.serve_step_s, s.serve_s_per_seq) == pytest.approx((0.0015, 0.0008))
+    assert s.serve_points == tuple(pts) and s.serve_system == "colocated, 2 worker(s)"
+    assert (p.serve_step_s, p.serve_s_per_seq, p.serve_points) == (0.0, 0.0, ())  # the original untouched
+    with pytest.raises(ValueError):
+        with_serving(p, [], "x")
+
+
+def test_the_serving_overhead_is_paid_once_per_step_and_per_token():
+    base = ProfileCosts(synthetic())
+    served = ProfileCosts(with_serving(synthetic(), [(1, 0, 0.0, 0.003), (3, 0, 0.0, 0.007)], "x"))  # 1 ms + 2 ms/tok
+    assert served.profile.serve_step_s == pytest.approx(0.001)
+    assert served.decode_step_s(4, 2000) == pytest.approx(base.decode_step_s(4, 2000) + 0.001 + 0.008)
+    assert served.prefill_s(256) == pytest.approx(base.prefill_s(256) + 0.001)
+    # a step with a chunk and decodes: the per-step part once, the per-token part per decode
+    assert mixed_step_s(served, 256, 0, 4, 2000) == pytest.approx(mixed_step_s(base, 256, 0, 4, 2000) + 0.001 + 0.008)
+    assert served.transfer_s(512) == pytest.approx(base.transfer_s(512))  # the KV's path is not the token's
+    assert served.prefill_s(0) == 0.0
+
+
+def _record(start: float, ttft: float, gaps: list[float], prompt: int = 70) -> RequestRecord:
+    return RequestRecord("plain", prompt, len(gaps) + 1, start, ttft, gaps, ttft + sum(gaps), None)
+
+
+def test_serving_point_counts_only_the_gaps_while_every_request_decodes():
+    p = synthetic()
+    # two workers, two requests each; the last first token comes at 0.5 s: before it, the others'
+    # gaps (0.2 s, a prefill in between) do not count; after it, every gap is 30 ms
+    records = [
+        _record(0.0, 0.1, [0.2, 0.2] + [0.03] * 20),
+        _record(0.0, 0.3, [0.2] + [0.03] * 21),
+        _record(0.0, 0.5, [0.03] * 22),
+        _record(0.0, 0.5, [0.03] * 22),
+    ]
+    batch, context, engine_s, served_s = serving_point(records, 2, p)
+    assert batch == 2
+    assert served_s == pytest.approx(0.03)
+    assert engine_s == pytest.approx(engine_decode_step_s(p, 2, context))
+    assert 2 * (70 + 1) <= context <= 2 * (70 + 22)
+    with pytest.raises(ValueError, match="evenly"):
+        serving_point(records[:3], 2, p)
+    with pytest.raises(ValueError, match="evenly"):  # failed requests are no samples
+        serving_point([dataclasses.replace(r, error="boom") for r in records], 2, p)
+    with pytest.raises(ValueError, match="no gap"):  # one request still prefilling when another ended
+        serving_point(records[:3] + [_record(0.0, 1.5, [0.03])], 2, p)
+
+
+def test_serving_load_flags_send_a_batch_per_worker_at_once():
+    flags = serving_load_flags(4, 2, 7)
+    assert flags[flags.index("--num-prompts") + 1] == "8"
+    assert flags[flags.index("--request-rate") + 1] == "inf"
+    assert "--ignore-eos" in flags and flags[flags.index("--dataset") + 1] == "random"
 
 
 def test_a_profile_needs_sorted_prefill_points():
