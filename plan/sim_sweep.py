@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from splitserve.bench.serve.results import RunResult
-from splitserve.plan.costs import CostModel
+from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.simulate import ClusterSpec, Request, SimResult, Slo, simulate
 
 
@@ -39,9 +39,14 @@ def poisson_requests(
     return out
 
 
-def requests_from_run(run: RunResult) -> list[Request]:
-    """The arrivals and lengths of a `bench serve` run (its JSON's records), to replay."""
-    return [Request(r.start_s, max(1, r.prompt_len), max(1, r.output_len)) for r in run.requests]
+def requests_from_run(run: RunResult, cached_tokens: int = 0) -> list[Request]:
+    """The arrivals and lengths of a `bench serve` run (its JSON's records), to replay;
+    `cached_tokens` of each prompt found in the cache (at most all but one), as `poisson_requests`."""
+    out = []
+    for r in run.requests:
+        prompt = max(1, r.prompt_len)
+        out.append(Request(r.start_s, prompt, max(1, r.output_len), min(cached_tokens, prompt - 1)))
+    return out
 
 
 def sweep_rates(
@@ -53,12 +58,13 @@ def sweep_rates(
     seed: int,
     cached_tokens: int = 0,
     prefill_costs: CostModel | None = None,
+    spread: StepSpread | None = None,
 ) -> list[SimResult]:
     """One simulation per rate, each on its own Poisson arrivals of the same lengths (seeded by `seed`)."""
     out = []
     for rate in rates:
         reqs = poisson_requests(rate, lengths, random.Random(seed), cached_tokens)
-        out.append(simulate(reqs, spec, costs, random.Random(seed), slo, rate, prefill_costs))
+        out.append(simulate(reqs, spec, costs, random.Random(seed), slo, rate, prefill_costs, spread))
     return out
 
 
@@ -86,6 +92,7 @@ def best_split(
     prefill_costs: CostModel | None = None,
     prefill_gpus_per_worker: int | None = None,
     grid: int = 8,
+    spread: StepSpread | None = None,
 ) -> SplitSearch:
     """The prefill:decode split of `gpus` with the most goodput (within ATTAINMENT_TIE: the lower TTFT p90) for a
     disaggregated (or auto) `spec`, whose worker counts are replaced. `prefill_gpus_per_worker`:
@@ -103,7 +110,7 @@ def best_split(
         if p not in seen:
             d = (gpus - p * p_size) // d_size
             cluster = replace(spec, prefill_workers=p, decode_workers=d)
-            result = simulate(requests, cluster, costs, random.Random(seed), slo, math.nan, prefill_costs)
+            result = simulate(requests, cluster, costs, random.Random(seed), slo, math.nan, prefill_costs, spread)
             seen[p] = SplitPoint(p * p_size, d * d_size, result)
         return seen[p]
 

@@ -14,6 +14,11 @@ O(1) plus the requests that start, finish or prefill in it. That is what lets a
 A prefill worker (`prefill_only`) is the same loop whose requests leave when
 their prompt is done; a decode worker also takes requests whose KV arrives from
 elsewhere (`join_remote`), which hold a seat from their reservation on.
+
+With a `step_ratio` (the cluster's draw from a measured `StepSpread`), a step
+that only decodes takes the cost model's figure times a ratio drawn for its
+batch; a step with a prefill chunk keeps the model's figure (the spread was
+measured on decode steps only).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class SimWorker:
         on_prefilled: Callable[[SimWorker, SimRequest, float], None],
         on_finished: Callable[[SimWorker, SimRequest, float], None],
         itl: ItlSink,
+        step_ratio: Callable[[int], float] | None = None,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -79,6 +85,7 @@ class SimWorker:
         self.on_prefilled = on_prefilled  # prefill_only: a prompt is done (its first token at this time)
         self.on_finished = on_finished
         self.itl = itl
+        self.step_ratio = step_ratio  # a decode-only step of batch B takes the model's figure x step_ratio(B)
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.joining: list[SimRequest] = []  # remote KV arrived: decode from the next step
@@ -182,7 +189,10 @@ class SimWorker:
         self.busy = True
         self._chunks, self._batch, self._started = chunks, batch, now
         cached = weighted_cached // tokens if tokens else 0
-        push(now + mixed_step_s(self.costs, tokens, cached, batch, self.context_tokens), self)
+        t = mixed_step_s(self.costs, tokens, cached, batch, self.context_tokens)
+        if self.step_ratio is not None and not tokens:
+            t *= self.step_ratio(batch)
+        push(now + t, self)
 
     def end_step(self, now: float, push: Callable[[float, SimWorker], None]) -> None:
         """The step in flight is done: its tokens are out; then the next step starts."""

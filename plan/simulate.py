@@ -19,6 +19,11 @@ worker when its prompt is done, as in the real path (the router streams it at
 once); the KV's last layers then cross the link (`transfer_s`) and the request
 decodes on its decode worker from the next step.
 
+A measured `StepSpread` (`spread`) makes each decode-only step draw its time
+from the measured distribution around the cost model's figure, from the same
+generator; without one, or with one of zero spread, nothing is drawn and a
+step is the model's figure.
+
 There is no wall clock and no randomness but the generator passed in: the
 same inputs give the same result. Each event is one step of one worker (or a
 KV arrival), so the cost grows with simulated steps, not with requests x tokens.
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from splitserve.bench.serve.metrics import percentile
-from splitserve.plan.costs import CostModel
+from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim_worker import SimRequest, SimWorker
 from splitserve.router.config import RoutingConfig
 from splitserve.router.policy import choose_prefill_mode
@@ -145,10 +150,12 @@ def simulate(
     slo: Slo | None = None,
     rate: float = math.nan,
     prefill_costs: CostModel | None = None,
+    spread: StepSpread | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
-    they differ from the decode workers (another tensor-parallel size); default `costs`."""
-    sim = _Cluster(cluster, costs, prefill_costs or costs, rng)
+    they differ from the decode workers (another tensor-parallel size); default `costs`.
+    `spread`: the measured spread of decode steps around `costs` (see the module's note)."""
+    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread)
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
@@ -166,7 +173,14 @@ def simulate(
 class _Cluster:
     """The router and the event queue."""
 
-    def __init__(self, spec: ClusterSpec, costs: CostModel, prefill_costs: CostModel, rng: random.Random) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        costs: CostModel,
+        prefill_costs: CostModel,
+        rng: random.Random,
+        spread: StepSpread | None = None,
+    ) -> None:
         self.spec = spec
         self.costs = costs
         self.prefill_costs = prefill_costs
@@ -182,9 +196,16 @@ class _Cluster:
         def itl(gap: float, count: int) -> None:
             self.itl_samples.append((gap, count))
 
+        step_ratio: Callable[[int], float] | None = None
+        if spread is not None and not spread.is_zero:
+            measured = spread
+
+            def step_ratio(batch: int) -> float:
+                return measured.ratio(batch, rng.random())
+
         def worker(name: str, model: CostModel, prefill_only: bool) -> SimWorker:
             return SimWorker(name, model, spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_capacity_tokens,
-                             prefill_only, self._prefilled, self._finished, itl)  # fmt: skip
+                             prefill_only, self._prefilled, self._finished, itl, step_ratio)  # fmt: skip
 
         self.decode = [worker(f"decode{i}", costs, False) for i in range(spec.decode_workers)]
         n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0

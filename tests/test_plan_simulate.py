@@ -188,6 +188,9 @@ def test_requests_from_a_bench_serve_run_replay_its_arrivals_and_lengths():
                RequestRecord("plain", 80, 32, 1.25, 0.1, [], 1.0, None)]  # fmt: skip
     run = RunResult(1.0, 1.0, None, 2, 3.0, 2, 0, 0.6, 32.0, 72.0, 200, 96, s, s, s, s, None, None, {}, None, records)
     assert requests_from_run(run) == [Request(0.5, 120, 64), Request(1.25, 80, 32)]
+    # the chat template's cached opening: at most all of a prompt but its last token
+    assert requests_from_run(run, 16)[0] == Request(0.5, 120, 64, 16)
+    assert requests_from_run(run, 100)[1] == Request(1.25, 80, 32, 79)
 
 
 @pytest.mark.timeout(300)
