@@ -15,8 +15,10 @@ against real runs on this machine.
    prompt seen before would be a prefix-cache hit).
 3. Also bench serve's burst load (steady streams, bursts of long prompts), unless --no-burst.
 4. Simulate the same requests (each run's own send times and the prompt and output
-   lengths the server counted) on a cluster of the same shape with the profile's
-   costs, and print simulated against measured TTFT and ITL p50 and p90, their
+   lengths the server counted, the chat template's opening blocks cached as the
+   workers' prefix cache holds them: `chat_prefix_cached_tokens`) on a cluster of
+   the same shape with the profile's costs and its measured spread of decode
+   steps, and print simulated against measured TTFT and ITL p50 and p90, their
    ratio, and whether it is within 25%.
 """
 
@@ -29,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 TOLERANCE = 0.25  # |simulated / measured - 1| at most this
@@ -125,17 +128,23 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.bench.peer.main import Load, run_load, warmup
     from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
     from splitserve.bench.serve.results import RunResult
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.tokenizer import Tokenizer
     from splitserve.plan.profile import ProfileCosts
     from splitserve.plan.sim_sweep import requests_from_run
     from splitserve.plan.simulate import ClusterSpec, Mode, simulate
+    from splitserve.router.engine_tokenizer import EngineTokenizer
 
     spec = SystemSpec(mode, flags=("--dtype", args.dtype))
+    chat = EngineTokenizer(Tokenizer.from_hf_dir(ctx.model_dir))
+    cached = chat_prefix_cached_tokens(chat.encode_chat, EngineConfig().block_size)
     where = placement(mode, ctx.cores)
     decode, prefill = len(where.cores_of("decode")), len(where.cores_of("prefill"))
     sim_mode: Mode = "colocated" if mode == "colocated" else "disaggregated"
     cluster = ClusterSpec(sim_mode, decode_workers=decode, prefill_workers=prefill)
     print(f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
-          f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}", flush=True)  # fmt: skip
+          f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}, the first {cached} tokens of every "
+          f"prompt (the chat template's opening, whole blocks) cached", flush=True)  # fmt: skip
     try:
         system = start_system(spec, ctx)
     except ServerError as e:
@@ -160,31 +169,49 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
             if "error" in data:
                 raise RuntimeError(f"{load.name}: {data['error']}")
             measured = RunResult.from_dict(data["runs"][0])
-            sim = simulate(requests_from_run(measured), cluster, ProfileCosts(profile), random.Random(args.seed))
+            sim = simulate(requests_from_run(measured, cached), cluster, ProfileCosts(profile),
+                           random.Random(args.seed), spread=profile.step_spread())  # fmt: skip
             rows += compare(mode, load.name, measured, sim)
     return rows, profile
+
+
+def chat_prefix_cached_tokens(encode_chat: Callable[[Sequence[tuple[str, str]]], list[int]], block_size: int) -> int:
+    """What a worker's prefix cache holds of every chat prompt: the tokens the chat template puts
+    before any user's words (SmolLM2's default system prompt: 24), in whole blocks (16 of them at
+    block size 16). The first request on a worker (plan-check's warm-up) caches them."""
+    a = encode_chat([("user", "Hello there.")])
+    b = encode_chat([("user", "What is the capital of France?")])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // block_size * block_size
 
 
 def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace) -> Any:
     """The serving overhead on this running system (plan/calibrate.py's `serving_point`, one bench
     serve run per batch), fitted into the profile, which is saved again."""
     from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.serve.metrics import percentile
     from splitserve.bench.serve.results import RunResult
-    from splitserve.plan.calibrate import SERVE_BATCHES, serving_load_flags, serving_point
+    from splitserve.plan.calibrate import SERVE_BATCHES, serving_gap_ratios, serving_load_flags, serving_point
     from splitserve.plan.profile import save_profile, with_serving
 
     name = system.spec.name
-    points = []
+    points, ratios = [], []
     for i, batch in enumerate(SERVE_BATCHES):
         load = Load(f"serving-b{batch}", serving_load_flags(batch, workers, args.seed + 100 + i), args.load_timeout)
         data = run_load(system, load, ctx, out, "openai-chat")
         if "error" in data:
             raise RuntimeError(f"{load.name}: {data['error']}")
-        b, context, engine_s, served_s = serving_point(RunResult.from_dict(data["runs"][0]).requests, workers, profile)
+        records = RunResult.from_dict(data["runs"][0]).requests
+        b, context, engine_s, served_s = serving_point(records, workers, profile)
+        gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
         print(f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
-              f"served gap {served_s * 1e3:.1f} ms", flush=True)  # fmt: skip
+              f"served gap {served_s * 1e3:.1f} ms; gaps / model p10 {percentile(gaps, 10):.3f} "
+              f"p50 {percentile(gaps, 50):.3f} p90 {percentile(gaps, 90):.3f}", flush=True)  # fmt: skip
         points.append((b, context, engine_s, served_s))
-    profile = with_serving(profile, points, f"{name}, {workers} worker(s)")
+        ratios += [(b, r) for r in gaps]
+    profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
     save_profile(profile, os.path.join(out, "profile.json"))
     print(f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
           f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile", flush=True)  # fmt: skip
@@ -222,6 +249,20 @@ def _print_profile(p: Any) -> None:
     if p.serve_points:
         print(f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
               f"{p.serve_s_per_seq * 1e3:.3f} ms/token")  # fmt: skip
+    print("  " + spread_line(p))
+
+
+def spread_line(p: Any) -> str:
+    """The decode steps' spread around the model, per batch: p10/p50/p90 of measured / modelled."""
+
+    def at(ratios: tuple[float, ...], q: float) -> float:
+        return ratios[min(range(len(p.spread_levels)), key=lambda i: abs(p.spread_levels[i] - q))]
+
+    def table(t: Any) -> str:
+        return ", ".join(f"b{b} {at(r, 0.1):.2f}/{at(r, 0.5):.2f}/{at(r, 0.9):.2f}" for b, r in t) or "not measured"
+
+    return (f"step spread, p10/p50/p90 of measured / model: engine {table(p.decode_spread)}; "
+            f"served gaps {table(p.serve_spread)}")  # fmt: skip
 
 
 def _commit() -> str:

@@ -45,6 +45,13 @@ SERVE_BATCHES = (1, 2, 4, 8)  # requests decoding together per worker
 SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode together soon
 SERVE_OUTPUT_TOKENS = 48
 
+# Prefill lengths timed (fresh prompts, one step each). A prefill's cost is not a straight line in
+# its tokens: engine/kernels/linear.py runs x @ W.T on its own kernel up to MAX_ROWS_F32 (fp32;
+# MAX_ROWS for bf16) rows, 32, and on F.linear (oneDNN) from 33, and every projection of a
+# prefill chunk has one row per new token, so 33 new tokens cost far more than 32.
+# Every 8 tokens up to 128, 33 beside 32 to put that edge where it is, then coarser to the chunk.
+PREFILL_TOKENS: tuple[int, ...] = (8, 16, 24, 32, 33, *range(40, 129, 8), 160, 192, 256, 320, 384, 448, 512)
+
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -53,11 +60,12 @@ class CalibrationConfig:
     threads: int = 1  # torch threads, as each benchmark worker runs
     core: int | None = None  # pin this process to it while measuring; None: leave the affinity
     max_num_batched_tokens: int = 512  # the workers' default chunk
-    prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512)
+    # every 8 up to 128, where the cost is not a straight line in the tokens, then coarser; see PREFILL_TOKENS
+    prefill_tokens: tuple[int, ...] = PREFILL_TOKENS
     cached_prefills: tuple[tuple[int, int], ...] = ((128, 512), (512, 512), (256, 1024), (512, 1024))  # (new, cached)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_prompts: tuple[int, ...] = (64, 512)
-    decode_steps: int = 6  # timed steps per (batch, prompt)
+    decode_steps: int = 12  # timed steps per (batch, prompt): their spread is kept as well as their fit
     transfer_tokens: tuple[int, ...] = (64, 256, 1024)
     repeats: int = 3
 
@@ -219,13 +227,9 @@ def serving_load_flags(batch: int, workers: int, seed: int) -> tuple[str, ...]:
             "--ignore-eos", "--seed", str(seed))  # fmt: skip
 
 
-def serving_point(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, int, float, float]:
-    """(batch per worker, context per worker, engine-alone step s, served gap s) of one run of
-    `serving_load_flags`: `records` are its bench serve RequestRecords. Only the gaps while every
-    request decodes count (after the last first token, before the first last token), so each is
-    one decode step of the same batch on every worker (the router spreads requests sent at once
-    evenly: least queued and running tokens). Both figures are medians over those gaps; the engine
-    step of each gap is the profile's decode model at that gap's context."""
+def _decode_gaps(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, list[tuple[int, float, float]]]:
+    """The batch per worker, and (context per worker, engine-alone step s, served gap s) of every
+    gap while all requests decode (see `serving_point`)."""
     ok = [r for r in records if r.error is None and r.itl_s]
     if not ok or len(ok) % workers:
         raise ValueError(f"{len(ok)} completed requests do not spread evenly over {workers} workers")
@@ -237,14 +241,33 @@ def serving_point(records: Sequence[Any], workers: int, profile: Profile) -> tup
             t.append(t[-1] + gap)
         times.append(t)
     lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
-    served, engine, contexts = [], [], []
+    gaps = []
     for r, t in zip(ok, times, strict=True):
         for k in range(1, len(t)):
             if t[k - 1] >= lo and t[k] <= hi:
                 context = batch * (r.prompt_len + k)  # the step that made token k+1 read k+prompt tokens each
-                served.append(t[k] - t[k - 1])
-                engine.append(engine_decode_step_s(profile, batch, context))
-                contexts.append(context)
-    if not served:
+                gaps.append((context, engine_decode_step_s(profile, batch, context), t[k] - t[k - 1]))
+    if not gaps:
         raise ValueError("no gap while every request decoded (outputs too short?)")
+    return batch, gaps
+
+
+def serving_point(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, int, float, float]:
+    """(batch per worker, context per worker, engine-alone step s, served gap s) of one run of
+    `serving_load_flags`: `records` are its bench serve RequestRecords. Only the gaps while every
+    request decodes count (after the last first token, before the first last token), so each is
+    one decode step of the same batch on every worker (the router spreads requests sent at once
+    evenly: least queued and running tokens). Both figures are medians over those gaps; the engine
+    step of each gap is the profile's decode model at that gap's context."""
+    batch, gaps = _decode_gaps(records, workers, profile)
+    contexts, engine, served = zip(*gaps, strict=True)
     return batch, int(statistics.median(contexts)), statistics.median(engine), statistics.median(served)
+
+
+def serving_gap_ratios(records: Sequence[Any], workers: int, profile: Profile) -> list[tuple[int, float]]:
+    """(batch, ratio) of every gap `serving_point` reads: the gap over the engine-alone step at its
+    context plus the batch's median overhead (median gap - median engine step). What the served
+    model leaves unexplained, one gap at a time: the spread a simulated step is drawn from."""
+    batch, gaps = _decode_gaps(records, workers, profile)
+    overhead = statistics.median(s for *_, s in gaps) - statistics.median(e for _, e, _ in gaps)
+    return [(batch, s / (e + overhead)) for _, e, s in gaps if e + overhead > 0]

@@ -14,6 +14,10 @@ the fitted coefficients, so a reader can check the fit against its points:
                  squares, no negative term), fitted to the gap between tokens a client saw through a
                  router and a real worker against the engine-alone decode step at the same batch and
                  context (`plan/calibrate.py`'s `serving_points`); 0 when not measured
+    spread       how single decode steps spread around those figures, per batch, as quantiles of
+                 measured / modelled (`costs.StepSpread`): the engine's timed steps against the decode
+                 model (`decode_spread`), and a client's gaps against the served model at each gap's
+                 context (`serve_spread`, the one the simulator draws from when it was measured)
 
 Saved as JSON (`save_profile`, `load_profile`); `ProfileCosts` is the `CostModel`.
 """
@@ -26,9 +30,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from splitserve.plan.costs import pipelined_tail_s
+from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, spread_quantiles
 
-PROFILE_VERSION = 2  # 2: the serving overhead
+PROFILE_VERSION = 3  # 2: the serving overhead; 3: the spread of decode steps
+
+# (batch, measured / modelled at each of Profile.spread_levels), by batch
+SpreadTable = tuple[tuple[int, tuple[float, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,10 @@ class Profile:
     serve_system: str  # what served them: "colocated, 2 workers" ("" when not measured)
     serve_step_s: float  # fitted: per step a served worker runs ...
     serve_s_per_seq: float  # ... and per token it delivers
+    # the spread of single decode steps around the model, at these quantile levels
+    spread_levels: tuple[float, ...]
+    decode_spread: SpreadTable  # `Engine.step()` timed in calibration / the fitted decode model
+    serve_spread: SpreadTable  # a client's gaps / (engine model + the batch's median overhead); () unmeasured
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -62,6 +73,8 @@ class Profile:
             raise ValueError("prefill points must be sorted by tokens, each length once")
         if self.num_layers < 1 or self.kv_bytes_per_token <= 0:
             raise ValueError("num_layers and kv_bytes_per_token must be positive")
+        for table in (self.decode_spread, self.serve_spread):
+            StepSpread(self.spread_levels, table)  # checks the table against the levels
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -89,7 +102,28 @@ class Profile:
             serve_system=str(d["serve_system"]),
             serve_step_s=float(d["serve_step_s"]),
             serve_s_per_seq=float(d["serve_s_per_seq"]),
+            spread_levels=tuple(float(q) for q in d["spread_levels"]),
+            decode_spread=_spread_table(d["decode_spread"]),
+            serve_spread=_spread_table(d["serve_spread"]),
         )
+
+    def step_spread(self) -> StepSpread | None:
+        """The spread the simulator draws decode steps from: the served gaps' when measured, else
+        the engine's; None when neither was."""
+        table = self.serve_spread or self.decode_spread
+        return StepSpread(self.spread_levels, table) if table else None
+
+
+def _spread_table(rows: Any) -> SpreadTable:
+    return tuple((int(b), tuple(float(r) for r in ratios)) for b, ratios in rows)
+
+
+def spread_table(ratios: Sequence[tuple[int, float]], levels: Sequence[float] = SPREAD_LEVELS) -> SpreadTable:
+    """(batch, measured / modelled) samples as a spread table: their quantiles at `levels` per batch."""
+    by_batch: dict[int, list[float]] = {}
+    for b, r in ratios:
+        by_batch.setdefault(b, []).append(r)
+    return tuple((b, spread_quantiles(v, levels)) for b, v in sorted(by_batch.items()))
 
 
 def save_profile(profile: Profile, path: str) -> None:
@@ -166,7 +200,8 @@ def fit_profile(
     decode_points: Sequence[tuple[int, int, float]],
     transfer_points: Sequence[tuple[int, float]],
 ) -> Profile:
-    """A profile from measured points, the models fitted. Repeated prefill lengths are averaged."""
+    """A profile from measured points, the models fitted. Repeated prefill lengths are averaged.
+    Each decode point is one timed step: their ratios to the fitted model make `decode_spread`."""
     by_len: dict[int, list[float]] = {}
     for n, s in prefill_points:
         by_len.setdefault(n, []).append(s)
@@ -179,6 +214,9 @@ def fit_profile(
         base, per_seq, per_ctx = least_squares(
             [[1.0, b, c] for b, c, _ in decode_points], [s for *_, s in decode_points]
         )
+    decode_spread = spread_table(
+        [(b, s / model) for b, c, s in decode_points if (model := base + per_seq * b + per_ctx * c) > 0]
+    )
     t_base = t_byte = 0.0
     if transfer_points:
         t_base, t_byte = least_squares([[1.0, b] for b, _ in transfer_points], [s for _, s in transfer_points])
@@ -201,6 +239,9 @@ def fit_profile(
         serve_system="",
         serve_step_s=0.0,
         serve_s_per_seq=0.0,
+        spread_levels=SPREAD_LEVELS,
+        decode_spread=decode_spread,
+        serve_spread=(),
     )
 
 
@@ -209,14 +250,20 @@ def engine_decode_step_s(p: Profile, batch: int, context_tokens_total: int) -> f
     return p.decode_base_s + p.decode_s_per_seq * batch + p.decode_s_per_ctx_token * context_tokens_total
 
 
-def with_serving(profile: Profile, points: Sequence[tuple[int, int, float, float]], system: str) -> Profile:
+def with_serving(
+    profile: Profile,
+    points: Sequence[tuple[int, int, float, float]],
+    system: str,
+    gap_ratios: Sequence[tuple[int, float]] = (),
+) -> Profile:
     """The profile with the serving overhead fitted to `points` (see `Profile.serve_points`):
-    served gap - engine step = per step + per_seq x batch."""
+    served gap - engine step = per step + per_seq x batch; and the served gaps' spread from
+    `gap_ratios`, (batch, one gap / the served model at its context) each."""
     if not points:
         raise ValueError("no serving points to fit")
     step, per_seq = least_squares([[1.0, b] for b, *_ in points], [s - e for _, _, e, s in points])
     return replace(profile, serve_points=tuple(points), serve_system=system, serve_step_s=step,
-                   serve_s_per_seq=per_seq)  # fmt: skip
+                   serve_s_per_seq=per_seq, serve_spread=spread_table(gap_ratios, profile.spread_levels))  # fmt: skip
 
 
 class ProfileCosts:

@@ -16,7 +16,7 @@ import random
 import time
 from typing import Any
 
-from splitserve.plan.costs import CostModel
+from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim_sweep import best_split, poisson_requests
 from splitserve.plan.simulate import MODES, ClusterSpec, Mode, Request, SimResult, Slo, simulate
 
@@ -57,6 +57,7 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
         return 0
     dep, wl = plan.deployment, plan.workload
     costs: CostModel
+    spread: StepSpread | None = None
     chunk = args.sim_max_batched_tokens
     kv_tokens: int | None = max(1, int(dep.max_batch(1)))
     if args.sim_profile:
@@ -64,6 +65,7 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
 
         profile = load_profile(args.sim_profile)
         costs, chunk, kv_tokens = ProfileCosts(profile), profile.max_num_batched_tokens, None
+        spread = profile.step_spread()
         what = f"the profile {args.sim_profile} ({profile.description})"
     else:
         costs, what = DeploymentCosts(dep), f"the roofline of {dep.gpu.name}"
@@ -88,7 +90,7 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
         for mode in modes:
             spec = _spec(mode, replicas, p, dep, chunk, kv_tokens, rec.local_prefill_max_tokens)
             t = time.perf_counter()
-            r = simulate(reqs, spec, costs, random.Random(args.sim_seed), slo, rate)
+            r = simulate(reqs, spec, costs, random.Random(args.sim_seed), slo, rate, spread=spread)
             results.append(r)
             print(_row(r, time.perf_counter() - t))
     charts = []
@@ -101,7 +103,7 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
         t = time.perf_counter()
         search = best_split(_requests(rate, lengths, reuse, args.sim_seed), dep.gpus,
                             _spec("disaggregated", replicas, 1, dep, chunk, kv_tokens), costs, slo,
-                            args.sim_seed)  # fmt: skip
+                            args.sim_seed, spread=spread)  # fmt: skip
         print(f"\nprefill:decode split of {dep.gpus} GPUs at {rate:g} req/s, disaggregated "
               f"({len(search.points)} splits simulated in {time.perf_counter() - t:.1f}s):")  # fmt: skip
         for pt in search.points:

@@ -84,12 +84,12 @@ def test_profile_json_round_trip(tmp_path):
     save_profile(p, str(path))
     assert load_profile(str(path)) == p
     data = json.loads(path.read_text())
-    data["version"] = 1  # before the serving overhead: refused, not read as no overhead
+    data["version"] = 2  # before the spread of steps: refused, not read as no spread
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="version"):
         load_profile(str(path))
-    data["version"] = 2
-    del data["serve_step_s"]
+    data["version"] = 3
+    del data["serve_spread"]
     path.write_text(json.dumps(data))
     with pytest.raises(KeyError):
         load_profile(str(path))
