@@ -49,6 +49,22 @@ def placement_problems(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, flo
     return problems
 
 
+def describe_nodes(nodes: Sequence[Mapping[str, float]]) -> str:
+    """What the cluster has, for a line beside a problem: "3 nodes: CPU 3, decode_node 2, prefill_node 1".
+    Ray's own bookkeeping resources (memory, object store, each node's IP and ID) are left out."""
+    totals: dict[str, float] = {}
+    for n in nodes:
+        for r, v in n.items():
+            if not _ray_bookkeeping(r):
+                totals[r] = totals.get(r, 0.0) + v
+    have = ", ".join(f"{r} {v:g}" for r, v in sorted(totals.items())) or "nothing"
+    return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}: {have}"
+
+
+def _ray_bookkeeping(resource: str) -> bool:
+    return resource in ("memory", "object_store_memory") or resource.startswith(("node:", "accelerator_type:"))
+
+
 def _fix(resource: str, asks: Sequence[PoolAsk], have: float) -> str:
     workers = sum(a.replicas for a in asks if a.total(resource))
     if resource in _FLAG:

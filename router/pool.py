@@ -118,6 +118,7 @@ class PoolManager:
     async def _start_one(self, spec: PoolSpec) -> _Member:
         self._serial += 1
         cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
+        self._report_unplaceable(spec, cfg.worker_id)
         actor = self._actor_cls.options(
             num_cpus=spec.num_cpus,
             num_gpus=spec.num_gpus,
@@ -133,6 +134,29 @@ class PoolManager:
             raise
         log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
         return _Member(actor, cfg.worker_id, grpc_address, kv)
+
+    def _report_unplaceable(self, spec: PoolSpec, worker_id: str) -> None:
+        """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
+        actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
+        (or has lost, for a replacement) would otherwise look like a slow model load. Only said, not
+        refused: a cluster with an autoscaler adds the node, and the start goes on."""
+        from splitserve.router.placement import CPU, GPU, PoolAsk, describe_nodes, placement_problems
+
+        try:
+            nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
+        except Exception as e:  # a check for the log's sake: the start goes on without it
+            log.debug("ray.nodes: %s", e)
+            return
+        ask = PoolAsk(spec.role, 1, {CPU: spec.num_cpus, GPU: spec.num_gpus, **spec.resources})
+        for problem in placement_problems([ask], nodes):
+            log.warning(
+                "%s worker %s waits (up to %.0f s) for a node that can hold it: %s; the cluster has %s",
+                spec.role,
+                worker_id,
+                self.start_timeout_s,
+                problem,
+                describe_nodes(nodes),
+            )
 
     def _register(self, role: Role, m: _Member) -> None:
         self.members[role].append(m)

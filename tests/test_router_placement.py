@@ -3,7 +3,7 @@ actor is started, each shortfall a line with the numbers and the flag to change.
 
 from __future__ import annotations
 
-from splitserve.router.placement import CPU, GPU, PoolAsk, fractional_cpus, placement_problems
+from splitserve.router.placement import CPU, GPU, PoolAsk, describe_nodes, fractional_cpus, placement_problems
 
 TWO_CPUS = [{CPU: 2.0, "memory": 1e10}]
 
@@ -39,3 +39,11 @@ def test_fractional_cpus_share_a_small_machine() -> None:
     assert fractional_cpus(asks, 2.0) == 0.66
     assert placement_problems([PoolAsk(a.role, a.replicas, {CPU: 0.66}) for a in asks], TWO_CPUS) == []
     assert fractional_cpus(asks, 8.0) == 1.0
+
+
+def test_the_cluster_described_by_its_resources_without_ray_bookkeeping() -> None:
+    head = {CPU: 1.0, "memory": 1e9, "object_store_memory": 1e8, "node:127.0.0.1": 1.0, "node:__internal_head__": 1.0}
+    prefill = {CPU: 1.0, "prefill_node": 1.0, "node:127.0.0.2": 1.0}
+    decode = {CPU: 0.5, "decode_node": 1.0, "accelerator_type:H100": 1.0}
+    assert describe_nodes([head, prefill, decode, decode]) == "4 nodes: CPU 3, decode_node 2, prefill_node 1"
+    assert describe_nodes([]) == "0 nodes: nothing"
