@@ -48,7 +48,11 @@ SERVE_OUTPUT_TOKENS = 48
 # Prefill lengths timed (fresh prompts, one step each). A prefill's cost is not a straight line in
 # its tokens: engine/kernels/linear.py runs x @ W.T on its own kernel up to MAX_ROWS_F32 (fp32;
 # MAX_ROWS for bf16) rows, 32, and on F.linear (oneDNN) from 33, and every projection of a
-# prefill chunk has one row per new token, so 33 new tokens cost far more than 32.
+# prefill chunk has one row per new token. Measured (SmolLM2-135M, fp32, one thread, core 0,
+# the median of 5): 32 tokens 53.2 ms, 33 tokens 104.4 ms; with SPLITSERVE_NO_KERNELS=1 (F.linear
+# everywhere) 105.2 and 112.0 ms, no step. That is the step bench serve's chat prompts show between
+# 48 and 49 tokens: the chat template's first 24 tokens are the same in every prompt, so a worker
+# finds its first block (16) cached and computes 32 new tokens of a 48-token prompt, 33 of a 49.
 # Every 8 tokens up to 128, 33 beside 32 to put that edge where it is, then coarser to the chunk.
 PREFILL_TOKENS: tuple[int, ...] = (8, 16, 24, 32, 33, *range(40, 129, 8), 160, 192, 256, 320, 384, 448, 512)
 
