@@ -313,6 +313,7 @@ class Router:
         self.port = 0
         self.http: OpenAIServer | None = None
         self.http_port = 0
+        self._stop_metrics: Callable[[], None] | None = None  # the --metrics-port server, when there is one
 
     def _health_changed(self) -> None:
         self.health.notify()
@@ -357,9 +358,9 @@ class Router:
         self.workers.add_all(decode, "decode")
         self.workers.add_all(prefill, "prefill")
         if self.cfg.metrics_port:
-            from prometheus_client import start_http_server
+            from splitserve.metrics_http import serve_metrics_http
 
-            start_http_server(self.cfg.metrics_port, registry=self.metrics.registry)
+            _, self._stop_metrics = serve_metrics_http(self.cfg.host, self.cfg.metrics_port, self.metrics.registry)
         log.info("router listening on %s:%d", self.cfg.host, self.port)
         return self.port
 
@@ -372,6 +373,8 @@ class Router:
             await asyncio.sleep(0.01)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._stop_metrics is not None:
+            self._stop_metrics()
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:

@@ -205,3 +205,26 @@ def test_without_a_replacement_the_wait_ends_unavailable() -> None:
             assert 0.25 <= asyncio.get_running_loop().time() - t < 5.0
 
     run(scenario)
+
+
+def test_the_metrics_port_keeps_vllm_style_names_for_an_openmetrics_scraper() -> None:
+    """Prometheus asks for OpenMetrics; prometheus_client's own server then renamed splitserve:* to
+    splitserve_* (metrics_http.py answers in the text format whatever is asked)."""
+    from tests.e2e_helpers.cluster import free_port
+
+    async def scenario() -> None:
+        port = free_port()
+        cfg = RouterConfig(host="127.0.0.1", grpc_port=0, metrics_port=port, stats_interval_s=0.05)
+        router = Router(cfg, ByteTokenizer(), rng=random.Random(0))
+        await router.start()
+        try:
+            accept = {"Accept": "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics", headers=accept) as m:
+                assert m.status == 200 and m.headers["Content-Type"].startswith("text/plain")
+                text = await m.text()
+            assert "splitserve:request_phase_seconds_bucket" in text
+            assert "splitserve_request_phase_seconds" not in text
+        finally:
+            await router.stop(0)
+
+    run(scenario)

@@ -18,16 +18,15 @@ The endpoint also serves the process's default registry: the KV plane's
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
+from splitserve.metrics_http import serve_metrics_http
 from splitserve.tracing import PHASE_BUCKETS, PHASE_METRIC
 
 LABELS = ("model_name", "role", "worker_id")
@@ -188,45 +187,7 @@ class _EngineGauges(Collector):
         return [running, waiting, usage]
 
 
-class _Both(Collector):
-    def __init__(self, *registries: CollectorRegistry) -> None:
-        self.registries = registries
-
-    def collect(self) -> Iterator[Metric]:
-        for r in self.registries:
-            yield from r.collect()
-
-
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[str, Callable[[], None]]:
     """Serve `registry` and the process's default registry at http://host:port/metrics (port 0: a free
     one). Returns the bound "host:port" and a function that stops the server."""
-    served = CollectorRegistry()
-    served.register(_Both(registry, REGISTRY))
-
-    class Handler(BaseHTTPRequestHandler):
-        # Always the text format. prometheus_client's own server answers a scraper that accepts
-        # OpenMetrics (Prometheus does) in that format, and its OpenMetrics writer turns the ':' of
-        # vLLM-style names into '_': Prometheus stored splitserve_time_to_first_token_seconds.
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics here")
-                return
-            body = generate_latest(served)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass  # a scrape every few seconds is not news
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-
-    def close() -> None:
-        server.shutdown()
-        server.server_close()
-
-    return f"{host}:{server.server_port}", close
+    return serve_metrics_http(host, port, registry, REGISTRY)

@@ -1,0 +1,58 @@
+"""Prometheus metrics over HTTP, always in the text format, for every process that serves its own
+port: a worker (worker/metrics.py) and the router's `--metrics-port` (router/server.py).
+
+Not prometheus_client's `start_http_server`: it answers a scraper that accepts OpenMetrics (Prometheus
+does) in that format, and its OpenMetrics writer turns the ':' of vLLM-style names into '_', so a real
+Prometheus stored splitserve_time_to_first_token_seconds (tests/test_e2e_prometheus.py found it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+
+class _Union(Collector):
+    def __init__(self, *registries: CollectorRegistry) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        for r in self.registries:
+            yield from r.collect()
+
+
+def serve_metrics_http(host: str, port: int, *registries: CollectorRegistry) -> tuple[str, Callable[[], None]]:
+    """Serve the registries' metrics together at http://host:port/metrics (port 0: a free one).
+    Returns the bound "host:port" and a function that stops the server."""
+    served = CollectorRegistry()
+    served.register(_Union(*registries))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            body = generate_latest(served)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # a scrape every few seconds is not news
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"{host}:{server.server_port}", close
