@@ -244,13 +244,13 @@ async def _serve(
 def _place(a: argparse.Namespace, ray: Any) -> float | None:
     """CPUs per worker, once the pools' initial workers are known to fit the Ray cluster; None
     (after saying why, with the numbers) when a local cluster cannot hold them."""
-    from splitserve.router.placement import CPU, GPU, PoolAsk, fractional_cpus, placement_problems
+    from splitserve.router.placement import CPU, PoolAsk, alive_nodes, fractional_cpus, placement_problems
 
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    nodes = alive_nodes(ray.nodes())
 
     def asks(cpus: float) -> list[PoolAsk]:
         return [
-            PoolAsk(role, getattr(a, f"{role}_workers"), {CPU: cpus, GPU: a.gpus_per_worker, **custom})
+            PoolAsk.of(role, getattr(a, f"{role}_workers"), cpus, a.gpus_per_worker, custom)
             for role, custom in (
                 ("prefill", json.loads(a.prefill_resources)),
                 ("decode", json.loads(a.decode_resources)),

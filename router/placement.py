@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 CPU, GPU = "CPU", "GPU"
 _FLAG = {CPU: "--cpus-per-worker", GPU: "--gpus-per-worker"}
@@ -25,8 +26,18 @@ class PoolAsk:
     replicas: int
     per_worker: Mapping[str, float] = field(default_factory=dict)  # CPU, GPU and custom resources
 
+    @classmethod
+    def of(cls, role: str, replicas: int, cpus: float, gpus: float, resources: Mapping[str, float]) -> PoolAsk:
+        """What a pool's actors ask Ray for (a PoolSpec's num_cpus, num_gpus and custom resources)."""
+        return cls(role, replicas, {CPU: cpus, GPU: gpus, **resources})
+
     def total(self, resource: str) -> float:
         return self.replicas * self.per_worker.get(resource, 0.0)
+
+
+def alive_nodes(ray_nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, float]]:
+    """Each alive node's total resources, from what `ray.nodes()` returns."""
+    return [n.get("Resources", {}) for n in ray_nodes if n.get("Alive")]
 
 
 def placement_problems(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]]) -> list[str]:

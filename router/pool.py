@@ -140,14 +140,14 @@ class PoolManager:
         actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
         (or has lost, for a replacement) would otherwise look like a slow model load. Only said, not
         refused: a cluster with an autoscaler adds the node, and the start goes on."""
-        from splitserve.router.placement import CPU, GPU, PoolAsk, describe_nodes, placement_problems
+        from splitserve.router.placement import PoolAsk, alive_nodes, describe_nodes, placement_problems
 
         try:
-            nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
+            nodes = alive_nodes(self._ray.nodes())
         except Exception as e:  # a check for the log's sake: the start goes on without it
             log.debug("ray.nodes: %s", e)
             return
-        ask = PoolAsk(spec.role, 1, {CPU: spec.num_cpus, GPU: spec.num_gpus, **spec.resources})
+        ask = PoolAsk.of(spec.role, 1, spec.num_cpus, spec.num_gpus, spec.resources)
         for problem in placement_problems([ask], nodes):
             log.warning(
                 "%s worker %s waits (up to %.0f s) for a node that can hold it: %s; the cluster has %s",

@@ -307,7 +307,6 @@ class Router:
         self.workers = WorkerSet(cfg, self.index, on_health_change=self._health_changed)
         self.health = HealthService(self.readiness)
         self.generation = GenerationService(cfg, tokenizer, self.workers, self.metrics, rng or random.Random())
-        self.draining = False
         self._initial = (list(decode), list(prefill))
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -326,12 +325,11 @@ class Router:
             known[w.role] = known.get(w.role, 0) + 1
             if w.healthy and not w.draining:
                 ready[w.role] = ready.get(w.role, 0) + 1
-        return readiness(ready, known, self.cfg.required_pools, self.draining)
+        return readiness(ready, known, self.cfg.required_pools, self.generation.draining)
 
     def drain(self) -> None:
         """Stop taking requests (health turns NOT_SERVING; new calls get UNAVAILABLE); in-flight
         ones go on. The first step of a graceful stop: see `drained`."""
-        self.draining = True
         self.generation.draining = True
         self.health.notify()
 
