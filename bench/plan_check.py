@@ -7,7 +7,9 @@ against real runs on this machine.
    On the first system started, before its loads, the serving overhead (what a
    served token costs beyond the engine step: plan/calibrate.py's
    `serving_point`) is measured and fitted into the profile, unless the profile
-   has it already.
+   has it already. On each system, also before its loads, how much a served
+   prefill slows while other requests decode (plan/calibrate.py's
+   `prefill_load_points`), unless the profile has it for that system.
 2. Measure: each system (colocated: one worker per core behind a router;
    disaggregated: a prefill and a decode worker on a core each) is started as
    `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
@@ -130,7 +132,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.bench.serve.results import RunResult
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
-    from splitserve.plan.profile import ProfileCosts
+    from splitserve.plan.profile import ProfileCosts, prefill_slowdown
     from splitserve.plan.sim_sweep import requests_from_run
     from splitserve.plan.simulate import ClusterSpec, Mode, simulate
     from splitserve.router.engine_tokenizer import EngineTokenizer
@@ -155,6 +157,8 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
         warmup(system.base_url, ctx.served_model_name)
         if not profile.serve_points:
             profile = _measure_serving(system, ctx, out, profile, decode, args)
+        if prefill_slowdown(profile, mode) is None:
+            profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
         loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
                       "--request-rate", f"{rate:g}", "--sharegpt-output-len", str(args.output_len),
                       "--sharegpt-max-input-len", str(args.max_input_len), "--ignore-eos", "--seed",
@@ -170,7 +174,8 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                 raise RuntimeError(f"{load.name}: {data['error']}")
             measured = RunResult.from_dict(data["runs"][0])
             sim = simulate(requests_from_run(measured, cached), cluster, ProfileCosts(profile),
-                           random.Random(args.seed), spread=profile.step_spread())  # fmt: skip
+                           random.Random(args.seed), spread=profile.step_spread(),
+                           prefill_slowdown=prefill_slowdown(profile, mode))  # fmt: skip
             rows += compare(mode, load.name, measured, sim)
     return rows, profile
 
@@ -218,6 +223,40 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
     return profile
 
 
+def _measure_prefill_load(system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int,
+                          args: argparse.Namespace) -> Any:  # fmt: skip
+    """How a served prefill slows beside decoding requests, on this running system (plan/calibrate.py's
+    `prefill_load_points`), fitted into the profile for it, which is saved again."""
+    from splitserve.bench.decoding_streams import DecodingStreams
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.serve.results import RunResult
+    from splitserve.plan.calibrate import PREFILL_LOAD_STREAMS, prefill_load_flags, prefill_load_points
+    from splitserve.plan.profile import save_profile, with_prefill_load
+
+    name = system.spec.name
+    points = []
+    for i, n in enumerate(PREFILL_LOAD_STREAMS):
+        load = Load(f"prefill-beside-{n}", prefill_load_flags(args.seed + 200 + i), args.load_timeout)
+        with DecodingStreams(system.base_url, ctx.served_model_name, n, max_tokens=2000) as streams:
+            streams.wait_decoding()
+            data = run_load(system, load, ctx, out, "openai-chat")
+            context = 40 + sum(streams.tokens) // max(n, 1) // 2  # the chat prompt, and about half what they made
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        batch = 0 if prefill else -(-n // decode)  # on a prefill worker nothing else runs in its steps
+        got = prefill_load_points(RunResult.from_dict(data["runs"][0]).requests, n, batch, context, cached, profile)
+        ratios = sorted(s / e for _, e, s in got)
+        print(f"[{name}] prefill beside {n} decoding: {len(got)} prompts, measured / model median "
+              f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})", flush=True)  # fmt: skip
+        points += got
+    profile = with_prefill_load(profile, name, points)
+    save_profile(profile, os.path.join(out, "profile.json"))
+    _, base, per_stream = next(f for f in profile.prefill_load_fits if f[0] == name)
+    print(f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
+          f"the profile", flush=True)  # fmt: skip
+    return profile
+
+
 def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
     """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult, s)."""
     n = measured.completed
@@ -250,6 +289,8 @@ def _print_profile(p: Any) -> None:
         print(f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
               f"{p.serve_s_per_seq * 1e3:.3f} ms/token")  # fmt: skip
     print("  " + spread_line(p))
+    for system, base, per_stream in p.prefill_load_fits:
+        print(f"  prefill under load ({system}) = model x ({base:.3f} + {per_stream:.4f} per decoding request)")
 
 
 def spread_line(p: Any) -> str:

@@ -27,6 +27,14 @@ and while all of them decode together, every gap a client saw between two
 tokens is set against the engine-alone decode step at the same batch and
 context (the fitted model above). `with_serving` (plan/profile.py) fits the
 difference as a per-step and a per-token cost.
+
+A served prefill also costs more than the engine's while other requests decode:
+on a machine this small the router relaying their tokens and the client reading
+them run on the cores the prefill needs. `prefill_load_points` measures that on
+a running system: prompts of assorted lengths sent one at a time (`bench serve
+--max-concurrency 1`) beside 0, 2 and 6 requests decoding, each first token's
+time set against the cost model's step for that prompt; `with_prefill_load`
+(plan/profile.py) fits measured / modelled against the decoding count.
 """
 
 from __future__ import annotations
@@ -39,11 +47,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.plan.profile import Profile, engine_decode_step_s, fit_profile
+from splitserve.plan.costs import mixed_step_s
+from splitserve.plan.profile import Profile, ProfileCosts, engine_decode_step_s, fit_profile
 
 SERVE_BATCHES = (1, 2, 4, 8)  # requests decoding together per worker
 SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode together soon
 SERVE_OUTPUT_TOKENS = 48
+PREFILL_LOAD_STREAMS = (0, 2, 6)  # requests decoding in the cluster while the prompts are sent
+PREFILL_LOAD_PROMPTS = 8  # prompts per count, one at a time, 38 to 474 tokens of random text
 
 # Prefill lengths timed (fresh prompts, one step each). A prefill's cost is not a straight line in
 # its tokens: engine/kernels/linear.py runs x @ W.T on its own kernel up to MAX_ROWS_F32 (fp32;
@@ -275,3 +286,29 @@ def serving_gap_ratios(records: Sequence[Any], workers: int, profile: Profile) -
     batch, gaps = _decode_gaps(records, workers, profile)
     overhead = statistics.median(s for *_, s in gaps) - statistics.median(e for _, e, _ in gaps)
     return [(batch, s / (e + overhead)) for _, e, s in gaps if e + overhead > 0]
+
+
+def prefill_load_flags(seed: int) -> tuple[str, ...]:
+    """`bench serve` flags of one prefill-under-load measurement: prompts of assorted lengths, one
+    at a time (each alone on its worker but for the decoding streams), one output token beyond the
+    first so each ends right after it."""
+    return ("--dataset", "random", "--num-prompts", str(PREFILL_LOAD_PROMPTS), "--random-input-len", "256",
+            "--random-range-ratio", "0.85", "--random-output-len", "2", "--max-concurrency", "1",
+            "--request-rate", "inf", "--ignore-eos", "--seed", str(seed))  # fmt: skip
+
+
+def prefill_load_points(records: Sequence[Any], decoding: int, batch_per_worker: int, context_per_stream: int,
+                        cached_tokens: int, profile: Profile) -> list[tuple[int, float, float]]:  # fmt: skip
+    """(decoding, modelled s, measured TTFT s) of each completed prompt of a `prefill_load_flags`
+    run beside `decoding` streams: modelled is the served cost model's step that prefills it (its
+    chat template's first `cached_tokens` found cached) beside the `batch_per_worker` decodes its
+    worker runs (0 on a prefill worker) over `context_per_stream` tokens each."""
+    costs = ProfileCosts(profile)
+    out = []
+    for r in records:
+        if r.error is not None or r.ttft_s <= 0 or r.prompt_len <= cached_tokens:
+            continue
+        modelled = mixed_step_s(costs, r.prompt_len - cached_tokens, cached_tokens, batch_per_worker,
+                                batch_per_worker * context_per_stream)  # fmt: skip
+        out.append((decoding, modelled, r.ttft_s))
+    return out

@@ -18,6 +18,15 @@ the fitted coefficients, so a reader can check the fit against its points:
                  measured / modelled (`costs.StepSpread`): the engine's timed steps against the decode
                  model (`decode_spread`), and a client's gaps against the served model at each gap's
                  context (`serve_spread`, the one the simulator draws from when it was measured)
+    prefill under load
+                 how much longer a served prefill takes than the model above while other requests
+                 decode, per system: measured / modelled = base + per_stream x decoding requests in the
+                 cluster (least squares, no negative term), fitted to prompts sent one at a time beside
+                 0, 2 and 6 decoding streams (`plan/calibrate.py`'s `prefill_load_points`). On this
+                 machine the router and the client share the workers' cores, and relaying every
+                 decoded token takes cycles a prefill on those cores would have had: 132 tokens alone
+                 1.05x the model, beside 4 streams 1.25x. Steps that carry a prefill chunk take the
+                 factor (`prefill_slowdown`); 1 when not measured
 
 Saved as JSON (`save_profile`, `load_profile`); `ProfileCosts` is the `CostModel`.
 """
@@ -26,13 +35,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, spread_quantiles
 
-PROFILE_VERSION = 3  # 2: the serving overhead; 3: the spread of decode steps
+PROFILE_VERSION = 4  # 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load
+READS_VERSIONS = (3, 4)  # a version 3 profile reads as one with prefill under load not measured
 
 # (batch, measured / modelled at each of Profile.spread_levels), by batch
 SpreadTable = tuple[tuple[int, tuple[float, ...]], ...]
@@ -65,6 +75,10 @@ class Profile:
     spread_levels: tuple[float, ...]
     decode_spread: SpreadTable  # `Engine.step()` timed in calibration / the fitted decode model
     serve_spread: SpreadTable  # a client's gaps / (engine model + the batch's median overhead); () unmeasured
+    # (system, decoding requests in the cluster, modelled s, measured TTFT s) of prompts sent one at a time
+    prefill_load_points: tuple[tuple[str, int, float, float], ...] = ()
+    # (system, measured / modelled with no request decoding, + per decoding request), fitted per system
+    prefill_load_fits: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -81,8 +95,8 @@ class Profile:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Profile:
-        if d.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile version {d.get('version')!r}; this build reads {PROFILE_VERSION}")
+        if d.get("version") not in READS_VERSIONS:
+            raise ValueError(f"profile version {d.get('version')!r}; this build reads {READS_VERSIONS}")
         return Profile(
             description=str(d["description"]),
             max_num_batched_tokens=int(d["max_num_batched_tokens"]),
@@ -105,6 +119,10 @@ class Profile:
             spread_levels=tuple(float(q) for q in d["spread_levels"]),
             decode_spread=_spread_table(d["decode_spread"]),
             serve_spread=_spread_table(d["serve_spread"]),
+            prefill_load_points=tuple(
+                (str(m), int(n), float(e), float(s)) for m, n, e, s in d.get("prefill_load_points", ())
+            ),
+            prefill_load_fits=tuple((str(m), float(a), float(b)) for m, a, b in d.get("prefill_load_fits", ())),
         )
 
     def step_spread(self) -> StepSpread | None:
@@ -264,6 +282,28 @@ def with_serving(
     step, per_seq = least_squares([[1.0, b] for b, *_ in points], [s - e for _, _, e, s in points])
     return replace(profile, serve_points=tuple(points), serve_system=system, serve_step_s=step,
                    serve_s_per_seq=per_seq, serve_spread=spread_table(gap_ratios, profile.spread_levels))  # fmt: skip
+
+
+def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int, float, float]]) -> Profile:
+    """The profile with `system`'s prefill slowdown fitted to `points`, (decoding requests in the
+    cluster, modelled s, measured s) each: measured / modelled = base + per_stream x decoding.
+    Replaces what the profile held for that system."""
+    if not points:
+        raise ValueError("no prefill-under-load points to fit")
+    base, per_stream = least_squares([[1.0, n] for n, _, _ in points], [s / e for _, e, s in points])
+    kept = tuple(p for p in profile.prefill_load_points if p[0] != system)
+    fits = tuple(f for f in profile.prefill_load_fits if f[0] != system)
+    return replace(profile, prefill_load_points=kept + tuple((system, n, e, s) for n, e, s in points),
+                   prefill_load_fits=fits + ((system, base, per_stream),))  # fmt: skip
+
+
+def prefill_slowdown(profile: Profile, system: str) -> Callable[[int], float] | None:
+    """`system`'s measured prefill slowdown as a function of the requests decoding in the cluster,
+    for the simulator; None when the profile has none for it."""
+    for name, base, per_stream in profile.prefill_load_fits:
+        if name == system:
+            return lambda decoding: base + per_stream * decoding
+    return None
 
 
 class ProfileCosts:

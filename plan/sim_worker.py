@@ -18,7 +18,9 @@ elsewhere (`join_remote`), which hold a seat from their reservation on.
 With a `step_ratio` (the cluster's draw from a measured `StepSpread`), a step
 that only decodes takes the cost model's figure times a ratio drawn for its
 batch; a step with a prefill chunk keeps the model's figure (the spread was
-measured on decode steps only).
+measured on decode steps only). With a `prefill_factor` (the cluster's measured
+prefill slowdown at the requests decoding now), a step with a prefill chunk
+takes the model's figure times that factor.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class SimWorker:
         on_finished: Callable[[SimWorker, SimRequest, float], None],
         itl: ItlSink,
         step_ratio: Callable[[int], float] | None = None,
+        prefill_factor: Callable[[], float] | None = None,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -86,6 +89,7 @@ class SimWorker:
         self.on_finished = on_finished
         self.itl = itl
         self.step_ratio = step_ratio  # a decode-only step of batch B takes the model's figure x step_ratio(B)
+        self.prefill_factor = prefill_factor  # a step with a prefill chunk takes the figure x prefill_factor()
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.joining: list[SimRequest] = []  # remote KV arrived: decode from the next step
@@ -192,6 +196,8 @@ class SimWorker:
         t = mixed_step_s(self.costs, tokens, cached, batch, self.context_tokens)
         if self.step_ratio is not None and not tokens:
             t *= self.step_ratio(batch)
+        elif self.prefill_factor is not None and tokens:
+            t *= self.prefill_factor()
         push(now + t, self)
 
     def end_step(self, now: float, push: Callable[[float, SimWorker], None]) -> None:

@@ -22,7 +22,10 @@ decodes on its decode worker from the next step.
 A measured `StepSpread` (`spread`) makes each decode-only step draw its time
 from the measured distribution around the cost model's figure, from the same
 generator; without one, or with one of zero spread, nothing is drawn and a
-step is the model's figure.
+step is the model's figure. A measured `prefill_slowdown` (plan/profile.py's
+prefill under load) makes each step that carries a prefill chunk take the
+model's figure times the slowdown at the requests decoding in the whole cluster
+as it starts.
 
 There is no wall clock and no randomness but the generator passed in: the
 same inputs give the same result. Each event is one step of one worker (or a
@@ -151,11 +154,13 @@ def simulate(
     rate: float = math.nan,
     prefill_costs: CostModel | None = None,
     spread: StepSpread | None = None,
+    prefill_slowdown: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
     they differ from the decode workers (another tensor-parallel size); default `costs`.
-    `spread`: the measured spread of decode steps around `costs` (see the module's note)."""
-    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread)
+    `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: a prefill
+    step's factor against the requests decoding in the cluster (see the module's note)."""
+    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown)
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
@@ -180,6 +185,7 @@ class _Cluster:
         prefill_costs: CostModel,
         rng: random.Random,
         spread: StepSpread | None = None,
+        prefill_slowdown: Callable[[int], float] | None = None,
     ) -> None:
         self.spec = spec
         self.costs = costs
@@ -203,9 +209,17 @@ class _Cluster:
             def step_ratio(batch: int) -> float:
                 return measured.ratio(batch, rng.random())
 
+        prefill_factor: Callable[[], float] | None = None
+        if prefill_slowdown is not None:
+            slowdown = prefill_slowdown
+
+            def prefill_factor() -> float:  # only steps with a prefill chunk ask: O(decode workers) each
+                return slowdown(sum(w.num_decoding for w in self.decode))
+
         def worker(name: str, model: CostModel, prefill_only: bool) -> SimWorker:
             return SimWorker(name, model, spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_capacity_tokens,
-                             prefill_only, self._prefilled, self._finished, itl, step_ratio)  # fmt: skip
+                             prefill_only, self._prefilled, self._finished, itl, step_ratio,
+                             prefill_factor)  # fmt: skip
 
         self.decode = [worker(f"decode{i}", costs, False) for i in range(spec.decode_workers)]
         n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0
