@@ -209,8 +209,11 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
         if "error" in data:
             raise RuntimeError(f"{load.name}: {data['error']}")
         records = RunResult.from_dict(data["runs"][0]).requests
-        b, context, engine_s, served_s = serving_point(records, workers, profile)
-        gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
+        try:
+            b, context, engine_s, served_s = serving_point(records, workers, profile)
+            gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
+        except ValueError as e:
+            raise RuntimeError(f"{load.name}: {e}") from None
         print(f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
               f"served gap {served_s * 1e3:.1f} ms; gaps / model p10 {percentile(gaps, 10):.3f} "
               f"p50 {percentile(gaps, 50):.3f} p90 {percentile(gaps, 90):.3f}", flush=True)  # fmt: skip

@@ -52,7 +52,10 @@ from splitserve.plan.profile import Profile, ProfileCosts, engine_decode_step_s,
 
 SERVE_BATCHES = (1, 2, 4, 8)  # requests decoding together per worker
 SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode together soon
-SERVE_OUTPUT_TOKENS = 48
+# Long enough that every request of the largest batch decodes together for a while: 8 chat prompts
+# of ~104 tokens per worker prefill in two 512-token steps (~2.6 s here), the first of them decoding
+# meanwhile; at 48 tokens (~1.7 s at batch 8) the first could finish before the last began.
+SERVE_OUTPUT_TOKENS = 96
 PREFILL_LOAD_STREAMS = (0, 2, 6)  # requests decoding in the cluster while the prompts are sent
 PREFILL_LOAD_PROMPTS = 8  # prompts per count, one at a time, 38 to 474 tokens of random text
 
