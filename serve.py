@@ -75,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    p.add_argument(
+        "--node-types",
+        default=None,
+        help="the Ray autoscaler's node types: a cluster launcher YAML (its available_node_types) or JSON "
+        '{"name": {"CPU": 8, "GPU": 1, "decode_node": 1}}; a worker no node type can hold is refused at '
+        "once, one that waits for a node is not a problem (default: none known, shortfalls only said)",
+    )
 
 
 def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
@@ -103,19 +110,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # checked before Ray starts, so a bad flag costs nothing
         prefill, decode = scaling_config(args, "prefill"), scaling_config(args, "decode")
-    except ValueError as e:
+        node_types = _node_types(args.node_types)
+    except (ValueError, OSError) as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 2
     from splitserve.router.event_loop import run as run_loop
 
     try:
-        return run_loop(_serve(args, prefill, decode))
+        return run_loop(_serve(args, prefill, decode, node_types))
     except KeyboardInterrupt:
         return 0
 
 
 async def _serve(
-    a: argparse.Namespace, prefill_scaling: ScalingConfig | None, decode_scaling: ScalingConfig | None
+    a: argparse.Namespace,
+    prefill_scaling: ScalingConfig | None,
+    decode_scaling: ScalingConfig | None,
+    node_types: dict[str, dict[str, float]] | None = None,
 ) -> int:
     # Ray's own plane: token auth on, dashboard off. Ray reads these when it is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -138,7 +149,7 @@ async def _serve(
         ray.init(address=a.ray_address, logging_level=logging.WARNING)
     else:
         ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    cpus_per_worker = _place(a, ray)
+    cpus_per_worker = _place(a, ray, node_types)
     if cpus_per_worker is None:
         ray.shutdown()
         return 2
@@ -193,7 +204,7 @@ async def _serve(
         spec.role for spec in specs if spec.replicas and (spec.role == "decode" or router_cfg.mode != "colocated")
     )
     router = Router(replace(router_cfg, required_pools=required), tokenizer)
-    pools = PoolManager(specs, router.workers, metrics=router.metrics)
+    pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=node_types)
 
     async def start() -> None:
         port = await router.start()
@@ -241,9 +252,29 @@ async def _serve(
     return 0
 
 
-def _place(a: argparse.Namespace, ray: Any) -> float | None:
-    """CPUs per worker, once the pools' initial workers are known to fit the Ray cluster; None
-    (after saying why, with the numbers) when a local cluster cannot hold them."""
+def _node_types(flag: str | None) -> dict[str, dict[str, float]] | None:
+    """--node-types: JSON, or the path of a Ray cluster launcher YAML (ValueError, OSError if bad)."""
+    from splitserve.router.placement import node_types_of_cluster_config
+
+    if flag is None:
+        return None
+    if flag.lstrip().startswith("{"):
+        return node_types_of_cluster_config(
+            {"available_node_types": {n: {"resources": r} for n, r in json.loads(flag).items()}}
+        )
+    import yaml  # Ray's own dependency
+
+    with open(flag) as f:
+        try:
+            return node_types_of_cluster_config(yaml.safe_load(f))
+        except yaml.YAMLError as e:
+            raise ValueError(f"--node-types {flag}: {e}") from e
+
+
+def _place(a: argparse.Namespace, ray: Any, node_types: dict[str, dict[str, float]] | None = None) -> float | None:
+    """CPUs per worker, once the pools' initial workers are known to fit the Ray cluster (or, with
+    the autoscaler's node types, a node type each); None (after saying why, with the numbers) when
+    they cannot be placed."""
     from splitserve.router.placement import CPU, PoolAsk, alive_nodes, fractional_cpus, placement_problems
 
     nodes = alive_nodes(ray.nodes())
@@ -267,10 +298,10 @@ def _place(a: argparse.Namespace, ray: Any) -> float | None:
                 n = a.prefill_workers + a.decode_workers
                 print(f"splitserve: {n} workers on {have:g} CPUs: each asks Ray for {cpus:g} CPU "
                       "(--cpus-per-worker to change)", flush=True)  # fmt: skip
-    problems = placement_problems(asks(cpus), nodes)
+    problems = placement_problems(asks(cpus), nodes, node_types)
     for p in problems:
         print(f"splitserve serve: cannot place the workers: {p}", file=sys.stderr, flush=True)
-    if problems and not a.ray_address:
+    if problems and (not a.ray_address or node_types is not None):
         return None
     if problems:  # a joined cluster may have an autoscaler that adds the nodes
         print("splitserve serve: starting anyway: an autoscaler may add the nodes", file=sys.stderr, flush=True)

@@ -6,6 +6,13 @@ word why. Checked here first, every shortfall comes out as one line with the
 numbers (asked, available) and the flag to change. Pure: the caller reads the
 nodes (`ray.nodes()`) and decides what a shortfall means (a local cluster
 stops; one joined with --ray-address may have an autoscaler that adds nodes).
+
+With an autoscaler whose node types are known (`serve --node-types`), a worker
+that no alive node can hold but some node type can is pending, not a problem:
+the autoscaler adds that node. One that no node type can hold either would be
+queued by Ray for ever, and is reported at once. (Ray's own autoscaler knows
+this too, but says it only as a line of its event log; v1 keeps the node types
+in its own process, and only v2 publishes infeasible requests in the GCS.)
 """
 
 from __future__ import annotations
@@ -40,9 +47,18 @@ def alive_nodes(ray_nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, flo
     return [n.get("Resources", {}) for n in ray_nodes if n.get("Alive")]
 
 
-def placement_problems(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]]) -> list[str]:
+NodeTypes = Mapping[str, Mapping[str, float]]  # an autoscaler's node types: name -> resources of one node
+
+
+def placement_problems(
+    asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]], node_types: NodeTypes | None = None
+) -> list[str]:
     """What cannot be placed, a line each ([] when every worker fits). `nodes`: each alive node's
-    total resources, as Ray reports them."""
+    total resources, as Ray reports them. `node_types`: the autoscaler's, when the cluster has one;
+    then only a worker that neither an alive node nor any node type can hold is a problem (the sums
+    do not matter: the autoscaler adds nodes)."""
+    if node_types is not None:
+        return [_never_placed(a, node_types) for a in asks if a.replicas and not _placeable(a, nodes, node_types)]
     problems = []
     resources = sorted({r for a in asks for r, v in a.per_worker.items() if v > 0})
     for r in resources:
@@ -54,10 +70,51 @@ def placement_problems(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, flo
                 f"{r}: the pools ask for {asked:g} ({parts}), the Ray cluster has {have:g}: {_fix(r, asks, have)}"
             )
     for a in asks:  # a worker is placed whole on one node: the sums can fit while no node does
-        if a.replicas and not any(all(n.get(r, 0.0) + 1e-9 >= v for r, v in a.per_worker.items()) for n in nodes):
-            want = ", ".join(f"{r} {v:g}" for r, v in sorted(a.per_worker.items()) if v > 0)
-            problems.append(f"no node of the Ray cluster can hold one {a.role} worker ({want})")
+        if a.replicas and not any(_holds(n, a) for n in nodes):
+            problems.append(f"no node of the Ray cluster can hold one {a.role} worker ({_want(a)})")
     return problems
+
+
+def node_types_to_add(ask: PoolAsk, nodes: Sequence[Mapping[str, float]], node_types: NodeTypes) -> list[str]:
+    """The node types that the autoscaler could add for one worker of `ask`, sorted; [] when an
+    alive node can hold it already (or none can: see placement_problems)."""
+    if any(_holds(n, ask) for n in nodes):
+        return []
+    return sorted(name for name, resources in node_types.items() if _holds(resources, ask))
+
+
+def node_types_of_cluster_config(config: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """The node types of a Ray cluster launcher config (`available_node_types`, each one's
+    `resources`), as `serve --node-types` takes them."""
+    types = config.get("available_node_types")
+    if not isinstance(types, Mapping) or not types:
+        raise ValueError("the cluster config has no available_node_types")
+    return {name: {r: float(v) for r, v in (t.get("resources") or {}).items()} for name, t in types.items()}
+
+
+def _holds(node: Mapping[str, float], ask: PoolAsk) -> bool:
+    """Can this node (total resources) hold one worker of the ask? A worker is placed whole."""
+    return all(node.get(r, 0.0) + 1e-9 >= v for r, v in ask.per_worker.items())
+
+
+def _placeable(ask: PoolAsk, nodes: Sequence[Mapping[str, float]], node_types: NodeTypes) -> bool:
+    return any(_holds(n, ask) for n in nodes) or any(_holds(t, ask) for t in node_types.values())
+
+
+def _want(ask: PoolAsk) -> str:
+    return ", ".join(f"{r} {v:g}" for r, v in sorted(ask.per_worker.items()) if v > 0)
+
+
+def _never_placed(ask: PoolAsk, node_types: NodeTypes) -> str:
+    have = "; ".join(
+        f"{name}: " + (", ".join(f"{r} {v:g}" for r, v in sorted(t.items()) if not _ray_bookkeeping(r)) or "nothing")
+        for name, t in sorted(node_types.items())
+    )
+    return (
+        f"no node of the Ray cluster and no node type of its autoscaler can hold one {ask.role} worker "
+        f"({_want(ask)}): the node types have {have}; add a node type that has it, or change the pool's "
+        "resources (--prefill-resources/--decode-resources, --cpus-per-worker, --gpus-per-worker)"
+    )
 
 
 def describe_nodes(nodes: Sequence[Mapping[str, float]]) -> str:

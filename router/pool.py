@@ -30,12 +30,17 @@ from splitserve.router.workers import Role, WorkerSet
 from splitserve.worker.config import WorkerConfig
 
 if TYPE_CHECKING:  # the actor's module imports ray, as this one does: when the pool starts
+    from splitserve.router.placement import NodeTypes
     from splitserve.worker.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
+
+
+class Unplaceable(RuntimeError):
+    """A worker that no node of the Ray cluster, nor any node type of its autoscaler, can hold."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,10 @@ class PoolManager:
         watch_interval_s: float = 2.0,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        node_types: NodeTypes | None = None,
     ) -> None:
+        """`node_types`: the Ray autoscaler's (name -> one node's resources), when the cluster has one:
+        a worker that no node type can hold is then refused at once instead of queued in Ray."""
         import ray
 
         self._ray = ray
@@ -88,6 +96,7 @@ class PoolManager:
         self.watch_interval_s = watch_interval_s
         self.metrics = metrics or RouterMetrics(workers.cfg)
         self.clock = clock
+        self.node_types = node_types
         self.members: dict[Role, list[_Member]] = {s.role: [] for s in specs}
         self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
         self._actor_cls = ray.remote(_actor_class())
@@ -138,9 +147,17 @@ class PoolManager:
     def _report_unplaceable(self, spec: PoolSpec, worker_id: str) -> None:
         """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
         actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
-        (or has lost, for a replacement) would otherwise look like a slow model load. Only said, not
-        refused: a cluster with an autoscaler adds the node, and the start goes on."""
-        from splitserve.router.placement import PoolAsk, alive_nodes, describe_nodes, placement_problems
+        (or has lost, for a replacement) would otherwise look like a slow model load. Without the
+        autoscaler's node types only said, not refused: an autoscaler may add the node. With them,
+        the node type it waits for is named, and a worker that no node type can hold is refused
+        (`Unplaceable`) before its actor is queued."""
+        from splitserve.router.placement import (
+            PoolAsk,
+            alive_nodes,
+            describe_nodes,
+            node_types_to_add,
+            placement_problems,
+        )
 
         try:
             nodes = alive_nodes(self._ray.nodes())
@@ -148,6 +165,19 @@ class PoolManager:
             log.debug("ray.nodes: %s", e)
             return
         ask = PoolAsk.of(spec.role, 1, spec.num_cpus, spec.num_gpus, spec.resources)
+        if self.node_types is not None:
+            problems = placement_problems([ask], nodes, self.node_types)
+            if problems:
+                raise Unplaceable(f"{spec.role} worker {worker_id} cannot be placed: {problems[0]}")
+            if to_add := node_types_to_add(ask, nodes, self.node_types):
+                log.info(
+                    "%s worker %s waits (up to %.0f s) for the autoscaler to add a node of type %s",
+                    spec.role,
+                    worker_id,
+                    self.start_timeout_s,
+                    " or ".join(to_add),
+                )
+            return
         for problem in placement_problems([ask], nodes):
             log.warning(
                 "%s worker %s waits (up to %.0f s) for a node that can hold it: %s; the cluster has %s",
@@ -184,6 +214,9 @@ class PoolManager:
     async def _boot(self, role: Role) -> None:
         try:
             m = await self._start_one(self.specs[role])
+        except Unplaceable as e:  # a line of its own says it all
+            log.error("%s", e)
+            m = None
         except Exception:
             log.exception("could not start a %s worker", role)
             m = None

@@ -3,7 +3,18 @@ actor is started, each shortfall a line with the numbers and the flag to change.
 
 from __future__ import annotations
 
-from splitserve.router.placement import CPU, GPU, PoolAsk, describe_nodes, fractional_cpus, placement_problems
+import pytest
+
+from splitserve.router.placement import (
+    CPU,
+    GPU,
+    PoolAsk,
+    describe_nodes,
+    fractional_cpus,
+    node_types_of_cluster_config,
+    node_types_to_add,
+    placement_problems,
+)
 
 TWO_CPUS = [{CPU: 2.0, "memory": 1e10}]
 
@@ -47,3 +58,51 @@ def test_the_cluster_described_by_its_resources_without_ray_bookkeeping() -> Non
     decode = {CPU: 0.5, "decode_node": 1.0, "accelerator_type:H100": 1.0}
     assert describe_nodes([head, prefill, decode, decode]) == "4 nodes: CPU 3, decode_node 2, prefill_node 1"
     assert describe_nodes([]) == "0 nodes: nothing"
+
+
+# With an autoscaler: its node types say what can ever be placed.
+NODE_TYPES = {
+    "ray.head.default": {CPU: 0.0},
+    "prefill": {CPU: 8.0, GPU: 2.0, "prefill_node": 1.0},
+    "decode": {CPU: 8.0, GPU: 1.0, "decode_node": 1.0, "object_store_memory": 1e9},
+}
+HEAD_ONLY = [{CPU: 0.0, "memory": 1e10}]
+
+
+def test_with_node_types_a_worker_a_node_type_can_hold_waits_for_its_node() -> None:
+    asks = [PoolAsk("prefill", 2, {CPU: 1.0, GPU: 2.0, "prefill_node": 1.0}), PoolAsk("decode", 4, {GPU: 1.0})]
+    assert placement_problems(asks, HEAD_ONLY) != []  # no node has them yet: without the types, a shortfall
+    assert placement_problems(asks, HEAD_ONLY, NODE_TYPES) == []
+    assert node_types_to_add(asks[0], HEAD_ONLY, NODE_TYPES) == ["prefill"]
+    assert node_types_to_add(asks[1], HEAD_ONLY, NODE_TYPES) == ["decode", "prefill"]  # any GPU node would do
+    assert node_types_to_add(asks[1], [{CPU: 8.0, GPU: 1.0}], NODE_TYPES) == []  # an alive node holds it
+
+
+def test_with_node_types_a_worker_no_node_type_can_hold_is_a_problem_at_once() -> None:
+    asks = [PoolAsk("prefill", 1, {CPU: 1.0, "prefill_node": 1.0}), PoolAsk("decode", 1, {CPU: 1.0, "tpu_node": 1.0})]
+    [p] = placement_problems(asks, HEAD_ONLY, NODE_TYPES)
+    assert p.startswith("no node of the Ray cluster and no node type of its autoscaler can hold one decode worker ")
+    assert "(CPU 1, tpu_node 1)" in p
+    assert "decode: CPU 8, GPU 1, decode_node 1; prefill: CPU 8, GPU 2, prefill_node 1" in p
+    assert "object_store_memory" not in p
+    # too big for every node type counts the same, while an alive node big enough is no problem
+    [p] = placement_problems([PoolAsk("decode", 1, {GPU: 4.0})], HEAD_ONLY, NODE_TYPES)
+    assert "(GPU 4)" in p
+    assert placement_problems([PoolAsk("decode", 1, {GPU: 4.0})], [{GPU: 8.0}], NODE_TYPES) == []
+
+
+def test_node_types_read_from_a_cluster_launcher_config() -> None:
+    config = {
+        "available_node_types": {
+            "head": {"resources": {"CPU": 0}, "max_workers": 0},
+            "decode": {"resources": {"CPU": 8, "GPU": 1, "decode_node": 1}, "min_workers": 0, "max_workers": 2},
+            "bare": {"node_config": {}},
+        }
+    }
+    assert node_types_of_cluster_config(config) == {
+        "head": {CPU: 0.0},
+        "decode": {CPU: 8.0, GPU: 1.0, "decode_node": 1.0},
+        "bare": {},
+    }
+    with pytest.raises(ValueError, match="no available_node_types"):
+        node_types_of_cluster_config({"provider": {}})
