@@ -66,6 +66,7 @@ def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
         dtype=layout.dtype,
+        tp_size=layout.tp_size,
     )
 
 
@@ -73,7 +74,7 @@ def layout_from_proto(m: wpb.KVLayout) -> KVLayout:
     from splitserve.engine.kv_cache import KVLayout
 
     try:
-        return KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype)
+        return KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype, m.tp_size or 1)
     except ValueError as e:
         raise ValueError(f"reservation.layout: {e}") from None
 

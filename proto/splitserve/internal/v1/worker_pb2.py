@@ -24,59 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#splitserve/internal/v1/worker.proto\x12\x16splitserve.internal.v1\"\x91\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x42\x07\n\x05_seed\"\xf2\x01\n\x0bReservation\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .splitserve.internal.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tcp_endpoint\x18\t \x01(\t\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x04\x12\x16\n\x0erunning_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\x14\n\x12\x42lockEventsRequest\"E\n\x0f\x42lockEventBatch\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".splitserve.internal.v1.BlockEvent\"\xc3\x01\n\nBlockEvent\x12\x36\n\x06stored\x18\x01 \x01(\x0b\x32$.splitserve.internal.v1.BlocksStoredH\x00\x12\x38\n\x07removed\x18\x02 \x01(\x0b\x32%.splitserve.internal.v1.BlocksRemovedH\x00\x12;\n\x07\x63leared\x18\x03 \x01(\x0b\x32(.splitserve.internal.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xde\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x39\n\x0cprefill_mode\x18\x05 \x01(\x0e\x32#.splitserve.internal.v1.PrefillMode\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\"\xf5\x01\n\x0b\x44\x65\x63odeEvent\x12:\n\x0breservation\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.ReservationH\x00\x12=\n\rlocal_prefill\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.LocalPrefillH\x00\x12\x30\n\x06tokens\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.TokensH\x00\x12\x30\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x1e.splitserve.internal.v1.FinishH\x00\x42\x07\n\x05\x65vent\")\n\x0cLocalPrefill\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"-\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"O\n\x06\x46inish\x12\x34\n\x06reason\x18\x01 \x01(\x0e\x32$.splitserve.internal.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xcc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x38\n\x0breservation\x18\x05 \x01(\x0b\x32#.splitserve.internal.v1.Reservation\"|\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rB\x16\n\x14_first_token_logprob*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_LEASE_EXPIRED\x10\x04\x32\xfc\x02\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12%.splitserve.internal.v1.DecodeRequest\x1a#.splitserve.internal.v1.DecodeEvent0\x01\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x32\xff\x02\n\rPrefillWorker\x12X\n\x07Prefill\x12&.splitserve.internal.v1.PrefillRequest\x1a%.splitserve.internal.v1.PrefillResult\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#splitserve/internal/v1/worker.proto\x12\x16splitserve.internal.v1\"\x91\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x42\x07\n\x05_seed\"\xf2\x01\n\x0bReservation\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .splitserve.internal.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tcp_endpoint\x18\t \x01(\t\"z\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x04\x12\x16\n\x0erunning_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\x14\n\x12\x42lockEventsRequest\"E\n\x0f\x42lockEventBatch\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".splitserve.internal.v1.BlockEvent\"\xc3\x01\n\nBlockEvent\x12\x36\n\x06stored\x18\x01 \x01(\x0b\x32$.splitserve.internal.v1.BlocksStoredH\x00\x12\x38\n\x07removed\x18\x02 \x01(\x0b\x32%.splitserve.internal.v1.BlocksRemovedH\x00\x12;\n\x07\x63leared\x18\x03 \x01(\x0b\x32(.splitserve.internal.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xde\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x39\n\x0cprefill_mode\x18\x05 \x01(\x0e\x32#.splitserve.internal.v1.PrefillMode\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\"\xf5\x01\n\x0b\x44\x65\x63odeEvent\x12:\n\x0breservation\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.ReservationH\x00\x12=\n\rlocal_prefill\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.LocalPrefillH\x00\x12\x30\n\x06tokens\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.TokensH\x00\x12\x30\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x1e.splitserve.internal.v1.FinishH\x00\x42\x07\n\x05\x65vent\")\n\x0cLocalPrefill\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"-\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"O\n\x06\x46inish\x12\x34\n\x06reason\x18\x01 \x01(\x0e\x32$.splitserve.internal.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xcc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x38\n\x0breservation\x18\x05 \x01(\x0b\x32#.splitserve.internal.v1.Reservation\"|\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rB\x16\n\x14_first_token_logprob*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_LEASE_EXPIRED\x10\x04\x32\xfc\x02\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12%.splitserve.internal.v1.DecodeRequest\x1a#.splitserve.internal.v1.DecodeEvent0\x01\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x32\xff\x02\n\rPrefillWorker\x12X\n\x07Prefill\x12&.splitserve.internal.v1.PrefillRequest\x1a%.splitserve.internal.v1.PrefillResult\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.internal.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLMODE']._serialized_start=2392
-  _globals['_PREFILLMODE']._serialized_end=2484
-  _globals['_FINISHREASON']._serialized_start=2487
-  _globals['_FINISHREASON']._serialized_end=2642
+  _globals['_PREFILLMODE']._serialized_start=2409
+  _globals['_PREFILLMODE']._serialized_end=2501
+  _globals['_FINISHREASON']._serialized_start=2504
+  _globals['_FINISHREASON']._serialized_end=2659
   _globals['_SAMPLINGPARAMS']._serialized_start=64
   _globals['_SAMPLINGPARAMS']._serialized_end=337
   _globals['_RESERVATION']._serialized_start=340
   _globals['_RESERVATION']._serialized_end=582
   _globals['_KVLAYOUT']._serialized_start=584
-  _globals['_KVLAYOUT']._serialized_end=689
-  _globals['_CANCELREQUEST']._serialized_start=691
-  _globals['_CANCELREQUEST']._serialized_end=726
-  _globals['_CANCELRESPONSE']._serialized_start=728
-  _globals['_CANCELRESPONSE']._serialized_end=759
-  _globals['_STATSREQUEST']._serialized_start=761
-  _globals['_STATSREQUEST']._serialized_end=775
-  _globals['_WORKERSTATS']._serialized_start=778
-  _globals['_WORKERSTATS']._serialized_end=1025
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1027
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1047
-  _globals['_BLOCKEVENTBATCH']._serialized_start=1049
-  _globals['_BLOCKEVENTBATCH']._serialized_end=1118
-  _globals['_BLOCKEVENT']._serialized_start=1121
-  _globals['_BLOCKEVENT']._serialized_end=1316
-  _globals['_BLOCKSSTORED']._serialized_start=1318
-  _globals['_BLOCKSSTORED']._serialized_end=1354
-  _globals['_BLOCKSREMOVED']._serialized_start=1356
-  _globals['_BLOCKSREMOVED']._serialized_end=1393
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1395
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1413
-  _globals['_DECODEREQUEST']._serialized_start=1416
-  _globals['_DECODEREQUEST']._serialized_end=1638
-  _globals['_DECODEEVENT']._serialized_start=1641
-  _globals['_DECODEEVENT']._serialized_end=1886
-  _globals['_LOCALPREFILL']._serialized_start=1888
-  _globals['_LOCALPREFILL']._serialized_end=1929
-  _globals['_TOKENS']._serialized_start=1931
-  _globals['_TOKENS']._serialized_end=1976
-  _globals['_FINISH']._serialized_start=1978
-  _globals['_FINISH']._serialized_end=2057
-  _globals['_PREFILLREQUEST']._serialized_start=2060
-  _globals['_PREFILLREQUEST']._serialized_end=2264
-  _globals['_PREFILLRESULT']._serialized_start=2266
-  _globals['_PREFILLRESULT']._serialized_end=2390
-  _globals['_DECODEWORKER']._serialized_start=2645
-  _globals['_DECODEWORKER']._serialized_end=3025
-  _globals['_PREFILLWORKER']._serialized_start=3028
-  _globals['_PREFILLWORKER']._serialized_end=3411
+  _globals['_KVLAYOUT']._serialized_end=706
+  _globals['_CANCELREQUEST']._serialized_start=708
+  _globals['_CANCELREQUEST']._serialized_end=743
+  _globals['_CANCELRESPONSE']._serialized_start=745
+  _globals['_CANCELRESPONSE']._serialized_end=776
+  _globals['_STATSREQUEST']._serialized_start=778
+  _globals['_STATSREQUEST']._serialized_end=792
+  _globals['_WORKERSTATS']._serialized_start=795
+  _globals['_WORKERSTATS']._serialized_end=1042
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1044
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1064
+  _globals['_BLOCKEVENTBATCH']._serialized_start=1066
+  _globals['_BLOCKEVENTBATCH']._serialized_end=1135
+  _globals['_BLOCKEVENT']._serialized_start=1138
+  _globals['_BLOCKEVENT']._serialized_end=1333
+  _globals['_BLOCKSSTORED']._serialized_start=1335
+  _globals['_BLOCKSSTORED']._serialized_end=1371
+  _globals['_BLOCKSREMOVED']._serialized_start=1373
+  _globals['_BLOCKSREMOVED']._serialized_end=1410
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1412
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1430
+  _globals['_DECODEREQUEST']._serialized_start=1433
+  _globals['_DECODEREQUEST']._serialized_end=1655
+  _globals['_DECODEEVENT']._serialized_start=1658
+  _globals['_DECODEEVENT']._serialized_end=1903
+  _globals['_LOCALPREFILL']._serialized_start=1905
+  _globals['_LOCALPREFILL']._serialized_end=1946
+  _globals['_TOKENS']._serialized_start=1948
+  _globals['_TOKENS']._serialized_end=1993
+  _globals['_FINISH']._serialized_start=1995
+  _globals['_FINISH']._serialized_end=2074
+  _globals['_PREFILLREQUEST']._serialized_start=2077
+  _globals['_PREFILLREQUEST']._serialized_end=2281
+  _globals['_PREFILLRESULT']._serialized_start=2283
+  _globals['_PREFILLRESULT']._serialized_end=2407
+  _globals['_DECODEWORKER']._serialized_start=2662
+  _globals['_DECODEWORKER']._serialized_end=3042
+  _globals['_PREFILLWORKER']._serialized_start=3045
+  _globals['_PREFILLWORKER']._serialized_end=3428
 # @@protoc_insertion_point(module_scope)
