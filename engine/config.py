@@ -166,6 +166,10 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     use_cuda_graphs: bool = True
     seed: int = 0
+    # Processes (ranks) that split every layer's heads and MLP between them (engine/parallel/);
+    # on CUDA one GPU each, from `device`'s on. The model's heads, KV heads and intermediate
+    # size must divide by it (checked when the engine loads the model).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -177,6 +181,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.tensor_parallel_size <= 0:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_batched_tokens < self.block_size or self.max_num_batched_tokens % self.block_size:

@@ -14,6 +14,10 @@ The workers wrap this same object in their roles:
   receive into the returned blocks; `apply_transfers()` (the engine loop's
   poll) runs it once its KV has arrived, or ends it with the failure's code.
 
+With `tensor_parallel_size` N > 1 this process is rank 0 of N (engine/parallel/):
+it holds rank 0's shard of the weights and every rank's KV shard, and the other
+ranks run each step with it; `close()` stops them.
+
 The engine is not thread-safe: one thread owns it.
 """
 
@@ -30,6 +34,9 @@ from splitserve.engine.connector import KVConnector, NullConnector, TransferOutc
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel.group import TensorParallelGroup
+from splitserve.engine.parallel.process_group import rank_devices
+from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_weights
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
@@ -59,23 +66,46 @@ class Engine:
         """`clock` times requests for metrics (engine/stats.py)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
-        self.model = LlamaModel(model_cfg, weights, cfg.torch_device, cfg.torch_dtype)
+        tp = cfg.tensor_parallel_size
+        check_tp_size(model_cfg, tp)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             block_size=cfg.block_size,
             dtype=cfg.dtype,
+            tp_size=tp,
         )
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
-        self.kv_cache = KVCache(self.layout, cfg.num_blocks + 1, cfg.torch_device)
+        # Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU).
+        devices = rank_devices(cfg.torch_device, tp)
+        self.kv_cache = KVCache(
+            self.layout, cfg.num_blocks + 1, cfg.torch_device, list(devices), shared=tp > 1 and devices[0].type == "cpu"
+        )
+        self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
+        try:
+            self.model = LlamaModel(
+                rank_config(model_cfg, tp),
+                shard_weights(model_cfg, weights, 0, tp),
+                cfg.torch_device,
+                cfg.torch_dtype,
+                reduce=self.tp_group.all_reduce if self.tp_group is not None else None,
+            )
+        except BaseException:
+            self.close()
+            raise
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent). The engine runs no step afterwards."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def connect(self, connector: KVConnector) -> None:
         """A worker's KV connector, once, before the engine loop starts (it needs this engine's cache)."""

@@ -14,6 +14,12 @@ engine/kernels/triton_decode.py, behind the same interface (and inside the
 CUDA graphs engine/cuda_graphs.py captures). Every other step, and any machine
 where those are unavailable or switched off (SPLITSERVE_NO_KERNELS=1, no
 triton), runs the torch code below, which they reproduce.
+
+Under tensor parallelism (engine/parallel/) each rank builds this model from its
+shard of the weights and the shapes of `parallel.shard.rank_config` (its heads,
+KV heads and slice of the MLP), and passes `reduce`: the outputs of o and down
+are then partial sums that `reduce` completes in place, so the residual stream
+is whole on every rank. Both paths, the fused kernels included, run per shard.
 """
 
 from __future__ import annotations
@@ -93,15 +99,27 @@ class LayerWeights:
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
+# Sums a tensor over the tensor-parallel ranks, in place (torch.distributed's all-reduce).
+AllReduce = Callable[[torch.Tensor], None]
 
 
 class LlamaModel:
     """Functional decoder over plain tensors; the runner owns the cache and metadata."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        reduce: AllReduce | None = None,
+    ):
+        """`cfg`: the shapes this process computes (a rank's, under tensor parallelism);
+        `reduce`: the all-reduce over the ranks, None without tensor parallelism."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.reduce = reduce
 
         def w(name: str) -> torch.Tensor:
             try:
@@ -174,15 +192,32 @@ class LlamaModel:
             k = apply_rope(k, cos, sin)
             layer_cache = kv_cache[i]
             write_kv(layer_cache, k, v, meta)
-            if on_layer_done is not None:
+            if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
-            h = h + linear(attn.reshape(-1, q_size), lw.o)
+            o = linear(attn.reshape(-1, q_size), lw.o)
+            self._all_reduce(o, i, on_layer_done)
+            h = h + o
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, lw.down)
+            down = linear(F.silu(gate) * up, lw.down)
+            if self.reduce is not None:
+                self.reduce(down)
+            h = h + down
+        if logits_indices.numel() == 0:  # a chunk that ends no prompt, or a rank other than 0
+            return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _all_reduce(self, o: torch.Tensor, layer: int, on_layer_done: LayerHook | None) -> None:
+        """Complete the o projection's partial sums over the ranks (a no-op without them). Once
+        that returns every rank has written this layer's K/V into its shard, so a layer hook
+        (which may read every shard) runs here under tensor parallelism."""
+        if self.reduce is None:
+            return
+        self.reduce(o)
+        if on_layer_done is not None:
+            on_layer_done(layer)
 
     def _decode_kernels(
         self, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -216,14 +251,20 @@ class LlamaModel:
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = step.linear(x, lw.qkv, lw.qkv_bias)
-            if on_layer_done is None:
+            if on_layer_done is None or self.reduce is not None:
                 attn = step.attention(i, qkv)  # RoPE on q and k, K/V into the cache, attention
             else:
                 step.write_kv(i, qkv)
                 on_layer_done(i)
                 attn = step.attention(i, qkv, write=False)
-            x = step.norm(lw.post_norm, residual=step.linear(attn, lw.o))
+            o = step.linear(attn, lw.o)
+            self._all_reduce(o, i, on_layer_done)
+            x = step.norm(lw.post_norm, residual=o)
             down = step.silu_mul_linear(step.linear(x, lw.gate_up), lw.down)
+            if self.reduce is not None:
+                self.reduce(down)
             # the next layer's input norm, or the final one, with this layer's residual add
             x = step.norm(self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm, residual=down)
+        if logits_indices.numel() == 0:  # a rank other than 0
+            return x.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         return step.linear(x[logits_indices], self.lm_head).float()

@@ -5,6 +5,11 @@ next token of each sequence whose step ends at its last token.
 On CUDA, pure-decode steps are replayed from CUDA graphs captured per (batch
 size, block-table width) bucket: a decode step is hundreds of small kernels, and
 launching them one by one costs more than running them.
+
+Under tensor parallelism the runner is rank 0's: it sends each step's inputs
+to the other ranks (engine/parallel/group.py) before running its own shard,
+and samples alone. CUDA graphs are off there: a captured step would need the
+ranks' collectives captured in lockstep too, which is left for later.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import LlamaModel
+from splitserve.engine.parallel.group import TensorParallelGroup
+from splitserve.engine.parallel.step import StepInputs, run_step
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Sampled, ScheduledBatch
 from splitserve.engine.sequence import Sequence
@@ -28,14 +34,18 @@ BatchLayerHook = Callable[[int, Seq[Sequence], Seq[int]], None]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, cfg: EngineConfig) -> None:
+    def __init__(
+        self, model: LlamaModel, kv_cache: KVCache, cfg: EngineConfig, tp: TensorParallelGroup | None = None
+    ) -> None:
+        """`tp`: the other ranks, which run every step with this one (None: no tensor parallelism)."""
         self.model = model
         self.kv_cache = kv_cache
         self.cfg = cfg
+        self.tp = tp
         self.device = model.device
         self.block_size = cfg.block_size
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.use_cuda_graphs:
+        if self.device.type == "cuda" and cfg.use_cuda_graphs and tp is None:
             self.graphs = DecodeGraphs(model, kv_cache.tensor, cfg)
         self.generator = torch.Generator().manual_seed(cfg.seed)  # for requests without a seed of their own
 
@@ -95,26 +105,11 @@ class ModelRunner:
             logits = self.graphs.run(seqs, input_ids, positions, slot_blocks, slot_offsets, context_lens)
             return logits, sampled
 
-        dev = self.device
-        tables = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = torch.as_tensor(seq.block_table)
-        meta = AttentionMetadata(
-            slot_blocks=torch.as_tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.as_tensor(slot_offsets, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            context_lens=torch.as_tensor(context_lens, dtype=torch.long, device=dev),
-            query_lens=list(num_new_tokens),
-            context_lens_list=context_lens,
-            is_decode=is_decode,
-        )
-        with torch.inference_mode():
-            logits = self.model.forward(
-                torch.as_tensor(input_ids, dtype=torch.long, device=dev),
-                torch.as_tensor(positions, dtype=torch.long, device=dev),
-                self.kv_cache.tensor,
-                meta,
-                torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
-                on_layer_done,
-            )
-        return logits, sampled
+        tables = [seq.block_table for seq in seqs]
+        step = StepInputs(
+            input_ids, positions, slot_blocks, slot_offsets, tables, context_lens, list(num_new_tokens), logits_rows,
+            is_decode,
+        )  # fmt: skip
+        if self.tp is not None:
+            self.tp.broadcast(step)
+        return run_step(self.model, self.kv_cache.tensor, step, on_layer_done), sampled

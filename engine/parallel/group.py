@@ -1,0 +1,177 @@
+"""Rank 0's side of tensor parallelism: start the other ranks, send each step's
+inputs to them, sum over them, stop them.
+
+Rank 0 is the worker's own process. It hands each rank its shard of the weights
+and its KV shard when it spawns it (torch.multiprocessing: shared memory on a
+CPU, CUDA IPC on a GPU), waits until every rank has its weights in place, then
+joins the process group with them. A rank that dies or fails makes rank 0's
+next send or collective raise a RuntimeError naming the rank and how it ended;
+the group is unusable from then on (the engine has lost part of every layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.parallel.process_group import host_store, join_group, leave_group
+from splitserve.engine.parallel.rank import FAILED, LOADED, STOP, RankSpec, rank_main
+from splitserve.engine.parallel.shard import rank_config, shard_weights
+from splitserve.engine.parallel.step import StepInputs
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 120.0  # a step's all-reduce waits this long at most for the slowest rank
+START_TIMEOUT_S = 300.0  # a rank's start: a fresh interpreter, torch's import, its weights
+STOP_TIMEOUT_S = 10.0  # a rank told to stop that has not exited by then is killed
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: BaseProcess
+    conn: Connection  # rank 0's end of the pipe
+    failure: str = ""  # the rank's own account of its failure, once read
+
+    def status(self) -> str:
+        if self.process.is_alive():
+            return f"rank {self.rank} (pid {self.process.pid}) running"
+        if not self.failure:
+            try:
+                while self.conn.poll(0):
+                    msg = self.conn.recv_bytes()
+                    if msg.startswith(FAILED):
+                        self.failure = msg[len(FAILED) :].decode(errors="replace").strip().splitlines()[-1]
+            except (EOFError, OSError):
+                pass
+        why = f": {self.failure}" if self.failure else ""
+        return f"rank {self.rank} (pid {self.process.pid}) exited with code {self.process.exitcode}{why}"
+
+
+@dataclass
+class TensorParallelGroup:
+    size: int
+    store: dist.Store  # rank 0 hosts it; it must outlive the group
+    ranks: list[_Rank] = field(default_factory=list)
+    broken: str = ""  # why the group can no longer run a step
+    _joined: bool = False
+
+    @staticmethod
+    def start(
+        model_cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        cfg: EngineConfig,
+        kv_cache: KVCache,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> TensorParallelGroup:
+        """Spawn ranks 1..N-1 with their shards of `weights` and of `kv_cache`, and join the
+        group with them as rank 0. Raises RuntimeError if a rank fails to start."""
+        size = cfg.tensor_parallel_size
+        group = TensorParallelGroup(size, host_store(size, start_timeout_s))
+        ctx = mp.get_context("spawn")
+        shapes = rank_config(model_cfg, size)
+        # The ranks compute at the same time: each takes its share of this process's threads.
+        threads = max(1, torch.get_num_threads() // size)
+        try:
+            for r in range(1, size):
+                spec = RankSpec(
+                    rank=r,
+                    size=size,
+                    store_port=group.store.port,  # type: ignore[attr-defined]  # a TCPStore's
+                    device=str(kv_cache.shard(r).device),
+                    dtype=cfg.dtype,
+                    model_cfg=shapes,
+                    weights=shard_weights(model_cfg, weights, r, size),
+                    kv_cache=kv_cache.shard(r),
+                    threads=threads,
+                    timeout_s=timeout_s,
+                )
+                here, there = ctx.Pipe()
+                process = ctx.Process(target=rank_main, args=(spec, there), name=f"splitserve-tp-rank-{r}", daemon=True)
+                process.start()
+                there.close()  # the rank's end lives in the rank: EOF here once it exits
+                group.ranks.append(_Rank(r, process, here))
+            group._await_loaded(start_timeout_s)
+            join_group(group.store, 0, size, kv_cache.shard(0).device, timeout_s)
+            group._joined = True
+        except BaseException:
+            group.close()
+            raise
+        log.info("tensor-parallel group of %d ranks up: %s", size, "; ".join(r.status() for r in group.ranks))
+        return group
+
+    def _await_loaded(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for r in self.ranks:
+            ready = wait([r.conn, r.process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"tensor-parallel rank {r.rank} did not load its weights within {timeout_s:.0f}s")
+            msg = b""
+            if r.conn in ready:
+                try:
+                    msg = r.conn.recv_bytes()
+                except EOFError:
+                    pass
+            if msg != LOADED:
+                if msg.startswith(FAILED):
+                    r.failure = msg[len(FAILED) :].decode(errors="replace").strip().splitlines()[-1]
+                r.process.join(STOP_TIMEOUT_S)
+                raise RuntimeError(f"tensor-parallel {r.status()} while starting")
+
+    def broadcast(self, step: StepInputs) -> None:
+        """Send a step to every other rank; rank 0 then runs its own shard of it."""
+        self._check()
+        data = step.encode()
+        for r in self.ranks:
+            try:
+                r.conn.send_bytes(data)
+            except OSError as e:
+                self._fail(f"cannot send a step to rank {r.rank} ({e})")
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks in place (the model's o and down outputs)."""
+        self._check()
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as e:  # gloo's and NCCL's errors, a timeout among them
+            self._fail(f"all-reduce failed ({e})")
+
+    def _check(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"tensor-parallel group unusable: {self.broken}")
+
+    def _fail(self, what: str) -> None:
+        for r in self.ranks:  # a rank whose socket just closed may still be exiting
+            r.process.join(0.2)
+        self.broken = f"{what}; " + "; ".join(r.status() for r in self.ranks)
+        raise RuntimeError(f"tensor-parallel step failed: {self.broken}")
+
+    def close(self) -> None:
+        """Stop every rank (killing one that does not stop in time) and leave the group. Idempotent."""
+        for r in self.ranks:
+            try:
+                r.conn.send_bytes(STOP)
+            except OSError:
+                pass  # already gone
+        for r in self.ranks:
+            r.process.join(STOP_TIMEOUT_S)
+            if r.process.is_alive():
+                log.warning("tensor-parallel rank %d did not stop in %.0fs; killing it", r.rank, STOP_TIMEOUT_S)
+                r.process.kill()
+                r.process.join(STOP_TIMEOUT_S)
+            r.conn.close()
+        self.ranks.clear()
+        if self._joined:
+            leave_group()
+            self._joined = False
+        self.broken = self.broken or "closed"

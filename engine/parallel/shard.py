@@ -1,0 +1,85 @@
+"""Which rows and columns of each weight a tensor-parallel rank keeps.
+
+Megatron's split: q, k and v are column-parallel by whole heads (rank r has its
+q heads and the KV heads their groups read, so grouped-query attention never
+needs another rank's KV), o is row-parallel (its input is the rank's heads),
+gate and up are column-parallel and down row-parallel over the intermediate
+size. The outputs of o and down are then partial sums over the ranks, which one
+all-reduce each completes. The embedding, the norms and lm_head stay whole on
+every rank: after the all-reduces every rank holds the same residual stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from splitserve.engine.config import ModelConfig
+
+
+def check_tp_size(cfg: ModelConfig, size: int) -> None:
+    """Raise ValueError unless the model's heads, KV heads and MLP split evenly over `size` ranks."""
+    if size <= 0:
+        raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    for what, n in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("intermediate size", cfg.intermediate_size),
+    ):
+        if n % size:
+            raise ValueError(
+                f"tensor-parallel size {size} does not divide the model's {n} {what} "
+                f"({cfg.name}: {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+                f"intermediate size {cfg.intermediate_size})"
+            )
+
+
+def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The shapes one rank computes: a model with 1/size of the heads, KV heads and MLP.
+    head_dim stays the model's (it is already resolved, so it is not re-derived)."""
+    check_tp_size(cfg, size)
+    if size == 1:
+        return cfg
+    return replace(
+        cfg,
+        num_heads=cfg.num_heads // size,
+        num_kv_heads=cfg.num_kv_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+    )
+
+
+def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights under the same Hugging Face names, shaped for `rank_config(cfg, size)`.
+
+    The shards are views of `weights` where slicing allows; `clone()` them to hand them to
+    another process without sharing the whole tensor's memory.
+    """
+    check_tp_size(cfg, size)
+    if not 0 <= rank < size:
+        raise IndexError(f"rank {rank} outside 0..{size - 1}")
+    if size == 1:
+        return dict(weights)
+    d = cfg.head_dim
+    q = _rows(rank, cfg.num_heads // size * d)
+    kv = _rows(rank, cfg.num_kv_heads // size * d)
+    ff = _rows(rank, cfg.intermediate_size // size)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if ".self_attn.q_proj." in name:
+            out[name] = t[q]
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            out[name] = t[kv]
+        elif ".self_attn.o_proj." in name:
+            out[name] = t[:, q]
+        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            out[name] = t[ff]
+        elif ".mlp.down_proj." in name:
+            out[name] = t[:, ff]
+        else:  # embedding, norms, lm_head: whole on every rank
+            out[name] = t
+    return out
+
+
+def _rows(rank: int, per_rank: int) -> slice:
+    return slice(rank * per_rank, (rank + 1) * per_rank)
