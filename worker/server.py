@@ -48,6 +48,7 @@ class RunningWorker:
         self.loop.stop()
         for close in self.closers:
             close()
+        self.loop.engine.close()  # its tensor-parallel ranks, once nothing can step it
 
 
 def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWorker:
@@ -141,6 +142,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(0: arrival order)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
+        "must divide the model's heads, KV heads and intermediate size",
+    )
 
 
 def add_admission_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,6 +172,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         long_prefill_token_threshold=a.long_prefill_token_threshold,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 
