@@ -181,10 +181,13 @@ async def start_cluster(
     resources: Mapping[Role, dict[str, float]] | None = None,
     worker_host: str = "127.0.0.1",
     num_cpus: float = 1.0,
+    decode_scaling: ScalingConfig | None = None,
+    node_types: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Cluster:
-    """One prefill and one decode actor to start with; the prefill pool scales if given a config.
+    """One prefill and one decode actor to start with; a pool scales if given a config.
     `resources`: each pool's custom Ray resources (its node type); `worker_host` as `serve
-    --worker-host` ("auto": each worker listens on and advertises its Ray node's IP)."""
+    --worker-host` ("auto": each worker listens on and advertises its Ray node's IP); `node_types`
+    the autoscaler's, as `serve --node-types`."""
     token = secrets.token_urlsafe(16)
     resources = resources or {}
 
@@ -192,12 +195,19 @@ async def start_cluster(
         worker = WorkerConfig(role=role, engine=ENGINE, host=worker_host, cluster_token=token, threads=1)
         return PoolSpec(role, 1, worker, num_cpus, resources=dict(resources.get(role, {})), scaling=scaling)
 
-    specs = [spec("prefill", prefill_scaling), spec("decode")]
+    specs = [spec("prefill", prefill_scaling), spec("decode", decode_scaling)]
     # disaggregated: every request goes through the prefill pool and the KV transfer
     cfg = RouterConfig(host="127.0.0.1", grpc_port=0, mode="disaggregated", cluster_token=token)
     router = Router(cfg, EngineTokenizer(model.tokenizer))
     port = await router.start()
-    pools = PoolManager(specs, router.workers, start_timeout_s=DEADLINE_S, watch_interval_s=0.5, metrics=router.metrics)
+    pools = PoolManager(
+        specs,
+        router.workers,
+        start_timeout_s=DEADLINE_S,
+        watch_interval_s=0.5,
+        metrics=router.metrics,
+        node_types=node_types,
+    )
     try:
         await pools.start()
         await router.wait_for_workers(DEADLINE_S)
