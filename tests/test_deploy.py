@@ -42,6 +42,7 @@ import pytest
 import yaml  # PyYAML: a dependency of ray, which splitserve requires
 
 from splitserve.cli import build_parser
+from splitserve.router.placement import PoolAsk, node_types_of_cluster_config, placement_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -623,13 +624,35 @@ def custom_resources(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
     return {"prefill": json.loads(ns.prefill_resources), "decode": json.loads(ns.decode_resources)}
 
 
+# Each pool's tensor-parallel size. The deploy configs name the per-pool flags; until `splitserve
+# serve` has them (its TP flag plumbing is being written), they are read here by value and left
+# out of the CLI parse, which checks every other flag exactly.
+TP_FLAGS = {"prefill": "--prefill-tensor-parallel-size", "decode": "--decode-tensor-parallel-size"}
+
+
+def parse_serve(cmd: list[str], where: str) -> tuple[argparse.Namespace, dict[str, int]]:
+    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size (1 if not given)."""
+    tp = {role: int(flag(cmd, name) or 1) for role, name in TP_FLAGS.items()}
+    known = {s for a in subparser(cmd)._actions for s in a.option_strings}
+    pending = {name for name in TP_FLAGS.values() if name not in known}
+    args = [w for i, w in enumerate(cmd) if w not in pending and (i == 0 or cmd[i - 1] not in pending)]
+    return parse_cli(args, where), tp
+
+
+def pool_asks(ns: argparse.Namespace) -> list[PoolAsk]:
+    return [
+        PoolAsk.of(role, getattr(ns, f"{role}_workers"), ns.cpus_per_worker, ns.gpus_per_worker, custom)
+        for role, custom in custom_resources(ns).items()
+    ]
+
+
 def test_ray_cluster_serve_command_and_node_types():
     cfg = ray_cluster()
     types = cfg["available_node_types"]
     assert cfg["head_node_type"] in types and {"prefill_node", "decode_node"} <= set(types)
     script = "\n".join(cfg["head_start_ray_commands"])
     (cmd,) = splitserve_commands(script)
-    ns = parse_cli(cmd, "deploy/ray/cluster.yaml")
+    ns, tp = parse_serve(cmd, "deploy/ray/cluster.yaml")
     assert cmd[0] == "serve" and ns.ray_address == "auto"
     assert ns.device.startswith("cuda") and ns.gpus_per_worker >= 1
     res = custom_resources(ns)
@@ -637,13 +660,23 @@ def test_ray_cluster_serve_command_and_node_types():
     for role, node_type in (("prefill", "prefill_node"), ("decode", "decode_node")):
         have = types[node_type]["resources"]
         per_worker = res[role][node_type]
+        per_node = have[node_type] / per_worker  # workers a node of the type holds
         workers = getattr(ns, f"{role}_workers")
-        capacity = have[node_type] * types[node_type]["max_workers"]
-        assert workers * per_worker <= capacity, f"{role}: {workers} workers, room for {capacity}"
-        assert have.get("GPU", 0) >= have[node_type] / per_worker * ns.gpus_per_worker
+        capacity = per_node * types[node_type]["max_workers"]
+        assert workers <= capacity, f"{role}: {workers} workers, room for {capacity}"
+        # the pool's scaling stops where the autoscaler's node types do
+        assert (getattr(ns, f"{role}_workers_max") or workers) <= capacity
+        # each worker asks Ray for a GPU per TP rank, and a node's GPUs cover its workers' ranks
+        assert tp[role] >= 1 and ns.gpus_per_worker >= tp[role], f"{role}: TP {tp[role]}, {ns.gpus_per_worker} GPUs"
+        assert have.get("GPU", 0) >= per_node * ns.gpus_per_worker
+        assert have.get("CPU", 0) >= per_node * ns.cpus_per_worker
         for other in types:
             if other != node_type:
                 assert node_type not in types[other]["resources"], f"{node_type} must live on {node_type} nodes only"
+    # --node-types reads this file where the launcher puts it on the head, and every pool fits a node type
+    heads = [c for line in cfg["head_start_ray_commands"] for c in ray_start_commands(line) if "--head" in c]
+    assert "--autoscaling-config=" + ns.node_types in heads[0]
+    assert placement_problems(pool_asks(ns), [], node_types_of_cluster_config(cfg)) == []
 
 
 def test_ray_cluster_passes_rays_own_schema():
@@ -703,21 +736,34 @@ def test_kuberay_serve_command_groups_and_resources():
     assert rc["spec"]["rayVersion"] == dockerfile_arg("RAY_VERSION")
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     (cmd,) = splitserve_commands("\n".join(head["args"]))
-    ns = parse_cli(cmd, "deploy/kuberay/raycluster.yaml")
+    ns, tp = parse_serve(cmd, "deploy/kuberay/raycluster.yaml")
     assert cmd[0] == "serve" and ns.ray_address == "auto" and ns.device.startswith("cuda")
     res = custom_resources(ns)
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
+    pods: dict[str, dict[str, float]] = {}  # what one pod of each group gives Ray
     for role, g in groups.items():
         have = kuberay_resources(g)
         ((name, per_worker),) = res[role].items()
         assert name == f"{role}_node" and name in have
+        per_pod = have[name] / per_worker  # workers a pod holds
         workers = getattr(ns, f"{role}_workers")
-        assert workers * per_worker <= have[name] * g["maxReplicas"]
-        assert have[name] * g["replicas"] >= workers * per_worker, f"{role}: too few replicas for {workers} workers"
-        gpus = int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-        assert gpus >= have[name] / per_worker * ns.gpus_per_worker
+        assert workers <= per_pod * g["maxReplicas"]
+        assert (getattr(ns, f"{role}_workers_max") or workers) <= per_pod * g["maxReplicas"]
+        assert per_pod * g["replicas"] >= workers, f"{role}: too few replicas for {workers} workers"
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        gpus, cpus = int(limits["nvidia.com/gpu"]), float(limits["cpu"])
+        # each worker asks Ray for a GPU per TP rank, and a pod's GPUs cover its workers' ranks
+        assert tp[role] >= 1 and ns.gpus_per_worker >= tp[role], f"{role}: TP {tp[role]}, {ns.gpus_per_worker} GPUs"
+        assert gpus >= per_pod * ns.gpus_per_worker and cpus >= per_pod * ns.cpus_per_worker
+        pods[role] = {"CPU": cpus, "GPU": float(gpus), **have}
     assert "resources" not in rc["spec"]["headGroupSpec"]["rayStartParams"]
+    # the autoscaler adds the groups' pods; --node-types names exactly what a pod of each gives Ray
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    env = {e["name"]: e for e in rc["spec"]["autoscalerOptions"]["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token" and env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+    assert json.loads(ns.node_types) == pods
+    assert placement_problems(pool_asks(ns), [], pods) == []
     # the router Service selects the head pod and forwards the serve command's port
     assert svc["spec"]["selector"] == {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
     assert ns.grpc_port in {p["targetPort"] for p in svc["spec"]["ports"]}
