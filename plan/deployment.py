@@ -96,6 +96,24 @@ class Deployment:
         )
 
 
+class DeploymentCosts:
+    """The simulator's `CostModel` (plan/costs.py) of a Deployment: its roofline step times for one
+    replica, and of its KV transfer what the layers sent during the prefill leave after it."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep = dep
+
+    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
+        return float(self.dep.prefill_s(tokens, cached_tokens)) if tokens > 0 else 0.0
+
+    def decode_step_s(self, batch: int, context_tokens_total: int) -> float:
+        per_request = round(context_tokens_total / batch) if batch else 0  # the deployment's is per request
+        return float(self.dep.decode_step_s(batch, per_request))
+
+    def transfer_s(self, tokens: int) -> float:
+        return float(self.dep.exposed_transfer_s(tokens)) if tokens > 0 else 0.0
+
+
 class RequestCosts(NamedTuple):
     prefill_s: float  # the mean prompt's uncached part, on one replica
     decode_batch: int  # requests decoded together: fits in memory, max_num_seqs and the TPOT objective

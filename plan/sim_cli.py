@@ -21,23 +21,6 @@ from splitserve.plan.sim_sweep import best_split, poisson_requests
 from splitserve.plan.simulate import MODES, ClusterSpec, Mode, Request, SimResult, Slo, simulate
 
 
-class DeploymentCosts:
-    """The `CostModel` of a plan's Deployment: its roofline step times for one replica."""
-
-    def __init__(self, dep: Any) -> None:
-        self.dep = dep
-
-    def prefill_s(self, tokens: int, cached_tokens: int = 0) -> float:
-        return float(self.dep.prefill_s(tokens, cached_tokens)) if tokens > 0 else 0.0
-
-    def decode_step_s(self, batch: int, context_tokens_total: int) -> float:
-        per_request = round(context_tokens_total / batch) if batch else 0  # the deployment's is per request
-        return float(self.dep.decode_step_s(batch, per_request))
-
-    def transfer_s(self, tokens: int) -> float:
-        return float(self.dep.exposed_transfer_s(tokens)) if tokens > 0 else 0.0
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulation (--simulate)")
     g.add_argument("--simulate", action="store_true", help="simulate the cluster in each mode at the rate(s)")
@@ -68,6 +51,8 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
         spread = profile.step_spread()
         what = f"the profile {args.sim_profile} ({profile.description})"
     else:
+        from splitserve.plan.deployment import DeploymentCosts
+
         costs, what = DeploymentCosts(dep), f"the roofline of {dep.gpu.name}"
     rates = [float(r) for r in args.sim_rates.split(",")] if args.sim_rates else [wl.rate]
     modes: list[Mode] = [m for m in MODES if m in args.sim_modes.split(",")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cli import main
-from splitserve.plan.sim_cli import DeploymentCosts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,25 +27,6 @@ def test_plan_simulate_on_one_replica_runs_colocated_only(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "\ncolocated " in out and "\ndisaggregated " not in out
-
-
-def test_the_deployment_adapter_passes_per_request_context():
-    class Dep:
-        def prefill_s(self, tokens: int, cached: int = 0) -> float:
-            return tokens + cached / 1000
-
-        def decode_step_s(self, batch: int, context: int) -> float:
-            return batch * 10 + context
-
-        def exposed_transfer_s(self, tokens: int) -> float:
-            return tokens / 100
-
-    c = DeploymentCosts(Dep())
-    assert c.decode_step_s(4, 4000) == 40 + 1000  # 4000 tokens in all: 1000 each
-    assert c.decode_step_s(0, 0) == 0
-    assert c.prefill_s(5, 1000) == 6
-    assert c.transfer_s(200) == 2
-    assert c.prefill_s(0) == c.transfer_s(0) == 0
 
 
 def test_plan_simulate_plot_writes_the_rate_and_split_charts(tmp_path, capsys):

@@ -11,7 +11,10 @@ import time
 import pytest
 
 from splitserve.bench.serve.results import RequestRecord, RunResult, Stats
-from splitserve.plan.costs import RooflineCosts, mixed_step_s, pipelined_tail_s
+from splitserve.plan.costs import mixed_step_s, pipelined_tail_s
+from splitserve.plan.deployment import Deployment, DeploymentCosts
+from splitserve.plan.hardware import GPUS, Network
+from splitserve.plan.shapes import BUILTIN
 from splitserve.plan.sim_sweep import best_split, poisson_requests, requests_from_run, sweep_rates
 from splitserve.plan.simulate import ClusterSpec, Mode, Request, Slo, percentile, simulate, weighted_percentiles
 
@@ -170,13 +173,21 @@ def test_the_split_search_refines_a_coarse_grid_on_a_large_budget():
     assert len(search.points) < 30  # not one simulation per split
 
 
-def test_roofline_costs():
-    c = RooflineCosts(weights_bytes=16e9, kv_bytes_per_token=131072, flops_per_token=16e9, hbm_bytes_per_s=3.35e12,
-                      peak_flops=989e12, link_bytes_per_s=50e9, num_layers=32)  # fmt: skip
-    assert c.decode_step_s(1, 0) == pytest.approx(16e9 / (3.35e12 * 0.8))  # memory-bound: the weights
-    assert c.prefill_s(4096) == pytest.approx(4096 * 16e9 / (989e12 * 0.6))  # compute-bound
-    whole = 4096 * 131072 / 50e9
-    assert c.transfer_s(4096) == pytest.approx(max(whole / 32, whole - c.prefill_s(4096) * 31 / 32))
+def llama_8b_on_h100s(gpus: int = 256) -> Deployment:
+    return Deployment(BUILTIN["llama-3-8b"], GPUS["h100-sxm"], gpus, 1, Network.of(400.0, True))
+
+
+def test_a_deployments_roofline_as_the_simulators_cost_model():
+    dep = llama_8b_on_h100s()
+    c = DeploymentCosts(dep)
+    assert c.prefill_s(4096) == dep.prefill_s(4096) and c.prefill_s(0) == 0.0
+    # the simulator passes a step's total context; the deployment prices each request's
+    assert c.decode_step_s(4, 4 * 1000) == dep.decode_step_s(4, 1000)
+    assert c.decode_step_s(1, 0) < c.decode_step_s(64, 64 * 4096)  # more KV read, more time
+    # of the KV transfer, what the layers sent during the prefill leave after it
+    whole, compute = dep.transfer_s(4096), dep.prefill_s(4096)
+    assert c.transfer_s(4096) == pytest.approx(pipelined_tail_s(whole, compute, 32)) and c.transfer_s(0) == 0.0
+    assert c.transfer_s(4096) < whole
     assert mixed_step_s(c, 0, 0, 0, 0) == 0.0
     assert pipelined_tail_s(1.0, 10.0, 4) == 0.25  # the link keeps up: the last layer's share
     assert pipelined_tail_s(1.0, 0.4, 4) == pytest.approx(1.0 - 0.3)  # it does not: the backlog
@@ -196,9 +207,7 @@ def test_requests_from_a_bench_serve_run_replay_its_arrivals_and_lengths():
 @pytest.mark.timeout(300)
 def test_a_256_worker_cluster_with_20000_requests(capsys):
     """An 8B-like model on 256 single-GPU workers (64 prefill, 192 decode) at 300 req/s."""
-    costs = RooflineCosts(weights_bytes=16e9, kv_bytes_per_token=131072, flops_per_token=16e9,
-                          hbm_bytes_per_s=3.35e12, peak_flops=989e12, link_bytes_per_s=50e9, num_layers=32,
-                          attn_flops_per_token_ctx=4 * 32 * 4096, step_overhead_s=0.002)  # fmt: skip
+    costs = DeploymentCosts(llama_8b_on_h100s())
     rng = random.Random(0)
     lengths = [(rng.randint(100, 4000), rng.randint(20, 400)) for _ in range(20000)]
     reqs = poisson_requests(300.0, lengths, random.Random(1))
