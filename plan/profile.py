@@ -300,9 +300,11 @@ def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int,
 def prefill_slowdown(profile: Profile, system: str) -> Callable[[int], float] | None:
     """`system`'s measured prefill slowdown as a function of the requests decoding in the cluster,
     for the simulator; None when the profile has none for it."""
+    measured = [n for name, n, _, _ in profile.prefill_load_points if name == system]
     for name, base, per_stream in profile.prefill_load_fits:
         if name == system:
-            return lambda decoding: base + per_stream * decoding
+            most = max(measured, default=0)  # not extrapolated past the most streams measured beside
+            return lambda decoding: base + per_stream * min(decoding, most)
     return None
 
 

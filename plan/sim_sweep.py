@@ -41,11 +41,14 @@ def poisson_requests(
 
 def requests_from_run(run: RunResult, cached_tokens: int = 0) -> list[Request]:
     """The arrivals and lengths of a `bench serve` run (its JSON's records), to replay;
-    `cached_tokens` of each prompt found in the cache (at most all but one), as `poisson_requests`."""
+    `cached_tokens` of each prompt found in the cache (at most all but one), as `poisson_requests`,
+    or more where the server said it found more (its usage's cached tokens: a burst's steady
+    streams repeat their prompts)."""
     out = []
     for r in run.requests:
         prompt = max(1, r.prompt_len)
-        out.append(Request(r.start_s, prompt, max(1, r.output_len), min(cached_tokens, prompt - 1)))
+        cached = max(cached_tokens, r.cached_len)
+        out.append(Request(r.start_s, prompt, max(1, r.output_len), min(cached, prompt - 1)))
     return out
 
 

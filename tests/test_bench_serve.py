@@ -268,7 +268,7 @@ def test_the_json_shape_round_trips(tmp_path):
     assert set(run["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
     assert {"quiet_itl_ms", "burst_itl_ms", "ratio_p50", "ratio_p99", "burst_ttft_ms"} <= set(run["burst"])
     assert set(run["requests"][0]) == {"tag", "prompt_len", "output_len", "start_s", "ttft_s", "itl_s",
-                                       "latency_s", "error"}  # fmt: skip
+                                       "latency_s", "error", "cached_len"}  # fmt: skip
     assert isinstance(RunResult.from_dict(run), RunResult)
 
 
@@ -321,6 +321,7 @@ def test_cli_against_the_fake_server(backend, tok_dir, tmp_path):
         assert run["total_input_tokens"] == 7 * run["completed"]
         ok = [r for r in run["requests"] if r["error"] is None]
         assert all(len(r["itl_s"]) == 2 for r in ok)  # three chunks: one gap per chunk, however many tokens
+        assert all(r["cached_len"] == 4 for r in ok)  # the usage's prompt_tokens_details, as vLLM sends it
         # the fake's script, with loose bounds: a shared 2-core machine is slow, never fast
         assert 0.045 <= run["ttft_ms"]["p50"] / 1000 < 1.0
         assert 0.018 <= run["itl_ms"]["p50"] / 1000 < 0.5

@@ -60,8 +60,9 @@ def test_the_slowdown_is_fitted_per_system_and_replaces_that_systems_earlier_fit
     p = with_prefill_load(p, "colocated", [(n, 0.2, 0.2 * (1.2 + 0.01 * n)) for n in (0, 6)])
     f = prefill_slowdown(p, "disaggregated")
     assert f is not None and f(0) == pytest.approx(1.05) and f(4) == pytest.approx(1.25)
+    assert f(50) == f(max(PREFILL_LOAD_STREAMS))  # not extrapolated past the most streams measured beside
     g = prefill_slowdown(p, "colocated")
-    assert g is not None and g(10) == pytest.approx(1.3)
+    assert g is not None and g(6) == pytest.approx(1.26) and g(10) == g(6)
     again = with_prefill_load(p, "disaggregated", [(0, 0.1, 0.2), (6, 0.1, 0.2)])  # 2x whatever the load
     h = prefill_slowdown(again, "disaggregated")
     assert h is not None and h(6) == pytest.approx(2.0)
@@ -103,6 +104,22 @@ def test_the_simulator_slows_prefill_steps_by_the_decoding_in_the_whole_cluster(
     assert second.ttft_s == pytest.approx(1.25 * costs.prefill_s(300))
     # decode-only steps keep their figure: the long request's inter-token gaps are unchanged
     assert load.itl.p50 == pytest.approx(plain.itl.p50)
+
+
+def test_a_replayed_request_keeps_what_the_server_said_it_found_cached():
+    from splitserve.bench.serve.results import RunResult, Stats
+    from splitserve.plan.sim_sweep import requests_from_run
+
+    st = Stats(0.0, 0.0, 0.0, 0.0)
+    recs = [RequestRecord("steady", 62, 8, 0.0, 0.07, [0.02], 0.3, None, cached_len=48),
+            RequestRecord("plain", 62, 8, 1.0, 0.13, [0.02], 0.3, None),  # no usage: the template's 16
+            RequestRecord("plain", 62, 8, 2.0, 0.13, [0.02], 0.3, None, cached_len=0)]  # fmt: skip
+    run = RunResult(1.0, 1.0, None, 3, 3.0, 3, 0, 1.0, 8.0, 20.0, 186, 24, st, st, st, st, None, None, {}, None, recs)
+    assert [r.cached_tokens for r in requests_from_run(run, 16)] == [48, 16, 16]
+    assert RequestRecord.from_dict(recs[0].to_dict()) == recs[0]
+    old = recs[1].to_dict()
+    del old["cached_len"]  # a JSON written before the field
+    assert RequestRecord.from_dict(old).cached_len == -1
 
 
 def test_the_measurement_flags_send_prompts_one_at_a_time():

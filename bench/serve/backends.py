@@ -84,6 +84,7 @@ class _Timer:
         self.tokens: int | None = None  # client-counted tokens, where the protocol says (gRPC)
         self.usage_prompt: int | None = None
         self.usage_output: int | None = None
+        self.usage_cached: int | None = None
 
     def output(self, tokens: int | None = None) -> None:
         now = self.clock()
@@ -108,6 +109,7 @@ class _Timer:
             ttft_s=self.ttft,
             itl_s=self.itl,
             latency_s=self.clock() - self.sent,
+            cached_len=self.usage_cached if self.usage_cached is not None else -1,
             error=error,
         )
 
@@ -179,6 +181,7 @@ class OpenAIBackend:
         if usage := event.get("usage"):
             timer.usage_prompt = usage.get("prompt_tokens")
             timer.usage_output = usage.get("completion_tokens")
+            timer.usage_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in event.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
             if piece:  # a role-only or empty chunk is not output the user sees
@@ -236,6 +239,7 @@ class GrpcBackend:
             async for r in call:
                 if r.HasField("usage"):
                     timer.usage_prompt, timer.usage_output = r.usage.prompt_tokens, r.usage.completion_tokens
+                    timer.usage_cached = r.usage.cached_tokens
                 if r.token_ids:
                     text.append(r.text)
                     timer.output(len(r.token_ids))

@@ -30,6 +30,7 @@ class FakeScript:
     gap_s: float = 0.02
     chunk_tokens: tuple[int, ...] = (1, 3)  # tokens per chunk, the last entry repeated: 1, 3, 3, ...
     prompt_tokens: int = 7  # the usage every answer reports
+    cached_tokens: int = 4  # ... and of them, found in the prefix cache
     fail_index: int | None = 2
 
     def chunks(self, max_tokens: int) -> list[int]:
@@ -84,7 +85,8 @@ class FakeOpenAI:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             await send({"object": "chunk", "choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": self.script.prompt_tokens, "completion_tokens": sum(chunks)}
+            usage = {"prompt_tokens": self.script.prompt_tokens, "completion_tokens": sum(chunks),
+                     "prompt_tokens_details": {"cached_tokens": self.script.cached_tokens}}  # fmt: skip
             await send({"object": "chunk", "choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

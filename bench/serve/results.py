@@ -27,6 +27,7 @@ class RequestRecord:
     itl_s: list[float]  # gaps between chunks with output (one per chunk, as vLLM records them)
     latency_s: float  # send -> the answer's end (e2e)
     error: str | None  # None: completed
+    cached_len: int = -1  # prompt tokens the server found in its prefix cache (usage), -1 when it did not say
 
     @property
     def ok(self) -> bool:
@@ -46,6 +47,7 @@ class RequestRecord:
             itl_s=[float(x) for x in d["itl_s"]],
             latency_s=float(d["latency_s"]),
             error=None if d["error"] is None else str(d["error"]),
+            cached_len=int(d.get("cached_len", -1)),
         )
 
 
