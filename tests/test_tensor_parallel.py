@@ -342,3 +342,13 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path) -> Non
             time.sleep(0.1)
     finally:
         worker.stop()
+
+
+def test_bench_tp_reports_both_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve.engine.parallel.bench_tp import main
+
+    threads = torch.get_num_threads()
+    assert main(["--tp", "2", "--tiny", "--reps", "1", "--steps", "2", "--batch", "2", "--prompt-len", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[-2:]] == ["TP 1", "TP 2"]
+    assert torch.get_num_threads() == threads  # the group gave back the threads it took
