@@ -6,12 +6,12 @@ checked field by field, and the payload is raw tensor bytes that the receiver
 reads straight into its cache memory. Bytes that do not parse are rejected
 with a `FrameError` and the connection is dropped.
 
-Header, little-endian, `HEADER_SIZE` = 132 bytes:
+Header, little-endian, `HEADER_SIZE` = 136 bytes:
 
 | offset | size | field            | meaning                                                   |
 | ------ | ---- | ---------------- | --------------------------------------------------------- |
 | 0      | 4    | magic            | b"SSKV"                                                   |
-| 4      | 1    | version          | 1                                                         |
+| 4      | 1    | version          | 2                                                         |
 | 5      | 1    | kind             | 1 handshake, 2 layer, 3 done, 4 ack, 5 error              |
 | 6      | 1    | checksum kind    | 0 none, 1 crc32 (zlib), 2 lane-sum crc32 (see below)      |
 | 7      | 1    | dtype code       | 0 none, 1 float32, 2 bfloat16, 3 float16                  |
@@ -24,16 +24,23 @@ Header, little-endian, `HEADER_SIZE` = 132 bytes:
 | 104    | 8    | element count    | tensor elements in the payload (layer frames)             |
 | 112    | 8    | payload length   | bytes that follow the header                              |
 | 120    | 8    | value            | done: the first token; handshake and its ack: see below   |
-| 128    | 4    | header crc32     | zlib.crc32 of bytes 0..127                                |
+| 128    | 2    | first head       | the model's KV head the payload starts at (layer frames)   |
+| 130    | 2    | head count       | KV heads in the payload; 0: every head (layer frames)     |
+| 132    | 4    | header crc32     | zlib.crc32 of bytes 0..131                                |
 
-Payloads by kind: handshake, the sender's `KVLayout` as `<IIIIB` (layers, KV
-heads, head dim, block size, dtype code); ack and error, utf-8 text (an error's
-reason), except a handshake's ack that grants device copies, whose payload is
-the CUDA IPC mapping of the receiver's cache; layer, the K and V of `block
-count` blocks of one layer, exactly as they lie in the cache (`[count, 2,
-block_size, kv_heads, head_dim]`), or nothing when the stream moves payloads
-by device copies; done, nothing. Control payloads are at most
-`MAX_CONTROL_PAYLOAD` bytes.
+Payloads by kind: handshake, the sender's `KVLayout` as `<IIIIBII` (layers,
+KV heads of the whole model, head dim, block size, dtype code, the sender's
+tensor-parallel size, and the receiver's as the sender read it from the
+reservation: the size its frames are cut for); ack and error, utf-8 text (an
+error's reason), except a handshake's ack that grants device copies, whose
+payload is the CUDA IPC mapping of the receiver's cache shards; layer, the K
+and V of `block count` blocks of one layer for the heads `first head ..
+first head + head count - 1`, which are exactly one receiver shard's heads,
+as they lie in that shard (`[count, 2, block_size, head count, head_dim]`;
+heads.py says how the sender cuts them), or nothing when the stream moves
+payloads by device copies; done, nothing. Control payloads are at most
+`MAX_CONTROL_PAYLOAD` bytes. A head count of 0 (every head, one frame per run)
+is what a hand-written frame at tensor-parallel size 1 may say.
 
 A handshake's value says how the sender asks the stream's layer payloads to
 travel, and its ack's value what it got: `PAYLOAD_ON_CONNECTION` (0), as bytes
@@ -62,9 +69,10 @@ import numpy as np
 import torch
 
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.kv_cache import KVLayout
 
 MAGIC = b"SSKV"
-VERSION = 1
+VERSION = 2  # 2: head ranges in layer frames, tensor-parallel sizes in the handshake
 
 HANDSHAKE, LAYER, DONE, ACK, ERROR = 1, 2, 3, 4, 5
 KIND_NAMES = {HANDSHAKE: "handshake", LAYER: "layer", DONE: "done", ACK: "ack", ERROR: "error"}
@@ -83,10 +91,10 @@ MAX_CONTROL_PAYLOAD = 4096
 # at 8 KV heads x 128 is 0.5 GiB) and far below what would exhaust memory.
 MAX_PAYLOAD = 1 << 31
 
-_BODY = struct.Struct("<4sBBBB16s64sIIIIQQq")
+_BODY = struct.Struct("<4sBBBB16s64sIIIIQQqHH")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
-_LAYOUT = struct.Struct("<IIIIB")
+_LAYOUT = struct.Struct("<IIIIBII")
 
 LANE_BYTES = 4096
 
@@ -108,6 +116,8 @@ class Header(NamedTuple):
     checksum_kind: int = CHECKSUM_NONE
     checksum: int = 0
     value: int = 0
+    first_head: int = 0
+    head_count: int = 0  # 0: every head
 
 
 def encode_header(h: Header) -> bytes:
@@ -119,7 +129,7 @@ def encode_header(h: Header) -> bytes:
     body = _BODY.pack(
         MAGIC, VERSION, h.kind, h.checksum_kind, h.dtype_code, h.ticket, rid,
         h.layer, h.first_block, h.block_count, h.checksum,
-        h.element_count, h.payload_length, h.value,
+        h.element_count, h.payload_length, h.value, h.first_head, h.head_count,
     )  # fmt: skip
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -130,7 +140,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         raise FrameError(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
     body = bytes(buf[: _BODY.size])
     (magic, version, kind, ck_kind, dtype_code, ticket, rid, layer, first, count, checksum,
-     elements, length, value) = _BODY.unpack(body)  # fmt: skip
+     elements, length, value, first_head, head_count) = _BODY.unpack(body)  # fmt: skip
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -151,7 +161,10 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         request_id = rid.rstrip(b"\0").decode()
     except UnicodeDecodeError:
         raise FrameError("request id is not utf-8") from None
-    return Header(kind, ticket, request_id, layer, first, count, dtype_code, elements, length, ck_kind, checksum, value)
+    return Header(
+        kind, ticket, request_id, layer, first, count, dtype_code, elements, length, ck_kind, checksum, value,
+        first_head, head_count,
+    )  # fmt: skip
 
 
 def control(kind: int, ticket: bytes, request_id: str, text: str = "") -> list[bytes]:
@@ -160,17 +173,34 @@ def control(kind: int, ticket: bytes, request_id: str, text: str = "") -> list[b
     return [encode_header(Header(kind, ticket, request_id, payload_length=len(body))), body]
 
 
-def encode_layout(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str) -> bytes:
-    return _LAYOUT.pack(num_layers, num_kv_heads, head_dim, block_size, DTYPE_CODES[dtype])
+def encode_layout(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    tp_size: int = 1,
+    receiver_tp_size: int = 1,
+) -> bytes:
+    """The handshake's payload: the sender's layout (`tp_size` its own) and the
+    receiver's tensor-parallel size that its frames are cut for."""
+    return _LAYOUT.pack(num_layers, num_kv_heads, head_dim, block_size, DTYPE_CODES[dtype], tp_size, receiver_tp_size)
 
 
-def decode_layout(payload: bytes) -> tuple[int, int, int, int, str]:
+def decode_layout(payload: bytes) -> tuple[KVLayout, int]:
+    """The sender's layout and the receiver's tensor-parallel size it cut its frames for."""
     if len(payload) != _LAYOUT.size:
         raise FrameError(f"handshake layout is {len(payload)} bytes, expected {_LAYOUT.size}")
-    layers, heads, head_dim, block_size, code = _LAYOUT.unpack(payload)
+    layers, heads, head_dim, block_size, code, tp_size, receiver_tp_size = _LAYOUT.unpack(payload)
     if code not in DTYPE_NAMES:
         raise FrameError(f"unknown dtype code {code} in handshake")
-    return layers, heads, head_dim, block_size, DTYPE_NAMES[code]
+    try:
+        layout = KVLayout(layers, heads, head_dim, block_size, DTYPE_NAMES[code], tp_size)
+    except ValueError as e:
+        raise FrameError(f"handshake layout: {e}") from None
+    if receiver_tp_size < 1:
+        raise FrameError("handshake names a receiver tensor-parallel size below 1")
+    return layout, receiver_tp_size
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,7 @@ def grant(offered: TransportName, asked: int, cache: KVCache) -> Grant:
     """The receiver's answer to a handshake asking for payloads to travel as `asked`."""
     if asked == frame.PAYLOAD_DEVICE_COPY and offered == "cuda_ipc":
         return Grant(frame.PAYLOAD_DEVICE_COPY, cuda_ipc.export_cache(cache), 0)
-    return Grant(frame.PAYLOAD_ON_CONNECTION, b"", cache.layout.bytes_per_block)
+    return Grant(frame.PAYLOAD_ON_CONNECTION, b"", cache.layout.shard_bytes_per_block)  # a frame is one shard's
 
 
 # ---- the sender's side ------------------------------------------------------------------
@@ -134,21 +134,36 @@ class LayerPayloads(Protocol):
 
     checksum_kind: int  # for the layer headers
 
-    def place(self, layer: int, first_block: int, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Move one frame's blocks (`pieces`, bound for the receiver's blocks from
-        `first_block` on) toward the receiver; returns the buffers that follow the
-        frame's header on the connection."""
+    def place(self, layer: int, first_block: int, rank: int, parts: Sequence[HeadsPart]) -> list[torch.Tensor]:
+        """Move one frame's blocks toward the receiver: `parts` are the receiver shard
+        `rank`'s heads of them, bound for its blocks from `first_block` on; returns the
+        buffers that follow the frame's header on the connection."""
         ...
 
 
+# One piece of a frame's payload: (first head within the receiver's shard, the sender's
+# blocks `[count, 2, block_size, heads, head_dim]` for those heads, a view of its cache).
+HeadsPart = tuple[int, torch.Tensor]
+
+
 class OnConnection:
-    """Layer payloads as bytes on the stream's connection, straight from the cache (TCP, UCX, the fake)."""
+    """Layer payloads as bytes on the stream's connection (TCP, UCX, the fake): straight
+    from the cache when one sender shard is the receiver's shard, else packed (heads.py)."""
 
     def __init__(self, checksum_kind: int) -> None:
         self.checksum_kind = checksum_kind
 
-    def place(self, layer: int, first_block: int, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [frame.as_bytes(p) for p in pieces]
+    def place(self, layer: int, first_block: int, rank: int, parts: Sequence[HeadsPart]) -> list[torch.Tensor]:
+        return [frame.as_bytes(pack(parts))]
+
+
+def pack(parts: Sequence[HeadsPart]) -> torch.Tensor:
+    """A frame's heads as one contiguous `[count, 2, block_size, heads, head_dim]`:
+    the sender's own memory when it already is (equal sizes), else a copy."""
+    if len(parts) == 1:
+        return parts[0][1].contiguous()  # no copy when contiguous
+    device = parts[0][1].device  # shards on several devices: gathered on the first's
+    return torch.cat([t.to(device) for _, t in parts], dim=3)
 
 
 class Dialed(NamedTuple):
@@ -172,7 +187,7 @@ class Dialer:
         self._connect_timeout = connect_timeout
         self._ucx: Transport | None = None
         self._ucx_tried = False  # opened (or found unusable) once per sender, not per stream
-        self._mapped: dict[str, torch.Tensor] = {}  # receivers' caches mapped through CUDA IPC, once each
+        self._mapped: dict[str, list[torch.Tensor]] = {}  # receivers' shards mapped through CUDA IPC, once each
         # Connections whose last stream completed, per (transport, endpoint): the next
         # stream to that receiver skips connecting (and UCX's endpoint wire-up).
         self._idle: dict[tuple[str, str], list[Connection]] = {}
@@ -213,7 +228,7 @@ class Dialer:
         if d.ask == frame.PAYLOAD_DEVICE_COPY and value == frame.PAYLOAD_DEVICE_COPY:
             dest = self._mapped.get(r.tcp_endpoint)
             if dest is None:
-                dest = self._mapped[r.tcp_endpoint] = cuda_ipc.import_cache(payload, self._cache)
+                dest = self._mapped[r.tcp_endpoint] = cuda_ipc.import_shards(payload, r.layout)
             chosen: tuple[TransportName, LayerPayloads] = ("cuda_ipc", cuda_ipc.DeviceCopy(dest))
         elif d.ask == frame.PAYLOAD_DEVICE_COPY:  # the receiver does not offer CUDA IPC after all
             _fall_back(d.transport, "not_granted", None)

@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.kv_transfer import frame, links, metrics
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer import frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 
 # Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
@@ -236,11 +236,11 @@ class KVReceiver:
                 elif h.kind == frame.DONE:
                     missing = np.argwhere(~slot.received)
                     if len(missing):
-                        layer, i = missing[0]
+                        layer, i, head = missing[0]
                         raise Rejected(
                             FailureCode.INCOMPLETE,
-                            f"done before every layer arrived ({len(missing)} layer-blocks missing, first: "
-                            f"layer {layer} block {slot.reservation.block_ids[i]})",
+                            f"done before every layer arrived ({len(missing)} layer-block-heads missing, first: "
+                            f"layer {layer} block {slot.reservation.block_ids[i]} KV head {head})",
                         )
                     self._book.complete(slot, h.value)
                     self._reply(conn, frame.ACK, slot.reservation.ticket, slot.reservation.request_id, "complete")
@@ -327,7 +327,7 @@ class KVReceiver:
         each block of a layer frame will carry on this connection (`links.grant`)."""
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
-        layout = KVLayout(*frame.decode_layout(self._read_control(conn, h)))
+        layout, cut_for_tp = frame.decode_layout(self._read_control(conn, h))
         try:
             slot = self._book.bind(h.ticket, h.request_id, conn)
         except Rejected as e:
@@ -335,7 +335,12 @@ class KVReceiver:
             raise
         with self._lock:  # bound by a valid ticket: no longer counts against the cap
             self._unbound.discard(conn)
-        mismatch = self.cache.layout.mismatch(layout)
+        mismatch = heads.mapping_error(layout, self.cache.layout)
+        if mismatch is None and cut_for_tp != self.cache.layout.tp_size:
+            mismatch = (
+                f"KV layout: the prefill worker cuts its KV for decode TP {cut_for_tp}, this decode worker "
+                f"is TP {self.cache.layout.tp_size} (the reservation's layout is not this worker's)"
+            )
         if mismatch:
             self._book.fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
             raise Rejected(FailureCode.LAYOUT_MISMATCH, mismatch)
@@ -356,7 +361,14 @@ class KVReceiver:
             raise Rejected(FailureCode.BLOCK_OUT_OF_RANGE, f"block {outside[0]} is not in the reservation")
         if h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
             raise Rejected(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
-        if h.element_count != h.block_count * layout.elements_per_block:
+        rank = heads.receiver_rank(layout, h.first_head, h.head_count)
+        if rank is None:
+            raise Rejected(
+                FailureCode.HEAD_OUT_OF_RANGE,
+                f"KV heads {h.first_head}..{h.first_head + h.head_count - 1} (count {h.head_count}) are not one "
+                f"shard's at TP {layout.tp_size} ({layout.kv_heads_per_rank} of {layout.num_kv_heads} heads per rank)",
+            )
+        if h.element_count != heads.frame_elements(layout, h.block_count, h.head_count):
             raise Rejected(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
         expected = h.block_count * per_block
         if h.payload_length != expected:
@@ -367,7 +379,7 @@ class KVReceiver:
         if expected:  # else the sender copied the blocks in before sending this header (device copies)
             if h.checksum_kind == frame.CHECKSUM_NONE:
                 raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
-            view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count))
+            view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count, rank))
             check = frame.PayloadChecksum(h.checksum_kind)
             # On a byte stream, check each piece as it lands (still in cache, and the
             # sender keeps filling the socket buffer meanwhile); messages come whole.
@@ -386,7 +398,8 @@ class KVReceiver:
                     f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
                 )
             metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
-        slot.received[h.layer, [slot.position[b] for b in ids]] = True
+        shard_heads = layout.rank_heads(rank)
+        slot.received[h.layer, [slot.position[b] for b in ids], shard_heads.start : shard_heads.stop] = True
         metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
 
     @staticmethod

@@ -49,6 +49,7 @@ class FailureCode(StrEnum):
     BLOCK_OUT_OF_RANGE = "block_out_of_range"
     DTYPE_MISMATCH = "dtype_mismatch"
     LENGTH_MISMATCH = "length_mismatch"
+    HEAD_OUT_OF_RANGE = "head_out_of_range"  # a frame's KV heads are not one of the receiver's shards
     CHECKSUM_MISMATCH = "checksum_mismatch"
     INCOMPLETE = "incomplete"  # done before every layer of every block arrived
     NOT_LIVE = "not_live"  # a frame for a reservation that already ended

@@ -49,7 +49,9 @@ class Slot:
     def __init__(self, r: Reservation, deadline: float, on_done: Callable[[Reservation, Outcome], None] | None) -> None:
         self.reservation = r
         self.position = {b: i for i, b in enumerate(r.block_ids)}  # block id -> index in the reservation
-        self.received = np.zeros((r.layout.num_layers, len(r.block_ids)), dtype=bool)  # written by the stream
+        # What the stream wrote, per layer, block and KV head: every head of every layer counts
+        # (frames carry one receiver shard's heads each), so done needs them all.
+        self.received = np.zeros((r.layout.num_layers, len(r.block_ids), r.layout.num_kv_heads), dtype=bool)
         self.deadline = deadline  # time.monotonic()
         self.on_done = on_done
         self.lock = threading.Lock()

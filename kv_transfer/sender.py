@@ -8,8 +8,11 @@ compute loop right after a layer's K and V are written, and ends with
 confirmed every byte.
 
 `send_layer` only queues views of the cache, one frame per run of blocks that
-is contiguous on both sides; the stream's own thread checksums the frames
-and sends them zero-copy, so the compute loop goes on at once. The queue is
+is contiguous on both sides and per shard of the receiver's cache (one, at
+tensor-parallel size 1); the stream's own thread checksums the frames and
+sends them zero-copy, so the compute loop goes on at once. Between different
+tensor-parallel sizes each frame still carries exactly one receiver shard's
+heads, packed from the sender's shards in the stream's thread (heads.py). The queue is
 bounded: if the link is slower than compute, `send_layer` waits (back-pressure)
 rather than letting memory grow.
 
@@ -28,16 +31,12 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer import frame, links, metrics
+from splitserve.kv_transfer import frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
 from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class KVSender:
 
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
-        mismatch = self.cache.layout.mismatch(reservation.layout)
+        mismatch = heads.mapping_error(self.cache.layout, reservation.layout)
         if mismatch:
             raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
         while True:
@@ -107,7 +106,9 @@ class KVSender:
     def _handshake(self, conn: Connection, r: Reservation, ask: int) -> tuple[int, bytes]:
         """The ack's value and payload (how the stream's layer payloads travel: links.py)."""
         lay = self.cache.layout
-        body = frame.encode_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        body = frame.encode_layout(
+            lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype, lay.tp_size, r.layout.tp_size
+        )
         h = Header(frame.HANDSHAKE, r.ticket, r.request_id, payload_length=len(body), value=ask)
         try:
             conn.send([frame.encode_header(h), body])
@@ -156,8 +157,9 @@ class _Done:
 
 
 _DONE_ITEM = _Done()
-# One layer's frames, as queued: (layer, first destination block, blocks, the blocks' tensors).
-_Frames = list[tuple[int, int, int, list["torch.Tensor"]]]
+# One layer's frames, as queued: (layer, first destination block, blocks, the receiver shard's
+# frame (heads.py), its parts: views of the cache, packed in the stream's thread).
+_Frames = list[tuple[int, int, int, heads.ShardFrame, list[links.HeadsPart]]]
 
 
 class KVStream:
@@ -170,6 +172,7 @@ class KVStream:
         self.transport = transport
         self._dialer, self._pool = sender._dialer, d.pool
         self._cache = sender.cache
+        self._plan = heads.plan(sender.cache.layout, r.layout)  # checked to map by KVSender.open
         self._conn = d.conn
         self._payloads = payloads
         self._queue: queue.Queue[_Frames | _Done | None] = queue.Queue(maxsize=sender.queue_depth)
@@ -197,8 +200,13 @@ class KVStream:
         dst = r.block_ids[first_index : first_index + len(src_block_ids)]
         frames: _Frames = []
         for dst_first, src_first, n in _paired_runs(dst, src_block_ids):
-            piece = self._cache.blocks(layer, src_first, n)
-            frames.append((layer, dst_first, n, [piece.clone() if snapshot else piece]))
+            for sf in self._plan:  # one frame per receiver shard; one in all at equal TP 1
+                parts: list[links.HeadsPart] = []
+                for p in sf.parts:
+                    shard_blocks = self._cache.blocks(layer, src_first, n, p.src_rank)
+                    view = shard_blocks[:, :, :, p.src_first : p.src_first + p.head_count]
+                    parts.append((p.dst_offset, view.clone() if snapshot else view))
+                frames.append((layer, dst_first, n, sf, parts))
         self._put(frames)
 
     def finish(self, first_token: int, timeout: float) -> None:
@@ -262,7 +270,6 @@ class KVStream:
         r = self.reservation
         ck = self._payloads.checksum_kind
         dtype_code = frame.DTYPE_CODES[self._cache.layout.dtype]
-        epb = self._cache.layout.elements_per_block
         try:
             while self._error is None:
                 item = self._queue.get()
@@ -271,13 +278,14 @@ class KVStream:
                 if isinstance(item, _Done):
                     self._send_done()
                     return
-                for layer, first, n, pieces in item:
-                    payload = self._payloads.place(layer, first, pieces)
+                for layer, first, n, sf, parts in item:
+                    payload = self._payloads.place(layer, first, sf.dst_rank, parts)
                     length = sum(p.numel() for p in payload)
                     h = Header(
                         frame.LAYER, r.ticket, r.request_id, layer=layer, first_block=first, block_count=n,
-                        dtype_code=dtype_code, element_count=n * epb, payload_length=length,
-                        checksum_kind=ck, checksum=frame.checksum(ck, payload),
+                        dtype_code=dtype_code, element_count=heads.frame_elements(r.layout, n, sf.head_count),
+                        payload_length=length, checksum_kind=ck, checksum=frame.checksum(ck, payload),
+                        first_head=sf.first_head, head_count=sf.head_count,
                     )  # fmt: skip
                     self._conn.send([frame.encode_header(h), *payload])
                     metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
