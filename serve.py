@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # checked before Ray starts, so a bad flag costs nothing
         prefill, decode = scaling_config(args, "prefill"), scaling_config(args, "decode")
-        node_types = _node_types(args.node_types)
+        node_types = parse_node_types(args.node_types)
     except (ValueError, OSError) as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 2
@@ -252,7 +252,7 @@ async def _serve(
     return 0
 
 
-def _node_types(flag: str | None) -> dict[str, dict[str, float]] | None:
+def parse_node_types(flag: str | None) -> dict[str, dict[str, float]] | None:
     """--node-types: JSON, or the path of a Ray cluster launcher YAML (ValueError, OSError if bad)."""
     from splitserve.router.placement import node_types_of_cluster_config
 

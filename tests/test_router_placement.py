@@ -3,6 +3,8 @@ actor is started, each shortfall a line with the numbers and the flag to change.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from splitserve.router.placement import (
@@ -106,3 +108,18 @@ def test_node_types_read_from_a_cluster_launcher_config() -> None:
     }
     with pytest.raises(ValueError, match="no available_node_types"):
         node_types_of_cluster_config({"provider": {}})
+
+
+def test_serve_reads_node_types_from_json_or_a_cluster_launcher_yaml(tmp_path) -> None:
+    from splitserve.serve import parse_node_types
+
+    assert parse_node_types(None) is None
+    assert parse_node_types('{"decode": {"GPU": 2, "decode_node": 1}}') == {"decode": {GPU: 2.0, "decode_node": 1.0}}
+    launcher = parse_node_types(str(Path(__file__).parents[1] / "deploy" / "ray" / "cluster.yaml"))
+    assert launcher is not None and launcher["decode_node"]["decode_node"] > 0
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("available_node_types: [unclosed")
+    with pytest.raises(ValueError, match="--node-types"):
+        parse_node_types(str(bad))
+    with pytest.raises(OSError):
+        parse_node_types(str(tmp_path / "missing.yaml"))
