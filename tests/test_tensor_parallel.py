@@ -199,6 +199,41 @@ def test_close_stops_every_rank() -> None:
     e.close()  # a second close is harmless
 
 
+CUDA_PAIR = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)"
+)
+
+
+@pytest.mark.gpu
+@CUDA_PAIR
+def test_tp2_on_cuda_gives_the_tp1_tokens() -> None:
+    """NCCL, one GPU a rank, the KV shards shared with the ranks over CUDA IPC; fp32."""
+    cfg = tiny_model_config(num_layers=3, num_heads=4, num_kv_heads=2)
+    weights = random_weights(cfg, seed=5)
+    prompts = prompts_with_shared_prefixes(cfg.vocab_size)
+    engine_cfg = dict(device="cuda:0", dtype="float32", num_blocks=128, max_num_batched_tokens=32)
+    with engine(cfg, weights, 1, **engine_cfg) as e:
+        want = e.generate(prompts, GREEDY)
+    with engine(cfg, weights, 2, **engine_cfg) as e:
+        assert [str(s.device) for s in e.kv_cache.shards] == ["cuda:0", "cuda:1"]
+        assert e.generate(prompts, GREEDY) == want
+        assert e.blocks.num_free_blocks == 128
+
+
+@pytest.mark.gpu
+@CUDA_PAIR
+def test_tp2_on_cuda_bf16_runs_and_frees_every_block() -> None:
+    """bf16 decode on the Triton kernels per shard where triton is installed. Not compared with
+    TP 1: each rank's partial sums are rounded to bf16 before the all-reduce adds them."""
+    cfg = tiny_model_config(num_layers=3, num_heads=4, num_kv_heads=2)
+    prompts = prompts_with_shared_prefixes(cfg.vocab_size)
+    engine_cfg = dict(device="cuda:0", dtype="bfloat16", num_blocks=128, max_num_batched_tokens=32)
+    with engine(cfg, random_weights(cfg, seed=5), 2, **engine_cfg) as e:
+        outs = e.generate(prompts, GREEDY)
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
+        assert e.blocks.num_free_blocks == 128
+
+
 # ---- the wire: step messages and the layout a worker reports ---------------------------------------------
 
 

@@ -60,7 +60,7 @@ class _Rank:
 @dataclass
 class TensorParallelGroup:
     size: int
-    store: dist.Store  # rank 0 hosts it; it must outlive the group
+    store: dist.TCPStore  # rank 0 hosts it; it must outlive the group
     ranks: list[_Rank] = field(default_factory=list)
     broken: str = ""  # why the group can no longer run a step
     _joined: bool = False
@@ -92,7 +92,7 @@ class TensorParallelGroup:
                 spec = RankSpec(
                     rank=r,
                     size=size,
-                    store_port=group.store.port,  # type: ignore[attr-defined]  # a TCPStore's
+                    store_port=group.store.port,
                     device=str(kv_cache.shard(r).device),
                     dtype=cfg.dtype,
                     model_cfg=shapes,

@@ -3,7 +3,8 @@ CPU, NCCL on CUDA, met over a TCP store on loopback (rank 0 hosts it on a port t
 kernel picks, so no port is guessed and none can be taken in between).
 
 Every collective waits at most the group's timeout: a rank that died or hung makes
-the others fail with an error instead of waiting for ever.
+the others fail with an error instead of waiting for ever (gloo raises; NCCL's
+watchdog, by torch's default, tears the process down: loud either way).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Each rank's device: the engine's CPU for all of them, or one GPU each from the engine's on."""
     if device.type != "cuda":
         return [device] * size
-    first = device.index if device.index is not None else 0
+    first = device.index if device.index is not None else torch.cuda.current_device()
     if first + size > torch.cuda.device_count():
         raise ValueError(
             f"tensor-parallel size {size} from {device} needs GPUs {first}..{first + size - 1}; "
