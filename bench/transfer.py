@@ -13,6 +13,10 @@ the last layer computed to the reservation confirmed.
 
 Both ends run in this process on their own threads, the same way for the raw
 and the kv_transfer figures, so the ratio is the protocol's cost.
+
+With `--tp 1:1,2:1,1:2,2:2` it prints instead what re-sharding KV between
+tensor-parallel sizes costs per layer against the plain transfer
+(bench/transfer_tp.py).
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
     p.add_argument("--latency-blocks", default="1,4,16", help="frame sizes (blocks) for the latency figure")
     p.add_argument(
+        "--tp",
+        default="",
+        help="SENDER:RECEIVER tensor-parallel pairs (1:1,2:1,1:2,2:2): the per-layer cost of re-sharding "
+        "against the plain transfer, in place of the other figures (bench/transfer_tp.py)",
+    )
+    p.add_argument(
         "--layer-ms",
         type=float,
         default=0.0,
@@ -70,11 +80,14 @@ def run(args: argparse.Namespace) -> int:
     src.tensor.copy_(torch.randn(src.tensor.shape).to(src.tensor.dtype))
     dst = KVCache(layout, blocks)  # zeros: its pages are touched before timing
     layer_bytes = blocks * layout.bytes_per_block
+    tp = f" --tp {args.tp}" if args.tp else ""
     print(f"# splitserve bench transfer --size {args.size} --layers {args.layers} --transports {args.transports} "
-          f"--checksum {args.checksum} --repeats {args.repeats}")  # fmt: skip
+          f"--checksum {args.checksum} --repeats {args.repeats}{tp}")  # fmt: skip
     print(f"KV cache {src.nbytes / 2**30:.3f} GiB: {layout.num_layers} layers x {layer_bytes / 2**20:.1f} MiB frames "
           f"({blocks} blocks of {layout.bytes_per_block // 1024} KiB; {layout.dtype}, {layout.num_kv_heads} KV heads x "
           f"{layout.head_dim}, block {layout.block_size}); torch threads {torch.get_num_threads()}")  # fmt: skip
+    if args.tp:
+        return _tp_only(args, layout, blocks)
     _checksum_cost(src)
 
     rows: list[str] = []
@@ -115,6 +128,25 @@ def run(args: argparse.Namespace) -> int:
 
     for kind, rate in kv_rate.items():
         _pipelining(kind, src, dst, rate, args)
+    return 0
+
+
+def _tp_only(args: argparse.Namespace, layout: KVLayout, blocks: int) -> int:
+    """The re-sharding figures (bench/transfer_tp.py) over the transports this machine has but
+    CUDA IPC (its caches here are on the CPU)."""
+    from splitserve.bench.transfer_tp import run_tp
+
+    usable: list[TransportName] = []
+    for name in args.transports.split(","):
+        kind = next((t for t in TRANSPORT_NAMES if t == name), None)
+        why = "unknown transport" if kind is None else _unavailable(kind)
+        if kind == "cuda_ipc" and why is None:
+            why = "the re-sharding figures run CPU caches"
+        if kind is None or why:
+            print(f"  {name:9s}  skipped: {why}")
+        else:
+            usable.append(kind)
+    run_tp(args, layout, blocks, usable)
     return 0
 
 

@@ -31,6 +31,7 @@ each end ends up with (`splitserve_kv_transport_chosen`).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -152,18 +153,37 @@ class OnConnection:
 
     def __init__(self, checksum_kind: int) -> None:
         self.checksum_kind = checksum_kind
+        self._packer = Packer()
 
     def place(self, layer: int, first_block: int, rank: int, parts: Sequence[HeadsPart]) -> list[torch.Tensor]:
-        return [frame.as_bytes(pack(parts))]
+        return [frame.as_bytes(self._packer.pack(parts))]
 
 
-def pack(parts: Sequence[HeadsPart]) -> torch.Tensor:
-    """A frame's heads as one contiguous `[count, 2, block_size, heads, head_dim]`:
-    the sender's own memory when it already is (equal sizes), else a copy."""
-    if len(parts) == 1:
-        return parts[0][1].contiguous()  # no copy when contiguous
-    device = parts[0][1].device  # shards on several devices: gathered on the first's
-    return torch.cat([t.to(device) for _, t in parts], dim=3)
+class Packer:
+    """Packs a frame's heads into one contiguous `[count, 2, block_size, heads, head_dim]`.
+
+    Into one staging buffer, kept and reused: the stream's thread checksums and
+    sends each frame (`Connection.send` returns once the bytes are the kernel's,
+    or UCX's send completed) before it packs the next, and a fresh buffer per
+    frame would cost its page faults on every frame (on this machine's CPU more
+    than the copy itself: bench/transfer_tp.py)."""
+
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None
+
+    def pack(self, parts: Sequence[HeadsPart]) -> torch.Tensor:
+        first = parts[0][1]
+        if len(parts) == 1 and first.is_contiguous():
+            return first  # one sender shard whole (equal sizes): the cache's own memory
+        shape = (*first.shape[:3], sum(t.shape[3] for _, t in parts), first.shape[4])
+        numel = math.prod(shape)
+        s = self._staging
+        if s is None or s.numel() < numel or s.dtype != first.dtype or s.device != first.device:
+            s = self._staging = torch.empty(numel, dtype=first.dtype, device=first.device)
+        out = s[:numel].view(shape)
+        for offset, t in parts:  # shards on several devices: gathered on the first's
+            out[:, :, :, offset : offset + t.shape[3]].copy_(t)
+        return out
 
 
 class Dialed(NamedTuple):
