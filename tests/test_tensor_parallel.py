@@ -188,6 +188,17 @@ def test_a_rank_that_dies_fails_the_next_step_loudly() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_that_fails_to_start_fails_the_engine_with_its_reason() -> None:
+    cfg = tiny_model_config()
+    weights = random_weights(cfg)
+    del weights["model.norm.weight"]
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code 1: ValueError: weights lack tensor"):
+        Engine(cfg, weights, EngineConfig(num_blocks=16, tensor_parallel_size=2))
+    with engine(cfg, random_weights(cfg), 2, num_blocks=16) as e:  # nothing of the failed start is left
+        assert e.generate([[1, 2]], GREEDY)
+
+
+@pytest.mark.timeout(120)
 def test_close_stops_every_rank() -> None:
     cfg = tiny_model_config(num_heads=4, num_kv_heads=4)
     e = Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=16, tensor_parallel_size=4))

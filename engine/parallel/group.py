@@ -42,17 +42,21 @@ class _Rank:
     conn: Connection  # rank 0's end of the pipe
     failure: str = ""  # the rank's own account of its failure, once read
 
+    def note(self, msg: bytes) -> None:
+        """Keep a message's account of the rank's failure: its traceback's last line."""
+        if msg.startswith(FAILED):
+            lines = msg[len(FAILED) :].decode(errors="replace").strip().splitlines()
+            self.failure = lines[-1] if lines else "failed"
+
     def status(self) -> str:
+        """Running, or how it ended, with its own account where it sent one."""
         if self.process.is_alive():
             return f"rank {self.rank} (pid {self.process.pid}) running"
-        if not self.failure:
-            try:
-                while self.conn.poll(0):
-                    msg = self.conn.recv_bytes()
-                    if msg.startswith(FAILED):
-                        self.failure = msg[len(FAILED) :].decode(errors="replace").strip().splitlines()[-1]
-            except (EOFError, OSError):
-                pass
+        try:
+            while not self.failure and self.conn.poll(0):
+                self.note(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            pass  # nothing more from it
         why = f": {self.failure}" if self.failure else ""
         return f"rank {self.rank} (pid {self.process.pid}) exited with code {self.process.exitcode}{why}"
 
@@ -128,8 +132,7 @@ class TensorParallelGroup:
                 except EOFError:
                     pass
             if msg != LOADED:
-                if msg.startswith(FAILED):
-                    r.failure = msg[len(FAILED) :].decode(errors="replace").strip().splitlines()[-1]
+                r.note(msg)
                 r.process.join(STOP_TIMEOUT_S)
                 raise RuntimeError(f"tensor-parallel {r.status()} while starting")
 
