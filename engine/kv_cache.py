@@ -18,6 +18,7 @@ block ids cross its interface; `tensor` is rank 0's shard.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,26 @@ class KVLayout:
         return None
 
 
+SHM_DIR = "/dev/shm"
+
+
+def check_shared_memory(nbytes: int, directory: str = SHM_DIR) -> None:
+    """ValueError unless `directory` (the tmpfs behind torch's CPU shared memory) has room for
+    `nbytes`: past its size a page fault kills the process (SIGBUS) long after the allocation,
+    and containers start with small ones (Docker: 64 MiB)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return  # no such tmpfs here: torch finds its shared memory elsewhere
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ValueError(
+            f"the KV cache needs {nbytes / 2**20:.0f} MiB of shared memory for its tensor-parallel shards; "
+            f"{directory} has {free / 2**20:.0f} MiB free: lower --num-blocks, or give the container more "
+            "(docker run --shm-size, a Kubernetes emptyDir with medium Memory on /dev/shm)"
+        )
+
+
 class KVCache:
     """Owns the cache tensor. Only block ids cross its interface."""
 
@@ -105,6 +126,8 @@ class KVCache:
         if len(devices) != layout.tp_size:
             raise ValueError(f"{len(devices)} shard devices for tensor-parallel size {layout.tp_size}")
         shape = (layout.num_layers, num_blocks, 2, layout.block_size, layout.kv_heads_per_rank, layout.head_dim)
+        if shared:
+            check_shared_memory(num_blocks * layout.num_layers * layout.bytes_per_block)
         self.shards = [torch.zeros(shape, dtype=layout.torch_dtype, device=d) for d in devices]
         if shared:
             for t in self.shards:

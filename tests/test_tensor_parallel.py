@@ -172,6 +172,15 @@ def test_a_size_below_one_is_refused() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
+def test_a_cache_larger_than_the_shared_memory_is_refused(tmp_path: Path) -> None:
+    from splitserve.engine.kv_cache import check_shared_memory
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    check_shared_memory(free // 2, str(tmp_path))
+    with pytest.raises(ValueError, match=f"shared memory .*; {tmp_path} has \\d+ MiB free: lower --num-blocks"):
+        check_shared_memory(free + 2**30, str(tmp_path))
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_fails_the_next_step_loudly() -> None:
     cfg = tiny_model_config()
