@@ -22,6 +22,8 @@ TITLES = {
     "engine-cuda": "Engine decode and prefill on an H100 against transformers and the GPU's limits (issue 2)",
     "cuda-tests": "The CUDA tests on the H100: graphs, CUDA against the CPU, Triton kernels, CUDA IPC (issue 2)",
     "transfer-cuda": "KV transfer over CUDA IPC and TCP on the H100 (issue 3)",
+    "transfer-tp": "KV transfer between tensor-parallel sizes: re-sharding per layer against the plain transfer "
+    "(issue 13)",
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
     "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
@@ -39,6 +41,10 @@ NOTES = {
     "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
     "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
     "workers also stream every token over gRPC.",
+    "transfer-tp": "The TP 1 -> TP 1 rows send the same transfer twice: their spread is the noise floor. "
+    "Equal sizes above 1 send one zero-copy frame per shard; other pairs pack each receiver shard's heads in "
+    "the sender's stream thread, in line with its sends. The copy figures repeat one 8 MiB layer, which stays "
+    "in the CPU's cache: they compare packing with scattering, not what either costs on KV fresh from memory.",
     "peer-cpu": "Each row group is one `splitserve bench serve` load from `bench/peer/main.py` (`loads_for`), "
     "the same for every system: `sharegpt` 40 ShareGPT prompts at concurrency 4, 128 output tokens (EOS "
     "ignored); `sweep` 20 ShareGPT prompts per Poisson rate; `burst` 4 steady streams (32-token prompts, "
