@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache import KVCache, check_shared_memory
 from splitserve.engine.parallel.process_group import host_store, join_group, leave_group
 from splitserve.engine.parallel.rank import FAILED, LOADED, STOP, RankSpec, rank_main
 from splitserve.engine.parallel.shard import rank_config, shard_weights
@@ -92,6 +93,8 @@ class TensorParallelGroup:
         group._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
+            rank_weights = {r: _for_rank(shard_weights(model_cfg, weights, r, size)) for r in range(1, size)}
+            check_shared_memory(_bytes_to_share(rank_weights.values()))
             for r in range(1, size):
                 spec = RankSpec(
                     rank=r,
@@ -100,7 +103,7 @@ class TensorParallelGroup:
                     device=str(kv_cache.shard(r).device),
                     dtype=cfg.dtype,
                     model_cfg=shapes,
-                    weights=shard_weights(model_cfg, weights, r, size),
+                    weights=rank_weights.pop(r),
                     kv_cache=kv_cache.shard(r),
                     threads=threads,
                     timeout_s=timeout_s,
@@ -186,3 +189,23 @@ class TensorParallelGroup:
             torch.set_num_threads(self._threads_before)
             self._threads_before = 0
         self.broken = self.broken or "closed"
+
+
+def _for_rank(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A rank's weights as it will map them: a slice cloned (handing over a view would move the
+    whole tensor into shared memory), a whole tensor as it is (one shared copy for every rank)."""
+    return {
+        name: t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+        for name, t in shard.items()
+    }
+
+
+def _bytes_to_share(shards: Iterable[dict[str, torch.Tensor]]) -> int:
+    """Bytes that handing these tensors to other processes moves into shared memory."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for shard in shards
+        for t in shard.values()
+        if t.is_cpu and not t.is_shared()
+    }
+    return sum(storages.values())

@@ -52,8 +52,7 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
 def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s weights under the same Hugging Face names, shaped for `rank_config(cfg, size)`.
 
-    The shards are views of `weights` where slicing allows; `clone()` them to hand them to
-    another process without sharing the whole tensor's memory.
+    The shards are views of `weights`: nothing is copied here.
     """
     check_tp_size(cfg, size)
     if not 0 <= rank < size:
