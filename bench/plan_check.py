@@ -4,12 +4,15 @@ against real runs on this machine.
 1. Calibrate: this project's engine step costs measured here (plan/calibrate.py),
    pinned to one core with one torch thread as each benchmark worker runs, fitted
    into a profile (saved beside the run's JSON files). `--profile` reuses one.
-   On the first system started, before its loads, the serving overhead (what a
+   On each system started, before its loads, the serving overhead (what a
    served token costs beyond the engine step: plan/calibrate.py's
-   `serving_point`) is measured and fitted into the profile, unless the profile
-   has it already. On each system, also before its loads, how much a served
-   prefill slows while other requests decode (plan/calibrate.py's
-   `prefill_load_points`), unless the profile has it for that system.
+   `serving_point`) and how much a served prefill slows while other requests
+   decode (`prefill_load_points`) are measured and fitted into that system's
+   copy of the profile (`profile-SYSTEM.json`), unless the profile has them for
+   that system already. Both depend on the system: a client's gap between
+   tokens is 7 ms over the engine step colocated here (both cores run a worker,
+   so the router and the client take their cycles from the decode steps) and 1 ms
+   disaggregated (the prefill worker's core is idle between prompts).
 2. Measure: each system (colocated: one worker per core behind a router;
    disaggregated: a prefill and a decode worker on a core each) is started as
    `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
@@ -111,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for mode in modes:
         try:
-            mode_rows, profile = _check_mode(mode, rates, args, ctx, out, profile)
-            rows += mode_rows
+            rows += _check_mode(mode, rates, args, ctx, out, profile)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"[{mode}] ERROR: {e}", flush=True)
             failed = True
@@ -124,9 +126,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str,
-                profile: Any) -> tuple[list[Row], Any]:  # fmt: skip
-    """The rows of one system, and the profile (with the serving overhead measured on this system
-    if it had none)."""
+                profile: Any) -> list[Row]:  # fmt: skip
+    """The rows of one system, simulated with the profile's engine costs and this system's serving
+    overhead and prefill slowdown (measured here unless the profile has them for it)."""
     from splitserve.bench.peer.main import Load, run_load, warmup
     from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
     from splitserve.bench.serve.results import RunResult
@@ -155,8 +157,8 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     with system:
         print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
         warmup(system.base_url, ctx.served_model_name)
-        if not profile.serve_points:
-            profile = _measure_serving(system, ctx, out, profile, decode, args)
+        if not profile.serve_system.startswith(f"{mode},"):  # measured on this system: colocated here is 7x
+            profile = _measure_serving(system, ctx, out, profile, decode, args)  # disaggregated's (see the note)
         if prefill_slowdown(profile, mode) is None:
             profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
         loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
@@ -177,7 +179,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                            random.Random(args.seed), spread=profile.step_spread(),
                            prefill_slowdown=prefill_slowdown(profile, mode))  # fmt: skip
             rows += compare(mode, load.name, measured, sim)
-    return rows, profile
+    return rows
 
 
 def chat_prefix_cached_tokens(encode_chat: Callable[[Sequence[tuple[str, str]]], list[int]], block_size: int) -> int:
@@ -223,7 +225,7 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
     if not points:
         raise RuntimeError("the serving overhead: no batch measured")
     profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
-    save_profile(profile, os.path.join(out, "profile.json"))
+    save_profile(profile, os.path.join(out, f"profile-{name}.json"))
     print(f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
           f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile", flush=True)  # fmt: skip
     return profile
@@ -256,7 +258,7 @@ def _measure_prefill_load(system: Any, ctx: Any, out: str, profile: Any, decode:
               f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})", flush=True)  # fmt: skip
         points += got
     profile = with_prefill_load(profile, name, points)
-    save_profile(profile, os.path.join(out, "profile.json"))
+    save_profile(profile, os.path.join(out, f"profile-{name}.json"))
     _, base, per_stream = next(f for f in profile.prefill_load_fits if f[0] == name)
     print(f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
           f"the profile", flush=True)  # fmt: skip
