@@ -59,6 +59,9 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         model = LlamaModel(spec.model_cfg, spec.weights, device, parse_dtype(spec.dtype), reduce=_all_reduce)
+        # The process object keeps its arguments for life: let go of the tensors the model
+        # copied (column slices made contiguous, anything moved to a GPU).
+        spec.weights.clear()
         conn.send_bytes(LOADED)
         join_group(join_store(spec.store_port, spec.size, spec.timeout_s), spec.rank, spec.size, device, spec.timeout_s)
         _serve(model, spec.kv_cache, conn)
