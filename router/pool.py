@@ -12,6 +12,10 @@ ones finish, up to `drain_timeout_s`), then removes and stops it.
 Workers starting (scale-ups and replacements alike) count as pending for the
 policy, so a replacement keeps the pool's size and a booting worker is not
 started twice; a worker being drained is not "dead" to the watch.
+
+With Ray's autoscaler, a worker that finds no room waits while Ray adds a node
+of its type; given the autoscaler's node types, one that no type can hold is
+refused (`Unplaceable`) before its actor is queued.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ class PoolManager:
     async def _start_one(self, spec: PoolSpec) -> _Member:
         self._serial += 1
         cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
-        self._report_unplaceable(spec, cfg.worker_id)
+        self._check_placement(spec, cfg.worker_id)
         actor = self._actor_cls.options(
             num_cpus=spec.num_cpus,
             num_gpus=spec.num_gpus,
@@ -144,7 +148,7 @@ class PoolManager:
         log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
         return _Member(actor, cfg.worker_id, grpc_address, kv)
 
-    def _report_unplaceable(self, spec: PoolSpec, worker_id: str) -> None:
+    def _check_placement(self, spec: PoolSpec, worker_id: str) -> None:
         """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
         actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
         (or has lost, for a replacement) would otherwise look like a slow model load. Without the
