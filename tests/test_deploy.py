@@ -631,12 +631,14 @@ TP_FLAGS = {"prefill": "--prefill-tensor-parallel-size", "decode": "--decode-ten
 
 
 def parse_serve(cmd: list[str], where: str) -> tuple[argparse.Namespace, dict[str, int]]:
-    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size (1 if not given)."""
-    tp = {role: int(flag(cmd, name) or 1) for role, name in TP_FLAGS.items()}
+    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size (its own flag, else
+    the shared --tensor-parallel-size, else 1)."""
     known = {s for a in subparser(cmd)._actions for s in a.option_strings}
     pending = {name for name in TP_FLAGS.values() if name not in known}
     args = [w for i, w in enumerate(cmd) if w not in pending and (i == 0 or cmd[i - 1] not in pending)]
-    return parse_cli(args, where), tp
+    ns = parse_cli(args, where)
+    shared = getattr(ns, "tensor_parallel_size", 1)
+    return ns, {role: int(flag(cmd, name) or shared) for role, name in TP_FLAGS.items()}
 
 
 def pool_asks(ns: argparse.Namespace) -> list[PoolAsk]:
