@@ -269,3 +269,87 @@ def test_cuda_ipc_between_tp_sizes_on_a_gpu(src_tp, dst_tp):
         assert rx.wait(r.ticket, 30) == Completed(5)
         assert_kv_arrived(dst, src, DST_IDS, SRC_IDS)
         sender.close()
+
+
+# ---- engines at different sizes: a prefill at TP N feeding a decode at TP M ------------------
+
+
+@pytest.mark.timeout(300)
+# Not TP 2 on both sides here: a process holds one tensor-parallel engine at a time (one
+# torch.distributed group); equal sizes above 1 are the cache-level tests' above.
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_a_prefill_at_one_tp_size_feeds_a_decode_at_another_token_for_token(prefill_tp, decode_tp):
+    """The engines' own paths (the layer hook sends each layer as it lands, in chunks of
+    8 tokens, a partial last block resent) over TCP: the colocated TP 1 engine's tokens."""
+    from splitserve.decode_worker.connector import ReceiverConnector
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.engine.testing import random_weights, tiny_model_config
+    from splitserve.prefill_worker.connector import SenderConnector
+    from splitserve.worker.testing import EnginePair, assert_engine_empty
+
+    cfg = tiny_model_config()  # 2 KV heads: TP 1 and 2
+    weights = random_weights(cfg)
+    prompt = list(range(1, 23))  # five full blocks of 4 and a partial one
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def engine(tp: int, max_num_batched_tokens: int = 64) -> Engine:
+        return Engine(
+            cfg,
+            weights,
+            EngineConfig(
+                num_blocks=64, block_size=4, tensor_parallel_size=tp, max_num_batched_tokens=max_num_batched_tokens
+            ),
+        )
+
+    colocated = engine(1)
+    try:
+        (want,) = colocated.generate([prompt], greedy)
+    finally:
+        colocated.close()
+    prefill, decode = engine(prefill_tp, max_num_batched_tokens=8), engine(decode_tp)
+    receiver = KVReceiver(decode.kv_cache)
+    try:
+        assert prefill.kv_cache.layout.tp_size == prefill_tp and decode.kv_cache.layout.tp_size == decode_tp
+        decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
+        decode.connect(decode_connector)
+        prefill_connector = SenderConnector(prefill.cfg.block_size, len(prefill.model.layers), cuda=False)
+        prefill.connect(prefill_connector)
+        sender = KVSender(prefill.kv_cache)
+        pair = EnginePair(prefill, decode, receiver, sender, decode_connector, prefill_connector)
+        remote = pair.reserve("r", prompt, greedy)
+        assert remote.transfer.layout.tp_size == decode_tp  # the reservation states the decode side's size
+        stream = pair.start_prefill("r", prompt, greedy, remote)
+        first = pair.prefill_until_done("r")
+        stream.finish(first, timeout=10)
+        assert pair.prefill.release("r")
+        pair.poll_decode(timeout_s=10)
+        assert [first, *pair.decode_to_end("r")] == want
+        sender.close()
+        assert_engine_empty(prefill)
+        assert_engine_empty(decode)
+    finally:
+        receiver.close()
+        prefill.close()
+        decode.close()
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_bench_transfer_tp_prints_each_pair_per_layer_with_its_ratio(capsys):
+    from splitserve.bench.transfer_tp import parse_pairs
+    from splitserve.cli import main
+
+    assert main(["bench", "transfer", "--size", "4M", "--layers", "2", "--repeats", "1", "--transports", "tcp",
+                 "--tp", "2:1,1:2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "--tp 2:1,1:2" in out.splitlines()[0]
+    for pair in ("TP 2 -> TP 1", "TP 1 -> TP 2"):
+        row = next(line for line in out.splitlines() if line.startswith(f"  tcp  {pair}"))
+        assert "plain" in row and "re-sharded" in row and "ms/layer" in row and "ratio" in row
+        assert any(line.startswith(f"  {pair}: pack") and "scatter" in line for line in out.splitlines())
+    with pytest.raises(ValueError, match="SENDER:RECEIVER"):
+        parse_pairs("2-1")
