@@ -4,7 +4,8 @@ Greedy tokens are identical and logits agree to fp32 rounding (the all-reduce
 sums the o and down projections in another order), through chunked prefill,
 batched decode and prefix-cache hits; sizes that do not divide the model are
 refused by name; a rank that dies fails the engine loudly; a worker started with
---tensor-parallel-size serves requests and leaves no rank behind when it stops."""
+--tensor-parallel-size serves requests and leaves no rank behind when it stops, and
+disaggregated prefill and decode between TP sizes give the single process's tokens."""
 
 from __future__ import annotations
 
@@ -407,3 +408,50 @@ def test_bench_tp_reports_both_sizes(capsys: pytest.CaptureFixture[str]) -> None
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[-2:]] == ["TP 1", "TP 2"]
     assert torch.get_num_threads() == threads  # the group gave back the threads it took
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_disaggregated_between_tensor_parallel_sizes_gives_the_single_process_tokens(
+    tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    """The prefill worker's layer hook reads every rank's shard once the layer is written, and
+    the KV transfer re-shards heads between the two sizes (kv_transfer/)."""
+    from splitserve.engine.weights import load_model
+    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+    from splitserve.worker.launch import spawn_worker
+    from tests.e2e_helpers.cluster import FLAGS, wait_all_blocks_free, with_router
+
+    model_dir = tmp_path / "tiny"
+    write_tiny_hf_dir(model_dir)
+    loaded = load_model(str(model_dir), torch.float32, progress=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist() for n in (20, 75, 130)]
+    with engine(loaded.config, loaded.weights, 1, num_blocks=64) as e:
+        want = e.generate(prompts, GREEDY)
+
+    prefill = spawn_worker("prefill", "--model", str(model_dir), "--tensor-parallel-size", str(prefill_tp), *FLAGS)
+    try:
+        decode = spawn_worker("decode", "--model", str(model_dir), "--tensor-parallel-size", str(decode_tp), *FLAGS)
+    except BaseException:
+        prefill.stop()
+        raise
+    try:
+
+        async def one(stub: Any, ids: list[int]) -> list[int]:
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids),
+                sampling=pb.SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True),
+            )
+            return [t async for r in stub.Generate(req, timeout=120) for t in r.token_ids]
+
+        async def body(stub: Any, router: Any) -> list[list[int]]:
+            return list(await asyncio.gather(*(one(stub, p) for p in prompts)))
+
+        got = asyncio.run(with_router([decode], [prefill], loaded.tokenizer, body, mode="disaggregated"))
+        assert got == want
+        wait_all_blocks_free([prefill, decode])
+    finally:
+        decode.stop()
+        prefill.stop()
