@@ -19,8 +19,9 @@ so), not by a call from the test:
   prefill node, while the decode node count stays put;
 - every answer throughout is the single-process engine's greedy text;
 - a pool asking for a resource that no node type has is refused at once (PoolManager raises
-  Unplaceable before queueing the actor), not left pending in Ray for ever; one that a node type
-  has waits, says which type it waits for, and gets its node.
+  Unplaceable before queueing the actor; `serve --node-types` exits 2 before starting any), not
+  left pending in Ray for ever; one that a node type has waits, says which type it waits for,
+  and gets its node.
 
 At most two worker actors load the model at once: the machine may have two cores.
 """
@@ -28,7 +29,10 @@ At most two worker actors load the model at once: the machine may have two cores
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -143,6 +147,26 @@ def test_a_pool_no_node_type_can_hold_is_refused_at_once(nodes, model, caplog):
     # never queued: nothing pending in Ray, no node added for it
     assert nodes.actors("PENDING_CREATION") == []
     assert nodes.counts() == {PREFILL: 1, DECODE: 0}
+
+
+def test_serve_with_the_node_types_refuses_such_a_pool_before_starting_any(nodes):
+    """`splitserve serve --node-types` joining the autoscaling cluster: exit 2 with the line, at once."""
+    cmd = [
+        *("serve", "--ray-address", nodes.cluster.address, "--grpc-port", "0", "--http-port", "-1"),
+        *("--prefill-resources", '{"prefill_node": 1}', "--decode-resources", '{"tpu_node": 1}'),
+        *("--node-types", json.dumps(node_types(nodes))),
+    ]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "splitserve.cli", *cmd], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (
+        "cannot place the workers: no node of the Ray cluster and no node type of its autoscaler can hold one "
+        "decode worker (CPU 1, tpu_node 1)" in r.stderr
+    )
+    assert "prefill worker" not in r.stderr  # the prefill pool fits its node type: no problem
+    print(f"\nautoscale: serve refused the pool and exited 2 in {took:.1f} s (its start and Ray's join included)")
+    assert nodes.actors("PENDING_CREATION") == [] and nodes.counts() == {PREFILL: 1, DECODE: 0}
 
 
 def test_the_decode_pool_grows_and_shrinks_and_only_decode_nodes_follow(nodes, model, caplog):
