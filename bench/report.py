@@ -40,7 +40,12 @@ NOTES = {
     "bf16 rounding in another order flips (Llama-3.2-1B agrees 32 of 32).",
     "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
     "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
-    "workers also stream every token over gRPC.",
+    "workers also stream every token over gRPC. What that costs is measured on each running system before its "
+    "loads: the served gap between tokens over the engine step (colocated, both cores busy, 2.7 ms a step and "
+    "up; disaggregated 0.4-1 ms), and a prefill's slowdown beside 0, 2 and 6 decoding streams (1.0-1.2x). "
+    "The misses are where that is not one number: colocated at 0.5 req/s one worker is mostly idle and "
+    "lends its core to the router, so gaps are shorter than the overhead measured with both busy (ITL p50 "
+    "1.29). Run to run on this shared VM the count has been 23 to 28 of 32.",
     "transfer-tp": "The TP 1 -> TP 1 rows send the same transfer twice: their spread is the noise floor. "
     "Equal sizes above 1 send one zero-copy frame per shard; other pairs pack each receiver shard's heads in "
     "the sender's stream thread, in line with its sends. The copy figures repeat one 8 MiB layer, which stays "
