@@ -363,7 +363,10 @@ def running(pid: int) -> bool:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path, stop: signal.Signals) -> None:
+    """SIGTERM: the worker's shutdown stops its rank; SIGKILL (a crash): the rank sees its
+    parent gone and exits by itself."""
     from splitserve.engine.weights import load_model
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.worker.launch import spawn_worker
@@ -377,6 +380,7 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path) -> Non
         want = e.generate([prompt], GREEDY)[0]
 
     worker = spawn_worker("decode", "--model", str(model_dir), "--tensor-parallel-size", "2", *FLAGS)
+    ranks: list[int] = []
     try:
         ranks = rank_pids(worker.proc.pid)
         assert len(ranks) == 1, worker.log()
@@ -390,14 +394,16 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path) -> Non
 
         got = asyncio.run(with_router([worker], [], loaded.tokenizer, body, mode="colocated"))
         assert got == want
-        os.kill(worker.proc.pid, signal.SIGTERM)  # the worker alone: its own shutdown must stop the rank
-        assert worker.proc.wait(60) == 0, worker.log()
+        os.kill(worker.proc.pid, stop)  # the worker alone, not its process group
+        assert worker.proc.wait(60) == (0 if stop == signal.SIGTERM else -stop), worker.log()
         deadline = time.monotonic() + 30
         while any(running(p) for p in ranks):
             assert time.monotonic() < deadline, f"rank(s) {[p for p in ranks if running(p)]} outlived the worker"
             time.sleep(0.1)
     finally:
         worker.stop()
+        for pid in filter(running, ranks):  # a failed test leaves no orphan either
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_bench_tp_reports_both_sizes(capsys: pytest.CaptureFixture[str]) -> None:
