@@ -67,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cluster with fewer CPUs than workers, said at start)",
     )
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size); the KV "
+            "transfer re-shards heads between pools of different sizes",
+        )
     p.add_argument(
         "--prefill-resources",
         default="{}",
@@ -106,11 +114,31 @@ def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
     )
 
 
+def pool_tp_size(a: argparse.Namespace, role: str) -> int:
+    """A pool's tensor-parallel size: its own flag, else the shared --tensor-parallel-size."""
+    own: int | None = getattr(a, f"{role}_tensor_parallel_size")
+    return own if own is not None else int(a.tensor_parallel_size)
+
+
+def check_pool_tp(role: str, tp: int, device: str, gpus_per_worker: float) -> None:
+    """Refuse a pool whose workers' ranks would run on GPUs Ray did not give them: on CUDA a
+    worker of tensor-parallel size N puts a rank on each of N GPUs."""
+    if tp < 1:
+        raise ValueError(f"--{role}-tensor-parallel-size must be at least 1, got {tp}")
+    if device.startswith("cuda") and gpus_per_worker < tp:
+        raise ValueError(
+            f"{role} workers at tensor-parallel size {tp} need {tp} GPUs each: --gpus-per-worker is "
+            f"{gpus_per_worker:g}; set --gpus-per-worker {tp}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # checked before Ray starts, so a bad flag costs nothing
         prefill, decode = scaling_config(args, "prefill"), scaling_config(args, "decode")
         node_types = parse_node_types(args.node_types)
+        for role in ("prefill", "decode"):
+            check_pool_tp(role, pool_tp_size(args, role), args.device, args.gpus_per_worker)
     except (ValueError, OSError) as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 2
@@ -168,7 +196,7 @@ async def _serve(
         return WorkerConfig(
             role=role,
             model=a.model,
-            engine=engine_cfg,
+            engine=replace(engine_cfg, tensor_parallel_size=pool_tp_size(a, role)),
             host=a.worker_host,
             kv_transport=a.kv_transport,
             cluster_token=cluster_token,

@@ -43,6 +43,7 @@ import yaml  # PyYAML: a dependency of ray, which splitserve requires
 
 from splitserve.cli import build_parser
 from splitserve.router.placement import PoolAsk, node_types_of_cluster_config, placement_problems
+from splitserve.serve import pool_tp_size
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -624,21 +625,10 @@ def custom_resources(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
     return {"prefill": json.loads(ns.prefill_resources), "decode": json.loads(ns.decode_resources)}
 
 
-# Each pool's tensor-parallel size. The deploy configs name the per-pool flags; until `splitserve
-# serve` has them (its TP flag plumbing is being written), they are read here by value and left
-# out of the CLI parse, which checks every other flag exactly.
-TP_FLAGS = {"prefill": "--prefill-tensor-parallel-size", "decode": "--decode-tensor-parallel-size"}
-
-
 def parse_serve(cmd: list[str], where: str) -> tuple[argparse.Namespace, dict[str, int]]:
-    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size (its own flag, else
-    the shared --tensor-parallel-size, else 1)."""
-    known = {s for a in subparser(cmd)._actions for s in a.option_strings}
-    pending = {name for name in TP_FLAGS.values() if name not in known}
-    args = [w for i, w in enumerate(cmd) if w not in pending and (i == 0 or cmd[i - 1] not in pending)]
-    ns = parse_cli(args, where)
-    shared = getattr(ns, "tensor_parallel_size", 1)
-    return ns, {role: int(flag(cmd, name) or shared) for role, name in TP_FLAGS.items()}
+    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size as serve reads it."""
+    ns = parse_cli(cmd, where)
+    return ns, {role: pool_tp_size(ns, role) for role in ("prefill", "decode")}
 
 
 def pool_asks(ns: argparse.Namespace) -> list[PoolAsk]:
