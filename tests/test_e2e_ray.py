@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import urllib.request
 
 import pytest
@@ -162,6 +163,51 @@ class TestFixedPools:
 
         assert fixed.run(scenario) == want
         assert counted(fixed.cluster.router.metrics.migrations) >= 1
+
+
+# ---- tensor parallelism inside an actor
+
+
+def test_a_tensor_parallel_prefill_actor_feeds_a_tp1_decode_actor_greedy_unchanged(ray_cluster, model):
+    """The prefill actor runs SmolLM2 at TP 3 (its 3 KV heads one per rank; 9 heads, 1536 of MLP:
+    all divide), its ranks processes it spawns inside the actor; the decode actor at TP 1 gets
+    each layer's heads re-sharded on the way. Greedy output equals the single-process engine's."""
+    ids = encode(model, CHATS[:2])
+    expected = reference(model, ids)
+
+    async def scenario() -> list[tuple[list[int], pb.Usage]]:
+        c = await start_cluster(model, prefill_tp=3)
+        try:
+            import ray
+
+            (prefill,) = c.pools.members["prefill"]
+            pid = await asyncio.to_thread(ray.get, prefill.actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            assert len(children(pid)) >= 2, "the TP 3 prefill actor runs two rank processes beside itself"
+            out = [await c.generate(p) for p in ids]
+            await c.no_blocks_held()
+            assert counted(c.router.metrics.decisions, mode="remote") == len(ids)
+            return out
+        finally:
+            await c.close()
+
+    results = asyncio.run(scenario())
+    for i, ((got, _), want) in enumerate(zip(results, expected, strict=True)):
+        assert got == want, f"request {i} ({len(ids[i])} prompt tokens) differs at TP 3 -> TP 1"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # gone meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
 
 
 # ---- a prefill pool that scales on its queue

@@ -13,7 +13,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -183,16 +183,19 @@ async def start_cluster(
     num_cpus: float = 1.0,
     decode_scaling: ScalingConfig | None = None,
     node_types: Mapping[str, Mapping[str, float]] | None = None,
+    prefill_tp: int = 1,
 ) -> Cluster:
     """One prefill and one decode actor to start with; a pool scales if given a config.
     `resources`: each pool's custom Ray resources (its node type); `worker_host` as `serve
     --worker-host` ("auto": each worker listens on and advertises its Ray node's IP); `node_types`
-    the autoscaler's, as `serve --node-types`."""
+    the autoscaler's, as `serve --node-types`; `prefill_tp` the prefill workers' tensor-parallel size
+    (the decode pool's is 1: the KV transfer re-shards between them)."""
     token = secrets.token_urlsafe(16)
     resources = resources or {}
 
     def spec(role: Role, scaling: ScalingConfig | None = None) -> PoolSpec:
-        worker = WorkerConfig(role=role, engine=ENGINE, host=worker_host, cluster_token=token, threads=1)
+        engine = replace(ENGINE, tensor_parallel_size=prefill_tp if role == "prefill" else 1)
+        worker = WorkerConfig(role=role, engine=engine, host=worker_host, cluster_token=token, threads=1)
         return PoolSpec(role, 1, worker, num_cpus, resources=dict(resources.get(role, {})), scaling=scaling)
 
     specs = [spec("prefill", prefill_scaling), spec("decode", decode_scaling)]
