@@ -181,7 +181,8 @@ def test_a_tensor_parallel_prefill_actor_feeds_a_tp1_decode_actor_greedy_unchang
             import ray
 
             (prefill,) = c.pools.members["prefill"]
-            pid = await asyncio.to_thread(ray.get, prefill.actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            call = prefill.actor.__ray_call__.remote(lambda _: os.getpid())
+            pid = int(await asyncio.to_thread(ray.get, call, timeout=30))
             assert len(children(pid)) >= 2, "the TP 3 prefill actor runs two rank processes beside itself"
             out = [await c.generate(p) for p in ids]
             await c.no_blocks_held()
