@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
+from splitserve.bench.transfer import whole_cache_seconds
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.kv_transfer import Completed, KVReceiver, KVSender, heads, links
+from splitserve.kv_transfer import heads, links
 from splitserve.kv_transfer.reservation import TransportName
 
 
@@ -72,11 +73,11 @@ def run_tp(args: argparse.Namespace, layout: KVLayout, blocks: int, transports: 
             runs = []
             for i in range(args.repeats):
                 if i % 2:
-                    resharded = _seconds(kind, src, dst, args.checksum)
-                    runs.append((_seconds(kind, plain_src, plain_dst, args.checksum), resharded))
+                    resharded = whole_cache_seconds(kind, src, dst, args.checksum)
+                    runs.append((whole_cache_seconds(kind, plain_src, plain_dst, args.checksum), resharded))
                 else:
-                    plain = _seconds(kind, plain_src, plain_dst, args.checksum)
-                    runs.append((plain, _seconds(kind, src, dst, args.checksum)))
+                    plain = whole_cache_seconds(kind, plain_src, plain_dst, args.checksum)
+                    runs.append((plain, whole_cache_seconds(kind, src, dst, args.checksum)))
                 if i == 0 and not torch.equal(torch.cat(dst.shards, dim=4), whole):
                     raise AssertionError(f"TP {n} -> TP {m} over {kind}: the destination's KV is not the source's")
             plain_ms = statistics.median(p for p, _ in runs) / layers * 1e3
@@ -96,25 +97,6 @@ def run_tp(args: argparse.Namespace, layout: KVLayout, blocks: int, transports: 
         pack_ms = _median_ms(lambda: _pack(src, dst, packer))  # noqa: B023 (called here, in this iteration)
         scatter_ms = _median_ms(lambda: _scatter(src, dst))  # noqa: B023
         print(f"  TP {n} -> TP {m}: pack {pack_ms:6.2f} ms   scatter {scatter_ms:6.2f} ms")
-
-
-def _seconds(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float:
-    """One whole cache through kv_transfer, every block of every layer; the seconds to the receiver's confirmation."""
-    ids = list(range(src.num_blocks))
-    with KVReceiver(dst, transport=kind) as rx:
-        assert rx.transport == kind, f"receiver fell back to {rx.transport}"
-        r = rx.reserve("bench-tp", ids, lease_s=600)
-        sender = KVSender(src, checksum=checksum)
-        stream = sender.open(r)
-        assert stream.transport == kind, f"sender fell back to {stream.transport}"
-        t = time.perf_counter()
-        for layer in range(src.layout.num_layers):
-            stream.send_layer(layer, ids)
-        stream.finish(1, timeout=600)
-        dt = time.perf_counter() - t
-        assert rx.wait(r.ticket, 10) == Completed(1)
-        sender.close()
-    return dt
 
 
 def _median_ms(fn: Callable[[], None]) -> float:
