@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from splitserve.grpc_fork import disable_grpc_fork_handlers
+
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "serve": ("splitserve.serve", "start a local cluster: Ray, router, prefill and decode pools"),
@@ -59,6 +61,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    disable_grpc_fork_handlers()  # before any subcommand imports gRPC
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     if getattr(args, "_missing", None):

@@ -6,8 +6,13 @@ import os
 
 import pytest
 
+from splitserve.grpc_fork import disable_grpc_fork_handlers
+
 # Nothing in the tests may reach a model hub; transformers reads this at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Before any test imports gRPC: Ray starts its GCS and raylets from this process by fork, which
+# gRPC's fork handlers sometimes abort (splitserve/grpc_fork.py says how often).
+disable_grpc_fork_handlers()
 
 
 @pytest.fixture(scope="session")

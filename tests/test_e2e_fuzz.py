@@ -571,6 +571,25 @@ async def fuzz() -> tuple[Counter[str], Counter[str], list[str]]:
     return http, rpc, bad
 
 
+def client_garbage(r: logging.LogRecord) -> bool:
+    """aiohttp's own report of broken HTTP it met outside any handler (it answers 400 itself)."""
+    exc = r.exc_info[1] if r.exc_info else None
+    return r.name == "aiohttp.server" and isinstance(exc, (HttpProcessingError, RequestPayloadError))
+
+
+def foreign_loop(r: logging.LogRecord) -> bool:
+    """gRPC's asyncio poller is one per process: it hands each completion to the loop its call was made
+    on, and a call an earlier test made on its own (since closed) loop finds that loop closed. Seen once
+    in a full CI run. This test has one loop, running, so such a call was never one of its requests."""
+    exc = r.exc_info[1] if r.exc_info else None
+    return (
+        r.name == "asyncio"
+        and "PollerCompletionQueue._handle_events" in r.getMessage()
+        and isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+    )
+
+
 def test_no_client_input_gets_a_server_error(caplog: pytest.LogCaptureFixture) -> None:
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING):
@@ -582,18 +601,9 @@ def test_no_client_input_gets_a_server_error(caplog: pytest.LogCaptureFixture) -
     assert sum(http.values()) == sum(rpc.values()) == CASES
     assert not bad, "\n".join(bad[:10])
     # aiohttp logs (at ERROR) the broken HTTP it meets outside any handler: an encoding its parser cannot
-    # decode (it answers 400 itself), or a body that fails to decompress as it drains it after a 404 or
-    # 405. The client's garbage, met by aiohttp's code; not a fault of the router.
-    errors = [
-        r
-        for r in caplog.records
-        if r.levelno >= logging.ERROR
-        and not (
-            r.name == "aiohttp.server"
-            and r.exc_info
-            and isinstance(r.exc_info[1], (HttpProcessingError, RequestPayloadError))
-        )
-    ]
+    # decode, or a body that fails to decompress as it drains it after a 404 or 405. The client's garbage,
+    # met by aiohttp's code; not a fault of the router.
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not client_garbage(r) and not foreign_loop(r)]
     assert not errors, [r.getMessage() for r in errors[:5]]
     warnings = [r for r in caplog.records if r.name == "splitserve.router.http"]
     assert not warnings, [r.getMessage() for r in warnings[:5]]  # a body that slipped past the checks

@@ -51,16 +51,7 @@ def ray_cluster():
     import ray
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
-    try:
-        ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING)
-    except Exception as e:
-        # Seen once in ~10 runs on the 2-core CI machine: the raylet never registered with the GCS
-        # within Ray's fixed 30 s (and left no log at all); a second start went through. Ray's own
-        # startup, not ours, so it gets one more try before the tests fail on it.
-        if "timed out during startup" not in str(e):
-            raise
-        ray.shutdown()
-        ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING)
     try:
         assert is_token_auth_enabled(), "Ray was imported before this module could turn token auth on"
         yield ray

@@ -55,7 +55,10 @@ class Serve:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == self.proc.pid:  # the session id, 6th field of /proc/PID/stat
+            # fields[3] is the session id (6th field of /proc/PID/stat). A zombie (Z, or X as it goes) has
+            # exited and holds nothing but its exit status until its new parent reaps it; seen once in a
+            # full CI run as a process with no command line still listed just after serve exited.
+            if int(fields[3]) == self.proc.pid and fields[0] not in ("Z", "X"):
                 found.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:120]!r}")
         return found
 

@@ -167,31 +167,20 @@ def autoscaling_cluster(node_types: list[NodeType], idle_timeout_minutes: float)
     os.environ.update(env)
     cluster = None
     try:
-        for attempt in (1, 2):
-            port = _free_port()
-            config = autoscaling_config(node_types, f"{ip}:{port}", idle_timeout_minutes)
-            with open(path, "w") as f:
-                json.dump(config, f)
-            head_args = {
-                "num_cpus": 0,
-                "include_dashboard": False,
-                "autoscaling_config": path,
-                "gcs_server_port": port,
-                "object_store_memory": NODE_STORE_BYTES,
-                # the provider knows the head by this id, as `ray start --head` names it under RAY_FAKE_CLUSTER
-                "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
-            }
-            try:
-                cluster = Cluster(initialize_head=True, head_node_args=head_args)
-                break
-            except (AssertionError, FileNotFoundError) as e:
-                # Seen once in a full CI run, never alone: the head's GCS server exited before writing
-                # its first log line (the test process forked it while gRPC threads of earlier tests were
-                # live: "skipping fork() handlers"). Ray's own start, not ours: one more try, new port.
-                if attempt == 2:
-                    raise
-                logging.getLogger(__name__).warning("the Ray head did not start (%r); once more", e)
-        assert cluster is not None
+        port = _free_port()
+        config = autoscaling_config(node_types, f"{ip}:{port}", idle_timeout_minutes)
+        with open(path, "w") as f:
+            json.dump(config, f)
+        head_args = {
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "autoscaling_config": path,
+            "gcs_server_port": port,
+            "object_store_memory": NODE_STORE_BYTES,
+            # the provider knows the head by this id, as `ray start --head` names it under RAY_FAKE_CLUSTER
+            "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
+        }
+        cluster = Cluster(initialize_head=True, head_node_args=head_args)
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         nodes = AutoscalingNodes(ray, cluster, config, node_types)
         asyncio.run(nodes.until_counts({t.name: t.min_workers for t in node_types}, "the min_workers nodes", 120))
