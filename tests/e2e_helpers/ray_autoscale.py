@@ -156,9 +156,12 @@ def autoscaling_cluster(node_types: list[NodeType], idle_timeout_minutes: float)
     from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
     from ray.cluster_utils import Cluster
 
+    port = _free_port()
     ip = ray._private.services.get_node_ip_address()
+    config = autoscaling_config(node_types, f"{ip}:{port}", idle_timeout_minutes)
     fd, path = tempfile.mkstemp(prefix="splitserve-autoscaling-", suffix=".json")
-    os.close(fd)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
     before = _descendants(os.getpid())
     # The autoscaler (a child of the head) reads these when it starts: the fake provider refuses to
     # run without RAY_FAKE_CLUSTER, and one second between updates instead of five.
@@ -167,10 +170,6 @@ def autoscaling_cluster(node_types: list[NodeType], idle_timeout_minutes: float)
     os.environ.update(env)
     cluster = None
     try:
-        port = _free_port()
-        config = autoscaling_config(node_types, f"{ip}:{port}", idle_timeout_minutes)
-        with open(path, "w") as f:
-            json.dump(config, f)
         head_args = {
             "num_cpus": 0,
             "include_dashboard": False,
