@@ -32,8 +32,8 @@ test-tools:
 	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
-# ruff's and mypy's settings are in pyproject.toml; both read the package through
-# the committed link `splitserve -> .`, so they run from the repository root.
+# ruff's and mypy's settings are in pyproject.toml (the package under src/, the tests at the root);
+# both run from the repository root.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -9,7 +9,7 @@
 # The copy a GPU machine gets has no .git, or a stale one: pass the commit it is, as
 # SPLITSERVE_COMMIT=$(git rev-parse --short HEAD), so that the figures name it.
 #
-# The repository goes on the path as the `splitserve` package through a symlink
+# The repository's src/ goes on the path, so `splitserve` imports from the checkout
 # (nothing is installed), the CUDA tests run, then `splitserve bench engine
 # --device cuda` on SmolLM2 (its shape with random weights when the 98 MB GGUF
 # is not installed: a step's time does not depend on the values), Llama-3.2-1B
@@ -22,9 +22,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/bench/results}
 mkdir -p "$out"
-pkg=$(mktemp -d)
-ln -s "$root" "$pkg/splitserve"
-export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 

@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 
-TOKEN_KEY = "x-splitserve-token"  # splitserve.worker.auth.TOKEN_KEY, kept here so the probe imports little
+TOKEN_KEY = "x-splitserve-token"  # splitserve.workers.common.auth.TOKEN_KEY, kept here so the probe imports little
 
 
 def check_router(address: str, timeout: float) -> tuple[bool, str]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from splitserve.grpc_fork import disable_grpc_fork_handlers
+from splitserve.runtime.grpc_fork import disable_grpc_fork_handlers
 
 # Nothing in the tests may reach a model hub; transformers reads this at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

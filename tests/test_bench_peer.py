@@ -220,7 +220,7 @@ def test_a_worker_is_pinned_with_one_thread_per_core_and_takes_the_systems_flags
     spec = SystemSpec("disaggregated", flags=("--dtype", "bfloat16"))
     argv = worker_argv("prefill", spec, _ctx(), (0,), "/w/p.ready")
     assert argv[:3] == ["taskset", "-c", "0"]
-    assert argv[3:6] == [sys.executable, "-m", "splitserve.worker"]
+    assert argv[3:6] == [sys.executable, "-m", "splitserve.workers"]
     assert argv[argv.index("--role") + 1] == "prefill" and argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--model") + 1] == "/m" and argv[-2:] == ["--dtype", "bfloat16"]
     assert worker_argv("decode", spec, _ctx(), None, "/w/d.ready")[0] == sys.executable

@@ -15,14 +15,15 @@ import time
 import pytest
 
 from splitserve import cli
-from splitserve.bench.serve import arrivals, datasets, metrics
+from splitserve.bench.serve import arrivals, datasets
 from splitserve.bench.serve.backends import Outcome, Prompt
 from splitserve.bench.serve.driver import Clock, run_load
 from splitserve.bench.serve.fake_openai import MODEL, FakeScript, running_fake
-from splitserve.bench.serve.plots import plot_burst, plot_compare, plot_sweep
 from splitserve.bench.serve.progress import Progress
-from splitserve.bench.serve.results import BenchResult, RequestRecord, RunResult, load_result, save_result
 from splitserve.bench.serve.tokenizer import load_text_tokenizer
+from splitserve.measure import metrics
+from splitserve.measure.plots import plot_burst, plot_compare, plot_sweep
+from splitserve.measure.results import BenchResult, RequestRecord, RunResult, load_result, save_result
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 
 from splitserve.cli import build_parser
 from splitserve.router.flags import router_config_from_args
-from splitserve.worker.auth import cluster_token_refusal, is_loopback
-from splitserve.worker.server import run as run_worker
+from splitserve.workers.common.auth import cluster_token_refusal, is_loopback
+from splitserve.workers.server import run as run_worker
 
 
 def parse(*argv: str) -> argparse.Namespace:

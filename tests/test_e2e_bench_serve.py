@@ -14,12 +14,12 @@ from contextlib import contextmanager
 import pytest
 
 from splitserve import cli
-from splitserve.bench.serve.results import load_result
 from splitserve.bench.serve.tokenizer import load_text_tokenizer
+from splitserve.measure.results import load_result
 from splitserve.router.config import Mode, RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
-from splitserve.worker.launch import WorkerProcess, spawn_worker
+from splitserve.workers.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e

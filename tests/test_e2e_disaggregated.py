@@ -26,7 +26,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
-from splitserve.worker.launch import spawn_worker
+from splitserve.workers.launch import spawn_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

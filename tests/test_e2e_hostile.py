@@ -41,8 +41,8 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.server import Router
-from splitserve.worker.auth import TOKEN_KEY
-from splitserve.worker.launch import WorkerProcess, spawn_worker
+from splitserve.workers.common.auth import TOKEN_KEY
+from splitserve.workers.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import ENGINE_FLAGS, stats, wait_all_blocks_free, with_router
 from tests.test_e2e_fuzz import fuzz_grpc, fuzz_http, until
 

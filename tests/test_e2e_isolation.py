@@ -32,7 +32,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.worker.launch import WorkerProcess, spawn_worker
+from splitserve.workers.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import (
     FLAGS,
     expected,

@@ -21,8 +21,8 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import DecodePolicy, RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
-from splitserve.worker.config import WorkerConfig
-from splitserve.worker.server import start_worker
+from splitserve.workers.common.config import WorkerConfig
+from splitserve.workers.server import start_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -21,9 +21,9 @@ import urllib.request
 import pytest
 import torch
 
+from splitserve.cluster.scaling import ScalingConfig
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.scaling import ScalingConfig
 from tests.e2e_helpers.ray_pools import (  # turns on Ray's token auth, before anything imports Ray
     CHATS,
     NEW_TOKENS,

@@ -39,15 +39,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from splitserve.cluster.placement import node_types_of_cluster_config
+from splitserve.cluster.pool import PoolManager, PoolSpec, Unplaceable
+from splitserve.cluster.scaling import ScalingConfig
 from splitserve.engine.weights import load_model
 from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.placement import node_types_of_cluster_config
-from splitserve.router.pool import PoolManager, PoolSpec, Unplaceable
-from splitserve.router.scaling import ScalingConfig
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
-from splitserve.worker.config import WorkerConfig
+from splitserve.workers.common.config import WorkerConfig
 from tests.e2e_helpers.ray_autoscale import (  # Ray's token auth, before anything imports Ray
     AutoscalingNodes,
     NodeType,
@@ -195,7 +195,7 @@ def test_the_decode_pool_grows_and_shrinks_and_only_decode_nodes_follow(nodes, m
         await no_actor_left(nodes)
         return out
 
-    with caplog.at_level(logging.INFO, logger="splitserve.router.pool"):
+    with caplog.at_level(logging.INFO, logger="splitserve.cluster.pool"):
         streams, answers = asyncio.run(scenario())
     assert streams == want_streams and answers == want + want
     assert any("waits (up to" in r.getMessage() and "a node of type decode" in r.getMessage() for r in caplog.records)

@@ -35,14 +35,14 @@ from typing import Any
 import pytest
 import torch
 
+from splitserve.cluster.placement import CPU, PoolAsk, placement_problems
+from splitserve.cluster.pool import PoolManager, PoolSpec
 from splitserve.engine.weights import load_model
 from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.placement import CPU, PoolAsk, placement_problems
-from splitserve.router.pool import PoolManager, PoolSpec
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
-from splitserve.worker.config import WorkerConfig
+from splitserve.workers.common.config import WorkerConfig
 from tests.e2e_helpers.ray_pools import (  # turns on Ray's token auth, before anything imports Ray
     CHATS,
     ENGINE,
@@ -264,7 +264,7 @@ def test_a_pool_asking_for_a_node_type_no_node_has_is_reported_at_once(nodes, mo
             await starting
         return pools, reported
 
-    with caplog.at_level(logging.WARNING, logger="splitserve.router.pool"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.cluster.pool"):
         pools, reported = asyncio.run(scenario())
     assert reported < 5.0
     (line,) = {r.getMessage() for r in caplog.records if "tpu_node: " in r.getMessage()}

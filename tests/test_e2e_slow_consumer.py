@@ -17,7 +17,7 @@ import torch
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.worker.launch import spawn_worker
+from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, expected, wait_all_blocks_free, with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -11,7 +11,7 @@ from splitserve.engine.connector import NullConnector, TransferOutcome
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import SeqStatus
 from splitserve.kv_transfer import TransferError
-from splitserve.worker.testing import EnginePair, assert_engine_empty, tiny_engine
+from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ import pytest
 FORKER = textwrap.dedent("""
     import subprocess, sys, threading
     from concurrent import futures
-    from splitserve.grpc_fork import disable_grpc_fork_handlers
+    from splitserve.runtime.grpc_fork import disable_grpc_fork_handlers
     if sys.argv[2] == "off":
         disable_grpc_fork_handlers()
     import grpc

@@ -281,13 +281,13 @@ def test_cuda_ipc_between_tp_sizes_on_a_gpu(src_tp, dst_tp):
 def test_a_prefill_at_one_tp_size_feeds_a_decode_at_another_token_for_token(prefill_tp, decode_tp):
     """The engines' own paths (the layer hook sends each layer as it lands, in chunks of
     8 tokens, a partial last block resent) over TCP: the colocated TP 1 engine's tokens."""
-    from splitserve.decode_worker.connector import ReceiverConnector
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
     from splitserve.engine.sampling import SamplingParams
     from splitserve.engine.testing import random_weights, tiny_model_config
-    from splitserve.prefill_worker.connector import SenderConnector
-    from splitserve.worker.testing import EnginePair, assert_engine_empty
+    from splitserve.workers.decode.connector import ReceiverConnector
+    from splitserve.workers.prefill.connector import SenderConnector
+    from splitserve.workers.testing import EnginePair, assert_engine_empty
 
     cfg = tiny_model_config()  # 2 KV heads: TP 1 and 2
     weights = random_weights(cfg)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from splitserve.bench.plan_check import Row, compare, format_table
-from splitserve.bench.serve.results import RequestRecord, RunResult, Stats
+from splitserve.measure.results import RequestRecord, RunResult, Stats
 from splitserve.plan.calibrate import serving_load_flags, serving_point
 from splitserve.plan.costs import mixed_step_s
 from splitserve.plan.profile import (
@@ -24,7 +24,7 @@ from splitserve.plan.profile import (
     save_profile,
     with_serving,
 )
-from splitserve.plan.simulate import Percentiles
+from splitserve.plan.sim.simulate import Percentiles
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from splitserve.bench.serve import metrics
-from splitserve.bench.serve.results import BenchResult, RequestRecord, save_result
+from splitserve.measure import metrics
+from splitserve.measure.results import BenchResult, RequestRecord, save_result
 from splitserve.plan import decision
 from splitserve.plan.decision import best_split, decide
 from splitserve.plan.deployment import Deployment
 from splitserve.plan.hardware import GPUS, Network, accelerator, cpu_from_profile
 from splitserve.plan.shapes import BUILTIN
-from splitserve.plan.workload import Length, Workload, lengths_from_result
+from splitserve.plan.sim.workload import Length, Workload, lengths_from_result
 
 
 def deployment(model="llama-3-8b", gpus=2, tp=1, gbps=25.0, rdma=False, gpu="h100-sxm") -> Deployment:

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from splitserve.bench.decoding_streams import DecodingStreams
-from splitserve.bench.serve.results import RequestRecord
+from splitserve.measure.results import RequestRecord
 from splitserve.plan.calibrate import PREFILL_LOAD_STREAMS, prefill_load_flags, prefill_load_points
 from splitserve.plan.costs import mixed_step_s
 from splitserve.plan.profile import (
@@ -28,7 +28,7 @@ from splitserve.plan.profile import (
     save_profile,
     with_prefill_load,
 )
-from splitserve.plan.simulate import ClusterSpec, Request, simulate
+from splitserve.plan.sim.simulate import ClusterSpec, Request, simulate
 from tests.test_plan_calibrate import synthetic
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,8 +107,8 @@ def test_the_simulator_slows_prefill_steps_by_the_decoding_in_the_whole_cluster(
 
 
 def test_a_replayed_request_keeps_what_the_server_said_it_found_cached():
-    from splitserve.bench.serve.results import RunResult, Stats
-    from splitserve.plan.sim_sweep import requests_from_run
+    from splitserve.measure.results import RunResult, Stats
+    from splitserve.plan.sim.sweep import requests_from_run
 
     st = Stats(0.0, 0.0, 0.0, 0.0)
     recs = [RequestRecord("steady", 62, 8, 0.0, 0.07, [0.02], 0.3, None, cached_len=48),

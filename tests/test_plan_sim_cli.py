@@ -45,7 +45,7 @@ def test_plan_simulate_plot_writes_the_rate_and_split_charts(tmp_path, capsys):
 
 def test_plot_rates_draws_one_line_per_mode_over_the_rates(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from splitserve.plan import sim_plots
+    from splitserve.plan.sim import plots as sim_plots
 
     drawn = {}
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from splitserve.bench.serve.results import RequestRecord, RunResult, Stats
+from splitserve.measure.results import RequestRecord, RunResult, Stats
 from splitserve.plan.costs import mixed_step_s, pipelined_tail_s
 from splitserve.plan.deployment import Deployment, DeploymentCosts
 from splitserve.plan.hardware import GPUS, Network
 from splitserve.plan.shapes import BUILTIN
-from splitserve.plan.sim_sweep import best_split, poisson_requests, requests_from_run, sweep_rates
-from splitserve.plan.simulate import ClusterSpec, Mode, Request, Slo, percentile, simulate, weighted_percentiles
+from splitserve.plan.sim.simulate import ClusterSpec, Mode, Request, Slo, percentile, simulate, weighted_percentiles
+from splitserve.plan.sim.sweep import best_split, poisson_requests, requests_from_run, sweep_rates
 
 pytestmark = pytest.mark.timeout(120)
 

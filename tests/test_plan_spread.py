@@ -20,7 +20,7 @@ from splitserve.plan.profile import (
     spread_table,
     with_serving,
 )
-from splitserve.plan.simulate import ClusterSpec, Request, simulate
+from splitserve.plan.sim.simulate import ClusterSpec, Request, simulate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def test_the_profile_keeps_the_engine_steps_spread_around_its_fit():
 
 
 def test_serving_gap_ratios_measure_each_gap_against_the_served_model():
-    from splitserve.bench.serve.results import RequestRecord
+    from splitserve.measure.results import RequestRecord
 
     p = _profile()
     # one worker, two requests decoding together from 0.2 s; the gaps alternate 27 and 33 ms

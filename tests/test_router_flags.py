@@ -72,7 +72,7 @@ def test_the_router_command_reads_its_cluster_token_flag() -> None:
 
 def test_the_worker_flags_build_the_engine_config() -> None:
     from splitserve.engine.config import EngineConfig
-    from splitserve.worker.server import engine_config_from_args
+    from splitserve.workers.server import engine_config_from_args
 
     a = parse("worker", "--role", "decode", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64")
     assert engine_config_from_args(a) == EngineConfig(max_num_batched_tokens=256, long_prefill_token_threshold=64)

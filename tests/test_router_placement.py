@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.router.placement import (
+from splitserve.cluster.placement import (
     CPU,
     GPU,
     PoolAsk,
@@ -111,7 +111,7 @@ def test_node_types_read_from_a_cluster_launcher_config() -> None:
 
 
 def test_serve_reads_node_types_from_json_or_a_cluster_launcher_yaml(tmp_path) -> None:
-    from splitserve.serve import parse_node_types
+    from splitserve.cluster.serve import parse_node_types
 
     assert parse_node_types(None) is None
     assert parse_node_types('{"decode": {"GPU": 2, "decode_node": 1}}') == {"decode": {GPU: 2.0, "decode_node": 1.0}}

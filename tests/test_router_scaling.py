@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from splitserve.cluster.scaling import ScalerState, ScalingConfig, ScalingDecision, decide, least_loaded
 from splitserve.router.policy import WorkerLoad
-from splitserve.router.scaling import ScalerState, ScalingConfig, ScalingDecision, decide, least_loaded
 
 CFG = ScalingConfig(
     min_replicas=1,
@@ -232,7 +232,7 @@ def serve_args(*flags: str):
 
 
 def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():
-    from splitserve.serve import scaling_config
+    from splitserve.cluster.serve import scaling_config
 
     a = serve_args()
     assert scaling_config(a, "prefill") is None and scaling_config(a, "decode") is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cli import build_parser, main
-from splitserve.serve import check_pool_tp, pool_tp_size
+from splitserve.cluster.serve import check_pool_tp, pool_tp_size
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -369,7 +369,7 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path, stop: 
     parent gone and exits by itself."""
     from splitserve.engine.weights import load_model
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-    from splitserve.worker.launch import spawn_worker
+    from splitserve.workers.launch import spawn_worker
     from tests.e2e_helpers.cluster import FLAGS, with_router
 
     model_dir = tmp_path / "tiny"
@@ -407,7 +407,7 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path, stop: 
 
 
 def test_bench_tp_reports_both_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    from splitserve.engine.parallel.bench_tp import main
+    from splitserve.bench.tensor_parallel import main
 
     threads = torch.get_num_threads()
     assert main(["--tp", "2", "--tiny", "--reps", "1", "--steps", "2", "--batch", "2", "--prompt-len", "16"]) == 0
@@ -426,7 +426,7 @@ def test_disaggregated_between_tensor_parallel_sizes_gives_the_single_process_to
     the KV transfer re-shards heads between the two sizes (kv_transfer/)."""
     from splitserve.engine.weights import load_model
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-    from splitserve.worker.launch import spawn_worker
+    from splitserve.workers.launch import spawn_worker
     from tests.e2e_helpers.cluster import FLAGS, wait_all_blocks_free, with_router
 
     model_dir = tmp_path / "tiny"

@@ -24,7 +24,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 from prometheus_client import CollectorRegistry
 
-from splitserve import tracing
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.testing import random_weights, tiny_model_config
@@ -33,8 +32,9 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
-from splitserve.worker.config import WorkerConfig
-from splitserve.worker.server import RunningWorker, start_worker
+from splitserve.runtime import tracing
+from splitserve.workers.common.config import WorkerConfig
+from splitserve.workers.server import RunningWorker, start_worker
 
 pytestmark = [pytest.mark.e2e]
 

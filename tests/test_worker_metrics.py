@@ -23,9 +23,9 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
-from splitserve.worker.launch import spawn_worker
-from splitserve.worker.metrics import WorkerMetrics, start_metrics_server
-from splitserve.worker.testing import EnginePair, assert_engine_empty, tiny_engine
+from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
+from splitserve.workers.launch import spawn_worker
+from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
 from tests.e2e_helpers.cluster import FLAGS
 
 NAMES = [

@@ -22,7 +22,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
-from splitserve.worker.launch import WorkerProcess
+from splitserve.workers.launch import WorkerProcess
 
 T = TypeVar("T")
 

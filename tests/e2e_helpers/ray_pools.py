@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from splitserve.cluster.pool import PoolManager, PoolSpec
+from splitserve.cluster.scaling import ScalingConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
@@ -27,11 +29,9 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.pool import PoolManager, PoolSpec
-from splitserve.router.scaling import ScalingConfig
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
-from splitserve.worker.config import WorkerConfig
+from splitserve.workers.common.config import WorkerConfig
 
 # Ray reads its auth settings once, when it is first imported, and nothing imports it while
 # tests are collected: set them here, before any test runs, as `splitserve serve` does before

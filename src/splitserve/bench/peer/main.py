@@ -1,0 +1,283 @@
+"""`splitserve bench peer`: vLLM's CPU build against splitserve on this machine, the
+same model (the GGUF's weights exported as one HF directory both load), the same
+loads (`splitserve bench serve`, same seeds), one system at a time:
+
+    for each system in --systems: start it, warm it up, run every load, stop it
+
+then one table in which every splitserve figure is also a ratio to vLLM's, a
+line per system with the cores it computed on, the combined JSON, and the sweep
+plot where bench serve provides one.
+
+    splitserve bench peer --quick --vllm-venv /work/peer/vllm --skip-install
+    splitserve bench peer --splitserve-flags "--dtype bfloat16" --system-flags "auto=--max-num-batched-tokens 256"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.bench.peer import report
+from splitserve.bench.peer.servers import SYSTEMS, LaunchContext, RunningSystem, SystemSpec, describe_cores
+
+LOADS = ("sharegpt", "sweep", "burst", "prefill")
+DEFAULT_OUT = os.path.join("bench", "results", "peer")
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "splitserve", "peer")
+SERVED_MODEL_NAME = "smollm2-135m-instruct"
+GOODPUT = ("ttft:3000", "tpot:100")
+
+
+@dataclass(frozen=True)
+class Load:
+    """One `bench serve` invocation: its name (a key of the results) and its flags."""
+
+    name: str
+    flags: tuple[str, ...]
+    timeout_s: float
+
+
+def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> list[Load]:
+    """The bench serve invocations of the named loads. Each load has its own seed: both systems
+    cache prefixes, and a prompt seen in an earlier load would be a cache hit in a later one."""
+
+    def n(full: int, small: int) -> str:
+        return str(small if quick else full)
+
+    out_len = n(128, 16)
+    slo = ["--goodput", *GOODPUT]
+    prompt_len = n(1000, 200)
+    table = {
+        "sharegpt": [Load("sharegpt", ("--dataset", "sharegpt", "--num-prompts", n(40, 4), "--max-concurrency", n(4, 2),
+                                       "--sharegpt-output-len", out_len, "--ignore-eos", "--seed", "1", *slo),
+                          timeout_s)],
+        "sweep": [Load("sweep", ("--dataset", "sharegpt", "--num-prompts", n(20, 3), "--request-rate",
+                                 "0.5,1" if quick else rates, "--sharegpt-output-len", out_len, "--ignore-eos",
+                                 "--seed", "2", *slo), timeout_s)],
+        # bench serve's burst schedule (steady streams, long prompts at once in between): its own defaults
+        "burst": [Load("burst", ("--dataset", "burst", "--seed", "3", *slo,
+                                 *(("--burst-count", "1", "--burst-interval-s", "2", "--burst-input-len", "200",
+                                    "--burst-steady-output-len", "32") if quick else ())), timeout_s)],
+        # one long prompt alone, then two at once, one output token: the prefill rate
+        "prefill": [
+            Load(f"prefill{k}", ("--dataset", "random", "--random-input-len", prompt_len, "--random-output-len", "1",
+                                 "--num-prompts", str(k), "--max-concurrency", str(k), "--ignore-eos",
+                                 "--seed", str(3 + k)), timeout_s)
+            for k in (1, 2)
+        ],
+    }  # fmt: skip
+    unknown = [x for x in names if x not in table]
+    if unknown:
+        raise ValueError(f"unknown load(s) {', '.join(unknown)}; expected some of {', '.join(LOADS)}")
+    return [load for x in names for load in table[x]]
+
+
+def bench_serve_argv(load: Load, base_url: str, model: str, tokenizer: str, json_path: str, label: str,
+                     backend: str) -> list[str]:  # fmt: skip
+    return [sys.executable, "-m", "splitserve.cli", "bench", "serve", "--backend", backend, "--base-url", base_url,
+            "--model", model, "--tokenizer", tokenizer, "--no-progress", *load.flags, "--json", json_path,
+            "--label", label]  # fmt: skip
+
+
+def system_specs(systems: list[str], splitserve_flags: str, vllm_flags: str, router_flags: str,
+                 per_system: list[str]) -> list[SystemSpec]:  # fmt: skip
+    """--splitserve-flags for every splitserve system, --vllm-flags for vLLM, then each
+    `SYSTEM=FLAGS` of --system-flags appended to that system's (later flags win)."""
+    extra: dict[str, list[str]] = {}
+    for item in per_system:
+        name, sep, flags = item.partition("=")
+        if not sep or name not in SYSTEMS:
+            raise ValueError(f"--system-flags {item!r}: expected SYSTEM=FLAGS with SYSTEM one of {', '.join(SYSTEMS)}")
+        extra.setdefault(name, []).extend(shlex.split(flags))
+    specs = []
+    for name in systems:
+        base = shlex.split(vllm_flags if name == "vllm" else splitserve_flags)
+        router = () if name == "vllm" else tuple(shlex.split(router_flags))
+        specs.append(SystemSpec(name, tuple(base + extra.get(name, [])), router))
+    return specs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--loads", default=",".join(LOADS), help=f"comma list of {', '.join(LOADS)}")
+    p.add_argument("--rates", default="0.2,0.4,0.6,0.8", help="the sweep's Poisson request rates (req/s)")
+    p.add_argument("--quick", action="store_true", help="tiny loads: a smoke run of the whole harness")
+    p.add_argument("--out", default=DEFAULT_OUT, help="results: per-load JSON, logs, peer.json, plots")
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model-dir", default=None, help="where its HF export goes (default: under ~/.cache)")
+    p.add_argument("--vllm-venv", default=None, help="vLLM's venv (default: ~/.cache/splitserve/peer/vllm-venv)")
+    p.add_argument("--skip-install", action="store_true", help="use --vllm-venv as it is; fail if vllm does not import")
+    p.add_argument("--cores", default=None, help="cores to pin to, e.g. 0,1 (default: all usable; 'none': unpinned)")
+    p.add_argument(
+        "--splitserve-flags", default="", help='engine flags for every splitserve worker, e.g. "--dtype bfloat16"'
+    )
+    p.add_argument("--router-flags", default="", help="flags for every splitserve router")
+    p.add_argument("--vllm-flags", default="", help="flags appended to vLLM's API server")
+    p.add_argument("--system-flags", action="append", default=[], metavar="SYSTEM=FLAGS",
+                   help="flags for one system only, appended after the above (repeatable)")  # fmt: skip
+    p.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai-completions"])
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a system to serve")
+    p.add_argument("--load-timeout", type=float, default=3600.0, help="seconds for one bench serve run")
+    p.add_argument("--replot", action="store_true", help="only redraw the charts from --out's peer.json")
+
+
+def parse_cores(value: str | None) -> tuple[int, ...] | None:
+    if value == "none":
+        return None
+    if value is None:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(int(c) for c in value.split(",") if c.strip())
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(os.path.join(args.out, "peer.json"), encoding="utf-8") as f:
+            plot(json.load(f)["systems"], args.out)
+        return 0
+    from splitserve.bench.peer.hf_export import export_hf_dir
+    from splitserve.bench.peer.vllm_env import DEFAULT_VENV, VllmEnvError, VllmEnvSpec, ensure_vllm_env
+
+    try:
+        specs = system_specs(_split(args.systems), args.splitserve_flags, args.vllm_flags, args.router_flags,
+                             args.system_flags)  # fmt: skip
+        loads = loads_for(_split(args.loads), args.quick, args.rates, args.load_timeout)
+    except ValueError as e:
+        print(f"splitserve bench peer: {e}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    logs = os.path.join(out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    model_dir = os.path.abspath(args.model_dir or os.path.join(DEFAULT_CACHE, "model"))
+    print(f"model: exporting to {model_dir} (reused when current)", flush=True)
+    export_hf_dir(args.model, model_dir)
+    vllm_python = ""
+    if any(s.is_vllm for s in specs):
+        try:
+            vllm_python = ensure_vllm_env(VllmEnvSpec(venv=args.vllm_venv or DEFAULT_VENV), args.skip_install,
+                                          log=os.path.join(logs, "vllm-install.log"))  # fmt: skip
+        except VllmEnvError as e:
+            print(f"splitserve bench peer: vLLM venv: {e}", file=sys.stderr)
+            return 1
+    ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs,
+                        vllm_python=vllm_python, cores=parse_cores(args.cores), kv_cache_gib=args.kv_cache_gib,
+                        start_timeout_s=args.start_timeout)  # fmt: skip
+    for load in loads:  # what each row of the table measured, before any figure
+        print(f"load {load.name}: bench serve {' '.join(load.flags)} --backend {args.backend}", flush=True)
+    results = {spec.name: run_system(spec, ctx, loads, out, args.backend) for spec in specs}
+    return finish(results, [s.name for s in specs], [load.name for load in loads], out, ctx)
+
+
+def run_system(spec: SystemSpec, ctx: LaunchContext, loads: list[Load], out: str, backend: str) -> dict[str, Any]:
+    """Start the system, run every load against it, stop it; errors are recorded, not raised,
+    so that one system failing still leaves the others' figures."""
+    from splitserve.bench.peer.servers import ServerError, start_system
+
+    res: dict[str, Any] = {"flags": list(spec.flags), "router_flags": list(spec.router_flags), "loads": {}}
+    print(f"[{spec.name}] starting", flush=True)
+    try:
+        system = start_system(spec, ctx)
+    except ServerError as e:
+        print(f"[{spec.name}] ERROR: did not start: {e}", file=sys.stderr, flush=True)
+        return res | {"error": f"start: {e}"}
+    with system:
+        res |= {"start_s": system.start_s, "cores": system.cores, "argv": system.argv}
+        print(f"[{spec.name}] serving at {system.base_url} after {system.start_s:.1f}s; "
+              f"{describe_cores(spec.name, system.cores)}", flush=True)  # fmt: skip
+        try:
+            res["warmup"] = warmup(system.base_url, ctx.served_model_name)
+        except OSError as e:
+            return res | {"error": f"warmup: {e}"}
+        for load in loads:
+            res["loads"][load.name] = run_load(system, load, ctx, out, backend)
+    return res
+
+
+def warmup(base_url: str, model: str, timeout_s: float = 300.0) -> str:
+    """One short chat request before the loads: first-use costs (kernel builds, graph captures)
+    must not land in the first load's figures. Returns the reply's text."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    req = urllib.request.Request(base_url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        reply = json.load(r)
+    return str(reply["choices"][0]["message"]["content"])
+
+
+def run_load(system: RunningSystem, load: Load, ctx: LaunchContext, out: str, backend: str) -> dict[str, Any]:
+    name = system.spec.name
+    json_path = os.path.join(out, f"{name}-{load.name}.json")
+    if os.path.exists(json_path):
+        os.remove(json_path)  # a stale file must not pass for this run's
+    argv = bench_serve_argv(load, system.base_url, ctx.served_model_name, ctx.model_dir, json_path, name, backend)
+    print(f"[{name}] load {load.name}", flush=True)
+    t0 = time.monotonic()
+    with open(os.path.join(ctx.workdir, f"{name}-{load.name}.bench.log"), "wb") as log:
+        try:
+            rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=load.timeout_s).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": f"bench serve ran past {load.timeout_s:g}s"}
+    if rc != 0 or not os.path.exists(json_path):
+        return {"error": f"bench serve exited with {rc} (log: {log.name})"}
+    with open(json_path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    system.check_alive()
+    print(f"[{name}] load {load.name} done in {time.monotonic() - t0:.0f}s", flush=True)
+    return data
+
+
+def finish(results: dict[str, dict[str, Any]], systems: list[str], loads: list[str], out: str,
+           ctx: LaunchContext) -> int:  # fmt: skip
+    rows = report.table_rows(results, loads)
+    print()
+    print(report.format_table(rows, systems))
+    print()
+    for name in systems:
+        res = results[name]
+        if "cores" in res:
+            start = f"started in {res['start_s']:.1f}s"
+            print(f"{describe_cores(name, res['cores'])}; {start}; flags: {' '.join(res['flags']) or '-'}")
+        for what, value in [("", res.get("error"))] + [(f" {k}", v.get("error")) for k, v in res["loads"].items()]:
+            if value:
+                print(f"{name}{what}: ERROR {value}")
+    combined = {"model_dir": ctx.model_dir, "served_model_name": ctx.served_model_name, "systems": results,
+                "table": report.ratios(rows, systems)}  # fmt: skip
+    path = os.path.join(out, "peer.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(combined, f, indent=1)
+    print(f"\nwrote {path}")
+    plot(results, out)
+    failed = any(r.get("error") or any(v.get("error") for v in r["loads"].values()) for r in results.values())
+    return 1 if failed else 0
+
+
+def plot(results: dict[str, dict[str, Any]], out: str) -> None:
+    """The charts, one line (or panel) per system: goodput and SLO attainment against the rate;
+    the ShareGPT load's TTFT, TPOT and ITL distributions; the burst load's ITL over time."""
+    from splitserve.measure.plots import plot_burst, plot_compare, plot_sweep
+
+    def of(load: str) -> list[dict[str, Any]]:
+        return [r["loads"][load] for r in results.values() if "runs" in r.get("loads", {}).get(load, {})]
+
+    drawn = []
+    if of("sweep"):
+        drawn.append(plot_sweep(of("sweep"), out))
+    if of("sharegpt"):
+        drawn.append(plot_compare(of("sharegpt"), out, "sharegpt"))
+    if of("burst"):
+        drawn.append(plot_burst(of("burst"), out))
+    for path in drawn:
+        print(f"plot {path}")
+
+
+def _split(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]

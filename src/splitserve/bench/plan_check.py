@@ -1,0 +1,324 @@
+"""`splitserve bench plan-check`: the simulator behind `splitserve plan --simulate`
+against real runs on this machine.
+
+1. Calibrate: this project's engine step costs measured here (plan/calibrate.py),
+   pinned to one core with one torch thread as each benchmark worker runs, fitted
+   into a profile (saved beside the run's JSON files). `--profile` reuses one.
+   On each system started, before its loads, the serving overhead (what a
+   served token costs beyond the engine step: plan/calibrate.py's
+   `serving_point`) and how much a served prefill slows while other requests
+   decode (`prefill_load_points`) are measured and fitted into that system's
+   copy of the profile (`profile-SYSTEM.json`), unless the profile has them for
+   that system already. Both depend on the system: a client's gap between
+   tokens is 7 ms over the engine step colocated here (both cores run a worker,
+   so the router and the client take their cycles from the decode steps) and 1 ms
+   disaggregated (the prefill worker's core is idle between prompts).
+2. Measure: each system (colocated: one worker per core behind a router;
+   disaggregated: a prefill and a decode worker on a core each) is started as
+   `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
+   ShareGPT, one short run per Poisson rate, each rate with its own prompts (a
+   prompt seen before would be a prefix-cache hit).
+3. Also bench serve's burst load (steady streams, bursts of long prompts), unless --no-burst.
+4. Simulate the same requests (each run's own send times and the prompt and output
+   lengths the server counted, the chat template's opening blocks cached as the
+   workers' prefix cache holds them: `chat_prefix_cached_tokens`) on a cluster of
+   the same shape with the profile's costs and its measured spread of decode
+   steps, and print simulated against measured TTFT and ITL p50 and p90, their
+   ratio, and whether it is within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+TOLERANCE = 0.25  # |simulated / measured - 1| at most this
+DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "splitserve", "plan-check")
+MODES = ("colocated", "disaggregated")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of colocated, disaggregated")
+    p.add_argument("--rates", default="0.5,1,1.5", help="Poisson request rates (req/s), one run each")
+    p.add_argument("--num-prompts", type=int, default=32, help="ShareGPT requests per run")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens of every request (EOS ignored)")
+    p.add_argument("--max-input-len", type=int, default=1024, help="longest ShareGPT prompt kept")
+    p.add_argument("--dtype", default="float32", help="the workers' dtype, and the calibration's")
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--profile", default=None, help="a saved profile JSON instead of calibrating now")
+    p.add_argument("--cores", default=None, help="cores to pin to, e.g. 0,1 (default: all usable)")
+    p.add_argument(
+        "--no-burst", action="store_true", help="skip bench serve's burst load (steady streams, long prompts)"
+    )
+    p.add_argument("--seed", type=int, default=10, help="the first run's prompt seed (each run adds one)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="profile, bench serve JSON files and logs")
+    p.add_argument("--load-timeout", type=float, default=900.0, help="seconds for one bench serve run")
+
+
+class Row(NamedTuple):
+    mode: str
+    load: str  # "sharegpt@RATE" or "burst"
+    requests: int
+    metric: str
+    measured_ms: float
+    simulated_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.simulated_ms / self.measured_ms if self.measured_ms > 0 else float("nan")
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE
+
+
+def run(args: argparse.Namespace) -> int:
+    from splitserve.bench.peer.hf_export import export_hf_dir
+    from splitserve.bench.peer.main import SERVED_MODEL_NAME, parse_cores
+    from splitserve.bench.peer.servers import LaunchContext
+    from splitserve.plan.calibrate import CalibrationConfig, calibrate
+    from splitserve.plan.profile import load_profile, save_profile
+
+    print(f"$ splitserve {shlex.join(sys.argv[1:])}   # at {_commit()}", flush=True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not modes or any(m not in MODES for m in modes) or not rates or min(rates) <= 0:
+        print(f"bench plan-check: --modes from {', '.join(MODES)}, --rates positive", file=sys.stderr)
+        return 2
+    cores = parse_cores(args.cores)
+    out = os.path.abspath(args.out)
+    logs = os.path.join(out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    if args.profile:
+        profile = load_profile(args.profile)
+        print(f"profile: {args.profile}")
+    else:
+        core = cores[0] if cores else None
+        t0 = time.monotonic()
+        profile = calibrate(CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=core),
+                            log=lambda s: print("  " + s, flush=True))  # fmt: skip
+        path = os.path.join(out, "profile.json")
+        save_profile(profile, path)
+        print(f"profile: calibrated in {time.monotonic() - t0:.0f}s, saved to {path}")
+    _print_profile(profile)
+    model_dir = export_hf_dir(args.model, os.path.join(os.path.dirname(DEFAULT_OUT), "peer", "model"))
+    ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores)
+    rows: list[Row] = []
+    failed = False
+    for mode in modes:
+        try:
+            rows += _check_mode(mode, rates, args, ctx, out, profile)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"[{mode}] ERROR: {e}", flush=True)
+            failed = True
+    print()
+    print(format_table(rows))
+    within = sum(r.within for r in rows)
+    print(f"\n{within} of {len(rows)} simulated figures within {TOLERANCE:.0%} of the measured ones")
+    return 1 if failed or not rows else 0
+
+
+def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str,
+                profile: Any) -> list[Row]:  # fmt: skip
+    """The rows of one system, simulated with the profile's engine costs and this system's serving
+    overhead and prefill slowdown (measured here unless the profile has them for it)."""
+    from splitserve.bench.peer.main import Load, run_load, warmup
+    from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.measure.results import RunResult
+    from splitserve.plan.profile import ProfileCosts, prefill_slowdown
+    from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
+    from splitserve.plan.sim.sweep import requests_from_run
+    from splitserve.router.engine_tokenizer import EngineTokenizer
+
+    spec = SystemSpec(mode, flags=("--dtype", args.dtype))
+    chat = EngineTokenizer(Tokenizer.from_hf_dir(ctx.model_dir))
+    cached = chat_prefix_cached_tokens(chat.encode_chat, EngineConfig().block_size)
+    where = placement(mode, ctx.cores)
+    decode, prefill = len(where.cores_of("decode")), len(where.cores_of("prefill"))
+    sim_mode: Mode = "colocated" if mode == "colocated" else "disaggregated"
+    cluster = ClusterSpec(sim_mode, decode_workers=decode, prefill_workers=prefill)
+    print(f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
+          f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}, the first {cached} tokens of every "
+          f"prompt (the chat template's opening, whole blocks) cached", flush=True)  # fmt: skip
+    try:
+        system = start_system(spec, ctx)
+    except ServerError as e:
+        raise RuntimeError(f"did not start: {e}") from None
+    rows = []
+    with system:
+        print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
+        warmup(system.base_url, ctx.served_model_name)
+        if not profile.serve_system.startswith(f"{mode},"):  # measured on this system: colocated here is 7x
+            profile = _measure_serving(system, ctx, out, profile, decode, args)  # disaggregated's (see the note)
+        if prefill_slowdown(profile, mode) is None:
+            profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
+        loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
+                      "--request-rate", f"{rate:g}", "--sharegpt-output-len", str(args.output_len),
+                      "--sharegpt-max-input-len", str(args.max_input_len), "--ignore-eos", "--seed",
+                      str(args.seed + i)), args.load_timeout) for i, rate in enumerate(rates)]  # fmt: skip
+        if not args.no_burst:  # bench serve's own burst schedule and defaults
+            loads.append(
+                Load("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates))), args.load_timeout)
+            )
+        for load in loads:
+            print(f"[{mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
+            data = run_load(system, load, ctx, out, "openai-chat")
+            if "error" in data:
+                raise RuntimeError(f"{load.name}: {data['error']}")
+            measured = RunResult.from_dict(data["runs"][0])
+            sim = simulate(requests_from_run(measured, cached), cluster, ProfileCosts(profile),
+                           random.Random(args.seed), spread=profile.step_spread(),
+                           prefill_slowdown=prefill_slowdown(profile, mode))  # fmt: skip
+            rows += compare(mode, load.name, measured, sim)
+    return rows
+
+
+def chat_prefix_cached_tokens(encode_chat: Callable[[Sequence[tuple[str, str]]], list[int]], block_size: int) -> int:
+    """What a worker's prefix cache holds of every chat prompt: the tokens the chat template puts
+    before any user's words (SmolLM2's default system prompt: 24), in whole blocks (16 of them at
+    block size 16). The first request on a worker (plan-check's warm-up) caches them."""
+    a = encode_chat([("user", "Hello there.")])
+    b = encode_chat([("user", "What is the capital of France?")])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // block_size * block_size
+
+
+def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace) -> Any:
+    """The serving overhead on this running system (plan/calibrate.py's `serving_point`, one bench
+    serve run per batch), fitted into the profile, which is saved again."""
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.measure.metrics import percentile
+    from splitserve.measure.results import RunResult
+    from splitserve.plan.calibrate import SERVE_BATCHES, serving_gap_ratios, serving_load_flags, serving_point
+    from splitserve.plan.profile import save_profile, with_serving
+
+    name = system.spec.name
+    points, ratios = [], []
+    for i, batch in enumerate(SERVE_BATCHES):
+        load = Load(f"serving-b{batch}", serving_load_flags(batch, workers, args.seed + 100 + i), args.load_timeout)
+        data = run_load(system, load, ctx, out, "openai-chat")
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        records = RunResult.from_dict(data["runs"][0]).requests
+        try:
+            b, context, engine_s, served_s = serving_point(records, workers, profile)
+            gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
+        except ValueError as e:  # the requests did not all decode together (routing uneven, a late prefill)
+            print(f"[{name}] serving: batch {batch} per worker not measured: {e}", flush=True)
+            continue
+        print(f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
+              f"served gap {served_s * 1e3:.1f} ms; gaps / model p10 {percentile(gaps, 10):.3f} "
+              f"p50 {percentile(gaps, 50):.3f} p90 {percentile(gaps, 90):.3f}", flush=True)  # fmt: skip
+        points.append((b, context, engine_s, served_s))
+        ratios += [(b, r) for r in gaps]
+    if not points:
+        raise RuntimeError("the serving overhead: no batch measured")
+    profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
+    save_profile(profile, os.path.join(out, f"profile-{name}.json"))
+    print(f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
+          f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile", flush=True)  # fmt: skip
+    return profile
+
+
+def _measure_prefill_load(system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int,
+                          args: argparse.Namespace) -> Any:  # fmt: skip
+    """How a served prefill slows beside decoding requests, on this running system (plan/calibrate.py's
+    `prefill_load_points`), fitted into the profile for it, which is saved again."""
+    from splitserve.bench.decoding_streams import DecodingStreams
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.measure.results import RunResult
+    from splitserve.plan.calibrate import PREFILL_LOAD_STREAMS, prefill_load_flags, prefill_load_points
+    from splitserve.plan.profile import save_profile, with_prefill_load
+
+    name = system.spec.name
+    points = []
+    for i, n in enumerate(PREFILL_LOAD_STREAMS):
+        load = Load(f"prefill-beside-{n}", prefill_load_flags(args.seed + 200 + i), args.load_timeout)
+        with DecodingStreams(system.base_url, ctx.served_model_name, n, max_tokens=2000) as streams:
+            streams.wait_decoding()
+            data = run_load(system, load, ctx, out, "openai-chat")
+            context = 40 + sum(streams.tokens) // max(n, 1) // 2  # the chat prompt, and about half what they made
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        batch = 0 if prefill else -(-n // decode)  # on a prefill worker nothing else runs in its steps
+        got = prefill_load_points(RunResult.from_dict(data["runs"][0]).requests, n, batch, context, cached, profile)
+        ratios = sorted(s / e for _, e, s in got)
+        print(f"[{name}] prefill beside {n} decoding: {len(got)} prompts, measured / model median "
+              f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})", flush=True)  # fmt: skip
+        points += got
+    profile = with_prefill_load(profile, name, points)
+    save_profile(profile, os.path.join(out, f"profile-{name}.json"))
+    _, base, per_stream = next(f for f in profile.prefill_load_fits if f[0] == name)
+    print(f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
+          f"the profile", flush=True)  # fmt: skip
+    return profile
+
+
+def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
+    """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult, s)."""
+    n = measured.completed
+    return [
+        Row(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * 1e3),
+        Row(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * 1e3),
+        Row(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * 1e3),
+        Row(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * 1e3),
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'mode':14s} {'load':13s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
+             f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r.mode:14s} {r.load:13s} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
+                     f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _print_profile(p: Any) -> None:
+    print(f"profile of {p.description}: chunk {p.max_num_batched_tokens}, {p.num_layers} layers, "
+          f"KV {p.kv_bytes_per_token} B/token")  # fmt: skip
+    print("  prefill (ms): " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in p.prefill_points)
+          + f"; + {p.prefill_s_per_token_ctx * 1e9:.1f} ns per new token per cached token")  # fmt: skip
+    print(f"  decode step = {p.decode_base_s * 1e3:.2f} ms + {p.decode_s_per_seq * 1e3:.3f} ms/request "
+          f"+ {p.decode_s_per_ctx_token * 1e6:.2f} us/context token")  # fmt: skip
+    print(f"  KV transfer = {p.transfer_base_s * 1e3:.2f} ms + {p.transfer_s_per_byte * 1e9:.3f} ms/MB whole")
+    if p.serve_points:
+        print(f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
+              f"{p.serve_s_per_seq * 1e3:.3f} ms/token")  # fmt: skip
+    print("  " + spread_line(p))
+    for system, base, per_stream in p.prefill_load_fits:
+        print(f"  prefill under load ({system}) = model x ({base:.3f} + {per_stream:.4f} per decoding request)")
+
+
+def spread_line(p: Any) -> str:
+    """The decode steps' spread around the model, per batch: p10/p50/p90 of measured / modelled."""
+
+    def at(ratios: tuple[float, ...], q: float) -> float:
+        return ratios[min(range(len(p.spread_levels)), key=lambda i: abs(p.spread_levels[i] - q))]
+
+    def table(t: Any) -> str:
+        return ", ".join(f"b{b} {at(r, 0.1):.2f}/{at(r, 0.5):.2f}/{at(r, 0.9):.2f}" for b, r in t) or "not measured"
+
+    return (f"step spread, p10/p50/p90 of measured / model: engine {table(p.decode_spread)}; "
+            f"served gaps {table(p.serve_spread)}")  # fmt: skip
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=here)  # fmt: skip
+        return done.stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"

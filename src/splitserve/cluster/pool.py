@@ -1,0 +1,362 @@
+"""The pool manager: starts the prefill and decode pools as Ray actors, learns
+each actor's addresses from the actor itself, hands them to the router's
+WorkerSet, replaces an actor that dies, and scales a pool on its queue.
+
+Each pool is a `PoolSpec`: how many workers to start with, the Ray resources of
+each (CPUs, GPUs, and custom resources so that a pool can be pinned to a node
+type), the worker config they run, and optionally a `ScalingConfig`. With one,
+a scale loop applies the policy of router/scaling.py every `interval_s`: a grow
+starts actors; a shrink drains the chosen worker (no new requests; its running
+ones finish, up to `drain_timeout_s`), then removes and stops it.
+
+Workers starting (scale-ups and replacements alike) count as pending for the
+policy, so a replacement keeps the pool's size and a booting worker is not
+started twice; a worker being drained is not "dead" to the watch.
+
+With Ray's autoscaler, a worker that finds no room waits while Ray adds a node
+of its type; given the autoscaler's node types, one that no type can hold is
+refused (`Unplaceable`) before its actor is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.workers import Role, WorkerSet
+from splitserve.workers.common.config import WorkerConfig
+
+if TYPE_CHECKING:  # the actor's module imports ray, as this one does: when the pool starts
+    from splitserve.cluster.actor import WorkerActor
+    from splitserve.cluster.placement import NodeTypes
+
+log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
+
+class Unplaceable(RuntimeError):
+    """A worker that no node of the Ray cluster, nor any node type of its autoscaler, can hold."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    role: Role
+    replicas: int  # started at once; with scaling, the initial size
+    worker: WorkerConfig
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill_node": 1}
+    scaling: ScalingConfig | None = None  # None: a fixed size (dead workers are still replaced)
+
+    def __post_init__(self) -> None:
+        if self.role != self.worker.role:
+            raise ValueError(f"PoolSpec role {self.role!r} differs from its worker config's {self.worker.role!r}")
+        if self.replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        s = self.scaling
+        if s is not None and not s.min_replicas <= self.replicas <= s.max_replicas:
+            raise ValueError(f"{self.role} pool: replicas {self.replicas} outside [{s.min_replicas}, {s.max_replicas}]")
+
+
+@dataclass(eq=False)
+class _Member:
+    actor: Any
+    worker_id: str
+    grpc_address: str
+    kv_endpoint: str | None
+    draining: bool = False  # chosen by the scaler: being drained, then stopped (not dead)
+
+
+class PoolManager:
+    """Owns the actors of every pool. Runs on the router's event loop."""
+
+    def __init__(
+        self,
+        specs: list[PoolSpec],
+        workers: WorkerSet,
+        start_timeout_s: float = 300.0,
+        watch_interval_s: float = 2.0,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        node_types: NodeTypes | None = None,
+    ) -> None:
+        """`node_types`: the Ray autoscaler's (name -> one node's resources), when the cluster has one:
+        a worker that no node type can hold is then refused at once instead of queued in Ray."""
+        import ray
+
+        self._ray = ray
+        self.specs = {s.role: s for s in specs}
+        self.workers = workers
+        self.start_timeout_s = start_timeout_s
+        self.watch_interval_s = watch_interval_s
+        self.metrics = metrics or RouterMetrics(workers.cfg)
+        self.clock = clock
+        self.node_types = node_types
+        self.members: dict[Role, list[_Member]] = {s.role: [] for s in specs}
+        self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
+        self._actor_cls = ray.remote(_actor_class())
+        self._serial = 0
+        self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
+        self._jobs: set[asyncio.Task[None]] = set()  # starts and drains in flight
+
+    async def start(self) -> None:
+        """Start every pool's initial replicas together and wait until all listen."""
+        specs = [spec for spec in self.specs.values() for _ in range(spec.replicas)]
+        for spec in specs:
+            self.pending[spec.role] += 1
+        results = await asyncio.gather(*[self._start_one(spec) for spec in specs], return_exceptions=True)
+        for spec, r in zip(specs, results, strict=True):
+            self.pending[spec.role] -= 1
+            if isinstance(r, _Member):
+                self._register(spec.role, r)
+        self._publish_sizes()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r  # the ones that did start are ours to stop
+        loop = asyncio.get_running_loop()
+        self._loops.append(loop.create_task(self._watch_loop()))
+        for spec in self.specs.values():
+            if spec.scaling is not None and spec.scaling.scales:
+                self._loops.append(loop.create_task(self._scale_loop(spec.role, spec.scaling)))
+
+    async def _start_one(self, spec: PoolSpec) -> _Member:
+        self._serial += 1
+        cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
+        self._check_placement(spec, cfg.worker_id)
+        actor = self._actor_cls.options(
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            resources=dict(spec.resources),
+            name=cfg.worker_id,
+            max_restarts=0,
+        ).remote(cfg)
+        try:
+            grpc_address, kv = await asyncio.wait_for(_ray_get(actor.addresses.remote()), self.start_timeout_s)
+        except BaseException:
+            # timed out (no room in the cluster, a slow load), failed or cancelled: never leave it behind
+            self._kill(actor)
+            raise
+        log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
+        return _Member(actor, cfg.worker_id, grpc_address, kv)
+
+    def _check_placement(self, spec: PoolSpec, worker_id: str) -> None:
+        """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
+        actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
+        (or has lost, for a replacement) would otherwise look like a slow model load. Without the
+        autoscaler's node types only said, not refused: an autoscaler may add the node. With them,
+        the node type it waits for is named, and a worker that no node type can hold is refused
+        (`Unplaceable`) before its actor is queued."""
+        from splitserve.cluster.placement import (
+            PoolAsk,
+            alive_nodes,
+            describe_nodes,
+            node_types_to_add,
+            placement_problems,
+        )
+
+        try:
+            nodes = alive_nodes(self._ray.nodes())
+        except Exception as e:  # a check for the log's sake: the start goes on without it
+            log.debug("ray.nodes: %s", e)
+            return
+        ask = PoolAsk.of(spec.role, 1, spec.num_cpus, spec.num_gpus, spec.resources)
+        if self.node_types is not None:
+            problems = placement_problems([ask], nodes, self.node_types)
+            if problems:
+                raise Unplaceable(f"{spec.role} worker {worker_id} cannot be placed: {problems[0]}")
+            if to_add := node_types_to_add(ask, nodes, self.node_types):
+                log.info(
+                    "%s worker %s waits (up to %.0f s) for the autoscaler to add a node of type %s",
+                    spec.role,
+                    worker_id,
+                    self.start_timeout_s,
+                    " or ".join(to_add),
+                )
+            return
+        for problem in placement_problems([ask], nodes):
+            log.warning(
+                "%s worker %s waits (up to %.0f s) for a node that can hold it: %s; the cluster has %s",
+                spec.role,
+                worker_id,
+                self.start_timeout_s,
+                problem,
+                describe_nodes(nodes),
+            )
+
+    def _register(self, role: Role, m: _Member) -> None:
+        self.members[role].append(m)
+        self.workers.add(m.grpc_address, role)
+
+    def _publish_sizes(self) -> None:
+        for role, members in self.members.items():
+            draining = sum(m.draining for m in members)
+            g = self.metrics.pool_workers
+            g.labels(role, "serving").set(len(members) - draining)
+            g.labels(role, "draining").set(draining)
+            g.labels(role, "starting").set(self.pending[role])
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    def _add_worker(self, role: Role) -> None:
+        """One more worker in the pool, counted as pending from now until it is up (or failed)."""
+        self.pending[role] += 1
+        self._publish_sizes()
+        self._spawn(self._boot(role))
+
+    async def _boot(self, role: Role) -> None:
+        try:
+            m = await self._start_one(self.specs[role])
+        except Unplaceable as e:  # a line of its own says it all
+            log.error("%s", e)
+            m = None
+        except Exception:
+            log.exception("could not start a %s worker", role)
+            m = None
+        finally:
+            self.pending[role] -= 1
+        if m is not None:
+            self._register(role, m)
+        self._publish_sizes()
+
+    # ---- the watch: dead workers are replaced
+
+    async def _watch_loop(self) -> None:
+        """Ping every actor; replace the ones that died."""
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            # all at once: a hung actor costs one ping timeout a round, not one per actor behind it
+            watched = [(role, m) for role, members in self.members.items() for m in members if not m.draining]
+            answers = await asyncio.gather(
+                *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
+                return_exceptions=True,
+            )
+            for (role, m), answer in zip(watched, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    self._replace(role, m, answer)
+
+    def _replace(self, role: Role, m: _Member, why: BaseException) -> None:
+        members = self.members[role]
+        if m.draining or m not in members:
+            return  # the scaler took it away while we asked
+        log.warning(
+            "%s worker %s (%s) is gone (%s); replacing it", role, m.worker_id, m.grpc_address, type(why).__name__
+        )
+        members.remove(m)
+        self.workers.remove(m.grpc_address)
+        self._kill(m.actor)  # hung rather than dead: make sure
+        self.metrics.scaling_decisions.labels(role, "replace").inc()
+        self._add_worker(role)
+
+    # ---- the scaler
+
+    async def _scale_loop(self, role: Role, cfg: ScalingConfig) -> None:
+        state = ScalerState()
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            state = self._scale_once(role, cfg, state)
+
+    def _scale_once(self, role: Role, cfg: ScalingConfig, state: ScalerState) -> ScalerState:
+        members = self.members[role]
+        loads = {}
+        for m in members:
+            w = self.workers.get(m.grpc_address)
+            if w is not None and not m.draining:
+                loads[m.grpc_address] = w.load()
+        draining = sum(m.draining for m in members)
+        d, state = decide(cfg, loads, self.pending[role], draining, self.clock(), state)
+        if d.action == "hold":
+            log.debug("%s pool: hold: %s", role, d.reason)
+            return state
+        log.info("%s pool: %s %d: %s", role, d.action, d.num_workers, d.reason)
+        self.metrics.scaling_decisions.labels(role, d.action).inc()
+        if d.action == "grow":
+            for _ in range(d.num_workers):
+                self._add_worker(role)
+        else:
+            (m,) = [m for m in members if m.grpc_address == d.worker]
+            m.draining = True  # at once, so the next application of the policy already sees it
+            self._publish_sizes()
+            self._spawn(self._drain(role, m, cfg.drain_timeout_s))
+        return state
+
+    async def _drain(self, role: Role, m: _Member, timeout_s: float) -> None:
+        """Until the worker has finished its requests (or the deadline), then remove and stop it."""
+        workers = self.workers
+        workers.drain(m.grpc_address)
+        deadline = self.clock() + timeout_s
+        while not workers.drained(m.grpc_address):
+            w = workers.get(m.grpc_address)
+            if w is None or w.failures >= workers.cfg.unhealthy_after_failures:
+                log.info("%s worker %s stopped answering while draining", role, m.worker_id)
+                break
+            if self.clock() > deadline:
+                log.warning(
+                    "%s worker %s still busy after %.0f s of draining; stopping it anyway "
+                    "(its requests are retried elsewhere)",
+                    role,
+                    m.worker_id,
+                    timeout_s,
+                )
+                break
+            await asyncio.sleep(workers.cfg.stats_interval_s)
+        workers.remove(m.grpc_address)
+        await self._stop_actor(m)
+        # a member until stopped, so that `members` never lists fewer actors than are alive
+        self.members[role].remove(m)
+        self._publish_sizes()
+        log.info("%s worker %s (%s) drained and stopped", role, m.worker_id, m.grpc_address)
+
+    async def _stop_actor(self, m: _Member) -> None:
+        """A clean stop first (the worker closes its server and KV endpoint), then the process goes."""
+        try:
+            await asyncio.wait_for(_ray_get(m.actor.stop.remote()), STOP_TIMEOUT_S)
+        except Exception as e:
+            log.debug("stopping %s: %s", m.worker_id, type(e).__name__)
+        finally:
+            self._kill(m.actor)
+
+    def _kill(self, actor: Any) -> None:
+        try:
+            self._ray.kill(actor)
+        except Exception as e:  # already gone, or Ray itself shutting down
+            log.debug("ray.kill: %s", e)
+
+    # ----
+
+    def addresses(self, role: Role) -> list[tuple[str, str | None]]:
+        return [(m.grpc_address, m.kv_endpoint) for m in self.members.get(role, [])]
+
+    async def stop(self) -> None:
+        tasks = self._loops + list(self._jobs)
+        for t in tasks:
+            t.cancel()
+        # a start cancelled here kills its half-started actor; a cancelled drain leaves its member to us
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops.clear()
+        for members in self.members.values():
+            for m in members:
+                await self._stop_actor(m)
+            members.clear()
+
+
+async def _ray_get(ref: Any) -> Any:
+    # ObjectRefs are awaitable: the event loop stays free while Ray works
+    return await ref
+
+
+def _actor_class() -> type[WorkerActor]:
+    from splitserve.cluster.actor import WorkerActor
+
+    return WorkerActor

@@ -1,0 +1,317 @@
+"""Measure this project's own step costs on the machine at hand and fit a profile.
+
+The engine is the one the workers run (engine/engine.py, the embedded SmolLM2
+unless a model is given, the workers' default dtype), with the workers'
+threads and, where the machine allows, pinned to one core as the benchmarks pin
+each worker. What is timed is `Engine.step()` itself:
+
+- prefill: one fresh prompt of N tokens in one step, for N up to the chunk;
+  and chunks that follow a prefix already computed (a long prompt's later
+  chunks), for the attention over that prefix;
+- decode: B requests decoding together, each step's time against B and the
+  step's total context, at two prompt lengths;
+- KV transfer: a prompt's KV of N tokens (every layer, the engine's layout)
+  through kv_transfer's TCP path (`KVSender` into a `KVReceiver`, as
+  bench/transfer.py measures it), start to the receiver's confirmation.
+
+Each figure is the median of a few repetitions; `fit_profile` turns the points
+into the models the simulator reads.
+
+A served token costs more than `Engine.step()`: the worker's engine loop hands
+each step's tokens to its gRPC streams, the router detokenizes and relays them,
+the client parses them, and on a machine this small the router and the client
+share the workers' cores. `serving_points` measures that on a running system
+(bench plan-check's, started as it runs its loads): `bench serve` sends B
+requests per worker at once (equal short prompts, fixed output, EOS ignored),
+and while all of them decode together, every gap a client saw between two
+tokens is set against the engine-alone decode step at the same batch and
+context (the fitted model above). `with_serving` (plan/profile.py) fits the
+difference as a per-step and a per-token cost.
+
+A served prefill also costs more than the engine's while other requests decode:
+on a machine this small the router relaying their tokens and the client reading
+them run on the cores the prefill needs. `prefill_load_points` measures that on
+a running system: prompts of assorted lengths sent one at a time (`bench serve
+--max-concurrency 1`) beside 0, 2 and 6 requests decoding, each first token's
+time set against the cost model's step for that prompt; `with_prefill_load`
+(plan/profile.py) fits measured / modelled against the decoding count.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.plan.costs import mixed_step_s
+from splitserve.plan.profile import Profile, ProfileCosts, engine_decode_step_s, fit_profile
+
+SERVE_BATCHES = (1, 2, 4, 8)  # requests decoding together per worker
+SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode together soon
+# Long enough that every request of the largest batch decodes together for a while: 8 chat prompts
+# of ~104 tokens per worker prefill in two 512-token steps (~2.6 s here), the first of them decoding
+# meanwhile; at 48 tokens (~1.7 s at batch 8) the first could finish before the last began.
+SERVE_OUTPUT_TOKENS = 96
+PREFILL_LOAD_STREAMS = (0, 2, 6)  # requests decoding in the cluster while the prompts are sent
+PREFILL_LOAD_PROMPTS = 8  # prompts per count, one at a time, 38 to 474 tokens of random text
+
+# Prefill lengths timed (fresh prompts, one step each). A prefill's cost is not a straight line in
+# its tokens: engine/kernels/linear.py runs x @ W.T on its own kernel up to MAX_ROWS_F32 (fp32;
+# MAX_ROWS for bf16) rows, 32, and on F.linear (oneDNN) from 33, and every projection of a
+# prefill chunk has one row per new token. Measured (SmolLM2-135M, fp32, one thread, core 0,
+# the median of 5): 32 tokens 53.2 ms, 33 tokens 104.4 ms; with SPLITSERVE_NO_KERNELS=1 (F.linear
+# everywhere) 105.2 and 112.0 ms, no step. That is the step bench serve's chat prompts show between
+# 48 and 49 tokens: the chat template's first 24 tokens are the same in every prompt, so a worker
+# finds its first block (16) cached and computes 32 new tokens of a 48-token prompt, 33 of a 49.
+# Every 8 tokens up to 128, 33 beside 32 to put that edge where it is, then coarser to the chunk.
+PREFILL_TOKENS: tuple[int, ...] = (8, 16, 24, 32, 33, *range(40, 129, 8), 160, 192, 256, 320, 384, 448, 512)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
+    dtype: str = "float32"  # the CPU workers' default
+    threads: int = 1  # torch threads, as each benchmark worker runs
+    core: int | None = None  # pin this process to it while measuring; None: leave the affinity
+    max_num_batched_tokens: int = 512  # the workers' default chunk
+    # every 8 up to 128, where the cost is not a straight line in the tokens, then coarser; see PREFILL_TOKENS
+    prefill_tokens: tuple[int, ...] = PREFILL_TOKENS
+    cached_prefills: tuple[tuple[int, int], ...] = ((128, 512), (512, 512), (256, 1024), (512, 1024))  # (new, cached)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    decode_prompts: tuple[int, ...] = (64, 512)
+    decode_steps: int = 12  # timed steps per (batch, prompt): their spread is kept as well as their fit
+    transfer_tokens: tuple[int, ...] = (64, 256, 1024)
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.threads < 1 or self.repeats < 1 or self.decode_steps < 1:
+            raise ValueError("threads, repeats and decode_steps must be >= 1")
+        if max(self.prefill_tokens) > self.max_num_batched_tokens:
+            raise ValueError("a measured prefill must fit one step (the chunk)")
+        if any(c % self.max_num_batched_tokens or n > self.max_num_batched_tokens for n, c in self.cached_prefills):
+            raise ValueError("a cached prefix is whole chunks, and the timed chunk fits one step")
+
+
+def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.measure.hw import cpu_name
+
+    torch.set_num_threads(cfg.threads)
+    restore = os.sched_getaffinity(0) if cfg.core is not None else None
+    if cfg.core is not None:
+        os.sched_setaffinity(0, {cfg.core})
+    try:
+        ecfg = EngineConfig(
+            dtype=cfg.dtype,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_blocks=4096,
+            enable_prefix_caching=False,  # every timed prompt is computed, never found
+        )
+        engine, _ = Engine.from_path(cfg.model, ecfg, progress=False)
+        layout = engine.layout
+        kv_per_token = layout.num_layers * layout.bytes_per_block // layout.block_size
+        name = engine.model_cfg.name
+        log(f"calibrating {name}, {cfg.dtype}, {cfg.threads} torch thread(s), chunk {cfg.max_num_batched_tokens}, "
+            f"core {cfg.core if cfg.core is not None else 'unpinned'}; KV {kv_per_token} B/token")  # fmt: skip
+        runner = _Runner(engine)
+        runner.prefill(64)  # warm-up: first-use costs stay out of the figures
+        prefill = [(n, statistics.median(runner.prefill(n) for _ in range(cfg.repeats))) for n in cfg.prefill_tokens]
+        log("prefill: " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in prefill))
+        cached = [
+            (n, c, statistics.median(runner.chunk_after(n, c) for _ in range(cfg.repeats)))
+            for n, c in cfg.cached_prefills
+        ]
+        log("prefill after a prefix: " + ", ".join(f"{n} after {c}: {s * 1e3:.1f} ms" for n, c, s in cached))
+        decode = [pt for b in cfg.decode_batches for p in cfg.decode_prompts for pt in runner.decode(b, p, cfg)]
+        log("decode: " + ", ".join(f"b{b} ctx {c}: {s * 1e3:.1f} ms" for b, c, s in decode[:: cfg.decode_steps]))
+        transfer = [(n * kv_per_token, _transfer_s(layout, n, cfg.repeats)) for n in cfg.transfer_tokens]
+        log("transfer: " + ", ".join(f"{b / 2**20:.1f} MiB {s * 1e3:.1f} ms" for b, s in transfer))
+    finally:
+        if restore is not None:
+            os.sched_setaffinity(0, restore)
+    where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
+    description = (f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} "
+                   f"{cpu_name()}")  # fmt: skip
+    return fit_profile(description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached,
+                       decode, transfer)  # fmt: skip
+
+
+class _Runner:
+    """Requests through the engine, each step timed."""
+
+    def __init__(self, engine: object) -> None:
+        from splitserve.engine.engine import Engine
+
+        assert isinstance(engine, Engine)
+        self.engine = engine
+        self.n = 0
+        self.vocab = min(engine.model_cfg.vocab_size, 32000)
+
+    def _prompt(self, n: int) -> list[int]:
+        self.n += 1  # a distinct prompt each time (no cache anyway; the ids vary the input)
+        return [(self.n * 7919 + i * 104729) % (self.vocab - 256) + 256 for i in range(n)]
+
+    def _add(self, n: int, max_tokens: int) -> str:
+        from splitserve.engine.sampling import SamplingParams
+
+        rid = f"cal-{self.n}"
+        self.engine.add_request(rid, self._prompt(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return rid
+
+    def _timed_step(self) -> float:
+        t = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t
+
+    def _drain(self) -> None:
+        while self.engine.has_work:
+            self.engine.step()
+
+    def prefill(self, n: int) -> float:
+        self._add(n, 1)
+        s = self._timed_step()
+        self._drain()
+        return s
+
+    def chunk_after(self, n: int, cached: int) -> float:
+        """A chunk of n tokens after `cached` of the same prompt (cached a multiple of the chunk)."""
+        chunk = self.engine.cfg.max_num_batched_tokens
+        if cached % chunk:
+            raise ValueError(f"cached ({cached}) must be a multiple of the chunk ({chunk})")
+        self._add(cached + n, 1)
+        for _ in range(cached // chunk):
+            self.engine.step()
+        s = self._timed_step()
+        self._drain()
+        return s
+
+    def decode(self, batch: int, prompt: int, cfg: CalibrationConfig) -> list[tuple[int, int, float]]:
+        """(batch, total context, seconds) for each timed step of `batch` requests decoding together."""
+        sched = self.engine.scheduler
+        chunk = self.engine.cfg.max_num_batched_tokens
+        enough = batch * prompt // chunk + cfg.decode_steps + 8  # nobody finishes before the timed steps end
+        rids = [self._add(prompt, enough) for _ in range(batch)]
+        while sched.waiting or any(len(s) - s.num_computed_tokens > 1 for s in sched.running):
+            self.engine.step()  # the prefills, chunk by chunk
+        self.engine.step()  # one untimed decode step
+        out = []
+        for _ in range(cfg.decode_steps):
+            context = sum(len(s) for s in sched.running)
+            out.append((len(sched.running), context, self._timed_step()))
+        for rid in rids:
+            self.engine.abort(rid)
+        return out
+
+
+def _transfer_s(layout: object, tokens: int, repeats: int) -> float:
+    """A prompt's KV of `tokens` (all layers) over kv_transfer's TCP path, to the receiver's confirmation."""
+    import torch
+
+    from splitserve.engine.kv_cache import KVCache, KVLayout
+    from splitserve.kv_transfer import Completed, KVReceiver, KVSender
+
+    assert isinstance(layout, KVLayout)
+    blocks = -(-tokens // layout.block_size)
+    src, dst = KVCache(layout, blocks), KVCache(layout, blocks)
+    src.tensor.copy_(torch.randn(src.tensor.shape).to(src.tensor.dtype))
+    ids = list(range(blocks))
+    times = []
+    with KVReceiver(dst, transport="tcp") as rx:
+        sender = KVSender(src)
+        for _ in range(repeats + 1):  # the first is a warm-up (connection, page faults)
+            r = rx.reserve("calibrate", ids, lease_s=60)
+            t = time.perf_counter()
+            stream = sender.open(r)
+            for layer in range(layout.num_layers):
+                stream.send_layer(layer, ids)
+            stream.finish(1, timeout=60)
+            if rx.wait(r.ticket, 10) != Completed(1):
+                raise RuntimeError("calibration transfer not confirmed")
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def serving_load_flags(batch: int, workers: int, seed: int) -> tuple[str, ...]:
+    """`bench serve` flags of one serving measurement: `batch` requests per worker, all at once."""
+    return ("--dataset", "random", "--num-prompts", str(batch * workers), "--random-input-len",
+            str(SERVE_PROMPT_TOKENS), "--random-output-len", str(SERVE_OUTPUT_TOKENS), "--request-rate", "inf",
+            "--ignore-eos", "--seed", str(seed))  # fmt: skip
+
+
+def _decode_gaps(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, list[tuple[int, float, float]]]:
+    """The batch per worker, and (context per worker, engine-alone step s, served gap s) of every
+    gap while all requests decode (see `serving_point`)."""
+    ok = [r for r in records if r.error is None and r.itl_s]
+    if not ok or len(ok) % workers:
+        raise ValueError(f"{len(ok)} completed requests do not spread evenly over {workers} workers")
+    batch = len(ok) // workers
+    times = []
+    for r in ok:
+        t = [r.start_s + r.ttft_s]
+        for gap in r.itl_s:
+            t.append(t[-1] + gap)
+        times.append(t)
+    lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
+    gaps = []
+    for r, t in zip(ok, times, strict=True):
+        for k in range(1, len(t)):
+            if t[k - 1] >= lo and t[k] <= hi:
+                context = batch * (r.prompt_len + k)  # the step that made token k+1 read k+prompt tokens each
+                gaps.append((context, engine_decode_step_s(profile, batch, context), t[k] - t[k - 1]))
+    if not gaps:
+        raise ValueError("no gap while every request decoded (outputs too short?)")
+    return batch, gaps
+
+
+def serving_point(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, int, float, float]:
+    """(batch per worker, context per worker, engine-alone step s, served gap s) of one run of
+    `serving_load_flags`: `records` are its bench serve RequestRecords. Only the gaps while every
+    request decodes count (after the last first token, before the first last token), so each is
+    one decode step of the same batch on every worker (the router spreads requests sent at once
+    evenly: least queued and running tokens). Both figures are medians over those gaps; the engine
+    step of each gap is the profile's decode model at that gap's context."""
+    batch, gaps = _decode_gaps(records, workers, profile)
+    contexts, engine, served = zip(*gaps, strict=True)
+    return batch, int(statistics.median(contexts)), statistics.median(engine), statistics.median(served)
+
+
+def serving_gap_ratios(records: Sequence[Any], workers: int, profile: Profile) -> list[tuple[int, float]]:
+    """(batch, ratio) of every gap `serving_point` reads: the gap over the engine-alone step at its
+    context plus the batch's median overhead (median gap - median engine step). What the served
+    model leaves unexplained, one gap at a time: the spread a simulated step is drawn from."""
+    batch, gaps = _decode_gaps(records, workers, profile)
+    overhead = statistics.median(s for *_, s in gaps) - statistics.median(e for _, e, _ in gaps)
+    return [(batch, s / (e + overhead)) for _, e, s in gaps if e + overhead > 0]
+
+
+def prefill_load_flags(seed: int) -> tuple[str, ...]:
+    """`bench serve` flags of one prefill-under-load measurement: prompts of assorted lengths, one
+    at a time (each alone on its worker but for the decoding streams), one output token beyond the
+    first so each ends right after it."""
+    return ("--dataset", "random", "--num-prompts", str(PREFILL_LOAD_PROMPTS), "--random-input-len", "256",
+            "--random-range-ratio", "0.85", "--random-output-len", "2", "--max-concurrency", "1",
+            "--request-rate", "inf", "--ignore-eos", "--seed", str(seed))  # fmt: skip
+
+
+def prefill_load_points(records: Sequence[Any], decoding: int, batch_per_worker: int, context_per_stream: int,
+                        cached_tokens: int, profile: Profile) -> list[tuple[int, float, float]]:  # fmt: skip
+    """(decoding, modelled s, measured TTFT s) of each completed prompt of a `prefill_load_flags`
+    run beside `decoding` streams: modelled is the served cost model's step that prefills it (its
+    chat template's first `cached_tokens` found cached) beside the `batch_per_worker` decodes its
+    worker runs (0 on a prefill worker) over `context_per_stream` tokens each."""
+    costs = ProfileCosts(profile)
+    out = []
+    for r in records:
+        if r.error is not None or r.ttft_s <= 0 or r.prompt_len <= cached_tokens:
+            continue
+        modelled = mixed_step_s(costs, r.prompt_len - cached_tokens, cached_tokens, batch_per_worker,
+                                batch_per_worker * context_per_stream)  # fmt: skip
+        out.append((decoding, modelled, r.ttft_s))
+    return out

@@ -1,0 +1,367 @@
+"""A discrete-event simulation of a splitserve cluster: what users would see at a
+request rate, colocated, disaggregated, or deciding per request, on a cost model
+measured here (`plan/profile.py`) or from the roofline (`plan/costs.py`).
+
+    requests = poisson_requests(rate=4.0, lengths=[(1000, 200)] * 2000, rng=random.Random(0))
+    result = simulate(requests, ClusterSpec("disaggregated", decode_workers=6, prefill_workers=2),
+                      costs, random.Random(0), Slo(ttft_s=1.0, tpot_s=0.05))
+    result.goodput, result.ttft.p90, result.itl.p50
+
+The workers are `plan/sim_worker.py`'s step loops; this module is the router
+and the clock. Routing mirrors router/policy.py: a request goes to the decode
+worker with the least queued and running tokens (ties drawn from the
+`random.Random` passed in), and in mode auto `choose_prefill_mode` itself
+decides local or remote prefill from the same numbers the router reads. A
+remote prefill reserves its seat and KV room on the decode worker first (and
+waits in that worker's line while it has none), then goes to the prefill
+worker with the fewest queued tokens. The first token comes from the prefill
+worker when its prompt is done, as in the real path (the router streams it at
+once); the KV's last layers then cross the link (`transfer_s`) and the request
+decodes on its decode worker from the next step.
+
+A measured `StepSpread` (`spread`) makes each decode-only step draw its time
+from the measured distribution around the cost model's figure, from the same
+generator; without one, or with one of zero spread, nothing is drawn and a
+step is the model's figure. A measured `prefill_slowdown` (plan/profile.py's
+prefill under load) makes each step that carries a prefill chunk take the
+model's figure times the slowdown at the requests decoding in the whole cluster
+as it starts.
+
+There is no wall clock and no randomness but the generator passed in: the
+same inputs give the same result. Each event is one step of one worker (or a
+KV arrival), so the cost grows with simulated steps, not with requests x tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+from splitserve.measure.metrics import percentile
+from splitserve.plan.costs import CostModel, StepSpread
+from splitserve.plan.sim.worker import SimRequest, SimWorker
+from splitserve.router.config import RoutingConfig
+from splitserve.router.policy import choose_prefill_mode
+
+Mode = Literal["colocated", "disaggregated", "auto"]
+MODES: tuple[Mode, ...] = ("colocated", "disaggregated", "auto")
+
+
+class Request(NamedTuple):
+    """One request of a workload: when it comes and how long it is."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0  # prefix already in every worker's cache (a prefix-reuse rate, as tokens)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    mode: Mode
+    decode_workers: int  # colocated: every worker (each prefills and decodes)
+    prefill_workers: int = 0
+    max_num_seqs: int = 64  # per worker, as the engine's flag
+    max_num_batched_tokens: int = 512  # per step: the prefill chunk plus the decodes
+    kv_capacity_tokens: int | None = None  # KV room per worker in tokens; None: never the limit
+    local_prefill_max_tokens: int = 256  # auto: prefill locally at or under this many uncached tokens
+    prefill_backlog_tokens: int = 8192  # auto: ... or when the prefill pool is this backed up
+    gpus_per_worker: int = 1  # tensor parallelism: a worker is this many GPUs (for GPU counts and splits)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
+        if self.decode_workers < 1 or self.prefill_workers < 0 or self.gpus_per_worker < 1:
+            raise ValueError("at least one decode worker; worker counts and GPUs per worker not negative")
+        if self.mode != "colocated" and self.prefill_workers < 1:
+            raise ValueError(f"mode {self.mode} needs at least one prefill worker")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+    @property
+    def gpus(self) -> int:
+        return (self.decode_workers + (self.prefill_workers if self.mode != "colocated" else 0)) * self.gpus_per_worker
+
+    def routing(self) -> RoutingConfig:
+        """The router's config section whose numbers the decision reads."""
+        return RoutingConfig(
+            mode=self.mode,
+            local_prefill_max_tokens=self.local_prefill_max_tokens,
+            prefill_backlog_tokens=self.prefill_backlog_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+
+class Percentiles(NamedTuple):
+    """Seconds; all 0.0 with no sample."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+
+class Outcome(NamedTuple):
+    """One request as its user saw it; seconds from the start."""
+
+    arrival_s: float
+    ttft_s: float
+    finish_s: float
+    output_tokens: int
+    remote: bool  # prefilled on a prefill worker
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.finish_s - self.arrival_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    mode: Mode
+    rate: float  # requests/s offered (nan: arrivals from a trace)
+    gpus: int
+    completed: int
+    duration_s: float  # first arrival to last finish
+    goodput: float  # requests/s meeting both SLOs (0.0 without SLOs)
+    slo_attainment: float  # share of requests meeting both (0.0 without)
+    ttft: Percentiles
+    tpot: Percentiles
+    itl: Percentiles
+    remote_share: float  # share of requests prefilled on a prefill worker
+    steps: int  # worker steps simulated
+    outcomes: tuple[Outcome, ...]
+
+
+def simulate(
+    requests: Sequence[Request],
+    cluster: ClusterSpec,
+    costs: CostModel,
+    rng: random.Random,
+    slo: Slo | None = None,
+    rate: float = math.nan,
+    prefill_costs: CostModel | None = None,
+    spread: StepSpread | None = None,
+    prefill_slowdown: Callable[[int], float] | None = None,
+) -> SimResult:
+    """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
+    they differ from the decode workers (another tensor-parallel size); default `costs`.
+    `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: a prefill
+    step's factor against the requests decoding in the cluster (see the module's note)."""
+    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown)
+    for r in requests:
+        if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
+            raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
+    reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens)
+            for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]  # fmt: skip
+    sim.run(reqs)
+    # a bug, not a result: every request finishes, and every worker ends empty
+    unfinished = sum(1 for r in reqs if r.finish_s < 0)
+    left = [x for w in sim.decode + sim.prefill for x in w.leftovers()]
+    if unfinished or left or any(sim.lines.values()):
+        raise RuntimeError(f"simulation ended with {unfinished} requests unfinished; left: {left[:8]}")
+    return _result(reqs, sim, cluster, slo, rate)
+
+
+class _Cluster:
+    """The router and the event queue."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        costs: CostModel,
+        prefill_costs: CostModel,
+        rng: random.Random,
+        spread: StepSpread | None = None,
+        prefill_slowdown: Callable[[int], float] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.costs = costs
+        self.prefill_costs = prefill_costs
+        self.rng = rng
+        self.routing = spec.routing()
+        self.events: list[tuple[float, int, SimWorker, SimRequest | None]] = []
+        self.seq = 0
+        self.itl_samples: list[tuple[float, int]] = []
+        self.target: dict[int, SimWorker] = {}  # request index -> its decode worker, for remote prefills
+        self.lines: dict[SimWorker, deque[SimRequest]] = {}  # remote prefills waiting for a seat
+        self.steps = 0
+
+        def itl(gap: float, count: int) -> None:
+            self.itl_samples.append((gap, count))
+
+        step_ratio: Callable[[int], float] | None = None
+        if spread is not None and not spread.is_zero:
+            measured = spread
+
+            def step_ratio(batch: int) -> float:
+                return measured.ratio(batch, rng.random())
+
+        prefill_factor: Callable[[], float] | None = None
+        if prefill_slowdown is not None:
+            slowdown = prefill_slowdown
+
+            def prefill_factor() -> float:  # only steps with a prefill chunk ask: O(decode workers) each
+                return slowdown(sum(w.num_decoding for w in self.decode))
+
+        def worker(name: str, model: CostModel, prefill_only: bool) -> SimWorker:
+            return SimWorker(name, model, spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_capacity_tokens,
+                             prefill_only, self._prefilled, self._finished, itl, step_ratio,
+                             prefill_factor)  # fmt: skip
+
+        self.decode = [worker(f"decode{i}", costs, False) for i in range(spec.decode_workers)]
+        n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0
+        self.prefill = [worker(f"prefill{i}", prefill_costs, True) for i in range(n_prefill)]
+        for w in self.decode:
+            self.lines[w] = deque()
+
+    def push_step(self, t: float, w: SimWorker) -> None:
+        self.seq += 1
+        self.steps += 1
+        heapq.heappush(self.events, (t, self.seq, w, None))
+
+    def run(self, reqs: list[SimRequest]) -> None:
+        events, i, n = self.events, 0, len(reqs)
+        while i < n or events:
+            if i < n and (not events or reqs[i].arrival_s <= events[0][0]):
+                self._route(reqs[i], reqs[i].arrival_s)
+                i += 1
+                continue
+            t, _, w, req = heapq.heappop(events)
+            if req is None:
+                w.end_step(t, self.push_step)
+            else:
+                w.join_remote(req, t, self.push_step)
+
+    # ---- routing (router/policy.py's terms)
+
+    def _least(self, workers: list[SimWorker], load: Callable[[SimWorker], int]) -> SimWorker:
+        best = min(load(w) for w in workers)
+        tied = [w for w in workers if load(w) == best]
+        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+
+    def _route(self, req: SimRequest, now: float) -> None:
+        d = self._least(self.decode, lambda w: w.queued_tokens + w.running_tokens)
+        if not self.prefill:
+            d.add(req, now, self.push_step)
+            return
+        uncached = req.prompt_tokens - req.cached_tokens
+        prefill_queue = min(p.queued_tokens for p in self.prefill)
+        if choose_prefill_mode(uncached, prefill_queue, d.queued_tokens, self.routing) == "local":
+            d.add(req, now, self.push_step)
+            return
+        line = self.lines[d]
+        if line or not (d.has_seat() and d.fits(req)):
+            line.append(req)
+            return
+        self._send_remote(req, d, now)
+
+    def _send_remote(self, req: SimRequest, d: SimWorker, now: float) -> None:
+        d.reserve(req)
+        self.target[req.index] = d
+        req.remote = True
+        self._least(self.prefill, lambda w: w.queued_tokens).add(req, now, self.push_step)
+
+    def _prefilled(self, p: SimWorker, req: SimRequest, now: float) -> None:
+        self.seq += 1
+        t = now + self.prefill_costs.transfer_s(req.prompt_tokens - req.cached_tokens)
+        heapq.heappush(self.events, (t, self.seq, self.target.pop(req.index), req))
+
+    def _finished(self, w: SimWorker, req: SimRequest, now: float) -> None:
+        line = self.lines.get(w)
+        while line and w.has_seat() and w.fits(line[0]):
+            self._send_remote(line.popleft(), w, now)
+
+
+# ---- figures -------------------------------------------------------------------------------------
+
+
+def weighted_percentiles(samples: Sequence[tuple[float, int]], qs: Sequence[float]) -> list[float]:
+    """`percentile` of the list in which each value appears `count` times, without building it."""
+    total = sum(c for _, c in samples)
+    if total == 0:
+        return [0.0 for _ in qs]
+    s = sorted(samples)
+    out = []
+    for q in qs:
+        k = (total - 1) * q / 100.0
+        lo = math.floor(k)
+        out.append(_at_rank(s, lo) + (_at_rank(s, min(lo + 1, total - 1)) - _at_rank(s, lo)) * (k - lo))
+    return out
+
+
+def _at_rank(s: Sequence[tuple[float, int]], rank: int) -> float:
+    seen = 0
+    for v, c in s:
+        seen += c
+        if rank < seen:
+            return v
+    return s[-1][0]
+
+
+def _stats(values: Sequence[float]) -> Percentiles:
+    if not values:
+        return Percentiles(0.0, 0.0, 0.0, 0.0)
+    return Percentiles(
+        sum(values) / len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99)
+    )
+
+
+def _result(reqs: list[SimRequest], sim: _Cluster, spec: ClusterSpec, slo: Slo | None, rate: float) -> SimResult:
+    outcomes = tuple(
+        Outcome(r.arrival_s, r.first_token_s - r.arrival_s, r.finish_s, r.output_tokens, r.remote) for r in reqs
+    )
+    ttfts = [o.ttft_s for o in outcomes]
+    tpots = [t for o in outcomes if (t := o.tpot_s) is not None]
+    start = min((r.arrival_s for r in reqs), default=0.0)
+    duration = max((r.finish_s for r in reqs), default=0.0) - start
+    good = 0
+    if slo is not None:
+        good = sum(1 for o in outcomes if o.ttft_s <= slo.ttft_s and (o.tpot_s or 0.0) <= slo.tpot_s)
+    samples = sim.itl_samples
+    total = sum(c for _, c in samples)
+    itl = Percentiles(
+        sum(g * c for g, c in samples) / total if total else 0.0, *weighted_percentiles(samples, (50, 90, 99))
+    )
+    return SimResult(
+        mode=spec.mode,
+        rate=rate,
+        gpus=spec.gpus,
+        completed=len(reqs),
+        duration_s=duration,
+        goodput=good / duration if duration > 0 else 0.0,
+        slo_attainment=good / len(reqs) if reqs else 0.0,
+        ttft=_stats(ttfts),
+        tpot=_stats(tpots),
+        itl=itl,
+        remote_share=sum(o.remote for o in outcomes) / len(reqs) if reqs else 0.0,
+        steps=sim.steps,
+        outcomes=outcomes,
+    )
+
+
+# ---- the `splitserve plan --simulate` hook (plan/main.py looks for these two here) -----------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.plan.sim.cli import add_arguments as add
+
+    add(p)
+
+
+def run_simulation(args: argparse.Namespace, plan: Any) -> int:
+    from splitserve.plan.sim.cli import run_simulation as run
+
+    return run(args, plan)

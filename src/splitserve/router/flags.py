@@ -1,0 +1,82 @@
+"""The router's command-line flags and the RouterConfig built from them, in one
+place for both commands that run a router: `splitserve serve` (router plus Ray
+pools) and `splitserve router` (the router alone), so the two cannot drift.
+
+`--block-size` is not here: `serve` has it among the engine's flags (one value
+for the workers and the router), `router` adds its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.router.config import MODES, RouterConfig, RoutingConfig
+from splitserve.runtime.credentials import add_secret_argument
+from splitserve.runtime.tracing import add_tracing_argument
+
+_DEFAULTS = RouterConfig()
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's flags; the parser must also have --block-size."""
+    p.add_argument("--host", default=_DEFAULTS.host, help="router address to bind")
+    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
+    p.add_argument(
+        "--metrics-port", type=int, default=_DEFAULTS.metrics_port, help="Prometheus endpoint of the router (0: off)"
+    )
+    p.add_argument(
+        "--mode",
+        default=_DEFAULTS.routing.mode,
+        choices=MODES,
+        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=_DEFAULTS.routing.local_prefill_max_tokens,
+        help="mode auto: prefill on the decode worker when the uncached suffix is this short",
+    )
+    p.add_argument(
+        "--prefill-backlog-tokens",
+        type=int,
+        default=_DEFAULTS.routing.prefill_backlog_tokens,
+        help="mode auto: prefill on the decode worker when every prefill worker has at least this many prompt "
+        "tokens queued and the decode worker would finish the prompt before the pool could start it",
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=_DEFAULTS.max_inflight,
+        help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
+    )
+    add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
+        "run on for up to this long before the router stops (a second signal cuts it short)",
+    )
+    add_tracing_argument(p)
+
+
+def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
+    """The RouterConfig the flags of add_router_arguments (and --block-size) describe.
+    `cluster_token`: the control plane's credential, which each command gets its own way."""
+    routing = RoutingConfig(
+        mode=a.mode,
+        block_size=a.block_size,
+        local_prefill_max_tokens=a.local_prefill_max_tokens,
+        prefill_backlog_tokens=a.prefill_backlog_tokens,
+    )
+    return RouterConfig(
+        routing=routing,
+        host=a.host,
+        grpc_port=a.grpc_port,
+        metrics_port=a.metrics_port,
+        http_port=None if a.http_port < 0 else a.http_port,
+        max_inflight=a.max_inflight,
+        api_key=a.api_key,
+        cluster_token=cluster_token,
+    )

@@ -1,0 +1,380 @@
+"""The router's gRPC front door: splitserve.v1.Generation and grpc.health.v1.Health.
+
+`Router` owns the server, the worker set, the prefix index and the metrics;
+`GenerationService.Generate` admits a call (API key, in-flight bound,
+validation) and hands it to a `RequestRun`. Overload is answered at once with
+RESOURCE_EXHAUSTED: there is no queue in the router.
+
+Generate is registered to receive the request's raw bytes: the API key is
+checked before anything of the body is looked at, and bytes that are not a
+GenerateRequest (or carry invalid UTF-8 in a string field) are answered with
+INVALID_ARGUMENT, not with the UNKNOWN and traceback of a failing deserializer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+
+from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RouterConfig
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.readiness import Readiness, readiness
+from splitserve.router.request import RequestFailed, RequestRun
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.validation import ValidationError, validate
+from splitserve.router.workers import WorkerSet
+from splitserve.runtime import tracing
+
+if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads only then
+    from splitserve.router.http import OpenAIServer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.Generation"
+# gRPC sends a status message in a trailer, percent-encoded, and a client drops a trailer past
+# 16 KiB: the call then fails RESOURCE_EXHAUSTED "Stream removed" instead of with its status.
+MAX_DETAILS_CHARS = 512
+
+
+def status_details(message: str) -> str:
+    """A status message short enough for any trailer (one that quotes a client's value can be megabytes)."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} characters in all)"
+
+
+def parse_request(raw: bytes) -> pb.GenerateRequest:
+    """A GenerateRequest from the wire; RequestFailed(INVALID_ARGUMENT) if the bytes are not one."""
+    try:
+        return pb.GenerateRequest.FromString(raw)
+    except Exception as e:  # DecodeError mostly (bad wire format, invalid UTF-8); any parse failure is the bytes'
+        raise RequestFailed(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid GenerateRequest ({type(e).__name__}: {e})"
+        ) from None
+
+
+class GenerationService:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer: RouterTokenizer,
+        workers: WorkerSet,
+        metrics: RouterMetrics,
+        rng: random.Random,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.metrics = metrics
+        self.rng = rng
+        self.inflight = 0
+        self.draining = False  # set by Router.drain: new requests are refused, running ones go on
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+        self._active: set[str] = set()  # request ids in flight
+        self._bearer = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+
+    def check_key(self, authorization: str | None) -> None:
+        """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
+        # in constant time: a comparison that stops at the first wrong byte lets a client find the
+        # key byte by byte from response times (the workers' token check does the same)
+        if self._bearer is not None and not hmac.compare_digest((authorization or "").encode(), self._bearer):
+            raise RequestFailed(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
+            )
+
+    def admit(
+        self,
+        request: pb.GenerateRequest,
+        authorization: str | None,
+        time_remaining: float | None,
+        trace_parent: Context | None = None,
+        front_door: str = "grpc",
+    ) -> RequestRun:
+        """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
+
+        Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED,
+        INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS; INTERNAL (logged) if validation
+        itself fails.
+
+        The request's trace starts here: its span (router.generate, under the client's
+        `trace_parent` when it sent a traceparent) ends with `stream`, or here if it is refused.
+        """
+        self.check_key(authorization)
+        span = tracing.start_span(
+            "router.generate",
+            trace_parent or Context(),
+            {"splitserve.request_id": request.request_id[:128], "splitserve.front_door": front_door},
+            kind=SpanKind.SERVER,
+        )
+        try:
+            return self._admit(request, time_remaining, span)
+        except RequestFailed as e:
+            span.set_attribute("rpc.grpc.status_code", e.code.value[0])
+            tracing.end_span(span, status_details(str(e)))
+            raise
+
+    def _admit(self, request: pb.GenerateRequest, time_remaining: float | None, span: Span) -> RequestRun:
+        if self.draining:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: retry on another replica")
+        if self.inflight >= self.cfg.max_inflight:
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {self.cfg.max_inflight} requests in flight"
+            )
+        try:
+            req = validate(request, self.cfg, self.tokenizer)
+        except ValidationError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Exception:  # validation must name a field for every bad request; this is its bug, not the client's
+            log.exception("validating request %r failed", request.request_id[:128])
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
+        if req.request_id in self._active:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
+        timeout = (
+            self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
+        )
+        return RequestRun(
+            req,
+            self.cfg,
+            self.tokenizer,
+            self.workers,
+            self.metrics,
+            self.rng,
+            deadline=time.monotonic() + timeout,
+            span=span,
+        )
+
+    async def stream(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]:
+        """Run an admitted request, counted in flight; failures come out as RequestFailed. Ends
+        the request's span."""
+        rid = run.req.request_id
+        error: str | None = None
+        code = grpc.StatusCode.OK
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        self._active.add(rid)
+        try:
+            async for resp in run.run():
+                yield resp
+        except RequestFailed as e:
+            code, error = e.code, status_details(str(e))
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code, error = grpc.StatusCode.CANCELLED, "cancelled"
+            raise
+        except Exception:  # a bug here must not look like the client's fault
+            log.exception("request %s failed", rid)
+            code, error = grpc.StatusCode.INTERNAL, "internal error in the router"
+            raise RequestFailed(code, error) from None
+        finally:
+            if run.span.is_recording():
+                run.span.set_attributes(
+                    {
+                        "rpc.grpc.status_code": code.value[0],
+                        "splitserve.prompt_tokens": len(run.req.prompt_token_ids),
+                        "splitserve.completion_tokens": len(run.generated),
+                        "splitserve.cached_tokens": run.cached_tokens or 0,
+                    }
+                )
+            tracing.end_span(run.span, error)
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+            self.metrics.inflight.dec()
+            self._active.discard(rid)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Whether nothing is in flight within `timeout_s` (for a graceful stop)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    async def Generate(  # noqa: N802 (the gRPC method name)
+        self, request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The RPC, on the request's raw bytes (see `generation_handler`)."""
+        code = grpc.StatusCode.OK
+        try:
+            try:
+                value = dict(context.invocation_metadata() or ()).get("authorization")
+                authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
+                self.check_key(authorization)
+                trace_parent = tracing.extract(context.invocation_metadata())
+                run = self.admit(parse_request(request), authorization, context.time_remaining(), trace_parent)
+                async for resp in self.stream(run):
+                    yield resp
+            except RequestFailed as e:
+                code = e.code
+                await context.abort(e.code, status_details(str(e)))
+            except Exception:  # the router's own fault: logged, and INTERNAL rather than grpc's bare UNKNOWN
+                log.exception("Generate failed")
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, "internal error in the router")
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.metrics.requests.labels(code.name).inc()
+
+
+def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
+    """splitserve.v1.Generation's methods, Generate without a request deserializer (it gets bytes)."""
+    return {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+    }
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """SERVING while the router is ready (router/readiness.py): every required pool has a ready
+    worker and the router is not draining."""
+
+    def __init__(self, ready: Callable[[], Readiness]) -> None:
+        self.ready = ready
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+
+    def _status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus:
+        if service not in ("", SERVICE_NAME):
+            return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        if self.ready().ready:
+            return health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            status = self._status(request.service)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            self._changed.clear()
+            await self._changed.wait()
+
+
+class Router:
+    """The front door process's parts, started and stopped together.
+
+    router = Router(cfg, tokenizer, decode=["10.0.0.5:7001"], prefill=["10.0.0.6:7101"])
+    port = await router.start()
+    router.workers.add("10.0.0.7:7001", "decode")   # the pool manager's interface
+    ...
+    await router.stop()
+    """
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer: RouterTokenizer,
+        decode: Iterable[str] = (),
+        prefill: Iterable[str] = (),
+        rng: random.Random | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.index = PrefixIndex()
+        self.metrics = metrics or RouterMetrics(cfg)
+        self.workers = WorkerSet(cfg, self.index, on_health_change=self._health_changed)
+        self.health = HealthService(self.readiness)
+        self.generation = GenerationService(cfg, tokenizer, self.workers, self.metrics, rng or random.Random())
+        self._initial = (list(decode), list(prefill))
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.http: OpenAIServer | None = None
+        self.http_port = 0
+        self._stop_metrics: Callable[[], None] | None = None  # the --metrics-port server, when there is one
+
+    def _health_changed(self) -> None:
+        self.health.notify()
+
+    def readiness(self) -> Readiness:
+        """Whether to take requests now, and if not, why (gRPC health and GET /health both ask this)."""
+        ready: dict[str, int] = {}
+        known: dict[str, int] = {}
+        for w in self.workers.all():
+            known[w.role] = known.get(w.role, 0) + 1
+            if w.healthy and not w.draining:
+                ready[w.role] = ready.get(w.role, 0) + 1
+        return readiness(ready, known, self.cfg.required_pools, self.generation.draining)
+
+    def drain(self) -> None:
+        """Stop taking requests (health turns NOT_SERVING; new calls get UNAVAILABLE); in-flight
+        ones go on. The first step of a graceful stop: see `drained`."""
+        self.generation.draining = True
+        self.health.notify()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Whether every request in flight finished within `timeout_s` (after `drain`)."""
+        return await self.generation.wait_idle(timeout_s)
+
+    async def start(self, port: int | None = None) -> int:
+        """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
+        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        handlers = generation_handler(self.generation)  # as add_GenerationServicer_to_server registers them
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port if port is None else port}")
+        await self.server.start()
+        if self.cfg.http_port is not None:
+            from splitserve.router.http import OpenAIServer
+
+            self.http = OpenAIServer(self.generation, self.cfg.model_name, self.readiness, self.metrics.registry)
+            self.http_port = await self.http.start(self.cfg.host, self.cfg.http_port)
+            log.info("OpenAI-compatible HTTP on %s:%d", self.cfg.host, self.http_port)
+        decode, prefill = self._initial
+        self.workers.add_all(decode, "decode")
+        self.workers.add_all(prefill, "prefill")
+        if self.cfg.metrics_port:
+            from splitserve.runtime.metrics_http import serve_metrics_http
+
+            _, self._stop_metrics = serve_metrics_http(self.cfg.host, self.cfg.metrics_port, self.metrics.registry)
+        log.info("router listening on %s:%d", self.cfg.host, self.port)
+        return self.port
+
+    async def wait_for_workers(self, timeout_s: float = 10.0) -> None:
+        """Until every worker handed in so far has answered a stats poll (for tests and startup)."""
+        end = time.monotonic() + timeout_s
+        while any(not w.healthy for w in self.workers.all()):
+            if time.monotonic() > end:
+                raise TimeoutError("workers did not become healthy")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+        if self.http is not None:
+            await self.http.stop()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.workers.close()

@@ -1,0 +1,193 @@
+"""A worker's engine metrics in Prometheus, under the names vLLM gives its own
+(`splitserve:` where vLLM has `vllm:`), and the worker's HTTP endpoint.
+
+Every series carries `model_name` (as vLLM's do), `role` (prefill or decode)
+and `worker_id`. Gauges are read at scrape time from the engine loop's latest
+`SchedulerStats`; counters and histograms are fed with each step's
+`IterationStats` (engine/stats.py) on the engine thread. Times are the
+engine's own view of a request: on a decode worker that receives the prompt's
+KV from a prefill worker, the queue runs from the reservation to the KV's
+arrival, the first token is the prefill worker's (TTFT is reservation to KV
+arrival) and the prefill time is 0. Token counters count what this engine
+computed, so a sum over all workers counts each token once: a remote prompt
+counts on its prefill worker, whose one generation token is the first token.
+
+The endpoint also serves the process's default registry: the KV plane's
+`splitserve_kv_*` counters, `splitserve_decode_*`, and the process and GC metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splitserve.engine.scheduler import SchedulerStats
+from splitserve.engine.stats import IterationStats
+from splitserve.runtime.metrics_http import serve_metrics_http
+from splitserve.runtime.tracing import PHASE_BUCKETS, PHASE_METRIC
+
+LABELS = ("model_name", "role", "worker_id")
+
+# vLLM's buckets, with finer ones below 10 ms for decode steps on a GPU
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+Snapshot = Callable[[], SchedulerStats]
+
+# a worker's phases of one request (tracing.py times each as a span and an observation):
+# admission: Decode call to reservation (or local admission);
+# handover: the engine takes the arrived KV to the first token it samples;
+# prefill_queue, prefill_compute: admitted to first scheduled, to the first token;
+# kv_transfer_tail: the last layer computed to the decode worker's confirmation of every byte
+PHASES = ("admission", "handover", "prefill_queue", "prefill_compute", "kv_transfer_tail")
+
+
+class WorkerMetrics:
+    """One worker's engine series, on a registry of its own (several workers may share a process in tests)."""
+
+    def __init__(self, model_name: str, role: str, worker_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.label_values = (model_name, role, worker_id)
+        self._snapshot: Snapshot | None = None
+
+        def counter(name: str, doc: str) -> Counter:  # prometheus_client adds `_total` to the name
+            return Counter(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self.label_values)
+
+        self.prompt_tokens = counter(
+            "splitserve:prompt_tokens",
+            "Prompt tokens prefilled by this engine, cached prefix included (a remote prefill's count on its prefill "
+            "worker)",
+        )
+        self.generation_tokens = counter(
+            "splitserve:generation_tokens",
+            "Tokens sampled by this engine (a remote prefill's first token counts on its prefill worker)",
+        )
+        self.prefix_cache_queries = counter(
+            "splitserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (tokens, as vLLM counts)"
+        )
+        self.prefix_cache_hits = counter(
+            "splitserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens, whole blocks)"
+        )
+        self.ttft = histogram(
+            "splitserve:time_to_first_token_seconds",
+            "Admission to first token in this engine (decode worker with remote KV: reservation to KV arrival)",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "splitserve:inter_token_latency_seconds", "Time between two tokens of one request", ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "splitserve:request_time_per_output_token_seconds",
+            "Per finished request: decode time per token after the first",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "splitserve:e2e_request_latency_seconds",
+            "Admission to finish in this engine (prefill worker: to the first token)",
+            REQUEST_BUCKETS,
+        )
+        self.queue = histogram(
+            "splitserve:request_queue_time_seconds",
+            "Admission to first scheduled (decode worker with remote KV: reservation to KV arrival, when it joins "
+            "the running batch)",
+            REQUEST_BUCKETS,
+        )
+        self.prefill = histogram(
+            "splitserve:request_prefill_time_seconds",
+            "First scheduled to first token (0 on a decode worker with remote KV)",
+            REQUEST_BUCKETS,
+        )
+        self.decode = histogram("splitserve:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
+        self._phase = Histogram(
+            PHASE_METRIC,
+            "Time in each phase of a request, the same as its trace span: decode worker admission, handover; "
+            "prefill worker prefill_queue, prefill_compute, kv_transfer_tail (tracing.py)",
+            (*LABELS, "phase"),
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineGauges(self))
+
+    def phase(self, name: str) -> Histogram:
+        """The histogram of one phase of a request on this worker (see PHASES)."""
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        return self._phase.labels(*self.label_values, name)
+
+    def watch(self, snapshot: Snapshot) -> None:
+        """Read the gauges from `snapshot()` at each scrape (the engine loop's `stats`); absent until then."""
+        self._snapshot = snapshot
+
+    def record(self, it: IterationStats) -> None:
+        """One step's counts and times (the engine loop's `on_iteration`)."""
+        self.prompt_tokens.inc(it.prompt_tokens)
+        self.generation_tokens.inc(it.generation_tokens)
+        self.prefix_cache_queries.inc(it.prefix_cache_queries)
+        self.prefix_cache_hits.inc(it.prefix_cache_hits)
+        for t in it.ttfts:
+            self.ttft.observe(t)
+        for t in it.itls:
+            self.itl.observe(t)
+        for f in it.finished:
+            self.e2e.observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue.observe(f.queue_time)
+            if f.prefill_time is not None:
+                self.prefill.observe(f.prefill_time)
+            if f.decode_time is not None:
+                self.decode.observe(f.decode_time)
+            if f.time_per_output_token is not None:
+                self.tpot.observe(f.time_per_output_token)
+
+
+class _EngineGauges(Collector):
+    """Running, waiting and KV usage, read when scraped."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily("splitserve:num_requests_running", "Requests in the running batch", labels=LABELS),
+            GaugeMetricFamily(
+                "splitserve:num_requests_waiting",
+                "Requests waiting to run: queued, or reserved and waiting for their KV (decode worker)",
+                labels=LABELS,
+            ),
+            GaugeMetricFamily(
+                "splitserve:kv_cache_usage_perc",
+                "Share of KV blocks in use, 0 to 1 (cached blocks no request holds count as free)",
+                labels=LABELS,
+            ),
+        ]
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        snapshot = self.metrics._snapshot
+        if snapshot is None:
+            return []
+        s = snapshot()
+        running, waiting, usage = self._families()
+        values = list(self.metrics.label_values)
+        running.add_metric(values, s.running_requests)
+        waiting.add_metric(values, s.queue_length + s.reserved_requests)
+        usage.add_metric(values, 1.0 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0)
+        return [running, waiting, usage]
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[str, Callable[[], None]]:
+    """Serve `registry` and the process's default registry at http://host:port/metrics (port 0: a free
+    one). Returns the bound "host:port" and a function that stops the server."""
+    return serve_metrics_http(host, port, registry, REGISTRY)

@@ -1,0 +1,235 @@
+"""The decode worker's gRPC service: admit, reserve, decode, stream.
+
+One `Decode` call is one request from admission to finish; the service only
+validates, admits through the engine loop and streams what the engine emits.
+In REMOTE mode the engine reserves the blocks the request lacks (its cached
+prefix is reused) through its KV connector (decode_worker/connector.py), and
+the reservation goes back to the router as the first event; the request runs
+once the engine loop's poll finds its KV arrived, with the first token the
+prefill worker sampled. Every way out (finish, client cancel, lease expiry, a
+failed transfer) ends in one `engine.abort`, which frees the blocks exactly
+once and only when no transfer can still write them. The call owns its request
+id on this worker until then (worker/request_ids.py).
+
+Traced under the router's attempt (tracing.py): decode.admission (the `admission`
+phase: the engine's admission or reservation), then decode.stream until the call
+ends, and under it decode.handover (the `handover` phase: the engine takes the
+arrived KV, to the first token it samples), both on the engine's timestamps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from opentelemetry.context import Context
+
+from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
+from splitserve.engine.loop import EngineLoop
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.stats import RequestTimes
+from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
+from splitserve.proto import convert
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+from splitserve.runtime import tracing
+from splitserve.workers.common.admission import QueueFull, check_room
+from splitserve.workers.common.blocks import stream_block_events
+from splitserve.workers.common.config import WorkerConfig
+from splitserve.workers.common.grpc_abort import refuse
+from splitserve.workers.common.metrics import WorkerMetrics
+from splitserve.workers.common.request_ids import RequestIds
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_FINISH = {
+    "stop": wpb.FINISH_REASON_STOP,
+    "length": wpb.FINISH_REASON_LENGTH,
+    "abort": wpb.FINISH_REASON_ABORTED,
+    "lease_expired": wpb.FINISH_REASON_LEASE_EXPIRED,
+}
+
+_CANCELLED = object()  # put on a call's event queue when the router goes away: wakes the handler
+Events = queue.SimpleQueue  # StepOutput | _CANCELLED
+
+
+class _CallTrace:
+    """What one Decode call's trace needs: a remote-prefill request's times for the handover
+    phase (noted on the engine thread), and how its stream ended."""
+
+    def __init__(self) -> None:
+        self.times: RequestTimes | None = None  # the engine's, set at reservation
+        self.first_step: float | None = None  # when the first token this engine sampled joined the request
+        self.handover_recorded = False  # (the handler's thread from here on)
+        self.error: str | None = "cancelled"  # why the stream ended; None: it finished (stop, length)
+
+    def sink(self, events: Events[Any]) -> Callable[[StepOutput], None]:
+        """The call's sink (engine thread): notes the first sampled token's time, then queues the output."""
+
+        def put(out: StepOutput) -> None:
+            if self.first_step is None and out.token_id >= 0 and self.times is not None:
+                self.first_step = self.times.last_token
+            events.put(out)
+
+        return put
+
+
+class DecodeService(wgrpc.DecodeWorkerServicer):
+    def __init__(self, cfg: WorkerConfig, loop: EngineLoop, metrics: WorkerMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.block_size = loop.engine.cfg.block_size
+        self.calls: RequestIds[Events[Any]] = RequestIds()  # request id -> its call's event queue
+        self.admission_time = metrics.phase("admission") if metrics is not None else None
+        self.handover_time = metrics.phase("handover") if metrics is not None else None
+
+    # ---- Decode ----
+
+    def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[wpb.DecodeEvent]:  # noqa: N802
+        rid = request.request_id
+        parent = tracing.extract(context.invocation_metadata())
+        try:
+            if not rid:
+                raise ValueError("request_id is empty")
+            if len(rid.encode()) > REQUEST_ID_BYTES:
+                raise ValueError(f"request_id is longer than the KV frame's {REQUEST_ID_BYTES} bytes")
+            if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
+                raise ValueError("prefill_mode must be LOCAL or REMOTE")
+            params = convert.sampling_from_proto(request.sampling)
+        except ValueError as e:
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        events: Events[Any] = queue.SimpleQueue()
+        if not self.calls.claim(rid, events):
+            refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
+        notes = _CallTrace()
+        sink = notes.sink(events)
+        self.loop.set_sink(rid, sink)
+        try:
+            if not context.add_callback(lambda: events.put(_CANCELLED)):
+                return  # the call is over already
+            remote = request.prefill_mode == wpb.PREFILL_MODE_REMOTE
+            attributes = {"splitserve.attempt_id": rid, "splitserve.prefill_mode": "remote" if remote else "local"}
+            with tracing.phase("decode.admission", parent, self.admission_time, attributes):
+                first = self._admit(request, params, notes, context)
+            yield first
+            span = tracing.start_span("decode.stream", parent, attributes)
+            try:
+                yield from self._stream(events, params.logprobs, notes, tracing.child(span))
+            finally:
+                tracing.end_span(span, notes.error)
+        finally:
+            # Ordered after the admission on the engine thread: whatever it admitted is found here.
+            try:
+                self.loop.call(lambda engine: engine.abort(rid)).result(timeout=self.cfg.admit_timeout_s)
+            except (TimeoutError, RuntimeError) as e:  # a stopped loop frees nothing any more
+                log.warning("request %s: engine abort did not run: %s", rid, e)
+            self.loop.drop_sink(rid, sink)
+            self.calls.release(rid, events)
+
+    def _admit(
+        self, request: wpb.DecodeRequest, params: SamplingParams, notes: _CallTrace, context: grpc.ServicerContext
+    ) -> wpb.DecodeEvent:
+        """Admit the request (LOCAL) or reserve its blocks (REMOTE); the call's first event."""
+        rid = request.request_id
+        prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
+        if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
+
+            def admit_local(engine: Engine) -> int:
+                check_room(engine, self.cfg.waiting_limit)
+                engine.add_request(rid, prompt, params, output_token_ids=prior)
+                return engine.scheduler.cached_prefix_tokens(prompt + prior)
+
+            cached = self._call(admit_local, context)
+            return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
+        lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
+
+        def reserve(engine: Engine) -> RemotePrefill | None:
+            remote = engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior)
+            seq = engine.lookup(rid) if remote is not None else None
+            notes.times = seq.times if seq is not None else None
+            return remote
+
+        remote = self._call(reserve, context)
+        if remote is None:
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
+        return wpb.DecodeEvent(reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens))
+
+    def _stream(
+        self, events: Events[Any], logprobs: bool, notes: _CallTrace, trace: Context
+    ) -> Iterator[wpb.DecodeEvent]:
+        """The engine's outputs as events until the finish (noted in `notes.error`)."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:
+            try:
+                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                notes.error = "request timed out"
+                yield wpb.DecodeEvent(finish=wpb.Finish(reason=wpb.FINISH_REASON_ABORTED, message="request timed out"))
+                return
+            if item is _CANCELLED:
+                return  # nobody listens; the finally gives everything back
+            # coalesce whatever else is ready into one Tokens event
+            outs: list[StepOutput] = [item]
+            while not outs[-1].finished:
+                try:
+                    nxt = events.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _CANCELLED:
+                    return
+                outs.append(nxt)
+            sampled = [o for o in outs if o.token_id >= 0]
+            if sampled and not notes.handover_recorded and notes.first_step is not None:
+                notes.handover_recorded = True
+                times = notes.times
+                if times is not None and times.scheduled is not None:  # set when the KV arrived
+                    tracing.record_phase(
+                        "decode.handover", trace, self.handover_time, times.scheduled, notes.first_step
+                    )
+            if sampled:
+                lps = [o.logprob or 0.0 for o in sampled] if logprobs else []
+                yield wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[o.token_id for o in sampled], logprobs=lps))
+            last = outs[-1]
+            if last.finished:
+                reason = last.finish_reason or ""
+                message = "" if reason in ("stop", "length") else f"ended: {reason}"
+                notes.error = message or None  # before the yield: the router may hang up after it
+                yield wpb.DecodeEvent(
+                    finish=wpb.Finish(reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED), message=message)
+                )
+                return
+
+    def _call(self, fn: Callable[[Engine], T], context: grpc.ServicerContext) -> T:
+        try:
+            return self.loop.call(fn).result(timeout=self.cfg.admit_timeout_s)
+        except ValueError as e:  # the engine refused what the request asked for
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except TimeoutError:
+            refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not admit the request in time")
+        except RuntimeError as e:
+            refuse(context, grpc.StatusCode.INTERNAL, str(e))
+
+    # ---- the rest ----
+
+    def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
+        """Ends the request's Decode call, which gives everything back (the one way to free it)."""
+        events = self.calls.owner(request.request_id)
+        if events is not None:
+            events.put(_CANCELLED)
+        return wpb.CancelResponse(found=events is not None)
+
+    def GetStats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        return convert.stats_to_proto(self.cfg.worker_id, self.loop.stats, self.block_size)
+
+    def BlockEvents(  # noqa: N802
+        self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.BlockEventBatch]:
+        return stream_block_events(self.loop, context)

@@ -1,0 +1,247 @@
+"""The process that hosts one worker, in either role: load the model, start the
+engine thread, the KV endpoint and the gRPC server, and report the addresses.
+
+    python -m splitserve.workers.common --role decode --grpc-port 7001
+
+Ray actors (worker/actor.py) call `start_worker` in the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.loop import EngineLoop
+from splitserve.runtime.credentials import add_secret_argument
+from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
+from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
+from splitserve.workers.common.config import WorkerConfig
+from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
+from splitserve.workers.common.warm_up import warm_up
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningWorker:
+    cfg: WorkerConfig
+    grpc_address: str
+    kv_endpoint: str | None  # decode role
+    loop: EngineLoop
+    server: grpc.Server
+    closers: list
+    metrics: WorkerMetrics  # the engine's series; `serve_metrics` puts them on HTTP
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.server.stop(grace_s).wait(grace_s + 1)
+        self.loop.stop()
+        for close in self.closers:
+            close()
+        self.loop.engine.close()  # its tensor-parallel ranks, once nothing can step it
+
+
+def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWorker:
+    """Start a worker; `engine` may be given (tests), else the model is loaded from cfg."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if engine is None:
+        engine, _ = Engine.from_path(cfg.model, cfg.engine, progress=False)
+    if cfg.warm_up:  # before listening: a client's first token must not pay for lazy builds
+        warm_up(engine)
+    interceptors: list[grpc.ServerInterceptor] = (
+        [ClusterTokenInterceptor(cfg.cluster_token)] if cfg.cluster_token else []
+    )
+    if not cfg.cluster_token:  # the command refuses this off loopback; a library caller chose it
+        log.warning("%s worker %s: no cluster token, every control call is accepted", cfg.role, cfg.worker_id)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + 8, thread_name_prefix=f"{cfg.role}-rpc"),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    closers: list = []
+    kv_endpoint = None
+    metrics = WorkerMetrics(engine.model_cfg.name, cfg.role, cfg.worker_id)
+    engine.drain_iteration_stats()  # counted from here on: a warm-up request is not traffic
+    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+
+    if cfg.role == "decode":
+        from splitserve.kv_transfer import KVReceiver
+        from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
+        from splitserve.workers.decode.service import DecodeService
+
+        receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
+        closers.append(receiver.close)
+        kv_endpoint = receiver.endpoint
+        connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
+        engine.connect(connector)
+        loop = EngineLoop(engine, on_iteration=metrics.record)
+        connector.wake = loop.wake
+        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
+    else:
+        from splitserve.kv_transfer import KVSender
+        from splitserve.workers.prefill.connector import SenderConnector
+        from splitserve.workers.prefill.service import PrefillService
+
+        service = PrefillService(cfg, KVSender(engine.kv_cache), metrics)
+        sender_connector = SenderConnector(
+            engine.cfg.block_size, len(engine.model.layers), cuda=engine.kv_cache.tensor.is_cuda
+        )
+        engine.connect(sender_connector)
+        loop = EngineLoop(engine, on_iteration=metrics.record)
+        service.attach(loop, sender_connector)
+        closers.append(lambda: service.finisher.shutdown(wait=False))
+        wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+    metrics.watch(lambda: loop.stats)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    if port == 0:
+        loop.stop()
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+    server.start()
+    address = f"{cfg.host}:{port}"
+    log.info("%s worker %s listening on %s (kv %s)", cfg.role, cfg.worker_id, address, kv_endpoint)
+    return RunningWorker(cfg, address, kv_endpoint, loop, server, closers, metrics)
+
+
+def serve_metrics(worker: RunningWorker, port: int) -> str:
+    """The worker's Prometheus endpoint on its host (port 0: a free one); its "host:port"."""
+    address, close = start_metrics_server(worker.metrics.registry, worker.cfg.host, port)
+    worker.closers.append(close)
+    return address
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by every command that builds an engine."""
+    p.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)"
+    )
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (the prefill chunk)")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
+        "(0: arrival order)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
+        "must divide the model's heads, KV heads and intermediate size",
+    )
+
+
+def add_admission_arguments(p: argparse.ArgumentParser) -> None:
+    """A worker's admission limit, for every command that starts workers."""
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="requests a worker lets wait for a seat; beyond, new ones are refused at once "
+        "(RESOURCE_EXHAUSTED, HTTP 429 at the router) (0: twice --max-num-seqs)",
+    )
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    return EngineConfig(
+        device=a.device,
+        dtype=dtype,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
+        tensor_parallel_size=a.tensor_parallel_size,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    add_secret_argument(
+        p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, required from every caller"
+    )
+    p.add_argument(
+        "--insecure-no-cluster-token",
+        action="store_true",
+        help="start without a cluster token, every control call accepted; only with a loopback --host",
+    )
+    p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus endpoint on --host (0: a free port, named in the ready line; -1: off)",
+    )
+    add_engine_arguments(p)
+    add_admission_arguments(p)
+    add_tracing_argument(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splitserve.workers", description="Run one prefill or decode worker.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    refusal = cluster_token_refusal(a.cluster_token, a.insecure_no_cluster_token, a.host)
+    if refusal is not None:
+        print(f"splitserve worker: {refusal}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(a.otlp_traces_endpoint, f"{a.role}-worker")
+    cfg = WorkerConfig(
+        role=a.role,
+        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
+        model=a.model,
+        engine=engine_config_from_args(a),
+        host=a.host,
+        grpc_port=a.grpc_port,
+        kv_port=a.kv_port,
+        kv_transport=a.kv_transport,
+        cluster_token=a.cluster_token,
+        threads=a.threads,
+        max_waiting_requests=a.max_waiting_requests,
+    )
+    worker = start_worker(cfg)
+    metrics = serve_metrics(worker, a.metrics_port) if a.metrics_port >= 0 else "-"
+    print(
+        f"{cfg.role} worker ready: grpc {worker.grpc_address} kv {worker.kv_endpoint or '-'} metrics {metrics}",
+        flush=True,
+    )
+    if a.ready_file:
+        with open(a.ready_file + ".tmp", "w") as f:
+            f.write(f"{worker.grpc_address} {worker.kv_endpoint or '-'}\n")
+        os.replace(a.ready_file + ".tmp", a.ready_file)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    worker.stop()
+    return 0

@@ -1,0 +1,151 @@
+"""A CPU harness for the worker-side lifecycle, in the style of vLLM's
+connector tests: a tiny model, a prefill engine and a decode engine joined by
+the in-memory fake transport (no sockets, no gRPC, no threads of ours), and
+`assert_engine_empty`, the leak check every lifecycle test ends with.
+
+    pair = EnginePair.tiny()
+    remote = pair.reserve("r1", prompt, params)      # decode side: blocks and a ticket
+    stream = pair.start_prefill("r1", prompt, params, remote)
+    first = pair.prefill_until_done("r1")            # layer frames flow as layers land
+    stream.finish(first, timeout=5)
+    pair.prefill.release("r1")
+    outs = pair.poll_decode()                        # the decode engine commits the KV
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.stats import Clock
+from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.kv_transfer import KVReceiver, KVSender, KVStream
+from splitserve.kv_transfer.fake import FakeTransport
+from splitserve.workers.decode.connector import ReceiverConnector
+from splitserve.workers.prefill.connector import SenderConnector
+
+
+def tiny_engine(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    clock: Clock = time.monotonic,
+) -> Engine:
+    cfg = tiny_model_config()
+    return Engine(
+        cfg,
+        random_weights(cfg),
+        EngineConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
+        clock=clock,
+    )
+
+
+def assert_engine_empty(engine: Engine) -> None:
+    """Every block free, every request state empty."""
+    s = engine.scheduler
+    held = {
+        name: len(c)
+        for name, c in (
+            ("waiting", s.waiting),
+            ("running", s.running),
+            ("reserved", s.reserved),
+            ("held", s.held),
+            ("requests", s.requests),
+            ("aborting", s.aborting),
+        )
+        if c
+    }
+    assert not held, f"engine still holds {held}"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, (
+        f"{engine.blocks.num_blocks - engine.blocks.num_free_blocks} blocks not freed"
+    )
+    assert all(rc == 0 for rc in engine.blocks.ref_counts)
+
+
+@dataclass
+class EnginePair:
+    prefill: Engine
+    decode: Engine
+    receiver: KVReceiver
+    sender: KVSender
+    decode_connector: ReceiverConnector
+    prefill_connector: SenderConnector
+
+    @staticmethod
+    def tiny(decode_max_num_seqs: int = 8, num_blocks: int = 64, clock: Clock = time.monotonic) -> EnginePair:
+        transport = FakeTransport()
+        # the prefill engine takes 8 tokens a step, so a prompt's layers go out over several steps
+        prefill = tiny_engine(num_blocks, max_num_batched_tokens=8, clock=clock)
+        decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs, clock=clock)
+        receiver = KVReceiver(decode.kv_cache, transport=transport)
+        decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
+        decode.connect(decode_connector)
+        prefill_connector = SenderConnector(prefill.cfg.block_size, len(prefill.model.layers), cuda=False)
+        prefill.connect(prefill_connector)
+        return EnginePair(
+            prefill,
+            decode,
+            receiver,
+            KVSender(prefill.kv_cache, transport=transport),
+            decode_connector,
+            prefill_connector,
+        )
+
+    def close(self) -> None:
+        self.receiver.close()
+
+    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, lease_s: float = 30.0) -> RemotePrefill:
+        remote = self.decode.reserve(rid, prompt, params, lease_s)
+        assert remote is not None, "no seat or blocks on the decode engine"
+        return remote
+
+    def start_prefill(self, rid: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill) -> KVStream:
+        """What the prefill service does: open the stream, admit prefill-only, attach the stream."""
+        stream = self.sender.open(remote.transfer)
+        seq = self.prefill.add_request(rid, prompt, params, prefill_only=True)
+        seq.transfer_id = remote.transfer.ticket
+        self.prefill_connector.add(
+            rid, stream, remote.transfer.ticket, remote.num_cached_tokens // self.prefill.cfg.block_size
+        )
+        return stream
+
+    def step_prefill(self) -> list[StepOutput]:
+        """One prefill step, after the connector's poll (as the engine loop does)."""
+        outs = self.prefill.apply_transfers(self.prefill_connector.poll())
+        return outs + (self.prefill.step() if self.prefill.has_work else [])
+
+    def prefill_until_done(self, rid: str) -> int:
+        """Step the prefill engine until `rid` has its first token."""
+        for _ in range(1000):
+            for out in self.step_prefill():
+                if out.request_id == rid:
+                    assert out.finish_reason == "prefill_done", out
+                    return out.token_id
+        raise AssertionError("prefill never finished")
+
+    def poll_decode(self, timeout_s: float = 5.0, want: int = 1) -> list[StepOutput]:
+        """The decode loop's poll, until `want` outputs have come out of it (the receiver's threads report)."""
+        outs: list[StepOutput] = []
+        deadline = time.monotonic() + timeout_s
+        while len(outs) < want:
+            assert time.monotonic() < deadline, f"only {len(outs)} of {want} transfer outcomes in {timeout_s}s"
+            outs += self.decode.apply_transfers(self.decode_connector.poll())
+            time.sleep(0.001)
+        return outs
+
+    def decode_to_end(self, rid: str) -> list[int]:
+        tokens = []
+        while self.decode.has_work:
+            for out in self.decode.step():
+                if out.request_id == rid and out.token_id >= 0:
+                    tokens.append(out.token_id)
+        return tokens
