@@ -103,8 +103,15 @@ def test_exported_tokenizer_encodes_a_chat_as_the_engine_does(exported: str, smo
         assert theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == ours.apply_chat_template(
             chat
         )
-        assert list(theirs(theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)["input_ids"]) == expected  # fmt: skip
+        assert (
+            list(
+                theirs(
+                    theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False,
+                )["input_ids"]
+            )
+            == expected
+        )
     assert theirs.eos_token == "<|im_end|>"
 
 
@@ -123,37 +130,87 @@ def test_a_second_export_reuses_the_directory(exported: str, smollm2_path: str) 
 def _run(rate: float | str, ttft_p50: float, tput: float, burst: dict[str, Any] | None = None) -> dict[str, Any]:
     pct = {"mean": ttft_p50, "p50": ttft_p50, "p90": ttft_p50, "p99": ttft_p50 * 2}
     return {
-        "request_rate": rate, "burstiness": 1.0, "max_concurrency": 4, "num_prompts": 2, "duration_s": 2.0,
-        "completed": 2, "failed": 0, "request_throughput": tput, "output_throughput": 10 * tput,
-        "total_token_throughput": 20 * tput, "total_input_tokens": 2000, "total_output_tokens": 2,
-        "ttft_ms": pct, "tpot_ms": pct, "itl_ms": pct, "e2el_ms": pct, "goodput": tput, "slo_attainment": 1.0,
-        "slos": {"ttft": 3000, "tpot": 100}, "burst": burst,
+        "request_rate": rate,
+        "burstiness": 1.0,
+        "max_concurrency": 4,
+        "num_prompts": 2,
+        "duration_s": 2.0,
+        "completed": 2,
+        "failed": 0,
+        "request_throughput": tput,
+        "output_throughput": 10 * tput,
+        "total_token_throughput": 20 * tput,
+        "total_input_tokens": 2000,
+        "total_output_tokens": 2,
+        "ttft_ms": pct,
+        "tpot_ms": pct,
+        "itl_ms": pct,
+        "e2el_ms": pct,
+        "goodput": tput,
+        "slo_attainment": 1.0,
+        "slos": {"ttft": 3000, "tpot": 100},
+        "burst": burst,
         "requests": [
-            {"tag": "a", "prompt_len": 1000, "output_len": 1, "start_s": 0.0, "ttft_s": 0.5, "itl_s": [],
-             "latency_s": 0.5, "error": ""},
-            {"tag": "b", "prompt_len": 1000, "output_len": 1, "start_s": 0.0, "ttft_s": ttft_p50 / 1000, "itl_s": [],
-             "latency_s": 1.0, "error": ""},
+            {
+                "tag": "a",
+                "prompt_len": 1000,
+                "output_len": 1,
+                "start_s": 0.0,
+                "ttft_s": 0.5,
+                "itl_s": [],
+                "latency_s": 0.5,
+                "error": "",
+            },
+            {
+                "tag": "b",
+                "prompt_len": 1000,
+                "output_len": 1,
+                "start_s": 0.0,
+                "ttft_s": ttft_p50 / 1000,
+                "itl_s": [],
+                "latency_s": 1.0,
+                "error": "",
+            },
         ],
-    }  # fmt: skip
+    }
 
 
 def _bench(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"label": label, "backend": "openai-chat", "base_url": "http://x", "dataset": "sharegpt", "args": {},
-            "runs": runs}  # fmt: skip
+    return {
+        "label": label,
+        "backend": "openai-chat",
+        "base_url": "http://x",
+        "dataset": "sharegpt",
+        "args": {},
+        "runs": runs,
+    }
 
 
 def _results() -> dict[str, dict[str, Any]]:
-    burst = {"quiet_itl_ms": {"p50": 10, "p99": 20}, "burst_itl_ms": {"p50": 15, "p99": 40}, "ratio_p50": 1.5,
-             "ratio_p99": 2.0, "burst_ttft_ms": {"p50": 100, "p99": 200}}  # fmt: skip
+    burst = {
+        "quiet_itl_ms": {"p50": 10, "p99": 20},
+        "burst_itl_ms": {"p50": 15, "p99": 40},
+        "ratio_p50": 1.5,
+        "ratio_p99": 2.0,
+        "burst_ttft_ms": {"p50": 100, "p99": 200},
+    }
     return {
-        "vllm": {"cores": {"total": 2}, "loads": {
-            "sweep": _bench("vllm", [_run(0.5, 100.0, 1.0), _run(1.0, 200.0, 2.0)]),
-            "burst": _bench("vllm", [_run("inf", 100.0, 1.0, burst)]),
-            "prefill2": _bench("vllm", [_run("inf", 1000.0, 1.0)])}},
-        "disaggregated": {"cores": {"total": 2}, "loads": {
-            "sweep": _bench("disaggregated", [_run(0.5, 50.0, 1.5), _run(1.0, 400.0, 1.0)]),
-            "prefill2": _bench("disaggregated", [_run("inf", 500.0, 1.0)])}},
-    }  # fmt: skip
+        "vllm": {
+            "cores": {"total": 2},
+            "loads": {
+                "sweep": _bench("vllm", [_run(0.5, 100.0, 1.0), _run(1.0, 200.0, 2.0)]),
+                "burst": _bench("vllm", [_run("inf", 100.0, 1.0, burst)]),
+                "prefill2": _bench("vllm", [_run("inf", 1000.0, 1.0)]),
+            },
+        },
+        "disaggregated": {
+            "cores": {"total": 2},
+            "loads": {
+                "sweep": _bench("disaggregated", [_run(0.5, 50.0, 1.5), _run(1.0, 400.0, 1.0)]),
+                "prefill2": _bench("disaggregated", [_run("inf", 500.0, 1.0)]),
+            },
+        },
+    }
 
 
 def test_table_gives_each_splitserve_figure_as_a_ratio_to_vllms() -> None:
@@ -245,8 +302,11 @@ def test_the_router_runs_the_systems_mode_with_the_workers_block_size() -> None:
 
 def test_cores_used_names_each_process_and_its_threads() -> None:
     used = cores_used(SystemSpec("disaggregated"), placement("disaggregated", (0, 1)))
-    assert used == {"total": 2, "pinned": True, "processes": {"decode": {"cores": [1], "threads": 1},
-                                                               "prefill": {"cores": [0], "threads": 1}}}  # fmt: skip
+    assert used == {
+        "total": 2,
+        "pinned": True,
+        "processes": {"decode": {"cores": [1], "threads": 1}, "prefill": {"cores": [0], "threads": 1}},
+    }
     assert describe_cores("disaggregated", used) == (
         "disaggregated: 2 cores: decode cores 1 (1 threads), prefill cores 0 (1 threads)"
     )
@@ -255,8 +315,9 @@ def test_cores_used_names_each_process_and_its_threads() -> None:
 
 
 def test_system_flags_stack_in_order() -> None:
-    specs = system_specs(["vllm", "auto"], "--dtype bfloat16", "--enforce-eager", "--mode auto",
-                         ["auto=--max-num-batched-tokens 256"])  # fmt: skip
+    specs = system_specs(
+        ["vllm", "auto"], "--dtype bfloat16", "--enforce-eager", "--mode auto", ["auto=--max-num-batched-tokens 256"]
+    )
     assert specs[0].flags == ("--enforce-eager",) and specs[0].router_flags == ()
     assert specs[1].flags == ("--dtype", "bfloat16", "--max-num-batched-tokens", "256")
     with pytest.raises(ValueError, match="SYSTEM=FLAGS"):
@@ -324,8 +385,12 @@ def test_stopping_a_server_ends_its_whole_process_group(tmp_path: Path) -> None:
 def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path: Path) -> None:
     from splitserve.bench.peer.servers import ServerError
 
-    server = ServerProcess("bad", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], os.environ,
-                           str(tmp_path / "bad.log"))  # fmt: skip
+    server = ServerProcess(
+        "bad",
+        [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+        os.environ,
+        str(tmp_path / "bad.log"),
+    )
     start = time.monotonic()
     with pytest.raises(ServerError, match="no model here"):
         wait_until(lambda: False, 30.0, [server], "bad")

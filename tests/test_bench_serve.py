@@ -31,8 +31,16 @@ def tok(tok_dir):
     return load_text_tokenizer(tok_dir)
 
 
-def rec(tag="plain", prompt_len=10, output_len=5, start=0.0, ttft=0.1, itl=(0.02, 0.02, 0.02, 0.02), latency=None,
-        error=None) -> RequestRecord:  # fmt: skip
+def rec(
+    tag="plain",
+    prompt_len=10,
+    output_len=5,
+    start=0.0,
+    ttft=0.1,
+    itl=(0.02, 0.02, 0.02, 0.02),
+    latency=None,
+    error=None,
+) -> RequestRecord:
     latency = ttft + sum(itl) if latency is None else latency
     return RequestRecord(tag, prompt_len, output_len, start, ttft, list(itl), latency, error)
 
@@ -176,8 +184,13 @@ def test_a_conversation_turn_carries_the_previous_answer():
     clock = Clock(time.perf_counter, asyncio.sleep)
     asyncio.run(run_load(backend, [session], [0.0], None, clock, Progress(3, "t", enabled=False)))
     assert [m["content"] for m in backend.prompts[2].messages] == [
-        "be brief", "q0", "answer to q0", "q1", "answer to q1", "q2"
-    ]  # fmt: skip
+        "be brief",
+        "q0",
+        "answer to q0",
+        "q1",
+        "answer to q1",
+        "q2",
+    ]
     assert [m["role"] for m in backend.prompts[2].messages] == ["system", *["user", "assistant"] * 2, "user"]
     assert backend.prompts[1].text == "be brief\nq0\nanswer to q0\nq1"
 
@@ -261,15 +274,41 @@ def test_the_json_shape_round_trips(tmp_path):
     run = raw["runs"][1]
     assert run["request_rate"] == "inf"
     assert set(run) == {
-        "request_rate", "burstiness", "max_concurrency", "num_prompts", "duration_s", "completed", "failed",
-        "request_throughput", "output_throughput", "total_token_throughput", "total_input_tokens",
-        "total_output_tokens", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "goodput", "slo_attainment", "slos",
-        "burst", "requests",
-    }  # fmt: skip
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "num_prompts",
+        "duration_s",
+        "completed",
+        "failed",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "total_input_tokens",
+        "total_output_tokens",
+        "ttft_ms",
+        "tpot_ms",
+        "itl_ms",
+        "e2el_ms",
+        "goodput",
+        "slo_attainment",
+        "slos",
+        "burst",
+        "requests",
+    }
     assert set(run["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
     assert {"quiet_itl_ms", "burst_itl_ms", "ratio_p50", "ratio_p99", "burst_ttft_ms"} <= set(run["burst"])
-    assert set(run["requests"][0]) == {"tag", "prompt_len", "output_len", "start_s", "ttft_s", "itl_s",
-                                       "latency_s", "error", "cached_len"}  # fmt: skip
+    assert set(run["requests"][0]) == {
+        "tag",
+        "prompt_len",
+        "output_len",
+        "start_s",
+        "ttft_s",
+        "itl_s",
+        "latency_s",
+        "error",
+        "cached_len",
+    }
     assert isinstance(RunResult.from_dict(run), RunResult)
 
 
@@ -284,8 +323,10 @@ def test_compare_and_burst_charts_draw_several_systems(tmp_path):
     results = [_result("sys-a", [math.inf]).to_dict(), _result("sys-b", [math.inf]).to_dict()]
     results[0]["runs"][0]["requests"][0]["tag"] = "steady"
     results[0]["runs"][0]["burst"] = {"windows_s": [[0.1, 0.4]]}
-    for path, name in ((plot_compare(results, tmp_path, "sharegpt"), "sharegpt-latency-cdf.png"),
-                       (plot_burst(results, tmp_path), "burst-itl-timeline.png")):  # fmt: skip
+    for path, name in (
+        (plot_compare(results, tmp_path, "sharegpt"), "sharegpt-latency-cdf.png"),
+        (plot_burst(results, tmp_path), "burst-itl-timeline.png"),
+    ):
         assert path == str(tmp_path / name)
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -300,11 +341,41 @@ def test_cli_against_the_fake_server(backend, tok_dir, tmp_path):
     script = FakeScript(ttft_s=0.05, gap_s=0.02, chunk_tokens=(1, 3), prompt_tokens=7, fail_index=2)
     out, charts = tmp_path / "r.json", tmp_path / "charts"
     with running_fake(script) as (url, fake):
-        rc = cli.main(["bench", "serve", "--backend", backend, "--base-url", url, "--tokenizer", tok_dir,
-                       "--dataset", "random", "--random-input-len", "16", "--random-output-len", "6",
-                       "--num-prompts", "6", "--request-rate", "50,inf", "--max-concurrency", "4", "--ignore-eos",
-                       "--goodput", "ttft:2000", "itl:2000", "--label", "fake", "--json", str(out),
-                       "--plot", str(charts), "--no-progress"])  # fmt: skip
+        rc = cli.main(
+            [
+                "bench",
+                "serve",
+                "--backend",
+                backend,
+                "--base-url",
+                url,
+                "--tokenizer",
+                tok_dir,
+                "--dataset",
+                "random",
+                "--random-input-len",
+                "16",
+                "--random-output-len",
+                "6",
+                "--num-prompts",
+                "6",
+                "--request-rate",
+                "50,inf",
+                "--max-concurrency",
+                "4",
+                "--ignore-eos",
+                "--goodput",
+                "ttft:2000",
+                "itl:2000",
+                "--label",
+                "fake",
+                "--json",
+                str(out),
+                "--plot",
+                str(charts),
+                "--no-progress",
+            ]
+        )
         bodies = list(fake.bodies)
     assert rc == 0
     assert all(b["model"] == MODEL and b["ignore_eos"] is True and b["max_tokens"] == 6 for b in bodies)

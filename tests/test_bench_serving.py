@@ -54,30 +54,51 @@ def test_quick_run_prints_every_figure(smollm2_path, capsys, monkeypatch):
     assert rc == 0, out
 
     for n in (32, 48):
-        _figures(out, rf"\[ttft\]\s+{n} tokens: disaggregated {TIME} \| colocated {TIME} \| ratio {NUM}x "
-                      rf"\| paired ratios median {NUM}x \[{NUM}\.\.{NUM}\]", count=1)  # fmt: skip
-        (second_d, second_c, mb, _blocks, layers, block_bytes, rate), = _figures(
-            out, rf"\[ttft\]\s+{n} tokens: first -> second token: disaggregated {TIME} \| colocated {TIME} "
-                 rf"\| KV moved {NUM} MB/request \({NUM} blocks x {NUM} layers x {NUM} B\) = {NUM} MB/s",
-            count=1)  # fmt: skip
+        _figures(
+            out,
+            rf"\[ttft\]\s+{n} tokens: disaggregated {TIME} \| colocated {TIME} \| ratio {NUM}x "
+            rf"\| paired ratios median {NUM}x \[{NUM}\.\.{NUM}\]",
+            count=1,
+        )
+        ((second_d, second_c, mb, _blocks, layers, block_bytes, rate),) = _figures(
+            out,
+            rf"\[ttft\]\s+{n} tokens: first -> second token: disaggregated {TIME} \| colocated {TIME} "
+            rf"\| KV moved {NUM} MB/request \({NUM} blocks x {NUM} layers x {NUM} B\) = {NUM} MB/s",
+            count=1,
+        )
         assert layers == 30  # SmolLM2-135M
-        _figures(out, rf"\[ttft\]\s+{n} tokens: worker CPU time per request: disaggregated {NUM} s \(prefill {NUM} "
-                      rf"\+ decode {NUM}\) \| colocated {NUM} s \(prefill [0-9.]+ \+ decode {NUM}\) \| ratio "
-                      rf"{NUM}x", count=1)  # fmt: skip
+        _figures(
+            out,
+            rf"\[ttft\]\s+{n} tokens: worker CPU time per request: disaggregated {NUM} s \(prefill {NUM} "
+            rf"\+ decode {NUM}\) \| colocated {NUM} s \(prefill [0-9.]+ \+ decode {NUM}\) \| ratio "
+            rf"{NUM}x",
+            count=1,
+        )
     _figures(out, rf"\[ttft\] target: disaggregated / colocated at 48 tokens {NUM}x <= 1.10", count=1)
     assert "[ttft] prefix-cache hits on measured requests: 0 tokens" in out
 
     cpu = rf"decode worker {NUM} of a core, {TIME} CPU per steady token"
     _figures(out, rf"\[itl\] quiet\s+: p50 {TIME} p99 {TIME} \({NUM} samples\) \| {cpu}", count=1)
     for kind, span in (("disaggregated", "burst prefill"), ("colocated", "burst prefill"), ("busy neighbour", "busy")):
-        _figures(out, rf"\[itl\] {kind}\s+: p50 {TIME} p99 {TIME} max {TIME} \({NUM} samples\) "
-                      rf"\| over quiet: p50 {NUM}x p99 {NUM}x \| {span} {TIME} median \| {cpu}", count=1)  # fmt: skip
+        _figures(
+            out,
+            rf"\[itl\] {kind}\s+: p50 {TIME} p99 {TIME} max {TIME} \({NUM} samples\) "
+            rf"\| over quiet: p50 {NUM}x p99 {NUM}x \| {span} {TIME} median \| {cpu}",
+            count=1,
+        )
     _figures(out, rf"\[itl\] disaggregated over the busy-neighbour control: p50 {NUM}x p99 {NUM}x", count=1)
-    _figures(out, rf"\[itl\] decode worker in disaggregated bursts over quiet: {NUM}x the CPU time per token "
-                  rf"\(busy neighbour {NUM}x\), on {NUM}x the share of its core \(busy neighbour {NUM}x\)",
-             count=1)  # fmt: skip
-    _figures(out, rf"\[itl\] target: disaggregated p50 {NUM}x p99 {NUM}x <= 1.3: (?:met|NOT met); "
-                  rf"colocated p50 {NUM}x p99 {NUM}x", count=1)  # fmt: skip
+    _figures(
+        out,
+        rf"\[itl\] decode worker in disaggregated bursts over quiet: {NUM}x the CPU time per token "
+        rf"\(busy neighbour {NUM}x\), on {NUM}x the share of its core \(busy neighbour {NUM}x\)",
+        count=1,
+    )
+    _figures(
+        out,
+        rf"\[itl\] target: disaggregated p50 {NUM}x p99 {NUM}x <= 1.3: (?:met|NOT met); "
+        rf"colocated p50 {NUM}x p99 {NUM}x",
+        count=1,
+    )
     assert "[itl] prefix-cache hits on measured requests: 0 tokens" in out
     for part in ("ttft", "itl"):
         assert f"[{part}] requests prefilled in the other mode (router fallbacks): 0" in out

@@ -93,9 +93,19 @@ def test_the_flags_help_warns_that_ps_shows_a_value(capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.8.0.3", True), ("::1", True), ("[::1]", True), ("localhost", True),
-     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("decode", False), ("auto", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("decode", False),
+        ("auto", False),
+    ],
+)
 def test_loopback_hosts(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 

@@ -100,12 +100,40 @@ def _check(path, num: int) -> dict:
 def test_openai_chat_on_sharegpt_through_the_http_front_door(cluster, tok_dir, tmp_path):
     router = cluster["colocated"]
     out, charts = tmp_path / "r.json", tmp_path / "charts"
-    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{router.http_port}",
-                   "--tokenizer", tok_dir, "--dataset", "sharegpt", "--num-prompts", "6",
-                   "--sharegpt-output-len", str(OUTPUT_LEN), "--sharegpt-max-input-len", "128", "--ignore-eos",
-                   "--request-rate", "inf",
-                   "--max-concurrency", "3", "--goodput", "ttft:60000", "--label", "colocated",
-                   "--json", str(out), "--plot", str(charts), "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            f"http://127.0.0.1:{router.http_port}",
+            "--tokenizer",
+            tok_dir,
+            "--dataset",
+            "sharegpt",
+            "--num-prompts",
+            "6",
+            "--sharegpt-output-len",
+            str(OUTPUT_LEN),
+            "--sharegpt-max-input-len",
+            "128",
+            "--ignore-eos",
+            "--request-rate",
+            "inf",
+            "--max-concurrency",
+            "3",
+            "--goodput",
+            "ttft:60000",
+            "--label",
+            "colocated",
+            "--json",
+            str(out),
+            "--plot",
+            str(charts),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     run = _check(out, 6)
     assert run["slo_attainment"] == 1.0
@@ -118,10 +146,32 @@ def test_openai_chat_on_sharegpt_through_the_http_front_door(cluster, tok_dir, t
 def test_grpc_on_random_prompts_disaggregated(cluster, tok_dir, tmp_path):
     router = cluster["disaggregated"]
     out = tmp_path / "r.json"
-    rc = cli.main(["bench", "serve", "--backend", "grpc", "--grpc-address", f"127.0.0.1:{router.port}",
-                   "--tokenizer", tok_dir, "--dataset", "random", "--random-input-len", "48",
-                   "--random-output-len", str(OUTPUT_LEN), "--num-prompts", "6", "--ignore-eos",
-                   "--request-rate", "20", "--json", str(out), "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "grpc",
+            "--grpc-address",
+            f"127.0.0.1:{router.port}",
+            "--tokenizer",
+            tok_dir,
+            "--dataset",
+            "random",
+            "--random-input-len",
+            "48",
+            "--random-output-len",
+            str(OUTPUT_LEN),
+            "--num-prompts",
+            "6",
+            "--ignore-eos",
+            "--request-rate",
+            "20",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     run = _check(out, 6)
     assert load_result(out)["base_url"] is None

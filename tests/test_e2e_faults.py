@@ -64,9 +64,17 @@ def test_prefill_worker_killed_mid_prefill_the_request_still_completes(model):
     d = spawn_worker("decode", *FLAGS)
     # the first prefill worker is slowed to a crawl (one small chunk per step) so it can be killed mid-prefill
     p1 = spawn_worker(
-        "prefill", "--dtype", "float32", "--num-blocks", "512", "--max-num-batched-tokens", "16", "--threads", "1",
+        "prefill",
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "512",
+        "--max-num-batched-tokens",
+        "16",
+        "--threads",
+        "1",
         "--insecure-no-cluster-token",
-    )  # fmt: skip
+    )
     p2 = spawn_worker("prefill", *FLAGS)
     try:
 

@@ -292,9 +292,15 @@ async def through_router(
             return await body(s, channel, router)
 
     return await with_router(
-        [c.decode], [c.prefill], c.tokenizer, inner, mode="disaggregated", http_port=0, cluster_token=c.token,
+        [c.decode],
+        [c.prefill],
+        c.tokenizer,
+        inner,
+        mode="disaggregated",
+        http_port=0,
+        cluster_token=c.token,
         **ROUTER_LIMITS,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(60)

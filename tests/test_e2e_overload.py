@@ -53,8 +53,12 @@ def test_twice_the_capacity_admits_what_fits_and_refuses_the_rest_at_once(model)
 
         results = asyncio.run(with_router([d], [], model.tokenizer, body, mode="colocated"))
         codes = [c for c, _, _ in results]
-        print("overload:", {c: codes.count(c) for c in set(codes)},
-              "refusals took", sorted(round(s, 3) for c, s, _ in results if c != "OK"))  # fmt: skip
+        print(
+            "overload:",
+            {c: codes.count(c) for c in set(codes)},
+            "refusals took",
+            sorted(round(s, 3) for c, s, _ in results if c != "OK"),
+        )
         assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
         assert codes.count("OK") >= CAPACITY and codes.count("RESOURCE_EXHAUSTED") >= CAPACITY // 2, codes
         for (code, _, out), w in zip(results, want, strict=True):

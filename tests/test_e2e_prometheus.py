@@ -71,10 +71,15 @@ def test_prometheus_scrapes_router_and_worker_and_reads_ttft_quantiles(tmp_path:
             f"    static_configs: [{{targets: ['{worker_metrics.group(1)}']}}]\n"
         )
         prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "prometheus.log").open("w"),
+        )
         try:
             for i in range(6):
                 req = pb.GenerateRequest(

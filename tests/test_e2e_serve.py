@@ -121,10 +121,21 @@ def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_leaves_no_process
 
     port = serve.grpc_port()
     gen = subprocess.Popen(
-        [*SPLITSERVE, "generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "160", "--ignore-eos",
-         "--temperature", "0", "Tell me about France."],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            *SPLITSERVE,
+            "generate",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--max-tokens",
+            "160",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "Tell me about France.",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert gen.stdout is not None
         first = gen.stdout.read(1)  # tokens are streaming: a request is in flight

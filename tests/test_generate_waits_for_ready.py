@@ -40,10 +40,21 @@ def test_generate_waits_for_the_router_and_its_pools_then_answers() -> None:
     async def scenario() -> None:
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "splitserve.cli", "generate", "--raw", "--address", f"127.0.0.1:{port}",
-            "--wait-s", "60", "--max-tokens", "64", "hello",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "generate",
+            "--raw",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--wait-s",
+            "60",
+            "--max-tokens",
+            "64",
+            "hello",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         assert proc.stdout is not None and proc.stderr is not None
         router = d = None
         try:
@@ -74,10 +85,19 @@ def test_generate_waits_for_the_router_and_its_pools_then_answers() -> None:
 def test_generate_gives_up_after_its_wait_naming_why() -> None:
     async def scenario() -> None:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "splitserve.cli", "generate", "--raw", "--address", f"127.0.0.1:{free_port()}",
-            "--wait-s", "1", "hello",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "generate",
+            "--raw",
+            "--address",
+            f"127.0.0.1:{free_port()}",
+            "--wait-s",
+            "1",
+            "hello",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 1
         assert "was not ready within 1 s (nothing listening there yet)" in err.decode()

@@ -59,8 +59,12 @@ def forked_exit_codes(children: int, handlers: str) -> list[int]:
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     out = subprocess.run(
         [sys.executable, "-c", FORKER, str(children), handlers],
-        env=env, capture_output=True, text=True, timeout=240, check=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
 

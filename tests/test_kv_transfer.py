@@ -42,8 +42,20 @@ def transport(request) -> str:
 
 
 def test_header_round_trips_and_rejects_tampering():
-    h = frame.Header(frame.LAYER, b"t" * 16, "req-1", layer=3, first_block=9, block_count=2, dtype_code=2,
-                     element_count=10, payload_length=20, checksum_kind=2, checksum=123, value=-1)  # fmt: skip
+    h = frame.Header(
+        frame.LAYER,
+        b"t" * 16,
+        "req-1",
+        layer=3,
+        first_block=9,
+        block_count=2,
+        dtype_code=2,
+        element_count=10,
+        payload_length=20,
+        checksum_kind=2,
+        checksum=123,
+        value=-1,
+    )
     raw = frame.encode_header(h)
     assert len(raw) == frame.HEADER_SIZE
     assert frame.decode_header(raw) == h
@@ -285,13 +297,38 @@ def test_cuda_ipc_from_another_process():
         helper = Path(__file__).parent / "kv_transfer_helpers" / "sender_proc.py"
         lay = LAYOUT
         out = subprocess.run(
-            [sys.executable, str(helper), "--ticket", r.ticket.hex(), "--request-id", r.request_id,
-             "--transport", r.transport, "--endpoint", r.endpoint, "--tcp-endpoint", r.tcp_endpoint,
-             "--dst", "3,4,10", "--src", "1,2,3", "--layers", "3,1,0,2", "--seed", "7", "--device", "cuda",
-             "--finish", "11",
-             "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
-            capture_output=True, text=True, timeout=50,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(helper),
+                "--ticket",
+                r.ticket.hex(),
+                "--request-id",
+                r.request_id,
+                "--transport",
+                r.transport,
+                "--endpoint",
+                r.endpoint,
+                "--tcp-endpoint",
+                r.tcp_endpoint,
+                "--dst",
+                "3,4,10",
+                "--src",
+                "1,2,3",
+                "--layers",
+                "3,1,0,2",
+                "--seed",
+                "7",
+                "--device",
+                "cuda",
+                "--finish",
+                "11",
+                "--layout",
+                f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["finished", "cuda_ipc"]  # granted device copies, no fallback
         assert rx.wait(r.ticket, 10) == Completed(11)
@@ -357,8 +394,25 @@ def test_metrics_count_bytes_frames_and_outcomes():
 def test_the_transfer_benchmark_runs_at_ci_size(capsys):
     from splitserve.cli import main
 
-    assert main(["bench", "transfer", "--size", "8M", "--layers", "4", "--repeats", "1", "--transports", "tcp,cuda_ipc",
-                 "--latency-blocks", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "transfer",
+                "--size",
+                "8M",
+                "--layers",
+                "4",
+                "--repeats",
+                "1",
+                "--transports",
+                "tcp,cuda_ipc",
+                "--latency-blocks",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tcp        raw" in out and "ratio" in out and "pipelining (tcp)" in out
 
@@ -376,8 +430,23 @@ def fake_cuda_ipc(monkeypatch, mappable=lambda cache: True):
     from splitserve.kv_transfer import cuda_ipc
 
     def fake_reduce(t):  # the 15 fields torch's reduce_tensor gives a CUDA tensor
-        return None, (type(t), t.shape, t.stride(), 0, t.dtype, False, 0, b"handle", t.numel() * 4, 0, False,
-                      b"ref", 0, b"", True)  # fmt: skip
+        return None, (
+            type(t),
+            t.shape,
+            t.stride(),
+            0,
+            t.dtype,
+            False,
+            0,
+            b"handle",
+            t.numel() * 4,
+            0,
+            False,
+            b"ref",
+            0,
+            b"",
+            True,
+        )
 
     monkeypatch.setattr(reductions, "reduce_tensor", fake_reduce)
     monkeypatch.setattr(cuda_ipc, "_uuid", lambda device: b"u" * 16)

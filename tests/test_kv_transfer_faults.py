@@ -110,12 +110,32 @@ def test_sender_killed_mid_stream(setup):
     helper = Path(__file__).parent / "kv_transfer_helpers" / "sender_proc.py"
     lay = LAYOUT
     proc = subprocess.Popen(
-        [sys.executable, str(helper), "--ticket", r.ticket.hex(), "--request-id", r.request_id,
-         "--endpoint", r.endpoint, "--tcp-endpoint", r.tcp_endpoint, "--dst", ",".join(map(str, BAD_IDS)),
-         "--src", ",".join(map(str, BAD_SRC)), "--layers", "0,2", "--seed", "11",
-         "--layout", f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(helper),
+            "--ticket",
+            r.ticket.hex(),
+            "--request-id",
+            r.request_id,
+            "--endpoint",
+            r.endpoint,
+            "--tcp-endpoint",
+            r.tcp_endpoint,
+            "--dst",
+            ",".join(map(str, BAD_IDS)),
+            "--src",
+            ",".join(map(str, BAD_SRC)),
+            "--layers",
+            "0,2",
+            "--seed",
+            "11",
+            "--layout",
+            f"{lay.num_layers},{lay.num_kv_heads},{lay.head_dim},{lay.block_size},{lay.dtype}",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "sent"
@@ -459,11 +479,20 @@ def test_ucx_peers_are_held_to_the_same_deadlines():
         ack = bytearray(frame.HEADER_SIZE)
         conn.recv_into(ack)
         assert frame.decode_header(ack).kind == frame.ACK
-        conn.send([header(
-            frame.LAYER, layer=1, first_block=BAD_IDS[0], block_count=3, dtype_code=frame.DTYPE_CODES[lay.dtype],
-            element_count=3 * lay.elements_per_block, payload_length=3 * lay.bytes_per_block,
-            checksum_kind=frame.CHECKSUM_LANESUM,
-        )])  # fmt: skip
+        conn.send(
+            [
+                header(
+                    frame.LAYER,
+                    layer=1,
+                    first_block=BAD_IDS[0],
+                    block_count=3,
+                    dtype_code=frame.DTYPE_CODES[lay.dtype],
+                    element_count=3 * lay.elements_per_block,
+                    payload_length=3 * lay.bytes_per_block,
+                    checksum_kind=frame.CHECKSUM_LANESUM,
+                )
+            ]
+        )
         expect_failure(rx, r, FailureCode.FRAME_TIMEOUT, "frame timeout: frame not complete")
         conn.close()
 

@@ -143,11 +143,17 @@ def _shard_frame(peer: RawPeer, src: KVCache, layer: int, rank: int, dst_first: 
     payload = frame.as_bytes(src.blocks(layer, 0, count, rank))
     lay = src.layout
     fields = dict(
-        layer=layer, first_block=dst_first, block_count=count, dtype_code=frame.DTYPE_CODES[lay.dtype],
-        element_count=heads.frame_elements(lay, count, lay.kv_heads_per_rank), payload_length=payload.numel(),
-        checksum_kind=frame.CHECKSUM_LANESUM, checksum=frame.checksum(frame.CHECKSUM_LANESUM, [payload]),
-        first_head=lay.rank_heads(rank).start, head_count=lay.kv_heads_per_rank,
-    )  # fmt: skip
+        layer=layer,
+        first_block=dst_first,
+        block_count=count,
+        dtype_code=frame.DTYPE_CODES[lay.dtype],
+        element_count=heads.frame_elements(lay, count, lay.kv_heads_per_rank),
+        payload_length=payload.numel(),
+        checksum_kind=frame.CHECKSUM_LANESUM,
+        checksum=frame.checksum(frame.CHECKSUM_LANESUM, [payload]),
+        first_head=lay.rank_heads(rank).start,
+        head_count=lay.kv_heads_per_rank,
+    )
     fields.update(override)
     return peer.header(frame.LAYER, **fields) + bytes(payload.numpy())
 
@@ -343,8 +349,25 @@ def test_bench_transfer_tp_prints_each_pair_per_layer_with_its_ratio(capsys):
     from splitserve.bench.transfer_tp import parse_pairs
     from splitserve.cli import main
 
-    assert main(["bench", "transfer", "--size", "4M", "--layers", "2", "--repeats", "1", "--transports", "tcp",
-                 "--tp", "2:1,1:2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "transfer",
+                "--size",
+                "4M",
+                "--layers",
+                "2",
+                "--repeats",
+                "1",
+                "--transports",
+                "tcp",
+                "--tp",
+                "2:1,1:2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--tp 2:1,1:2" in out.splitlines()[0]
     for pair in ("TP 2 -> TP 1", "TP 1 -> TP 2"):

@@ -98,8 +98,10 @@ def test_profile_json_round_trip(tmp_path):
 def test_with_serving_fits_a_per_step_and_a_per_token_overhead():
     p = synthetic()
     # served gaps 1.5 ms + 0.8 ms per request above the engine's step
-    pts = [(b, 100 * b, engine_decode_step_s(p, b, 100 * b), engine_decode_step_s(p, b, 100 * b) + 0.0015 + 0.0008 * b)
-           for b in (1, 2, 4, 8)]  # fmt: skip
+    pts = [
+        (b, 100 * b, engine_decode_step_s(p, b, 100 * b), engine_decode_step_s(p, b, 100 * b) + 0.0015 + 0.0008 * b)
+        for b in (1, 2, 4, 8)
+    ]
     s = with_serving(p, pts, "colocated, 2 worker(s)")
     assert (s.serve_step_s, s.serve_s_per_seq) == pytest.approx((0.0015, 0.0008))
     assert s.serve_points == tuple(pts) and s.serve_system == "colocated, 2 worker(s)"
@@ -164,8 +166,29 @@ def test_a_profile_needs_sorted_prefill_points():
 
 def test_plan_check_puts_simulated_beside_measured():
     ms = Stats(0.0, 100.0, 200.0, 300.0)
-    run = RunResult(1.0, 1.0, None, 3, 5.0, 3, 0, 0.6, 1.0, 1.0, 1, 1, ms, ms, Stats(0.0, 20.0, 40.0, 50.0), ms,
-                    None, None, {}, None, [])  # fmt: skip
+    run = RunResult(
+        1.0,
+        1.0,
+        None,
+        3,
+        5.0,
+        3,
+        0,
+        0.6,
+        1.0,
+        1.0,
+        1,
+        1,
+        ms,
+        ms,
+        Stats(0.0, 20.0, 40.0, 50.0),
+        ms,
+        None,
+        None,
+        {},
+        None,
+        [],
+    )
 
     class Sim:
         ttft = Percentiles(0.0, 0.110, 0.300, 0.4)

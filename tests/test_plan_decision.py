@@ -152,16 +152,44 @@ def run_plan(*flags: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(180)
 def test_the_command_prints_every_section_and_its_answer():
     out = run_plan(
-        "--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--tp", "8", "--network-gbps", "400",
-        "--rdma", "--prompt-len", "8192", "--output-len", "256:64", "--rate", "10", "--ttft-slo-ms", "2000",
-    )  # fmt: skip
+        "--model",
+        "llama-3-70b",
+        "--gpu",
+        "h100-sxm",
+        "--gpus",
+        "64",
+        "--tp",
+        "8",
+        "--network-gbps",
+        "400",
+        "--rdma",
+        "--prompt-len",
+        "8192",
+        "--output-len",
+        "256:64",
+        "--rate",
+        "10",
+        "--ttft-slo-ms",
+        "2000",
+    )
     assert out.returncode == 0, out.stderr
     for section in ("Memory", "KV transfer", "Roofline", "Checks", "Recommendation"):
         assert f"\n{section}" in out.stdout
     assert "KV per token              327,680 B" in out.stdout
     assert "DISAGGREGATE: " in out.stdout
-    no = run_plan("--model", "llama-3-8b", "--gpus", "2", "--prompt-len", "200", "--output-len", "100",
-                  "--network-gbps", "25", "--tcp")  # fmt: skip
+    no = run_plan(
+        "--model",
+        "llama-3-8b",
+        "--gpus",
+        "2",
+        "--prompt-len",
+        "200",
+        "--output-len",
+        "100",
+        "--network-gbps",
+        "25",
+        "--tcp",
+    )
     assert no.returncode == 0, no.stderr
     assert "COLOCATE: all 2 GPUs" in no.stdout
 

@@ -46,7 +46,7 @@ def test_prefill_load_points_set_each_first_token_against_the_step_that_prefills
     got = prefill_load_points(records, 4, 0, 500, 16, p)
     assert got == [(4, pytest.approx(costs.prefill_s(100, 16)), 0.150)]  # no new token, no first token, an error
     # colocated, 2 decodes on the prompt's worker: the mixed step
-    (_, modelled, _), = prefill_load_points(records[:1], 4, 2, 500, 16, p)  # fmt: skip
+    ((_, modelled, _),) = prefill_load_points(records[:1], 4, 2, 500, 16, p)
     assert modelled == pytest.approx(mixed_step_s(costs, 100, 16, 2, 1000))
     assert modelled > costs.prefill_s(100, 16)
 
@@ -111,9 +111,11 @@ def test_a_replayed_request_keeps_what_the_server_said_it_found_cached():
     from splitserve.plan.sim.sweep import requests_from_run
 
     st = Stats(0.0, 0.0, 0.0, 0.0)
-    recs = [RequestRecord("steady", 62, 8, 0.0, 0.07, [0.02], 0.3, None, cached_len=48),
-            RequestRecord("plain", 62, 8, 1.0, 0.13, [0.02], 0.3, None),  # no usage: the template's 16
-            RequestRecord("plain", 62, 8, 2.0, 0.13, [0.02], 0.3, None, cached_len=0)]  # fmt: skip
+    recs = [
+        RequestRecord("steady", 62, 8, 0.0, 0.07, [0.02], 0.3, None, cached_len=48),
+        RequestRecord("plain", 62, 8, 1.0, 0.13, [0.02], 0.3, None),  # no usage: the template's 16
+        RequestRecord("plain", 62, 8, 2.0, 0.13, [0.02], 0.3, None, cached_len=0),
+    ]
     run = RunResult(1.0, 1.0, None, 3, 3.0, 3, 0, 1.0, 8.0, 20.0, 186, 24, st, st, st, st, None, None, {}, None, recs)
     assert [r.cached_tokens for r in requests_from_run(run, 16)] == [48, 16, 16]
     assert RequestRecord.from_dict(recs[0].to_dict()) == recs[0]

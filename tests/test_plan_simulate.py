@@ -195,8 +195,10 @@ def test_a_deployments_roofline_as_the_simulators_cost_model():
 
 def test_requests_from_a_bench_serve_run_replay_its_arrivals_and_lengths():
     s = Stats(0.0, 0.0, 0.0, 0.0)
-    records = [RequestRecord("plain", 120, 64, 0.5, 0.2, [0.03], 2.0, None),
-               RequestRecord("plain", 80, 32, 1.25, 0.1, [], 1.0, None)]  # fmt: skip
+    records = [
+        RequestRecord("plain", 120, 64, 0.5, 0.2, [0.03], 2.0, None),
+        RequestRecord("plain", 80, 32, 1.25, 0.1, [], 1.0, None),
+    ]
     run = RunResult(1.0, 1.0, None, 2, 3.0, 2, 0, 0.6, 32.0, 72.0, 200, 96, s, s, s, s, None, None, {}, None, records)
     assert requests_from_run(run) == [Request(0.5, 120, 64), Request(1.25, 80, 32)]
     # the chat template's cached opening: at most all of a prompt but its last token
@@ -211,14 +213,17 @@ def test_a_256_worker_cluster_with_20000_requests(capsys):
     rng = random.Random(0)
     lengths = [(rng.randint(100, 4000), rng.randint(20, 400)) for _ in range(20000)]
     reqs = poisson_requests(300.0, lengths, random.Random(1))
-    spec = ClusterSpec("disaggregated", decode_workers=192, prefill_workers=64, max_num_seqs=128,
-                       max_num_batched_tokens=8192)  # fmt: skip
+    spec = ClusterSpec(
+        "disaggregated", decode_workers=192, prefill_workers=64, max_num_seqs=128, max_num_batched_tokens=8192
+    )
     t = time.perf_counter()
     r = simulate(reqs, spec, costs, random.Random(0), Slo(2.0, 0.1), 300.0)
     took = time.perf_counter() - t
     with capsys.disabled():
-        print(f"\n256 workers, {len(reqs)} requests, {r.steps} steps simulated in {took:.1f}s; "
-              f"goodput {r.goodput:.0f} req/s, TTFT p90 {r.ttft.p90 * 1e3:.0f} ms, "
-              f"ITL p50 {r.itl.p50 * 1e3:.1f} ms")  # fmt: skip
+        print(
+            f"\n256 workers, {len(reqs)} requests, {r.steps} steps simulated in {took:.1f}s; "
+            f"goodput {r.goodput:.0f} req/s, TTFT p90 {r.ttft.p90 * 1e3:.0f} ms, "
+            f"ITL p50 {r.itl.p50 * 1e3:.1f} ms"
+        )
     assert r.completed == 20000
     assert not math.isnan(r.goodput)

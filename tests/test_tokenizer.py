@@ -235,8 +235,33 @@ def test_saved_tokenizer_json_loads_identically_here_and_in_transformers(tmp_pat
 def test_sentencepiece_gguf_vocabulary_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     gguf = pytest.importorskip("gguf")
-    pieces = ["▁", "e", "t", "h", "l", "o", "w", "r", "d", "▁t", "th", "he", "▁th", "▁the",
-              "ll", "lo", "llo", "▁h", "▁he", "▁hello", "or", "ld", "▁w", "▁wor", "▁world"]  # fmt: skip
+    pieces = [
+        "▁",
+        "e",
+        "t",
+        "h",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "▁t",
+        "th",
+        "he",
+        "▁th",
+        "▁the",
+        "ll",
+        "lo",
+        "llo",
+        "▁h",
+        "▁he",
+        "▁hello",
+        "or",
+        "ld",
+        "▁w",
+        "▁wor",
+        "▁world",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
     w.add_tokenizer_model("llama")

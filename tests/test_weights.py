@@ -61,8 +61,35 @@ _GGUF_LAYER_NAMES = {
 
 def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """A tiny sentencepiece-style vocabulary: specials, 256 byte tokens, a few pieces."""
-    pieces = ["▁", "e", "t", "a", "o", "h", "l", "r", "d", "w", "s", "▁t", "th", "he", "▁th", "▁the",
-              "ll", "lo", "llo", "▁h", "▁he", "▁hello", "or", "ld", "▁w", "▁wor", "▁world"]  # fmt: skip
+    pieces = [
+        "▁",
+        "e",
+        "t",
+        "a",
+        "o",
+        "h",
+        "l",
+        "r",
+        "d",
+        "w",
+        "s",
+        "▁t",
+        "th",
+        "he",
+        "▁th",
+        "▁the",
+        "ll",
+        "lo",
+        "llo",
+        "▁h",
+        "▁he",
+        "▁hello",
+        "or",
+        "ld",
+        "▁w",
+        "▁wor",
+        "▁world",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)

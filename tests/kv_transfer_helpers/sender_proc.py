@@ -39,10 +39,15 @@ def main() -> int:
     g = torch.Generator().manual_seed(a.seed)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=g).to(cache.tensor.dtype))
     r = Reservation(
-        request_id=a.request_id, ticket=bytes.fromhex(a.ticket), transport=a.transport, endpoint=a.endpoint,
-        tcp_endpoint=a.tcp_endpoint, block_ids=tuple(int(x) for x in a.dst.split(",")), layout=layout,
+        request_id=a.request_id,
+        ticket=bytes.fromhex(a.ticket),
+        transport=a.transport,
+        endpoint=a.endpoint,
+        tcp_endpoint=a.tcp_endpoint,
+        block_ids=tuple(int(x) for x in a.dst.split(",")),
+        layout=layout,
         lease_deadline_unix_ms=0,
-    )  # fmt: skip
+    )
     src = [int(x) for x in a.src.split(",")]
     stream = KVSender(cache).open(r)
     for layer in (int(x) for x in a.layers.split(",")):

@@ -41,10 +41,19 @@ class WorkerArgs:
 
     def flags(self) -> list[str]:
         # no cluster token: both workers listen on loopback, their only caller the benchmark's router
-        f = ["--dtype", self.dtype, "--threads", str(self.threads), "--num-blocks", str(self.num_blocks),
-             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-             "--kv-transport", self.kv_transport,
-             "--insecure-no-cluster-token"]  # fmt: skip
+        f = [
+            "--dtype",
+            self.dtype,
+            "--threads",
+            str(self.threads),
+            "--num-blocks",
+            str(self.num_blocks),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--kv-transport",
+            self.kv_transport,
+            "--insecure-no-cluster-token",
+        ]
         return f + (["--model", self.model] if self.model else [])
 
 
@@ -56,13 +65,26 @@ class WorkerProcess:
         self.log_path = os.path.join(workdir, f"{role}.log")
         self.grpc_address = ""
         self.kv_endpoint = ""
-        cmd = [sys.executable, "-m", "splitserve.workers", "--role", role, "--grpc-port", "0", "--kv-port", "0",
-               "--ready-file", self.ready_file, *args.flags()]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "splitserve.workers",
+            "--role",
+            role,
+            "--grpc-port",
+            "0",
+            "--kv-port",
+            "0",
+            "--ready-file",
+            self.ready_file,
+            *args.flags(),
+        ]
         if core is not None:
             cmd = ["taskset", "-c", str(core), *cmd]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def poll_ready(self) -> bool:
         """True once the ready file is there; raises if the process died first."""
@@ -95,8 +117,12 @@ class WorkerProcess:
 
     def pin(self, core: int) -> None:
         """Move every thread of the worker to `core` (threads made later inherit it)."""
-        subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(self.proc.pid)], check=True,
-                       stdout=subprocess.DEVNULL, timeout=10)  # fmt: skip
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", str(core), str(self.proc.pid)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=10,
+        )
         self.core = core
 
     def kill(self, grace_s: float = 5.0) -> None:
@@ -150,12 +176,23 @@ class CoreLoad:
 
     def __init__(self, core: int | None, workdir: str, args: WorkerArgs, prompt_len: int, batch: int) -> None:
         self.ready_file = os.path.join(workdir, f"load-{time.monotonic_ns()}.ready")
-        cmd = [sys.executable, "-c", _CORE_LOAD, self.ready_file, args.model or "", args.dtype, str(args.threads),
-               str(args.max_num_batched_tokens), str(prompt_len), str(batch)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-c",
+            _CORE_LOAD,
+            self.ready_file,
+            args.model or "",
+            args.dtype,
+            str(args.threads),
+            str(args.max_num_batched_tokens),
+            str(prompt_len),
+            str(batch),
+        ]
         if core is not None:
             cmd = ["taskset", "-c", str(core), *cmd]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
 
     def poll_ready(self) -> bool:
         if os.path.exists(self.ready_file):

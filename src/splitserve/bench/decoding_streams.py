@@ -16,27 +16,43 @@ from types import TracebackType
 
 
 class DecodingStreams:
-    def __init__(self, base_url: str, model: str, n: int, prompt: str = "Count to ten thousand.",
-                 max_tokens: int = 4000, timeout_s: float = 120.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        n: int,
+        prompt: str = "Count to ten thousand.",
+        max_tokens: int = 4000,
+        timeout_s: float = 120.0,
+    ) -> None:
         self.base_url = base_url
-        self.body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
-                                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                                "stream": True}).encode()  # fmt: skip
+        self.body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
         self.timeout_s = timeout_s
         self._stop = threading.Event()
         self._first = [threading.Event() for _ in range(n)]
         self.tokens = [0] * n
         self.errors: list[str] = []
-        self._threads = [threading.Thread(target=self._read, args=(i,), daemon=True, name=f"stream-{i}")
-                         for i in range(n)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._read, args=(i,), daemon=True, name=f"stream-{i}") for i in range(n)
+        ]
 
     def __enter__(self) -> DecodingStreams:
         for t in self._threads:
             t.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(self.timeout_s)
@@ -48,8 +64,9 @@ class DecodingStreams:
                 raise RuntimeError(f"background stream {i} is not decoding: {self.errors or 'no first token'}")
 
     def _read(self, i: int) -> None:
-        req = urllib.request.Request(self.base_url + "/v1/chat/completions", self.body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            self.base_url + "/v1/chat/completions", self.body, {"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 for line in r:  # one SSE event per token: the stop flag is seen within a step

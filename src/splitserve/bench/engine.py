@@ -59,9 +59,13 @@ TARGETS_CUDA = {"b1_roofline_llama-3-8b": 0.80, "b1_step_ms_smollm2": 1.0, "pref
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=f"comma-separated: {', '.join(MODELS)} or a .gguf file / HF dir "
-                   "(default: smollm2 on CPU; smollm2,llama-3.2-1b,llama-3-8b on CUDA; smollm2-shape in "
-                   "place of smollm2 where its GGUF is not installed)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"comma-separated: {', '.join(MODELS)} or a .gguf file / HF dir "
+        "(default: smollm2 on CPU; smollm2,llama-3.2-1b,llama-3-8b on CUDA; smollm2-shape in "
+        "place of smollm2 where its GGUF is not installed)",
+    )
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or both (default: both on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 64; quick 8)")
@@ -70,10 +74,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=int, default=None, help="interleaved ours/HF/probe repetitions (default 5; quick 2)"
     )
-    p.add_argument("--prefill-len", type=int, default=None, help="prompt length of the prefill figure, 0: none "
-                   "(default 4096 on CUDA, 0 on CPU)")  # fmt: skip
-    p.add_argument("--read-bytes", type=int, default=None, help="buffer of the bandwidth probe (default 1 GiB CPU, "
-                   "4 GiB CUDA; quick 64 MiB)")  # fmt: skip
+    p.add_argument(
+        "--prefill-len",
+        type=int,
+        default=None,
+        help="prompt length of the prefill figure, 0: none (default 4096 on CUDA, 0 on CPU)",
+    )
+    p.add_argument(
+        "--read-bytes",
+        type=int,
+        default=None,
+        help="buffer of the bandwidth probe (default 1 GiB CPU, 4 GiB CUDA; quick 64 MiB)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (no ratios)")
     p.add_argument("--profile", action="store_true", help="print a torch profile of one of our decode runs per batch")
@@ -142,22 +154,28 @@ def run(args: argparse.Namespace) -> int:
     if argv[:2] == ["bench", "engine"]:
         print("# splitserve " + " ".join(argv))
     opts = _options(args)
-    print(f"# settings: --model {','.join(opts.models)} --dtype {','.join(_short(d) for d in opts.dtypes)} "
-          f"--device {opts.device} --new-tokens {opts.new_tokens} --prompt-len {opts.prompt_len} --batch {opts.batch} "
-          f"--repeats {opts.repeats} --prefill-len {opts.prefill_len} --read-bytes {opts.read_bytes}"
-          f"{' --no-hf' if not opts.hf else ''}")  # fmt: skip
+    print(
+        f"# settings: --model {','.join(opts.models)} --dtype {','.join(_short(d) for d in opts.dtypes)} "
+        f"--device {opts.device} --new-tokens {opts.new_tokens} --prompt-len {opts.prompt_len} --batch {opts.batch} "
+        f"--repeats {opts.repeats} --prefill-len {opts.prefill_len} --read-bytes {opts.read_bytes}"
+        f"{' --no-hf' if not opts.hf else ''}"
+    )
     if opts.device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available on this machine: the cuda benchmark is skipped")
         return 0
     hf_version = _transformers_version() if opts.hf else None
     if opts.hf and hf_version is None:
         print("transformers is not installed: HF figures are skipped")
-    print(f"machine: {_machine(opts.device)}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"transformers {hf_version or '-'}; code {_code_version()}; load average {_load()}")  # fmt: skip
-    print(f"decode: prompts of {opts.prompt_len} random tokens, {opts.new_tokens} new tokens per request (greedy, "
-          f"EOS ignored), prefill excluded; batch 1 and {opts.batch}; each figure the median of {opts.repeats} "
-          f"repetitions that run ours, HF and a hardware probe back to back; the roofline and matmul rate "
-          f"the best of those probes")  # fmt: skip
+    print(
+        f"machine: {_machine(opts.device)}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"transformers {hf_version or '-'}; code {_code_version()}; load average {_load()}"
+    )
+    print(
+        f"decode: prompts of {opts.prompt_len} random tokens, {opts.new_tokens} new tokens per request (greedy, "
+        f"EOS ignored), prefill excluded; batch 1 and {opts.batch}; each figure the median of {opts.repeats} "
+        f"repetitions that run ours, HF and a hardware probe back to back; the roofline and matmul rate "
+        f"the best of those probes"
+    )
     for key in opts.models:
         subject = _subject(key, opts.device)
         for dtype in opts.dtypes:
@@ -183,15 +201,40 @@ def _shape(key: str) -> ModelConfig:
     if key == "tiny":
         return tiny_model_config()
     if key == "smollm2-shape":  # SmolLM2-135M-Instruct as its GGUF describes it
-        return ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                           intermediate_size=1536, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                           max_position=8192, tie_embeddings=True, name=key)  # fmt: skip
-    llama3: dict[str, Any] = dict(vocab_size=128256, num_kv_heads=8, num_heads=32, rope_theta=500000.0,
-                                  max_position=8192, rms_norm_eps=1e-5, name=key)  # fmt: skip
+        return ModelConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            intermediate_size=1536,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            max_position=8192,
+            tie_embeddings=True,
+            name=key,
+        )
+    llama3: dict[str, Any] = dict(
+        vocab_size=128256,
+        num_kv_heads=8,
+        num_heads=32,
+        rope_theta=500000.0,
+        max_position=8192,
+        rms_norm_eps=1e-5,
+        name=key,
+    )
     if key == "llama-3.2-1b":
         scaling = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
-        return ModelConfig(**llama3, hidden_size=2048, num_layers=16, intermediate_size=8192, head_dim=64,
-                           tie_embeddings=True, rope_scaling=scaling)  # fmt: skip
+        return ModelConfig(
+            **llama3,
+            hidden_size=2048,
+            num_layers=16,
+            intermediate_size=8192,
+            head_dim=64,
+            tie_embeddings=True,
+            rope_scaling=scaling,
+        )
     return ModelConfig(**llama3, hidden_size=4096, num_layers=32, intermediate_size=14336, head_dim=128)
 
 
@@ -258,18 +301,30 @@ def _hf_from_weights(
     s = cfg.rope_scaling
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if s.kind == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
     elif s.kind == "linear":
         rope = {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": s.factor}
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.attention_bias,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=cfg.attention_bias,
         rope_parameters=rope,
-    )  # fmt: skip
+    )
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     sd = dict(weights)
@@ -331,8 +386,14 @@ def _hf_decode(model: Any, prompts: list[list[int]], n: int, device: torch.devic
     clock = StepClock()
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, stopping_criteria=transformers.StoppingCriteriaList([clock]))  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            stopping_criteria=transformers.StoppingCriteriaList([clock]),
+        )
     new = out[:, ids.shape[1] :]
     if new.shape[1] != n or len(clock.times) != n:
         raise RuntimeError(f"HF generated {new.shape[1]} tokens ({len(clock.times)} steps timed), expected {n}")
@@ -396,10 +457,12 @@ def _bench(subject: Subject, dtype: torch.dtype, opts: Options, with_hf: bool) -
     engine = Engine(cfg, weights, ecfg)
     del weights
     tag = f"[{subject.key} {_short(dtype)}]"
-    print(f"\n== {subject.key} ({subject.describe}) in {dtype_name(dtype)} on {dev}: {cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim}, intermediate "
-          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}; {engine.model.weight_bytes / 1e6:.1f} MB of weights "
-          f"read per decode step; loaded in {time.perf_counter() - t:.1f} s")  # fmt: skip
+    print(
+        f"\n== {subject.key} ({subject.describe}) in {dtype_name(dtype)} on {dev}: {cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim}, intermediate "
+        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}; {engine.model.weight_bytes / 1e6:.1f} MB of weights "
+        f"read per decode step; loaded in {time.perf_counter() - t:.1f} s"
+    )
 
     buf = hw.read_buffer(dev, opts.read_bytes)
     probe = hw.LinearProbe(cfg, dtype, dev)
@@ -420,9 +483,11 @@ def _hardware(tag: str, buf: torch.Tensor, probe: LinearProbe, opts: Options) ->
     hw.read_bandwidth(buf)  # first touch
     reads = [hw.read_bandwidth(buf) for _ in range(max(5, opts.repeats))]
     what = "device-to-device copy, read + written" if buf.device.type == "cuda" else "torch.sum over fp32"
-    print(f"{tag} hardware  memory read {_f(statistics.median(reads))} GB/s ({what}, "
-          f"{_f(buf.numel() * 4 / 2**20)} MiB, median of {len(reads)}: "
-          f"{_f(min(reads))}..{_f(max(reads))})")  # fmt: skip
+    print(
+        f"{tag} hardware  memory read {_f(statistics.median(reads))} GB/s ({what}, "
+        f"{_f(buf.numel() * 4 / 2**20)} MiB, median of {len(reads)}: "
+        f"{_f(min(reads))}..{_f(max(reads))})"
+    )
     for batch in sorted({1, opts.batch}):
         probe.pass_times(batch)  # warm-up
         passes = [probe.pass_times(batch) for _ in range(3)]
@@ -430,13 +495,17 @@ def _hardware(tag: str, buf: torch.Tensor, probe: LinearProbe, opts: Options) ->
         total = sum(per.values())
         if batch == 1:
             parts = ", ".join(f"{g.name} {_f(_wbytes(g) / per[g.name] / 1e9)}" for g in probe.groups)
-            print(f"{tag} hardware  F.linear at batch 1 over {_f(probe.weight_bytes / 1e6)} MB of the model's weight "
-                  f"shapes: {_f(total * 1e3)} ms = {_f(probe.weight_bytes / total / 1e9)} GB/s (per shape GB/s: "
-                  f"{parts})")  # fmt: skip
+            print(
+                f"{tag} hardware  F.linear at batch 1 over {_f(probe.weight_bytes / 1e6)} MB of the model's weight "
+                f"shapes: {_f(total * 1e3)} ms = {_f(probe.weight_bytes / total / 1e9)} GB/s (per shape GB/s: "
+                f"{parts})"
+            )
         else:
             parts = ", ".join(f"{g.name} {_f(probe.group_flops(g, batch) / per[g.name] / 1e9)}" for g in probe.groups)
-            print(f"{tag} hardware  F.linear at batch {batch} over the model's weight shapes: {_f(total * 1e3)} ms = "
-                  f"{_f(probe.flops(batch) / total / 1e9)} GFLOP/s (per shape GFLOP/s: {parts})")  # fmt: skip
+            print(
+                f"{tag} hardware  F.linear at batch {batch} over the model's weight shapes: {_f(total * 1e3)} ms = "
+                f"{_f(probe.flops(batch) / total / 1e9)} GFLOP/s (per shape GFLOP/s: {parts})"
+            )
 
 
 def _decode(
@@ -497,9 +566,11 @@ def _report_decode(
         line += f"  [other processes: {_f(others)} cores busy]"
     print(line)
     if cpu and others >= 0.5 and _threads() > 1:
-        print(f"{tag} batch {batch:<3d} warning   other processes kept {_f(others)} cores busy: with "
-              f"{_threads()} torch threads each parallel op waits for a descheduled thread, so this figure measures "
-              "the load more than the code (rerun on a quiet machine, or with --threads 1)")  # fmt: skip
+        print(
+            f"{tag} batch {batch:<3d} warning   other processes kept {_f(others)} cores busy: with "
+            f"{_threads()} torch threads each parallel op waits for a descheduled thread, so this figure measures "
+            "the load more than the code (rerun on a quiet machine, or with --threads 1)"
+        )
     if agree:
         print(f"{tag} batch {batch:<3d} greedy    {agree}")
 
@@ -515,12 +586,14 @@ def _report_decode(
     if batch == 1:
         floor_ms = step_bytes / read / 1e6
         achieved = step_bytes * ours / 1e9
-        print(f"{tag} batch 1   roofline  {_f(step_bytes / 1e6)} MB/step (weights "
-              f"{_f(engine.model.weight_bytes / 1e6)} + KV {_f(kv_bytes / 1e6)}) / memory read {_f(read)} GB/s "
-              f"= floor {_f(floor_ms)} ms/step "
-              f"({_f(1e3 / floor_ms)} tok/s); F.linear alone over the weights {_f(lin * 1e3)} ms/step "
-              f"= {_f(probe.weight_bytes / lin / 1e9)} GB/s "
-              f"= {_pct(probe.weight_bytes / lin / 1e9 / read)}")  # fmt: skip
+        print(
+            f"{tag} batch 1   roofline  {_f(step_bytes / 1e6)} MB/step (weights "
+            f"{_f(engine.model.weight_bytes / 1e6)} + KV {_f(kv_bytes / 1e6)}) / memory read {_f(read)} GB/s "
+            f"= floor {_f(floor_ms)} ms/step "
+            f"({_f(1e3 / floor_ms)} tok/s); F.linear alone over the weights {_f(lin * 1e3)} ms/step "
+            f"= {_f(probe.weight_bytes / lin / 1e9)} GB/s "
+            f"= {_pct(probe.weight_bytes / lin / 1e9 / read)}"
+        )
         target = ""
         if cpu and dtype == _bf16():
             target = _target(achieved / read, TARGETS_CPU["b1_roofline_bf16"], "%")
@@ -529,24 +602,30 @@ def _report_decode(
         elif not cpu and f"b1_step_ms_{key}" in TARGETS_CUDA:
             bound = TARGETS_CUDA[f"b1_step_ms_{key}"]
             target = f"  target step < {_f(bound)} ms: {'met' if ours_ms < bound else 'MISSED'}"
-        print(f"{tag} batch 1   achieved  ours {_f(achieved)} GB/s = {_pct(achieved / read)} of the memory "
-              f"roofline{hf_part}{target}")  # fmt: skip
+        print(
+            f"{tag} batch 1   achieved  ours {_f(achieved)} GB/s = {_pct(achieved / read)} of the memory "
+            f"roofline{hf_part}{target}"
+        )
         return
     attn_flops = 4 * batch * mean_ctx * cfg.q_size * cfg.num_layers
     step_flops = probe.flops(batch) + attn_flops
     rate = probe.flops(batch) / lin
     achieved = step_flops * ours / batch
-    print(f"{tag} batch {batch:<3d} compute   {_f(step_flops / 1e9)} GFLOP/step (matmul "
-          f"{_f(probe.flops(batch) / 1e9)} + attention {_f(attn_flops / 1e9)}); F.linear at batch {batch} over "
-          f"the model's shapes {_f(lin * 1e3)} ms "
-          f"= {_f(rate / 1e9)} GFLOP/s; memory read {_f(read)} GB/s")  # fmt: skip
+    print(
+        f"{tag} batch {batch:<3d} compute   {_f(step_flops / 1e9)} GFLOP/step (matmul "
+        f"{_f(probe.flops(batch) / 1e9)} + attention {_f(attn_flops / 1e9)}); F.linear at batch {batch} over "
+        f"the model's shapes {_f(lin * 1e3)} ms "
+        f"= {_f(rate / 1e9)} GFLOP/s; memory read {_f(read)} GB/s"
+    )
     hf_part = ""
     if not math.isnan(reps[0].hf):
         hf_ach = step_flops * statistics.median(r.hf for r in reps) / batch
         hf_part = f" | HF {_f(hf_ach / 1e9)} GFLOP/s = {_pct(hf_ach / rate)}"
     target = _target(achieved / rate, TARGETS_CPU["bn_matmul"], "%") if cpu else ""
-    print(f"{tag} batch {batch:<3d} achieved  ours {_f(achieved / 1e9)} GFLOP/s = {_pct(achieved / rate)} of "
-          f"the matmul rate ({_f(step_bytes * ours / batch / 1e9)} GB/s){hf_part}{target}")  # fmt: skip
+    print(
+        f"{tag} batch {batch:<3d} achieved  ours {_f(achieved / 1e9)} GFLOP/s = {_pct(achieved / rate)} of "
+        f"the matmul rate ({_f(step_bytes * ours / batch / 1e9)} GB/s){hf_part}{target}"
+    )
 
 
 def _prefill(tag: str, engine: Engine, probe: LinearProbe, opts: Options) -> None:
@@ -571,9 +650,11 @@ def _prefill(tag: str, engine: Engine, probe: LinearProbe, opts: Options) -> Non
     flops = probe.flops(n, skip) + 2 * cfg.vocab_size * cfg.hidden_size + attn_flops
     achieved = flops / sec
     target = "" if opts.device.type == "cpu" else _target(achieved / rate, TARGETS_CUDA["prefill_matmul"], "%")
-    print(f"{tag} prefill   {n} tokens: ours {_f(n / sec)} tok/s ({_f(sec * 1e3)} ms); {_f(flops / 1e12)} TFLOP "
-          f"(attention {_f(attn_flops / 1e12)}) = {_f(achieved / 1e12)} TFLOP/s = {_pct(achieved / rate)} of "
-          f"F.linear at {n} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}")  # fmt: skip
+    print(
+        f"{tag} prefill   {n} tokens: ours {_f(n / sec)} tok/s ({_f(sec * 1e3)} ms); {_f(flops / 1e12)} TFLOP "
+        f"(attention {_f(attn_flops / 1e12)}) = {_f(achieved / 1e12)} TFLOP/s = {_pct(achieved / rate)} of "
+        f"F.linear at {n} tokens over the layer shapes ({_f(rate / 1e12)} TFLOP/s){target}"
+    )
 
 
 def _profile(tag: str, engine: Engine, prompts: list[list[int]], n: int, batch: int, dev: torch.device) -> None:

@@ -102,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         core = cores[0] if cores else None
         t0 = time.monotonic()
-        profile = calibrate(CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=core),
-                            log=lambda s: print("  " + s, flush=True))  # fmt: skip
+        profile = calibrate(
+            CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=core),
+            log=lambda s: print("  " + s, flush=True),
+        )
         path = os.path.join(out, "profile.json")
         save_profile(profile, path)
         print(f"profile: calibrated in {time.monotonic() - t0:.0f}s, saved to {path}")
@@ -125,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed or not rows else 0
 
 
-def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str,
-                profile: Any) -> list[Row]:  # fmt: skip
+def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str, profile: Any) -> list[Row]:
     """The rows of one system, simulated with the profile's engine costs and this system's serving
     overhead and prefill slowdown (measured here unless the profile has them for it)."""
     from splitserve.bench.peer.main import Load, run_load, warmup
@@ -146,9 +147,12 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     decode, prefill = len(where.cores_of("decode")), len(where.cores_of("prefill"))
     sim_mode: Mode = "colocated" if mode == "colocated" else "disaggregated"
     cluster = ClusterSpec(sim_mode, decode_workers=decode, prefill_workers=prefill)
-    print(f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
-          f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}, the first {cached} tokens of every "
-          f"prompt (the chat template's opening, whole blocks) cached", flush=True)  # fmt: skip
+    print(
+        f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
+        f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}, the first {cached} tokens of every "
+        f"prompt (the chat template's opening, whole blocks) cached",
+        flush=True,
+    )
     try:
         system = start_system(spec, ctx)
     except ServerError as e:
@@ -161,10 +165,28 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
             profile = _measure_serving(system, ctx, out, profile, decode, args)  # disaggregated's (see the note)
         if prefill_slowdown(profile, mode) is None:
             profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
-        loads = [Load(f"sharegpt@{rate:g}", ("--dataset", "sharegpt", "--num-prompts", str(args.num_prompts),
-                      "--request-rate", f"{rate:g}", "--sharegpt-output-len", str(args.output_len),
-                      "--sharegpt-max-input-len", str(args.max_input_len), "--ignore-eos", "--seed",
-                      str(args.seed + i)), args.load_timeout) for i, rate in enumerate(rates)]  # fmt: skip
+        loads = [
+            Load(
+                f"sharegpt@{rate:g}",
+                (
+                    "--dataset",
+                    "sharegpt",
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--request-rate",
+                    f"{rate:g}",
+                    "--sharegpt-output-len",
+                    str(args.output_len),
+                    "--sharegpt-max-input-len",
+                    str(args.max_input_len),
+                    "--ignore-eos",
+                    "--seed",
+                    str(args.seed + i),
+                ),
+                args.load_timeout,
+            )
+            for i, rate in enumerate(rates)
+        ]
         if not args.no_burst:  # bench serve's own burst schedule and defaults
             loads.append(
                 Load("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates))), args.load_timeout)
@@ -175,9 +197,14 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
             if "error" in data:
                 raise RuntimeError(f"{load.name}: {data['error']}")
             measured = RunResult.from_dict(data["runs"][0])
-            sim = simulate(requests_from_run(measured, cached), cluster, ProfileCosts(profile),
-                           random.Random(args.seed), spread=profile.step_spread(),
-                           prefill_slowdown=prefill_slowdown(profile, mode))  # fmt: skip
+            sim = simulate(
+                requests_from_run(measured, cached),
+                cluster,
+                ProfileCosts(profile),
+                random.Random(args.seed),
+                spread=profile.step_spread(),
+                prefill_slowdown=prefill_slowdown(profile, mode),
+            )
             rows += compare(mode, load.name, measured, sim)
     return rows
 
@@ -217,22 +244,29 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
         except ValueError as e:  # the requests did not all decode together (routing uneven, a late prefill)
             print(f"[{name}] serving: batch {batch} per worker not measured: {e}", flush=True)
             continue
-        print(f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
-              f"served gap {served_s * 1e3:.1f} ms; gaps / model p10 {percentile(gaps, 10):.3f} "
-              f"p50 {percentile(gaps, 50):.3f} p90 {percentile(gaps, 90):.3f}", flush=True)  # fmt: skip
+        print(
+            f"[{name}] serving: batch {b} per worker, context {context}: engine step {engine_s * 1e3:.1f} ms, "
+            f"served gap {served_s * 1e3:.1f} ms; gaps / model p10 {percentile(gaps, 10):.3f} "
+            f"p50 {percentile(gaps, 50):.3f} p90 {percentile(gaps, 90):.3f}",
+            flush=True,
+        )
         points.append((b, context, engine_s, served_s))
         ratios += [(b, r) for r in gaps]
     if not points:
         raise RuntimeError("the serving overhead: no batch measured")
     profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
     save_profile(profile, os.path.join(out, f"profile-{name}.json"))
-    print(f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
-          f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile", flush=True)  # fmt: skip
+    print(
+        f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
+        f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile",
+        flush=True,
+    )
     return profile
 
 
-def _measure_prefill_load(system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int,
-                          args: argparse.Namespace) -> Any:  # fmt: skip
+def _measure_prefill_load(
+    system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int, args: argparse.Namespace
+) -> Any:
     """How a served prefill slows beside decoding requests, on this running system (plan/calibrate.py's
     `prefill_load_points`), fitted into the profile for it, which is saved again."""
     from splitserve.bench.decoding_streams import DecodingStreams
@@ -254,14 +288,20 @@ def _measure_prefill_load(system: Any, ctx: Any, out: str, profile: Any, decode:
         batch = 0 if prefill else -(-n // decode)  # on a prefill worker nothing else runs in its steps
         got = prefill_load_points(RunResult.from_dict(data["runs"][0]).requests, n, batch, context, cached, profile)
         ratios = sorted(s / e for _, e, s in got)
-        print(f"[{name}] prefill beside {n} decoding: {len(got)} prompts, measured / model median "
-              f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})", flush=True)  # fmt: skip
+        print(
+            f"[{name}] prefill beside {n} decoding: {len(got)} prompts, measured / model median "
+            f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})",
+            flush=True,
+        )
         points += got
     profile = with_prefill_load(profile, name, points)
     save_profile(profile, os.path.join(out, f"profile-{name}.json"))
     _, base, per_stream = next(f for f in profile.prefill_load_fits if f[0] == name)
-    print(f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
-          f"the profile", flush=True)  # fmt: skip
+    print(
+        f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
+        f"the profile",
+        flush=True,
+    )
     return profile
 
 
@@ -277,25 +317,38 @@ def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [f"{'mode':14s} {'load':13s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
-             f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"]  # fmt: skip
+    lines = [
+        f"{'mode':14s} {'load':13s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
+        f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"
+    ]
     for r in rows:
-        lines.append(f"{r.mode:14s} {r.load:13s} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
-                     f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}")  # fmt: skip
+        lines.append(
+            f"{r.mode:14s} {r.load:13s} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
+            f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}"
+        )
     return "\n".join(lines)
 
 
 def _print_profile(p: Any) -> None:
-    print(f"profile of {p.description}: chunk {p.max_num_batched_tokens}, {p.num_layers} layers, "
-          f"KV {p.kv_bytes_per_token} B/token")  # fmt: skip
-    print("  prefill (ms): " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in p.prefill_points)
-          + f"; + {p.prefill_s_per_token_ctx * 1e9:.1f} ns per new token per cached token")  # fmt: skip
-    print(f"  decode step = {p.decode_base_s * 1e3:.2f} ms + {p.decode_s_per_seq * 1e3:.3f} ms/request "
-          f"+ {p.decode_s_per_ctx_token * 1e6:.2f} us/context token")  # fmt: skip
+    print(
+        f"profile of {p.description}: chunk {p.max_num_batched_tokens}, {p.num_layers} layers, "
+        f"KV {p.kv_bytes_per_token} B/token"
+    )
+    print(
+        "  prefill (ms): "
+        + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in p.prefill_points)
+        + f"; + {p.prefill_s_per_token_ctx * 1e9:.1f} ns per new token per cached token"
+    )
+    print(
+        f"  decode step = {p.decode_base_s * 1e3:.2f} ms + {p.decode_s_per_seq * 1e3:.3f} ms/request "
+        f"+ {p.decode_s_per_ctx_token * 1e6:.2f} us/context token"
+    )
     print(f"  KV transfer = {p.transfer_base_s * 1e3:.2f} ms + {p.transfer_s_per_byte * 1e9:.3f} ms/MB whole")
     if p.serve_points:
-        print(f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
-              f"{p.serve_s_per_seq * 1e3:.3f} ms/token")  # fmt: skip
+        print(
+            f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
+            f"{p.serve_s_per_seq * 1e3:.3f} ms/token"
+        )
     print("  " + spread_line(p))
     for system, base, per_stream in p.prefill_load_fits:
         print(f"  prefill under load ({system}) = model x ({base:.3f} + {per_stream:.4f} per decoding request)")
@@ -310,15 +363,18 @@ def spread_line(p: Any) -> str:
     def table(t: Any) -> str:
         return ", ".join(f"b{b} {at(r, 0.1):.2f}/{at(r, 0.5):.2f}/{at(r, 0.9):.2f}" for b, r in t) or "not measured"
 
-    return (f"step spread, p10/p50/p90 of measured / model: engine {table(p.decode_spread)}; "
-            f"served gaps {table(p.serve_spread)}")  # fmt: skip
+    return (
+        f"step spread, p10/p50/p90 of measured / model: engine {table(p.decode_spread)}; "
+        f"served gaps {table(p.serve_spread)}"
+    )
 
 
 def _commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=here)  # fmt: skip
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here
+        )
         return done.stdout.strip() or "?"
     except (OSError, subprocess.SubprocessError):
         return "?"

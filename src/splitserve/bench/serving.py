@@ -125,13 +125,22 @@ def _options(a: argparse.Namespace) -> Options:
 
     lengths = [int(x) for x in str(pick(a.lengths, "256,512,1024,2048", "32,64")).split(",") if x.strip()]
     o = Options(
-        parts=("ttft", "itl") if a.part == "both" else (a.part,), chunk=pick(a.max_num_batched_tokens, 512, 32),
-        lengths=lengths, reps=pick(a.reps, 6, 2), streams=pick(a.streams, 6, 2),
-        stream_prompt=pick(a.stream_prompt, 32, 16), stream_tokens=pick(a.stream_tokens, 128, 24),
-        burst_len=pick(a.burst_len, 1536, 96), burst_size=a.burst_size, burst_tokens=a.burst_tokens,
-        bursts=pick(a.bursts, 3, 1), quiet_s=pick(a.quiet_s, 8.0, 1.5), pin=not a.no_pin, swap=not a.no_swap,
+        parts=("ttft", "itl") if a.part == "both" else (a.part,),
+        chunk=pick(a.max_num_batched_tokens, 512, 32),
+        lengths=lengths,
+        reps=pick(a.reps, 6, 2),
+        streams=pick(a.streams, 6, 2),
+        stream_prompt=pick(a.stream_prompt, 32, 16),
+        stream_tokens=pick(a.stream_tokens, 128, 24),
+        burst_len=pick(a.burst_len, 1536, 96),
+        burst_size=a.burst_size,
+        burst_tokens=a.burst_tokens,
+        bursts=pick(a.bursts, 3, 1),
+        quiet_s=pick(a.quiet_s, 8.0, 1.5),
+        pin=not a.no_pin,
+        swap=not a.no_swap,
         request_timeout_s=120.0 if q else 600.0,
-    )  # fmt: skip
+    )
     if not lengths or min(lengths) < 1 or o.reps < 1 or o.streams < 1 or o.bursts < 1 or o.burst_size < 1:
         raise SystemExit("bench serving: lengths, reps, streams, bursts and burst-size must be positive")
     if o.stream_tokens < 3 or o.burst_tokens < 1:
@@ -214,14 +223,16 @@ class Trace(NamedTuple):
         return [t for t, n in self.arrivals for _ in range(n)]
 
 
-async def _generate(stub: Any, ids: list[int], max_tokens: int, rid: str, timeout_s: float,
-                    on_tokens: Any = None) -> Trace:  # fmt: skip
+async def _generate(
+    stub: Any, ids: list[int], max_tokens: int, rid: str, timeout_s: float, on_tokens: Any = None
+) -> Trace:
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 
     req = pb.GenerateRequest(
-        request_id=rid, token_ids=pb.TokenIds(ids=ids),
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=ids),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-    )  # fmt: skip
+    )
     sent = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     cached = 0
@@ -256,19 +267,34 @@ def run(args: argparse.Namespace) -> int:
     layout = _kv_layout(args.model, args.dtype)
     need = _tokens_needed(opts)
     prompts = PromptSource(tokenizer, args.prompts, args.seed, need)
-    where = (f"decode worker on core {pinned[0]}, prefill worker on core {pinned[1]}" if pinned
-             else "workers not pinned (fewer than 2 usable cores, or --no-pin)")  # fmt: skip
-    print(f"serving bench: {layout.name}, {args.dtype}, {args.threads} torch thread(s) per worker, "
-          f"prefill chunk {opts.chunk} tokens, KV over {args.kv_transport}; {where}; "
-          f"router and client unpinned; prompts: {prompts.kind}")  # fmt: skip
-    print(f"machine: {platform.machine()} {cpu_name()}, {os.cpu_count()} cores visible, "
-          f"load average {_load()} at start")  # fmt: skip
-    wargs = WorkerArgs(model=args.model, dtype=args.dtype, threads=args.threads, num_blocks=args.num_blocks,
-                       max_num_batched_tokens=opts.chunk, kv_transport=args.kv_transport)  # fmt: skip
+    where = (
+        f"decode worker on core {pinned[0]}, prefill worker on core {pinned[1]}"
+        if pinned
+        else "workers not pinned (fewer than 2 usable cores, or --no-pin)"
+    )
+    print(
+        f"serving bench: {layout.name}, {args.dtype}, {args.threads} torch thread(s) per worker, "
+        f"prefill chunk {opts.chunk} tokens, KV over {args.kv_transport}; {where}; "
+        f"router and client unpinned; prompts: {prompts.kind}"
+    )
+    print(
+        f"machine: {platform.machine()} {cpu_name()}, {os.cpu_count()} cores visible, load average {_load()} at start"
+    )
+    wargs = WorkerArgs(
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=opts.chunk,
+        kv_transport=args.kv_transport,
+    )
     t0 = time.monotonic()
     with LocalCluster(wargs, pinned) as cluster:
-        print(f"workers ready in {time.monotonic() - t0:.1f}s: decode {cluster.decode.grpc_address} "
-              f"(kv {cluster.decode.kv_endpoint}), prefill {cluster.prefill.grpc_address}", flush=True)  # fmt: skip
+        print(
+            f"workers ready in {time.monotonic() - t0:.1f}s: decode {cluster.decode.grpc_address} "
+            f"(kv {cluster.decode.kv_endpoint}), prefill {cluster.prefill.grpc_address}",
+            flush=True,
+        )
         rc = asyncio.run(_measure(opts, cluster, tokenizer, prompts, layout))
     print(f"load average {_load()} at the end; wall time {time.monotonic() - t0:.0f}s")
     return rc
@@ -326,8 +352,15 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
 
 
 class _Bench:
-    def __init__(self, opts: Options, cluster: Any, stubs: dict[Mode, Any], prompts: PromptSource, layout: Any,
-                 routers: dict[Mode, Any]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        opts: Options,
+        cluster: Any,
+        stubs: dict[Mode, Any],
+        prompts: PromptSource,
+        layout: Any,
+        routers: dict[Mode, Any],
+    ) -> None:
         self.opts = opts
         self.routers = routers
         self.cluster = cluster
@@ -344,8 +377,14 @@ class _Bench:
         return f"bench-{tag}-{self.n}"
 
     async def _one(self, mode: Mode, length: int, max_tokens: int, tag: str, on_tokens: Any = None) -> Trace:
-        tr = await _generate(self.stubs[mode], self.prompts.take(length), max_tokens, self._rid(tag),
-                             self.opts.request_timeout_s, on_tokens)  # fmt: skip
+        tr = await _generate(
+            self.stubs[mode],
+            self.prompts.take(length),
+            max_tokens,
+            self._rid(tag),
+            self.opts.request_timeout_s,
+            on_tokens,
+        )
         self.cached_tokens += tr.cached_tokens
         return tr
 
@@ -385,34 +424,46 @@ class _Bench:
         if swapped:
             cl.pin(decode_core=cl.cores[0], prefill_core=cl.cores[1])
         swap_note = ", the workers swapping cores every other repetition" if swapped else ""
-        print(f"\nTTFT (client send -> first token), one request at a time, modes alternating, "
-              f"{o.reps} repetitions per length and mode{swap_note}; medians:")  # fmt: skip
+        print(
+            f"\nTTFT (client send -> first token), one request at a time, modes alternating, "
+            f"{o.reps} repetitions per length and mode{swap_note}; medians:"
+        )
         for n in o.lengths:
             d, c = (statistics.median(ttft[(m, n)]) for m in MODES)
             pr = paired[n]
-            print(f"[ttft] {n:5d} tokens: disaggregated {_ms(d)} | colocated {_ms(c)} | ratio {d / c:.3f}x "
-                  f"| paired ratios median {statistics.median(pr):.3f}x [{min(pr):.3f}..{max(pr):.3f}]")  # fmt: skip
+            print(
+                f"[ttft] {n:5d} tokens: disaggregated {_ms(d)} | colocated {_ms(c)} | ratio {d / c:.3f}x "
+                f"| paired ratios median {statistics.median(pr):.3f}x [{min(pr):.3f}..{max(pr):.3f}]"
+            )
         for n in o.lengths:
             d, c = (statistics.median(second[(m, n)]) for m in MODES)
             kv = self._kv_bytes(n)
             dttft = statistics.median(ttft[("disaggregated", n)])
-            print(f"[ttft] {n:5d} tokens: first -> second token: disaggregated {_ms(d)} | colocated {_ms(c)} "
-                  f"| KV moved {kv / 1e6:.2f} MB/request ({cdiv(n, self.layout.block_size)} blocks x "
-                  f"{self.layout.num_layers} layers x {self.layout.bytes_per_block} B) = {kv / dttft / 1e6:.1f} MB/s "
-                  f"over the disaggregated TTFT")  # fmt: skip
+            print(
+                f"[ttft] {n:5d} tokens: first -> second token: disaggregated {_ms(d)} | colocated {_ms(c)} "
+                f"| KV moved {kv / 1e6:.2f} MB/request ({cdiv(n, self.layout.block_size)} blocks x "
+                f"{self.layout.num_layers} layers x {self.layout.bytes_per_block} B) = {kv / dttft / 1e6:.1f} MB/s "
+                f"over the disaggregated TTFT"
+            )
         if cpu:
             for n in o.lengths:
-                (dp, dd), (cp, cd) = ((statistics.median(x[0] for x in cpu[(m, n)]),
-                                       statistics.median(x[1] for x in cpu[(m, n)])) for m in MODES)  # fmt: skip
-                print(f"[ttft] {n:5d} tokens: worker CPU time per request: disaggregated {dp + dd:.2f} s (prefill "
-                      f"{dp:.2f} + decode {dd:.2f}) | colocated {cp + cd:.2f} s (prefill {cp:.2f} + decode {cd:.2f}) "
-                      f"| ratio {(dp + dd) / max(cp + cd, 1e-9):.3f}x")  # fmt: skip
+                (dp, dd), (cp, cd) = (
+                    (statistics.median(x[0] for x in cpu[(m, n)]), statistics.median(x[1] for x in cpu[(m, n)]))
+                    for m in MODES
+                )
+                print(
+                    f"[ttft] {n:5d} tokens: worker CPU time per request: disaggregated {dp + dd:.2f} s (prefill "
+                    f"{dp:.2f} + decode {dd:.2f}) | colocated {cp + cd:.2f} s (prefill {cp:.2f} + decode {cd:.2f}) "
+                    f"| ratio {(dp + dd) / max(cp + cd, 1e-9):.3f}x"
+                )
         longest = max(o.lengths)
         r = statistics.median(ttft[("disaggregated", longest)]) / statistics.median(ttft[("colocated", longest)])
-        print(f"[ttft] target: disaggregated / colocated at {longest} tokens {r:.3f}x <= {TARGET_TTFT_RATIO:.2f}: "
-              f"{'met' if r <= TARGET_TTFT_RATIO else 'NOT met'} (ratio of the medians; median of the paired "
-              f"ratios {statistics.median(paired[longest]):.3f}x)"
-              + ("" if longest >= 2048 else "; the target is stated for 2048 tokens"))  # fmt: skip
+        print(
+            f"[ttft] target: disaggregated / colocated at {longest} tokens {r:.3f}x <= {TARGET_TTFT_RATIO:.2f}: "
+            f"{'met' if r <= TARGET_TTFT_RATIO else 'NOT met'} (ratio of the medians; median of the paired "
+            f"ratios {statistics.median(paired[longest]):.3f}x)"
+            + ("" if longest >= 2048 else "; the target is stated for 2048 tokens")
+        )
         self._report_cache_hits("ttft")
 
     def _cpu(self) -> tuple[float, float] | None:
@@ -498,8 +549,12 @@ class _Bench:
             return hook
 
         w.open(mode)
-        traces = await asyncio.gather(*[self._one(mode, o.burst_len, o.burst_tokens, f"burst-{mode[:5]}",
-                                                  first_token_hook(i)) for i in range(o.burst_size)])  # fmt: skip
+        traces = await asyncio.gather(
+            *[
+                self._one(mode, o.burst_len, o.burst_tokens, f"burst-{mode[:5]}", first_token_hook(i))
+                for i in range(o.burst_size)
+            ]
+        )
         w.skips.extend((t.arrivals[0][0], t.arrivals[-1][0]) for t in traces)
 
     async def _neighbour(self, w: _Windows, duration_s: float) -> None:
@@ -521,12 +576,14 @@ class _Bench:
     def _report_itl(self, samples: list[tuple[float, float]], w: _Windows) -> None:
         o = self.opts
         by = w.classify(samples)
-        print(f"\nITL of {o.streams} steady streams ({o.stream_prompt}-token prompts, {o.stream_tokens} tokens each, "
-              f"restarted as they finish) in quiet spells of {o.quiet_s:g}s and during bursts of {o.burst_size} x "
-              f"{o.burst_len}-token prompts ({o.bursts} per mode; a burst lasts until its last first token, and the "
-              f"burst requests' own decode is left out); control (busy neighbour): the prefill worker's core running "
-              f"the same prefills in a plain engine, no serving and no KV transfer, for as long as a disaggregated "
-              f"burst:")  # fmt: skip
+        print(
+            f"\nITL of {o.streams} steady streams ({o.stream_prompt}-token prompts, {o.stream_tokens} tokens each, "
+            f"restarted as they finish) in quiet spells of {o.quiet_s:g}s and during bursts of {o.burst_size} x "
+            f"{o.burst_len}-token prompts ({o.bursts} per mode; a burst lasts until its last first token, and the "
+            f"burst requests' own decode is left out); control (busy neighbour): the prefill worker's core running "
+            f"the same prefills in a plain engine, no serving and no KV transfer, for as long as a disaggregated "
+            f"burst:"
+        )
         if any(not v for v in by.values()):
             print(f"[itl] ERROR too few samples: { {k: len(v) for k, v in by.items()} }")
             self.rc = 1
@@ -549,23 +606,31 @@ class _Bench:
             p50, p99 = percentile(v, 50), percentile(v, 99)
             ratios[kind] = (p50 / q50, p99 / q99)
             span = "busy" if kind == NEIGHBOUR else "burst prefill"
-            print(f"[itl] {kind:16s}: p50 {_ms(p50)} p99 {_ms(p99)} max {_ms(max(v))} ({len(v)} samples) "
-                  f"| over quiet: p50 {p50 / q50:.2f}x p99 {p99 / q99:.2f}x "
-                  f"| {span} {_ms(statistics.median(w.spans[kind]))} median | {usage(kind)}")  # fmt: skip
+            print(
+                f"[itl] {kind:16s}: p50 {_ms(p50)} p99 {_ms(p99)} max {_ms(max(v))} ({len(v)} samples) "
+                f"| over quiet: p50 {p50 / q50:.2f}x p99 {p99 / q99:.2f}x "
+                f"| {span} {_ms(statistics.median(w.spans[kind]))} median | {usage(kind)}"
+            )
         d, c, n = ratios["disaggregated"], ratios["colocated"], ratios[NEIGHBOUR]
-        print(f"[itl] disaggregated over the busy-neighbour control: p50 {d[0] / n[0]:.2f}x p99 {d[1] / n[1]:.2f}x "
-              f"(what disaggregation adds beyond a busy neighbour core)")  # fmt: skip
+        print(
+            f"[itl] disaggregated over the busy-neighbour control: p50 {d[0] / n[0]:.2f}x p99 {d[1] / n[1]:.2f}x "
+            f"(what disaggregation adds beyond a busy neighbour core)"
+        )
         quiet, disaggregated, neighbour = use["quiet"], use["disaggregated"], use[NEIGHBOUR]
         if quiet is not None and disaggregated is not None and neighbour is not None:
             (qs, qt), (ds, dt), (ns, nt) = quiet, disaggregated, neighbour
-            print(f"[itl] decode worker in disaggregated bursts over quiet: {dt / qt:.2f}x the CPU time per token "
-                  f"(busy neighbour {nt / qt:.2f}x), on {ds / qs:.2f}x the share of its core (busy neighbour "
-                  f"{ns / qs:.2f}x)")  # fmt: skip
+            print(
+                f"[itl] decode worker in disaggregated bursts over quiet: {dt / qt:.2f}x the CPU time per token "
+                f"(busy neighbour {nt / qt:.2f}x), on {ds / qs:.2f}x the share of its core (busy neighbour "
+                f"{ns / qs:.2f}x)"
+            )
         met = max(d) <= TARGET_ITL_RATIO
         worse = c[0] > d[0] and c[1] > d[1]
-        print(f"[itl] target: disaggregated p50 {d[0]:.2f}x p99 {d[1]:.2f}x <= {TARGET_ITL_RATIO}: "
-              f"{'met' if met else 'NOT met'}; colocated p50 {c[0]:.2f}x p99 {c[1]:.2f}x: "
-              f"{'worse' if worse else 'NOT worse'} than disaggregated")  # fmt: skip
+        print(
+            f"[itl] target: disaggregated p50 {d[0]:.2f}x p99 {d[1]:.2f}x <= {TARGET_ITL_RATIO}: "
+            f"{'met' if met else 'NOT met'}; colocated p50 {c[0]:.2f}x p99 {c[1]:.2f}x: "
+            f"{'worse' if worse else 'NOT worse'} than disaggregated"
+        )
         self._report_cache_hits("itl")
 
     def _report_cache_hits(self, part: str) -> None:

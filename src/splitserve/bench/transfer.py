@@ -81,11 +81,15 @@ def run(args: argparse.Namespace) -> int:
     dst = KVCache(layout, blocks)  # zeros: its pages are touched before timing
     layer_bytes = blocks * layout.bytes_per_block
     tp = f" --tp {args.tp}" if args.tp else ""
-    print(f"# splitserve bench transfer --size {args.size} --layers {args.layers} --transports {args.transports} "
-          f"--checksum {args.checksum} --repeats {args.repeats}{tp}")  # fmt: skip
-    print(f"KV cache {src.nbytes / 2**30:.3f} GiB: {layout.num_layers} layers x {layer_bytes / 2**20:.1f} MiB frames "
-          f"({blocks} blocks of {layout.bytes_per_block // 1024} KiB; {layout.dtype}, {layout.num_kv_heads} KV heads x "
-          f"{layout.head_dim}, block {layout.block_size}); torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"# splitserve bench transfer --size {args.size} --layers {args.layers} --transports {args.transports} "
+        f"--checksum {args.checksum} --repeats {args.repeats}{tp}"
+    )
+    print(
+        f"KV cache {src.nbytes / 2**30:.3f} GiB: {layout.num_layers} layers x {layer_bytes / 2**20:.1f} MiB frames "
+        f"({blocks} blocks of {layout.bytes_per_block // 1024} KiB; {layout.dtype}, {layout.num_kv_heads} KV heads x "
+        f"{layout.head_dim}, block {layout.block_size}); torch threads {torch.get_num_threads()}"
+    )
     if args.tp:
         return _tp_only(args, layout, blocks)
     _checksum_cost(src)
@@ -113,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
         kv_rate[kind] = kv
         ok = "ok" if ratio >= TARGETS[kind] else "BELOW TARGET"
         each = " ".join(f"{k / r:.2f}" for r, k in pairs)
-        rows.append(f"{kind:9s}  raw {raw:6.2f} GB/s   kv_transfer {kv:6.2f} GB/s   ratio {ratio:4.2f} "
-                    f"(pairs: {each})   target >= {TARGETS[kind]:.2f}  {ok}")  # fmt: skip
+        rows.append(
+            f"{kind:9s}  raw {raw:6.2f} GB/s   kv_transfer {kv:6.2f} GB/s   ratio {ratio:4.2f} "
+            f"(pairs: {each})   target >= {TARGETS[kind]:.2f}  {ok}"
+        )
     print("\nthroughput (whole cache, per-layer frames; medians over back-to-back raw/kv_transfer pairs):")
     print("\n".join("  " + r for r in rows))
 
@@ -123,8 +129,10 @@ def run(args: argparse.Namespace) -> int:
         for n in [int(x) for x in args.latency_blocks.split(",")]:
             n = min(n, blocks)
             raw_us, kv_us = _latency(kind, src, dst, n, args.checksum)
-            print(f"  {kind:9s} {n:3d} blocks ({n * layout.bytes_per_block / 1024:7.0f} KiB): "
-                  f"raw {raw_us:8.1f} us   kv_transfer {kv_us:8.1f} us")  # fmt: skip
+            print(
+                f"  {kind:9s} {n:3d} blocks ({n * layout.bytes_per_block / 1024:7.0f} KiB): "
+                f"raw {raw_us:8.1f} us   kv_transfer {kv_us:8.1f} us"
+            )
 
     for kind, rate in kv_rate.items():
         _pipelining(kind, src, dst, rate, args)
@@ -404,7 +412,9 @@ def _pipelining(kind: TransportName, src: KVCache, dst: KVCache, rate_gbs: float
     tail_ms = (t_done - t_last) * 1e3
     bound = layer_transfer_ms + 5
     ok = "ok" if tail_ms <= bound else "ABOVE TARGET"
-    print(f"\npipelining ({kind}): {lay.num_layers} layers computed at {layer_ms:.1f} ms each (prefill "
-          f"{(t_last - t_start):.2f} s); last layer computed -> reservation complete {tail_ms:.1f} ms; "
-          f"bound = one layer's transfer "
-          f"{layer_transfer_ms:.1f} ms + 5 ms = {bound:.1f} ms  {ok}")  # fmt: skip
+    print(
+        f"\npipelining ({kind}): {lay.num_layers} layers computed at {layer_ms:.1f} ms each (prefill "
+        f"{(t_last - t_start):.2f} s); last layer computed -> reservation complete {tail_ms:.1f} ms; "
+        f"bound = one layer's transfer "
+        f"{layer_transfer_ms:.1f} ms + 5 ms = {bound:.1f} ms  {ok}"
+    )

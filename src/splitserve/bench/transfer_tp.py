@@ -64,8 +64,10 @@ def run_tp(args: argparse.Namespace, layout: KVLayout, blocks: int, transports: 
 
     layers = layout.num_layers
     mib = blocks * layout.bytes_per_block / 2**20
-    print(f"\nre-sharding against the plain transfer (TP 1 -> TP 1) of the same {mib:.1f} MiB per layer; "
-          f"per layer = whole cache / {layers} layers; medians over {args.repeats} back-to-back pairs")  # fmt: skip
+    print(
+        f"\nre-sharding against the plain transfer (TP 1 -> TP 1) of the same {mib:.1f} MiB per layer; "
+        f"per layer = whole cache / {layers} layers; medians over {args.repeats} back-to-back pairs"
+    )
     for kind in transports:
         for n, m in pairs:
             src, dst = source(n), dest(m)
@@ -85,8 +87,10 @@ def run_tp(args: argparse.Namespace, layout: KVLayout, blocks: int, transports: 
             ratio = statistics.median(r / p for p, r in runs)
             each = " ".join(f"{r / p:.2f}" for p, r in runs)
             frames = len(heads.plan(src.layout, dst.layout))
-            print(f"  {kind:4s} TP {n} -> TP {m}: {frames} frame(s) per block run   plain {plain_ms:7.2f} ms/layer   "
-                  f"re-sharded {resharded_ms:7.2f} ms/layer   ratio {ratio:4.2f} (pairs: {each})")  # fmt: skip
+            print(
+                f"  {kind:4s} TP {n} -> TP {m}: {frames} frame(s) per block run   plain {plain_ms:7.2f} ms/layer   "
+                f"re-sharded {resharded_ms:7.2f} ms/layer   ratio {ratio:4.2f} (pairs: {each})"
+            )
 
     print("\nthe copy re-sharding adds, one layer alone, median of 7: sender packs (kv_transfer) | receiver scatters")
     for n, m in pairs:

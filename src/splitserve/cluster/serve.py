@@ -324,8 +324,11 @@ def _place(a: argparse.Namespace, ray: Any, node_types: dict[str, dict[str, floa
             cpus = fractional_cpus(asks(1.0), have)
             if cpus < 1.0:
                 n = a.prefill_workers + a.decode_workers
-                print(f"splitserve: {n} workers on {have:g} CPUs: each asks Ray for {cpus:g} CPU "
-                      "(--cpus-per-worker to change)", flush=True)  # fmt: skip
+                print(
+                    f"splitserve: {n} workers on {have:g} CPUs: each asks Ray for {cpus:g} CPU "
+                    "(--cpus-per-worker to change)",
+                    flush=True,
+                )
     problems = placement_problems(asks(cpus), nodes, node_types)
     for p in problems:
         print(f"splitserve serve: cannot place the workers: {p}", file=sys.stderr, flush=True)

@@ -245,9 +245,16 @@ class LlamaModel:
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place from here on
         step = kernels.step(
-            h, kv_cache, meta, self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype),
-            num_heads=cfg.num_heads, scale=self.scale, eps=cfg.rms_norm_eps, intermediate_size=cfg.intermediate_size,
-        )  # fmt: skip
+            h,
+            kv_cache,
+            meta,
+            self.cos[positions].to(self.dtype),
+            self.sin[positions].to(self.dtype),
+            num_heads=cfg.num_heads,
+            scale=self.scale,
+            eps=cfg.rms_norm_eps,
+            intermediate_size=cfg.intermediate_size,
+        )
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = step.linear(x, lw.qkv, lw.qkv_bias)

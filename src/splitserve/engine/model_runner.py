@@ -107,9 +107,16 @@ class ModelRunner:
 
         tables = [seq.block_table for seq in seqs]
         step = StepInputs(
-            input_ids, positions, slot_blocks, slot_offsets, tables, context_lens, list(num_new_tokens), logits_rows,
+            input_ids,
+            positions,
+            slot_blocks,
+            slot_offsets,
+            tables,
+            context_lens,
+            list(num_new_tokens),
+            logits_rows,
             is_decode,
-        )  # fmt: skip
+        )
         if self.tp is not None:
             self.tp.broadcast(step)
         return run_step(self.model, self.kv_cache.tensor, step, on_layer_done), sampled

@@ -38,10 +38,16 @@ if TYPE_CHECKING:  # `X as X`: a re-export, as PEP 484 spells it for ruff and my
     from splitserve.kv_transfer.sender import TransferError as TransferError
 
 _HOMES = {
-    "Completed": "reservation", "Failed": "reservation", "FailureCode": "reservation", "Outcome": "reservation",
-    "Reservation": "reservation", "KVReceiver": "receiver", "KVSender": "sender", "KVStream": "sender",
+    "Completed": "reservation",
+    "Failed": "reservation",
+    "FailureCode": "reservation",
+    "Outcome": "reservation",
+    "Reservation": "reservation",
+    "KVReceiver": "receiver",
+    "KVSender": "sender",
+    "KVStream": "sender",
     "TransferError": "sender",
-}  # fmt: skip
+}
 
 __all__ = sorted(_HOMES)
 

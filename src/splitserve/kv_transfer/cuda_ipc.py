@@ -73,8 +73,23 @@ def _export_shard(t: torch.Tensor, num_blocks: int) -> bytes:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(t)
-    (_, _, _, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
-     event_handle, event_sync) = args  # fmt: skip
+    (
+        _,
+        _,
+        _,
+        tensor_offset,
+        _,
+        _,
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        _,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
     blobs = [bytes(handle), bytes(ref_handle), bytes(event_handle or b"")]
     key = next((k for k, v in list(_EXPORTED.items()) if v is t), None)  # one key per shard, however many handshakes
     if key is None:
@@ -121,8 +136,9 @@ def _import_shard(blob: bytes, pos: int, lay: KVLayout) -> tuple[torch.Tensor, i
 
     if len(blob) < pos + _FIXED.size:
         raise FrameError("CUDA IPC mapping too short")
-    (device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, gpu, pid,
-     key) = _FIXED.unpack_from(blob, pos)  # fmt: skip
+    (device, num_blocks, size_bytes, offset_bytes, tensor_offset, ref_offset, event_sync, gpu, pid, key) = (
+        _FIXED.unpack_from(blob, pos)
+    )
     pos += _FIXED.size
     blobs = []
     for _ in range(3):
@@ -142,9 +158,22 @@ def _import_shard(blob: bytes, pos: int, lay: KVLayout) -> tuple[torch.Tensor, i
     shape = (lay.num_layers, num_blocks, 2, lay.block_size, lay.kv_heads_per_rank, lay.head_dim)
     stride = torch.empty(shape, device="meta").stride()
     t = rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(shape), stride, tensor_offset, torch.storage.TypedStorage, lay.torch_dtype,
-        device, handle, size_bytes, offset_bytes, False, ref_handle, ref_offset, event_handle or None, bool(event_sync),
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size(shape),
+        stride,
+        tensor_offset,
+        torch.storage.TypedStorage,
+        lay.torch_dtype,
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        False,
+        ref_handle,
+        ref_offset,
+        event_handle or None,
+        bool(event_sync),
+    )
     return t, pos
 
 

@@ -127,10 +127,23 @@ def encode_header(h: Header) -> bytes:
     if len(h.ticket) != 16:
         raise ValueError("ticket must be 16 bytes")
     body = _BODY.pack(
-        MAGIC, VERSION, h.kind, h.checksum_kind, h.dtype_code, h.ticket, rid,
-        h.layer, h.first_block, h.block_count, h.checksum,
-        h.element_count, h.payload_length, h.value, h.first_head, h.head_count,
-    )  # fmt: skip
+        MAGIC,
+        VERSION,
+        h.kind,
+        h.checksum_kind,
+        h.dtype_code,
+        h.ticket,
+        rid,
+        h.layer,
+        h.first_block,
+        h.block_count,
+        h.checksum,
+        h.element_count,
+        h.payload_length,
+        h.value,
+        h.first_head,
+        h.head_count,
+    )
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -139,8 +152,24 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     if len(buf) != HEADER_SIZE:
         raise FrameError(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
     body = bytes(buf[: _BODY.size])
-    (magic, version, kind, ck_kind, dtype_code, ticket, rid, layer, first, count, checksum,
-     elements, length, value, first_head, head_count) = _BODY.unpack(body)  # fmt: skip
+    (
+        magic,
+        version,
+        kind,
+        ck_kind,
+        dtype_code,
+        ticket,
+        rid,
+        layer,
+        first,
+        count,
+        checksum,
+        elements,
+        length,
+        value,
+        first_head,
+        head_count,
+    ) = _BODY.unpack(body)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -162,9 +191,21 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     except UnicodeDecodeError:
         raise FrameError("request id is not utf-8") from None
     return Header(
-        kind, ticket, request_id, layer, first, count, dtype_code, elements, length, ck_kind, checksum, value,
-        first_head, head_count,
-    )  # fmt: skip
+        kind,
+        ticket,
+        request_id,
+        layer,
+        first,
+        count,
+        dtype_code,
+        elements,
+        length,
+        ck_kind,
+        checksum,
+        value,
+        first_head,
+        head_count,
+    )
 
 
 def control(kind: int, ticket: bytes, request_id: str, text: str = "") -> list[bytes]:

@@ -132,9 +132,14 @@ class KVReceiver:
         must not block. Without it, collect the outcome with `wait`.
         """
         return self._book.reserve(
-            request_id, block_ids, lease_s, on_done,
-            transport=self.transport, endpoint=self.endpoint, tcp_endpoint=self.tcp_endpoint,
-        )  # fmt: skip
+            request_id,
+            block_ids,
+            lease_s,
+            on_done,
+            transport=self.transport,
+            endpoint=self.endpoint,
+            tcp_endpoint=self.tcp_endpoint,
+        )
 
     def wait(self, ticket: bytes, timeout: float) -> Outcome:
         """The reservation's outcome; raises TimeoutError if it has none within `timeout`."""
@@ -319,8 +324,10 @@ class KVReceiver:
         log.warning(
             "kv_transfer: refused %d connection(s) since the last such line (latest from %s): "
             "%d connections without a handshake already open",
-            n, conn.peer, self.max_unbound_connections,
-        )  # fmt: skip
+            n,
+            conn.peer,
+            self.max_unbound_connections,
+        )
 
     def _handshake(self, conn: Connection, h: Header) -> tuple[Slot, int]:
         """Bind the connection to the handshake's reservation; the slot, and the bytes

@@ -282,11 +282,20 @@ class KVStream:
                     payload = self._payloads.place(layer, first, sf.dst_rank, parts)
                     length = sum(p.numel() for p in payload)
                     h = Header(
-                        frame.LAYER, r.ticket, r.request_id, layer=layer, first_block=first, block_count=n,
-                        dtype_code=dtype_code, element_count=heads.frame_elements(r.layout, n, sf.head_count),
-                        payload_length=length, checksum_kind=ck, checksum=frame.checksum(ck, payload),
-                        first_head=sf.first_head, head_count=sf.head_count,
-                    )  # fmt: skip
+                        frame.LAYER,
+                        r.ticket,
+                        r.request_id,
+                        layer=layer,
+                        first_block=first,
+                        block_count=n,
+                        dtype_code=dtype_code,
+                        element_count=heads.frame_elements(r.layout, n, sf.head_count),
+                        payload_length=length,
+                        checksum_kind=ck,
+                        checksum=frame.checksum(ck, payload),
+                        first_head=sf.first_head,
+                        head_count=sf.head_count,
+                    )
                     self._conn.send([frame.encode_header(h), *payload])
                     metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
         except ConnectionClosed as e:

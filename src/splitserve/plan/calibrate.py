@@ -118,8 +118,10 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Pro
         layout = engine.layout
         kv_per_token = layout.num_layers * layout.bytes_per_block // layout.block_size
         name = engine.model_cfg.name
-        log(f"calibrating {name}, {cfg.dtype}, {cfg.threads} torch thread(s), chunk {cfg.max_num_batched_tokens}, "
-            f"core {cfg.core if cfg.core is not None else 'unpinned'}; KV {kv_per_token} B/token")  # fmt: skip
+        log(
+            f"calibrating {name}, {cfg.dtype}, {cfg.threads} torch thread(s), chunk {cfg.max_num_batched_tokens}, "
+            f"core {cfg.core if cfg.core is not None else 'unpinned'}; KV {kv_per_token} B/token"
+        )
         runner = _Runner(engine)
         runner.prefill(64)  # warm-up: first-use costs stay out of the figures
         prefill = [(n, statistics.median(runner.prefill(n) for _ in range(cfg.repeats))) for n in cfg.prefill_tokens]
@@ -137,10 +139,10 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Pro
         if restore is not None:
             os.sched_setaffinity(0, restore)
     where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
-    description = (f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} "
-                   f"{cpu_name()}")  # fmt: skip
-    return fit_profile(description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached,
-                       decode, transfer)  # fmt: skip
+    description = f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} {cpu_name()}"
+    return fit_profile(
+        description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached, decode, transfer
+    )
 
 
 class _Runner:
@@ -240,9 +242,21 @@ def _transfer_s(layout: object, tokens: int, repeats: int) -> float:
 
 def serving_load_flags(batch: int, workers: int, seed: int) -> tuple[str, ...]:
     """`bench serve` flags of one serving measurement: `batch` requests per worker, all at once."""
-    return ("--dataset", "random", "--num-prompts", str(batch * workers), "--random-input-len",
-            str(SERVE_PROMPT_TOKENS), "--random-output-len", str(SERVE_OUTPUT_TOKENS), "--request-rate", "inf",
-            "--ignore-eos", "--seed", str(seed))  # fmt: skip
+    return (
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(batch * workers),
+        "--random-input-len",
+        str(SERVE_PROMPT_TOKENS),
+        "--random-output-len",
+        str(SERVE_OUTPUT_TOKENS),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+    )
 
 
 def _decode_gaps(records: Sequence[Any], workers: int, profile: Profile) -> tuple[int, list[tuple[int, float, float]]]:
@@ -295,13 +309,35 @@ def prefill_load_flags(seed: int) -> tuple[str, ...]:
     """`bench serve` flags of one prefill-under-load measurement: prompts of assorted lengths, one
     at a time (each alone on its worker but for the decoding streams), one output token beyond the
     first so each ends right after it."""
-    return ("--dataset", "random", "--num-prompts", str(PREFILL_LOAD_PROMPTS), "--random-input-len", "256",
-            "--random-range-ratio", "0.85", "--random-output-len", "2", "--max-concurrency", "1",
-            "--request-rate", "inf", "--ignore-eos", "--seed", str(seed))  # fmt: skip
+    return (
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(PREFILL_LOAD_PROMPTS),
+        "--random-input-len",
+        "256",
+        "--random-range-ratio",
+        "0.85",
+        "--random-output-len",
+        "2",
+        "--max-concurrency",
+        "1",
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+    )
 
 
-def prefill_load_points(records: Sequence[Any], decoding: int, batch_per_worker: int, context_per_stream: int,
-                        cached_tokens: int, profile: Profile) -> list[tuple[int, float, float]]:  # fmt: skip
+def prefill_load_points(
+    records: Sequence[Any],
+    decoding: int,
+    batch_per_worker: int,
+    context_per_stream: int,
+    cached_tokens: int,
+    profile: Profile,
+) -> list[tuple[int, float, float]]:
     """(decoding, modelled s, measured TTFT s) of each completed prompt of a `prefill_load_flags`
     run beside `decoding` streams: modelled is the served cost model's step that prefills it (its
     chat template's first `cached_tokens` found cached) beside the `batch_per_worker` decodes its
@@ -311,7 +347,8 @@ def prefill_load_points(records: Sequence[Any], decoding: int, batch_per_worker:
     for r in records:
         if r.error is not None or r.ttft_s <= 0 or r.prompt_len <= cached_tokens:
             continue
-        modelled = mixed_step_s(costs, r.prompt_len - cached_tokens, cached_tokens, batch_per_worker,
-                                batch_per_worker * context_per_stream)  # fmt: skip
+        modelled = mixed_step_s(
+            costs, r.prompt_len - cached_tokens, cached_tokens, batch_per_worker, batch_per_worker * context_per_stream
+        )
         out.append((decoding, modelled, r.ttft_s))
     return out

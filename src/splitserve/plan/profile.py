@@ -178,8 +178,10 @@ def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], nonnegat
 
 def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float], cols: list[int]) -> list[float]:
     n = len(cols)
-    a = [[sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
-         for i in cols]  # fmt: skip
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+        for i in cols
+    ]
     for c in range(n):  # Gauss-Jordan with partial pivoting
         p = max(range(c, n), key=lambda r: abs(a[r][c]))
         a[c], a[p] = a[p], a[c]
@@ -280,8 +282,14 @@ def with_serving(
     if not points:
         raise ValueError("no serving points to fit")
     step, per_seq = least_squares([[1.0, b] for b, *_ in points], [s - e for _, _, e, s in points])
-    return replace(profile, serve_points=tuple(points), serve_system=system, serve_step_s=step,
-                   serve_s_per_seq=per_seq, serve_spread=spread_table(gap_ratios, profile.spread_levels))  # fmt: skip
+    return replace(
+        profile,
+        serve_points=tuple(points),
+        serve_system=system,
+        serve_step_s=step,
+        serve_s_per_seq=per_seq,
+        serve_spread=spread_table(gap_ratios, profile.spread_levels),
+    )
 
 
 def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int, float, float]]) -> Profile:
@@ -293,8 +301,11 @@ def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int,
     base, per_stream = least_squares([[1.0, n] for n, _, _ in points], [s / e for _, e, s in points])
     kept = tuple(p for p in profile.prefill_load_points if p[0] != system)
     fits = tuple(f for f in profile.prefill_load_fits if f[0] != system)
-    return replace(profile, prefill_load_points=kept + tuple((system, n, e, s) for n, e, s in points),
-                   prefill_load_fits=fits + ((system, base, per_stream),))  # fmt: skip
+    return replace(
+        profile,
+        prefill_load_points=kept + tuple((system, n, e, s) for n, e, s in points),
+        prefill_load_fits=fits + ((system, base, per_stream),),
+    )
 
 
 def prefill_slowdown(profile: Profile, system: str) -> Callable[[int], float] | None:

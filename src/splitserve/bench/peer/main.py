@@ -55,39 +55,133 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
     slo = ["--goodput", *GOODPUT]
     prompt_len = n(1000, 200)
     table = {
-        "sharegpt": [Load("sharegpt", ("--dataset", "sharegpt", "--num-prompts", n(40, 4), "--max-concurrency", n(4, 2),
-                                       "--sharegpt-output-len", out_len, "--ignore-eos", "--seed", "1", *slo),
-                          timeout_s)],
-        "sweep": [Load("sweep", ("--dataset", "sharegpt", "--num-prompts", n(20, 3), "--request-rate",
-                                 "0.5,1" if quick else rates, "--sharegpt-output-len", out_len, "--ignore-eos",
-                                 "--seed", "2", *slo), timeout_s)],
+        "sharegpt": [
+            Load(
+                "sharegpt",
+                (
+                    "--dataset",
+                    "sharegpt",
+                    "--num-prompts",
+                    n(40, 4),
+                    "--max-concurrency",
+                    n(4, 2),
+                    "--sharegpt-output-len",
+                    out_len,
+                    "--ignore-eos",
+                    "--seed",
+                    "1",
+                    *slo,
+                ),
+                timeout_s,
+            )
+        ],
+        "sweep": [
+            Load(
+                "sweep",
+                (
+                    "--dataset",
+                    "sharegpt",
+                    "--num-prompts",
+                    n(20, 3),
+                    "--request-rate",
+                    "0.5,1" if quick else rates,
+                    "--sharegpt-output-len",
+                    out_len,
+                    "--ignore-eos",
+                    "--seed",
+                    "2",
+                    *slo,
+                ),
+                timeout_s,
+            )
+        ],
         # bench serve's burst schedule (steady streams, long prompts at once in between): its own defaults
-        "burst": [Load("burst", ("--dataset", "burst", "--seed", "3", *slo,
-                                 *(("--burst-count", "1", "--burst-interval-s", "2", "--burst-input-len", "200",
-                                    "--burst-steady-output-len", "32") if quick else ())), timeout_s)],
+        "burst": [
+            Load(
+                "burst",
+                (
+                    "--dataset",
+                    "burst",
+                    "--seed",
+                    "3",
+                    *slo,
+                    *(
+                        (
+                            "--burst-count",
+                            "1",
+                            "--burst-interval-s",
+                            "2",
+                            "--burst-input-len",
+                            "200",
+                            "--burst-steady-output-len",
+                            "32",
+                        )
+                        if quick
+                        else ()
+                    ),
+                ),
+                timeout_s,
+            )
+        ],
         # one long prompt alone, then two at once, one output token: the prefill rate
         "prefill": [
-            Load(f"prefill{k}", ("--dataset", "random", "--random-input-len", prompt_len, "--random-output-len", "1",
-                                 "--num-prompts", str(k), "--max-concurrency", str(k), "--ignore-eos",
-                                 "--seed", str(3 + k)), timeout_s)
+            Load(
+                f"prefill{k}",
+                (
+                    "--dataset",
+                    "random",
+                    "--random-input-len",
+                    prompt_len,
+                    "--random-output-len",
+                    "1",
+                    "--num-prompts",
+                    str(k),
+                    "--max-concurrency",
+                    str(k),
+                    "--ignore-eos",
+                    "--seed",
+                    str(3 + k),
+                ),
+                timeout_s,
+            )
             for k in (1, 2)
         ],
-    }  # fmt: skip
+    }
     unknown = [x for x in names if x not in table]
     if unknown:
         raise ValueError(f"unknown load(s) {', '.join(unknown)}; expected some of {', '.join(LOADS)}")
     return [load for x in names for load in table[x]]
 
 
-def bench_serve_argv(load: Load, base_url: str, model: str, tokenizer: str, json_path: str, label: str,
-                     backend: str) -> list[str]:  # fmt: skip
-    return [sys.executable, "-m", "splitserve.cli", "bench", "serve", "--backend", backend, "--base-url", base_url,
-            "--model", model, "--tokenizer", tokenizer, "--no-progress", *load.flags, "--json", json_path,
-            "--label", label]  # fmt: skip
+def bench_serve_argv(
+    load: Load, base_url: str, model: str, tokenizer: str, json_path: str, label: str, backend: str
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "bench",
+        "serve",
+        "--backend",
+        backend,
+        "--base-url",
+        base_url,
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--no-progress",
+        *load.flags,
+        "--json",
+        json_path,
+        "--label",
+        label,
+    ]
 
 
-def system_specs(systems: list[str], splitserve_flags: str, vllm_flags: str, router_flags: str,
-                 per_system: list[str]) -> list[SystemSpec]:  # fmt: skip
+def system_specs(
+    systems: list[str], splitserve_flags: str, vllm_flags: str, router_flags: str, per_system: list[str]
+) -> list[SystemSpec]:
     """--splitserve-flags for every splitserve system, --vllm-flags for vLLM, then each
     `SYSTEM=FLAGS` of --system-flags appended to that system's (later flags win)."""
     extra: dict[str, list[str]] = {}
@@ -120,8 +214,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--router-flags", default="", help="flags for every splitserve router")
     p.add_argument("--vllm-flags", default="", help="flags appended to vLLM's API server")
-    p.add_argument("--system-flags", action="append", default=[], metavar="SYSTEM=FLAGS",
-                   help="flags for one system only, appended after the above (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--system-flags",
+        action="append",
+        default=[],
+        metavar="SYSTEM=FLAGS",
+        help="flags for one system only, appended after the above (repeatable)",
+    )
     p.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai-completions"])
     p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a system to serve")
@@ -146,8 +245,9 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.bench.peer.vllm_env import DEFAULT_VENV, VllmEnvError, VllmEnvSpec, ensure_vllm_env
 
     try:
-        specs = system_specs(_split(args.systems), args.splitserve_flags, args.vllm_flags, args.router_flags,
-                             args.system_flags)  # fmt: skip
+        specs = system_specs(
+            _split(args.systems), args.splitserve_flags, args.vllm_flags, args.router_flags, args.system_flags
+        )
         loads = loads_for(_split(args.loads), args.quick, args.rates, args.load_timeout)
     except ValueError as e:
         print(f"splitserve bench peer: {e}", file=sys.stderr)
@@ -161,14 +261,23 @@ def run(args: argparse.Namespace) -> int:
     vllm_python = ""
     if any(s.is_vllm for s in specs):
         try:
-            vllm_python = ensure_vllm_env(VllmEnvSpec(venv=args.vllm_venv or DEFAULT_VENV), args.skip_install,
-                                          log=os.path.join(logs, "vllm-install.log"))  # fmt: skip
+            vllm_python = ensure_vllm_env(
+                VllmEnvSpec(venv=args.vllm_venv or DEFAULT_VENV),
+                args.skip_install,
+                log=os.path.join(logs, "vllm-install.log"),
+            )
         except VllmEnvError as e:
             print(f"splitserve bench peer: vLLM venv: {e}", file=sys.stderr)
             return 1
-    ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs,
-                        vllm_python=vllm_python, cores=parse_cores(args.cores), kv_cache_gib=args.kv_cache_gib,
-                        start_timeout_s=args.start_timeout)  # fmt: skip
+    ctx = LaunchContext(
+        model_dir=model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        workdir=logs,
+        vllm_python=vllm_python,
+        cores=parse_cores(args.cores),
+        kv_cache_gib=args.kv_cache_gib,
+        start_timeout_s=args.start_timeout,
+    )
     for load in loads:  # what each row of the table measured, before any figure
         print(f"load {load.name}: bench serve {' '.join(load.flags)} --backend {args.backend}", flush=True)
     results = {spec.name: run_system(spec, ctx, loads, out, args.backend) for spec in specs}
@@ -189,8 +298,11 @@ def run_system(spec: SystemSpec, ctx: LaunchContext, loads: list[Load], out: str
         return res | {"error": f"start: {e}"}
     with system:
         res |= {"start_s": system.start_s, "cores": system.cores, "argv": system.argv}
-        print(f"[{spec.name}] serving at {system.base_url} after {system.start_s:.1f}s; "
-              f"{describe_cores(spec.name, system.cores)}", flush=True)  # fmt: skip
+        print(
+            f"[{spec.name}] serving at {system.base_url} after {system.start_s:.1f}s; "
+            f"{describe_cores(spec.name, system.cores)}",
+            flush=True,
+        )
         try:
             res["warmup"] = warmup(system.base_url, ctx.served_model_name)
         except OSError as e:
@@ -203,10 +315,10 @@ def run_system(spec: SystemSpec, ctx: LaunchContext, loads: list[Load], out: str
 def warmup(base_url: str, model: str, timeout_s: float = 300.0) -> str:
     """One short chat request before the loads: first-use costs (kernel builds, graph captures)
     must not land in the first load's figures. Returns the reply's text."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
-    req = urllib.request.Request(base_url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+    req = urllib.request.Request(
+        base_url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         reply = json.load(r)
     return str(reply["choices"][0]["message"]["content"])
@@ -222,8 +334,9 @@ def run_load(system: RunningSystem, load: Load, ctx: LaunchContext, out: str, ba
     t0 = time.monotonic()
     with open(os.path.join(ctx.workdir, f"{name}-{load.name}.bench.log"), "wb") as log:
         try:
-            rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=load.timeout_s).returncode  # fmt: skip
+            rc = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, timeout=load.timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             return {"error": f"bench serve ran past {load.timeout_s:g}s"}
     if rc != 0 or not os.path.exists(json_path):
@@ -235,8 +348,9 @@ def run_load(system: RunningSystem, load: Load, ctx: LaunchContext, out: str, ba
     return data
 
 
-def finish(results: dict[str, dict[str, Any]], systems: list[str], loads: list[str], out: str,
-           ctx: LaunchContext) -> int:  # fmt: skip
+def finish(
+    results: dict[str, dict[str, Any]], systems: list[str], loads: list[str], out: str, ctx: LaunchContext
+) -> int:
     rows = report.table_rows(results, loads)
     print()
     print(report.format_table(rows, systems))
@@ -249,8 +363,12 @@ def finish(results: dict[str, dict[str, Any]], systems: list[str], loads: list[s
         for what, value in [("", res.get("error"))] + [(f" {k}", v.get("error")) for k, v in res["loads"].items()]:
             if value:
                 print(f"{name}{what}: ERROR {value}")
-    combined = {"model_dir": ctx.model_dir, "served_model_name": ctx.served_model_name, "systems": results,
-                "table": report.ratios(rows, systems)}  # fmt: skip
+    combined = {
+        "model_dir": ctx.model_dir,
+        "served_model_name": ctx.served_model_name,
+        "systems": results,
+        "table": report.ratios(rows, systems),
+    }
     path = os.path.join(out, "peer.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(combined, f, indent=1)

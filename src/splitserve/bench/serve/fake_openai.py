@@ -85,8 +85,11 @@ class FakeOpenAI:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             await send({"object": "chunk", "choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": self.script.prompt_tokens, "completion_tokens": sum(chunks),
-                     "prompt_tokens_details": {"cached_tokens": self.script.cached_tokens}}  # fmt: skip
+            usage = {
+                "prompt_tokens": self.script.prompt_tokens,
+                "completion_tokens": sum(chunks),
+                "prompt_tokens_details": {"cached_tokens": self.script.cached_tokens},
+            }
             await send({"object": "chunk", "choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -287,10 +287,12 @@ class TritonDecodeStep:
 
     def _gemv_fits(self, x: Tensor, w: Tensor, bias: Tensor | None) -> bool:
         return (
-            x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous()
+            x.dim() == 2
+            and 0 < x.shape[0] <= GEMV_MAX_ROWS
+            and x.is_contiguous()
             and _weight_fits(w, x.shape[1], x)
             and (bias is None or (bias.dtype == w.dtype and bias.shape == (w.shape[0],) and bias.is_contiguous()))
-        )  # fmt: skip
+        )
 
     def _gemv(self, x: Tensor, w: Tensor, bias: Tensor | None, k: int, silu_mul: bool) -> Tensor:
         rows, n = x.shape[0], w.shape[0]
@@ -299,10 +301,21 @@ class TritonDecodeStep:
         chunk = 2048 if k >= 4096 else 1024
         block_k = min(_pow2(k, 16), chunk, GEMV_TILE // (rows_pad * GEMV_BLOCK_N))
         self._ops.gemv_kernel[(cdiv(n, GEMV_BLOCK_N),)](
-            y, x, w, w if bias is None else bias, rows, n, k, x.shape[1],
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROWS_PAD=rows_pad, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k,
+            y,
+            x,
+            w,
+            w if bias is None else bias,
+            rows,
+            n,
+            k,
+            x.shape[1],
+            HAS_BIAS=bias is not None,
+            SILU_MUL=silu_mul,
+            ROWS_PAD=rows_pad,
+            BLOCK_N=GEMV_BLOCK_N,
+            BLOCK_K=block_k,
             num_warps=4,
-        )  # fmt: skip
+        )
         return y
 
 
@@ -362,10 +375,14 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     tables = torch.tensor([[1, 2, 0], [3, 4, 5]])
     last = torch.tensor(ctx) - 1
     meta = AttentionMetadata(
-        slot_blocks=tables[torch.arange(2), last // bs].to(device), slot_offsets=(last % bs).to(device),
-        block_tables=tables.to(device), context_lens=torch.tensor(ctx, device=device), query_lens=[1, 1],
-        context_lens_list=ctx, is_decode=True,
-    )  # fmt: skip
+        slot_blocks=tables[torch.arange(2), last // bs].to(device),
+        slot_offsets=(last % bs).to(device),
+        block_tables=tables.to(device),
+        context_lens=torch.tensor(ctx, device=device),
+        query_lens=[1, 1],
+        context_lens_list=ctx,
+        is_decode=True,
+    )
     inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
     ang = last.float()[:, None] * inv[None]
     cos, sin = torch.cat((ang, ang), -1).cos().to(device), torch.cat((ang, ang), -1).sin().to(device)
@@ -373,8 +390,13 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=g).to(device)
 
-    cache, h, w, qkv, gate_up = rand(1, 6, 2, bs, kv_heads, dim), rand(2, hidden), rand(hidden), \
-        rand(2, (heads + 2 * kv_heads) * dim), rand(2, 2 * inter)  # fmt: skip
+    cache, h, w, qkv, gate_up = (
+        rand(1, 6, 2, bs, kv_heads, dim),
+        rand(2, hidden),
+        rand(hidden),
+        rand(2, (heads + 2 * kv_heads) * dim),
+        rand(2, 2 * inter),
+    )
     q_size, kv_size = heads * dim, kv_heads * dim
     q = apply_rope(qkv[:, :q_size].view(2, heads, dim), cos, sin)
     kn = apply_rope(qkv[:, q_size : q_size + kv_size].view(2, kv_heads, dim), cos, sin)
@@ -397,9 +419,15 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     want_lin = F.linear(h, wl, bias)
     close = all(
         torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
-        for a, b in ((got_x, want_x), (got_attn, want_attn), (got_act, want_act), (cache, ref_cache),
-                     (got_down, want_down), (got_lin, want_lin))
-    )  # fmt: skip
+        for a, b in (
+            (got_x, want_x),
+            (got_attn, want_attn),
+            (got_act, want_act),
+            (cache, ref_cache),
+            (got_down, want_down),
+            (got_lin, want_lin),
+        )
+    )
     return bool(close)
 
 

@@ -220,14 +220,20 @@ def silu_mul_kernel(out_ptr, gate_up_ptr, inter, BLOCK: tl.constexpr):
 
 @triton.jit
 def gemv_kernel(
-    y_ptr, x_ptr, w_ptr, b_ptr, rows, N, K,
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    rows,
+    N,
+    K,
     x_stride,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ROWS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     """Grid (column tiles of y,): y = x @ w.T (+ bias) for a few rows of x, each weight read once.
 
     Decode's matrix products at batch 1..4 are weight streams: the program reads a tile of

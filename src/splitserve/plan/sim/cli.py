@@ -64,11 +64,15 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
     slo = Slo(wl.ttft_slo_s, wl.tpot_slo_s)
     lengths = _lengths(args, wl, random.Random(args.sim_seed), args.sim_requests)
     reuse = wl.prefix_reuse
-    print(f"\nsimulation: {len(lengths)} requests per run, {replicas} replicas of {dep.tp} GPU(s), costs from {what}; "
-          f"disaggregated and auto as {p} prefill + {replicas - p} decode replicas, auto prefilling locally up to "
-          f"{rec.local_prefill_max_tokens or 256} uncached tokens")  # fmt: skip
-    print(f"{'mode':14s} {'rate':>6s} {'goodput':>8s} {'SLO met':>7s} {'TTFT p50':>9s} {'p90':>8s} {'p99':>8s} "
-          f"{'TPOT p50':>9s} {'p90':>7s} {'ITL p50':>8s} {'p99':>7s} {'wall':>6s}")  # fmt: skip
+    print(
+        f"\nsimulation: {len(lengths)} requests per run, {replicas} replicas of {dep.tp} GPU(s), costs from {what}; "
+        f"disaggregated and auto as {p} prefill + {replicas - p} decode replicas, auto prefilling locally up to "
+        f"{rec.local_prefill_max_tokens or 256} uncached tokens"
+    )
+    print(
+        f"{'mode':14s} {'rate':>6s} {'goodput':>8s} {'SLO met':>7s} {'TTFT p50':>9s} {'p90':>8s} {'p99':>8s} "
+        f"{'TPOT p50':>9s} {'p90':>7s} {'ITL p50':>8s} {'p99':>7s} {'wall':>6s}"
+    )
     results = []
     for rate in rates:
         reqs = _requests(rate, lengths, reuse, args.sim_seed)
@@ -86,16 +90,26 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
     if args.sim_split and replicas >= 2:
         rate = max(rates)
         t = time.perf_counter()
-        search = best_split(_requests(rate, lengths, reuse, args.sim_seed), dep.gpus,
-                            _spec("disaggregated", replicas, 1, dep, chunk, kv_tokens), costs, slo,
-                            args.sim_seed, spread=spread)  # fmt: skip
-        print(f"\nprefill:decode split of {dep.gpus} GPUs at {rate:g} req/s, disaggregated "
-              f"({len(search.points)} splits simulated in {time.perf_counter() - t:.1f}s):")  # fmt: skip
+        search = best_split(
+            _requests(rate, lengths, reuse, args.sim_seed),
+            dep.gpus,
+            _spec("disaggregated", replicas, 1, dep, chunk, kv_tokens),
+            costs,
+            slo,
+            args.sim_seed,
+            spread=spread,
+        )
+        print(
+            f"\nprefill:decode split of {dep.gpus} GPUs at {rate:g} req/s, disaggregated "
+            f"({len(search.points)} splits simulated in {time.perf_counter() - t:.1f}s):"
+        )
         for pt in search.points:
             mark = "  <- best" if pt is search.best else ""
             r = pt.result
-            print(f"  {pt.prefill_gpus:4d} prefill : {pt.decode_gpus:4d} decode GPUs  goodput {r.goodput:8.2f} "
-                  f"req/s  SLO met {r.slo_attainment:6.1%}  TTFT p90 {_ms(r.ttft.p90)}{mark}")  # fmt: skip
+            print(
+                f"  {pt.prefill_gpus:4d} prefill : {pt.decode_gpus:4d} decode GPUs  goodput {r.goodput:8.2f} "
+                f"req/s  SLO met {r.slo_attainment:6.1%}  TTFT p90 {_ms(r.ttft.p90)}{mark}"
+            )
         if args.plot:
             from splitserve.plan.sim.plots import plot_split
 
@@ -105,12 +119,20 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
     return 0
 
 
-def _spec(mode: Mode, replicas: int, p: int, dep: Any, chunk: int, kv_tokens: int | None,
-          local_max: int | None = None) -> ClusterSpec:  # fmt: skip
+def _spec(
+    mode: Mode, replicas: int, p: int, dep: Any, chunk: int, kv_tokens: int | None, local_max: int | None = None
+) -> ClusterSpec:
     decode, prefill = (replicas, 0) if mode == "colocated" else (replicas - p, p)
-    return ClusterSpec(mode, decode_workers=decode, prefill_workers=prefill, max_num_seqs=dep.max_num_seqs,
-                       max_num_batched_tokens=chunk, kv_capacity_tokens=kv_tokens, gpus_per_worker=dep.tp,
-                       local_prefill_max_tokens=local_max if local_max is not None else 256)  # fmt: skip
+    return ClusterSpec(
+        mode,
+        decode_workers=decode,
+        prefill_workers=prefill,
+        max_num_seqs=dep.max_num_seqs,
+        max_num_batched_tokens=chunk,
+        kv_capacity_tokens=kv_tokens,
+        gpus_per_worker=dep.tp,
+        local_prefill_max_tokens=local_max if local_max is not None else 256,
+    )
 
 
 def _proportional_split(replicas: int, c: Any) -> int:
@@ -127,8 +149,10 @@ def _lengths(args: argparse.Namespace, wl: Any, rng: random.Random, n: int) -> l
 
         records = [r for run in BenchResult.from_dict(load_result(args.workload)).runs for r in run.requests]
         if records:
-            return [(max(1, records[i % len(records)].prompt_len), max(1, records[i % len(records)].output_len))
-                    for i in range(n)]  # fmt: skip
+            return [
+                (max(1, records[i % len(records)].prompt_len), max(1, records[i % len(records)].output_len))
+                for i in range(n)
+            ]
 
     def draw(mean: float, std: float) -> int:
         return int(min(max(1.0, rng.gauss(mean, std) if std > 0 else mean), 4 * mean))
@@ -148,6 +172,8 @@ def _ms(s: float) -> str:
 
 
 def _row(r: SimResult, wall_s: float) -> str:
-    return (f"{r.mode:14s} {r.rate:6g} {r.goodput:8.2f} {r.slo_attainment:7.1%} {_ms(r.ttft.p50):>9s} "
-            f"{_ms(r.ttft.p90):>8s} {_ms(r.ttft.p99):>8s} {r.tpot.p50 * 1e3:7.1f}ms {r.tpot.p90 * 1e3:5.1f}ms "
-            f"{r.itl.p50 * 1e3:6.1f}ms {r.itl.p99 * 1e3:5.1f}ms {wall_s:5.1f}s")  # fmt: skip
+    return (
+        f"{r.mode:14s} {r.rate:6g} {r.goodput:8.2f} {r.slo_attainment:7.1%} {_ms(r.ttft.p50):>9s} "
+        f"{_ms(r.ttft.p90):>8s} {_ms(r.ttft.p99):>8s} {r.tpot.p50 * 1e3:7.1f}ms {r.tpot.p90 * 1e3:5.1f}ms "
+        f"{r.itl.p50 * 1e3:6.1f}ms {r.itl.p99 * 1e3:5.1f}ms {wall_s:5.1f}s"
+    )

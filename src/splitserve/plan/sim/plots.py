@@ -53,8 +53,14 @@ def plot_split(search: SplitSearch, rate: float, slo: Slo, out_dir: str | os.Pat
     ax_good.plot(xs, [p.result.goodput for p in pts], marker="o")
     ax_att.plot(xs, [p.result.slo_attainment for p in pts], marker="o")
     best = search.best
-    ax_good.plot([best.prefill_gpus], [best.result.goodput], marker="*", markersize=14, linestyle="",
-                 label=f"best: {best.prefill_gpus}:{best.decode_gpus}")  # fmt: skip
+    ax_good.plot(
+        [best.prefill_gpus],
+        [best.result.goodput],
+        marker="*",
+        markersize=14,
+        linestyle="",
+        label=f"best: {best.prefill_gpus}:{best.decode_gpus}",
+    )
     ax_att.plot([best.prefill_gpus], [best.result.slo_attainment], marker="*", markersize=14, linestyle="")
     total = best.prefill_gpus + best.decode_gpus
     for ax, ylabel in ((ax_good, "goodput (req/s)"), (ax_att, "SLO attainment")):

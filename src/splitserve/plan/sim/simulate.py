@@ -164,8 +164,10 @@ def simulate(
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
-    reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens)
-            for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]  # fmt: skip
+    reqs = [
+        SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens)
+        for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))
+    ]
     sim.run(reqs)
     # a bug, not a result: every request finishes, and every worker ends empty
     unfinished = sum(1 for r in reqs if r.finish_s < 0)
@@ -217,9 +219,19 @@ class _Cluster:
                 return slowdown(sum(w.num_decoding for w in self.decode))
 
         def worker(name: str, model: CostModel, prefill_only: bool) -> SimWorker:
-            return SimWorker(name, model, spec.max_num_seqs, spec.max_num_batched_tokens, spec.kv_capacity_tokens,
-                             prefill_only, self._prefilled, self._finished, itl, step_ratio,
-                             prefill_factor)  # fmt: skip
+            return SimWorker(
+                name,
+                model,
+                spec.max_num_seqs,
+                spec.max_num_batched_tokens,
+                spec.kv_capacity_tokens,
+                prefill_only,
+                self._prefilled,
+                self._finished,
+                itl,
+                step_ratio,
+                prefill_factor,
+            )
 
         self.decode = [worker(f"decode{i}", costs, False) for i in range(spec.decode_workers)]
         n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0

@@ -144,11 +144,18 @@ class SimWorker:
     def leftovers(self) -> list[str]:
         """What the worker still holds; empty once every request it had has left (the leak check)."""
         held = {
-            "waiting": len(self.waiting), "prefilling": len(self.prefilling), "joining": len(self.joining),
-            "reserved": self.reserved, "decoding": self.num_decoding, "context_tokens": self.context_tokens,
-            "finishing": sum(len(v) for v in self.finishing.values()), "kv_used": self.kv_used,
-            "queued_tokens": self.queued_tokens, "running_tokens": self.running_tokens, "busy": int(self.busy),
-        }  # fmt: skip
+            "waiting": len(self.waiting),
+            "prefilling": len(self.prefilling),
+            "joining": len(self.joining),
+            "reserved": self.reserved,
+            "decoding": self.num_decoding,
+            "context_tokens": self.context_tokens,
+            "finishing": sum(len(v) for v in self.finishing.values()),
+            "kv_used": self.kv_used,
+            "queued_tokens": self.queued_tokens,
+            "running_tokens": self.running_tokens,
+            "busy": int(self.busy),
+        }
         return [f"{self.name}.{k}={v}" for k, v in held.items() if v]
 
     # ---- the step loop
