@@ -57,6 +57,7 @@ def run(a: argparse.Namespace) -> int:
 
 def _local(a: argparse.Namespace) -> int:
     from splitserve.engine.engine import Engine
+    from splitserve.engine.preflight import engine_problems
     from splitserve.engine.sampling import SamplingParams
     from splitserve.engine.tokenizer import IncrementalDetokenizer
     from splitserve.router.stop import StopMatcher
@@ -66,7 +67,12 @@ def _local(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    engine, tokenizer = Engine.from_path(a.model, engine_config_from_args(a), progress=sys.stderr.isatty())
+    engine_cfg = engine_config_from_args(a)
+    # the header's checks before the weights load: a bad flag costs a second, not the load
+    problems = engine_problems(a.model, {"--tensor-parallel-size": engine_cfg.tensor_parallel_size})
+    if problems:
+        raise ValueError("\n".join(p.line() for p in problems))
+    engine, tokenizer = Engine.from_path(a.model, engine_cfg, progress=sys.stderr.isatty())
     if a.raw:
         prompt = tokenizer.encode(a.prompt, add_special_tokens=True)
     else:

@@ -2,10 +2,11 @@
 
 Ray queues an actor whose resources no node has, silently and for ever: `serve
 --decode-workers 2` on a 2-CPU machine used to wait with one worker up and no
-word why. Checked here first, every shortfall comes out as one line with the
-numbers (asked, available) and the flag to change. Pure: the caller reads the
-nodes (`ray.nodes()`) and decides what a shortfall means (a local cluster
-stops; one joined with --ray-address may have an autoscaler that adds nodes).
+word why. Checked here first, every shortfall comes out as a `Problem` (the type
+engine/preflight.py's checks return) with the numbers (asked, available) and the
+flag to change. Pure: the caller reads the nodes (`ray.nodes()`, or this machine's
+cores before a local Ray starts) and decides what a shortfall means (a local
+cluster stops; one joined with --ray-address may have an autoscaler that adds nodes).
 
 With an autoscaler whose node types are known (`serve --node-types`), a worker
 that no alive node can hold but some node type can is pending, not a problem:
@@ -21,8 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.preflight import Check, Problem
+
 CPU, GPU = "CPU", "GPU"
 _FLAG = {CPU: "--cpus-per-worker", GPU: "--gpus-per-worker"}
+_RESOURCE_FLAGS = "--prefill-resources/--decode-resources, --cpus-per-worker, --gpus-per-worker"
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,26 @@ NodeTypes = Mapping[str, Mapping[str, float]]  # an autoscaler's node types: nam
 def placement_problems(
     asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]], node_types: NodeTypes | None = None
 ) -> list[str]:
-    """What cannot be placed, a line each ([] when every worker fits). `nodes`: each alive node's
-    total resources, as Ray reports them. `node_types`: the autoscaler's, when the cluster has one;
-    then only a worker that neither an alive node nor any node type can hold is a problem (the sums
-    do not matter: the autoscaler adds nodes)."""
+    """What cannot be placed, a line each ([] when every worker fits): placement_shortfalls, said."""
+    return [p.line() for p in placement_shortfalls(asks, nodes, node_types)]
+
+
+def placement_shortfalls(
+    asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]], node_types: NodeTypes | None = None
+) -> list[Problem]:
+    """What cannot be placed ([] when every worker fits). `nodes`: each alive node's total
+    resources, as Ray reports them (or as this machine has them, before a local Ray starts).
+    `node_types`: the autoscaler's, when the cluster has one; then only a worker that neither an
+    alive node nor any node type can hold is a problem (the sums do not matter: the autoscaler
+    adds nodes)."""
     if node_types is not None:
         return [_never_placed(a, node_types) for a in asks if a.replicas and not _placeable(a, nodes, node_types)]
+    return sum_shortfalls(asks, nodes) + node_shortfalls(asks, nodes)
+
+
+def sum_shortfalls(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]]) -> list[Problem]:
+    """Each resource the pools ask more of than the nodes have in all. On one node (a local
+    cluster) these are all the problems there are: a worker it cannot hold shows in a sum."""
     problems = []
     resources = sorted({r for a in asks for r, v in a.per_worker.items() if v > 0})
     for r in resources:
@@ -66,13 +84,23 @@ def placement_problems(
         have = sum(n.get(r, 0.0) for n in nodes)
         if asked > have + 1e-9:
             parts = " + ".join(f"{a.replicas} {a.role} x {a.per_worker.get(r, 0.0):g}" for a in asks if a.total(r))
-            problems.append(
-                f"{r}: the pools ask for {asked:g} ({parts}), the Ray cluster has {have:g}: {_fix(r, asks, have)}"
-            )
-    for a in asks:  # a worker is placed whole on one node: the sums can fit while no node does
-        if a.replicas and not any(_holds(n, a) for n in nodes):
-            problems.append(f"no node of the Ray cluster can hold one {a.role} worker ({_want(a)})")
+            what = f"{r}: the pools ask for {asked:g} ({parts}), the Ray cluster has {have:g}"
+            problems.append(Problem(Check.PLACEMENT, what, _fix(r, asks, have)))
     return problems
+
+
+def node_shortfalls(asks: Sequence[PoolAsk], nodes: Sequence[Mapping[str, float]]) -> list[Problem]:
+    """Each pool whose worker no node can hold: a worker is placed whole on one node, so the sums
+    can fit while no node does."""
+    return [
+        Problem(
+            Check.PLACEMENT,
+            f"no node of the Ray cluster can hold one {a.role} worker ({_want(a)})",
+            f"ask less per worker ({_RESOURCE_FLAGS}), or add a node that has it",
+        )
+        for a in asks
+        if a.replicas and not any(_holds(n, a) for n in nodes)
+    ]
 
 
 def node_types_to_add(ask: PoolAsk, nodes: Sequence[Mapping[str, float]], node_types: NodeTypes) -> list[str]:
@@ -105,15 +133,16 @@ def _want(ask: PoolAsk) -> str:
     return ", ".join(f"{r} {v:g}" for r, v in sorted(ask.per_worker.items()) if v > 0)
 
 
-def _never_placed(ask: PoolAsk, node_types: NodeTypes) -> str:
+def _never_placed(ask: PoolAsk, node_types: NodeTypes) -> Problem:
     have = "; ".join(
         f"{name}: " + (", ".join(f"{r} {v:g}" for r, v in sorted(t.items()) if not _ray_bookkeeping(r)) or "nothing")
         for name, t in sorted(node_types.items())
     )
-    return (
+    return Problem(
+        Check.PLACEMENT,
         f"no node of the Ray cluster and no node type of its autoscaler can hold one {ask.role} worker "
-        f"({_want(ask)}): the node types have {have}; add a node type that has it, or change the pool's "
-        "resources (--prefill-resources/--decode-resources, --cpus-per-worker, --gpus-per-worker)"
+        f"({_want(ask)}): the node types have {have}",
+        f"add a node type that has it, or change the pool's resources ({_RESOURCE_FLAGS})",
     )
 
 
@@ -137,7 +166,7 @@ def _fix(resource: str, asks: Sequence[PoolAsk], have: float) -> str:
     workers = sum(a.replicas for a in asks if a.total(resource))
     if resource in _FLAG:
         fits = int(have / workers * 100) / 100 if workers and have > 0 else 0.0
-        lower = f"set {_FLAG[resource]} to {fits:g} or less, " if fits > 0 else ""
+        lower = f"set {_FLAG[resource]} to {fits:g} or less, " if fits > 0 else f"set {_FLAG[resource]} to 0, "
         return f"{lower}start fewer workers (--prefill-workers, --decode-workers), or add nodes"
     return (
         f"start a node with --resources '{{\"{resource}\": N}}', or drop it from --prefill-resources/--decode-resources"

@@ -117,14 +117,21 @@ def least_loaded(loads: Mapping[str, WorkerLoad], metric: str) -> str:
     )
 
 
-def decide(
-    cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, draining: int, now: float, state: ScalerState
-) -> tuple[ScalingDecision, ScalerState]:
-    """One application of the policy.
+class PoolLoad(NamedTuple):
+    """The pool's load as the policy reads it, with the reading said as numbers for the log."""
 
-    `loads`: the routable workers of the pool (not booting, not draining), by address, so the
-    pool's replica count is `len(loads)`. `pending`: workers starting (scale-ups and replacements
-    of dead workers). `draining`: workers being drained, no longer routable."""
+    replicas: int  # routable workers
+    total: int  # the metric summed over them
+    mean: float
+    free: float  # mean free block fraction
+    pressure: bool  # free blocks below the floor: grow whatever the tokens say
+    over: bool  # above target (or under pressure)
+    under: bool  # below low water, and the others would stay within target with one fewer
+    numbers: str
+
+
+def measure(cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, draining: int) -> PoolLoad:
+    """The pool's load against the config's targets (see `decide` for the arguments)."""
     replicas = len(loads)
     total = sum(worker_load(w, cfg.metric) for w in loads.values())
     mean = total / replicas if replicas else 0.0
@@ -143,9 +150,22 @@ def decide(
         f"{cfg.target_tokens_per_worker}, low water {cfg.low_water_tokens_per_worker}), free blocks "
         f"{free:.2f}, {pending} starting, {draining} draining"
     )
+    return PoolLoad(replicas, total, mean, free, pressure, over, under, numbers)
+
+
+def decide(
+    cfg: ScalingConfig, loads: Mapping[str, WorkerLoad], pending: int, draining: int, now: float, state: ScalerState
+) -> tuple[ScalingDecision, ScalerState]:
+    """One application of the policy.
+
+    `loads`: the routable workers of the pool (not booting, not draining), by address, so the
+    pool's replica count is `len(loads)`. `pending`: workers starting (scale-ups and replacements
+    of dead workers). `draining`: workers being drained, no longer routable."""
+    m = measure(cfg, loads, pending, draining)
+    replicas, numbers = m.replicas, m.numbers
     state = ScalerState(
-        over_since=(state.over_since if state.over_since is not None else now) if over else None,
-        under_since=(state.under_since if state.under_since is not None else now) if under else None,
+        over_since=(state.over_since if state.over_since is not None else now) if m.over else None,
+        under_since=(state.under_since if state.under_since is not None else now) if m.under else None,
         last_change=state.last_change,
     )
     changed = ScalerState(last_change=now)  # windows restart after a change
@@ -162,22 +182,28 @@ def decide(
         left = cfg.cooldown_s - (now - state.last_change)
         return ScalingDecision("hold", 0, None, f"cooldown ({left:.1f} s left): {numbers}"), state
 
-    if over and state.over_since is not None and now - state.over_since >= cfg.grow_after_s:
-        desired = math.ceil(total / cfg.target_tokens_per_worker)
-        if pressure:
-            desired = max(desired, replicas + 1)
-        n = min(desired, cfg.max_replicas) - replicas - pending
-        if n > 0:
-            why = f"free blocks below {cfg.min_free_block_fraction:.2f}" if pressure else "over target"
-            return ScalingDecision(
-                "grow", n, None, f"{why} for {now - state.over_since:.1f} s (want {desired}): {numbers}"
-            ), changed
-        limit = "at max_replicas" if replicas + pending >= cfg.max_replicas else "the workers starting cover it"
-        return ScalingDecision("hold", 0, None, f"over, but {limit}: {numbers}"), state
-    if under and state.under_since is not None and now - state.under_since >= cfg.shrink_after_s:
+    if m.over and state.over_since is not None and now - state.over_since >= cfg.grow_after_s:
+        grow = _grow(cfg, m, pending, now - state.over_since)
+        return grow, changed if grow.action == "grow" else state
+    if m.under and state.under_since is not None and now - state.under_since >= cfg.shrink_after_s:
         w = least_loaded(loads, cfg.metric)
         return ScalingDecision(
             "shrink", 1, w, f"under low water for {now - state.under_since:.1f} s, draining {w}: {numbers}"
         ), changed
-    window = "over, waiting out the window" if over else "under, waiting out the window" if under else "within bounds"
+    window = (
+        "over, waiting out the window" if m.over else "under, waiting out the window" if m.under else "within bounds"
+    )
     return ScalingDecision("hold", 0, None, f"{window}: {numbers}"), state
+
+
+def _grow(cfg: ScalingConfig, m: PoolLoad, pending: int, over_for_s: float) -> ScalingDecision:
+    """Over for the whole window: the workers the load needs, within max_replicas, less those starting."""
+    desired = math.ceil(m.total / cfg.target_tokens_per_worker)
+    if m.pressure:
+        desired = max(desired, m.replicas + 1)
+    n = min(desired, cfg.max_replicas) - m.replicas - pending
+    if n > 0:
+        why = f"free blocks below {cfg.min_free_block_fraction:.2f}" if m.pressure else "over target"
+        return ScalingDecision("grow", n, None, f"{why} for {over_for_s:.1f} s (want {desired}): {m.numbers}")
+    limit = "at max_replicas" if m.replicas + pending >= cfg.max_replicas else "the workers starting cover it"
+    return ScalingDecision("hold", 0, None, f"over, but {limit}: {m.numbers}")

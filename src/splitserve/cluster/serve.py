@@ -12,22 +12,37 @@ import os
 import secrets
 import signal
 import sys
-from dataclasses import replace
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from splitserve.cluster.placement import CPU
+
 if TYPE_CHECKING:
+    from splitserve.cluster.pool import PoolManager, PoolSpec
     from splitserve.cluster.scaling import ScalingConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.preflight import Problem
+    from splitserve.router.server import Router
+    from splitserve.router.workers import Role
 
 log = logging.getLogger("splitserve.cluster.serve")
+
+ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from splitserve.router.flags import add_router_arguments
     from splitserve.workers.server import add_admission_arguments, add_engine_arguments
 
-    add_engine_arguments(p)  # --block-size among them, which the router shares
-    add_admission_arguments(p)
+    add_engine_arguments(p.add_argument_group("model and engine"))  # --block-size among them, shared by the router
+    add_admission_arguments(p.add_argument_group("admission"))
     add_router_arguments(p)
+    _add_pool_arguments(p.add_argument_group("pools"))
+    _add_placement_arguments(p.add_argument_group("placement on Ray"))
+
+
+def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--worker-host",
         default="127.0.0.1",
@@ -59,6 +74,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16384,
         help="queued and running context tokens per decode worker above which the decode pool grows",
     )
+    for role in ROLES:
+        p.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size); the KV "
+            "transfer re-shards heads between pools of different sizes",
+        )
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+
+
+def _add_placement_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--cpus-per-worker",
         type=float,
@@ -67,21 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cluster with fewer CPUs than workers, said at start)",
     )
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
-    for role in ("prefill", "decode"):
-        p.add_argument(
-            f"--{role}-tensor-parallel-size",
-            type=int,
-            default=None,
-            help=f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size); the KV "
-            "transfer re-shards heads between pools of different sizes",
-        )
     p.add_argument(
         "--prefill-resources",
         default="{}",
         help='custom Ray resources per prefill worker, JSON, e.g. {"prefill_node": 1}',
     )
     p.add_argument("--decode-resources", default="{}", help="custom Ray resources per decode worker, JSON")
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     p.add_argument(
         "--node-types",
@@ -132,53 +150,107 @@ def check_pool_tp(role: str, tp: int, device: str, gpus_per_worker: float) -> No
         )
 
 
+# ---- the steps, in order: configure, preflight, start Ray and place, build, start, wait, drain ----
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `serve` starts, read from its flags once (ValueError if they disagree) and never changed."""
+
+    engine: EngineConfig  # the pools' engine; each pool's tensor-parallel size replaces the shared one
+    workers: Mapping[Role, int]  # role -> initial workers (the scaling floor)
+    tp: Mapping[Role, int]  # role -> tensor-parallel size of each worker
+    tp_flags: Mapping[str, int]  # the flag that set each size -> the size, to name in a problem
+    scaling: Mapping[Role, ScalingConfig | None]  # role -> its scaling, None: a fixed size
+    resources: Mapping[Role, Mapping[str, float]]  # role -> custom Ray resources per worker
+    node_types: Mapping[str, Mapping[str, float]] | None  # the autoscaler's, when --node-types gives them
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # checked before Ray starts, so a bad flag costs nothing
-        prefill, decode = scaling_config(args, "prefill"), scaling_config(args, "decode")
-        node_types = parse_node_types(args.node_types)
-        for role in ("prefill", "decode"):
-            check_pool_tp(role, pool_tp_size(args, role), args.device, args.gpus_per_worker)
+    try:  # checked before Ray starts or a port is bound, so a bad flag costs seconds
+        cfg = configure(args)
     except (ValueError, OSError) as e:
-        print(f"splitserve serve: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e))
+    cpus_per_worker, problems = preflight(args, cfg)
+    if problems:
+        return _refuse(*(p.line() for p in problems))
     from splitserve.router.event_loop import run as run_loop
 
     try:
-        return run_loop(_serve(args, prefill, decode, node_types))
+        return run_loop(_serve(args, cfg, cpus_per_worker))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve(
-    a: argparse.Namespace,
-    prefill_scaling: ScalingConfig | None,
-    decode_scaling: ScalingConfig | None,
-    node_types: dict[str, dict[str, float]] | None = None,
-) -> int:
-    # Ray's own plane: token auth on, dashboard off. Ray reads these when it is imported.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        # a local cluster gets a fresh token of its own, handed to Ray's processes by environment
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    import ray
+def _refuse(*lines: str) -> int:
+    for line in lines:
+        print(f"splitserve serve: {line}", file=sys.stderr, flush=True)
+    return 2
 
-    from splitserve.cluster.pool import PoolManager, PoolSpec
-    from splitserve.engine.weights import load_tokenizer
-    from splitserve.router.engine_tokenizer import EngineTokenizer
-    from splitserve.router.flags import router_config_from_args
-    from splitserve.router.server import Router
-    from splitserve.router.shutdown import drain
-    from splitserve.runtime.tracing import setup_tracing
-    from splitserve.workers.common.config import WorkerConfig
+
+def configure(a: argparse.Namespace) -> ServeConfig:
+    """The flags read into one config; ValueError (OSError for an unreadable --node-types) if they
+    cannot be: what needs no model and no machine to know."""
     from splitserve.workers.server import engine_config_from_args
 
+    scaling = {role: scaling_config(a, role) for role in ROLES}
+    node_types = parse_node_types(a.node_types)
+    tp = {role: pool_tp_size(a, role) for role in ROLES}
+    for role in ROLES:
+        check_pool_tp(role, tp[role], a.device, a.gpus_per_worker)
+    return ServeConfig(
+        engine=engine_config_from_args(a),
+        workers={role: getattr(a, f"{role}_workers") for role in ROLES},
+        tp=tp,
+        tp_flags={_tp_flag(a, role): tp[role] for role in ROLES},
+        scaling=scaling,
+        resources={role: _resources(getattr(a, f"{role}_resources"), f"--{role}-resources") for role in ROLES},
+        node_types=node_types,
+    )
+
+
+def preflight(a: argparse.Namespace, cfg: ServeConfig) -> tuple[float, list[Problem]]:
+    """The CPUs each worker will ask Ray for, and what keeps the cluster from starting: the engine
+    against the model's header, and (a local cluster) the pools against this machine, which it
+    warns about when they oversubscribe its cores. A joined cluster's nodes are checked in _place."""
+    from splitserve.cluster.preflight import (
+        machine_problems,
+        machine_resources,
+        oversubscription,
+        pool_asks,
+        threads_per_rank,
+        worker_cpus,
+    )
+    from splitserve.engine.preflight import engine_problems
+
+    problems = engine_problems(a.model, cfg.tp_flags)
     if a.ray_address:
-        ray.init(address=a.ray_address, logging_level=logging.WARNING)
-    else:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    cpus_per_worker = _place(a, ray, node_types)
-    if cpus_per_worker is None:
+        return worker_cpus(a.cpus_per_worker, cfg.workers, None), problems
+    machine = machine_resources()
+    cpus = worker_cpus(a.cpus_per_worker, cfg.workers, machine[CPU])
+    problems += machine_problems(
+        pool_asks(cfg.workers, cpus, a.gpus_per_worker, cfg.resources), machine, cfg.node_types
+    )
+    if problems:
+        return cpus, problems
+    if a.cpus_per_worker is None and cpus < 1.0:
+        print(
+            f"splitserve: {sum(cfg.workers.values())} workers on {machine[CPU]:g} CPUs: each asks Ray for "
+            f"{cpus:g} CPU (--cpus-per-worker to change)",
+            flush=True,
+        )
+    on_cpu = not cfg.engine.device.startswith("cuda")  # a CPU's tensor-parallel ranks share its cores
+    ranks = {role: cfg.tp[role] if on_cpu else 1 for role in ROLES}
+    threads = threads_per_rank(a.threads, cpus, os.environ)
+    if warning := oversubscription(cfg.workers, ranks, threads, machine[CPU]):
+        log.warning("%s", warning)
+    return cpus, problems
+
+
+async def _serve(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float) -> int:
+    ray = _start_ray(a)
+    if not _place(a, ray, cfg, cpus_per_worker):
         ray.shutdown()
         return 2
     # Ours from here on (ray.init installs its own, which dies loudly): a signal during the
@@ -188,15 +260,49 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
-    engine_cfg = engine_config_from_args(a)
-    tokenizer = EngineTokenizer(load_tokenizer(a.model))
-    setup_tracing(a.otlp_traces_endpoint, "router")  # the router's; each worker actor sets up its own
+    specs = _pool_specs(a, cfg, cpus_per_worker, cluster_token)
+    router = _router(a, specs, cluster_token)
+    from splitserve.cluster.pool import PoolManager
 
-    def worker(role: str) -> WorkerConfig:
+    pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=cfg.node_types)
+    try:
+        await _run_until_stopped(a, _start(a, router, pools, specs), router, stop)
+    finally:
+        print("splitserve: stopping", flush=True)
+        # the router first: no request may be routed to a worker that is going away
+        await router.stop()
+        await pools.stop()
+        ray.shutdown()
+    return 0
+
+
+def _start_ray(a: argparse.Namespace) -> Any:
+    """Ray, started here or joined (--ray-address), with its own plane's token auth on and no dashboard."""
+    # Ray reads these when it is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        # a local cluster gets a fresh token of its own, handed to Ray's processes by environment
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    import ray
+
+    if a.ray_address:
+        ray.init(address=a.ray_address, logging_level=logging.WARNING)
+    else:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    return ray
+
+
+def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float, cluster_token: str) -> list[PoolSpec]:
+    """Each pool: its workers' config (the shared engine at the pool's tensor-parallel size), its
+    size and scaling, and what each worker asks Ray for."""
+    from splitserve.cluster.pool import PoolSpec
+    from splitserve.workers.common.config import WorkerConfig
+
+    def worker(role: Role) -> WorkerConfig:
         return WorkerConfig(
             role=role,
             model=a.model,
-            engine=replace(engine_cfg, tensor_parallel_size=pool_tp_size(a, role)),
+            engine=replace(cfg.engine, tensor_parallel_size=cfg.tp[role]),
             host=a.worker_host,
             kv_transport=a.kv_transport,
             cluster_token=cluster_token,
@@ -205,60 +311,75 @@ async def _serve(
             otlp_traces_endpoint=a.otlp_traces_endpoint,
         )
 
-    specs = [
+    return [
         PoolSpec(
-            "prefill",
-            a.prefill_workers,
-            worker("prefill"),
+            role,
+            cfg.workers[role],
+            worker(role),
             cpus_per_worker,
             a.gpus_per_worker,
-            json.loads(a.prefill_resources),
-            prefill_scaling,
-        ),
-        PoolSpec(
-            "decode",
-            a.decode_workers,
-            worker("decode"),
-            cpus_per_worker,
-            a.gpus_per_worker,
-            json.loads(a.decode_resources),
-            decode_scaling,
-        ),
-    ]
-    router_cfg = router_config_from_args(a, cluster_token)
-    # ready (health SERVING) once every pool that will serve requests has a worker up; a colocated
-    # router never calls the prefill pool
-    required = tuple(
-        spec.role for spec in specs if spec.replicas and (spec.role == "decode" or router_cfg.mode != "colocated")
-    )
-    router = Router(replace(router_cfg, required_pools=required), tokenizer)
-    pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=node_types)
-
-    async def start() -> None:
-        port = await router.start()
-        prefill, decode = (
-            f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
-            for spec in specs
+            dict(cfg.resources[role]),
+            cfg.scaling[role],
         )
+        for role in ROLES
+    ]
+
+
+def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str) -> Router:
+    """The router, with the model's tokenizer and tracing, ready (health SERVING) once every pool
+    that will serve requests has a worker up."""
+    from splitserve.engine.weights import load_tokenizer
+    from splitserve.router.engine_tokenizer import EngineTokenizer
+    from splitserve.router.flags import router_config_from_args
+    from splitserve.router.server import Router
+    from splitserve.runtime.tracing import setup_tracing
+
+    tokenizer = EngineTokenizer(load_tokenizer(a.model))
+    setup_tracing(a.otlp_traces_endpoint, "router")  # the router's; each worker actor sets up its own
+    router_cfg = router_config_from_args(a, cluster_token)
+    # a colocated router never calls the prefill pool
+    required = tuple(
+        spec.role
+        for spec in specs
+        if spec.replicas and (spec.role == "decode" or router_cfg.mode != "colocated")
+    )
+    return Router(replace(router_cfg, required_pools=required), tokenizer)
+
+
+async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, specs: list[PoolSpec]) -> None:
+    """The router's ports, then the pools, then the wait for their workers; each address said."""
+    port = await router.start()
+    prefill, decode = (
+        f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
+        for spec in specs
+    )
+    print(
+        f"splitserve: starting {prefill} and {decode} worker(s) "
+        f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})",
+        flush=True,
+    )
+    await pools.start()
+    await router.wait_for_workers(timeout_s=120)
+    print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
+    if router.http is not None:
         print(
-            f"splitserve: starting {prefill} and {decode} worker(s) "
-            f"on Ray ({'cluster ' + a.ray_address if a.ray_address else 'local'})",
+            f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
+            "/v1/completions)",
             flush=True,
         )
-        await pools.start()
-        await router.wait_for_workers(timeout_s=120)
-        print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
-        if router.http is not None:
-            print(
-                f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
-                "/v1/completions)",
-                flush=True,
-            )
-        for role in ("prefill", "decode"):
-            for g, kv in pools.addresses(role):
-                print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
+    for role in ROLES:
+        for g, kv in pools.addresses(role):
+            print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
 
-    starting = asyncio.ensure_future(start())
+
+async def _run_until_stopped(
+    a: argparse.Namespace, start: Coroutine[Any, Any, None], router: Router, stop: asyncio.Event
+) -> None:
+    """The start, then serving until a signal; a signal during the start cancels it. A cluster
+    that started drains its requests before the caller stops it; a failed start raises."""
+    from splitserve.router.shutdown import drain
+
+    starting = asyncio.ensure_future(start)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -271,13 +392,7 @@ async def _serve(
             t.cancel()
         await asyncio.gather(starting, stopping, return_exceptions=True)
         if started:
-            await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve")
-        print("splitserve: stopping", flush=True)
-        # the router first: no request may be routed to a worker that is going away
-        await router.stop()
-        await pools.stop()
-        ray.shutdown()
-    return 0
+            await drain(router, a.shutdown_grace_s, asyncio.get_running_loop(), log_prefix="splitserve")
 
 
 def parse_node_types(flag: str | None) -> dict[str, dict[str, float]] | None:
@@ -299,41 +414,41 @@ def parse_node_types(flag: str | None) -> dict[str, dict[str, float]] | None:
             raise ValueError(f"--node-types {flag}: {e}") from e
 
 
-def _place(a: argparse.Namespace, ray: Any, node_types: dict[str, dict[str, float]] | None = None) -> float | None:
-    """CPUs per worker, once the pools' initial workers are known to fit the Ray cluster (or, with
-    the autoscaler's node types, a node type each); None (after saying why, with the numbers) when
-    they cannot be placed."""
-    from splitserve.cluster.placement import CPU, PoolAsk, alive_nodes, fractional_cpus, placement_problems
+def _place(a: argparse.Namespace, ray: Any, cfg: ServeConfig, cpus_per_worker: float) -> bool:
+    """Whether the pools' initial workers fit the Ray cluster's nodes (or, with the autoscaler's node
+    types, a node type each), said with the numbers when they do not. A local cluster was checked
+    against this machine before Ray started; this is the check for a joined one, and for what
+    Ray counts differently."""
+    from splitserve.cluster.placement import alive_nodes, placement_problems
+    from splitserve.cluster.preflight import pool_asks
 
-    nodes = alive_nodes(ray.nodes())
-
-    def asks(cpus: float) -> list[PoolAsk]:
-        return [
-            PoolAsk.of(role, getattr(a, f"{role}_workers"), cpus, a.gpus_per_worker, custom)
-            for role, custom in (
-                ("prefill", json.loads(a.prefill_resources)),
-                ("decode", json.loads(a.decode_resources)),
-            )
-        ]
-
-    cpus = a.cpus_per_worker
-    if cpus is None:
-        cpus = 1.0
-        if not a.ray_address:  # a machine of our own: share its cores rather than wait for more
-            have = sum(n.get(CPU, 0.0) for n in nodes)
-            cpus = fractional_cpus(asks(1.0), have)
-            if cpus < 1.0:
-                n = a.prefill_workers + a.decode_workers
-                print(
-                    f"splitserve: {n} workers on {have:g} CPUs: each asks Ray for {cpus:g} CPU "
-                    "(--cpus-per-worker to change)",
-                    flush=True,
-                )
-    problems = placement_problems(asks(cpus), nodes, node_types)
+    asks = pool_asks(cfg.workers, cpus_per_worker, a.gpus_per_worker, cfg.resources)
+    problems = placement_problems(asks, alive_nodes(ray.nodes()), cfg.node_types)
     for p in problems:
         print(f"splitserve serve: cannot place the workers: {p}", file=sys.stderr, flush=True)
-    if problems and (not a.ray_address or node_types is not None):
-        return None
+    if problems and (not a.ray_address or cfg.node_types is not None):
+        return False
     if problems:  # a joined cluster may have an autoscaler that adds the nodes
         print("splitserve serve: starting anyway: an autoscaler may add the nodes", file=sys.stderr, flush=True)
-    return cpus
+    return True
+
+
+def _tp_flag(a: argparse.Namespace, role: str) -> str:
+    """The flag that set a pool's tensor-parallel size: its own, or the shared one."""
+    own = f"{role}_tensor_parallel_size"
+    return f"--{own.replace('_', '-')}" if getattr(a, own) is not None else "--tensor-parallel-size"
+
+
+def _resources(flag_value: str, flag: str) -> dict[str, float]:
+    """--{role}-resources: a JSON object of resource name -> amount (ValueError if not)."""
+    try:
+        resources = json.loads(flag_value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not JSON ({e}): give an object, e.g. '{{\"decode_node\": 1}}'") from None
+    if not isinstance(resources, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in resources.values()
+    ):
+        raise ValueError(
+            f"{flag}: {flag_value!r} is not a JSON object of resource amounts, e.g. '{{\"decode_node\": 1}}'"
+        )
+    return {str(k): float(v) for k, v in resources.items()}

@@ -24,18 +24,7 @@ _INDEX = "model.safetensors.index.json"
 
 
 def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    config_path = os.path.join(directory, "config.json")
-    raw = _read_json(config_path)
-    model_type = raw.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{config_path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(_SUPPORTED_MODEL_TYPES)})"
-        )
-    try:
-        config = ModelConfig.from_hf(raw, name=raw.get("_name_or_path") or os.path.basename(os.path.abspath(directory)))
-    except (ValueError, TypeError) as e:
-        raise ModelLoadError(f"{config_path}: {e}") from None
+    config = read_hf_config(directory)
 
     # Generation stops on every id generation_config.json lists, not only config.json's.
     eos = list(config.eos_token_ids)
@@ -52,6 +41,22 @@ def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool) -> LoadedMod
 
     weights = load_safetensors(directory, config, dtype, progress)
     return LoadedModel(config, weights, tokenizer)
+
+
+def read_hf_config(directory: str) -> ModelConfig:
+    """The model's shapes from config.json alone (no weights, no tokenizer): what a preflight reads."""
+    config_path = os.path.join(directory, "config.json")
+    raw = _read_json(config_path)
+    model_type = raw.get("model_type")
+    if model_type not in _SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{config_path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(_SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        return ModelConfig.from_hf(raw, name=raw.get("_name_or_path") or os.path.basename(os.path.abspath(directory)))
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
 
 
 def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:

@@ -121,7 +121,7 @@ def serve_metrics(worker: RunningWorker, port: int) -> str:
     return address
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """Model and engine flags shared by every command that builds an engine."""
     p.add_argument(
         "--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
@@ -151,7 +151,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_admission_arguments(p: argparse.ArgumentParser) -> None:
+def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """A worker's admission limit, for every command that starts workers."""
     p.add_argument(
         "--max-waiting-requests",
@@ -214,13 +214,25 @@ def run(a: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"splitserve worker: {refusal}", file=sys.stderr)
         return 2
+    from splitserve.engine.preflight import engine_problems
+
+    try:  # the engine's flags, then the model's header against them: before any port or model load
+        engine = engine_config_from_args(a)
+    except ValueError as e:
+        print(f"splitserve worker: {e}", file=sys.stderr)
+        return 2
+    problems = engine_problems(a.model, {"--tensor-parallel-size": engine.tensor_parallel_size})
+    for problem in problems:
+        print(f"splitserve worker: {problem.line()}", file=sys.stderr)
+    if problems:
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing(a.otlp_traces_endpoint, f"{a.role}-worker")
     cfg = WorkerConfig(
         role=a.role,
         worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
         model=a.model,
-        engine=engine_config_from_args(a),
+        engine=engine,
         host=a.host,
         grpc_port=a.grpc_port,
         kv_port=a.kv_port,
