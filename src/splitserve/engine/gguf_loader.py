@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.weights import LoadedModel, ModelLoadError, ProgressLine
 
 GGUF_MAGIC = b"GGUF"
 

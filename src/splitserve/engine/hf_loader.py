@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine, expected_shapes
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.weights import LoadedModel, ModelLoadError, ProgressLine, expected_shapes
 
 _SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _INDEX = "model.safetensors.index.json"
