@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import splitserve.engine.kernels.decode as kd
 import splitserve.engine.model as model_mod
 from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
-from splitserve.engine.model import LlamaModel, apply_rope, rms_norm
+from splitserve.engine.layers import apply_rope, rms_norm
+from splitserve.engine.model import LlamaModel
 from splitserve.engine.testing import random_weights, tiny_model_config
 from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
 

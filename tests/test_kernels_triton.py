@@ -37,7 +37,8 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 
 import splitserve.engine.kernels.triton_decode as td  # noqa: E402
 from splitserve.engine.attention import AttentionMetadata, write_kv  # noqa: E402
-from splitserve.engine.model import LlamaModel, apply_rope, rms_norm  # noqa: E402
+from splitserve.engine.layers import apply_rope, rms_norm  # noqa: E402
+from splitserve.engine.model import LlamaModel  # noqa: E402
 from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
 from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
 

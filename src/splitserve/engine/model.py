@@ -1,6 +1,8 @@
 """The Llama-family decoder: RMSNorm, RoPE (with linear or llama3 scaling),
 grouped-query attention over the paged KV cache, SwiGLU MLP, tied or untied
 embeddings. Covers Llama 2/3, Mistral, Qwen2-style (q/k/v bias) and SmolLM.
+RMSNorm and RoPE are pure functions in engine/layers.py, below both this model
+and the kernels that check themselves against them.
 
 Weights arrive under Hugging Face names and are fused at load time (q, k and v
 into one matrix, gate and up into another) so a layer runs four matrix
@@ -24,7 +26,6 @@ is whole on every rank. Both paths, the fused kernels included, run per shard.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
+from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
 
 # Model dtypes whose CPU decode steps take the fused kernels. fp32 too: the
 # kernels sum in another order than torch (RMSNorm's mean, attention's dot
@@ -44,47 +46,6 @@ from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_
 # every greedy token equal to transformers'. Without them an fp32 decode step at
 # batch 32 spends half its time in torch's small operations.
 FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    if scaling.kind == "llama3":
-        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_position, head_dim], in fp32 (cast per step, as HF does)."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    pos = torch.arange(cfg.max_position, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] in x's dtype. HF's rotate_half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # in fp32 whatever the model dtype, then back: the same arithmetic as HF's LlamaRMSNorm
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 @dataclass

@@ -161,7 +161,7 @@ class DecodeStep:
         )
 
     def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
-        """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
+        """weight * RMSNorm(h), as engine.layers.rms_norm computes it; with `residual`, first h += residual."""
         h = self.h
         if not _fits(weight, self.dtype, self._hidden_shape):
             raise ValueError(f"norm weight must be a contiguous CPU {self.dtype} tensor {list(self._hidden_shape)}")

@@ -38,10 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.kernels.decode import StepMetadata
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
 from splitserve.engine.kernels.once import Once
+from splitserve.engine.layers import apply_rope, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,7 @@ class TritonDecodeStep:
             self._part_ml = torch.empty(batch, num_heads, self._splits, 2, dtype=torch.float32, device=dev)
 
     def norm(self, weight: Tensor, residual: Tensor | None = None) -> Tensor:
-        """weight * RMSNorm(h), as engine.model.rms_norm computes it; with `residual`, first h += residual."""
+        """weight * RMSNorm(h), as engine.layers.rms_norm computes it; with `residual`, first h += residual."""
         h = self.h
         if weight.shape != h.shape[1:] or weight.dtype != h.dtype or not weight.is_contiguous():
             raise ValueError(f"norm weight must be a contiguous {h.dtype} tensor [{h.shape[1]}]")
@@ -366,9 +368,6 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     """One small fp32 decode step's norm, RoPE + KV write + attention and SiLU * up against the
     torch code they replace. Triton compiles on first launch, on whatever GPU this is: a
     kernel that fails or disagrees there must cost the torch path, not wrong tokens."""
-    from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-    from splitserve.engine.model import apply_rope, rms_norm
-
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, hidden, inter, eps = 4, 2, 16, 4, 32, 24, 1e-5
     ctx = [5, 9]  # across block boundaries, the second table padded with block 0
