@@ -4,7 +4,7 @@ Each request carries its timestamps (`RequestTimes`, on its Sequence); the
 scheduler tells a `StatsRecorder` as a request is scheduled, gets a token and
 finishes, and the recorder gathers one `IterationStats` (vLLM's name and shape:
 token counts, TTFTs, ITLs, finished requests) that the engine loop drains after
-every step for the worker's Prometheus side (worker/metrics.py). Gauges
+every step for the worker's Prometheus side (workers/common/metrics.py). Gauges
 (running, waiting, KV usage) are not here: they are the scheduler's snapshot,
 `SchedulerStats`.
 
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from splitserve.engine.sequence import Sequence
+from typing import NamedTuple, Protocol
 
 Clock = Callable[[], float]
 
@@ -37,6 +34,16 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0  # tokens that joined it here, a remote first token included
+
+
+class TimedRequest(Protocol):
+    """What the recorder reads and writes of a request: an engine's Sequence (engine/sequence.py,
+    which carries a RequestTimes and so stands on this module, not under it)."""
+
+    times: RequestTimes
+    num_prompt_tokens: int
+
+    def __len__(self) -> int: ...  # prompt and output tokens so far
 
 
 class FinishedRequest(NamedTuple):
@@ -85,12 +92,12 @@ class StatsRecorder:
         self._it.prefix_cache_queries += num_tokens
         self._it.prefix_cache_hits += num_cached_tokens
 
-    def scheduled(self, seq: Sequence) -> None:
+    def scheduled(self, seq: TimedRequest) -> None:
         """`seq` runs (a preempted one runs again: its first time stays)."""
         if seq.times.scheduled is None:
             seq.times.scheduled = self.clock()
 
-    def token(self, seq: Sequence, sampled: bool) -> None:
+    def token(self, seq: TimedRequest, sampled: bool) -> None:
         """A token has joined `seq`; `sampled`: this engine drew it (not a remote prefill's first token)."""
         now = self.clock()
         t = seq.times
@@ -106,7 +113,7 @@ class StatsRecorder:
         if sampled:
             self._it.generation_tokens += 1
 
-    def finished(self, seq: Sequence, reason: str) -> None:
+    def finished(self, seq: TimedRequest, reason: str) -> None:
         now = self.clock()
         t = seq.times
         queue = prefill = decode = tpot = None
