@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from splitserve.bench.transfer_timing import whole_cache_seconds
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.kv_transfer import Completed, KVReceiver, KVSender, frame
+from splitserve.kv_transfer import KVReceiver, KVSender, frame
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.kv_transfer.transport import SOCKET_BUFFER_BYTES
 
@@ -275,26 +276,6 @@ def _kv(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float
     else:
         s, d = src, dst
     return s.nbytes / whole_cache_seconds(kind, s, d, checksum) / 1e9
-
-
-def whole_cache_seconds(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float:
-    """Every block of every layer of `src` through kv_transfer into `dst` (its shards at whatever
-    TP sizes the two have); the seconds to the receiver's confirmation."""
-    ids = list(range(src.num_blocks))
-    with KVReceiver(dst, transport=kind) as rx:
-        assert rx.transport == kind, f"receiver fell back to {rx.transport}"
-        r = rx.reserve("bench", ids, lease_s=600)
-        sender = KVSender(src, checksum=checksum)
-        stream = sender.open(r)
-        assert stream.transport == kind, f"sender fell back to {stream.transport}"
-        t = time.perf_counter()
-        for layer in range(src.layout.num_layers):
-            stream.send_layer(layer, ids)
-        stream.finish(1, timeout=600)
-        dt = time.perf_counter() - t
-        assert rx.wait(r.ticket, 10) == Completed(1)
-        sender.close()
-    return dt
 
 
 def _latency(

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.bench.transfer import whole_cache_seconds
+from splitserve.bench.transfer_timing import whole_cache_seconds
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import heads, links
 from splitserve.kv_transfer.reservation import TransportName
