@@ -32,11 +32,13 @@ test-tools:
 	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
-# ruff's and mypy's settings are in pyproject.toml (the package under src/, the tests at the root);
-# both run from the repository root.
+# ruff's, mypy's and import-linter's settings are in pyproject.toml (the package under src/, the
+# tests at the root); all run from the repository root. lint-imports keeps the floors
+# (docs/architecture.md): it reads the installed package's import graph.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: install
 	$(VENV)/bin/mypy
