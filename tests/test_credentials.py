@@ -37,7 +37,7 @@ def test_a_secret_file_is_read_without_its_trailing_newline(tmp_path: Path, text
     a = parse("router", "--decode", "d:1", "--api-key-file", path, "--cluster-token-file", path)
     assert (a.api_key, a.cluster_token) == ("s3cret", "s3cret")
     cfg = router_config_from_args(a, a.cluster_token)
-    assert cfg.api_key == "s3cret" and cfg.auth_metadata == (("x-splitserve-token", "s3cret"),)
+    assert cfg.listeners.api_key == "s3cret" and cfg.listeners.auth_metadata == (("x-splitserve-token", "s3cret"),)
     assert parse("worker", "--role", "decode", "--cluster-token-file", path).cluster_token == "s3cret"
 
 

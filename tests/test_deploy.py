@@ -818,7 +818,7 @@ def test_readmes_name_the_ports_and_the_gpu_flags():
 
 
 def test_healthcheck_router_serving_only_with_a_healthy_decode_worker():
-    from splitserve.router.config import RouterConfig
+    from splitserve.router.config import Listeners, RouterConfig
     from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane
     from splitserve.router.server import Router
     from splitserve.router.tokenizer import ByteTokenizer
@@ -828,7 +828,7 @@ def test_healthcheck_router_serving_only_with_a_healthy_decode_worker():
     async def main() -> None:
         decode = FakeDecodeWorker(FakeKVPlane(), script=[1, 2, 3])
         addr = await decode.start()
-        router = Router(RouterConfig(grpc_port=0), ByteTokenizer(), decode=[addr])
+        router = Router(RouterConfig(listeners=Listeners(grpc_port=0)), ByteTokenizer(), decode=[addr])
         port = await router.start(0)
         try:
             await router.wait_for_workers(10)

@@ -16,7 +16,7 @@ import pytest
 from splitserve import cli
 from splitserve.bench.serve.tokenizer import load_text_tokenizer
 from splitserve.measure.results import load_result
-from splitserve.router.config import Mode, RouterConfig
+from splitserve.router.config import Listeners, Mode, RouterConfig, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.workers.launch import WorkerProcess, spawn_worker
@@ -38,7 +38,9 @@ def routers(workers: dict[str, WorkerProcess], tokenizer, modes: list[Mode]) -> 
     async def start() -> None:
         for mode in modes:
             r = Router(
-                RouterConfig(grpc_port=0, http_port=0, metrics_port=0, mode=mode),
+                RouterConfig(
+                    routing=RoutingConfig(mode=mode), listeners=Listeners(grpc_port=0, http_port=0, metrics_port=0)
+                ),
                 EngineTokenizer(tokenizer),
                 decode=[workers["decode"].grpc_address],
                 prefill=[workers["prefill"].grpc_address],

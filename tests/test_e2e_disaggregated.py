@@ -23,7 +23,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.workers.launch import spawn_worker
@@ -112,7 +112,9 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
     try:
 
         async def run() -> tuple[list[tuple[list[int], pb.Usage]], Router]:
-            cfg = RouterConfig(grpc_port=0, mode="auto", local_prefill_max_tokens=24)
+            cfg = RouterConfig(
+                routing=RoutingConfig(mode="auto", local_prefill_max_tokens=24), listeners=Listeners(grpc_port=0)
+            )
             router = Router(
                 cfg, EngineTokenizer(model.tokenizer), decode=[decode.grpc_address], prefill=[prefill.grpc_address]
             )

@@ -13,6 +13,7 @@ import torch
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, expected, stats, wait_all_blocks_free, with_router
@@ -48,7 +49,9 @@ def test_decode_worker_killed_mid_stream_the_request_migrates(model):
                     killed.kill()  # SIGKILL: no goodbye
             return got, killed, router.metrics.migrations._value.get()
 
-        got, killed, migrations = asyncio.run(with_router([d1, d2], [p], model.tokenizer, body, mode="disaggregated"))
+        got, killed, migrations = asyncio.run(
+            with_router([d1, d2], [p], model.tokenizer, body, routing=RoutingConfig(mode="disaggregated"))
+        )
         assert got == want
         assert migrations >= 1
         survivors = [w for w in (d1, d2) if w is not killed] + [p]
@@ -95,7 +98,9 @@ def test_prefill_worker_killed_mid_prefill_the_request_still_completes(model):
                 got += list(r.token_ids)
             return got
 
-        got = asyncio.run(with_router([d], [p1, p2], model.tokenizer, body, mode="disaggregated"))
+        got = asyncio.run(
+            with_router([d], [p1, p2], model.tokenizer, body, routing=RoutingConfig(mode="disaggregated"))
+        )
         assert got == want
         wait_all_blocks_free([d, p2])
     finally:
@@ -123,7 +128,7 @@ def test_client_cancel_frees_every_block(model):
             for c in calls:
                 c.cancel()
 
-        asyncio.run(with_router([d], [p], model.tokenizer, body, mode="disaggregated"))
+        asyncio.run(with_router([d], [p], model.tokenizer, body, routing=RoutingConfig(mode="disaggregated")))
         wait_all_blocks_free([d, p])
     finally:
         d.stop()

@@ -40,7 +40,7 @@ from aiohttp.web import RequestPayloadError
 
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
@@ -478,7 +478,9 @@ async def real_router() -> AsyncIterator[tuple[Router, FakeDecodeWorker]]:
     await p.start()
     # small generations: a valid case costs a few tokens, not the default 256
     cfg = RouterConfig(
-        host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, max_tokens_cap=64, default_max_tokens=32
+        limits=Limits(max_tokens_cap=64, default_max_tokens=32),
+        deadlines=Deadlines(stats_interval_s=0.05),
+        listeners=Listeners(host="127.0.0.1", grpc_port=0, http_port=0),
     )
     router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(SEED))
     await router.start()

@@ -40,6 +40,7 @@ from splitserve.kv_transfer import frame
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
+from splitserve.router.config import Limits, Listeners, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.workers.common.auth import TOKEN_KEY
 from splitserve.workers.launch import WorkerProcess, spawn_worker
@@ -55,7 +56,7 @@ FUZZ_BUDGET_S = 20.0  # per door: no new batch of cases after this
 FUZZ_MIN_CASES = 40  # per door: fewer means the machine was too slow for the test to mean much
 CONCURRENCY = 4
 # the router's limits for the fuzz: long prompts are refused before they cost a CPU prefill
-ROUTER_LIMITS = {"max_model_len": 1024, "max_prompt_tokens": 512, "max_tokens_cap": 64, "default_max_tokens": 8}
+ROUTER_LIMITS = Limits(max_model_len=1024, max_prompt_tokens=512, max_tokens_cap=64, default_max_tokens=8)
 GREEDY = "The capital of France is"
 
 
@@ -296,10 +297,9 @@ async def through_router(
         [c.prefill],
         c.tokenizer,
         inner,
-        mode="disaggregated",
-        http_port=0,
-        cluster_token=c.token,
-        **ROUTER_LIMITS,
+        routing=RoutingConfig(mode="disaggregated"),
+        listeners=Listeners(http_port=0, cluster_token=c.token),
+        limits=ROUTER_LIMITS,
     )
 
 

@@ -31,6 +31,7 @@ from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import (
@@ -162,7 +163,7 @@ def test_poison_requests_leave_eight_greedy_streams_and_health_untouched(model, 
         return got, poison_codes, health
 
     got, codes, health = asyncio.run(
-        with_router(cluster.decode, cluster.prefill, model.tokenizer, body, mode="disaggregated")
+        with_router(cluster.decode, cluster.prefill, model.tokenizer, body, routing=RoutingConfig(mode="disaggregated"))
     )
     assert got == want
     assert codes and set(codes) == {grpc.StatusCode.OK}, codes
@@ -306,7 +307,9 @@ def test_a_cancel_storm_gives_every_block_back_within_seconds(model, cluster):
         return settled, settled + await asyncio.to_thread(wait_all_blocks_free, cluster.all, 15.0), codes
 
     settled, freed, codes = asyncio.run(
-        with_router(cluster.decode, cluster.prefill, model.tokenizer, body, local_prefill_max_tokens=32)
+        with_router(
+            cluster.decode, cluster.prefill, model.tokenizer, body, routing=RoutingConfig(local_prefill_max_tokens=32)
+        )
     )
     print(
         f"cancel storm: {n} requests, stages {stages}; nothing in flight {settled:.2f} s and every block back "

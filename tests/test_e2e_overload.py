@@ -14,6 +14,7 @@ import torch
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, expected, wait_all_blocks_free, with_router
@@ -51,7 +52,7 @@ def test_twice_the_capacity_admits_what_fits_and_refuses_the_rest_at_once(model)
         async def body(stub, router):
             return await asyncio.gather(*(one(stub, ids) for ids in prompts))
 
-        results = asyncio.run(with_router([d], [], model.tokenizer, body, mode="colocated"))
+        results = asyncio.run(with_router([d], [], model.tokenizer, body, routing=RoutingConfig(mode="colocated")))
         codes = [c for c, _, _ in results]
         print(
             "overload:",

@@ -18,7 +18,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import DecodePolicy, RouterConfig, RoutingConfig
+from splitserve.router.config import DecodePolicy, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.workers.common.config import WorkerConfig
@@ -46,7 +46,7 @@ async def hit_rate(policy: DecodePolicy, prompts: list[list[int]]) -> float:
         for _ in range(DECODE_WORKERS)
     ]
     routing = RoutingConfig(mode="colocated", decode_policy=policy, block_size=ENGINE.block_size)
-    cfg = RouterConfig(grpc_port=0, routing=routing)
+    cfg = RouterConfig(listeners=Listeners(grpc_port=0), routing=routing)
     router = Router(cfg, ByteTokenizer(), decode=[w.grpc_address for w in workers], rng=random.Random(0))
     port = await router.start(0)
     try:

@@ -19,6 +19,7 @@ import torch
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import Listeners, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, free_port, with_router
@@ -119,6 +120,15 @@ def test_prometheus_scrapes_router_and_worker_and_reads_ttft_quantiles(tmp_path:
             prom.wait(30)
 
     try:
-        asyncio.run(with_router([d], [], model.tokenizer, body, mode="colocated", http_port=0))
+        asyncio.run(
+            with_router(
+                [d],
+                [],
+                model.tokenizer,
+                body,
+                routing=RoutingConfig(mode="colocated"),
+                listeners=Listeners(http_port=0),
+            )
+        )
     finally:
         d.stop()

@@ -43,7 +43,7 @@ from splitserve.cluster.placement import node_types_of_cluster_config
 from splitserve.cluster.pool import PoolManager, PoolSpec, Unplaceable
 from splitserve.cluster.scaling import ScalingConfig
 from splitserve.engine.weights import load_model
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Listeners, RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
@@ -128,7 +128,9 @@ def test_a_pool_no_node_type_can_hold_is_refused_at_once(nodes, model, caplog):
     spec = PoolSpec("decode", 1, worker, resources={"tpu_node": 1.0})
 
     async def scenario() -> tuple[PoolManager, float]:
-        router = Router(RouterConfig(grpc_port=0, cluster_token=token), EngineTokenizer(model.tokenizer))
+        router = Router(
+            RouterConfig(listeners=Listeners(grpc_port=0, cluster_token=token)), EngineTokenizer(model.tokenizer)
+        )
         pools = PoolManager([spec], router.workers, start_timeout_s=60.0, node_types=node_types(nodes))
         t0 = time.monotonic()
         with pytest.raises(Unplaceable) as refused:

@@ -38,7 +38,7 @@ import torch
 from splitserve.cluster.placement import CPU, PoolAsk, placement_problems
 from splitserve.cluster.pool import PoolManager, PoolSpec
 from splitserve.engine.weights import load_model
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Listeners, RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
@@ -252,7 +252,9 @@ def test_a_pool_asking_for_a_node_type_no_node_has_is_reported_at_once(nodes, mo
     spec = PoolSpec("decode", 1, worker, resources=missing)
 
     async def scenario() -> tuple[PoolManager, float]:
-        router = Router(RouterConfig(grpc_port=0, cluster_token=token), EngineTokenizer(model.tokenizer))
+        router = Router(
+            RouterConfig(listeners=Listeners(grpc_port=0, cluster_token=token)), EngineTokenizer(model.tokenizer)
+        )
         pools = PoolManager([spec], router.workers, start_timeout_s=8.0)
         t0 = time.monotonic()
         starting = asyncio.ensure_future(pools.start())

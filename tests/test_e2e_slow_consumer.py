@@ -16,6 +16,7 @@ import torch
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import Listeners, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, expected, wait_all_blocks_free, with_router
@@ -79,7 +80,14 @@ def test_a_client_reading_a_byte_at_a_time_neither_grows_the_router_nor_slows_th
             return outs, read_when_done, grew
 
         outs, read_when_done, grew = asyncio.run(
-            with_router([d], [], model.tokenizer, body, mode="colocated", http_port=0)
+            with_router(
+                [d],
+                [],
+                model.tokenizer,
+                body,
+                routing=RoutingConfig(mode="colocated"),
+                listeners=Listeners(http_port=0),
+            )
         )
         print(f"slow consumer: others done when it had read {read_when_done} bytes; router RSS grew {grew:.1f} MB")
         assert outs == want

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, free_port, with_router
@@ -48,7 +49,7 @@ def test_a_worker_process_exports_its_spans_to_the_configured_collector() -> Non
                 )
                 [r async for r in stub.Generate(req, timeout=60)]
 
-            await with_router([d], [], model.tokenizer, body, mode="colocated")
+            await with_router([d], [], model.tokenizer, body, routing=RoutingConfig(mode="colocated"))
             await asyncio.wait_for(got.wait(), 30)  # the batch exporter's schedule (5 s), or its flush at exit
         finally:
             await asyncio.to_thread(d.stop)

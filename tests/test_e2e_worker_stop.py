@@ -15,6 +15,7 @@ import torch
 
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.config import RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.workers.launch import WorkerProcess, spawn_worker
 from tests.e2e_helpers.cluster import FLAGS, wait_all_blocks_free, with_router
@@ -57,7 +58,7 @@ def test_sigterm_mid_request_exits_within_the_grace_period(role: str) -> None:
         return took
 
     try:
-        took = asyncio.run(with_router([d], [p], model.tokenizer, body, mode="disaggregated"))
+        took = asyncio.run(with_router([d], [p], model.tokenizer, body, routing=RoutingConfig(mode="disaggregated")))
         print(f"{role} worker exited {took:.2f} s after SIGTERM")
         assert victim.proc.returncode == 0, victim.log()[-2000:]
         log = victim.log()  # the warm-up step ran before the worker listened (and so before it could be ready)

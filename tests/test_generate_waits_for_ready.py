@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, Listeners, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
@@ -59,7 +59,9 @@ def test_generate_waits_for_the_router_and_its_pools_then_answers() -> None:
         router = d = None
         try:
             await read_until(proc.stderr, "nothing listening there yet")
-            cfg = RouterConfig(host="127.0.0.1", grpc_port=port, stats_interval_s=0.05)
+            cfg = RouterConfig(
+                deadlines=Deadlines(stats_interval_s=0.05), listeners=Listeners(host="127.0.0.1", grpc_port=port)
+            )
             router = Router(cfg, ByteTokenizer(), rng=random.Random(0))
             await router.start()
             await read_until(proc.stderr, "not ready yet (health NOT_SERVING)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from splitserve.cli import build_parser
-from splitserve.router.config import RouterConfig, RoutingConfig
+from splitserve.router.config import Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.flags import router_config_from_args
 
 ROUTER_FLAGS = [
@@ -44,16 +44,13 @@ def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
         served
         == alone
         == RouterConfig(
+            limits=Limits(max_inflight=12),
+            listeners=Listeners(
+                host="127.0.0.1", grpc_port=6000, http_port=None, metrics_port=9400, api_key="k", cluster_token="token"
+            ),
             routing=RoutingConfig(
                 mode="colocated", block_size=32, local_prefill_max_tokens=64, prefill_backlog_tokens=700
             ),
-            host="127.0.0.1",
-            grpc_port=6000,
-            http_port=None,
-            metrics_port=9400,
-            max_inflight=12,
-            api_key="k",
-            cluster_token="token",
         )
     )
 
@@ -61,13 +58,14 @@ def test_serve_and_router_build_the_same_config_from_the_same_flags() -> None:
 def test_the_flags_defaults_are_the_configs() -> None:
     cfg = router_config_from_args(parse("router", "--decode", "d:1", "--api-key", ""), None)
     assert cfg.routing == RoutingConfig()
-    assert (cfg.host, cfg.grpc_port, cfg.metrics_port, cfg.http_port) == ("0.0.0.0", 50051, 0, 8000)
-    assert cfg.max_inflight == RouterConfig().max_inflight
+    lis = cfg.listeners
+    assert (lis.host, lis.grpc_port, lis.metrics_port, lis.http_port) == ("0.0.0.0", 50051, 0, 8000)
+    assert cfg.limits == RouterConfig().limits
 
 
 def test_the_router_command_reads_its_cluster_token_flag() -> None:
     a = parse("router", "--decode", "d:1", "--cluster-token", "secret")
-    assert router_config_from_args(a, a.cluster_token).auth_metadata == (("x-splitserve-token", "secret"),)
+    assert router_config_from_args(a, a.cluster_token).listeners.auth_metadata == (("x-splitserve-token", "secret"),)
 
 
 def test_the_worker_flags_build_the_engine_config() -> None:

@@ -10,12 +10,13 @@ import json
 import logging
 import random
 import time
+from dataclasses import replace
 
 import aiohttp
 import pytest
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.http import from_openai
 from splitserve.router.json_body import nesting_depth
@@ -26,15 +27,17 @@ pytestmark = pytest.mark.timeout(60)
 
 ANSWER = "Hello, world! The end."
 SCRIPT = list(ANSWER.encode())
+FAST = Deadlines(stats_interval_s=0.05)
+LOCAL = Listeners(host="127.0.0.1", grpc_port=0, http_port=0)
 
 
-async def with_http(body, token_delay_s: float = 0.0, **cfg_kw):
+async def with_http(body, token_delay_s: float = 0.0, **sections):
     kv = FakeKVPlane()
     d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s)
     p = FakePrefillWorker(kv, SCRIPT, worker_id="p0")
     await d.start()
     await p.start()
-    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, **cfg_kw)
+    cfg = RouterConfig(**{"deadlines": FAST, "listeners": LOCAL, **sections})
     router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
     await router.start()
     await router.wait_for_workers()
@@ -131,7 +134,7 @@ def test_api_key_required_when_configured():
             async with s.post("/v1/chat/completions", json=msg, headers={"Authorization": "Bearer k"}) as r2:
                 return r1.status, r2.status
 
-    assert run(body, api_key="k") == (401, 200)
+    assert run(body, listeners=replace(LOCAL, api_key="k")) == (401, 200)
 
 
 def test_overload_is_429():
@@ -143,7 +146,7 @@ def test_overload_is_429():
             async with s.post("/v1/chat/completions", json=msg) as second:
                 return first.status, second.status, (await second.json())["error"]["message"]
 
-    first, second, why = run(body, max_inflight=1, token_delay_s=0.05)
+    first, second, why = run(body, limits=Limits(max_inflight=1), token_delay_s=0.05)
     assert (first, second) == (200, 429)
     assert "in flight" in why
 
@@ -153,7 +156,7 @@ def test_models_and_health():
         async with s.get("/v1/models") as m, s.get("/health") as h:
             return (await m.json())["data"][0]["id"], h.status
 
-    assert run(body, model_name="smollm2") == ("smollm2", 200)
+    assert run(body, listeners=replace(LOCAL, model_name="smollm2")) == ("smollm2", 200)
 
 
 # ---- no client body gets a 500: each case below was one before (a traceback, not an answer)
@@ -273,7 +276,7 @@ def test_the_api_key_is_checked_before_the_body_is_read():
         async with s.post("/v1/completions", data=b"[" * 100_000, headers={"Authorization": "Bearer k"}) as r:
             return no_key[0], r.status
 
-    assert run(body, api_key="k") == (401, 400)
+    assert run(body, listeners=replace(LOCAL, api_key="k")) == (401, 400)
 
 
 def test_a_field_of_the_other_endpoint_is_refused():
@@ -298,7 +301,7 @@ async def http_cluster(token_delay_s: float):
     kv = FakeKVPlane()
     d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s)
     await d.start()
-    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05)
+    cfg = RouterConfig(deadlines=FAST, listeners=LOCAL)
     router = Router(cfg, ByteTokenizer(), decode=[d.address], rng=random.Random(0))
     await router.start()
     await router.wait_for_workers()

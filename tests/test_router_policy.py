@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from splitserve.engine.block_hash import block_hashes
-from splitserve.router.config import RouterConfig, RoutingConfig
+from splitserve.router.config import Deadlines, Limits, Listeners, Retries, RouterConfig, RoutingConfig
 from splitserve.router.policy import (
     DecodeCandidate,
     KvAwareChooser,
@@ -207,7 +207,7 @@ def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_route_reads_the_chosen_decode_workers_own_prefill_queue() -> None:
-    cfg = RouterConfig(routing=RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=100))
+    cfg = RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=100)
     idle, busy = WorkerLoad(0, 0, 100, 100), WorkerLoad(5000, 0, 100, 100)
     assert route([], 300, PrefixIndex(), {"d:1": idle}, {"p:1": 400}, cfg, random.Random(0)).mode == "local"
     assert route([], 300, PrefixIndex(), {"d:1": busy}, {"p:1": 400}, cfg, random.Random(0)).mode == "remote"
@@ -229,7 +229,7 @@ def test_prefill_ties_are_broken_by_the_rng() -> None:
 
 
 def test_route_picks_the_prefix_holder_and_prefills_its_short_suffix_locally() -> None:
-    cfg = RouterConfig(routing=RoutingConfig(block_size=4, local_prefill_max_tokens=8))
+    cfg = RoutingConfig(block_size=4, local_prefill_max_tokens=8)
     prompt = list(range(40))
     hashes = block_hashes(prompt, 4)
     idx = PrefixIndex()
@@ -244,7 +244,7 @@ def test_route_picks_the_prefix_holder_and_prefills_its_short_suffix_locally() -
 
 def test_the_mode_sees_the_chosen_workers_uncached_tokens() -> None:
     # b holds the prefix but is busy; a wins and must prefill all 40 tokens, so remote
-    cfg = RouterConfig(routing=RoutingConfig(block_size=4, local_prefill_max_tokens=8))
+    cfg = RoutingConfig(block_size=4, local_prefill_max_tokens=8)
     prompt = list(range(40))
     hashes = block_hashes(prompt, 4)
     idx = PrefixIndex()
@@ -255,13 +255,13 @@ def test_the_mode_sees_the_chosen_workers_uncached_tokens() -> None:
 
 
 def test_route_without_prefill_workers_is_local() -> None:
-    r = route([], 5000, PrefixIndex(), {"a": IDLE}, {}, RouterConfig(), random.Random(0))
+    r = route([], 5000, PrefixIndex(), {"a": IDLE}, {}, RoutingConfig(), random.Random(0))
     assert r.mode == "local"
 
 
 def test_route_keeps_the_round_robin_turn_in_the_chooser_it_is_given() -> None:
-    cfg = RouterConfig(routing=RoutingConfig(decode_policy="round_robin"))
-    chooser = decode_chooser(cfg.routing)
+    cfg = RoutingConfig(decode_policy="round_robin")
+    chooser = decode_chooser(cfg)
     loads = {"b": IDLE, "a": IDLE}
     picks = [route([], 10, PrefixIndex(), loads, {}, cfg, random.Random(0), chooser).worker for _ in range(3)]
     assert picks == ["a", "b", "a"]
@@ -285,11 +285,18 @@ def test_routing_config_rejects_what_it_cannot_route_with() -> None:
             replace(ROUTING, **{field: value})
 
 
-def test_router_config_shorthands_land_in_the_routing_section() -> None:
-    cfg = RouterConfig(mode="colocated", local_prefill_max_tokens=32)
-    assert cfg.routing == RoutingConfig(mode="colocated", local_prefill_max_tokens=32)
-    assert (cfg.mode, cfg.local_prefill_max_tokens) == ("colocated", 32)
-    assert RouterConfig(routing=RoutingConfig(mode="disaggregated")).mode == "disaggregated"
-    assert RouterConfig(routing=RoutingConfig(block_size=32)).block_size == 32
-    with pytest.raises(ValueError, match="disagrees"):
-        RouterConfig(mode="colocated", routing=RoutingConfig(mode="disaggregated"))
+def test_each_section_of_the_router_config_checks_its_own_numbers() -> None:
+    cfg = RouterConfig(routing=RoutingConfig(mode="colocated", block_size=32))
+    assert (cfg.routing.mode, cfg.routing.block_size) == ("colocated", 32)
+    with pytest.raises(ValueError, match="Limits.max_prompt_tokens"):
+        Limits(max_model_len=512, max_prompt_tokens=512)
+    with pytest.raises(ValueError, match="Limits.default_max_tokens"):
+        Limits(max_tokens_cap=8, default_max_tokens=16)
+    with pytest.raises(ValueError, match="Deadlines.admit_timeout_s"):
+        Deadlines(admit_timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="Retries.max_request_faults"):
+        Retries(max_request_faults=0)
+    with pytest.raises(ValueError, match="Listeners.grpc_port"):
+        Listeners(grpc_port=-1)
+    assert Listeners(cluster_token="t").auth_metadata == (("x-splitserve-token", "t"),)
+    assert Listeners().auth_metadata == ()

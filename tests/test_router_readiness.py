@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -16,12 +17,12 @@ import pytest
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, Listeners, Retries, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.readiness import DRAINING, NO_WORKER, READY, readiness
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
-from tests.test_router_server import cluster, joined, run, status_of, until
+from tests.test_router_server import FAST, cluster, joined, run, status_of, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +67,9 @@ def test_health_waits_for_every_required_pool_on_both_front_doors() -> None:
         d, p = FakeDecodeWorker(kv, [1, 2], worker_id="d0"), FakePrefillWorker(kv, [1, 2], worker_id="p0")
         await d.start()
         cfg = RouterConfig(
-            host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05, required_pools=("decode", "prefill")
+            deadlines=Deadlines(stats_interval_s=0.05),
+            listeners=Listeners(host="127.0.0.1", grpc_port=0, http_port=0),
+            required_pools=("decode", "prefill"),
         )
         router = Router(cfg, ByteTokenizer(), decode=[d.address], rng=random.Random(0))
         port = await router.start()
@@ -139,7 +142,7 @@ def test_every_decode_worker_full_is_resource_exhausted_not_unavailable() -> Non
 
 def test_a_worker_at_its_call_limit_is_busy_not_dead() -> None:
     async def scenario() -> None:
-        async with cluster(unhealthy_after_failures=1) as c:
+        async with cluster(retries=Retries(unhealthy_after_failures=1)) as c:
             d = c.decode[0]
             w = c.router.workers.all()[0]
             d.stats_busy = True
@@ -155,7 +158,9 @@ def test_metrics_are_on_the_http_port() -> None:
         kv = FakeKVPlane()
         d = FakeDecodeWorker(kv, list(b"ok"), worker_id="d0")
         await d.start()
-        cfg = RouterConfig(host="127.0.0.1", grpc_port=0, http_port=0, stats_interval_s=0.05)
+        cfg = RouterConfig(
+            deadlines=Deadlines(stats_interval_s=0.05), listeners=Listeners(host="127.0.0.1", grpc_port=0, http_port=0)
+        )
         router = Router(cfg, ByteTokenizer(), decode=[d.address], rng=random.Random(0))
         port = await router.start()
         try:
@@ -198,7 +203,7 @@ def test_streams_wait_for_a_replacement_when_the_last_decode_worker_dies() -> No
 
 def test_without_a_replacement_the_wait_ends_unavailable() -> None:
     async def scenario() -> None:
-        async with cluster(decode=[{"die_after_tokens": 3}], no_decode_wait_s=0.3) as c:
+        async with cluster(decode=[{"die_after_tokens": 3}], deadlines=replace(FAST, no_decode_wait_s=0.3)) as c:
             t = asyncio.get_running_loop().time()
             e = await status_of(c.generate(text="hi"))
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
@@ -214,7 +219,10 @@ def test_the_metrics_port_keeps_vllm_style_names_for_an_openmetrics_scraper() ->
 
     async def scenario() -> None:
         port = free_port()
-        cfg = RouterConfig(host="127.0.0.1", grpc_port=0, metrics_port=port, stats_interval_s=0.05)
+        cfg = RouterConfig(
+            deadlines=Deadlines(stats_interval_s=0.05),
+            listeners=Listeners(host="127.0.0.1", grpc_port=0, metrics_port=port),
+        )
         router = Router(cfg, ByteTokenizer(), rng=random.Random(0))
         await router.start()
         try:

@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -18,7 +18,7 @@ from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.fakes import EOS, FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
@@ -42,19 +42,26 @@ class Cluster:
         return [r async for r in self.stub.Generate(pb.GenerateRequest(**kw), metadata=metadata)]
 
 
+# polls and reconnects fast, so a test waits little for the router to see a change
+FAST = Deadlines(stats_interval_s=0.05, reconnect_backoff_s=0.05)
+LOCAL = Listeners(host="127.0.0.1", grpc_port=0)
+
+
 @contextlib.asynccontextmanager
 async def cluster(
     decode: list[dict[str, Any]] | None = None,
     prefill: list[dict[str, Any]] | None = None,
     script: list[int] = SCRIPT,
-    **cfg_kw: Any,
+    **sections: Any,
 ) -> AsyncIterator[Cluster]:
+    """Fake workers and a router in front of them; `sections`: RouterConfig's, in place of the
+    defaults (FAST polls, LOCAL listeners)."""
     kv = FakeKVPlane()
     decoders = [FakeDecodeWorker(kv, script, worker_id=f"d{i}", **kw) for i, kw in enumerate(decode or [{}])]
     prefillers = [FakePrefillWorker(kv, script, worker_id=f"p{i}", **kw) for i, kw in enumerate(prefill or [{}])]
     for f in [*decoders, *prefillers]:
         await f.start()
-    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, stats_interval_s=0.05, reconnect_backoff_s=0.05, **cfg_kw)
+    cfg = RouterConfig(**{"deadlines": FAST, "listeners": LOCAL, **sections})
     router = Router(
         cfg,
         ByteTokenizer(),
@@ -194,7 +201,7 @@ def test_prefix_aware_routing_follows_the_block_events() -> None:
 
 def test_health_reports_serving_while_a_decode_worker_is_healthy() -> None:
     async def scenario() -> None:
-        async with cluster(no_decode_wait_s=0.2) as c:
+        async with cluster(deadlines=replace(FAST, no_decode_wait_s=0.2)) as c:
             health = health_pb2_grpc.HealthStub(c.channel)
             ok = await health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"))
             assert ok.status == health_pb2.HealthCheckResponse.SERVING
@@ -234,7 +241,7 @@ def test_invalid_argument_names_the_field(kw: dict[str, Any], field: str) -> Non
 
 def test_api_key_is_required_when_configured() -> None:
     async def scenario() -> None:
-        async with cluster(api_key="sekrit") as c:
+        async with cluster(listeners=replace(LOCAL, api_key="sekrit")) as c:
             e = await status_of(c.generate(text="hi"))
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED
             for wrong in ("Bearer sekriT", "Bearer sekri", "Bearer sekrit2", "sekrit"):
@@ -260,7 +267,7 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(server.hmac, "compare_digest", spy)
 
     async def scenario() -> None:
-        async with cluster(api_key="sekrit") as c:
+        async with cluster(listeners=replace(LOCAL, api_key="sekrit")) as c:
             await status_of(c.generate(text="hi", metadata=(("authorization", "Bearer nope"),)))
 
     run(scenario)
@@ -284,7 +291,7 @@ def test_a_request_id_in_flight_cannot_be_reused() -> None:
 
 def test_overload_is_refused_at_once() -> None:
     async def scenario() -> None:
-        async with cluster(decode=[{"token_delay_s": 0.05}], max_inflight=1) as c:
+        async with cluster(decode=[{"token_delay_s": 0.05}], limits=Limits(max_inflight=1)) as c:
             slow = c.stub.Generate(pb.GenerateRequest(text="hi"))
             await slow.read()
             t0 = time.monotonic()
@@ -328,7 +335,8 @@ def test_decode_worker_dying_mid_stream_migrates_the_request() -> None:
     async def scenario() -> None:
         # d0 looks idle and dies after 4 tokens; d1 looks busy, so it is only the fallback
         async with cluster(
-            decode=[{"die_after_tokens": 4}, {"extra_queued_tokens": 8000}], local_prefill_max_tokens=10_000
+            decode=[{"die_after_tokens": 4}, {"extra_queued_tokens": 8000}],
+            routing=RoutingConfig(local_prefill_max_tokens=10_000),
         ) as c:
             rs = await c.generate(text=LONG, sampling=pb.SamplingParams(max_tokens=12))
             assert joined(rs) == (ANSWER[:12], SCRIPT[:12])
@@ -352,7 +360,7 @@ def test_a_decode_worker_that_refuses_is_skipped() -> None:
 
 def test_a_decode_worker_that_never_admits_hits_the_admit_deadline() -> None:
     async def scenario() -> None:
-        async with cluster(decode=[{"admit_delay_s": 30.0}], admit_timeout_s=0.2) as c:
+        async with cluster(decode=[{"admit_delay_s": 30.0}], deadlines=replace(FAST, admit_timeout_s=0.2)) as c:
             t0 = time.monotonic()
             e = await status_of(c.generate(text="hi"))
             assert e.code() == grpc.StatusCode.UNAVAILABLE
@@ -364,7 +372,7 @@ def test_a_decode_worker_that_never_admits_hits_the_admit_deadline() -> None:
 
 def test_a_stalled_prefill_falls_back_to_local_prefill() -> None:
     async def scenario() -> None:
-        async with cluster(prefill=[{"delay_s": 30.0}], prefill_timeout_s=0.2) as c:
+        async with cluster(prefill=[{"delay_s": 30.0}], deadlines=replace(FAST, prefill_timeout_s=0.2)) as c:
             t0 = time.monotonic()
             assert joined(await c.generate(text=LONG))[0] == ANSWER
             assert time.monotonic() - t0 < 2.0
@@ -443,7 +451,7 @@ def test_a_request_that_fails_unclearly_on_two_workers_is_not_tried_on_a_third()
 
 def test_workers_see_an_id_of_the_routers_own_never_the_clients() -> None:
     async def scenario() -> None:
-        async with cluster(mode="disaggregated") as c:
+        async with cluster(routing=RoutingConfig(mode="disaggregated")) as c:
             long_id = "x" * 128  # valid for clients, longer than a KV frame's 64 bytes
             for _ in range(2):  # the same client id twice: two different attempt ids
                 assert joined(await c.generate(request_id=long_id, text=LONG))[0] == ANSWER
@@ -498,7 +506,7 @@ def test_bytes_that_are_not_a_generate_request_are_invalid_argument(
 
 def test_the_api_key_is_checked_before_the_bytes_are_parsed() -> None:
     async def scenario() -> None:
-        async with cluster(api_key="sekrit") as c:
+        async with cluster(listeners=replace(LOCAL, api_key="sekrit")) as c:
             e = await status_of(raw_call(c, b"\xff\xff"))
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED
             e = await status_of(raw_call(c, b"\xff\xff", metadata=(("authorization", "Bearer sekrit"),)))

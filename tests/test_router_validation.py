@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Limits
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.router.validation import ValidationError, validate
 
-CFG = RouterConfig(
+CFG = Limits(
     max_model_len=1024,
     max_prompt_tokens=512,
     max_tokens_cap=256,
@@ -31,7 +31,7 @@ def sampling(**kw: object) -> pb.GenerateRequest:
     return req(sampling=pb.SamplingParams(**kw))  # type: ignore[arg-type]  # any field, of any type
 
 
-def rejected(r: pb.GenerateRequest, cfg: RouterConfig = CFG) -> str:
+def rejected(r: pb.GenerateRequest, cfg: Limits = CFG) -> str:
     with pytest.raises(ValidationError) as e:
         validate(r, cfg, TOK)
     return str(e.value)
@@ -122,7 +122,7 @@ def test_each_bad_field_is_named(request_: pb.GenerateRequest, field: str) -> No
 
 
 def test_prompt_plus_max_tokens_must_fit_the_model() -> None:
-    cfg = RouterConfig(max_model_len=560, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64)
+    cfg = Limits(max_model_len=560, max_prompt_tokens=512, max_tokens_cap=256, default_max_tokens=64)
     assert rejected(req(text="x" * 400, sampling=pb.SamplingParams(max_tokens=201)), cfg).startswith(
         "sampling.max_tokens:"
     )
@@ -131,7 +131,7 @@ def test_prompt_plus_max_tokens_must_fit_the_model() -> None:
 
 
 def test_logprobs_can_be_switched_off_by_the_server() -> None:
-    cfg = RouterConfig(allow_logprobs=False)
+    cfg = Limits(allow_logprobs=False)
     assert rejected(sampling(logprobs=True), cfg).startswith("sampling.logprobs:")
     assert validate(sampling(logprobs=False), cfg, TOK).sampling.logprobs is False
 

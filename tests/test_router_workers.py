@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Deadlines, RouterConfig
 from splitserve.router.fakes import FakeKVPlane, FakePrefillWorker
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.workers import WorkerSet
@@ -31,7 +31,7 @@ def test_a_draining_worker_leaves_routing_and_is_drained_after_two_idle_polls():
             await f.start()
         health_changes = []
         # polls far apart, so the test can look between two of them
-        cfg = RouterConfig(stats_interval_s=0.5)
+        cfg = RouterConfig(deadlines=Deadlines(stats_interval_s=0.5))
         workers = WorkerSet(cfg, PrefixIndex(), on_health_change=lambda: health_changes.append(1))
         try:
             workers.add(busy.address, "prefill")
@@ -75,7 +75,7 @@ def test_tokens_routed_while_a_stats_poll_is_in_flight_survive_its_answer():
     async def scenario() -> None:
         fake = FakePrefillWorker(FakeKVPlane(), queued_tokens=100)
         await fake.start()
-        workers = WorkerSet(RouterConfig(stats_interval_s=0.05), PrefixIndex())
+        workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=0.05)), PrefixIndex())
         try:
             workers.add(fake.address, "prefill")
             w = workers.get(fake.address)

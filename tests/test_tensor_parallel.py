@@ -30,6 +30,7 @@ from splitserve.engine.parallel.step import StepInputs
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence as Seq
 from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.router.config import RoutingConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -392,7 +393,7 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path, stop: 
             )
             return [t async for r in stub.Generate(req, timeout=120) for t in r.token_ids]
 
-        got = asyncio.run(with_router([worker], [], loaded.tokenizer, body, mode="colocated"))
+        got = asyncio.run(with_router([worker], [], loaded.tokenizer, body, routing=RoutingConfig(mode="colocated")))
         assert got == want
         os.kill(worker.proc.pid, stop)  # the worker alone, not its process group
         assert worker.proc.wait(60) == (0 if stop == signal.SIGTERM else -stop), worker.log()
@@ -455,7 +456,9 @@ def test_disaggregated_between_tensor_parallel_sizes_gives_the_single_process_to
         async def body(stub: Any, router: Any) -> list[list[int]]:
             return list(await asyncio.gather(*(one(stub, p) for p in prompts)))
 
-        got = asyncio.run(with_router([decode], [prefill], loaded.tokenizer, body, mode="disaggregated"))
+        got = asyncio.run(
+            with_router([decode], [prefill], loaded.tokenizer, body, routing=RoutingConfig(mode="disaggregated"))
+        )
         assert got == want
         wait_all_blocks_free([prefill, decode])
     finally:

@@ -29,7 +29,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig, RoutingConfig
+from splitserve.router.config import Deadlines, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.runtime import tracing
@@ -135,7 +135,9 @@ async def with_cluster(body: Callable[[Cluster], Awaitable[T]]) -> T:
     decode, prefill = worker("decode"), worker("prefill")
     routing = RoutingConfig(mode="disaggregated", block_size=ENGINE.block_size)
     cfg = RouterConfig(
-        host="127.0.0.1", grpc_port=0, http_port=0, routing=routing, cluster_token=TOKEN, stats_interval_s=0.05
+        deadlines=Deadlines(stats_interval_s=0.05),
+        listeners=Listeners(host="127.0.0.1", grpc_port=0, http_port=0, cluster_token=TOKEN),
+        routing=routing,
     )
     router = Router(cfg, ByteTokenizer(), [decode.grpc_address], [prefill.grpc_address], rng=random.Random(0))
     await router.start(0)

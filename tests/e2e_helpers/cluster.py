@@ -19,7 +19,7 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Listeners, RouterConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.workers.launch import WorkerProcess
@@ -68,11 +68,12 @@ async def with_router(
     prefill: list[WorkerProcess],
     tokenizer: Any,
     body: Callable[[pbg.GenerationStub, Router], Awaitable[T]],
-    **cfg: Any,
+    **sections: Any,
 ) -> T:
-    """Run `body(stub, router)` against a router (in this process) in front of the workers."""
+    """Run `body(stub, router)` against a router (in this process) in front of the workers;
+    `sections`: RouterConfig's (routing=RoutingConfig(mode="colocated"), ...)."""
     router = Router(
-        RouterConfig(grpc_port=0, **cfg),
+        RouterConfig(**{"listeners": Listeners(grpc_port=0), **sections}),
         EngineTokenizer(tokenizer),
         decode=[w.grpc_address for w in decode],
         prefill=[w.grpc_address for w in prefill],

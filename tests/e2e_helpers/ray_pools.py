@@ -27,7 +27,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.router.workers import Role
@@ -200,7 +200,10 @@ async def start_cluster(
 
     specs = [spec("prefill", prefill_scaling), spec("decode", decode_scaling)]
     # disaggregated: every request goes through the prefill pool and the KV transfer
-    cfg = RouterConfig(host="127.0.0.1", grpc_port=0, mode="disaggregated", cluster_token=token)
+    cfg = RouterConfig(
+        routing=RoutingConfig(mode="disaggregated"),
+        listeners=Listeners(host="127.0.0.1", grpc_port=0, cluster_token=token),
+    )
     router = Router(cfg, EngineTokenizer(model.tokenizer))
     port = await router.start()
     pools = PoolManager(

@@ -82,7 +82,7 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
-    from splitserve.router.config import RouterConfig
+    from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
     from splitserve.router.event_loop import run as run_loop
     from splitserve.router.server import Router
     from splitserve.router.tokenizer import ByteTokenizer
@@ -117,7 +117,7 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
         await bare.start()
         routers = {}
         for mode in ("colocated", "disaggregated"):
-            cfg = RouterConfig(host="127.0.0.1", grpc_port=0, mode=mode)
+            cfg = RouterConfig(routing=RoutingConfig(mode=mode), listeners=Listeners(host="127.0.0.1", grpc_port=0))
             routers[mode] = Router(
                 cfg, ByteTokenizer(), decode=[workers["decode"]], prefill=[workers["prefill"]], rng=random.Random(0)
             )
@@ -216,16 +216,16 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
 
 def _decisions(args: argparse.Namespace) -> tuple[float, float]:
     from splitserve.engine.block_hash import block_hashes
-    from splitserve.router.config import RouterConfig
+    from splitserve.router.config import RoutingConfig
     from splitserve.router.policy import WorkerLoad, route
     from splitserve.router.prefix_index import PrefixIndex
 
-    cfg = RouterConfig()
+    routing = RoutingConfig()
     rng = random.Random(0)
     workers = [f"10.0.0.{i}:7001" for i in range(args.decode_workers)]
     systems = [[rng.randrange(32000) for _ in range(args.prompt_tokens // 2)] for _ in range(16)]
     prompts = [systems[i % 16] + [rng.randrange(32000) for _ in range(args.prompt_tokens // 2)] for i in range(256)]
-    hashes = [block_hashes(p, cfg.block_size) for p in prompts]
+    hashes = [block_hashes(p, routing.block_size) for p in prompts]
     index = PrefixIndex()
     for i, h in enumerate(hashes):  # every worker holds some system prompts and some whole prompts
         index.stored(workers[i % len(workers)], h[: len(h) // 2 + i % 3])
@@ -234,12 +234,14 @@ def _decisions(args: argparse.Namespace) -> tuple[float, float]:
     n = args.decisions
     t0 = time.perf_counter()
     for i in range(n):
-        route(hashes[i % 256], args.prompt_tokens, index, loads, prefill, cfg, rng)
+        route(hashes[i % 256], args.prompt_tokens, index, loads, prefill, routing, rng)
     policy_rate = n / (time.perf_counter() - t0)
     m = max(1, n // 10)
     t0 = time.perf_counter()
     for i in range(m):
-        route(block_hashes(prompts[i % 256], cfg.block_size), args.prompt_tokens, index, loads, prefill, cfg, rng)
+        route(
+            block_hashes(prompts[i % 256], routing.block_size), args.prompt_tokens, index, loads, prefill, routing, rng
+        )
     hashed_rate = m / (time.perf_counter() - t0)
     return policy_rate, hashed_rate
 

@@ -304,7 +304,7 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
     import grpc
 
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
-    from splitserve.router.config import RouterConfig
+    from splitserve.router.config import Deadlines, Listeners, RouterConfig, RoutingConfig
     from splitserve.router.engine_tokenizer import EngineTokenizer
     from splitserve.router.server import Router
 
@@ -312,14 +312,15 @@ async def _measure(opts: Options, cluster: Any, tokenizer: Any, prompts: PromptS
     routers = {  # default deadlines are for real hardware; here they only have to end a hang
         m: Router(
             RouterConfig(
-                host="127.0.0.1",
-                grpc_port=0,
-                mode=m,
-                admit_timeout_s=slow / 4,
-                token_timeout_s=slow / 4,
-                prefill_timeout_s=slow / 2,
-                request_timeout_s=slow,
-                lease_ms=int(slow * 1000),
+                routing=RoutingConfig(mode=m),
+                listeners=Listeners(host="127.0.0.1", grpc_port=0),
+                deadlines=Deadlines(
+                    admit_timeout_s=slow / 4,
+                    token_timeout_s=slow / 4,
+                    prefill_timeout_s=slow / 2,
+                    request_timeout_s=slow,
+                    lease_ms=int(slow * 1000),
+                ),
             ),
             EngineTokenizer(tokenizer),
             decode=[cluster.decode.grpc_address],

@@ -298,7 +298,7 @@ class PoolManager:
         deadline = self.clock() + timeout_s
         while not workers.drained(m.grpc_address):
             w = workers.get(m.grpc_address)
-            if w is None or w.failures >= workers.cfg.unhealthy_after_failures:
+            if w is None or w.failures >= workers.cfg.retries.unhealthy_after_failures:
                 log.info("%s worker %s stopped answering while draining", role, m.worker_id)
                 break
             if self.clock() > deadline:
@@ -310,7 +310,7 @@ class PoolManager:
                     timeout_s,
                 )
                 break
-            await asyncio.sleep(workers.cfg.stats_interval_s)
+            await asyncio.sleep(workers.cfg.deadlines.stats_interval_s)
         workers.remove(m.grpc_address)
         await self._stop_actor(m)
         # a member until stopped, so that `members` never lists fewer actors than are alive

@@ -341,7 +341,7 @@ def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str) ->
     required = tuple(
         spec.role
         for spec in specs
-        if spec.replicas and (spec.role == "decode" or router_cfg.mode != "colocated")
+        if spec.replicas and (spec.role == "decode" or router_cfg.routing.mode != "colocated")
     )
     return Router(replace(router_cfg, required_pools=required), tokenizer)
 

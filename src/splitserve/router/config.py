@@ -1,16 +1,21 @@
-"""The router's frozen configuration: `RoutingConfig` (the routing policy's
-numbers: block size, decode-worker cost weights, the local-or-remote prefill
-thresholds) and `RouterConfig`, the whole process's, which holds the routing
-section beside request limits, deadlines of every internal call, retries, ports.
+"""The router's frozen configuration, one section per concern:
 
-Each section is validated once in its own `__post_init__`, never mutated; pass a
-function the section (or the numbers) it uses.
+- `RoutingConfig`: the routing policy's numbers (block size, decode-worker cost
+  weights, the local-or-remote prefill thresholds);
+- `Limits`: what one client request may ask for, and how many may be in flight;
+- `Deadlines`: every internal wait, in seconds (and the reservation lease);
+- `Retries`: how far a failing request, or a failing worker, is given another try;
+- `Listeners`: where the router listens and the credentials on both sides of it;
+
+and `RouterConfig`, the whole process's, which holds the sections and the pools
+readiness waits for. Each section is validated once in its own `__post_init__`,
+never mutated; pass a function the section (or the numbers) it uses.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
@@ -76,26 +81,12 @@ class RoutingConfig:
         _check_numbers(self, positive=("block_size",))
 
 
-_DEFAULT_ROUTING = RoutingConfig()
-
-
 @dataclass(frozen=True)
-class RouterConfig:
-    """The router process's configuration. Routing lives in its own section; the rest is read
-    flat (cfg.max_inflight, cfg.admit_timeout_s, ...) by the server, validation and requests."""
+class Limits:
+    """What one client request may ask for (checked by router/validation.py before anything runs),
+    and how many requests may be in flight at once."""
 
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    # Shorthands for two of `routing`'s fields, kept for callers written before the section
-    # existed (benchmarks and end-to-end tests build RouterConfig(mode=..., local_prefill_max_tokens=...)).
-    # Given, each replaces its field in `routing` (a routing= that sets the same field otherwise is
-    # an error); afterwards each reads back as routing's value. New code passes routing=RoutingConfig(...).
-    mode: Mode | None = None
-    local_prefill_max_tokens: int | None = None
-
-    # --- the model, as far as the router needs it (block_size is routing's)
     max_model_len: int = 8192  # prompt + generated tokens
-
-    # --- client request limits
     max_prompt_tokens: int = 7936
     max_prompt_chars: int = 262144  # checked before tokenizing, so tokenizing stays cheap
     max_tokens_cap: int = 4096
@@ -106,38 +97,62 @@ class RouterConfig:
     max_chat_messages: int = 256
     allow_logprobs: bool = True
     max_request_id_chars: int = 128
+    max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once (no queue)
 
-    # --- readiness: health is NOT_SERVING until each of these pools has a ready worker
-    required_pools: tuple[str, ...] = ("decode",)
+    def __post_init__(self) -> None:
+        _check_numbers(
+            self,
+            positive=("max_model_len", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_inflight"),
+        )
+        if self.max_prompt_tokens >= self.max_model_len:
+            raise ValueError("Limits.max_prompt_tokens must be below max_model_len")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("Limits.default_max_tokens must not exceed max_tokens_cap")
 
-    # --- overload
-    max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once
 
-    # --- deadlines of internal calls, seconds. Sized for CPU workers, where one engine step with a
-    # 512-token chunk takes seconds and an 8K-token prefill minutes: a deadline that fires on a
-    # healthy worker marks it failed and redoes the work elsewhere, doubling the cost.
+@dataclass(frozen=True)
+class Deadlines:
+    """Every internal wait, in seconds. Sized for CPU workers, where one engine step with a 512-token
+    chunk takes seconds and an 8K-token prefill minutes: a deadline that fires on a healthy worker
+    marks it failed and redoes the work elsewhere, doubling the cost."""
+
     admit_timeout_s: float = 30.0  # Decode call to its first event
     token_timeout_s: float = 300.0  # between two Decode events (a stalled worker is treated as dead)
     prefill_timeout_s: float = 300.0  # one Prefill call
     request_timeout_s: float = 600.0  # a whole Decode call (and the longest a client stream lives)
     lease_ms: int = 300_000  # asked of the decode worker for REMOTE reservations
-    stats_timeout_s: float = 1.0
-    stats_interval_s: float = 0.5
+    stats_timeout_s: float = 1.0  # one GetStats poll
+    stats_interval_s: float = 0.5  # between two GetStats polls of a worker
     block_events_timeout_s: float = 3600.0  # a subscription is re-opened after this (fresh snapshot)
-    reconnect_backoff_s: float = 0.5
-    unhealthy_after_failures: int = 2  # stats polls failed in a row
+    reconnect_backoff_s: float = 0.5  # before re-opening a BlockEvents subscription that ended
     # With no decode worker healthy at all (the last one died, the pool is starting), a request waits
     # this long, within its own deadline, for one (the pool manager's replacement) and goes on there.
     no_decode_wait_s: float = 60.0
 
-    # --- retries
+    def __post_init__(self) -> None:
+        _check_numbers(self)
+
+
+@dataclass(frozen=True)
+class Retries:
+    """How far a failure is given another try: a request on other workers, a worker in routing."""
+
     max_migrations: int = 2  # decode workers a request may move to after the first dies
     max_prefill_attempts: int = 2  # prefill workers tried for one reservation
     # a request that failed on this many workers for an unclear reason (INTERNAL, an aborted finish)
     # is not tried on another: one poisonous request must not walk through the whole pool
     max_request_faults: int = 2
+    unhealthy_after_failures: int = 2  # stats polls failed in a row before a worker leaves routing
 
-    # --- ports and auth
+    def __post_init__(self) -> None:
+        _check_numbers(self, positive=("max_request_faults",))
+
+
+@dataclass(frozen=True)
+class Listeners:
+    """Where the router listens, and the credentials on both sides of it: the key clients send,
+    the token the router sends to its workers."""
+
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
@@ -147,43 +162,27 @@ class RouterConfig:
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
 
     def __post_init__(self) -> None:
-        routing = self.routing
-        for name, value in (("mode", self.mode), ("local_prefill_max_tokens", self.local_prefill_max_tokens)):
-            given = getattr(routing, name)
-            if value is not None and value != given and given != getattr(_DEFAULT_ROUTING, name):
-                raise ValueError(f"RouterConfig.{name}={value!r} disagrees with routing.{name}={given!r}")
-        if self.mode is not None:  # each validated by RoutingConfig's own __post_init__
-            routing = replace(routing, mode=self.mode)
-        if self.local_prefill_max_tokens is not None:
-            routing = replace(routing, local_prefill_max_tokens=self.local_prefill_max_tokens)
-        object.__setattr__(self, "routing", routing)
-        # read back as routing's, so the two never disagree (this is construction, not a later patch)
-        object.__setattr__(self, "mode", self.routing.mode)
-        object.__setattr__(self, "local_prefill_max_tokens", self.routing.local_prefill_max_tokens)
-        _check_numbers(
-            self,
-            positive=(
-                "max_model_len",
-                "max_prompt_tokens",
-                "max_tokens_cap",
-                "default_max_tokens",
-                "max_inflight",
-                "max_request_faults",
-            ),
-        )
-        if self.max_prompt_tokens >= self.max_model_len:
-            raise ValueError("RouterConfig.max_prompt_tokens must be below max_model_len")
-        if not set(self.required_pools) <= {"decode", "prefill"}:
-            raise ValueError(f"RouterConfig.required_pools must name decode and/or prefill, got {self.required_pools}")
-        if self.default_max_tokens > self.max_tokens_cap:
-            raise ValueError("RouterConfig.default_max_tokens must not exceed max_tokens_cap")
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV block (routing's): the router hashes prompts with it and checks workers against it."""
-        return self.routing.block_size
+        _check_numbers(self)
 
     @property
     def auth_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata the router attaches to every worker call."""
         return (("x-splitserve-token", self.cluster_token),) if self.cluster_token else ()
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router process's configuration: a section per concern (read as cfg.limits.max_inflight,
+    cfg.deadlines.admit_timeout_s, ...), and the pools readiness waits for."""
+
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    limits: Limits = field(default_factory=Limits)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    retries: Retries = field(default_factory=Retries)
+    listeners: Listeners = field(default_factory=Listeners)
+    # readiness: health is NOT_SERVING until each of these pools has a ready worker
+    required_pools: tuple[str, ...] = ("decode",)
+
+    def __post_init__(self) -> None:
+        if not set(self.required_pools) <= {"decode", "prefill"}:
+            raise ValueError(f"RouterConfig.required_pools must name decode and/or prefill, got {self.required_pools}")

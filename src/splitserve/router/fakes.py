@@ -178,21 +178,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeEvent]:
         self.requests.append(request)
-        if self.refuse:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
-        if self.fail is not None:
-            await context.abort(self.fail, "fake decode failure")
-        if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_mode must be LOCAL or REMOTE")
-        if self.admit_delay_s:
-            await asyncio.sleep(self.admit_delay_s)
-        bs = self.block_size
+        await self._admit(request, context)
         ctx = [*request.prompt_token_ids, *request.output_token_ids]
-        hashes = block_hashes(ctx, bs)
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in self.cache:
-            hit += 1
-        cached = min(hit * bs, (len(ctx) - 1) // bs * bs)
+        hashes, cached = self._cached(ctx)
         rid = request.request_id
         self.active[rid] = len(ctx)
         done = False
@@ -201,19 +189,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             if request.prefill_mode == wpb.PREFILL_MODE_REMOTE:
                 ticket = os.urandom(16)
                 first = self.kv.expect(ticket)
-                n_blocks = len(blocks_to_fill(len(ctx), cached, bs))
-                yield wpb.DecodeEvent(
-                    reservation=wpb.Reservation(
-                        kv_endpoint=f"fake:{self.worker_id}",
-                        transport="fake",
-                        ticket=ticket,
-                        request_id=rid,
-                        block_ids=list(range(n_blocks)),
-                        num_cached_tokens=cached,
-                        layout=LAYOUT,
-                        lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
-                    )
-                )
+                yield wpb.DecodeEvent(reservation=self._reservation(rid, ticket, len(ctx), cached))
                 try:
                     out.append(await asyncio.wait_for(first, self.lease_s))
                 except TimeoutError:
@@ -223,26 +199,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             else:
                 yield wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
             self._store(hashes)
-            sp = request.sampling
-            stops = {EOS, *sp.stop_token_ids} - ({EOS} if sp.ignore_eos else set())
-            base = len(request.output_token_ids)
-            while True:
-                if out and out[-1] in stops:
-                    reason = wpb.FINISH_REASON_STOP
-                    break
-                if len(out) >= sp.max_tokens:
-                    reason = wpb.FINISH_REASON_LENGTH
-                    break
-                if self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s)
-                if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
-                    self.die()  # the whole worker goes away, mid-stream
-                    await asyncio.Event().wait()
-                t = self.token(base + len(out))
-                out.append(t)
-                self.tokens_sent += 1
-                self.active[rid] += 1
-                yield wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[t], logprobs=[-0.5] if sp.logprobs else []))
+            while (reason := _finish_reason(out, request.sampling)) is None:
+                yield wpb.DecodeEvent(tokens=await self._next_token(request, out, rid))
             done = True
             yield wpb.DecodeEvent(finish=wpb.Finish(reason=reason))
         except asyncio.CancelledError:
@@ -253,6 +211,61 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             if not done and rid not in self.cancelled:
                 self.cancelled.append(rid)  # generator closed early: the router cancelled the call
             self.active.pop(rid, None)
+
+    async def _admit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+        """Refuse or fail the call as configured, or admit it (after `admit_delay_s`)."""
+        if self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
+        if self.fail is not None:
+            await context.abort(self.fail, "fake decode failure")
+        if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_mode must be LOCAL or REMOTE")
+        if self.admit_delay_s:
+            await asyncio.sleep(self.admit_delay_s)
+
+    def _cached(self, ctx: list[int]) -> tuple[list[bytes], int]:
+        """The context's block hashes, and its tokens this worker has cached (never the last one)."""
+        bs = self.block_size
+        hashes = block_hashes(ctx, bs)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cache:
+            hit += 1
+        return hashes, min(hit * bs, (len(ctx) - 1) // bs * bs)
+
+    def _reservation(self, rid: str, ticket: bytes, context_tokens: int, cached: int) -> wpb.Reservation:
+        return wpb.Reservation(
+            kv_endpoint=f"fake:{self.worker_id}",
+            transport="fake",
+            ticket=ticket,
+            request_id=rid,
+            block_ids=list(range(len(blocks_to_fill(context_tokens, cached, self.block_size)))),
+            num_cached_tokens=cached,
+            layout=LAYOUT,
+            lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
+        )
+
+    async def _next_token(self, request: wpb.DecodeRequest, out: list[int], rid: str) -> wpb.Tokens:
+        """The script's next token (after `token_delay_s`), or the worker's death at `die_after_tokens`."""
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s)
+        if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
+            self.die()  # the whole worker goes away, mid-stream
+            await asyncio.Event().wait()
+        t = self.token(len(request.output_token_ids) + len(out))
+        out.append(t)
+        self.tokens_sent += 1
+        self.active[rid] += 1
+        return wpb.Tokens(token_ids=[t], logprobs=[-0.5] if request.sampling.logprobs else [])
+
+
+def _finish_reason(out: list[int], sp: wpb.SamplingParams) -> wpb.FinishReason | None:
+    """STOP after a stop token, LENGTH at max_tokens; None while the request goes on."""
+    stops = {EOS, *sp.stop_token_ids} - ({EOS} if sp.ignore_eos else set())
+    if out and out[-1] in stops:
+        return wpb.FINISH_REASON_STOP
+    if len(out) >= sp.max_tokens:
+        return wpb.FINISH_REASON_LENGTH
+    return None
 
 
 class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.router.config import MODES, RouterConfig, RoutingConfig
+from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument
 
@@ -19,11 +19,14 @@ _DEFAULTS = RouterConfig()
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The router's flags; the parser must also have --block-size."""
-    p.add_argument("--host", default=_DEFAULTS.host, help="router address to bind")
-    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port)
+    p.add_argument("--host", default=_DEFAULTS.listeners.host, help="router address to bind")
+    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
     p.add_argument(
-        "--metrics-port", type=int, default=_DEFAULTS.metrics_port, help="Prometheus endpoint of the router (0: off)"
+        "--metrics-port",
+        type=int,
+        default=_DEFAULTS.listeners.metrics_port,
+        help="Prometheus endpoint of the router (0: off)",
     )
     p.add_argument(
         "--mode",
@@ -47,7 +50,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-inflight",
         type=int,
-        default=_DEFAULTS.max_inflight,
+        default=_DEFAULTS.limits.max_inflight,
         help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
     )
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
@@ -70,13 +73,12 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         prefill_backlog_tokens=a.prefill_backlog_tokens,
     )
-    return RouterConfig(
-        routing=routing,
+    listeners = Listeners(
         host=a.host,
         grpc_port=a.grpc_port,
         metrics_port=a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
-        max_inflight=a.max_inflight,
         api_key=a.api_key,
         cluster_token=cluster_token,
     )
+    return RouterConfig(routing=routing, limits=Limits(max_inflight=a.max_inflight), listeners=listeners)

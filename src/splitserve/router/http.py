@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door: `POST /v1/chat/completions`,
 `POST /v1/completions` (streaming as server-sent events or whole), `GET
 /v1/models`, `GET /health` (200 once ready, router/readiness.py; 503 naming
-what it waits for), `GET /metrics` (the router's Prometheus metrics).
+what it waits for; either naming the workers that do not answer), `GET
+/metrics` (the router's Prometheus metrics).
 
 Each request is translated into the public `GenerateRequest` and goes through
 exactly the gRPC path: the same admission, validation, routing and streaming.
@@ -37,7 +38,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
-from splitserve.router.server import status_details
+from splitserve.router.status import status_details
 from splitserve.runtime import tracing
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,9 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         r = self.ready()
-        body = {"status": "ok"} if r.ready else {"status": r.code, "reason": r.reason}
+        body: dict[str, Any] = {"status": "ok"} if r.ready else {"status": r.code, "reason": r.reason}
+        if r.unreachable:  # ready or not: a worker that does not answer is worth a look
+            body["unreachable"] = dict(r.unreachable)
         return web.json_response(body, status=200 if r.ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -383,63 +386,13 @@ class OpenAIServer:
     async def _stream(
         self, request: web.Request, run: Any, rid: str, kind: str, chat: bool, include_usage: bool
     ) -> web.StreamResponse:
-        created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        obj = kind + (".chunk" if chat else "")
-        usage = None
-
-        async def send(payload: dict[str, Any]) -> None:
-            await resp.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
-
+        events = _EventStream(resp, rid, kind + (".chunk" if chat else ""), int(time.time()), self.model_name)
         try:
             await resp.prepare(request)
-            first = True
-            try:
-                async with contextlib.aclosing(self.generation.stream(run)) as responses:
-                    async for r in responses:
-                        if r.HasField("usage"):
-                            usage = r.usage
-                        finish = _FINISH.get(r.finish_reason)
-                        if not r.text and finish is None and not first:
-                            continue
-                        if chat:
-                            delta: dict[str, Any] = {"content": r.text}
-                            if first:
-                                delta["role"] = "assistant"
-                            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-                        else:
-                            choice = {"index": 0, "text": r.text, "finish_reason": finish}
-                        first = False
-                        await send(
-                            {
-                                "id": rid,
-                                "object": obj,
-                                "created": created,
-                                "model": self.model_name,
-                                "choices": [choice],
-                            }
-                        )
-            except RequestFailed as e:
-                await send(
-                    {
-                        "error": {
-                            "message": status_details(str(e)),
-                            "type": "server_error",
-                            "code": _HTTP_STATUS.get(e.code, 500),
-                        }
-                    }
-                )
+            usage = await self._send_chunks(events, run, chat)
             if include_usage:
-                await send(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": _usage(usage),
-                    }
-                )
+                await events.chunk([], usage=_usage(usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -451,6 +404,52 @@ class OpenAIServer:
             log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
             raise
         return resp
+
+    async def _send_chunks(self, events: _EventStream, run: Any, chat: bool) -> pb.Usage | None:
+        """A chunk per response with text or a finish (and the first, which names the role); a
+        failure as an error event. Returns the last usage the stream reported."""
+        usage = None
+        first = True
+        try:
+            async with contextlib.aclosing(self.generation.stream(run)) as responses:
+                async for r in responses:
+                    if r.HasField("usage"):
+                        usage = r.usage
+                    finish = _FINISH.get(r.finish_reason)
+                    if not r.text and finish is None and not first:
+                        continue
+                    await events.chunk([_stream_choice(r.text, finish, chat, first)])
+                    first = False
+        except RequestFailed as e:
+            error = {"message": status_details(str(e)), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}
+            await events.send({"error": error})
+        return usage
+
+
+class _EventStream(NamedTuple):
+    """One streamed answer's server-sent events, each chunk stamped with the answer's id and model."""
+
+    resp: web.StreamResponse
+    rid: str
+    obj: str  # "chat.completion.chunk" or "text_completion"
+    created: int
+    model: str
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.resp.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+
+    async def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> None:
+        body = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
+        await self.send(body | extra)
+
+
+def _stream_choice(text: str, finish: str | None, chat: bool, first: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "finish_reason": finish}
+    delta: dict[str, Any] = {"content": text}
+    if first:
+        delta["role"] = "assistant"
+    return {"index": 0, "delta": delta, "finish_reason": finish}
 
 
 def _usage(u: pb.Usage | None) -> dict[str, Any]:

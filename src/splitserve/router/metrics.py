@@ -15,7 +15,13 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 class RouterMetrics:
     def __init__(self, cfg: RouterConfig, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._add_request_metrics(self.registry)
+        self._add_routing_metrics(self.registry, cfg)
+        self._add_pool_metrics(self.registry)
+        self._blocks = 0
+        self._hits = 0
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "splitserve_router_requests", "Generate calls by final gRPC status code", ["code"], registry=r
         )
@@ -29,6 +35,19 @@ class RouterMetrics:
         self.itl = Histogram(
             "splitserve_router_itl_seconds", "Time between tokens sent to the client", buckets=_ITL_BUCKETS, registry=r
         )
+        self.migrations = Counter(
+            "splitserve_router_migrations", "Requests moved to another decode worker mid-stream", registry=r
+        )
+        self.queries_of_death = Counter(
+            "splitserve_router_queries_of_death",
+            "Requests failed without another try after failing on max_request_faults workers",
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "splitserve_router_prefill_retries", "Prefill calls retried on another prefill worker", registry=r
+        )
+
+    def _add_routing_metrics(self, r: CollectorRegistry, cfg: RouterConfig) -> None:
         self.decisions = Counter(
             "splitserve_router_routing_decisions", "Routing decisions by prefill mode", ["mode"], registry=r
         )
@@ -45,27 +64,6 @@ class RouterMetrics:
         self.prefix_hit_rate = Gauge(
             "splitserve_router_prefix_hit_rate", "prefix_hit_blocks / prompt_blocks since start", registry=r
         )
-        self.migrations = Counter(
-            "splitserve_router_migrations", "Requests moved to another decode worker mid-stream", registry=r
-        )
-        self.queries_of_death = Counter(
-            "splitserve_router_queries_of_death",
-            "Requests failed without another try after failing on max_request_faults workers",
-            registry=r,
-        )
-        self.prefill_retries = Counter(
-            "splitserve_router_prefill_retries", "Prefill calls retried on another prefill worker", registry=r
-        )
-        # the pool controller's (router/pool.py): state is serving, starting or draining
-        self.pool_workers = Gauge(
-            "splitserve_router_pool_workers", "Workers of each pool by state", ["role", "state"], registry=r
-        )
-        self.scaling_decisions = Counter(
-            "splitserve_router_scaling_decisions",
-            "Pool changes by action: grow, shrink, replace (a dead worker)",
-            ["role", "action"],
-            registry=r,
-        )
         # the router's phases of a request (tracing.py), under the name the workers give theirs
         self.phase = Histogram(
             PHASE_METRIC,
@@ -75,8 +73,18 @@ class RouterMetrics:
             registry=r,
         )
         self.routing_time = self.phase.labels("routing")
-        self._blocks = 0
-        self._hits = 0
+
+    def _add_pool_metrics(self, r: CollectorRegistry) -> None:
+        # the pool controller's (cluster/pool.py): state is serving, starting or draining
+        self.pool_workers = Gauge(
+            "splitserve_router_pool_workers", "Workers of each pool by state", ["role", "state"], registry=r
+        )
+        self.scaling_decisions = Counter(
+            "splitserve_router_scaling_decisions",
+            "Pool changes by action: grow, shrink, replace (a dead worker)",
+            ["role", "action"],
+            registry=r,
+        )
 
     def routed(self, mode: str, prompt_blocks: int, hit_blocks: int) -> None:
         self.decisions.labels(mode).inc()

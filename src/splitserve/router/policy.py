@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple, Protocol
 
 from splitserve.engine.blocks import cdiv
-from splitserve.router.config import RouterConfig, RoutingConfig
+from splitserve.router.config import RoutingConfig
 from splitserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ def route(
     index: PrefixIndex,
     decode_loads: Mapping[str, WorkerLoad],
     prefill_queued_tokens: Mapping[str, int],
-    cfg: RouterConfig,
+    routing: RoutingConfig,
     rng: random.Random,
     chooser: DecodeChooser | None = None,
 ) -> Route:
@@ -256,10 +256,9 @@ def route(
 
     `num_tokens` is the context length (prompt plus any tokens already generated);
     `hashes` its full blocks' chained hashes. With no prefill worker, prefill is local.
-    `chooser`: the router's own (selected once from cfg.routing; the round-robin one counts
+    `chooser`: the router's own (selected once from `routing`; the round-robin one counts
     its turns); None makes one for this decision alone.
     """
-    routing = cfg.routing
     if chooser is None:
         chooser = decode_chooser(routing)
     overlaps = index.overlap(hashes)

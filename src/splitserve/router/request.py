@@ -1,8 +1,9 @@
 """One client request through the workers: route, Decode (and Prefill when the
-decode worker reserves blocks for a remote prefill), stream tokens back with
-incremental detokenization and stop strings, and move the request to another
-decode worker if its worker dies (migration: prompt plus the tokens already
-sent, so the client's stream just goes on).
+decode worker reserves blocks for a remote prefill), hand the tokens to the
+request's `ResponseShaper` (router/response.py, which makes what the client is
+sent), and move the request to another decode worker if its worker dies
+(migration: prompt plus the tokens already sent, so the client's stream just
+goes on).
 
 Every internal wait has a deadline. Client cancellation arrives as
 CancelledError at whichever await is pending; the `finally` blocks cancel the
@@ -37,7 +38,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from enum import Enum
 
 import grpc
@@ -47,11 +48,12 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 from splitserve.engine.block_hash import block_hashes
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
+from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router import policy
 from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.stop import StopMatcher
+from splitserve.router.response import ResponseShaper
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidRequest
 from splitserve.router.workers import WorkerSet
@@ -123,7 +125,13 @@ class _Retry(Exception):
         self.force_local = force_local
 
 
+_DecodeCall = grpc.aio.UnaryStreamCall[wpb.DecodeRequest, wpb.DecodeEvent]
+
+
 class RequestRun:
+    """One admitted request's attempts: which worker, local or remote prefill, and what to do
+    when an attempt fails. What the client is sent is `response`'s."""
+
     def __init__(
         self,
         req: ValidRequest,
@@ -143,14 +151,8 @@ class RequestRun:
         self.deadline = deadline
         self.span = span if span is not None else INVALID_SPAN
         self.trace = tracing.child(self.span)  # what this request's spans and worker calls hang under
-        self.detok = tokenizer.detokenizer(req.prompt_token_ids)
-        self.stopper = StopMatcher(req.sampling.stop)
-        self.generated: list[int] = []
-        self.cached_tokens: int | None = None
-        self.finished = False
+        self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
-        self.start = time.monotonic()
-        self.last_token_at = 0.0
         # the internal sampling message; max_tokens is set per attempt (it shrinks after a migration)
         self._sampling = convert.sampling_to_proto(req.sampling)
 
@@ -167,33 +169,37 @@ class RequestRun:
             if not busy and not self.workers.healthy("decode"):
                 # the whole decode pool is down (its last worker died, or it is still starting):
                 # wait for the replacement within the deadline instead of failing every stream
-                await self.workers.wait_for_decode(min(self.cfg.no_decode_wait_s, self._remaining_s()))
+                await self.workers.wait_for_decode(min(self.cfg.deadlines.no_decode_wait_s, self._remaining_s()))
             worker, mode = self._route(excluded, force_local, last_error, busy=busy)
             try:
                 async for resp in self._attempt(worker, mode):
                     yield resp
                 return
             except _Retry as e:
-                log.warning("request %s on %s: %s", self.req.request_id, worker, e)
                 last_error = f"{worker}: {e}"
                 if e.exclude:
                     excluded.append(worker)
                 all_busy = all_busy and e.fault is Fault.BUSY
-                if e.fault is Fault.WORKER:
-                    self.workers.mark_failed(worker)
-                elif e.fault is Fault.UNCLEAR:
-                    self._count_unclear_failure(e)
                 force_local = force_local or e.force_local
                 moves += 1
-                if moves > self.cfg.max_migrations:
-                    code = grpc.StatusCode.RESOURCE_EXHAUSTED if all_busy else grpc.StatusCode.UNAVAILABLE
-                    raise RequestFailed(code, f"gave up after {moves} attempts: {e}") from None
-                if self.generated:
-                    self.metrics.migrations.inc()
+                self._after_failed_attempt(worker, e, moves, all_busy)
+
+    def _after_failed_attempt(self, worker: str, e: _Retry, moves: int, all_busy: bool) -> None:
+        """Account for a failed attempt; RequestFailed when the request is not to be tried again."""
+        log.warning("request %s on %s: %s", self.req.request_id, worker, e)
+        if e.fault is Fault.WORKER:
+            self.workers.mark_failed(worker)
+        elif e.fault is Fault.UNCLEAR:
+            self._count_unclear_failure(e)
+        if moves > self.cfg.retries.max_migrations:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if all_busy else grpc.StatusCode.UNAVAILABLE
+            raise RequestFailed(code, f"gave up after {moves} attempts: {e}") from None
+        if self.response.generated:
+            self.metrics.migrations.inc()
 
     def _count_unclear_failure(self, e: Exception) -> None:
         self.unclear_failures += 1
-        if self.unclear_failures >= self.cfg.max_request_faults:
+        if self.unclear_failures >= self.cfg.retries.max_request_faults:
             self.metrics.queries_of_death.inc()
             raise RequestFailed(
                 grpc.StatusCode.INTERNAL,
@@ -230,11 +236,18 @@ class RequestRun:
                 )
             why = f" (last attempt: {last_error})" if last_error else ""
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}")
-        context = [*self.req.prompt_token_ids, *self.generated]
-        hashes = block_hashes(context, self.cfg.block_size)
+        context = [*self.req.prompt_token_ids, *self.response.generated]
+        hashes = block_hashes(context, self.cfg.routing.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
         r = policy.route(
-            hashes, len(context), self.workers.index, loads, prefill, self.cfg, self.rng, self.workers.decode_chooser
+            hashes,
+            len(context),
+            self.workers.index,
+            loads,
+            prefill,
+            self.cfg.routing,
+            self.rng,
+            self.workers.decode_chooser,
         )
         self.workers.assigned(r.worker, r.uncached_tokens)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
@@ -251,6 +264,8 @@ class RequestRun:
         if time.monotonic() >= self.deadline - 0.005:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
 
+    # ---- one decode attempt
+
     async def _attempt(self, address: str, mode: policy.PrefillMode) -> AsyncIterator[pb.GenerateResponse]:
         """One decode attempt, its span (router.decode_attempt) around it."""
         rid = attempt_id()
@@ -261,7 +276,7 @@ class RequestRun:
                 "splitserve.worker": address,
                 "splitserve.prefill_mode": mode,
                 "splitserve.attempt_id": rid,
-                "splitserve.prior_tokens": len(self.generated),
+                "splitserve.prior_tokens": len(self.response.generated),
             },
             kind=SpanKind.CLIENT,
         )
@@ -278,70 +293,78 @@ class RequestRun:
         finally:
             tracing.end_span(span, error)
 
+    def _attempt_sampling(self) -> wpb.SamplingParams:
+        """The request's sampling for the next attempt: its budget less the tokens already sent."""
+        sampling = wpb.SamplingParams()
+        sampling.CopyFrom(self._sampling)
+        sampling.max_tokens = self.response.tokens_left
+        return sampling
+
     async def _decode(
         self, address: str, mode: policy.PrefillMode, rid: str, trace: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         w = self.workers.get(address)
         if w is None:
             raise _Retry("worker was removed")
-        cfg = self.cfg
-        sampling = wpb.SamplingParams()
-        sampling.CopyFrom(self._sampling)
-        sampling.max_tokens = self.req.sampling.max_tokens - len(self.generated)
+        deadlines = self.cfg.deadlines
+        sampling = self._attempt_sampling()
         call = w.decode_stub().Decode(
             wpb.DecodeRequest(
                 request_id=rid,
                 prompt_token_ids=self.req.prompt_token_ids,
-                output_token_ids=self.generated,
+                output_token_ids=self.response.generated,
                 sampling=sampling,
                 prefill_mode=wpb.PREFILL_MODE_REMOTE if mode == "remote" else wpb.PREFILL_MODE_LOCAL,
-                lease_ms=cfg.lease_ms,
+                lease_ms=deadlines.lease_ms,
             ),
-            timeout=min(cfg.request_timeout_s, self._remaining_s()),
-            metadata=tracing.inject(cfg.auth_metadata, trace),
+            timeout=min(deadlines.request_timeout_s, self._remaining_s()),
+            metadata=tracing.inject(self.cfg.listeners.auth_metadata, trace),
         )
         try:
-            first = await self._next(call, cfg.admit_timeout_s, admitted=False)
-            kind = first.WhichOneof("event")
-            if kind == "reservation":
-                result = await self._prefill(rid, first.reservation, sampling, trace)
-                self._set_cached(result.num_cached_tokens)
-                lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
-                resp = self._emit([result.first_token_id], lp)
+            first = await self._next(call, deadlines.admit_timeout_s, admitted=False)
+            resp = await self._admitted(first, rid, sampling, trace)
+            if resp is not None:
+                yield resp
+            while not self.response.finished:
+                resp = self._on_event(await self._next(call, deadlines.token_timeout_s, admitted=True))
                 if resp is not None:
                     yield resp
-            elif kind == "local_prefill":
-                self._set_cached(first.local_prefill.num_cached_tokens)
-            else:
-                raise _Retry(f"protocol error: first event is {kind}, not a reservation or local_prefill")
-            while not self.finished:
-                ev = await self._next(call, cfg.token_timeout_s, admitted=True)
-                kind = ev.WhichOneof("event")
-                if kind == "tokens":
-                    resp = self._emit(ev.tokens.token_ids, ev.tokens.logprobs)
-                    if resp is not None:
-                        yield resp
-                elif kind == "finish":
-                    reason = ev.finish.reason
-                    if reason in _FINISH:
-                        yield self._final(_FINISH[reason])
-                        return
-                    if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
-                        raise _Retry(
-                            f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True
-                        )
-                    raise _Retry(
-                        f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}",
-                        fault=Fault.UNCLEAR,
-                    )
-                else:
-                    raise _Retry(f"protocol error: {kind} event after the first")
         finally:
             call.cancel()  # no-op when the call is done; an abort for the worker otherwise
 
-    async def _next(
-        self, call: grpc.aio.UnaryStreamCall[wpb.DecodeRequest, wpb.DecodeEvent], timeout_s: float, admitted: bool
-    ) -> wpb.DecodeEvent:
+    async def _admitted(
+        self, first: wpb.DecodeEvent, rid: str, sampling: wpb.SamplingParams, trace: Context
+    ) -> pb.GenerateResponse | None:
+        """The Decode call's first event: a reservation (prefill it remotely; the first token comes
+        from the prefill worker) or the decode worker's own prefill under way."""
+        kind = first.WhichOneof("event")
+        if kind == "reservation":
+            result = await self._prefill(rid, first.reservation, sampling, trace)
+            self.response.set_cached(result.num_cached_tokens)
+            lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
+            return self.response.emit([result.first_token_id], lp)
+        if kind == "local_prefill":
+            self.response.set_cached(first.local_prefill.num_cached_tokens)
+            return None
+        raise _Retry(f"protocol error: first event is {kind}, not a reservation or local_prefill")
+
+    def _on_event(self, ev: wpb.DecodeEvent) -> pb.GenerateResponse | None:
+        """A Decode event after the first: tokens, or the finish (which ends the stream or the attempt)."""
+        kind = ev.WhichOneof("event")
+        if kind == "tokens":
+            return self.response.emit(ev.tokens.token_ids, ev.tokens.logprobs)
+        if kind != "finish":
+            raise _Retry(f"protocol error: {kind} event after the first")
+        reason = ev.finish.reason
+        if reason in _FINISH:
+            return self.response.final(_FINISH[reason])
+        if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
+            raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True)
+        raise _Retry(
+            f"worker ended the request: {wpb.FinishReason.Name(reason)} {ev.finish.message}", fault=Fault.UNCLEAR
+        )
+
+    async def _next(self, call: _DecodeCall, timeout_s: float, admitted: bool) -> wpb.DecodeEvent:
         try:
             async with asyncio.timeout(min(timeout_s, self._remaining_s())):
                 ev = await call.read()
@@ -363,6 +386,8 @@ class RequestRun:
             raise _Retry("Decode stream ended without a finish event")
         return ev
 
+    # ---- the remote prefill of a reservation
+
     async def _prefill(
         self, rid: str, reservation: wpb.Reservation, sampling: wpb.SamplingParams, trace: Context
     ) -> wpb.PrefillResult:
@@ -376,12 +401,12 @@ class RequestRun:
         request = wpb.PrefillRequest(
             request_id=rid,
             prompt_token_ids=self.req.prompt_token_ids,
-            output_token_ids=self.generated,
+            output_token_ids=self.response.generated,
             sampling=sampling,
             reservation=reservation,
         )
         last = "no healthy prefill worker"
-        for attempt in range(self.cfg.max_prefill_attempts):
+        for attempt in range(self.cfg.retries.max_prefill_attempts):
             queued = self.workers.prefill_queued_tokens(exclude=tried)
             if not queued:
                 break
@@ -390,105 +415,58 @@ class RequestRun:
             w = self.workers.get(address)
             if w is None:
                 continue
-            lease_left = (
-                reservation.lease_deadline_unix_ms / 1000 - time.time() if reservation.lease_deadline_unix_ms else None
-            )
-            timeout = min(
-                self.cfg.prefill_timeout_s, self._remaining_s(), *([lease_left] if lease_left is not None else [])
-            )
+            timeout = self._prefill_timeout_s(reservation)
             if timeout <= 0:
                 last = "reservation lease passed"
                 break
             if attempt:
                 self.metrics.prefill_retries.inc()
-            span = tracing.start_span(
-                "router.prefill",
-                trace,
-                {"splitserve.worker": address, "splitserve.try": attempt},
-                SpanKind.CLIENT,
-            )
-            error: str | None = "cancelled"
-            try:
-                self.workers.assigned(address, len(request.prompt_token_ids))
-                metadata = tracing.inject(self.cfg.auth_metadata, tracing.child(span))
-                result = await w.prefill_stub().Prefill(request, timeout=timeout, metadata=metadata)
-                error = None
+            result = await self._prefill_on(w.prefill_stub(), address, request, timeout, attempt, trace)
+            if isinstance(result, wpb.PrefillResult):
                 return result
-            except grpc.aio.AioRpcError as e:
-                error = f"{e.code().name} {e.details()}"
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._check_deadline()
-                last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
-                log.warning("request %s: %s", self.req.request_id, last)
-                fault = classify(e.code())
-                if fault is Fault.WORKER:
-                    self.workers.mark_failed(address)
-                elif fault is Fault.UNCLEAR:
-                    self._count_unclear_failure(RuntimeError(last))
-            finally:
-                tracing.end_span(span, error)
+            last = result
         # The decode worker is fine; it will prefill the request itself.
         raise _Retry(last, exclude=False, fault=Fault.BUSY, force_local=True)
 
-    # ---- responses
+    def _prefill_timeout_s(self, reservation: wpb.Reservation) -> float:
+        """One Prefill call's deadline: its own, the request's, and the reservation lease's, the soonest."""
+        limits = [self.cfg.deadlines.prefill_timeout_s, self._remaining_s()]
+        if reservation.lease_deadline_unix_ms:
+            limits.append(reservation.lease_deadline_unix_ms / 1000 - time.time())
+        return min(limits)
 
-    def _set_cached(self, n: int) -> None:
-        if self.cached_tokens is None:  # the first attempt's count is the one the client paid for
-            self.cached_tokens = min(n, len(self.req.prompt_token_ids))
-
-    def _usage(self) -> pb.Usage:
-        return pb.Usage(
-            prompt_tokens=len(self.req.prompt_token_ids),
-            cached_tokens=self.cached_tokens or 0,
-            completion_tokens=len(self.generated),
+    async def _prefill_on(
+        self,
+        stub: wgrpc.PrefillWorkerStub,
+        address: str,
+        request: wpb.PrefillRequest,
+        timeout_s: float,
+        attempt: int,
+        trace: Context,
+    ) -> wpb.PrefillResult | str:
+        """One Prefill call, in its span: the result, or why it failed (the worker marked failed
+        when the fault is its own)."""
+        span = tracing.start_span(
+            "router.prefill", trace, {"splitserve.worker": address, "splitserve.try": attempt}, SpanKind.CLIENT
         )
-
-    def _emit(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> pb.GenerateResponse | None:
-        room = self.req.sampling.max_tokens - len(self.generated)
-        if room <= 0 or self.finished:
-            return None
-        ids = list(token_ids[:room])
-        now = time.monotonic()
-        if not self.generated:
-            self.metrics.ttft.observe(now - self.start)
-        elif ids:
-            gap = (now - self.last_token_at) / len(ids)
-            for _ in ids:
-                self.metrics.itl.observe(gap)
-        self.last_token_at = now
-        self.generated.extend(ids)
-        released = self.stopper.feed("".join([self.detok.feed(t) for t in ids]))
-        resp = pb.GenerateResponse(
-            request_id=self.req.request_id,
-            text=released.text,
-            token_ids=ids,
-            logprobs=list(logprobs[: len(ids)]) if self.req.sampling.logprobs else [],
-        )
-        if released.stopped:
-            resp.finish_reason = pb.FINISH_REASON_STOP
-        elif len(self.generated) >= self.req.sampling.max_tokens:
-            tail, stopped = self._drain()
-            resp.text += tail
-            resp.finish_reason = pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH
-        if resp.finish_reason:
-            self.finished = True
-        if resp.finish_reason or self.req.continuous_usage:
-            resp.usage.CopyFrom(self._usage())
-        return resp
-
-    def _drain(self) -> tuple[str, bool]:
-        """The text still held by the detokenizer and the stop matcher, at the end of the stream."""
-        released = self.stopper.feed(self.detok.flush())
-        if released.stopped:
-            return released.text, True
-        return released.text + self.stopper.flush(), False
-
-    def _final(self, reason: pb.FinishReason) -> pb.GenerateResponse:
-        self.finished = True
-        text, stopped = self._drain()
-        return pb.GenerateResponse(
-            request_id=self.req.request_id,
-            text=text,
-            finish_reason=pb.FINISH_REASON_STOP if stopped else reason,
-            usage=self._usage(),
-        )
+        error: str | None = "cancelled"
+        try:
+            self.workers.assigned(address, len(request.prompt_token_ids))
+            metadata = tracing.inject(self.cfg.listeners.auth_metadata, tracing.child(span))
+            result = await stub.Prefill(request, timeout=timeout_s, metadata=metadata)
+            error = None
+            return result
+        except grpc.aio.AioRpcError as e:
+            error = f"{e.code().name} {e.details()}"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._check_deadline()
+            last = f"Prefill on {address} failed: {e.code().name} {e.details()}"
+            log.warning("request %s: %s", self.req.request_id, last)
+            fault = classify(e.code())
+            if fault is Fault.WORKER:
+                self.workers.mark_failed(address)
+            elif fault is Fault.UNCLEAR:
+                self._count_unclear_failure(RuntimeError(last))
+            return last
+        finally:
+            tracing.end_span(span, error)

@@ -32,6 +32,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.readiness import Readiness, readiness
 from splitserve.router.request import RequestFailed, RequestRun
+from splitserve.router.status import status_details
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidationError, validate
 from splitserve.router.workers import WorkerSet
@@ -43,16 +44,6 @@ if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads onl
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Generation"
-# gRPC sends a status message in a trailer, percent-encoded, and a client drops a trailer past
-# 16 KiB: the call then fails RESOURCE_EXHAUSTED "Stream removed" instead of with its status.
-MAX_DETAILS_CHARS = 512
-
-
-def status_details(message: str) -> str:
-    """A status message short enough for any trailer (one that quotes a client's value can be megabytes)."""
-    if len(message) <= MAX_DETAILS_CHARS:
-        return message
-    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} characters in all)"
 
 
 def parse_request(raw: bytes) -> pb.GenerateRequest:
@@ -84,7 +75,8 @@ class GenerationService:
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
         self._active: set[str] = set()  # request ids in flight
-        self._bearer = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+        api_key = cfg.listeners.api_key
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
 
     def check_key(self, authorization: str | None) -> None:
         """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
@@ -129,12 +121,13 @@ class GenerationService:
     def _admit(self, request: pb.GenerateRequest, time_remaining: float | None, span: Span) -> RequestRun:
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: retry on another replica")
-        if self.inflight >= self.cfg.max_inflight:
+        max_inflight = self.cfg.limits.max_inflight
+        if self.inflight >= max_inflight:
             raise RequestFailed(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {self.cfg.max_inflight} requests in flight"
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {max_inflight} requests in flight"
             )
         try:
-            req = validate(request, self.cfg, self.tokenizer)
+            req = validate(request, self.cfg.limits, self.tokenizer)
         except ValidationError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Exception:  # validation must name a field for every bad request; this is its bug, not the client's
@@ -142,9 +135,9 @@ class GenerationService:
             raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
         if req.request_id in self._active:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
-        timeout = (
-            self.cfg.request_timeout_s if time_remaining is None else min(time_remaining, self.cfg.request_timeout_s)
-        )
+        timeout = self.cfg.deadlines.request_timeout_s
+        if time_remaining is not None:
+            timeout = min(time_remaining, timeout)
         return RequestRun(
             req,
             self.cfg,
@@ -185,8 +178,8 @@ class GenerationService:
                     {
                         "rpc.grpc.status_code": code.value[0],
                         "splitserve.prompt_tokens": len(run.req.prompt_token_ids),
-                        "splitserve.completion_tokens": len(run.generated),
-                        "splitserve.cached_tokens": run.cached_tokens or 0,
+                        "splitserve.completion_tokens": len(run.response.generated),
+                        "splitserve.cached_tokens": run.response.cached_tokens or 0,
                     }
                 )
             tracing.end_span(run.span, error)
@@ -245,7 +238,8 @@ def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHa
 
 class HealthService(health_pb2_grpc.HealthServicer):
     """SERVING while the router is ready (router/readiness.py): every required pool has a ready
-    worker and the router is not draining."""
+    worker and the router is not draining. Check's status details say, for people, what the
+    router waits for and which workers do not answer."""
 
     def __init__(self, ready: Callable[[], Readiness]) -> None:
         self.ready = ready
@@ -264,9 +258,12 @@ class HealthService(health_pb2_grpc.HealthServicer):
     async def Check(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
-        status = self._status(request.service)
-        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+        if request.service not in ("", SERVICE_NAME):
             await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
+        r = self.ready()
+        if r.details:  # what it waits for and which workers do not answer, in the OK status's details
+            context.set_details(status_details(r.details))
+        status = health_pb2.HealthCheckResponse.SERVING if r.ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(  # noqa: N802
@@ -321,11 +318,14 @@ class Router:
         """Whether to take requests now, and if not, why (gRPC health and GET /health both ask this)."""
         ready: dict[str, int] = {}
         known: dict[str, int] = {}
+        unreachable: dict[str, str] = {}
         for w in self.workers.all():
             known[w.role] = known.get(w.role, 0) + 1
             if w.healthy and not w.draining:
                 ready[w.role] = ready.get(w.role, 0) + 1
-        return readiness(ready, known, self.cfg.required_pools, self.generation.draining)
+            if w.unreachable is not None:
+                unreachable[w.address] = w.unreachable
+        return readiness(ready, known, self.cfg.required_pools, self.generation.draining, unreachable)
 
     def drain(self) -> None:
         """Stop taking requests (health turns NOT_SERVING; new calls get UNAVAILABLE); in-flight
@@ -339,27 +339,28 @@ class Router:
 
     async def start(self, port: int | None = None) -> int:
         """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
+        lis = self.cfg.listeners
         self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
         handlers = generation_handler(self.generation)  # as add_GenerationServicer_to_server registers them
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port if port is None else port}")
+        self.port = self.server.add_insecure_port(f"{lis.host}:{lis.grpc_port if port is None else port}")
         await self.server.start()
-        if self.cfg.http_port is not None:
+        if lis.http_port is not None:
             from splitserve.router.http import OpenAIServer
 
-            self.http = OpenAIServer(self.generation, self.cfg.model_name, self.readiness, self.metrics.registry)
-            self.http_port = await self.http.start(self.cfg.host, self.cfg.http_port)
-            log.info("OpenAI-compatible HTTP on %s:%d", self.cfg.host, self.http_port)
+            self.http = OpenAIServer(self.generation, lis.model_name, self.readiness, self.metrics.registry)
+            self.http_port = await self.http.start(lis.host, lis.http_port)
+            log.info("OpenAI-compatible HTTP on %s:%d", lis.host, self.http_port)
         decode, prefill = self._initial
         self.workers.add_all(decode, "decode")
         self.workers.add_all(prefill, "prefill")
-        if self.cfg.metrics_port:
+        if lis.metrics_port:
             from splitserve.runtime.metrics_http import serve_metrics_http
 
-            _, self._stop_metrics = serve_metrics_http(self.cfg.host, self.cfg.metrics_port, self.metrics.registry)
-        log.info("router listening on %s:%d", self.cfg.host, self.port)
+            _, self._stop_metrics = serve_metrics_http(lis.host, lis.metrics_port, self.metrics.registry)
+        log.info("router listening on %s:%d", lis.host, self.port)
         return self.port
 
     async def wait_for_workers(self, timeout_s: float = 10.0) -> None:

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from splitserve.engine.sampling import InvalidSamplingParam, SamplingParams
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import Limits
 from splitserve.router.tokenizer import RouterTokenizer
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
@@ -59,17 +59,17 @@ def _float(sp: pb.SamplingParams, name: str, lo: float, hi: float, lo_open: bool
     return v
 
 
-def validate_request_id(request_id: str, cfg: RouterConfig) -> str:
+def validate_request_id(request_id: str, limits: Limits) -> str:
     if not request_id:
         return uuid.uuid4().hex
-    if len(request_id) > cfg.max_request_id_chars:
-        raise ValidationError("request_id", f"longer than {cfg.max_request_id_chars} characters")
+    if len(request_id) > limits.max_request_id_chars:
+        raise ValidationError("request_id", f"longer than {limits.max_request_id_chars} characters")
     if not _REQUEST_ID.fullmatch(request_id):
         raise ValidationError("request_id", "may contain only A-Z a-z 0-9 . _ : -")
     return request_id
 
 
-def validate_sampling(sp: pb.SamplingParams, cfg: RouterConfig, vocab_size: int) -> dict[str, object]:
+def validate_sampling(sp: pb.SamplingParams, limits: Limits, vocab_size: int) -> dict[str, object]:
     """The client's sampling fields as SamplingParams keyword arguments (unset ones left out)."""
     _reject_unknown(sp, "sampling")
     kw: dict[str, object] = {}
@@ -93,27 +93,29 @@ def validate_sampling(sp: pb.SamplingParams, cfg: RouterConfig, vocab_size: int)
             raise ValidationError("sampling.seed", f"must be in [0, 2^63), got {sp.seed}")
         kw["seed"] = sp.seed
     if sp.HasField("max_tokens"):
-        if not 1 <= sp.max_tokens <= cfg.max_tokens_cap:
-            raise ValidationError("sampling.max_tokens", f"must be in [1, {cfg.max_tokens_cap}], got {sp.max_tokens}")
+        if not 1 <= sp.max_tokens <= limits.max_tokens_cap:
+            raise ValidationError(
+                "sampling.max_tokens", f"must be in [1, {limits.max_tokens_cap}], got {sp.max_tokens}"
+            )
         kw["max_tokens"] = sp.max_tokens
-    if len(sp.stop_token_ids) > cfg.max_stop_token_ids:
-        raise ValidationError("sampling.stop_token_ids", f"more than {cfg.max_stop_token_ids} entries")
+    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValidationError("sampling.stop_token_ids", f"more than {limits.max_stop_token_ids} entries")
     for i, t in enumerate(sp.stop_token_ids):
         if not 0 <= t < vocab_size:
             raise ValidationError(f"sampling.stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab_size})")
     if sp.stop_token_ids:
         kw["stop_token_ids"] = tuple(dict.fromkeys(sp.stop_token_ids))
-    if len(sp.stop) > cfg.max_stop_strings:
-        raise ValidationError("sampling.stop", f"more than {cfg.max_stop_strings} stop strings")
+    if len(sp.stop) > limits.max_stop_strings:
+        raise ValidationError("sampling.stop", f"more than {limits.max_stop_strings} stop strings")
     for i, s in enumerate(sp.stop):
         if not s:
             raise ValidationError(f"sampling.stop[{i}]", "must not be empty")
-        if len(s) > cfg.max_stop_string_chars:
-            raise ValidationError(f"sampling.stop[{i}]", f"longer than {cfg.max_stop_string_chars} characters")
+        if len(s) > limits.max_stop_string_chars:
+            raise ValidationError(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
     if sp.stop:
         kw["stop"] = tuple(sp.stop)
     if sp.HasField("logprobs"):
-        if sp.logprobs and not cfg.allow_logprobs:
+        if sp.logprobs and not limits.allow_logprobs:
             raise ValidationError("sampling.logprobs", "not enabled on this server")
         kw["logprobs"] = sp.logprobs
     if sp.HasField("ignore_eos"):
@@ -121,7 +123,7 @@ def validate_sampling(sp: pb.SamplingParams, cfg: RouterConfig, vocab_size: int)
     return kw
 
 
-def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokenizer) -> list[int]:
+def tokenize_prompt(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise ValidationError("prompt", "one of text, token_ids or chat is required")
@@ -129,14 +131,14 @@ def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: Route
     if kind == "text":
         if not req.text:
             raise ValidationError("text", "must not be empty")
-        if len(req.text) > cfg.max_prompt_chars:
-            raise ValidationError("text", f"longer than {cfg.max_prompt_chars} characters")
+        if len(req.text) > limits.max_prompt_chars:
+            raise ValidationError("text", f"longer than {limits.max_prompt_chars} characters")
         ids = tokenizer.encode(req.text)
     elif kind == "token_ids":
         _reject_unknown(req.token_ids, "token_ids")
         ids = req.token_ids.ids[:]  # a list; slicing is the fastest way out of a repeated field
-        if len(ids) > cfg.max_prompt_tokens:
-            raise ValidationError("token_ids", f"{len(ids)} tokens exceed the limit of {cfg.max_prompt_tokens}")
+        if len(ids) > limits.max_prompt_tokens:
+            raise ValidationError("token_ids", f"{len(ids)} tokens exceed the limit of {limits.max_prompt_tokens}")
         if ids and (min(ids) < 0 or max(ids) >= vocab):  # the loop only to name the bad one
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValidationError(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")
@@ -145,40 +147,40 @@ def tokenize_prompt(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: Route
         msgs = req.chat.messages
         if not msgs:
             raise ValidationError("chat.messages", "must not be empty")
-        if len(msgs) > cfg.max_chat_messages:
-            raise ValidationError("chat.messages", f"more than {cfg.max_chat_messages} messages")
+        if len(msgs) > limits.max_chat_messages:
+            raise ValidationError("chat.messages", f"more than {limits.max_chat_messages} messages")
         total = 0
         for i, m in enumerate(msgs):
             _reject_unknown(m, f"chat.messages[{i}]")
             if m.role not in CHAT_ROLES:
                 raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role[:32]!r}")
             total += len(m.content)
-        if total > cfg.max_prompt_chars:
-            raise ValidationError("chat.messages", f"longer than {cfg.max_prompt_chars} characters in all")
+        if total > limits.max_prompt_chars:
+            raise ValidationError("chat.messages", f"longer than {limits.max_prompt_chars} characters in all")
         ids = tokenizer.encode_chat([(m.role, m.content) for m in msgs])
     if not ids:
         raise ValidationError(kind, "gives no tokens")
-    if len(ids) > cfg.max_prompt_tokens:
-        raise ValidationError(kind, f"{len(ids)} tokens exceed the limit of {cfg.max_prompt_tokens}")
+    if len(ids) > limits.max_prompt_tokens:
+        raise ValidationError(kind, f"{len(ids)} tokens exceed the limit of {limits.max_prompt_tokens}")
     return ids
 
 
-def validate(req: pb.GenerateRequest, cfg: RouterConfig, tokenizer: RouterTokenizer) -> ValidRequest:
+def validate(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer) -> ValidRequest:
     _reject_unknown(req, "")
-    request_id = validate_request_id(req.request_id, cfg)
-    kw = validate_sampling(req.sampling, cfg, tokenizer.vocab_size)
+    request_id = validate_request_id(req.request_id, limits)
+    kw = validate_sampling(req.sampling, limits, tokenizer.vocab_size)
     _reject_unknown(req.stream_options, "stream_options")
-    ids = tokenize_prompt(req, cfg, tokenizer)
-    room = cfg.max_model_len - len(ids)
+    ids = tokenize_prompt(req, limits, tokenizer)
+    room = limits.max_model_len - len(ids)
     max_tokens = kw.get("max_tokens")
     if isinstance(max_tokens, int):
         if max_tokens > room:
             raise ValidationError(
                 "sampling.max_tokens",
-                f"{max_tokens} plus the prompt's {len(ids)} tokens exceed max_model_len {cfg.max_model_len}",
+                f"{max_tokens} plus the prompt's {len(ids)} tokens exceed max_model_len {limits.max_model_len}",
             )
     else:
-        kw["max_tokens"] = min(cfg.default_max_tokens, room)
+        kw["max_tokens"] = min(limits.default_max_tokens, room)
     try:
         sampling = SamplingParams(**kw)  # type: ignore[arg-type]  # kw: the fields validate_sampling checked
     except InvalidSamplingParam as e:  # the engine's own checks, in case they are stricter than ours

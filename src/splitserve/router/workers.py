@@ -12,6 +12,11 @@ selected once from the config): every request reaches the workers through it.
 
 A worker about to be scaled away is first `drain`ed: routing no longer sees it,
 its stats poll goes on, and `drained` says when it has finished its work.
+
+A worker whose stats polls keep failing (a wrong address, a worker not started,
+a wrong cluster token) is `unreachable`: logged at WARNING with the reason once
+when it becomes so and at INFO when it answers again, never at every poll, and
+named by the router's health (router/readiness.py).
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class Worker:
     # Stats polls in a row, since draining began, that found no work and no block in use. A request
     # routed just before the drain may still be on its way, so one idle poll is not proof.
     idle_polls: int = 0
+    # why its stats polls fail ("UNAVAILABLE: ..."), once they have failed enough in a row to take
+    # it out of routing; None while it answers
+    unreachable: str | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def decode_stub(self) -> wgrpc.DecodeWorkerStub:
@@ -195,7 +203,7 @@ class WorkerSet:
     # ---- background
 
     async def _poll_stats(self, w: Worker) -> None:
-        cfg = self.cfg
+        deadlines = self.cfg.deadlines
         while not self._closed:
             was = w.healthy
             # Tokens routed before this poll went out will show in its stats; the ones
@@ -203,42 +211,68 @@ class WorkerSet:
             # all made a burst's load vanish for a poll and fooled the pool scaler).
             assigned_before = w.assigned_tokens
             try:
-                st = await w.stub.GetStats(wpb.StatsRequest(), timeout=cfg.stats_timeout_s, metadata=cfg.auth_metadata)
+                st = await w.stub.GetStats(
+                    wpb.StatsRequest(), timeout=deadlines.stats_timeout_s, metadata=self.cfg.listeners.auth_metadata
+                )
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # the worker answered, at its own limit of concurrent calls: alive and busy, not dead
-                    log.debug("stats from %s refused: the worker is at its call limit", w.address)
-                else:
-                    w.failures += 1
-                    if w.failures >= cfg.unhealthy_after_failures:
-                        w.healthy = False
-                    log.debug("stats from %s failed (%d in a row): %s", w.address, w.failures, e.code())
+                self._poll_failed(w, e)
             else:
-                if st.block_size and st.block_size != cfg.block_size:
-                    if w.healthy or w.failures == 0:
-                        log.error(
-                            "worker %s has block_size %d, the router %d: not routing to it",
-                            w.address,
-                            st.block_size,
-                            cfg.block_size,
-                        )
-                    w.healthy, w.failures = False, 1
-                else:
-                    w.stats, w.failures, w.healthy = st, 0, True
-                    w.assigned_tokens = max(0, w.assigned_tokens - assigned_before)
-                    if w.draining:
-                        w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
+                self._poll_answered(w, st, assigned_before)
             if w.healthy != was:
                 log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
                 self._health_changed()
-            await asyncio.sleep(cfg.stats_interval_s)
+            await asyncio.sleep(deadlines.stats_interval_s)
+
+    def _poll_failed(self, w: Worker, e: grpc.aio.AioRpcError) -> None:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # the worker answered, at its own limit of concurrent calls: alive and busy, not dead
+            log.debug("stats from %s refused: the worker is at its call limit", w.address)
+            return
+        w.failures += 1
+        log.debug("stats from %s failed (%d in a row): %s", w.address, w.failures, e.code())
+        if w.failures < self.cfg.retries.unhealthy_after_failures:
+            return
+        w.healthy = False
+        why = f"{e.code().name}: {' '.join(str(e.details()).split())}"
+        if w.unreachable is None:  # once per change of state: a dead address must not flood the log
+            log.warning(
+                "%s worker %s is unreachable (%d stats polls failed in a row): %s; no request goes to it "
+                "until it answers (check the address and that the worker runs)",
+                w.role,
+                w.address,
+                w.failures,
+                why,
+            )
+        w.unreachable = why
+
+    def _poll_answered(self, w: Worker, st: wpb.WorkerStats, assigned_before: int) -> None:
+        if w.unreachable is not None:
+            log.info("%s worker %s answers again", w.role, w.address)
+            w.unreachable = None
+        block_size = self.cfg.routing.block_size
+        if st.block_size and st.block_size != block_size:
+            if w.healthy or w.failures == 0:
+                log.error(
+                    "worker %s has block_size %d, the router %d: not routing to it",
+                    w.address,
+                    st.block_size,
+                    block_size,
+                )
+            w.healthy, w.failures = False, 1
+            return
+        w.stats, w.failures, w.healthy = st, 0, True
+        w.assigned_tokens = max(0, w.assigned_tokens - assigned_before)
+        if w.draining:
+            w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
 
     async def _follow_blocks(self, w: Worker) -> None:
-        cfg = self.cfg
+        deadlines = self.cfg.deadlines
         index = self.index
         while not self._closed:
             call = w.stub.BlockEvents(
-                wpb.BlockEventsRequest(), timeout=cfg.block_events_timeout_s, metadata=cfg.auth_metadata
+                wpb.BlockEventsRequest(),
+                timeout=deadlines.block_events_timeout_s,
+                metadata=self.cfg.listeners.auth_metadata,
             )
             try:
                 async for batch in call:
@@ -256,7 +290,7 @@ class WorkerSet:
                 call.cancel()
             # What we knew may be stale now; the next subscription starts with a snapshot.
             index.cleared(w.address)
-            await asyncio.sleep(cfg.reconnect_backoff_s)
+            await asyncio.sleep(deadlines.reconnect_backoff_s)
 
 
 def _idle(st: wpb.WorkerStats) -> bool:
