@@ -6,6 +6,7 @@ outage; a worker at its own call limit is busy, not dead; /metrics is on the HTT
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 from splitserve.router.config import Deadlines, Listeners, Retries, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.readiness import DRAINING, NO_WORKER, READY, readiness
-from splitserve.router.server import Router
+from splitserve.router.server import HEALTH_DETAILS_KEY, Router
 from splitserve.router.tokenizer import ByteTokenizer
 from tests.test_router_server import FAST, cluster, joined, run, status_of, until
 
@@ -236,3 +237,48 @@ def test_the_metrics_port_keeps_vllm_style_names_for_an_openmetrics_scraper() ->
             await router.stop(0)
 
     run(scenario)
+
+
+def test_an_unreachable_worker_is_logged_once_at_warning_and_named_by_health(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.e2e_helpers.cluster import free_port
+
+    caplog.set_level(logging.INFO, logger="splitserve.router.workers")
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: a mistyped address, say
+
+    async def scenario() -> None:
+        d = FakeDecodeWorker(FakeKVPlane(), [1, 2], worker_id="d0")
+        await d.start()
+        cfg = RouterConfig(deadlines=FAST, listeners=Listeners(host="127.0.0.1", grpc_port=0, http_port=0))
+        router = Router(cfg, ByteTokenizer(), decode=[d.address, dead], rng=random.Random(0))
+        port = await router.start()
+        try:
+            w = router.workers.get(dead)
+            assert w is not None
+            await until(lambda: w.failures >= 8)  # many polls past the 2 that make it unreachable
+            warnings = [r for r in caplog.records if r.levelno == logging.WARNING and dead in r.getMessage()]
+            assert len(warnings) == 1, [r.getMessage() for r in warnings]  # once, not at every poll
+            assert "unreachable" in warnings[0].getMessage() and "UNAVAILABLE" in warnings[0].getMessage()
+            # ready (d0 answers), and still naming the worker that does not, on both front doors
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{router.http_port}/health") as h:
+                body = await h.json()
+                assert h.status == 200 and body["status"] == "ok"
+                assert list(body["unreachable"]) == [dead] and body["unreachable"][dead].startswith("UNAVAILABLE")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert (await call).status == SERVING
+                details = dict(await call.trailing_metadata())[HEALTH_DETAILS_KEY]
+                assert f"unreachable: {dead} (UNAVAILABLE" in details
+        finally:
+            await router.stop(0)
+            await d.stop()
+
+    run(scenario)
+
+
+def test_readiness_names_the_unreachable_workers_ready_or_not() -> None:
+    r = readiness({}, {"decode": 1}, ("decode",), False, {"a:1": "UNAVAILABLE: connection refused"})
+    assert (r.code, r.unreachable) == (NO_WORKER, (("a:1", "UNAVAILABLE: connection refused"),))
+    assert r.details == "no ready decode worker (1 starting); unreachable: a:1 (UNAVAILABLE: connection refused)"
+    ok = readiness({"decode": 1}, {"decode": 2}, ("decode",), False, {"b:1": "DEADLINE_EXCEEDED: x"})
+    assert ok.ready and ok.details == "unreachable: b:1 (DEADLINE_EXCEEDED: x)"
+    assert readiness({"decode": 1}, {"decode": 1}, ("decode",), False).details == ""

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads onl
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Generation"
+HEALTH_DETAILS_KEY = "splitserve-health-details"  # a health Check's trailer: readiness's details, for people
 
 
 def parse_request(raw: bytes) -> pb.GenerateRequest:
@@ -238,8 +239,8 @@ def generation_handler(service: GenerationService) -> dict[str, grpc.RpcMethodHa
 
 class HealthService(health_pb2_grpc.HealthServicer):
     """SERVING while the router is ready (router/readiness.py): every required pool has a ready
-    worker and the router is not draining. Check's status details say, for people, what the
-    router waits for and which workers do not answer."""
+    worker and the router is not draining. Check's trailing metadata (HEALTH_DETAILS_KEY) says, for
+    people, what the router waits for and which workers do not answer."""
 
     def __init__(self, ready: Callable[[], Readiness]) -> None:
         self.ready = ready
@@ -261,8 +262,9 @@ class HealthService(health_pb2_grpc.HealthServicer):
         if request.service not in ("", SERVICE_NAME):
             await context.abort(grpc.StatusCode.NOT_FOUND, status_details(f"unknown service {request.service!r}"))
         r = self.ready()
-        if r.details:  # what it waits for and which workers do not answer, in the OK status's details
-            context.set_details(status_details(r.details))
+        if r.details:  # what it waits for and which workers do not answer (gRPC sends no details with OK)
+            details = status_details(r.details).encode("ascii", "backslashreplace").decode()  # metadata is ASCII
+            context.set_trailing_metadata(((HEALTH_DETAILS_KEY, details),))
         status = health_pb2.HealthCheckResponse.SERVING if r.ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
