@@ -3,7 +3,7 @@ transformers and against the machine's own limits, measured in one run.
 
 For each model and dtype it prints:
 
-- the hardware limits, measured here and now (`bench/hw.py`): the memory-read
+- the hardware limits, measured here and now (`measure/hw.py`): the memory-read
   bandwidth and one pass of `F.linear` over a full set of the model's weight
   shapes at batch 1, at the decode batch and (if asked) at prompt length;
 - batch-1 decode: our tokens/s and transformers' `generate` (greedy, a fixed

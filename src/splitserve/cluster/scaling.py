@@ -3,7 +3,7 @@ workers are booting or draining, the time now and what the controller
 remembers, decide to grow the pool, shrink it by one worker, or hold.
 
 A pure function of its arguments: no clock reads, no randomness, no I/O. The
-pool manager (router/pool.py) calls it every `interval_s` and acts on the result.
+pool manager (cluster/pool.py) calls it every `interval_s` and acts on the result.
 
     load(w)        = queued_tokens                       metric "queued_tokens" (prefill)
                    = queued_tokens + running_tokens      metric "work_tokens"   (decode)

@@ -17,8 +17,8 @@ how its payloads move (bytes on the connection, or CUDA IPC device copies:
 cuda_ipc.py), links.py.
 
 The names below load their modules on first use, so that importing one light
-module (worker/config.py takes the transport names from reservation.py, and the
-router imports that config) does not load the data plane or register its metrics.
+module (workers/common/config.py takes the transport names from reservation.py, and
+the Ray pool manager imports that config) does not load the data plane or register its metrics.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Prometheus metrics over HTTP, always in the text format, for every process that serves its own
-port: a worker (worker/metrics.py) and the router's `--metrics-port` (router/server.py).
+port: a worker (workers/common/metrics.py) and the router's `--metrics-port` (router/server.py).
 
 Not prometheus_client's `start_http_server`: it answers a scraper that accepts OpenMetrics (Prometheus
 does) in that format, and its OpenMetrics writer turns the ':' of vLLM-style names into '_', so a real
