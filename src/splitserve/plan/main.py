@@ -5,40 +5,25 @@ be served disaggregated, and how?
         --network-gbps 400 --rdma --prompt-len 8192 --output-len 256 --rate 10
 
 Prints the capacity arithmetic, the KV transfer, roofline step times, the five
-checks and the recommendation. With `splitserve.plan.sim.simulate` present and
-offering `add_arguments(parser)` and `run_simulation(args, plan)`, its flags
-(`--simulate`, ...) join these and it runs after the plan.
+checks and the recommendation. The simulator's flags (`--simulate`, ...: plan/sim/cli.py)
+join these, and with `--simulate` it runs after the plan.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
-from types import ModuleType
 
 from splitserve.plan.decision import Plan, decide
-from splitserve.plan.deployment import Deployment
+from splitserve.plan.deployment import Deployment, DeploymentCosts
 from splitserve.plan.hardware import CPU_HERE, GPUS, Network, accelerator
 from splitserve.plan.report import format_plan
 from splitserve.plan.roofline import Efficiency
 from splitserve.plan.shapes import BUILTIN, dtype_bytes, load_shape
+from splitserve.plan.sim import cli as sim_cli
 from splitserve.plan.sim.workload import Length, Workload, lengths_from_result
-
-_SIMULATOR = "splitserve.plan.sim.simulate"
-
-
-def simulator() -> ModuleType | None:
-    """The simulator's module if it is there and offers the hook, else None."""
-    try:
-        mod = importlib.import_module(_SIMULATOR)
-    except ModuleNotFoundError as e:
-        if e.name != _SIMULATOR:
-            raise
-        return None
-    return mod if hasattr(mod, "add_arguments") and hasattr(mod, "run_simulation") else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,9 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     w.add_argument("--tpot-slo-ms", type=float, default=100.0)
     w.add_argument("--concurrency", type=int, default=0, help="report the longest context at this many requests")
-    sim = simulator()
-    if sim is not None:
-        sim.add_arguments(p)
+    sim_cli.add_arguments(p)
 
 
 def build(args: argparse.Namespace) -> tuple[Deployment, Workload]:
@@ -134,7 +117,4 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     plan: Plan = decide(dep, wl)
     print(format_plan(plan, args.concurrency))
-    sim = simulator()
-    if sim is not None:
-        return int(sim.run_simulation(args, plan) or 0)
-    return 0
+    return sim_cli.run_simulation(args, plan, DeploymentCosts(dep))

@@ -1,12 +1,14 @@
 """`splitserve plan --simulate`: the plan's deployment and workload, simulated.
 
-plan/main.py calls `add_arguments` and `run_simulation` (through plan/simulate.py).
-The cost model is the plan's own roofline (`DeploymentCosts`, an adapter of
-plan/deployment.py's step times), or a profile measured here with
+plan/main.py calls `add_arguments` and `run_simulation`; this module sits on top of
+the simulator (simulate.py, sweep.py), which never imports it.
+The cost model is the plan's own roofline (`roofline`: plan/main.py passes
+plan/deployment.py's `DeploymentCosts`, so that plan/sim/ stands below the rest
+of plan/ and never imports it), or a profile measured here with
 `--sim-profile` (plan/calibrate.py). Each mode runs at each rate on Poisson
 arrivals of the workload's lengths; `--sim-split` searches the prefill:decode
 split of the GPU budget at the highest rate. `--plot DIR` draws both as PNGs
-(plan/sim_plots.py).
+(plan/sim/plots.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim.simulate import MODES, ClusterSpec, Mode, Request, SimResult, Slo, simulate
@@ -35,25 +37,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, metavar="DIR", help=charts)
 
 
-def run_simulation(args: argparse.Namespace, plan: Any) -> int:
-    if not args.simulate:
-        return 0
-    dep, wl = plan.deployment, plan.workload
-    costs: CostModel
-    spread: StepSpread | None = None
-    chunk = args.sim_max_batched_tokens
-    kv_tokens: int | None = max(1, int(dep.max_batch(1)))
+class _Costs(NamedTuple):
+    """What the simulation is priced on: the model, its decode spread, the step's token budget, KV room."""
+
+    model: CostModel
+    spread: StepSpread | None
+    chunk: int  # tokens per engine step
+    kv_tokens: int | None  # KV room per worker; None: never the limit
+    what: str  # where the figures come from, for the header
+
+
+def _costs(args: argparse.Namespace, dep: Any, roofline: CostModel) -> _Costs:
+    """A measured profile with `--sim-profile`, else the plan's roofline."""
     if args.sim_profile:
         from splitserve.plan.profile import ProfileCosts, load_profile
 
         profile = load_profile(args.sim_profile)
-        costs, chunk, kv_tokens = ProfileCosts(profile), profile.max_num_batched_tokens, None
-        spread = profile.step_spread()
         what = f"the profile {args.sim_profile} ({profile.description})"
-    else:
-        from splitserve.plan.deployment import DeploymentCosts
+        return _Costs(ProfileCosts(profile), profile.step_spread(), profile.max_num_batched_tokens, None, what)
+    kv_tokens = max(1, int(dep.max_batch(1)))
+    return _Costs(roofline, None, args.sim_max_batched_tokens, kv_tokens, f"the roofline of {dep.gpu.name}")
 
-        costs, what = DeploymentCosts(dep), f"the roofline of {dep.gpu.name}"
+
+def run_simulation(args: argparse.Namespace, plan: Any, roofline: CostModel) -> int:
+    """`plan`: plan/decision.py's Plan; `roofline`: its deployment's step times as a cost model."""
+    if not args.simulate:
+        return 0
+    dep, wl = plan.deployment, plan.workload
+    c = _costs(args, dep, roofline)
     rates = [float(r) for r in args.sim_rates.split(",")] if args.sim_rates else [wl.rate]
     modes: list[Mode] = [m for m in MODES if m in args.sim_modes.split(",")]
     replicas = dep.replicas
@@ -63,9 +74,8 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
     p = rec.prefill_replicas if rec.disaggregate else _proportional_split(replicas, plan.costs)
     slo = Slo(wl.ttft_slo_s, wl.tpot_slo_s)
     lengths = _lengths(args, wl, random.Random(args.sim_seed), args.sim_requests)
-    reuse = wl.prefix_reuse
     print(
-        f"\nsimulation: {len(lengths)} requests per run, {replicas} replicas of {dep.tp} GPU(s), costs from {what}; "
+        f"\nsimulation: {len(lengths)} requests per run, {replicas} replicas of {dep.tp} GPU(s), costs from {c.what}; "
         f"disaggregated and auto as {p} prefill + {replicas - p} decode replicas, auto prefilling locally up to "
         f"{rec.local_prefill_max_tokens or 256} uncached tokens"
     )
@@ -75,11 +85,11 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
     )
     results = []
     for rate in rates:
-        reqs = _requests(rate, lengths, reuse, args.sim_seed)
+        reqs = _requests(rate, lengths, wl.prefix_reuse, args.sim_seed)
         for mode in modes:
-            spec = _spec(mode, replicas, p, dep, chunk, kv_tokens, rec.local_prefill_max_tokens)
+            spec = _spec(mode, replicas, p, dep, c.chunk, c.kv_tokens, rec.local_prefill_max_tokens)
             t = time.perf_counter()
-            r = simulate(reqs, spec, costs, random.Random(args.sim_seed), slo, rate, spread=spread)
+            r = simulate(reqs, spec, c.model, random.Random(args.sim_seed), slo, rate, spread=c.spread)
             results.append(r)
             print(_row(r, time.perf_counter() - t))
     charts = []
@@ -88,35 +98,36 @@ def run_simulation(args: argparse.Namespace, plan: Any) -> int:
 
         charts.append(plot_rates(results, slo, args.plot))
     if args.sim_split and replicas >= 2:
-        rate = max(rates)
-        t = time.perf_counter()
-        search = best_split(
-            _requests(rate, lengths, reuse, args.sim_seed),
-            dep.gpus,
-            _spec("disaggregated", replicas, 1, dep, chunk, kv_tokens),
-            costs,
-            slo,
-            args.sim_seed,
-            spread=spread,
-        )
-        print(
-            f"\nprefill:decode split of {dep.gpus} GPUs at {rate:g} req/s, disaggregated "
-            f"({len(search.points)} splits simulated in {time.perf_counter() - t:.1f}s):"
-        )
-        for pt in search.points:
-            mark = "  <- best" if pt is search.best else ""
-            r = pt.result
-            print(
-                f"  {pt.prefill_gpus:4d} prefill : {pt.decode_gpus:4d} decode GPUs  goodput {r.goodput:8.2f} "
-                f"req/s  SLO met {r.slo_attainment:6.1%}  TTFT p90 {_ms(r.ttft.p90)}{mark}"
-            )
-        if args.plot:
-            from splitserve.plan.sim.plots import plot_split
-
-            charts.append(plot_split(search, rate, slo, args.plot))
+        reqs = _requests(max(rates), lengths, wl.prefix_reuse, args.sim_seed)
+        charts += _split_search(args, reqs, max(rates), dep, c, slo)
     for path in charts:
         print(f"chart: {path}")
     return 0
+
+
+def _split_search(
+    args: argparse.Namespace, reqs: list[Request], rate: float, dep: Any, c: _Costs, slo: Slo
+) -> list[str]:
+    """Print the prefill:decode splits simulated at `rate`, disaggregated; the chart drawn, if any."""
+    t = time.perf_counter()
+    spec = _spec("disaggregated", dep.replicas, 1, dep, c.chunk, c.kv_tokens)
+    search = best_split(reqs, dep.gpus, spec, c.model, slo, args.sim_seed, spread=c.spread)
+    print(
+        f"\nprefill:decode split of {dep.gpus} GPUs at {rate:g} req/s, disaggregated "
+        f"({len(search.points)} splits simulated in {time.perf_counter() - t:.1f}s):"
+    )
+    for pt in search.points:
+        mark = "  <- best" if pt is search.best else ""
+        r = pt.result
+        print(
+            f"  {pt.prefill_gpus:4d} prefill : {pt.decode_gpus:4d} decode GPUs  goodput {r.goodput:8.2f} "
+            f"req/s  SLO met {r.slo_attainment:6.1%}  TTFT p90 {_ms(r.ttft.p90)}{mark}"
+        )
+    if not args.plot:
+        return []
+    from splitserve.plan.sim.plots import plot_split
+
+    return [plot_split(search, rate, slo, args.plot)]
 
 
 def _spec(

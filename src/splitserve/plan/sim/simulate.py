@@ -7,7 +7,7 @@ measured here (`plan/profile.py`) or from the roofline (`plan/costs.py`).
                       costs, random.Random(0), Slo(ttft_s=1.0, tpot_s=0.05))
     result.goodput, result.ttft.p90, result.itl.p50
 
-The workers are `plan/sim_worker.py`'s step loops; this module is the router
+The workers are `plan/sim/worker.py`'s step loops; this module is the router
 and the clock. Routing mirrors router/policy.py: a request goes to the decode
 worker with the least queued and running tokens (ties drawn from the
 `random.Random` passed in), and in mode auto `choose_prefill_mode` itself
@@ -34,14 +34,13 @@ KV arrival), so the cost grows with simulated steps, not with requests x tokens.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from splitserve.measure.metrics import percentile
 from splitserve.plan.costs import CostModel, StepSpread
@@ -362,18 +361,3 @@ def _result(reqs: list[SimRequest], sim: _Cluster, spec: ClusterSpec, slo: Slo |
         steps=sim.steps,
         outcomes=outcomes,
     )
-
-
-# ---- the `splitserve plan --simulate` hook (plan/main.py looks for these two here) -----------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from splitserve.plan.sim.cli import add_arguments as add
-
-    add(p)
-
-
-def run_simulation(args: argparse.Namespace, plan: Any) -> int:
-    from splitserve.plan.sim.cli import run_simulation as run
-
-    return run(args, plan)
