@@ -17,6 +17,7 @@ from splitserve.plan.hardware import GPUS, Network
 from splitserve.plan.shapes import BUILTIN
 from splitserve.plan.sim.simulate import ClusterSpec, Mode, Request, Slo, percentile, simulate, weighted_percentiles
 from splitserve.plan.sim.sweep import best_split, poisson_requests, requests_from_run, sweep_rates
+from splitserve.router.config import RoutingConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,7 +112,7 @@ def test_the_same_seed_gives_the_same_result():
 
 
 def test_auto_prefills_short_prompts_locally_and_long_ones_remotely():
-    spec = ClusterSpec("auto", decode_workers=2, prefill_workers=1, local_prefill_max_tokens=256)
+    spec = ClusterSpec("auto", decode_workers=2, prefill_workers=1, routing=RoutingConfig(local_prefill_max_tokens=256))
     short = simulate(poisson_requests(5.0, [(200, 4)] * 50, random.Random(0)), spec, Toy(), random.Random(0))
     long = simulate(poisson_requests(5.0, [(300, 4)] * 50, random.Random(0)), spec, Toy(), random.Random(0))
     assert short.remote_share == 0.0

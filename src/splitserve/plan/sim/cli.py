@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim.simulate import MODES, ClusterSpec, Mode, Request, SimResult, Slo, simulate
 from splitserve.plan.sim.sweep import best_split, poisson_requests
+from splitserve.router.config import RoutingConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +143,7 @@ def _spec(
         max_num_batched_tokens=chunk,
         kv_capacity_tokens=kv_tokens,
         gpus_per_worker=dep.tp,
-        local_prefill_max_tokens=local_max if local_max is not None else 256,
+        routing=RoutingConfig(local_prefill_max_tokens=local_max if local_max is not None else 256),
     )
 
 

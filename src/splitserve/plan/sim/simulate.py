@@ -8,16 +8,32 @@ measured here (`plan/profile.py`) or from the roofline (`plan/costs.py`).
     result.goodput, result.ttft.p90, result.itl.p50
 
 The workers are `plan/sim/worker.py`'s step loops; this module is the router
-and the clock. Routing mirrors router/policy.py: a request goes to the decode
-worker with the least queued and running tokens (ties drawn from the
-`random.Random` passed in), and in mode auto `choose_prefill_mode` itself
-decides local or remote prefill from the same numbers the router reads. A
-remote prefill reserves its seat and KV room on the decode worker first (and
+and the clock. Routing is the router's own code, as Dynamo's mocker puts
+simulated engines behind the real router: each request goes through
+router/policy.py's `route` with the spec's `RoutingConfig` and the chooser that
+config selects, so the decode worker is the one the router's cost picks (the
+uncached prefill, the queued and running tokens, the KV shortfall; ties drawn
+from the `random.Random` passed in) and, in mode auto, local or remote prefill
+is `choose_prefill_mode`'s answer. The router reads each simulated worker's
+`load()` (the `WorkerLoad` of a real worker's stats) and a `PrefixIndex` fed by
+the decode workers' stored blocks, as a real router's is by their events.
+
+A request's prompt is a synthetic chain of engine/block_hash.py's chained
+hashes: its first `cached_tokens` are the same in every request and in every
+decode worker's cache from the start (a system prompt, the chat template:
+each worker's warm-up stored them), the next ones up to `prefix_tokens` are
+shared with the other requests of its `prefix_group` (a conversation's
+history, a document) and cached where one of them ran, and the rest is its
+own. The decode worker computes what its cache does not hold, and so does a
+prefill worker for it. A worker's cache holds every prefix it has stored until
+the end: nothing is evicted.
+
+A remote prefill reserves its seat and KV room on the decode worker first (and
 waits in that worker's line while it has none), then goes to the prefill
-worker with the fewest queued tokens. The first token comes from the prefill
-worker when its prompt is done, as in the real path (the router streams it at
-once); the KV's last layers then cross the link (`transfer_s`) and the request
-decodes on its decode worker from the next step.
+worker `choose_prefill_worker` picks (the fewest queued tokens). The first
+token comes from the prefill worker when its prompt is done, as in the real
+path (the router streams it at once); the KV's last layers then cross the link
+(`transfer_s`) and the request decodes on its decode worker from the next step.
 
 A measured `StepSpread` (`spread`) makes each decode-only step draw its time
 from the measured distribution around the cost model's figure, from the same
@@ -29,7 +45,9 @@ as it starts.
 
 There is no wall clock and no randomness but the generator passed in: the
 same inputs give the same result. Each event is one step of one worker (or a
-KV arrival), so the cost grows with simulated steps, not with requests x tokens.
+KV arrival), so the cost grows with simulated steps, not with requests x tokens;
+routing a request costs what it costs the router (a look at every decode worker,
+and the prompt's shared blocks in the prefix index).
 """
 
 from __future__ import annotations
@@ -39,26 +57,32 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
+from splitserve.engine.block_hash import ROOT_HASH, BlockHash, hash_block
 from splitserve.measure.metrics import percentile
 from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim.worker import SimRequest, SimWorker
 from splitserve.router.config import RoutingConfig
-from splitserve.router.policy import choose_prefill_mode
+from splitserve.router.policy import choose_prefill_worker, decode_chooser, route
+from splitserve.router.prefix_index import PrefixIndex
 
 Mode = Literal["colocated", "disaggregated", "auto"]
 MODES: tuple[Mode, ...] = ("colocated", "disaggregated", "auto")
 
 
 class Request(NamedTuple):
-    """One request of a workload: when it comes and how long it is."""
+    """One request of a workload: when it comes, how long it is, and what of its prompt it shares."""
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # prefix already in every worker's cache (a prefix-reuse rate, as tokens)
+    # the opening tokens (cached ones included) that every request of `prefix_group` shares: cached
+    # on the decode workers where one of them ran, so the router's prefix term sees them
+    prefix_tokens: int = 0
+    prefix_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,9 +93,10 @@ class ClusterSpec:
     max_num_seqs: int = 64  # per worker, as the engine's flag
     max_num_batched_tokens: int = 512  # per step: the prefill chunk plus the decodes
     kv_capacity_tokens: int | None = None  # KV room per worker in tokens; None: never the limit
-    local_prefill_max_tokens: int = 256  # auto: prefill locally at or under this many uncached tokens
-    prefill_backlog_tokens: int = 8192  # auto: ... or when the prefill pool is this backed up
     gpus_per_worker: int = 1  # tensor parallelism: a worker is this many GPUs (for GPU counts and splits)
+    # the router's own config section (block size, cost weights, the local-or-remote thresholds);
+    # its mode is made this spec's `mode` at construction, the cluster's shape deciding it
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,18 +107,12 @@ class ClusterSpec:
             raise ValueError(f"mode {self.mode} needs at least one prefill worker")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.routing.mode != self.mode:  # construction, not a later patch (as RouterConfig's shorthands)
+            object.__setattr__(self, "routing", replace(self.routing, mode=self.mode))
 
     @property
     def gpus(self) -> int:
         return (self.decode_workers + (self.prefill_workers if self.mode != "colocated" else 0)) * self.gpus_per_worker
-
-    def routing(self) -> RoutingConfig:
-        """The router's config section whose numbers the decision reads."""
-        return RoutingConfig(
-            mode=self.mode,
-            local_prefill_max_tokens=self.local_prefill_max_tokens,
-            prefill_backlog_tokens=self.prefill_backlog_tokens,
-        )
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,7 @@ class Outcome(NamedTuple):
     finish_s: float
     output_tokens: int
     remote: bool  # prefilled on a prefill worker
+    decode_worker: str  # where the router sent it ("decode0", ...)
 
     @property
     def tpot_s(self) -> float | None:
@@ -163,10 +183,14 @@ def simulate(
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
+        if not 0 <= r.prefix_tokens < r.prompt_tokens or r.prefix_group < 0:
+            raise ValueError(f"a shared prefix of {r.prefix_tokens} tokens in a prompt of {r.prompt_tokens}")
+    chains = PromptChains(cluster.routing.block_size)
     reqs = [
-        SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens)
+        SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens, chains.hashes(r))
         for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))
     ]
+    sim.warm_up(chains.everywhere(max((r.cached_tokens for r in requests), default=0)))
     sim.run(reqs)
     # a bug, not a result: every request finishes, and every worker ends empty
     unfinished = sum(1 for r in reqs if r.finish_s < 0)
@@ -176,8 +200,38 @@ def simulate(
     return _result(reqs, sim, cluster, slo, rate)
 
 
+class PromptChains:
+    """The block hashes of the workload's synthetic prompts (engine/block_hash.py's chain): token id
+    0 for the prefix every request shares (`cached_tokens`), 1 + its group for the prefix the
+    requests of one `prefix_group` share. Only the shared blocks are hashed: a prompt's own tail
+    matches no other prompt. Each chain is hashed once and extended as longer prompts need."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: dict[tuple[int, int], list[BlockHash]] = {}  # (where the group starts, group) -> chain
+
+    def everywhere(self, tokens: int) -> tuple[BlockHash, ...]:
+        """The full blocks of the first `tokens` tokens that every prompt shares."""
+        return self._chain(-1, 0, tokens // self.block_size)
+
+    def hashes(self, r: Request) -> tuple[BlockHash, ...]:
+        if r.prefix_tokens <= r.cached_tokens:
+            return self.everywhere(r.cached_tokens)
+        return self._chain(r.cached_tokens, r.prefix_group, r.prefix_tokens // self.block_size)
+
+    def _chain(self, start: int, group: int, blocks: int) -> tuple[BlockHash, ...]:
+        """`start` < 0: all of it the shared opening; else the group's own tokens from `start` on."""
+        chain = self._chains.setdefault((start, group), [])
+        bs = self.block_size
+        while len(chain) < blocks:
+            first = len(chain) * bs
+            tokens = [1 + group if 0 <= start <= t else 0 for t in range(first, first + bs)]
+            chain.append(hash_block(chain[-1] if chain else ROOT_HASH, tokens))
+        return tuple(chain[:blocks])
+
+
 class _Cluster:
-    """The router and the event queue."""
+    """The router (router/policy.py's `route`, its prefix index and chooser) and the event queue."""
 
     def __init__(
         self,
@@ -189,20 +243,36 @@ class _Cluster:
         prefill_slowdown: Callable[[int], float] | None = None,
     ) -> None:
         self.spec = spec
-        self.costs = costs
         self.prefill_costs = prefill_costs
         self.rng = rng
-        self.routing = spec.routing()
+        self.chooser = decode_chooser(spec.routing)  # selected once, as the router's WorkerSet does
+        self.index = PrefixIndex()
         self.events: list[tuple[float, int, SimWorker, SimRequest | None]] = []
         self.seq = 0
         self.itl_samples: list[tuple[float, int]] = []
         self.target: dict[int, SimWorker] = {}  # request index -> its decode worker, for remote prefills
         self.lines: dict[SimWorker, deque[SimRequest]] = {}  # remote prefills waiting for a seat
         self.steps = 0
+        self.decode = [
+            self._worker(f"decode{i}", costs, False, spread, prefill_slowdown) for i in range(spec.decode_workers)
+        ]
+        n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0
+        self.prefill = [
+            self._worker(f"prefill{i}", prefill_costs, True, spread, prefill_slowdown) for i in range(n_prefill)
+        ]
+        self.by_name = {w.name: w for w in self.decode + self.prefill}
+        for w in self.decode:
+            self.lines[w] = deque()
 
-        def itl(gap: float, count: int) -> None:
-            self.itl_samples.append((gap, count))
-
+    def _worker(
+        self,
+        name: str,
+        model: CostModel,
+        prefill_only: bool,
+        spread: StepSpread | None,
+        prefill_slowdown: Callable[[int], float] | None,
+    ) -> SimWorker:
+        rng, spec = self.rng, self.spec
         step_ratio: Callable[[int], float] | None = None
         if spread is not None and not spread.is_zero:
             measured = spread
@@ -217,26 +287,27 @@ class _Cluster:
             def prefill_factor() -> float:  # only steps with a prefill chunk ask: O(decode workers) each
                 return slowdown(sum(w.num_decoding for w in self.decode))
 
-        def worker(name: str, model: CostModel, prefill_only: bool) -> SimWorker:
-            return SimWorker(
-                name,
-                model,
-                spec.max_num_seqs,
-                spec.max_num_batched_tokens,
-                spec.kv_capacity_tokens,
-                prefill_only,
-                self._prefilled,
-                self._finished,
-                itl,
-                step_ratio,
-                prefill_factor,
-            )
+        return SimWorker(
+            name,
+            model,
+            spec.max_num_seqs,
+            spec.max_num_batched_tokens,
+            spec.kv_capacity_tokens,
+            prefill_only,
+            self._prefilled,
+            self._finished,
+            self._itl,
+            step_ratio,
+            prefill_factor,
+            block_size=spec.routing.block_size,
+            on_cached=None if prefill_only else self._cached,
+        )
 
-        self.decode = [worker(f"decode{i}", costs, False) for i in range(spec.decode_workers)]
-        n_prefill = spec.prefill_workers if spec.mode != "colocated" else 0
-        self.prefill = [worker(f"prefill{i}", prefill_costs, True) for i in range(n_prefill)]
-        for w in self.decode:
-            self.lines[w] = deque()
+    def warm_up(self, hashes: Sequence[BlockHash]) -> None:
+        """Every decode worker holds the prefix that every prompt shares (its warm-up stored it)."""
+        if hashes:
+            for w in self.decode:
+                self.index.stored(w.name, hashes)
 
     def push_step(self, t: float, w: SimWorker) -> None:
         self.seq += 1
@@ -256,21 +327,24 @@ class _Cluster:
             else:
                 w.join_remote(req, t, self.push_step)
 
-    # ---- routing (router/policy.py's terms)
-
-    def _least(self, workers: list[SimWorker], load: Callable[[SimWorker], int]) -> SimWorker:
-        best = min(load(w) for w in workers)
-        tied = [w for w in workers if load(w) == best]
-        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+    # ---- routing: the router's own functions on the simulated workers' view
 
     def _route(self, req: SimRequest, now: float) -> None:
-        d = self._least(self.decode, lambda w: w.queued_tokens + w.running_tokens)
-        if not self.prefill:
-            d.add(req, now, self.push_step)
-            return
-        uncached = req.prompt_tokens - req.cached_tokens
-        prefill_queue = min(p.queued_tokens for p in self.prefill)
-        if choose_prefill_mode(uncached, prefill_queue, d.queued_tokens, self.routing) == "local":
+        r = route(
+            req.hashes,
+            req.prompt_tokens,
+            self.index,
+            {w.name: w.load() for w in self.decode},
+            {p.name: p.queued_tokens for p in self.prefill},
+            self.spec.routing,
+            self.rng,
+            self.chooser,
+        )
+        d = self.by_name[r.worker]
+        req.decode_worker = d.name
+        # what the chosen worker's cache holds: neither it nor a prefill worker for it computes that
+        req.cached_tokens = req.computed = max(req.cached_tokens, r.overlap_blocks * self.spec.routing.block_size)
+        if r.mode == "local":
             d.add(req, now, self.push_step)
             return
         line = self.lines[d]
@@ -283,7 +357,16 @@ class _Cluster:
         d.reserve(req)
         self.target[req.index] = d
         req.remote = True
-        self._least(self.prefill, lambda w: w.queued_tokens).add(req, now, self.push_step)
+        p = choose_prefill_worker({p.name: p.queued_tokens for p in self.prefill}, self.rng)
+        self.by_name[p].add(req, now, self.push_step)
+
+    def _cached(self, w: SimWorker, req: SimRequest) -> None:
+        """A decode worker's BlocksStored event: the request's prompt blocks are in its cache."""
+        if req.hashes:
+            self.index.stored(w.name, req.hashes)
+
+    def _itl(self, gap: float, count: int) -> None:
+        self.itl_samples.append((gap, count))
 
     def _prefilled(self, p: SimWorker, req: SimRequest, now: float) -> None:
         self.seq += 1
@@ -332,7 +415,8 @@ def _stats(values: Sequence[float]) -> Percentiles:
 
 def _result(reqs: list[SimRequest], sim: _Cluster, spec: ClusterSpec, slo: Slo | None, rate: float) -> SimResult:
     outcomes = tuple(
-        Outcome(r.arrival_s, r.first_token_s - r.arrival_s, r.finish_s, r.output_tokens, r.remote) for r in reqs
+        Outcome(r.arrival_s, r.first_token_s - r.arrival_s, r.finish_s, r.output_tokens, r.remote, r.decode_worker)
+        for r in reqs
     )
     ttfts = [o.ttft_s for o in outcomes]
     tpots = [t for o in outcomes if (t := o.tpot_s) is not None]

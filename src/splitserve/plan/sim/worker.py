@@ -15,6 +15,13 @@ A prefill worker (`prefill_only`) is the same loop whose requests leave when
 their prompt is done; a decode worker also takes requests whose KV arrives from
 elsewhere (`join_remote`), which hold a seat from their reservation on.
 
+The router sees a simulated worker as it sees a real one: `load()` is the
+`WorkerLoad` that router/workers.py builds from a worker's WorkerStats (queued
+and running tokens, free and total KV blocks), and a decode worker reports the
+prompt blocks it now holds (`on_cached`, a request's block hashes) where a real
+one sends a BlocksStored event, so the cluster's `PrefixIndex` is fed as the
+router's is.
+
 With a `step_ratio` (the cluster's draw from a measured `StepSpread`), a step
 that only decodes takes the cost model's figure times a ratio drawn for its
 batch; a step with a prefill chunk keeps the model's figure (the spread was
@@ -28,7 +35,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from splitserve.engine.block_hash import BlockHash
 from splitserve.plan.costs import CostModel, mixed_step_s
+from splitserve.router.policy import WorkerLoad
+
+# A worker without a KV limit (kv_capacity_tokens None) reports this many free blocks: never short.
+UNBOUNDED_BLOCKS = 1 << 40
 
 
 class SimRequest:
@@ -44,20 +56,35 @@ class SimRequest:
         "first_token_s",
         "finish_s",
         "remote",
+        "hashes",
+        "decode_worker",
     )
 
-    def __init__(self, index: int, arrival_s: float, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0):
+    def __init__(
+        self,
+        index: int,
+        arrival_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int = 0,
+        hashes: tuple[BlockHash, ...] = (),
+    ):
         if prompt_tokens < 1 or output_tokens < 1 or not 0 <= cached_tokens < prompt_tokens:
             raise ValueError(f"request {index}: prompt and output >= 1 token, cached below the prompt")
         self.index = index
         self.arrival_s = arrival_s
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
+        # found in its decode worker's cache (the router's overlap, once routed): neither worker computes them
         self.cached_tokens = cached_tokens
         self.computed = cached_tokens  # prompt tokens whose KV is in the cache
         self.first_token_s = -1.0
         self.finish_s = -1.0
         self.remote = False  # prefilled by a prefill worker
+        # the chained hashes of the prompt's blocks that other requests may share (a unique tail is left
+        # out: no other prompt has it, so no worker's cache could offer it to another request)
+        self.hashes = hashes
+        self.decode_worker = ""  # the router's choice, once routed
 
 
 # a step's ITL samples: (gap in seconds, how many tokens waited that long)
@@ -78,6 +105,8 @@ class SimWorker:
         itl: ItlSink,
         step_ratio: Callable[[int], float] | None = None,
         prefill_factor: Callable[[], float] | None = None,
+        block_size: int = 16,
+        on_cached: Callable[[SimWorker, SimRequest], None] | None = None,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -90,6 +119,9 @@ class SimWorker:
         self.itl = itl
         self.step_ratio = step_ratio  # a decode-only step of batch B takes the model's figure x step_ratio(B)
         self.prefill_factor = prefill_factor  # a step with a prefill chunk takes the figure x prefill_factor()
+        self.block_size = block_size  # the router's, for the free and total blocks it reads
+        self.on_cached = on_cached  # decode worker: a request's prompt KV is here (its blocks stored)
+        self.total_blocks = UNBOUNDED_BLOCKS if kv_capacity_tokens is None else kv_capacity_tokens // block_size
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.joining: list[SimRequest] = []  # remote KV arrived: decode from the next step
@@ -114,6 +146,17 @@ class SimWorker:
     def seats_used(self) -> int:
         return len(self.prefilling) + self.num_decoding + len(self.joining) + self.reserved
 
+    def load(self) -> WorkerLoad:
+        """What the router reads of this worker, as router/workers.py's `Worker.load()` gives it of a
+        real one. The simulated stats are never stale, so there are no routed-but-unreported tokens
+        to add; KV is held from admission for the whole request (prompt + output), so free blocks
+        are the room not yet promised."""
+        if self.kv_capacity is None:
+            free = UNBOUNDED_BLOCKS
+        else:
+            free = max(0, self.kv_capacity - self.kv_used) // self.block_size
+        return WorkerLoad(self.queued_tokens, self.running_tokens, free, self.total_blocks)
+
     def has_seat(self) -> bool:
         return self.seats_used < self.max_num_seqs
 
@@ -135,6 +178,8 @@ class SimWorker:
     def join_remote(self, req: SimRequest, now: float, push: Callable[[float, SimWorker], None]) -> None:
         """The reserved request's KV has arrived."""
         self.reserved -= 1
+        if self.on_cached is not None:
+            self.on_cached(self, req)
         if req.output_tokens == 1:  # its one token came from the prefill worker
             self._finish(req, now, req.prompt_tokens)
             return
@@ -229,6 +274,8 @@ class SimWorker:
                 continue
             self.prefilling.remove(req)
             req.first_token_s = now
+            if self.on_cached is not None and not self.prefill_only:
+                self.on_cached(self, req)
             if self.prefill_only:
                 self.kv_used -= req.prompt_tokens + req.output_tokens
                 self.running_tokens -= req.prompt_tokens
