@@ -33,11 +33,11 @@ def test_a_remote_prefill_gives_the_local_engines_tokens(pair):
     (want,) = tiny_engine().generate([PROMPT], GREEDY)
     remote = pair.reserve("r", PROMPT, GREEDY)
     assert pair.decode.lookup("r").status is SeqStatus.RESERVED
-    stream = pair.start_prefill("r", PROMPT, GREEDY, remote)
+    pair.start_prefill("r", PROMPT, GREEDY, remote)
     first = pair.prefill_until_done("r")
     assert pair.prefill.lookup("r").status is SeqStatus.HELD  # blocks kept while the sender reads them
-    stream.finish(first, timeout=5)
-    assert pair.prefill.release("r")
+    assert pair.poll_prefill() == []  # the confirmed send frees them
+    assert pair.prefill.lookup("r") is None
     (committed,) = pair.poll_decode()
     assert committed.token_id == -1 and not committed.finished  # the router has the first token already
     assert [first, *pair.decode_to_end("r")] == want
@@ -84,26 +84,36 @@ def test_abort_on_the_decode_side_mid_stream_ends_the_prefill_with_the_streams_c
     assert pair.prefill.lookup("r") is None
 
 
-def test_abort_on_the_prefill_side_at_every_stage(pair):
-    for stage in ("waiting", "running", "held"):
+def test_abort_on_the_prefill_side_before_the_first_token(pair):
+    for stage in ("waiting", "running"):
         remote = pair.reserve(stage, PROMPT, GREEDY)
-        stream = pair.start_prefill(stage, PROMPT, GREEDY, remote)
+        ticket = pair.start_prefill(stage, PROMPT, GREEDY, remote)
         if stage == "running":
             pair.step_prefill()
-        elif stage == "held":
-            pair.prefill_until_done(stage)
         assert pair.prefill.lookup(stage).status.value == stage
         assert pair.prefill.abort(stage)
-        stream.abort("cancelled")
+        pair.prefill_connector.abort(ticket, "cancelled")  # what the service does when its call ends
         (failed,) = pair.poll_decode()
         assert failed.finish_reason == "aborted_by_sender"
+    assert pair.poll_prefill() == []  # an aborted send reports nothing
+
+
+def test_a_held_request_aborted_while_its_send_is_confirmed_frees_its_blocks_once(pair):
+    remote = pair.reserve("r", PROMPT, GREEDY)
+    pair.start_prefill("r", PROMPT, GREEDY, remote)
+    pair.prefill_until_done("r")  # Done is on its way
+    assert pair.prefill.abort("r")
+    (committed,) = pair.poll_decode()  # the decode side has every byte: the request runs there
+    assert not committed.finished
+    assert pair.poll_prefill() == []  # the confirmation finds no held request: nothing is freed twice
+    assert pair.decode.abort("r")
 
 
 def test_abort_after_commit_frees_a_running_request(pair):
     remote = pair.reserve("r", PROMPT, GREEDY)
-    stream = pair.start_prefill("r", PROMPT, GREEDY, remote)
-    stream.finish(pair.prefill_until_done("r"), timeout=5)
-    pair.prefill.release("r")
+    pair.start_prefill("r", PROMPT, GREEDY, remote)
+    pair.prefill_until_done("r")
+    pair.poll_prefill()
     pair.poll_decode()
     pair.decode.step()
     assert pair.decode.lookup("r").status is SeqStatus.RUNNING

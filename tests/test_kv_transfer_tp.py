@@ -320,16 +320,15 @@ def test_a_prefill_at_one_tp_size_feeds_a_decode_at_another_token_for_token(pref
         assert prefill.kv_cache.layout.tp_size == prefill_tp and decode.kv_cache.layout.tp_size == decode_tp
         decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
         decode.connect(decode_connector)
-        prefill_connector = SenderConnector(prefill.cfg.block_size, len(prefill.model.layers), cuda=False)
-        prefill.connect(prefill_connector)
         sender = KVSender(prefill.kv_cache)
+        prefill_connector = SenderConnector(sender, confirm_timeout_s=10.0)
+        prefill.connect(prefill_connector)
         pair = EnginePair(prefill, decode, receiver, sender, decode_connector, prefill_connector)
         remote = pair.reserve("r", prompt, greedy)
         assert remote.transfer.layout.tp_size == decode_tp  # the reservation states the decode side's size
-        stream = pair.start_prefill("r", prompt, greedy, remote)
+        pair.start_prefill("r", prompt, greedy, remote)
         first = pair.prefill_until_done("r")
-        stream.finish(first, timeout=10)
-        assert pair.prefill.release("r")
+        assert pair.poll_prefill(timeout_s=10) == []  # confirmed: the held blocks are free
         pair.poll_decode(timeout_s=10)
         assert [first, *pair.decode_to_end("r")] == want
         sender.close()

@@ -139,13 +139,12 @@ def test_remote_prefill_counts_its_prompt_on_the_prefill_worker_and_its_queue_to
         assert (d("num_requests_running"), d("num_requests_waiting")) == (0.0, 1.0)  # reserved: waits for its KV
         assert d("kv_cache_usage_perc") == 3 / 64
         clock.now = 1.0
-        stream = pair.start_prefill("r", PROMPT, greedy(3), remote)  # prefill arrival: 1
+        pair.start_prefill("r", PROMPT, greedy(3), remote)  # prefill arrival: 1
         clock.now = 2.0
         assert pair.step_prefill() == []  # the first 8 tokens
         clock.now = 3.0
-        first = pair.prefill_until_done("r")
-        stream.finish(first, timeout=5)
-        pair.prefill.release("r")
+        pair.prefill_until_done("r")
+        pair.poll_prefill()  # the confirmed send frees the held blocks
         pm.record(pair.prefill.drain_iteration_stats())
         clock.now = 4.0
         (commit,) = pair.poll_decode()  # the KV is in: r runs, with the prefill worker's first token

@@ -6,11 +6,16 @@ thread:
 
 - prefill role: `on_layer_done(layer, seqs, counts)` as each layer of a step
   lands in the cache (`wants_layers` says whether to call it at all: a hook
-  keeps CUDA graphs off);
+  keeps CUDA graphs off), and `on_prefill_done` once a prefill-only request's
+  first token is sampled: the request is HELD (its blocks kept for the sender)
+  until `poll` reports its transfer confirmed (the blocks are freed) or failed
+  (the request is aborted);
 - decode role: `reserve` when a request's KV is to be written by someone else,
   `cancel` when such a request is aborted (True once no write into its blocks
-  can still land: only then are the blocks freed), and `poll`, once per loop
-  iteration, for the transfers that ended since the last poll.
+  can still land: only then are the blocks freed);
+- both roles: `poll`, once per loop iteration, for the transfers that ended
+  since the last poll (a decode worker's KV arrived; a prefill worker's send
+  confirmed; either failed).
 
 Outcomes are keyed by the transfer id the connector gave out, not by request
 id: a late outcome of an old transfer can never touch a newer request that
@@ -27,7 +32,8 @@ if TYPE_CHECKING:
 
 
 class TransferOutcome(NamedTuple):
-    """One transfer that ended: completed with the first token, or failed with a code."""
+    """One transfer that ended: completed (received, or confirmed by the receiver) with the first
+    token, or failed with a code."""
 
     request_id: str
     transfer_id: bytes
@@ -47,17 +53,22 @@ class KVConnector(Protocol):
     def wants_layers(self) -> bool: ...  # call on_layer_done (a hook keeps CUDA graphs off)
 
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None: ...
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None: ...
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Transfer: ...
     def cancel(self, transfer_id: bytes) -> bool: ...
     def poll(self) -> list[TransferOutcome]: ...
 
 
 class NullConnector:
-    """No KV plane: nothing is reserved, nothing arrives."""
+    """No KV plane: nothing is reserved, nothing arrives, nothing is sent (a held request waits
+    for `Engine.release`)."""
 
     wants_layers = False
 
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
+        pass
+
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None:
         pass
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Any:

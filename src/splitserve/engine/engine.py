@@ -7,9 +7,11 @@ for and joins the scheduler, the runner and the KV connector (engine/connector.p
 The workers wrap this same object in their roles:
 
 - prefill role: `add_request(..., prefill_only=True)` finishes a request after
-  its first token but holds its blocks until `release()`, because the KV
-  sender is still reading them; the connector's `on_layer_done` hears as each
-  layer's KV lands in the cache.
+  its first token but holds its blocks, because the KV sender is still reading
+  them; the connector's `on_layer_done` hears as each layer's KV lands in the
+  cache and `on_prefill_done` when the first token is sampled, and its poll
+  (`apply_transfers()`) frees the blocks once the send is confirmed, or ends
+  the request when it failed (`release()` frees them by hand: tests).
 - decode role: `reserve()` admits a request whose prompt KV the connector will
   receive into the returned blocks; `apply_transfers()` (the engine loop's
   poll) runs it once its KV has arrived, or ends it with the failure's code.
@@ -182,10 +184,13 @@ class Engine:
         return RemotePrefill(transfer, blocks.num_cached_tokens)
 
     def apply_transfers(self, outcomes: list[TransferOutcome]) -> list[StepOutput]:
-        """The connector's ended transfers: completed ones run (decode role), failed ones end."""
+        """The connector's ended transfers: completed ones run (decode role) or free the held
+        request's blocks (prefill role: the receiver confirmed them); failed ones end."""
         outs = []
         for o in outcomes:
             if o.first_token is not None:
+                if self.scheduler.release(o.request_id, o.transfer_id):
+                    continue
                 out = self.scheduler.commit_remote(o.request_id, o.transfer_id, o.first_token)
             else:
                 out = self.scheduler.fail_transfer(o.request_id, o.transfer_id, o.code or "transfer_failed")
@@ -199,7 +204,8 @@ class Engine:
         return self.scheduler.abort(request_id, self.connector.cancel)
 
     def release(self, request_id: str) -> bool:
-        """Prefill role: the KV of a finished request has been sent; free its blocks."""
+        """Prefill role: the KV of a finished request has been sent; free its blocks (the
+        connector's confirmed outcome does this in a worker)."""
         return self.scheduler.release(request_id)
 
     def lookup(self, request_id: str) -> Sequence | None:
@@ -217,7 +223,12 @@ class Engine:
         if batch is None:
             return []
         hook = self.connector.on_layer_done if self.connector.wants_layers else None
-        return self.scheduler.postprocess(batch, self.runner.run(batch, hook))
+        outs = self.scheduler.postprocess(batch, self.runner.run(batch, hook))
+        for out in outs:
+            if out.finish_reason == "prefill_done":  # held: the connector ends the send now
+                seq = self.scheduler.held[out.request_id]
+                self.connector.on_prefill_done(out.request_id, seq.transfer_id, out.token_id)
+        return outs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -1,13 +1,15 @@
 """The engine thread that both workers run.
 
 The engine is not thread-safe, so one thread owns it. gRPC handler threads
-talk to it by submitting small functions (`call`) that run between steps, and
-hear back through per-request sinks called with each `StepOutput`. Once per
-iteration the loop polls the engine's KV connector for transfers that ended
-(a decode worker's arriving KV), so the KV plane's threads never touch the
-engine. Block events and a stats snapshot are published after every step for
-the router, and the step's `IterationStats` go to `on_iteration` (the worker's
-metrics) on this thread.
+talk to it by submitting typed commands (engine/commands.py) that run between
+steps in the order submitted, each answered through a Future; an admitted
+request's outputs go to the sink given with its admission, called with each
+`StepOutput` on this thread (and dropped with its last output or its abort).
+Once per iteration the loop polls the engine's KV connector for transfers that
+ended (a decode worker's arriving KV, a prefill worker's confirmed send), so
+the KV plane's threads never touch the engine. Block events and a stats
+snapshot are published after every step for the router, and the step's
+`IterationStats` go to `on_iteration` (the worker's metrics) on this thread.
 """
 
 from __future__ import annotations
@@ -17,34 +19,50 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, NamedTuple
 
 from splitserve.engine.block_manager import BlockEvent
+from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 Stats = SchedulerStats  # what GetStats reports, snapshotted after every step
+Sink = Callable[[StepOutput], None]
+BlockCallback = Callable[[list[BlockEvent]], None]
+
+
+class _Subscribe(NamedTuple):
+    """The loop's own command: follow the prefix cache (`subscribe_blocks`)."""
+
+    callback: BlockCallback
+
+
+class _Posted(NamedTuple):
+    command: Command | _Subscribe | None  # None: only wake the loop
+    sink: Sink | None
+    future: Future[Any]
 
 
 class EngineLoop:
     def __init__(
         self,
         engine: Engine,
+        waiting_limit: int | None = None,
         idle_wait_s: float = 0.05,
         on_iteration: Callable[[IterationStats], None] | None = None,
     ) -> None:
-        """`on_iteration` is called on the engine thread with what each step counted; it must not block."""
+        """`waiting_limit`: requests an `Admit` lets wait for a seat (None: no limit);
+        `on_iteration` is called on the engine thread with what each step counted; it must not block."""
         self.engine = engine
+        self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
-        self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[StepOutput], None]] = {}
-        self._subscribers: list[Callable[[list[BlockEvent]], None]] = []
+        self._inbox: queue.SimpleQueue[_Posted] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._subscribers: list[BlockCallback] = []
         self._sub_lock = threading.Lock()
         self._stop = threading.Event()
         self.stats = engine.stats()
@@ -54,55 +72,44 @@ class EngineLoop:
 
     # ---- from any thread ----
 
-    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
-        """Run `fn(engine)` on the engine thread before the next step."""
-        fut: Future[T] = Future()
-        if self._stop.is_set():
-            fut.set_exception(RuntimeError("engine loop stopped"))
-            return fut
-        self._calls.put((fn, fut))
-        return fut
-
-    def set_sink(self, request_id: str, sink: Callable[[StepOutput], None]) -> None:
-        """`sink` is called on the engine thread with each output of the request; it must not block."""
-        self._sinks[request_id] = sink
-
-    def drop_sink(self, request_id: str, sink: Callable[[StepOutput], None]) -> None:
-        """Remove `sink` if it is still the request's (a later call's sink for the same id stays)."""
-        if self._sinks.get(request_id) == sink:
-            self._sinks.pop(request_id, None)
+    def submit(self, command: Command, sink: Sink | None = None) -> Future[Any]:
+        """Run `command` on the engine thread before the next step; the Future answers it (see
+        engine/commands.py). `sink` gets the outputs of the request an Admit or Reserve admits,
+        from the admission on: it must not block."""
+        return self._post(command, sink)
 
     def wake(self) -> None:
         """From any thread: end an idle wait now (the connector has news for the next poll)."""
-        self._calls.put((lambda e: None, Future()))
+        self._inbox.put(_Posted(None, None, Future()))
 
-    def subscribe_blocks(self, callback: Callable[[list[BlockEvent]], None]) -> Future[list[BlockEvent]]:
+    def subscribe_blocks(self, callback: BlockCallback) -> Future[list[BlockEvent]]:
         """Follow the prefix cache: resolves to a snapshot, after which `callback` gets every change."""
+        return self._post(_Subscribe(callback), None)
 
-        def snapshot(engine: Engine) -> list[BlockEvent]:
-            with self._sub_lock:
-                self._subscribers.append(callback)
-            hashes = engine.scheduler.cached_block_hashes()
-            return [BlockEvent("cleared", ()), BlockEvent("stored", hashes)] if hashes else [BlockEvent("cleared", ())]
-
-        return self.call(snapshot)
-
-    def unsubscribe_blocks(self, callback: Callable[[list[BlockEvent]], None]) -> None:
+    def unsubscribe_blocks(self, callback: BlockCallback) -> None:
         with self._sub_lock:
             if callback in self._subscribers:
                 self._subscribers.remove(callback)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._calls.put((lambda e: None, Future()))
+        self.wake()
         self._thread.join(timeout)
+
+    def _post(self, command: Command | _Subscribe, sink: Sink | None) -> Future[Any]:
+        fut: Future[Any] = Future()
+        if self._stop.is_set():
+            fut.set_exception(RuntimeError("engine loop stopped"))
+            return fut
+        self._inbox.put(_Posted(command, sink, fut))
+        return fut
 
     # ---- the engine thread ----
 
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            self._run_calls(block=not engine.has_work)
+            self._run_commands(block=not engine.has_work)
             self._deliver(engine.apply_transfers(engine.connector.poll()))
             if engine.has_work:
                 try:
@@ -113,7 +120,7 @@ class EngineLoop:
                 self.steps += 1
                 self._deliver(outputs)
             self._publish()
-        self._fail_pending_calls()
+        self._fail_pending()
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -123,21 +130,67 @@ class EngineLoop:
             if out.finished:
                 self._sinks.pop(out.request_id, None)
 
-    def _run_calls(self, block: bool) -> None:
+    def _run_commands(self, block: bool) -> None:
         try:
-            fn, fut = self._calls.get(timeout=self.idle_wait_s) if block else self._calls.get_nowait()
+            posted = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            if fut.set_running_or_notify_cancel():
+            if posted.command is not None and posted.future.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    posted.future.set_result(self._execute(posted.command, posted.sink))
                 except BaseException as e:  # handed to the caller, who knows what it means
-                    fut.set_exception(e)
+                    posted.future.set_exception(e)
             try:
-                fn, fut = self._calls.get_nowait()
+                posted = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _execute(self, command: Command | _Subscribe, sink: Sink | None) -> Any:
+        if isinstance(command, Admit):
+            return self._admit(command, sink)
+        if isinstance(command, Reserve):
+            return self._reserve(command, sink)
+        if isinstance(command, Abort):
+            return self._abort(command)
+        return self._subscribe(command.callback)
+
+    def _admit(self, cmd: Admit, sink: Sink | None) -> Admitted:
+        engine = self.engine
+        waiting = engine.scheduler.waiting_for_seat()
+        if self.waiting_limit is not None and waiting >= self.waiting_limit:
+            raise QueueFull(
+                f"{waiting} requests already wait for a seat on this worker (limit {self.waiting_limit}); retry later"
+            )
+        seq = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior)
+        seq.transfer_id = cmd.transfer_id
+        if sink is not None:
+            self._sinks[cmd.request_id] = sink
+        # a prefill-only request's cached prefix is found when it runs, and told in its output
+        cached = 0 if cmd.prefill_only else engine.scheduler.cached_prefix_tokens(cmd.prompt + cmd.prior)
+        return Admitted(seq.times, cached)
+
+    def _reserve(self, cmd: Reserve, sink: Sink | None) -> Admitted | None:
+        remote = self.engine.reserve(cmd.request_id, cmd.prompt, cmd.params, cmd.lease_s, cmd.prior)
+        seq = self.engine.lookup(cmd.request_id)
+        if remote is None or seq is None:
+            return None
+        if sink is not None:
+            self._sinks[cmd.request_id] = sink
+        return Admitted(seq.times, remote.num_cached_tokens, remote.transfer)
+
+    def _abort(self, cmd: Abort) -> bool:
+        seq = self.engine.lookup(cmd.request_id)
+        if seq is None or (cmd.transfer_id is not None and seq.transfer_id != cmd.transfer_id):
+            return False
+        self._sinks.pop(cmd.request_id, None)
+        return self.engine.abort(cmd.request_id)
+
+    def _subscribe(self, callback: BlockCallback) -> list[BlockEvent]:
+        with self._sub_lock:
+            self._subscribers.append(callback)
+        hashes = self.engine.scheduler.cached_block_hashes()
+        return [BlockEvent("cleared", ()), BlockEvent("stored", hashes)] if hashes else [BlockEvent("cleared", ())]
 
     def _publish(self) -> None:
         self.stats = self.engine.stats()
@@ -163,10 +216,10 @@ class EngineLoop:
             )
         return outs
 
-    def _fail_pending_calls(self) -> None:
+    def _fail_pending(self) -> None:
         while True:
             try:
-                _, fut = self._calls.get_nowait()
+                fut = self._inbox.get_nowait().future
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():

@@ -8,8 +8,9 @@ The states (and the one container that holds each):
     WAITING -> RUNNING -> HELD -> FINISHED              prefill role: blocks kept for the KV sender until `release`
 
 `requests` maps every unfinished id to its sequence, so `abort` is one lookup.
-Admission is one check for every path (`_has_room`): a request holds a seat
-from the moment it runs or is reserved, and at most `max_num_seqs` do.
+Admission is one check for every path (`free_seats`): a request holds a seat
+from the moment it runs or is reserved, and at most `max_num_seqs` do; the
+workers' bounded queue counts with the same seats (`waiting_for_seat`).
 
 One token budget per step (`max_num_batched_tokens`) is shared by everything:
 running requests first (a decoding request takes one token, a request still
@@ -37,6 +38,10 @@ from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sequence import SeqStatus, Sequence
 from splitserve.engine.stats import StatsRecorder
+
+
+class DuplicateRequest(ValueError):
+    """The request id belongs to a request this engine still holds (a held one included)."""
 
 
 class ScheduledBatch(NamedTuple):
@@ -107,8 +112,13 @@ class Scheduler:
 
     # ---- admission ----
 
-    def _has_room(self) -> bool:
-        return len(self.running) + len(self.reserved) < self.cfg.max_num_seqs
+    def free_seats(self) -> int:
+        """Seats (`max_num_seqs`) no running or reserved request holds."""
+        return max(0, self.cfg.max_num_seqs - len(self.running) - len(self.reserved))
+
+    def waiting_for_seat(self) -> int:
+        """Waiting requests that the free seats will not take at the next step."""
+        return len(self.waiting) - self.free_seats()
 
     def add(self, seq: Sequence) -> None:
         self._check_id(seq)
@@ -118,7 +128,7 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> RemoteBlocks | None:
         """Admit a request whose context KV is written by someone else; None if no seat or blocks now."""
         self._check_id(seq)  # before any block is taken
-        if not self._has_room() or not self._allocate(seq):
+        if not self.free_seats() or not self._allocate(seq):
             return None
         self.requests[seq.request_id] = seq
         seq.status = SeqStatus.RESERVED
@@ -128,7 +138,7 @@ class Scheduler:
 
     def _check_id(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+            raise DuplicateRequest(f"request_id {seq.request_id!r} is already in use")
 
     def _allocate(self, seq: Sequence) -> bool:
         """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
@@ -205,7 +215,7 @@ class Scheduler:
     def _admit_waiting(self, seqs: list[Sequence], counts: list[int], budget: int, max_tokens: int = 0) -> int:
         """Start waiting requests in arrival order while budget, seats and blocks allow (with
         `max_tokens`, only while the next one is that short); returns the budget left."""
-        while self.waiting and budget > 0 and self._has_room():
+        while self.waiting and budget > 0 and self.free_seats():
             seq = self.waiting[0]
             if max_tokens and len(seq) > max_tokens:
                 break
@@ -306,11 +316,13 @@ class Scheduler:
         seq.finish_reason = code
         return StepOutput(request_id, -1, None, True, code, seq.num_prompt_tokens, seq.num_cached_tokens)
 
-    def release(self, request_id: str) -> bool:
-        """Prefill role: a held request's KV has been sent; free its blocks."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
+    def release(self, request_id: str, transfer_id: bytes | None = None) -> bool:
+        """Prefill role: a held request's KV has been sent (on `transfer_id`, when given); free its
+        blocks. False if no such request is held."""
+        seq = self.held.get(request_id)
+        if seq is None or (transfer_id is not None and seq.transfer_id != transfer_id):
             return False
+        del self.held[request_id]
         self._finish(seq, "prefill_done")
         return True
 

@@ -5,7 +5,9 @@ opens a stream with the decode worker's `Reservation` (connect, then a
 handshake that checks the ticket and the layout), calls `send_layer` from the
 compute loop right after a layer's K and V are written, and ends with
 `finish(first_token, timeout)`, which returns only once the receiver has
-confirmed every byte.
+confirmed every byte, or with `finish_async`, which returns at once and calls
+back from the stream's own thread when the confirmation came or did not (the
+sender's one watchdog thread bounds the wait: transport.py).
 
 `send_layer` only queues views of the cache, one frame per run of blocks that
 is contiguous on both sides and per shard of the receiver's cache (one, at
@@ -30,13 +32,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
-from splitserve.kv_transfer.transport import Connection, ConnectionClosed, TCPTransport, Transport
+from splitserve.kv_transfer.transport import (
+    Connection,
+    ConnectionClosed,
+    TCPTransport,
+    Transport,
+    Watchdog,
+    Watched,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,8 @@ class KVSender:
         self.checksum_kind = frame.CHECKSUM_KINDS[checksum]
         self.queue_depth = queue_depth
         self._dialer = links.Dialer(cache, transport or TCPTransport(), connect_timeout)
+        self._watchdog: Watchdog | None = None  # bounds `finish_async`'s confirmations; started on first use
+        self._watchdog_lock = threading.Lock()
 
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
@@ -100,8 +111,19 @@ class KVSender:
         return KVStream(self, d, reservation, transport, payloads)
 
     def close(self) -> None:
-        """Close the idle connections."""
+        """Close the idle connections (and stop the confirmation watchdog)."""
         self._dialer.close()
+        with self._watchdog_lock:
+            watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.close()
+
+    def watchdog(self) -> Watchdog:
+        """The one thread that closes a stream's connection whose confirmation is overdue."""
+        with self._watchdog_lock:
+            if self._watchdog is None:
+                self._watchdog = Watchdog(lambda w: None, name="kv-tx-watchdog")
+            return self._watchdog
 
     def _handshake(self, conn: Connection, r: Reservation, ask: int) -> tuple[int, bytes]:
         """The ack's value and payload (how the stream's layer payloads travel: links.py)."""
@@ -180,6 +202,11 @@ class KVStream:
         self._finished = threading.Event()
         self._first_token: int | None = None
         self._sent_done = False
+        self._sender = sender
+        self._watched = Watched(d.conn)
+        self._confirm_s: float | None = None  # finish_async: how long the confirmation may take
+        self._on_end: Callable[[TransferError | None], None] | None = None  # finish_async's callback
+        self._end_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{r.request_id}", daemon=True)
         self._thread.start()
 
@@ -219,6 +246,19 @@ class KVStream:
             raise TransferError(f"receiver did not confirm within {timeout}s")
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._raise_if_failed()
+
+    def finish_async(self, first_token: int, timeout: float, on_end: Callable[[TransferError | None], None]) -> None:
+        """`finish` without the wait: queue Done (after the layers queued, with the same back-pressure)
+        and return. `on_end` is called once, on the stream's thread, with None once the receiver
+        confirmed every byte, else with the error (no confirmation within `timeout` included); it
+        must not block."""
+        self._first_token = first_token
+        self._confirm_s = timeout
+        self._on_end = on_end
+        try:
+            self._put(_DONE_ITEM)
+        except TransferError:
+            self._ended()  # the stream had failed: its thread may be gone already
 
     def abort(self, reason: str = "aborted by the prefill worker") -> None:
         """Give up: the receiver fails the reservation (its blocks are reset there)."""
@@ -311,17 +351,39 @@ class KVStream:
                 self._dialer.release(self._pool, self._conn)  # confirmed: reusable for the next stream
             else:
                 self._conn.close()
+            self._ended()
+
+    def _ended(self) -> None:
+        """Tell `finish_async`'s caller how the stream ended, once (a failed stream may tell it from
+        the caller's thread)."""
+        with self._end_lock:
+            on_end, self._on_end = self._on_end, None
+        if on_end is None:
+            return
+        confirmed = self._error is None and self._finished.is_set()
+        on_end(None if confirmed else TransferError(self._error or "the stream ended without a confirmation"))
 
     def _send_done(self) -> None:
         r = self.reservation
         assert self._first_token is not None
         self._sent_done = True
         self._conn.send([frame.encode_header(Header(frame.DONE, r.ticket, r.request_id, value=self._first_token))])
+        if self._confirm_s is not None:  # finish_async: nobody waits with a deadline, so the watchdog does
+            now = time.monotonic()
+            self._sender.watchdog().arm(self._watched, now + self._confirm_s, "confirm_timeout", now)
         try:
             reply, payload = read_control(self._conn)
         except (ConnectionClosed, FrameError) as e:
-            self._fail(f"no confirmation from the receiver: {e}")
+            overdue = self._watched.expired
+            self._fail(
+                f"receiver did not confirm within {self._confirm_s}s"
+                if overdue
+                else f"no confirmation from the receiver: {e}"
+            )
             return
+        finally:
+            if self._confirm_s is not None:
+                self._sender.watchdog().disarm(self._watched)
         if reply.kind != frame.ACK:
             self._fail(payload.decode(errors="replace") or "receiver refused the transfer")
             return

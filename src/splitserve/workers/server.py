@@ -71,38 +71,13 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         options=[("grpc.so_reuseport", 0)],
     )
     closers: list = []
-    kv_endpoint = None
+    kv_endpoint: str | None = None
     metrics = WorkerMetrics(engine.model_cfg.name, cfg.role, cfg.worker_id)
     engine.drain_iteration_stats()  # counted from here on: a warm-up request is not traffic
-    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
-
     if cfg.role == "decode":
-        from splitserve.kv_transfer import KVReceiver
-        from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
-        from splitserve.workers.decode.service import DecodeService
-
-        receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
-        closers.append(receiver.close)
-        kv_endpoint = receiver.endpoint
-        connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
-        engine.connect(connector)
-        loop = EngineLoop(engine, on_iteration=metrics.record)
-        connector.wake = loop.wake
-        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
+        loop, kv_endpoint = _serve_decode(cfg, engine, metrics, server, closers)
     else:
-        from splitserve.kv_transfer import KVSender
-        from splitserve.workers.prefill.connector import SenderConnector
-        from splitserve.workers.prefill.service import PrefillService
-
-        service = PrefillService(cfg, KVSender(engine.kv_cache), metrics)
-        sender_connector = SenderConnector(
-            engine.cfg.block_size, len(engine.model.layers), cuda=engine.kv_cache.tensor.is_cuda
-        )
-        engine.connect(sender_connector)
-        loop = EngineLoop(engine, on_iteration=metrics.record)
-        service.attach(loop, sender_connector)
-        closers.append(lambda: service.finisher.shutdown(wait=False))
-        wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+        loop = _serve_prefill(cfg, engine, metrics, server, closers)
     metrics.watch(lambda: loop.stats)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     if port == 0:
@@ -112,6 +87,47 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     address = f"{cfg.host}:{port}"
     log.info("%s worker %s listening on %s (kv %s)", cfg.role, cfg.worker_id, address, kv_endpoint)
     return RunningWorker(cfg, address, kv_endpoint, loop, server, closers, metrics)
+
+
+# Each role is built bottom up: its KV connector (which the engine calls), the engine loop,
+# then the service, given everything it uses.
+
+
+def _serve_decode(
+    cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, server: grpc.Server, closers: list
+) -> tuple[EngineLoop, str]:
+    from splitserve.kv_transfer import KVReceiver
+    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+    from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
+    from splitserve.workers.decode.service import DecodeService
+
+    receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
+    closers.append(receiver.close)
+    connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
+    engine.connect(connector)
+    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record)
+    connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
+    wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
+    return loop, receiver.endpoint
+
+
+def _serve_prefill(
+    cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, server: grpc.Server, closers: list
+) -> EngineLoop:
+    from splitserve.kv_transfer import KVSender
+    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+    from splitserve.workers.prefill.connector import SenderConnector
+    from splitserve.workers.prefill.service import PrefillService
+
+    sender = KVSender(engine.kv_cache)
+    closers.append(sender.close)
+    tail_time = metrics.phase("kv_transfer_tail")
+    connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
+    engine.connect(connector)
+    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record)
+    connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
+    wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, connector, metrics), server)
+    return loop
 
 
 def serve_metrics(worker: RunningWorker, port: int) -> str:

@@ -1,28 +1,35 @@
 """A CPU harness for the worker-side lifecycle, in the style of vLLM's
 connector tests: a tiny model, a prefill engine and a decode engine joined by
-the in-memory fake transport (no sockets, no gRPC, no threads of ours), and
-`assert_engine_empty`, the leak check every lifecycle test ends with.
+the in-memory fake transport (no sockets, no gRPC, no engine loop: the test
+steps the engines), and `assert_engine_empty`, the leak check every lifecycle
+test ends with.
 
     pair = EnginePair.tiny()
     remote = pair.reserve("r1", prompt, params)      # decode side: blocks and a ticket
-    stream = pair.start_prefill("r1", prompt, params, remote)
-    first = pair.prefill_until_done("r1")            # layer frames flow as layers land
-    stream.finish(first, timeout=5)
-    pair.prefill.release("r1")
+    pair.start_prefill("r1", prompt, params, remote)
+    first = pair.prefill_until_done("r1")            # layer frames flow as layers land, then Done
+    pair.poll_prefill()                              # the confirmed send frees the held blocks
     outs = pair.poll_decode()                        # the decode engine commits the KV
+
+The polls wait for the connectors' news (their `wake`), each with a deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opentelemetry.context import Context
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.connector import KVConnector
 from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import Clock
 from splitserve.engine.testing import random_weights, tiny_model_config
-from splitserve.kv_transfer import KVReceiver, KVSender, KVStream
+from splitserve.kv_transfer import KVReceiver, KVSender
 from splitserve.kv_transfer.fake import FakeTransport
 from splitserve.workers.decode.connector import ReceiverConnector
 from splitserve.workers.prefill.connector import SenderConnector
@@ -71,6 +78,26 @@ def assert_engine_empty(engine: Engine) -> None:
     assert all(rc == 0 for rc in engine.blocks.ref_counts)
 
 
+def poll_until(
+    engine: Engine,
+    connector: KVConnector,
+    news: threading.Event,
+    done: Callable[[list[StepOutput]], bool],
+    timeout_s: float,
+) -> list[StepOutput]:
+    """An engine loop's poll, woken by the connector's news, until `done(outputs so far)`."""
+    outs: list[StepOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        news.clear()  # before the poll: news that comes after it wakes the wait below
+        outs += engine.apply_transfers(connector.poll())
+        if done(outs):
+            return outs
+        left = deadline - time.monotonic()
+        assert left > 0, f"the connector's outcomes did not come in {timeout_s}s (got {outs})"
+        news.wait(left)
+
+
 @dataclass
 class EnginePair:
     prefill: Engine
@@ -79,6 +106,12 @@ class EnginePair:
     sender: KVSender
     decode_connector: ReceiverConnector
     prefill_connector: SenderConnector
+    decode_news: threading.Event = field(default_factory=threading.Event)  # the connectors' wake
+    prefill_news: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.decode_connector.wake = self.decode_news.set
+        self.prefill_connector.wake = self.prefill_news.set
 
     @staticmethod
     def tiny(decode_max_num_seqs: int = 8, num_blocks: int = 64, clock: Clock = time.monotonic) -> EnginePair:
@@ -89,34 +122,29 @@ class EnginePair:
         receiver = KVReceiver(decode.kv_cache, transport=transport)
         decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
         decode.connect(decode_connector)
-        prefill_connector = SenderConnector(prefill.cfg.block_size, len(prefill.model.layers), cuda=False)
+        sender = KVSender(prefill.kv_cache, transport=transport)
+        prefill_connector = SenderConnector(sender, confirm_timeout_s=5.0)
         prefill.connect(prefill_connector)
-        return EnginePair(
-            prefill,
-            decode,
-            receiver,
-            KVSender(prefill.kv_cache, transport=transport),
-            decode_connector,
-            prefill_connector,
-        )
+        return EnginePair(prefill, decode, receiver, sender, decode_connector, prefill_connector)
 
     def close(self) -> None:
         self.receiver.close()
+        self.sender.close()
 
     def reserve(self, rid: str, prompt: list[int], params: SamplingParams, lease_s: float = 30.0) -> RemotePrefill:
         remote = self.decode.reserve(rid, prompt, params, lease_s)
         assert remote is not None, "no seat or blocks on the decode engine"
         return remote
 
-    def start_prefill(self, rid: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill) -> KVStream:
-        """What the prefill service does: open the stream, admit prefill-only, attach the stream."""
-        stream = self.sender.open(remote.transfer)
-        seq = self.prefill.add_request(rid, prompt, params, prefill_only=True)
-        seq.transfer_id = remote.transfer.ticket
-        self.prefill_connector.add(
-            rid, stream, remote.transfer.ticket, remote.num_cached_tokens // self.prefill.cfg.block_size
+    def start_prefill(self, rid: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill) -> bytes:
+        """What the prefill service does: open the send, admit prefill-only on its ticket; the ticket."""
+        ticket: bytes = remote.transfer.ticket
+        self.prefill_connector.open(
+            rid, remote.transfer, remote.num_cached_tokens // self.prefill.cfg.block_size, Context()
         )
-        return stream
+        seq = self.prefill.add_request(rid, prompt, params, prefill_only=True)
+        seq.transfer_id = ticket
+        return ticket
 
     def step_prefill(self) -> list[StepOutput]:
         """One prefill step, after the connector's poll (as the engine loop does)."""
@@ -124,7 +152,7 @@ class EnginePair:
         return outs + (self.prefill.step() if self.prefill.has_work else [])
 
     def prefill_until_done(self, rid: str) -> int:
-        """Step the prefill engine until `rid` has its first token."""
+        """Step the prefill engine until `rid` has its first token (and its send its Done)."""
         for _ in range(1000):
             for out in self.step_prefill():
                 if out.request_id == rid:
@@ -132,15 +160,21 @@ class EnginePair:
                     return out.token_id
         raise AssertionError("prefill never finished")
 
+    def poll_prefill(self, timeout_s: float = 5.0) -> list[StepOutput]:
+        """The prefill loop's poll until no request is held (every send confirmed or failed)."""
+        return poll_until(
+            self.prefill,
+            self.prefill_connector,
+            self.prefill_news,
+            lambda _: not self.prefill.scheduler.held,
+            timeout_s,
+        )
+
     def poll_decode(self, timeout_s: float = 5.0, want: int = 1) -> list[StepOutput]:
         """The decode loop's poll, until `want` outputs have come out of it (the receiver's threads report)."""
-        outs: list[StepOutput] = []
-        deadline = time.monotonic() + timeout_s
-        while len(outs) < want:
-            assert time.monotonic() < deadline, f"only {len(outs)} of {want} transfer outcomes in {timeout_s}s"
-            outs += self.decode.apply_transfers(self.decode_connector.poll())
-            time.sleep(0.001)
-        return outs
+        return poll_until(
+            self.decode, self.decode_connector, self.decode_news, lambda outs: len(outs) >= want, timeout_s
+        )
 
     def decode_to_end(self, rid: str) -> list[int]:
         tokens = []

@@ -41,6 +41,9 @@ class ReceiverConnector:
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
         pass
 
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None:
+        pass  # a decode worker sends nothing
+
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Reservation:
         r = self.receiver.reserve(request_id, block_ids, lease_s, on_done=self._on_done)
         self._blocks[r.ticket] = r.block_ids

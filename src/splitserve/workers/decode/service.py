@@ -1,15 +1,16 @@
 """The decode worker's gRPC service: admit, reserve, decode, stream.
 
 One `Decode` call is one request from admission to finish; the service only
-validates, admits through the engine loop and streams what the engine emits.
+validates, admits through the engine loop (typed commands: engine/commands.py)
+and streams what the engine emits.
 In REMOTE mode the engine reserves the blocks the request lacks (its cached
 prefix is reused) through its KV connector (decode_worker/connector.py), and
 the reservation goes back to the router as the first event; the request runs
 once the engine loop's poll finds its KV arrived, with the first token the
 prefill worker sampled. Every way out (finish, client cancel, lease expiry, a
-failed transfer) ends in one `engine.abort`, which frees the blocks exactly
+failed transfer) ends in one `Abort` command, which frees the blocks exactly
 once and only when no transfer can still write them. The call owns its request
-id on this worker until then (worker/request_ids.py).
+id on this worker until then (workers/common/request_ids.py).
 
 Traced under the router's attempt (tracing.py): decode.admission (the `admission`
 phase: the engine's admission or reservation), then decode.stream until the call
@@ -23,12 +24,13 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from opentelemetry.context import Context
 
-from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
+from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
+from splitserve.engine.engine import StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
@@ -37,7 +39,6 @@ from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.runtime import tracing
-from splitserve.workers.common.admission import QueueFull, check_room
 from splitserve.workers.common.blocks import stream_block_events
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.common.grpc_abort import refuse
@@ -45,8 +46,6 @@ from splitserve.workers.common.metrics import WorkerMetrics
 from splitserve.workers.common.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _FINISH = {
     "stop": wpb.FINISH_REASON_STOP,
@@ -108,15 +107,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         if not self.calls.claim(rid, events):
             refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use on this worker")
         notes = _CallTrace()
-        sink = notes.sink(events)
-        self.loop.set_sink(rid, sink)
         try:
             if not context.add_callback(lambda: events.put(_CANCELLED)):
                 return  # the call is over already
             remote = request.prefill_mode == wpb.PREFILL_MODE_REMOTE
             attributes = {"splitserve.attempt_id": rid, "splitserve.prefill_mode": "remote" if remote else "local"}
             with tracing.phase("decode.admission", parent, self.admission_time, attributes):
-                first = self._admit(request, params, notes, context)
+                first = self._admit(request, params, notes, notes.sink(events), context)
             yield first
             span = tracing.start_span("decode.stream", parent, attributes)
             try:
@@ -126,39 +123,32 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         finally:
             # Ordered after the admission on the engine thread: whatever it admitted is found here.
             try:
-                self.loop.call(lambda engine: engine.abort(rid)).result(timeout=self.cfg.admit_timeout_s)
+                self.loop.submit(Abort(rid)).result(timeout=self.cfg.admit_timeout_s)
             except (TimeoutError, RuntimeError) as e:  # a stopped loop frees nothing any more
                 log.warning("request %s: engine abort did not run: %s", rid, e)
-            self.loop.drop_sink(rid, sink)
             self.calls.release(rid, events)
 
     def _admit(
-        self, request: wpb.DecodeRequest, params: SamplingParams, notes: _CallTrace, context: grpc.ServicerContext
+        self,
+        request: wpb.DecodeRequest,
+        params: SamplingParams,
+        notes: _CallTrace,
+        sink: Callable[[StepOutput], None],
+        context: grpc.ServicerContext,
     ) -> wpb.DecodeEvent:
         """Admit the request (LOCAL) or reserve its blocks (REMOTE); the call's first event."""
         rid = request.request_id
         prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
         if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
-
-            def admit_local(engine: Engine) -> int:
-                check_room(engine, self.cfg.waiting_limit)
-                engine.add_request(rid, prompt, params, output_token_ids=prior)
-                return engine.scheduler.cached_prefix_tokens(prompt + prior)
-
-            cached = self._call(admit_local, context)
-            return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
+            admitted: Admitted = self._submit(Admit(rid, prompt, params, prior), sink, context)
+            return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=admitted.num_cached_tokens))
         lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
-
-        def reserve(engine: Engine) -> RemotePrefill | None:
-            remote = engine.reserve(rid, prompt, params, lease_s, output_token_ids=prior)
-            seq = engine.lookup(rid) if remote is not None else None
-            notes.times = seq.times if seq is not None else None
-            return remote
-
-        remote = self._call(reserve, context)
-        if remote is None:
+        reserved: Admitted | None = self._submit(Reserve(rid, prompt, params, lease_s, prior), sink, context)
+        if reserved is None:
             refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
-        return wpb.DecodeEvent(reservation=convert.reservation_to_proto(remote.transfer, remote.num_cached_tokens))
+        # Before the sink can see a sampled token: that needs the KV, which needs this reservation.
+        notes.times = reserved.times
+        return wpb.DecodeEvent(reservation=convert.reservation_to_proto(reserved.transfer, reserved.num_cached_tokens))
 
     def _stream(
         self, events: Events[Any], logprobs: bool, notes: _CallTrace, trace: Context
@@ -205,9 +195,10 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 )
                 return
 
-    def _call(self, fn: Callable[[Engine], T], context: grpc.ServicerContext) -> T:
+    def _submit(self, command: Command, sink: Callable[[StepOutput], None], context: grpc.ServicerContext) -> Any:
+        """The command's answer (engine/commands.py), or the call ends with the engine's refusal."""
         try:
-            return self.loop.call(fn).result(timeout=self.cfg.admit_timeout_s)
+            return self.loop.submit(command, sink).result(timeout=self.cfg.admit_timeout_s)
         except ValueError as e:  # the engine refused what the request asked for
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
