@@ -17,12 +17,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster.placement import CPU
+from splitserve.engine.preflight import Check, Problem, engine_problems
 
 if TYPE_CHECKING:
     from splitserve.cluster.pool import PoolManager, PoolSpec
     from splitserve.cluster.scaling import ScalingConfig
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.preflight import Problem
     from splitserve.router.server import Router
     from splitserve.router.workers import Role
 
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(str(e))
     cpus_per_worker, problems = preflight(args, cfg)
     if problems:
-        return _refuse(*(p.line() for p in problems))
+        return _refuse(*(_said(p) for p in problems))
     from splitserve.router.event_loop import run as run_loop
 
     try:
@@ -187,6 +187,11 @@ def _refuse(*lines: str) -> int:
     for line in lines:
         print(f"splitserve serve: {line}", file=sys.stderr, flush=True)
     return 2
+
+
+def _said(problem: Problem) -> str:
+    # said as the check against Ray's own nodes says it (_place), before Ray or after
+    return f"cannot place the workers: {problem.line()}" if problem.check == Check.PLACEMENT else problem.line()
 
 
 def configure(a: argparse.Namespace) -> ServeConfig:
@@ -222,7 +227,6 @@ def preflight(a: argparse.Namespace, cfg: ServeConfig) -> tuple[float, list[Prob
         threads_per_rank,
         worker_cpus,
     )
-    from splitserve.engine.preflight import engine_problems
 
     problems = engine_problems(a.model, cfg.tp_flags)
     if a.ray_address:
