@@ -11,7 +11,7 @@ The workers wrap this same object in their roles:
   them; the connector's `on_layer_done` hears as each layer's KV lands in the
   cache and `on_prefill_done` when the first token is sampled, and its poll
   (`apply_transfers()`) frees the blocks once the send is confirmed, or ends
-  the request when it failed (`release()` frees them by hand: tests).
+  the request when it failed.
 - decode role: `reserve()` admits a request whose prompt KV the connector will
   receive into the returned blocks; `apply_transfers()` (the engine loop's
   poll) runs it once its KV has arrived, or ends it with the failure's code.
@@ -202,11 +202,6 @@ class Engine:
         """Stop a request wherever it is and free its blocks (a reserved one's once its transfer
         can no longer write them). False if unknown."""
         return self.scheduler.abort(request_id, self.connector.cancel)
-
-    def release(self, request_id: str) -> bool:
-        """Prefill role: the KV of a finished request has been sent; free its blocks (the
-        connector's confirmed outcome does this in a worker)."""
-        return self.scheduler.release(request_id)
 
     def lookup(self, request_id: str) -> Sequence | None:
         """The unfinished request with this id (held ones included)."""
