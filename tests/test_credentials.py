@@ -1,5 +1,5 @@
 """Secrets off the command line (credentials.py) and the worker's refusal to run
-without a cluster token (worker/auth.py, `splitserve worker`)."""
+without a cluster token (workers/common/auth.py, `splitserve worker`)."""
 
 from __future__ import annotations
 

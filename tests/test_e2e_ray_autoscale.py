@@ -10,7 +10,7 @@ fake multi-node provider's: real raylets of this machine, added and removed by t
 `serve --node-types` tells it.
 
 The pools grow and shrink by load, through the pool manager's own scale loop and the scaling
-policy of router/scaling.py (thresholds small enough for a test's load, windows of a second or
+policy of cluster/scaling.py (thresholds small enough for a test's load, windows of a second or
 so), not by a call from the test:
 - decode: three concurrent 64-token streams put the decode pool over its target: it starts a
   second worker, for which the autoscaler adds a decode node while the prefill node count stays

@@ -1,5 +1,5 @@
 """The worker-side lifecycle of a disaggregated request, on CPU engines joined
-by the in-memory fake transport (worker/testing.py): reserve, stream, commit,
+by the in-memory fake transport (workers/testing.py): reserve, stream, commit,
 release, cancel at every stage, lease expiry, a failed transfer's code, and
 `max_num_seqs` on the decode side. Every test ends with both engines empty."""
 

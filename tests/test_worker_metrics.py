@@ -1,4 +1,4 @@
-"""The workers' engine metrics (worker/metrics.py, fed by engine/stats.py).
+"""The workers' engine metrics (workers/common/metrics.py, fed by engine/stats.py).
 
 Unit tests run a real tiny engine on a fake clock and check exact counter
 values, histogram counts and sums and gauges: a local prefill chunked over two

@@ -5,7 +5,7 @@ WorkerSet, replaces an actor that dies, and scales a pool on its queue.
 Each pool is a `PoolSpec`: how many workers to start with, the Ray resources of
 each (CPUs, GPUs, and custom resources so that a pool can be pinned to a node
 type), the worker config they run, and optionally a `ScalingConfig`. With one,
-a scale loop applies the policy of router/scaling.py every `interval_s`: a grow
+a scale loop applies the policy of cluster/scaling.py every `interval_s`: a grow
 starts actors; a shrink drains the chosen worker (no new requests; its running
 ones finish, up to `drain_timeout_s`), then removes and stops it.
 

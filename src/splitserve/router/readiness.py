@@ -2,7 +2,7 @@
 
 Ready means every pool the deployment requires has at least one worker that has
 answered a stats poll (a worker reports only after loading its model and running
-a warm-up step, worker/warm_up.py), and the router is not draining for a
+a warm-up step, workers/common/warm_up.py), and the router is not draining for a
 shutdown. gRPC health and `GET /health` both answer from here, so a load
 balancer, `docker compose`'s healthcheck and `splitserve generate` all see the
 router become ready at the same moment, and stop routing to it as it drains.

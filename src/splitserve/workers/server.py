@@ -3,7 +3,7 @@ engine thread, the KV endpoint and the gRPC server, and report the addresses.
 
     python -m splitserve.workers.common --role decode --grpc-port 7001
 
-Ray actors (worker/actor.py) call `start_worker` in the same way.
+Ray actors (cluster/actor.py) call `start_worker` in the same way.
 """
 
 from __future__ import annotations

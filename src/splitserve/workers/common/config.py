@@ -31,7 +31,7 @@ class WorkerConfig:
     # refused at once (RESOURCE_EXHAUSTED, the router tries another worker or answers 429): a deep
     # queue only turns overload into missed deadlines. 0: twice the engine's max_num_seqs.
     max_waiting_requests: int = 0
-    warm_up: bool = True  # one short request through the engine before listening (worker/warm_up.py)
+    warm_up: bool = True  # one short request through the engine before listening (workers/common/warm_up.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (tracing.py); None: off
     threads: int = 0  # torch intra-op threads; 0: torch's default
 

@@ -4,7 +4,7 @@ One `Decode` call is one request from admission to finish; the service only
 validates, admits through the engine loop (typed commands: engine/commands.py)
 and streams what the engine emits.
 In REMOTE mode the engine reserves the blocks the request lacks (its cached
-prefix is reused) through its KV connector (decode_worker/connector.py), and
+prefix is reused) through its KV connector (workers/decode/connector.py), and
 the reservation goes back to the router as the first event; the request runs
 once the engine loop's poll finds its KV arrived, with the first token the
 prefill worker sampled. Every way out (finish, client cancel, lease expiry, a

@@ -1,4 +1,4 @@
-"""router/placement.py: what the pools ask of Ray against what its nodes have, checked before any
+"""cluster/placement.py: what the pools ask of Ray against what its nodes have, checked before any
 actor is started, each shortfall a line with the numbers and the flag to change."""
 
 from __future__ import annotations

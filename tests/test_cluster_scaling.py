@@ -1,4 +1,4 @@
-"""The pool controller's policy (router/scaling.py), term by term, with time passed in."""
+"""The pool controller's policy (cluster/scaling.py), term by term, with time passed in."""
 
 from __future__ import annotations
 
