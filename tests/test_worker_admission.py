@@ -1,6 +1,7 @@
 """A worker's bounded waiting queue (engine/commands.py, the scheduler's free seats) and its
-warm-up step (workers/common/warm_up.py), on a real gRPC worker with a tiny model: past the limit a request is refused at once with
-RESOURCE_EXHAUSTED while the admitted ones run to the end, and no block is lost either way."""
+warm-up step (workers/common/warm_up.py), on a real gRPC worker with a tiny model: past the limit
+a request is refused at once with RESOURCE_EXHAUSTED while the admitted ones run to the end, and no
+block is lost either way."""
 
 from __future__ import annotations
 
