@@ -64,7 +64,7 @@ class ModelRunner:
             [s.params for s in chosen],
             [s.token_ids[: s.num_prompt_tokens] for s in chosen],
             [s.output_token_ids for s in chosen],
-            [s.generator for s in chosen],
+            [s.next_draw_generator() for s in chosen],  # right before the draw: reseeded for this token
             self.generator,
         )
         return Sampled(indices, result.token_ids, result.logprobs)

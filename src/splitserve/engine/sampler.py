@@ -5,6 +5,12 @@ temperature, then min-p, top-k and top-p filters, then a draw from the
 request's own generator. The log-probability reported is that of the chosen
 token under the raw model distribution.
 
+A seeded request's output token i draws from `draw_seed(seed, sample_index, i)`
+(its sequence reseeds its generator with it right before the draw), never from
+a generator's running state: a request continued on another worker (the first
+token sampled by the prefill worker, a migration replaying the tokens already
+streamed, a prefix found cached) draws what it would have drawn in one place.
+
 No accepted parameter may make a step fail, because a failed step costs every
 request in the batch its answer: every division is followed by a clamp to
 finite values (a repetition penalty of 1e-45 divides a logit into infinity),
@@ -19,6 +25,24 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.sampling import SamplingParams
+
+_U64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output for state `x` (Steele, Lea, Flood 2014): a bijection on 64-bit
+    integers that spreads every input bit over every output bit."""
+    z = (x + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, sample_index: int, output_index: int) -> int:
+    """The 64-bit seed of a seeded request's draw of output token `output_index` (counting every
+    output token, those produced elsewhere included) for sample `sample_index` (n > 1) of the
+    request: a function of the three and nothing else, wherever the draw happens."""
+    return splitmix64(splitmix64(splitmix64(seed & _U64) ^ sample_index) ^ output_index)
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:

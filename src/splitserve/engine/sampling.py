@@ -30,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
-    seed: int | None = None  # per-request generator; None draws from the engine's
+    seed: int | None = None  # output token i draws from (seed, sample index, i) alone; None: the engine's generator
     repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
     presence_penalty: float = 0.0  # OpenAI style, over output tokens
     frequency_penalty: float = 0.0

@@ -7,6 +7,7 @@ import enum
 
 import torch
 
+from splitserve.engine.sampler import draw_seed
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
 
@@ -31,6 +32,7 @@ class Sequence:
         "num_cached_tokens",
         "finish_reason",
         "generator",
+        "sample_index",
         "arrival",
         "prefill_only",
         "max_output_tokens",
@@ -47,7 +49,12 @@ class Sequence:
         prefill_only: bool = False,
         prior_output: list[int] | None = None,
         arrival_time: float = 0.0,
+        sample_index: int = 0,
     ) -> None:
+        """`prior_output`: output tokens produced elsewhere (the prefill worker's first token, or
+        those a migration replays); `sample_index`: which of a request's n samples this is."""
+        if sample_index < 0:
+            raise ValueError(f"sample_index must be >= 0, got {sample_index}")
         self.request_id = request_id
         prior = list(prior_output or ())
         self.token_ids: list[int] = list(prompt_token_ids) + prior  # prompt then output
@@ -61,9 +68,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.finish_reason: str | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # one per seeded request, reseeded before each draw (next_draw_generator); None: the engine's
+        self.generator = torch.Generator() if params.seed is not None else None
+        self.sample_index = sample_index
         self.arrival = arrival  # admission order: preemption takes the newest first
         self.prefill_only = prefill_only  # prefill role: finish after the first token
         self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
@@ -83,3 +90,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def next_draw_generator(self) -> torch.Generator | None:
+        """A seeded request's generator, reseeded for drawing its next output token (token i, i
+        counting the prior output too) from `draw_seed(seed, sample_index, i)` alone, so the draw
+        does not depend on which engine drew the earlier tokens. None without a seed: those draw
+        from the engine's generator. (Torch's CPU generator keeps the low 32 bits of the seed.)"""
+        if self.generator is None or self.params.seed is None:
+            return None
+        return self.generator.manual_seed(draw_seed(self.params.seed, self.sample_index, self.num_output_tokens))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector
 from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
 from splitserve.engine.sampling import SamplingParams
@@ -41,8 +41,10 @@ def tiny_engine(
     block_size: int = 4,
     max_num_batched_tokens: int = 64,
     clock: Clock = time.monotonic,
+    model_cfg: ModelConfig | None = None,
 ) -> Engine:
-    cfg = tiny_model_config()
+    """`model_cfg`: the tiny model's shape (default `tiny_model_config()`), its weights random with seed 0."""
+    cfg = model_cfg or tiny_model_config()
     return Engine(
         cfg,
         random_weights(cfg),
@@ -114,11 +116,17 @@ class EnginePair:
         self.prefill_connector.wake = self.prefill_news.set
 
     @staticmethod
-    def tiny(decode_max_num_seqs: int = 8, num_blocks: int = 64, clock: Clock = time.monotonic) -> EnginePair:
+    def tiny(
+        decode_max_num_seqs: int = 8,
+        num_blocks: int = 64,
+        clock: Clock = time.monotonic,
+        model_cfg: ModelConfig | None = None,
+    ) -> EnginePair:
+        """Both engines run the same tiny model (`model_cfg`, as `tiny_engine`'s)."""
         transport = FakeTransport()
         # the prefill engine takes 8 tokens a step, so a prompt's layers go out over several steps
-        prefill = tiny_engine(num_blocks, max_num_batched_tokens=8, clock=clock)
-        decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs, clock=clock)
+        prefill = tiny_engine(num_blocks, max_num_batched_tokens=8, clock=clock, model_cfg=model_cfg)
+        decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs, clock=clock, model_cfg=model_cfg)
         receiver = KVReceiver(decode.kv_cache, transport=transport)
         decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
         decode.connect(decode_connector)
