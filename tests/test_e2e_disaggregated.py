@@ -3,13 +3,15 @@ separate processes running SmolLM2, the router's gRPC front door, the KV cache
 streamed over kv_transfer (TCP, and UCX where ucxx is installed). Greedy
 outputs must be token-identical to the single-process engine, for concurrent
 requests of mixed lengths, shared prefixes hitting the prefix cache on both
-sides, and short requests the router sends to local prefill."""
+sides, and short requests the router sends to local prefill. A seeded sampled
+request gives the same text colocated and disaggregated."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -27,6 +29,7 @@ from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
 from splitserve.router.engine_tokenizer import EngineTokenizer
 from splitserve.router.server import Router
 from splitserve.workers.launch import spawn_worker
+from tests.e2e_helpers.cluster import with_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -167,6 +170,47 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
         assert d.prefix_cache_hits > 0 and p.prefix_cache_hits > 0
         if transport == "ucx":
             assert "(ucx)" in decode.log()
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+
+
+async def generate_text(stub, ids: list[int], p: SamplingParams) -> tuple[list[int], str]:
+    sampling = pb.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, seed=p.seed, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos
+    )
+    toks: list[int] = []
+    text = ""
+    async for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sampling), timeout=300):
+        toks += list(r.token_ids)
+        text += r.text
+    return toks, text
+
+
+def test_a_seed_gives_the_same_text_colocated_and_disaggregated(model):
+    """Disaggregated, the prefill worker draws token 0 and the decode worker the rest; colocated (run
+    second, on a decode worker that has the prompts cached now) one worker draws them all."""
+    ids = [prompts(model.tokenizer)[i] for i in (0, 7, 14)]
+    engine = Engine(model.config, model.weights, EngineConfig(num_blocks=NUM_BLOCKS, max_num_batched_tokens=128))
+    want = engine.generate(ids, SEEDED)
+    assert want != engine.generate(ids, replace(SEEDED, temperature=0))  # it samples: the test can tell draws apart
+    decode = spawn_worker("decode", *ENGINE_FLAGS)
+    prefill = spawn_worker("prefill", *ENGINE_FLAGS)
+    try:
+
+        async def body(stub, router):
+            return await asyncio.gather(*[generate_text(stub, x, SEEDED) for x in ids])
+
+        got = {
+            mode: asyncio.run(with_router([decode], [prefill], model.tokenizer, body, routing=RoutingConfig(mode=mode)))
+            for mode in ("disaggregated", "colocated")
+        }
+        assert [t for t, _ in got["disaggregated"]] == want
+        assert got["colocated"] == got["disaggregated"]  # the same tokens and the same text
+        assert all(text for _, text in got["colocated"])
     finally:
         decode.stop()
         prefill.stop()

@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -57,10 +58,11 @@ def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 30.0, 
         time.sleep(0.05)
 
 
-def expected(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy output of the single-process engine, `n` tokens each, EOS ignored."""
+def expected(model: Any, prompts: list[list[int]], n: int, sampling: SamplingParams | None = None) -> list[list[int]]:
+    """The single-process engine's output, `n` tokens each, EOS ignored: greedy, or as `sampling` says."""
     engine = Engine(model.config, model.weights, EngineConfig(num_blocks=512))
-    return engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    params = replace(sampling or SamplingParams(temperature=0), max_tokens=n, ignore_eos=True)
+    return engine.generate(prompts, params)
 
 
 async def with_router(
