@@ -1,6 +1,6 @@
 """Failures on real processes (DESIGN.md, "When things fail"): a decode worker
 killed mid-stream (the request migrates and the client's stream goes on,
-token-identical), a prefill worker killed mid-prefill (the router re-prefills
+token-identical, greedy or seeded), a prefill worker killed mid-prefill (the router re-prefills
 elsewhere), and a client that cancels (no block leaks anywhere)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import RoutingConfig
@@ -28,19 +29,25 @@ def model():
     return load_model(None, torch.float32, progress=False)
 
 
-def test_decode_worker_killed_mid_stream_the_request_migrates(model):
+# greedy, and seeded sampling: the replacement draws token i from (seed, sample, i) as the first worker would have
+MIGRATED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95, seed=7)]
+
+
+@pytest.mark.parametrize("sampling", MIGRATED, ids=["greedy", "seeded"])
+def test_decode_worker_killed_mid_stream_the_request_migrates(model, sampling):
     ids = EngineTokenizer(model.tokenizer).encode_chat([("user", "Count from one to one hundred in words.")])
     n = 48
-    want = expected(model, [ids], n)[0]
+    want = expected(model, [ids], n, sampling)[0]
+    wire = pb.SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=n, ignore_eos=True
+    )
     d1, d2 = spawn_worker("decode", *FLAGS), spawn_worker("decode", *FLAGS)
     p = spawn_worker("prefill", *FLAGS)
     try:
 
         async def body(stub, router):
             got: list[int] = []
-            req = pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            )
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=wire)
             killed = None
             async for r in stub.Generate(req, timeout=300):
                 got += list(r.token_ids)
