@@ -69,6 +69,42 @@ def _fits(t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return t.dtype is dtype and t.is_cpu and t.is_contiguous() and tuple(t.shape) == shape
 
 
+def _check_step_tensors(
+    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int
+) -> None:
+    """Every property of a step's fixed tensors that the C++ relies on (ValueError naming the first that fails)."""
+    dtype = h.dtype
+    if dtype is not _BF16 and dtype is not _F32:
+        raise ValueError(f"decode kernels take bf16 or fp32, not {dtype}")
+    if h.dim() != 2 or not h.is_cpu or not h.is_contiguous():
+        raise ValueError("h must be a contiguous CPU tensor [batch, hidden]")
+    if kv_cache.dim() != 6 or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.dtype is not dtype:
+        raise ValueError(
+            f"kv_cache must be a contiguous CPU {dtype} tensor [layers, blocks, 2, block_size, kv_heads, head_dim]"
+        )
+    if not meta.is_decode:
+        raise ValueError("a decode step needs one new token per sequence")
+    batch = h.shape[0]
+    kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    tables = meta.block_tables
+    if tables.dim() != 2 or tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, width]")
+    indices = (
+        ("slot_blocks", meta.slot_blocks, (batch,)),
+        ("slot_offsets", meta.slot_offsets, (batch,)),
+        ("context_lens", meta.context_lens, (batch,)),
+        ("block_tables", tables, tuple(tables.shape)),
+    )
+    for name, t, shape in indices:
+        if not _is_index(t, shape):
+            raise ValueError(f"{name} must be a contiguous CPU int64 tensor of shape {shape}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not _fits(t, dtype, (batch, head_dim)):
+            raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor [{batch}, {head_dim}]")
+    if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
+
+
 class DecodeStep:
     """One decode step's fused operations over the residual stream `h` [B, hidden], in place.
 
@@ -90,53 +126,40 @@ class DecodeStep:
         eps: float,
         intermediate_size: int,
     ):
-        dtype = h.dtype
-        if dtype is not _BF16 and dtype is not _F32:
-            raise ValueError(f"decode kernels take bf16 or fp32, not {dtype}")
-        if h.dim() != 2 or not h.is_cpu or not h.is_contiguous():
-            raise ValueError("h must be a contiguous CPU tensor [batch, hidden]")
-        if kv_cache.dim() != 6 or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.dtype is not dtype:
-            raise ValueError(
-                f"kv_cache must be a contiguous CPU {dtype} tensor [layers, blocks, 2, block_size, kv_heads, head_dim]"
-            )
-        if not meta.is_decode:
-            raise ValueError("a decode step needs one new token per sequence")
-        batch, hidden = h.shape
-        layers, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
-        tables = meta.block_tables
-        if tables.dim() != 2 or tables.shape[0] != batch:
-            raise ValueError(f"block_tables must be [{batch}, width]")
-        indices = (
-            ("slot_blocks", meta.slot_blocks, (batch,)),
-            ("slot_offsets", meta.slot_offsets, (batch,)),
-            ("context_lens", meta.context_lens, (batch,)),
-            ("block_tables", tables, tuple(tables.shape)),
-        )
-        for name, t, shape in indices:
-            if not _is_index(t, shape):
-                raise ValueError(f"{name} must be a contiguous CPU int64 tensor of shape {shape}")
-        for name, t in (("cos", cos), ("sin", sin)):
-            if not _fits(t, dtype, (batch, head_dim)):
-                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor [{batch}, {head_dim}]")
-        if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
-            raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
+        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads)
         self._ext, self._isa = ext, isa
         self.h = h
-        self.dtype = dtype
-        self.num_layers = layers
-        self._bf16 = int(dtype is _BF16)
+        self.dtype = h.dtype
+        self.num_layers = kv_cache.shape[0]
+        self._bf16 = int(h.dtype is _BF16)
         self._threads = torch.get_num_threads()
         self._eps = float(eps)
+        kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+        self._allocate_buffers(num_heads, kv_heads, head_dim, intermediate_size)
+        # Kept so that the pointers _bind_attention_args takes stay valid for the step's lifetime.
+        self._keep = (kv_cache, meta, cos, sin)
+        self._bind_attention_args(kv_cache, meta, cos, sin, num_heads, scale)
+
+    def _allocate_buffers(self, num_heads: int, kv_heads: int, head_dim: int, intermediate_size: int) -> None:
+        """The expected shapes of each layer's new tensors, and the step's output buffers."""
+        h = self.h
+        batch, hidden = h.shape
         self._hidden_shape = (hidden,)
         self._qkv_shape = (batch, (num_heads + 2 * kv_heads) * head_dim)
         self._gate_up_shape = (batch, 2 * intermediate_size)
         self._intermediate = intermediate_size
-        # Kept so that the pointers below stay valid for the step's lifetime.
-        self._keep = (kv_cache, meta, cos, sin)
         self._x = torch.empty_like(h)
         self._attn = h.new_empty(batch, num_heads * head_dim)
         self._act = h.new_empty(batch, intermediate_size)
-        elt = h.element_size()
+
+    def _bind_attention_args(
+        self, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int, scale: float
+    ) -> None:
+        """decode_attention's arguments that stay fixed for the step: offsets, pointers and sizes."""
+        _, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+        batch = self.h.shape[0]
+        tables = meta.block_tables
+        elt = self.h.element_size()
         self._k_off = num_heads * head_dim * elt
         self._v_off = (num_heads + kv_heads) * head_dim * elt
         self._cache = kv_cache.data_ptr()
