@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,42 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << (n - 1).bit_length())
 
 
+def _check_step_tensors(
+    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int
+) -> None:
+    """Every property of a step's fixed tensors that the kernels rely on (ValueError naming the first that fails)."""
+    dtype, dev = h.dtype, h.device
+    if dtype not in DTYPES:
+        raise ValueError(f"Triton decode kernels take bf16, fp16 or fp32, not {dtype}")
+    if h.dim() != 2 or not h.is_contiguous():
+        raise ValueError("h must be a contiguous tensor [batch, hidden]")
+    if kv_cache.dim() != 6 or not kv_cache.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device != dev:
+        raise ValueError(
+            f"kv_cache must be a contiguous {dtype} tensor on {dev} [layers, blocks, 2, block_size, kv_heads, head_dim]"
+        )
+    if not meta.is_decode:
+        raise ValueError("a decode step needs one new token per sequence")
+    batch = h.shape[0]
+    kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    tables = meta.block_tables
+    # the block table may be a column slice of a wider buffer (cuda_graphs.py): rows strided
+    if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [{batch}, width] with contiguous rows")
+    for name, t in (
+        ("slot_blocks", meta.slot_blocks),
+        ("slot_offsets", meta.slot_offsets),
+        ("context_lens", meta.context_lens),
+        ("block_tables", tables),
+    ):
+        if t.dtype != _LONG or t.device != dev or t.shape[0] != batch or (t.dim() == 1 and not t.is_contiguous()):
+            raise ValueError(f"{name} must be an int64 tensor on {dev} with {batch} rows")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != dtype or t.device != dev or tuple(t.shape) != (batch, head_dim) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be a {dtype} tensor [{batch}, {head_dim}] on {dev}")
+    if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
+
+
 class TritonDecodeStep:
     """One decode step's fused operations over the residual stream `h` [B, hidden], in place.
 
@@ -104,37 +141,9 @@ class TritonDecodeStep:
         eps: float,
         intermediate_size: int,
     ):
-        dtype, dev = h.dtype, h.device
-        if dtype not in DTYPES:
-            raise ValueError(f"Triton decode kernels take bf16, fp16 or fp32, not {dtype}")
-        if h.dim() != 2 or not h.is_contiguous():
-            raise ValueError("h must be a contiguous tensor [batch, hidden]")
-        if kv_cache.dim() != 6 or not kv_cache.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device != dev:
-            raise ValueError(
-                f"kv_cache must be a contiguous {dtype} tensor on {dev} "
-                "[layers, blocks, 2, block_size, kv_heads, head_dim]"
-            )
-        if not meta.is_decode:
-            raise ValueError("a decode step needs one new token per sequence")
+        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads)
         batch, hidden = h.shape
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
-        tables = meta.block_tables
-        # the block table may be a column slice of a wider buffer (cuda_graphs.py): rows strided
-        if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1:
-            raise ValueError(f"block_tables must be [{batch}, width] with contiguous rows")
-        for name, t in (
-            ("slot_blocks", meta.slot_blocks),
-            ("slot_offsets", meta.slot_offsets),
-            ("context_lens", meta.context_lens),
-            ("block_tables", tables),
-        ):
-            if t.dtype != _LONG or t.device != dev or t.shape[0] != batch or (t.dim() == 1 and not t.is_contiguous()):
-                raise ValueError(f"{name} must be an int64 tensor on {dev} with {batch} rows")
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.dtype != dtype or t.device != dev or tuple(t.shape) != (batch, head_dim) or t.stride(1) != 1:
-                raise ValueError(f"{name} must be a {dtype} tensor [{batch}, {head_dim}] on {dev}")
-        if num_heads <= 0 or num_heads % kv_heads or head_dim % 2:
-            raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}, head_dim even")
         self._ops = ops
         self.h = h
         self.num_layers = layers
@@ -150,19 +159,25 @@ class TritonDecodeStep:
         self._norm_block = _pow2(hidden)
         self._norm_warps = 4 if hidden <= 2048 else 8
         self._cache_strides = kv_cache.stride()[1:5]  # block, k/v, token, head (a layer's view shares them)
+        self._plan_attention(scale, meta.block_tables.shape[1])
+
+    def _plan_attention(self, scale: float, table_width: int) -> None:
+        """The attention kernel's compile-time sizes, its context split and the split's part buffers."""
+        h, num_heads, kv_heads, head_dim = self.h, self._num_heads, self._kv_heads, self._head_dim
+        batch, dev = h.shape[0], h.device
         group = num_heads // kv_heads
         self._attn_meta = dict(
             NUM_HEADS=num_heads,
-            BLOCK_SIZE=block_size,
+            BLOCK_SIZE=self._block_size,
             GROUP=group,
             GROUP_PAD=_pow2(group, 16),
             HEAD_DIM=head_dim,
             DIM_PAD=_pow2(head_dim, 16),
             BLOCK_N=ATTENTION_BLOCK_N,
-            QK_PRECISION="ieee" if dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
+            QK_PRECISION="ieee" if h.dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
         )
         self._scale_log2 = float(scale) * math.log2(math.e)
-        self._splits, self._tokens_per_split = context_splits(batch, kv_heads, tables.shape[1] * block_size)
+        self._splits, self._tokens_per_split = context_splits(batch, kv_heads, table_width * self._block_size)
         self._part_acc = self._part_ml = self._attn  # unread with one split
         if self._splits > 1:
             self._part_acc = torch.empty(batch, num_heads, self._splits, head_dim, dtype=torch.float32, device=dev)
@@ -364,70 +379,109 @@ class TritonDecodeKernels:
         return TritonDecodeStep(self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
 
 
+class _SelfTestSizes(NamedTuple):
+    """The self-test step's sizes: two query heads per kv head, blocks of four tokens."""
+
+    heads: int = 4
+    kv_heads: int = 2
+    dim: int = 16
+    block_size: int = 4
+    hidden: int = 32
+    inter: int = 24
+    eps: float = 1e-5
+
+
+class _SelfTestInputs(NamedTuple):
+    """The self-test step's random tensors, drawn in this order."""
+
+    cache: Tensor
+    h: Tensor
+    norm_w: Tensor
+    qkv: Tensor
+    gate_up: Tensor
+    down_w: Tensor
+    linear_w: Tensor
+    bias: Tensor
+
+
 def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
     """One small fp32 decode step's norm, RoPE + KV write + attention and SiLU * up against the
     torch code they replace. Triton compiles on first launch, on whatever GPU this is: a
     kernel that fails or disagrees there must cost the torch path, not wrong tokens."""
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, bs, hidden, inter, eps = 4, 2, 16, 4, 32, 24, 1e-5
+    z = _SelfTestSizes()
+    meta, cos, sin = _self_test_positions(z, device)
+    x = _self_test_inputs(z, device)
+    want = _self_test_on_torch(z, x, meta, cos, sin)
+    step = k.step(
+        x.h.clone(), x.cache, meta, cos, sin, num_heads=z.heads, scale=z.dim**-0.5, eps=z.eps, intermediate_size=z.inter
+    )
+    got = (
+        step.norm(x.norm_w),
+        step.attention(0, x.qkv.clone()),
+        step.silu_mul(x.gate_up),
+        x.cache,
+        step.silu_mul_linear(x.gate_up, x.down_w),
+        step.linear(x.h, x.linear_w, x.bias),
+    )
+    close = all(
+        torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3) for a, b in zip(got, want, strict=True)
+    )
+    return bool(close)
+
+
+def _self_test_positions(z: _SelfTestSizes, device: torch.device) -> tuple[AttentionMetadata, Tensor, Tensor]:
+    """Two sequences' decode metadata and the RoPE rows at their new tokens' positions."""
     ctx = [5, 9]  # across block boundaries, the second table padded with block 0
     tables = torch.tensor([[1, 2, 0], [3, 4, 5]])
     last = torch.tensor(ctx) - 1
     meta = AttentionMetadata(
-        slot_blocks=tables[torch.arange(2), last // bs].to(device),
-        slot_offsets=(last % bs).to(device),
+        slot_blocks=tables[torch.arange(2), last // z.block_size].to(device),
+        slot_offsets=(last % z.block_size).to(device),
         block_tables=tables.to(device),
         context_lens=torch.tensor(ctx, device=device),
         query_lens=[1, 1],
         context_lens_list=ctx,
         is_decode=True,
     )
-    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, z.dim, 2).float() / z.dim))
     ang = last.float()[:, None] * inv[None]
     cos, sin = torch.cat((ang, ang), -1).cos().to(device), torch.cat((ang, ang), -1).sin().to(device)
+    return meta, cos, sin
+
+
+def _self_test_inputs(z: _SelfTestSizes, device: torch.device) -> _SelfTestInputs:
+    g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=g).to(device)
 
-    cache, h, w, qkv, gate_up = (
-        rand(1, 6, 2, bs, kv_heads, dim),
-        rand(2, hidden),
-        rand(hidden),
-        rand(2, (heads + 2 * kv_heads) * dim),
-        rand(2, 2 * inter),
+    return _SelfTestInputs(
+        cache=rand(1, 6, 2, z.block_size, z.kv_heads, z.dim),
+        h=rand(2, z.hidden),
+        norm_w=rand(z.hidden),
+        qkv=rand(2, (z.heads + 2 * z.kv_heads) * z.dim),
+        gate_up=rand(2, 2 * z.inter),
+        down_w=rand(z.hidden, z.inter),
+        linear_w=rand(z.hidden, z.hidden),
+        bias=rand(z.hidden),
     )
-    q_size, kv_size = heads * dim, kv_heads * dim
-    q = apply_rope(qkv[:, :q_size].view(2, heads, dim), cos, sin)
-    kn = apply_rope(qkv[:, q_size : q_size + kv_size].view(2, kv_heads, dim), cos, sin)
-    vn = qkv[:, q_size + kv_size :].view(2, kv_heads, dim)
-    ref_cache = cache.clone()
-    write_kv(ref_cache[0], kn, vn, meta)
-    want_attn = paged_attention(q, kn, vn, ref_cache[0], meta, dim**-0.5).reshape(2, q_size)
-    want_x = rms_norm(h, w, eps)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want_act = F.silu(gate) * up
 
-    step = k.step(h.clone(), cache, meta, cos, sin, num_heads=heads, scale=dim**-0.5, eps=eps, intermediate_size=inter)
-    got_x = step.norm(w)
-    got_attn = step.attention(0, qkv.clone())
-    got_act = step.silu_mul(gate_up)
-    wd, wl, bias = rand(hidden, inter), rand(hidden, hidden), rand(hidden)
-    got_down = step.silu_mul_linear(gate_up, wd)
-    got_lin = step.linear(h, wl, bias)
-    want_down = F.linear(want_act, wd)
-    want_lin = F.linear(h, wl, bias)
-    close = all(
-        torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3)
-        for a, b in (
-            (got_x, want_x),
-            (got_attn, want_attn),
-            (got_act, want_act),
-            (cache, ref_cache),
-            (got_down, want_down),
-            (got_lin, want_lin),
-        )
-    )
-    return bool(close)
+
+def _self_test_on_torch(
+    z: _SelfTestSizes, x: _SelfTestInputs, meta: AttentionMetadata, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, ...]:
+    """What the step's norm, attention, silu_mul, cache, silu_mul_linear and linear should give,
+    by the torch code they replace (on a copy of the cache)."""
+    q_size, kv_size = z.heads * z.dim, z.kv_heads * z.dim
+    q = apply_rope(x.qkv[:, :q_size].view(2, z.heads, z.dim), cos, sin)
+    kn = apply_rope(x.qkv[:, q_size : q_size + kv_size].view(2, z.kv_heads, z.dim), cos, sin)
+    vn = x.qkv[:, q_size + kv_size :].view(2, z.kv_heads, z.dim)
+    cache = x.cache.clone()
+    write_kv(cache[0], kn, vn, meta)
+    attn = paged_attention(q, kn, vn, cache[0], meta, z.dim**-0.5).reshape(2, q_size)
+    gate, up = x.gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    return rms_norm(x.h, x.norm_w, z.eps), attn, act, cache, F.linear(act, x.down_w), F.linear(x.h, x.linear_w, x.bias)
 
 
 def _load() -> TritonDecodeKernels | None:
