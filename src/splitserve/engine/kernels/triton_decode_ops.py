@@ -124,18 +124,14 @@ def paged_decode_attention_kernel(
 ):
     """Grid (sequences, kv_heads, splits): one program attends the GROUP query heads that share
     a kv head, so each K/V tile is read once for all of them, over its split's share of the
-    context (tokens_per_split from split * tokens_per_split on; one split: all of it). Tiles of
-    BLOCK_N tokens are addressed token by token through the block table (any block size, no
-    gather), with an online softmax in fp32 (base 2: scale_log2 = scale * log2(e)). One split
-    writes the output; several write their unnormalised sums and (max, denominator) to the
-    part buffers, [B, heads, splits, dim] and [B, heads, splits, 2] fp32, for combine_splits_kernel."""
-    dtype = out_ptr.dtype.element_ty
+    context (tokens_per_split from split * tokens_per_split on; one split: all of it), tile by
+    tile with an online softmax. One split writes the output; several write their partial sums
+    for combine_splits_kernel."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
-    n = tl.arange(0, BLOCK_N)
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     heads = (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(qkv_ptr + b * qkv_stride + heads, mask=q_mask, other=0.0)
@@ -145,34 +141,76 @@ def paged_decode_attention_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     k_head = cache_ptr + kvh * stride_head
+    table_row = block_tables_ptr + b * table_stride
     for start in range(first, end, BLOCK_N):  # no iteration for a split past the context
-        t = start + n
-        t_valid = t < end
-        # masked: a table's last tile may run past its width, and padding entries are never read
-        block = tl.load(block_tables_ptr + b * table_stride + t // BLOCK_SIZE, mask=t_valid, other=0)
-        tok = block * stride_block + (t % BLOCK_SIZE) * stride_tok
-        kv_mask = t_valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # bf16 x bf16 products are exact in fp32, so this dot is as accurate as an fp32 one
-        s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale_log2
-        s = tl.where(t_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(k_head + stride_kv + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # probabilities stay fp32 (no rounding to bf16 as flash kernels do): decode is bound by K/V reads
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        m = m_new
+        k, tok, kv_mask, t_valid = _load_k_tile(
+            k_head, table_row, start, end, d, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N
+        )
+        m, l, acc = _online_softmax_step(
+            q, k, t_valid, m, l, acc, scale_log2, k_head + stride_kv, tok, d, kv_mask, QK_PRECISION
+        )
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
-        tl.store(out_ptr + b * (NUM_HEADS * HEAD_DIM) + heads, out.to(dtype), mask=q_mask)
+        tl.store(out_ptr + b * (NUM_HEADS * HEAD_DIM) + heads, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # an empty split leaves m = -inf, l = 0, acc = 0: weight 0 in the combine
         row = (b * NUM_HEADS + kvh * GROUP + g) * NUM_SPLITS + split  # [GROUP_PAD]
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
-        tl.store(part_ml_ptr + row * 2, m, mask=g < GROUP)
-        tl.store(part_ml_ptr + row * 2 + 1, l, mask=g < GROUP)
+        _store_split_part(part_acc_ptr, part_ml_ptr, row, m, l, acc, d, q_mask, g < GROUP, HEAD_DIM)
+
+
+@triton.jit
+def _load_k_tile(
+    k_head,
+    table_row,
+    start,
+    end,
+    d,
+    stride_block,
+    stride_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """K [BLOCK_N, dim] of the context tokens from `start` on (those from `end` on masked to
+    zeros, t_valid False), addressed token by token through the sequence's block table
+    `table_row` (any block size, no gather); `k_head`: the layer's cache at one kv head.
+    Also each token's offset in the cache and the tile's mask, for its V."""
+    n = tl.arange(0, BLOCK_N)
+    t = start + n
+    t_valid = t < end
+    # masked: a table's last tile may run past its width, and padding entries are never read
+    block = tl.load(table_row + t // BLOCK_SIZE, mask=t_valid, other=0)
+    tok = block * stride_block + (t % BLOCK_SIZE) * stride_tok
+    kv_mask = t_valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, tok, kv_mask, t_valid
+
+
+@triton.jit
+def _online_softmax_step(q, k, t_valid, m, l, acc, scale_log2, v_head, tok, d, kv_mask, QK_PRECISION: tl.constexpr):
+    """One K/V tile into the running max m, denominator l and unnormalised output acc of the
+    query group q, all fp32, in base 2 (scale_log2 = scale * log2(e)). V is read (at v_head, the
+    cache's V at the kv head) once the tile's probabilities are known."""
+    # bf16 x bf16 products are exact in fp32, so this dot is as accurate as an fp32 one
+    s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale_log2
+    s = tl.where(t_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    # probabilities stay fp32 (no rounding to bf16 as flash kernels do): decode is bound by K/V reads
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_split_part(part_acc_ptr, part_ml_ptr, row, m, l, acc, d, q_mask, g_valid, HEAD_DIM: tl.constexpr):
+    """One split's unnormalised sums and (max, denominator) at `row` (a head's row per split) of
+    the part buffers, [B, heads, splits, dim] and [B, heads, splits, 2] fp32. An empty split
+    leaves m = -inf, l = 0, acc = 0: weight 0 in the combine."""
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+    tl.store(part_ml_ptr + row * 2, m, mask=g_valid)
+    tl.store(part_ml_ptr + row * 2 + 1, l, mask=g_valid)
 
 
 @triton.jit
