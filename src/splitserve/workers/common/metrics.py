@@ -124,58 +124,8 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.label_values = (model_name, role, worker_id)
         self._snapshot: Snapshot | None = None
-
-        def counter(name: str, doc: str) -> Counter:  # prometheus_client adds `_total` to the name
-            return Counter(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self.label_values)
-
-        self.prompt_tokens = counter(
-            "splitserve:prompt_tokens",
-            "Prompt tokens prefilled by this engine, cached prefix included (a remote prefill's count on its prefill "
-            "worker)",
-        )
-        self.generation_tokens = counter(
-            "splitserve:generation_tokens",
-            "Tokens sampled by this engine (a remote prefill's first token counts on its prefill worker)",
-        )
-        self.prefix_cache_queries = counter(
-            "splitserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (tokens, as vLLM counts)"
-        )
-        self.prefix_cache_hits = counter(
-            "splitserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens, whole blocks)"
-        )
-        self.ttft = histogram(
-            "splitserve:time_to_first_token_seconds",
-            "Admission to first token in this engine (decode worker with remote KV: reservation to KV arrival)",
-            TTFT_BUCKETS,
-        )
-        self.itl = histogram(
-            "splitserve:inter_token_latency_seconds", "Time between two tokens of one request", ITL_BUCKETS
-        )
-        self.tpot = histogram(
-            "splitserve:request_time_per_output_token_seconds",
-            "Per finished request: decode time per token after the first",
-            ITL_BUCKETS,
-        )
-        self.e2e = histogram(
-            "splitserve:e2e_request_latency_seconds",
-            "Admission to finish in this engine (prefill worker: to the first token)",
-            REQUEST_BUCKETS,
-        )
-        self.queue = histogram(
-            "splitserve:request_queue_time_seconds",
-            "Admission to first scheduled (decode worker with remote KV: reservation to KV arrival, when it joins "
-            "the running batch)",
-            REQUEST_BUCKETS,
-        )
-        self.prefill = histogram(
-            "splitserve:request_prefill_time_seconds",
-            "First scheduled to first token (0 on a decode worker with remote KV)",
-            REQUEST_BUCKETS,
-        )
-        self.decode = histogram("splitserve:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
+        self._add_token_counters()
+        self._add_latency_histograms()
         self._phase = Histogram(
             PHASE_METRIC,
             "Time in each phase of a request, the same as its trace span: decode worker admission, handover; "
@@ -185,6 +135,63 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineGauges(self))
+
+    def _counter(self, name: str, doc: str) -> Counter:  # prometheus_client adds `_total` to the name
+        return Counter(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self.label_values)
+
+    def _add_token_counters(self) -> None:
+        self.prompt_tokens = self._counter(
+            "splitserve:prompt_tokens",
+            "Prompt tokens prefilled by this engine, cached prefix included (a remote prefill's count on its prefill "
+            "worker)",
+        )
+        self.generation_tokens = self._counter(
+            "splitserve:generation_tokens",
+            "Tokens sampled by this engine (a remote prefill's first token counts on its prefill worker)",
+        )
+        self.prefix_cache_queries = self._counter(
+            "splitserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (tokens, as vLLM counts)"
+        )
+        self.prefix_cache_hits = self._counter(
+            "splitserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens, whole blocks)"
+        )
+
+    def _add_latency_histograms(self) -> None:
+        self.ttft = self._histogram(
+            "splitserve:time_to_first_token_seconds",
+            "Admission to first token in this engine (decode worker with remote KV: reservation to KV arrival)",
+            TTFT_BUCKETS,
+        )
+        self.itl = self._histogram(
+            "splitserve:inter_token_latency_seconds", "Time between two tokens of one request", ITL_BUCKETS
+        )
+        self.tpot = self._histogram(
+            "splitserve:request_time_per_output_token_seconds",
+            "Per finished request: decode time per token after the first",
+            ITL_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "splitserve:e2e_request_latency_seconds",
+            "Admission to finish in this engine (prefill worker: to the first token)",
+            REQUEST_BUCKETS,
+        )
+        self.queue = self._histogram(
+            "splitserve:request_queue_time_seconds",
+            "Admission to first scheduled (decode worker with remote KV: reservation to KV arrival, when it joins "
+            "the running batch)",
+            REQUEST_BUCKETS,
+        )
+        self.prefill = self._histogram(
+            "splitserve:request_prefill_time_seconds",
+            "First scheduled to first token (0 on a decode worker with remote KV)",
+            REQUEST_BUCKETS,
+        )
+        self.decode = self._histogram(
+            "splitserve:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS
+        )
 
     def phase(self, name: str) -> Histogram:
         """The histogram of one phase of a request on this worker (see PHASES)."""
