@@ -228,50 +228,10 @@ class KVReceiver:
             slot, per_block = self._handshake(conn, h)
             # Bound: the wait for each next frame is the lease's to bound (its expiry closes us).
             self._watchdog.disarm(w)
-            while True:
-                self._recv_frame_start(conn, header)
-                h = self._recv_frame_header(conn, w, header, None)
-                if h.ticket != slot.reservation.ticket:
-                    raise Rejected(FailureCode.TICKET_MISMATCH, "frame carries another ticket than the stream's")
-                if time.monotonic() > slot.deadline:
-                    raise Rejected(FailureCode.LEASE_EXPIRED, "lease expired")
-                if h.kind == frame.LAYER:
-                    self._receive_layer(conn, slot, h, per_block)
-                    self._watchdog.disarm(w)
-                elif h.kind == frame.DONE:
-                    missing = np.argwhere(~slot.received)
-                    if len(missing):
-                        layer, i, head = missing[0]
-                        raise Rejected(
-                            FailureCode.INCOMPLETE,
-                            f"done before every layer arrived ({len(missing)} layer-block-heads missing, first: "
-                            f"layer {layer} block {slot.reservation.block_ids[i]} KV head {head})",
-                        )
-                    self._book.complete(slot, h.value)
-                    self._reply(conn, frame.ACK, slot.reservation.ticket, slot.reservation.request_id, "complete")
-                    return True
-                elif h.kind == frame.ERROR:
-                    text = self._read_control(conn, h).decode(errors="replace")
-                    raise Rejected(FailureCode.ABORTED_BY_SENDER, f"sender aborted: {text}")
-                else:
-                    raise Rejected(
-                        FailureCode.UNEXPECTED_FRAME, f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream"
-                    )
+            self._receive_until_done(conn, w, header, slot, per_block)
+            return True
         except (FrameError, Rejected, ConnectionClosed) as e:
-            if w.expired and isinstance(e, ConnectionClosed):  # the watchdog's doing; it counted and logged
-                code, reason = FailureCode(w.expired), f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
-            else:
-                if isinstance(e, Rejected):
-                    code, reason = e.code, str(e)
-                elif isinstance(e, FrameError):
-                    code, reason = FailureCode.BAD_FRAME, str(e)
-                else:
-                    code, reason = FailureCode.DISCONNECTED, f"sender disconnected before done ({e})"
-                metrics.FRAMES_REJECTED.labels(reason=code).inc()
-            if slot is not None:
-                self._book.fail(slot, code, reason)  # tells the sender why, if it still listens
-            elif not w.expired:
-                log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
+            self._stream_failed(conn, w, slot, e)
         except Exception as e:  # a bug here must not take the receiver down
             log.exception("kv_transfer: connection handler failed")
             if slot is not None:
@@ -280,6 +240,60 @@ class KVReceiver:
             if slot is not None:
                 self._book.unbind(slot, conn)
         return False
+
+    def _receive_until_done(self, conn: Connection, w: Watched, header: bytearray, slot: Slot, per_block: int) -> None:
+        """The stream's frames after its handshake: layers into the slot, until a Done that completes it."""
+        while True:
+            self._recv_frame_start(conn, header)
+            h = self._recv_frame_header(conn, w, header, None)
+            if h.ticket != slot.reservation.ticket:
+                raise Rejected(FailureCode.TICKET_MISMATCH, "frame carries another ticket than the stream's")
+            if time.monotonic() > slot.deadline:
+                raise Rejected(FailureCode.LEASE_EXPIRED, "lease expired")
+            if h.kind == frame.LAYER:
+                self._receive_layer(conn, slot, h, per_block)
+                self._watchdog.disarm(w)
+            elif h.kind == frame.DONE:
+                self._complete(conn, slot, h)
+                return
+            elif h.kind == frame.ERROR:
+                text = self._read_control(conn, h).decode(errors="replace")
+                raise Rejected(FailureCode.ABORTED_BY_SENDER, f"sender aborted: {text}")
+            else:
+                raise Rejected(FailureCode.UNEXPECTED_FRAME, f"unexpected {frame.KIND_NAMES[h.kind]} frame mid-stream")
+
+    def _complete(self, conn: Connection, slot: Slot, h: Header) -> None:
+        """Done: every layer-block-head must have arrived; the slot completes and the sender is acked."""
+        missing = np.argwhere(~slot.received)
+        if len(missing):
+            layer, i, head = missing[0]
+            raise Rejected(
+                FailureCode.INCOMPLETE,
+                f"done before every layer arrived ({len(missing)} layer-block-heads missing, first: "
+                f"layer {layer} block {slot.reservation.block_ids[i]} KV head {head})",
+            )
+        self._book.complete(slot, h.value)
+        self._reply(conn, frame.ACK, slot.reservation.ticket, slot.reservation.request_id, "complete")
+
+    def _stream_failed(
+        self, conn: Connection, w: Watched, slot: Slot | None, e: FrameError | Rejected | ConnectionClosed
+    ) -> None:
+        """A stream that ended short of done: counted (unless the watchdog closed it, which counted
+        it), and its slot failed with the reason; a stream that never bound a slot is logged instead."""
+        if w.expired and isinstance(e, ConnectionClosed):  # the watchdog's doing; it counted and logged
+            code, reason = FailureCode(w.expired), f"{w.expired.replace('_', ' ')}: {_drop_text(w)}"
+        else:
+            if isinstance(e, Rejected):
+                code, reason = e.code, str(e)
+            elif isinstance(e, FrameError):
+                code, reason = FailureCode.BAD_FRAME, str(e)
+            else:
+                code, reason = FailureCode.DISCONNECTED, f"sender disconnected before done ({e})"
+            metrics.FRAMES_REJECTED.labels(reason=code).inc()
+        if slot is not None:
+            self._book.fail(slot, code, reason)  # tells the sender why, if it still listens
+        elif not w.expired:
+            log.warning("kv_transfer: connection from %s rejected: %s", conn.peer, reason)
 
     @staticmethod
     def _recv_frame_start(conn: Connection, header: bytearray) -> None:
