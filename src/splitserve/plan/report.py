@@ -19,15 +19,33 @@ def _ms(s: float) -> str:
 
 def format_plan(plan: Plan, concurrency: int = 0) -> str:
     """`concurrency`: the number of requests to report the longest context at (0: the decode batch)."""
-    dep, wl, c, rec = plan.deployment, plan.workload, plan.costs, plan.recommendation
-    shape, gpu, net = dep.shape, dep.gpu, dep.network
-    prompt, output = round(wl.prompt.mean), max(1, round(wl.output.mean))
-    kv_token = shape.kv_bytes_per_token(dep.kv_dtype_bytes)
-    concurrency = concurrency or c.decode_batch
-    longest = capacity.max_context_tokens(
-        gpu.memory_bytes, dep.weight_bytes_per_gpu, dep.kv_bytes_per_token_per_gpu, concurrency, dep.reserve
-    )
     lines = [
+        *_setting_lines(plan),
+        "",
+        *_memory_lines(plan, concurrency or plan.costs.decode_batch),
+        "",
+        *_transfer_lines(plan),
+        "",
+        *_roofline_lines(plan),
+        "",
+        *_check_lines(plan),
+        "",
+        *_recommendation_lines(plan),
+    ]
+    return "\n".join(lines)
+
+
+def _mean_tokens(plan: Plan) -> tuple[int, int]:
+    """The mean request's prompt and output tokens (at least one output token)."""
+    wl = plan.workload
+    return round(wl.prompt.mean), max(1, round(wl.output.mean))
+
+
+def _setting_lines(plan: Plan) -> list[str]:
+    """The model, the hardware and the workload the plan is for."""
+    dep, wl = plan.deployment, plan.workload
+    shape, gpu, net = dep.shape, dep.gpu, dep.network
+    return [
         f"model     {shape.name}: {shape.layers} layers, {shape.kv_heads} KV heads x {shape.head_dim}, "
         f"{shape.total_params / 1e9:.1f}B parameters"
         + (f" ({shape.active_params / 1e9:.1f}B active, {shape.experts} experts)" if shape.is_moe else "")
@@ -37,7 +55,17 @@ def format_plan(plan: Plan, concurrency: int = 0) -> str:
         f"{'RDMA' if net.rdma else 'TCP'}",
         f"workload  prompt {wl.prompt} tokens, output {wl.output} tokens, prefix reuse {wl.prefix_reuse:.0%}, "
         f"{wl.rate:g} requests/s, TTFT <= {wl.ttft_slo_s * 1e3:g} ms, TPOT <= {wl.tpot_slo_s * 1e3:g} ms",
-        "",
+    ]
+
+
+def _memory_lines(plan: Plan, concurrency: int) -> list[str]:
+    dep, c, gpu = plan.deployment, plan.costs, plan.deployment.gpu
+    prompt, output = _mean_tokens(plan)
+    kv_token = dep.shape.kv_bytes_per_token(dep.kv_dtype_bytes)
+    longest = capacity.max_context_tokens(
+        gpu.memory_bytes, dep.weight_bytes_per_gpu, dep.kv_bytes_per_token_per_gpu, concurrency, dep.reserve
+    )
+    return [
         "Memory",
         f"  KV per token              {kv_token:,.0f} B ({kv_token / 1024:.1f} KiB)"
         + (f"; {dep.kv_bytes_per_token_per_gpu:,.0f} B per GPU at TP {dep.tp}" if dep.tp > 1 else ""),
@@ -47,26 +75,44 @@ def format_plan(plan: Plan, concurrency: int = 0) -> str:
         f"({dep.reserve:.0%} kept for activations)",
         f"  concurrent requests       {c.fits_memory:,} per replica fit at {prompt + output:,} tokens each",
         f"  longest context           {longest:,} tokens each at {concurrency:,} concurrent requests",
-        "",
+    ]
+
+
+def _transfer_lines(plan: Plan) -> list[str]:
+    c, net = plan.costs, plan.deployment.network
+    return [
         "KV transfer (the mean prompt's uncached part)",
-        f"  size                      {_bytes(c.kv_bytes)} ({wl.uncached_prompt:,} tokens)",
+        f"  size                      {_bytes(c.kv_bytes)} ({plan.workload.uncached_prompt:,} tokens)",
         f"  whole                     {_ms(c.transfer_s)} at {net.gbps * net.efficiency:g} Gb/s "
         f"({net.efficiency:.0%} of line rate) per GPU",
         f"  left after prefill        {_ms(c.transfer_exposed_s)} with layer pipelining",
-        "",
+    ]
+
+
+def _roofline_lines(plan: Plan) -> list[str]:
+    dep, c = plan.deployment, plan.costs
+    prompt, output = _mean_tokens(plan)
+    return [
         f"Roofline (compute at {dep.eff.compute:.0%} of peak, bandwidth at {dep.eff.memory:.0%})",
-        f"  prefill                   {_ms(c.prefill_s)} for {wl.uncached_prompt:,} tokens",
+        f"  prefill                   {_ms(c.prefill_s)} for {plan.workload.uncached_prompt:,} tokens",
         f"  decode step, batch 1      {_ms(dep.decode_step_s(1, prompt + output // 2))}",
         f"  decode step, batch {c.decode_batch:<6} {_ms(c.decode_step_s)} "
         f"({c.decode_batch / c.decode_step_s:,.0f} tokens/s per replica)",
-        "",
-        "Checks",
     ]
+
+
+def _check_lines(plan: Plan) -> list[str]:
+    lines = ["Checks"]
     for i, ch in enumerate(plan.checks, 1):
         value = f"{ch.value:.0%}" if ch.unit == "share" else f"{ch.value:,.4g} {ch.unit}"
         lines.append(f"  {i}. {ch.name:<33} {value:<14} {ch.verdict.upper()}")
         lines.append(f"     {ch.reason}")
-    lines += ["", "Recommendation"]
+    return lines
+
+
+def _recommendation_lines(plan: Plan) -> list[str]:
+    dep, rec = plan.deployment, plan.recommendation
+    lines = ["Recommendation"]
     if rec.disaggregate:
         threshold = rec.local_prefill_max_tokens
         lines.append(
@@ -77,4 +123,4 @@ def format_plan(plan: Plan, concurrency: int = 0) -> str:
     else:
         lines.append(f"  COLOCATE: all {dep.gpus} GPUs as {dep.replicas} replicas that prefill and decode")
     lines += [f"  - {r}" for r in rec.reasons]
-    return "\n".join(lines)
+    return lines
