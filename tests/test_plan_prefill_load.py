@@ -1,6 +1,6 @@
 """Prefill under load: a served prefill slows while other requests decode (the router and the
 client share the workers' cores). Its measurement from a client's records, the fit per system,
-the profile's JSON (version 3 still read), the simulator's use of it, and the background streams
+the profile's JSON (versions 3 and 4 still read), the simulator's use of it, and the background streams
 the measurement runs beside (against a real HTTP server streaming server-sent events)."""
 
 from __future__ import annotations
@@ -54,30 +54,62 @@ def test_prefill_load_points_set_each_first_token_against_the_step_that_prefills
 def test_the_slowdown_is_fitted_per_system_and_replaces_that_systems_earlier_fit():
     p = synthetic()
     assert prefill_slowdown(p, "disaggregated") is None
-    # measured / modelled = 1.05 + 0.05 per decoding request, exactly
+    # measured / modelled = 1.05 + 0.05 per decoding request, exactly: a multiplier, no cost per request
     pts = [(n, e, e * (1.05 + 0.05 * n)) for n in PREFILL_LOAD_STREAMS for e in (0.1, 0.4)]
     p = with_prefill_load(p, "disaggregated", pts)
-    p = with_prefill_load(p, "colocated", [(n, 0.2, 0.2 * (1.2 + 0.01 * n)) for n in (0, 6)])
+    p = with_prefill_load(p, "colocated", [(n, e, e * (1.2 + 0.01 * n)) for n in (0, 6) for e in (0.2, 0.5)])
     f = prefill_slowdown(p, "disaggregated")
-    assert f is not None and f(0) == pytest.approx(1.05) and f(4) == pytest.approx(1.25)
+    assert f is not None and f(0) == pytest.approx((1.05, 0.0), abs=1e-9)
+    assert f(4) == pytest.approx((1.25, 0.0), abs=1e-9)
     assert f(50) == f(max(PREFILL_LOAD_STREAMS))  # not extrapolated past the most streams measured beside
     g = prefill_slowdown(p, "colocated")
-    assert g is not None and g(6) == pytest.approx(1.26) and g(10) == g(6)
-    again = with_prefill_load(p, "disaggregated", [(0, 0.1, 0.2), (6, 0.1, 0.2)])  # 2x whatever the load
-    h = prefill_slowdown(again, "disaggregated")
-    assert h is not None and h(6) == pytest.approx(2.0)
-    assert len(again.prefill_load_points) == 2 + 2  # colocated's two, and only the new two of disaggregated
+    assert g is not None and g(6) == pytest.approx((1.26, 0.0), abs=1e-9) and g(10) == g(6)
+    again = with_prefill_load(p, "disaggregated", [(0, 0.1, 0.2), (6, 0.1, 0.2), (0, 0.3, 0.6), (6, 0.3, 0.6)])
+    h = prefill_slowdown(again, "disaggregated")  # 2x whatever the load
+    assert h is not None and h(6) == pytest.approx((2.0, 0.0), abs=1e-9)
+    assert len(again.prefill_load_points) == 4 + 4  # colocated's four, and only the new four of disaggregated
     with pytest.raises(ValueError, match="no prefill-under-load points"):
         with_prefill_load(p, "x", [])
 
 
-def test_the_slowdown_survives_json_and_a_version_3_profile_reads_without_one(tmp_path):
-    p = with_prefill_load(synthetic(), "disaggregated", [(0, 0.1, 0.105), (6, 0.1, 0.135)])
+def test_the_fit_recovers_a_multiplier_and_a_cost_per_request_from_seconds():
+    """Points made from known terms give those terms back: measured = model x (0.98 + 0.03 N) +
+    0.06 + 0.004 N, over short and long prompts beside 0, 2 and 6 decoding."""
+    a, b, c, d = 0.98, 0.03, 0.06, 0.004
+    pts = [(n, e, e * (a + b * n) + c + d * n) for n in PREFILL_LOAD_STREAMS for e in (0.15, 0.3, 0.8, 1.2)]
+    p = with_prefill_load(synthetic(), "disaggregated", pts)
+    ((_, *fit),) = p.prefill_load_fits
+    assert fit == pytest.approx([a, b, c, d], abs=1e-9)
+    f = prefill_slowdown(p, "disaggregated")
+    assert f is not None and f(2) == pytest.approx((a + 2 * b, c + 2 * d))
+    assert f(100) == pytest.approx((a + 6 * b, c + 6 * d))  # the most measured beside: 6
+
+
+def test_no_fitted_term_is_negative():
+    """Prefills that get cheaper per request with more decoding (a term that would come out negative)
+    and a constant pull toward a negative cost: each such term is held at 0 and the rest refitted."""
+    pts = [(n, e, e * (1.0 + 0.05 * n) + 0.08 - 0.01 * n) for n in (0, 2, 6) for e in (0.2, 0.6, 1.0)]
+    ((_, a, b, c, d),) = with_prefill_load(synthetic(), "colocated", pts).prefill_load_fits
+    assert min(a, b, c, d) >= 0.0 and d == 0.0
+    # a machine faster than the model by a fixed amount: no negative cost per request, the multiplier takes it
+    pts = [(n, e, e - 0.02) for n in (0, 6) for e in (0.2, 0.6, 1.0)]
+    ((_, a, b, c, d),) = with_prefill_load(synthetic(), "colocated", pts).prefill_load_fits
+    assert c == 0.0 and d == 0.0 and b == 0.0 and 0.9 < a < 1.0
+
+
+def test_the_slowdown_survives_json_and_older_versions_read(tmp_path):
+    p = with_prefill_load(synthetic(), "disaggregated", [(0, 0.1, 0.105), (6, 0.1, 0.135), (6, 0.3, 0.36)])
     path = str(tmp_path / "p.json")
     save_profile(p, path)
     back = load_profile(path)
-    assert back == p and json.load(open(path))["version"] == PROFILE_VERSION
+    assert back == p and json.load(open(path))["version"] == PROFILE_VERSION == 5
     old = p.to_dict()
+    old["version"] = 4  # a ratio fit: (system, base, per decoding request); no cost per request
+    old["prefill_load_fits"] = [["disaggregated", 1.05, 0.05]]
+    v4 = Profile.from_dict(json.loads(json.dumps(old)))
+    assert v4.prefill_load_fits == (("disaggregated", 1.05, 0.05, 0.0, 0.0),)
+    f = prefill_slowdown(v4, "disaggregated")
+    assert f is not None and f(2) == pytest.approx((1.15, 0.0))
     old["version"] = 3
     del old["prefill_load_points"], old["prefill_load_fits"]
     v3 = Profile.from_dict(old)
@@ -93,17 +125,35 @@ def test_the_simulator_slows_prefill_steps_by_the_decoding_in_the_whole_cluster(
     alone = [Request(0.0, 300, 4)]
     base = simulate(alone, cluster, costs, random.Random(0))
     # nothing decodes while the only request prefills: the factor at 0 decoding applies
-    slowed = simulate(alone, cluster, costs, random.Random(0), prefill_slowdown=lambda n: 1.5 + n)
+    slowed = simulate(alone, cluster, costs, random.Random(0), prefill_slowdown=lambda n: (1.5 + n, 0.0))
     assert slowed.ttft.p50 == pytest.approx(1.5 * base.ttft.p50)
     # a second request prefills while the first decodes: its step takes the factor at 1 decoding
     two = [Request(0.0, 300, 400), Request(1.0, 300, 4)]
     plain = simulate(two, cluster, costs, random.Random(0))
-    load = simulate(two, cluster, costs, random.Random(0), prefill_slowdown=lambda n: 1.0 + 0.25 * n)
+    load = simulate(two, cluster, costs, random.Random(0), prefill_slowdown=lambda n: (1.0 + 0.25 * n, 0.0))
     first, second = sorted(load.outcomes, key=lambda o: o.arrival_s)
     assert first.ttft_s == pytest.approx(min(plain.outcomes, key=lambda o: o.arrival_s).ttft_s)
     assert second.ttft_s == pytest.approx(1.25 * costs.prefill_s(300))
     # decode-only steps keep their figure: the long request's inter-token gaps are unchanged
     assert load.itl.p50 == pytest.approx(plain.itl.p50)
+
+
+def test_a_step_that_finishes_prompts_takes_the_cost_per_request_once():
+    """The cost per request was measured on prompts one at a time; a step that finishes one or more
+    prompts carries it once, a step that only continues a long prompt's chunks does not."""
+    costs = ProfileCosts(synthetic())
+    cluster = ClusterSpec("disaggregated", decode_workers=1, prefill_workers=1)  # chunk 512
+    plain = simulate([Request(0.0, 1000, 2)], cluster, costs, random.Random(0))
+    slowed = simulate([Request(0.0, 1000, 2)], cluster, costs, random.Random(0), prefill_slowdown=lambda n: (1.0, 0.05))
+    assert slowed.ttft.p50 == pytest.approx(plain.ttft.p50 + 0.05)  # two chunks, the cost once
+    # two prompts wait while a first prefills, then one step prefills both: 2x the model, the cost once each step
+    three = [Request(0.0, 100, 2), Request(0.001, 200, 2), Request(0.001, 200, 2)]
+    plain = simulate(three, cluster, costs, random.Random(0))
+    slowed = simulate(three, cluster, costs, random.Random(0), prefill_slowdown=lambda n: (2.0, 0.05))
+    first_token_s = [o.arrival_s + o.ttft_s for o in slowed.outcomes]
+    assert first_token_s == pytest.approx(
+        [2 * (o.arrival_s + o.ttft_s) + k * 0.05 for o, k in zip(plain.outcomes, (1, 2, 2), strict=True)]
+    )
 
 
 def test_a_replayed_request_keeps_what_the_server_said_it_found_cached():

@@ -93,3 +93,47 @@ def test_a_shared_prefix_no_shorter_than_the_prompt_is_refused():
     spec = ClusterSpec("colocated", decode_workers=1)
     with pytest.raises(ValueError, match="shared prefix"):
         simulate([Request(0.0, 100, 1, prefix_tokens=100)], spec, Toy(), random.Random(0))
+
+
+class ToyWire(Toy):
+    """Toy, with a transfer of 1 ms a token sent: what the decode worker already holds is not sent."""
+
+    def transfer_s(self, tokens: int) -> float:
+        return 0.001 * tokens
+
+
+def _grouped(at: float, group: int = 1) -> Request:
+    return Request(at, 600, 2, prefix_tokens=512, prefix_group=group)
+
+
+def test_a_remote_prefill_computes_what_its_own_cache_lacks_and_sends_what_the_decode_worker_lacks():
+    """r1 shares r0's 512-token prefix; both prefill remotely. One step per prompt (a big chunk):
+    a prompt of n uncached tokens takes n ms to prefill, n ms to send, then one 10 ms decode step."""
+    big = 100_000
+    # one prefill worker, one decode worker: both hold the prefix when r1 comes
+    spec = ClusterSpec("disaggregated", decode_workers=1, prefill_workers=1, max_num_batched_tokens=big)
+    _, r1 = simulate([_grouped(0.0), _grouped(2.0)], spec, ToyWire(), random.Random(0)).outcomes
+    assert r1.ttft_s == pytest.approx(0.088) and r1.finish_s - 2.0 - r1.ttft_s == pytest.approx(0.088 + 0.01)
+    _, other = simulate([_grouped(0.0), _grouped(2.0, group=2)], spec, ToyWire(), random.Random(0)).outcomes
+    assert other.ttft_s == pytest.approx(0.6) and other.finish_s - 2.0 - other.ttft_s == pytest.approx(0.61)
+
+    # r1 on the other decode worker (round robin), the same prefill worker: computed 88, all 600 sent
+    two_decode = ClusterSpec(
+        "disaggregated",
+        decode_workers=2,
+        prefill_workers=1,
+        max_num_batched_tokens=big,
+        routing=RoutingConfig(decode_policy="round_robin"),
+    )
+    r0, r1 = simulate([_grouped(0.0), _grouped(2.0)], two_decode, ToyWire(), random.Random(0)).outcomes
+    assert r0.decode_worker != r1.decode_worker
+    assert r1.ttft_s == pytest.approx(0.088) and r1.finish_s - 2.0 - r1.ttft_s == pytest.approx(0.61)
+
+    # the same decode worker, the other prefill worker: the decode worker's hit spares the transfer
+    # only. A 5000-token prompt holds one prefill worker from 0 to 5 s, so r0 goes to the other,
+    # which a 10000-token prompt then holds from 0.7 s: at 2 s the first has fewer tokens queued
+    two_prefill = ClusterSpec("disaggregated", decode_workers=1, prefill_workers=2, max_num_batched_tokens=big)
+    reqs = [Request(0.0, 5000, 2), _grouped(0.0), Request(0.7, 10_000, 2), _grouped(2.0)]
+    *_, r1 = simulate(reqs, two_prefill, ToyWire(), random.Random(0)).outcomes
+    assert r1.ttft_s == pytest.approx(5.6 - 2.0)  # waits for the 5000, then computes all 600 tokens
+    assert r1.finish_s == pytest.approx(5.6 + 0.088 + 0.01)  # but sends only the 88 the decode worker lacks

@@ -296,12 +296,8 @@ def _measure_prefill_load(
         points += got
     profile = with_prefill_load(profile, name, points)
     save_profile(profile, os.path.join(out, f"profile-{name}.json"))
-    _, base, per_stream = next(f for f in profile.prefill_load_fits if f[0] == name)
-    print(
-        f"[{name}] prefill under load = model x ({base:.3f} + {per_stream:.4f} per decoding request), saved to "
-        f"the profile",
-        flush=True,
-    )
+    fit = next(f for f in profile.prefill_load_fits if f[0] == name)
+    print(f"[{name}] {prefill_load_line(fit)}, saved to the profile", flush=True)
     return profile
 
 
@@ -350,8 +346,18 @@ def _print_profile(p: Any) -> None:
             f"{p.serve_s_per_seq * 1e3:.3f} ms/token"
         )
     print("  " + spread_line(p))
-    for system, base, per_stream in p.prefill_load_fits:
-        print(f"  prefill under load ({system}) = model x ({base:.3f} + {per_stream:.4f} per decoding request)")
+    for fit in p.prefill_load_fits:
+        print(f"  {prefill_load_line(fit)}")
+
+
+def prefill_load_line(fit: tuple[str, float, float, float, float]) -> str:
+    """A system's fitted prefill under load (plan/profile.py's `Profile.prefill_load_fits`), N the
+    requests decoding in the cluster."""
+    system, scale, scale_per, fixed, fixed_per = fit
+    return (
+        f"prefill under load ({system}) = model x ({scale:.3f} + {scale_per:.4f} N) + "
+        f"({fixed * 1e3:.1f} + {fixed_per * 1e3:.2f} N) ms"
+    )
 
 
 def spread_line(p: Any) -> str:

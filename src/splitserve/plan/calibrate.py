@@ -34,7 +34,8 @@ them run on the cores the prefill needs. `prefill_load_points` measures that on
 a running system: prompts of assorted lengths sent one at a time (`bench serve
 --max-concurrency 1`) beside 0, 2 and 6 requests decoding, each first token's
 time set against the cost model's step for that prompt; `with_prefill_load`
-(plan/profile.py) fits measured / modelled against the decoding count.
+(plan/profile.py) fits the measured seconds as the modelled ones times a multiplier
+plus a cost per request, each linear in the decoding count.
 """
 
 from __future__ import annotations

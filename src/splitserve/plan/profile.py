@@ -20,13 +20,17 @@ the fitted coefficients, so a reader can check the fit against its points:
                  context (`serve_spread`, the one the simulator draws from when it was measured)
     prefill under load
                  how much longer a served prefill takes than the model above while other requests
-                 decode, per system: measured / modelled = base + per_stream x decoding requests in the
-                 cluster (least squares, no negative term), fitted to prompts sent one at a time beside
-                 0, 2 and 6 decoding streams (`plan/calibrate.py`'s `prefill_load_points`). On this
-                 machine the router and the client share the workers' cores, and relaying every
-                 decoded token takes cycles a prefill on those cores would have had: 132 tokens alone
-                 1.05x the model, beside 4 streams 1.25x. Steps that carry a prefill chunk take the
-                 factor (`prefill_slowdown`); 1 when not measured
+                 decode, per system: measured s = model s x (scale + scale_per x N) + (fixed +
+                 fixed_per x N), N the decoding requests in the cluster (least squares on seconds, no
+                 negative term), fitted to prompts sent one at a time beside 0, 2 and 6 decoding
+                 streams (`plan/calibrate.py`'s `prefill_load_points`). On this machine the router and
+                 the client share the workers' cores, and relaying every decoded token takes cycles a
+                 prefill on those cores would have had. Fitted on seconds, not on ratios: the cost
+                 per request (tens of ms: the router's and the client's handling of one prompt) looks
+                 like a big ratio on a short prompt, and a ratio fitted to short prompts would stretch
+                 a long one by it. Steps that carry a prefill chunk take the multiplier, and a step
+                 that finishes a prompt the cost per request (`prefill_slowdown`); none when not
+                 measured
 
 Saved as JSON (`save_profile`, `load_profile`); `ProfileCosts` is the `CostModel`.
 """
@@ -41,8 +45,15 @@ from typing import Any
 
 from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, spread_quantiles
 
-PROFILE_VERSION = 4  # 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load
-READS_VERSIONS = (3, 4)  # a version 3 profile reads as one with prefill under load not measured
+# 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load (a ratio fit);
+# 5: prefill under load as a multiplier and a cost per request
+PROFILE_VERSION = 5
+# a version 3 profile reads as one with prefill under load not measured; a version 4 one's ratio fit
+# as the multiplier alone (no cost per request)
+READS_VERSIONS = (3, 4, 5)
+
+# (system, scale, scale per decoding request, fixed s, fixed s per decoding request): see Profile
+PrefillLoadFit = tuple[str, float, float, float, float]
 
 # (batch, measured / modelled at each of Profile.spread_levels), by batch
 SpreadTable = tuple[tuple[int, tuple[float, ...]], ...]
@@ -77,8 +88,9 @@ class Profile:
     serve_spread: SpreadTable  # a client's gaps / (engine model + the batch's median overhead); () unmeasured
     # (system, decoding requests in the cluster, modelled s, measured TTFT s) of prompts sent one at a time
     prefill_load_points: tuple[tuple[str, int, float, float], ...] = ()
-    # (system, measured / modelled with no request decoding, + per decoding request), fitted per system
-    prefill_load_fits: tuple[tuple[str, float, float], ...] = ()
+    # (system, scale, scale_per, fixed_s, fixed_s_per), fitted per system: a prefill beside N decoding
+    # requests takes model s x (scale + scale_per x N) + fixed_s + fixed_s_per x N
+    prefill_load_fits: tuple[PrefillLoadFit, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -122,7 +134,7 @@ class Profile:
             prefill_load_points=tuple(
                 (str(m), int(n), float(e), float(s)) for m, n, e, s in d.get("prefill_load_points", ())
             ),
-            prefill_load_fits=tuple((str(m), float(a), float(b)) for m, a, b in d.get("prefill_load_fits", ())),
+            prefill_load_fits=tuple(_prefill_load_fit(f) for f in d.get("prefill_load_fits", ())),
         )
 
     def step_spread(self) -> StepSpread | None:
@@ -130,6 +142,12 @@ class Profile:
         the engine's; None when neither was."""
         table = self.serve_spread or self.decode_spread
         return StepSpread(self.spread_levels, table) if table else None
+
+
+def _prefill_load_fit(row: Any) -> PrefillLoadFit:
+    """One saved fit; a version 4 row (system, scale, scale_per) has no cost per request."""
+    m, a, b, c, d = (*row, 0.0, 0.0) if len(row) == 3 else row
+    return (str(m), float(a), float(b), float(c), float(d))
 
 
 def _spread_table(rows: Any) -> SpreadTable:
@@ -178,6 +196,9 @@ def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], nonnegat
 
 def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float], cols: list[int]) -> list[float]:
     n = len(cols)
+    # a pivot this small against its column's own size is a column the others already explain
+    # (collinear: every point at one decoding count, or of one modelled time): coefficient 0
+    tiny = [1e-12 * max(sum(r[i] * r[i] for r in rows), 1e-300) for i in cols]
     a = [
         [sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
         for i in cols
@@ -185,7 +206,7 @@ def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float], cols: li
     for c in range(n):  # Gauss-Jordan with partial pivoting
         p = max(range(c, n), key=lambda r: abs(a[r][c]))
         a[c], a[p] = a[p], a[c]
-        if abs(a[c][c]) < 1e-300:
+        if abs(a[c][c]) <= tiny[c]:
             continue  # a column with no information keeps coefficient 0
         for r in range(n):
             if r != c and a[r][c] != 0.0:
@@ -193,7 +214,7 @@ def _solve_normal(rows: Sequence[Sequence[float]], ys: Sequence[float], cols: li
                 a[r] = [x - f * y for x, y in zip(a[r], a[c], strict=True)]
     coef = [0.0] * len(rows[0])
     for i, j in enumerate(cols):
-        coef[j] = a[i][n] / a[i][i] if abs(a[i][i]) >= 1e-300 else 0.0
+        coef[j] = a[i][n] / a[i][i] if abs(a[i][i]) > tiny[i] else 0.0
     return coef
 
 
@@ -294,29 +315,41 @@ def with_serving(
 
 def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int, float, float]]) -> Profile:
     """The profile with `system`'s prefill slowdown fitted to `points`, (decoding requests in the
-    cluster, modelled s, measured s) each: measured / modelled = base + per_stream x decoding.
-    Replaces what the profile held for that system."""
+    cluster, modelled s, measured s) each: measured = modelled x (scale + scale_per x N) + fixed +
+    fixed_per x N, least squares on seconds, so a long prompt weighs by its time rather than a short
+    one's fixed cost counting as a ratio. No term comes out negative (a prefill is never cheaper for
+    more decoding, nor a request's handling free of cost below zero). Replaces what the profile held
+    for that system."""
     if not points:
         raise ValueError("no prefill-under-load points to fit")
-    base, per_stream = least_squares([[1.0, n] for n, _, _ in points], [s / e for _, e, s in points])
+    scale, scale_per, fixed, fixed_per = least_squares(
+        [[e, e * n, 1.0, float(n)] for n, e, _ in points], [s for *_, s in points]
+    )
     kept = tuple(p for p in profile.prefill_load_points if p[0] != system)
     fits = tuple(f for f in profile.prefill_load_fits if f[0] != system)
     return replace(
         profile,
         prefill_load_points=kept + tuple((system, n, e, s) for n, e, s in points),
-        prefill_load_fits=fits + ((system, base, per_stream),),
+        prefill_load_fits=fits + ((system, scale, scale_per, fixed, fixed_per),),
     )
 
 
-def prefill_slowdown(profile: Profile, system: str) -> Callable[[int], float] | None:
-    """`system`'s measured prefill slowdown as a function of the requests decoding in the cluster,
-    for the simulator; None when the profile has none for it."""
+def prefill_slowdown(profile: Profile, system: str) -> Callable[[int], tuple[float, float]] | None:
+    """`system`'s measured prefill slowdown for the simulator: at N requests decoding in the cluster,
+    (the multiplier on the model's prefill time, the seconds added per request prefilled); None when
+    the profile has none for it."""
     measured = [n for name, n, _, _ in profile.prefill_load_points if name == system]
-    for name, base, per_stream in profile.prefill_load_fits:
-        if name == system:
-            most = max(measured, default=0)  # not extrapolated past the most streams measured beside
-            return lambda decoding: base + per_stream * min(decoding, most)
-    return None
+    fit = next((f for f in profile.prefill_load_fits if f[0] == system), None)
+    if fit is None:
+        return None
+    _, scale, scale_per, fixed, fixed_per = fit
+    most = max(measured, default=0)  # not extrapolated past the most streams measured beside
+
+    def at(decoding: int) -> tuple[float, float]:
+        n = min(decoding, most)
+        return scale + scale_per * n, fixed + fixed_per * n
+
+    return at
 
 
 class ProfileCosts:

@@ -24,9 +24,14 @@ decode worker's cache from the start (a system prompt, the chat template:
 each worker's warm-up stored them), the next ones up to `prefix_tokens` are
 shared with the other requests of its `prefix_group` (a conversation's
 history, a document) and cached where one of them ran, and the rest is its
-own. The decode worker computes what its cache does not hold, and so does a
-prefill worker for it. A worker's cache holds every prefix it has stored until
-the end: nothing is evicted.
+own. A request prefilled on its decode worker computes what that worker's
+cache does not hold. One prefilled remotely computes what the prefill worker's
+own cache does not hold (the prompts it prefilled before: the real one admits
+the whole context into its own engine, whose prefix cache is its own), and
+sends only the KV its decode worker lacks (the reservation covers those
+blocks): the decode worker's hit saves the transfer, not the prefill. A
+worker's cache holds every prefix it has stored until the end: nothing is
+evicted.
 
 A remote prefill reserves its seat and KV room on the decode worker first (and
 waits in that worker's line while it has none), then goes to the prefill
@@ -39,9 +44,10 @@ A measured `StepSpread` (`spread`) makes each decode-only step draw its time
 from the measured distribution around the cost model's figure, from the same
 generator; without one, or with one of zero spread, nothing is drawn and a
 step is the model's figure. A measured `prefill_slowdown` (plan/profile.py's
-prefill under load) makes each step that carries a prefill chunk take the
-model's figure times the slowdown at the requests decoding in the whole cluster
-as it starts.
+prefill under load: a multiplier and a cost per request, each at the requests
+decoding in the whole cluster as a step starts) makes each step that carries a
+prefill chunk take the model's figure times the multiplier, plus the cost per
+request once if it finishes a prompt (see plan/sim/worker.py).
 
 There is no wall clock and no randomness but the generator passed in: the
 same inputs give the same result. Each event is one step of one worker (or a
@@ -173,12 +179,13 @@ def simulate(
     rate: float = math.nan,
     prefill_costs: CostModel | None = None,
     spread: StepSpread | None = None,
-    prefill_slowdown: Callable[[int], float] | None = None,
+    prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
     they differ from the decode workers (another tensor-parallel size); default `costs`.
-    `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: a prefill
-    step's factor against the requests decoding in the cluster (see the module's note)."""
+    `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: at N requests
+    decoding in the cluster, a prefill step's multiplier and its seconds per prompt finished (see
+    the module's note)."""
     sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown)
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
@@ -240,7 +247,7 @@ class _Cluster:
         prefill_costs: CostModel,
         rng: random.Random,
         spread: StepSpread | None = None,
-        prefill_slowdown: Callable[[int], float] | None = None,
+        prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
     ) -> None:
         self.spec = spec
         self.prefill_costs = prefill_costs
@@ -270,7 +277,7 @@ class _Cluster:
         model: CostModel,
         prefill_only: bool,
         spread: StepSpread | None,
-        prefill_slowdown: Callable[[int], float] | None,
+        prefill_slowdown: Callable[[int], tuple[float, float]] | None,
     ) -> SimWorker:
         rng, spec = self.rng, self.spec
         step_ratio: Callable[[int], float] | None = None
@@ -280,11 +287,11 @@ class _Cluster:
             def step_ratio(batch: int) -> float:
                 return measured.ratio(batch, rng.random())
 
-        prefill_factor: Callable[[], float] | None = None
+        prefill_factor: Callable[[], tuple[float, float]] | None = None
         if prefill_slowdown is not None:
             slowdown = prefill_slowdown
 
-            def prefill_factor() -> float:  # only steps with a prefill chunk ask: O(decode workers) each
+            def prefill_factor() -> tuple[float, float]:  # only steps with a prefill chunk ask: O(decode workers) each
                 return slowdown(sum(w.num_decoding for w in self.decode))
 
         return SimWorker(
@@ -304,10 +311,12 @@ class _Cluster:
         )
 
     def warm_up(self, hashes: Sequence[BlockHash]) -> None:
-        """Every decode worker holds the prefix that every prompt shares (its warm-up stored it)."""
+        """Every worker holds the prefix that every prompt shares (its warm-up stored it)."""
         if hashes:
             for w in self.decode:
                 self.index.stored(w.name, hashes)
+            for p in self.prefill:
+                p.prefix_cache.update(hashes)
 
     def push_step(self, t: float, w: SimWorker) -> None:
         self.seq += 1
@@ -342,9 +351,10 @@ class _Cluster:
         )
         d = self.by_name[r.worker]
         req.decode_worker = d.name
-        # what the chosen worker's cache holds: neither it nor a prefill worker for it computes that
-        req.cached_tokens = req.computed = max(req.cached_tokens, r.overlap_blocks * self.spec.routing.block_size)
+        # what the chosen worker's cache holds: it computes none of that, nor is it sent there
+        req.kv_held = max(req.cached_tokens, r.overlap_blocks * self.spec.routing.block_size)
         if r.mode == "local":
+            req.cached_tokens = req.computed = req.kv_held
             d.add(req, now, self.push_step)
             return
         line = self.lines[d]
@@ -357,8 +367,10 @@ class _Cluster:
         d.reserve(req)
         self.target[req.index] = d
         req.remote = True
-        p = choose_prefill_worker({p.name: p.queued_tokens for p in self.prefill}, self.rng)
-        self.by_name[p].add(req, now, self.push_step)
+        p = self.by_name[choose_prefill_worker({p.name: p.queued_tokens for p in self.prefill}, self.rng)]
+        # the prefill worker computes what its own cache lacks, whatever the decode worker holds
+        req.cached_tokens = req.computed = max(req.cached_tokens, p.cached_tokens_of(req))
+        p.add(req, now, self.push_step)
 
     def _cached(self, w: SimWorker, req: SimRequest) -> None:
         """A decode worker's BlocksStored event: the request's prompt blocks are in its cache."""
@@ -370,7 +382,7 @@ class _Cluster:
 
     def _prefilled(self, p: SimWorker, req: SimRequest, now: float) -> None:
         self.seq += 1
-        t = now + self.prefill_costs.transfer_s(req.prompt_tokens - req.cached_tokens)
+        t = now + self.prefill_costs.transfer_s(req.prompt_tokens - req.kv_held)  # what the decode worker lacks
         heapq.heappush(self.events, (t, self.seq, self.target.pop(req.index), req))
 
     def _finished(self, w: SimWorker, req: SimRequest, now: float) -> None:

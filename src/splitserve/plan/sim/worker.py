@@ -26,8 +26,14 @@ With a `step_ratio` (the cluster's draw from a measured `StepSpread`), a step
 that only decodes takes the cost model's figure times a ratio drawn for its
 batch; a step with a prefill chunk keeps the model's figure (the spread was
 measured on decode steps only). With a `prefill_factor` (the cluster's measured
-prefill slowdown at the requests decoding now), a step with a prefill chunk
-takes the model's figure times that factor.
+prefill slowdown at the requests decoding now: a multiplier and a cost per
+request), a step with a prefill chunk takes the model's figure times the
+multiplier, plus the cost per request once if it finishes any prompt (measured
+on prompts one at a time, each finishing in its own step).
+
+A prefill worker keeps the chained hashes of every prompt it has prefilled
+(`cached_tokens_of`): its engine's prefix cache, which spares it the shared
+blocks of a later prompt it is sent. Nothing is evicted, as on decode workers.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class SimRequest:
         "output_tokens",
         "cached_tokens",
         "computed",
+        "kv_held",
         "first_token_s",
         "finish_s",
         "remote",
@@ -75,9 +82,12 @@ class SimRequest:
         self.arrival_s = arrival_s
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
-        # found in its decode worker's cache (the router's overlap, once routed): neither worker computes them
+        # found in the cache of the worker that prefills it (once routed: its decode worker's overlap, or
+        # a prefill worker's own hit): not computed
         self.cached_tokens = cached_tokens
         self.computed = cached_tokens  # prompt tokens whose KV is in the cache
+        # its decode worker's overlap once routed: a remote prefill sends only the KV beyond it
+        self.kv_held = cached_tokens
         self.first_token_s = -1.0
         self.finish_s = -1.0
         self.remote = False  # prefilled by a prefill worker
@@ -104,7 +114,7 @@ class SimWorker:
         on_finished: Callable[[SimWorker, SimRequest, float], None],
         itl: ItlSink,
         step_ratio: Callable[[int], float] | None = None,
-        prefill_factor: Callable[[], float] | None = None,
+        prefill_factor: Callable[[], tuple[float, float]] | None = None,
         block_size: int = 16,
         on_cached: Callable[[SimWorker, SimRequest], None] | None = None,
     ) -> None:
@@ -118,9 +128,11 @@ class SimWorker:
         self.on_finished = on_finished
         self.itl = itl
         self.step_ratio = step_ratio  # a decode-only step of batch B takes the model's figure x step_ratio(B)
-        self.prefill_factor = prefill_factor  # a step with a prefill chunk takes the figure x prefill_factor()
+        # a step with a prefill chunk: (multiplier on its figure, seconds per prompt it finishes)
+        self.prefill_factor = prefill_factor
         self.block_size = block_size  # the router's, for the free and total blocks it reads
         self.on_cached = on_cached  # decode worker: a request's prompt KV is here (its blocks stored)
+        self.prefix_cache: set[BlockHash] = set()  # prefill_only: the blocks of the prompts it prefilled
         self.total_blocks = UNBOUNDED_BLOCKS if kv_capacity_tokens is None else kv_capacity_tokens // block_size
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
@@ -156,6 +168,16 @@ class SimWorker:
         else:
             free = max(0, self.kv_capacity - self.kv_used) // self.block_size
         return WorkerLoad(self.queued_tokens, self.running_tokens, free, self.total_blocks)
+
+    def cached_tokens_of(self, req: SimRequest) -> int:
+        """The tokens of `req`'s prompt this prefill worker's own cache holds: its leading blocks
+        found, up to the first one missing (a chained hash finds only behind its whole prefix)."""
+        n = 0
+        for h in req.hashes:
+            if h not in self.prefix_cache:
+                break
+            n += 1
+        return n * self.block_size
 
     def has_seat(self) -> bool:
         return self.seats_used < self.max_num_seqs
@@ -249,7 +271,12 @@ class SimWorker:
         if self.step_ratio is not None and not tokens:
             t *= self.step_ratio(batch)
         elif self.prefill_factor is not None and tokens:
-            t *= self.prefill_factor()
+            # the cost per prompt was measured on prompts sent one at a time, each finishing in a step of
+            # its own; charged once per step that finishes any (its first tokens handed out together),
+            # since charging it per prompt made a burst's first tokens wait for each other's (replay)
+            scale, per_prompt = self.prefill_factor()
+            finishes = any(req.computed + n >= req.prompt_tokens for req, n in chunks)
+            t = t * scale + (per_prompt if finishes else 0.0)
         push(now + t, self)
 
     def end_step(self, now: float, push: Callable[[float, SimWorker], None]) -> None:
@@ -277,6 +304,7 @@ class SimWorker:
             if self.on_cached is not None and not self.prefill_only:
                 self.on_cached(self, req)
             if self.prefill_only:
+                self.prefix_cache.update(req.hashes)
                 self.kv_used -= req.prompt_tokens + req.output_tokens
                 self.running_tokens -= req.prompt_tokens
                 self.on_prefilled(self, req, now)
