@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# bench/results/ at the repository root (src/splitserve/bench/report.py is three folders below it)
-RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"
+# the repository root: src/splitserve/bench/report.py is three folders below it
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "bench" / "results"
 ORDER = ["engine", "cuda", "transfer", "router", "serving", "peer"]  # the issues' order; others follow by name
 TITLES = {
     "engine": "Engine decode against Hugging Face transformers and the hardware limits (issue 2)",
@@ -42,11 +43,12 @@ NOTES = {
     "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
     "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
     "workers also stream every token over gRPC. What that costs is measured on each running system before its "
-    "loads: the served gap between tokens over the engine step (colocated, both cores busy, 2.7 ms a step and "
-    "up; disaggregated 0.4-1 ms), and a prefill's slowdown beside 0, 2 and 6 decoding streams (1.0-1.2x). "
-    "The misses are where that is not one number: colocated at 0.5 req/s one worker is mostly idle and "
-    "lends its core to the router, so gaps are shorter than the overhead measured with both busy (ITL p50 "
-    "1.29). Run to run on this shared VM the count has been 23 to 28 of 32.",
+    "loads: the served gap between tokens over the engine step, and a prefill beside 0, 2 and 6 decoding "
+    "streams, fitted on seconds as model x (scale + scale_per N) + (fixed + fixed_per N) (profile version 5; "
+    "a ratio fit over short prompts overcharged the long ones). The simulator routes with the router's own "
+    "chooser (router/policy.py) over a prefix index fed by its simulated workers. The misses are colocated at "
+    "low load, where one worker is mostly idle and lends its core to the router and the client, so the overhead "
+    "measured with both busy overstates it. Run to run on this shared VM the count has been 23 to 29 of 32.",
     "transfer-tp": "The TP 1 -> TP 1 rows send the same transfer twice: their spread is the noise floor. "
     "Equal sizes above 1 send one zero-copy frame per shard; other pairs pack each receiver shard's heads in "
     "the sender's stream thread, in line with its sends. The copy figures repeat one 8 MiB layer, which stays "
@@ -87,7 +89,7 @@ def build(results: Path = RESULTS) -> str:
 
 
 def main() -> int:
-    out = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    out = ROOT / "BENCHMARKS.md"
     out.write_text(build())
     print(f"wrote {out}", file=sys.stderr)
     return 0
