@@ -159,6 +159,33 @@ def test_models_and_health():
     assert run(body, listeners=replace(LOCAL, model_name="smollm2")) == ("smollm2", 200)
 
 
+def test_metrics_serve_the_workers_request_series_as_the_client_saw_them():
+    """After one request, the router's /metrics has the workers' (vLLM's) names, labelled role=router."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def body(s):
+        async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}) as r:
+            assert r.status == 200, await r.text()
+        async with s.get("/metrics") as r:
+            return await r.text()
+
+    samples = {
+        (x.name, x.labels.get("finished_reason")): (x.labels, x.value)
+        for family in text_string_to_metric_families(run(body))
+        for x in family.samples
+    }
+    labels, ttft_count = samples[("splitserve:time_to_first_token_seconds_count", None)]
+    assert ttft_count >= 1
+    assert labels == {"model_name": "splitserve", "role": "router", "worker_id": "router-0"}
+    for name in ("request_queue_time_seconds", "e2e_request_latency_seconds"):
+        assert samples[(f"splitserve:{name}_count", None)][1] == 1
+    assert samples[("splitserve:inter_token_latency_seconds_count", None)][1] == 4
+    assert samples[("splitserve:generation_tokens_total", None)][1] == 5
+    assert samples[("splitserve:prompt_tokens_total", None)][1] == 2
+    assert samples[("splitserve:request_success_total", "length")][1] == 1
+    assert samples[("splitserve_router_ttft_seconds_count", None)][1] == 1  # the router's own, as before
+
+
 # ---- no client body gets a 500: each case below was one before (a traceback, not an answer)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -1,11 +1,22 @@
 """The router's Prometheus metrics, on a registry of its own (so tests and
-several routers in one process do not collide)."""
+several routers in one process do not collide).
+
+Besides its own `splitserve_router_*` series, the router serves the request
+series under the names the workers' engines use (vLLM's, `splitserve:` for
+`vllm:`; workers/common/metrics.py), measured as the client sees them: from the
+request's arrival at the router to what the router sends. They carry the
+workers' labels, with role="router", model_name the name clients ask for
+(`--model-name`) and worker_id "router-<grpc port>", so a dashboard built for
+vLLM's names works when pointed at the router, and a Prometheus that scrapes
+the router and the workers keeps the two apart (filter on role).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitserve.router.config import RouterConfig
+from splitserve.runtime.request_metrics import ITL_BUCKETS, LABELS, REQUEST_BUCKETS, TTFT_BUCKETS
 from splitserve.runtime.tracing import PHASE_BUCKETS, PHASE_METRIC
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -16,6 +27,7 @@ class RouterMetrics:
     def __init__(self, cfg: RouterConfig, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._add_request_metrics(self.registry)
+        self.client = ClientMetrics(self.registry, cfg.listeners.model_name, f"router-{cfg.listeners.grpc_port}")
         self._add_routing_metrics(self.registry, cfg)
         self._add_pool_metrics(self.registry)
         self._blocks = 0
@@ -94,3 +106,54 @@ class RouterMetrics:
         self._hits += hit_blocks
         if self._blocks:
             self.prefix_hit_rate.set(self._hits / self._blocks)
+
+
+class ClientMetrics:
+    """The request series under the workers' (vLLM's) names, measured at the router: what the
+    client sees. Children already labelled with the router's (model_name, role, worker_id)."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str, worker_id: str) -> None:
+        self.label_values = (model_name, "router", worker_id)
+        self.ttft = self._histogram(
+            r, "splitserve:time_to_first_token_seconds", "Arrival at the router to the first token sent", TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            r,
+            "splitserve:inter_token_latency_seconds",
+            "Time between two tokens sent to the client (a batch of tokens shares its gap equally)",
+            ITL_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            r,
+            "splitserve:e2e_request_latency_seconds",
+            "Arrival at the router to the last response sent, for requests that finished (stop or length)",
+            REQUEST_BUCKETS,
+        )
+        self.queue = self._histogram(
+            r,
+            "splitserve:request_queue_time_seconds",
+            "Arrival at the router to the first event of a decode worker that admitted the request (its "
+            "reservation for a remote prefill, or the start of its local prefill): routing, retries and the "
+            "worker's admission queue",
+            REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = self._counter(
+            r, "splitserve:prompt_tokens", "Prompt tokens of the requests whose first token was sent (cached included)"
+        )
+        self.generation_tokens = self._counter(r, "splitserve:generation_tokens", "Tokens sent to clients")
+        self.success = Counter(
+            "splitserve:request_success",
+            "Requests that finished, by finish reason (stop or length; a failed request is counted by "
+            "splitserve_router_requests)",
+            (*LABELS, "finished_reason"),
+            registry=r,
+        )
+
+    def _histogram(self, r: CollectorRegistry, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self.label_values)
+
+    def _counter(self, r: CollectorRegistry, name: str, doc: str) -> Counter:  # `_total` added by prometheus_client
+        return Counter(name, doc, LABELS, registry=r).labels(*self.label_values)
+
+    def finished(self, reason: str) -> None:
+        self.success.labels(*self.label_values, reason).inc()

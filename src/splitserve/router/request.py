@@ -338,6 +338,8 @@ class RequestRun:
         """The Decode call's first event: a reservation (prefill it remotely; the first token comes
         from the prefill worker) or the decode worker's own prefill under way."""
         kind = first.WhichOneof("event")
+        if kind in ("reservation", "local_prefill"):
+            self.response.on_admitted()
         if kind == "reservation":
             result = await self._prefill(rid, first.reservation, sampling, trace)
             self.response.set_cached(result.num_cached_tokens)

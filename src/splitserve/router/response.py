@@ -11,7 +11,7 @@ tokens already sent, a migrated request's stream goes on where it stopped.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.metrics import RouterMetrics
@@ -23,10 +23,21 @@ from splitserve.router.validation import ValidRequest
 class ResponseShaper:
     """The client's side of one request: tokens in, GenerateResponses out."""
 
-    def __init__(self, req: ValidRequest, tokenizer: RouterTokenizer, metrics: RouterMetrics, start: float) -> None:
+    def __init__(
+        self,
+        req: ValidRequest,
+        tokenizer: RouterTokenizer,
+        metrics: RouterMetrics,
+        start: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.req = req
-        self.metrics = metrics  # ttft and itl: observed as tokens are sent, not as workers make them
-        self.start = start  # time.monotonic() at the request's arrival (for TTFT)
+        # observed as the client sees the request (tokens as they are sent, not as workers make them):
+        # splitserve_router_ttft/itl and the workers' names in metrics.client, each once per request or token
+        self.metrics = metrics
+        self.start = start  # clock() at the request's arrival (for TTFT, queue time and e2e)
+        self.clock = clock
+        self.admitted = False  # a decode worker's first event has arrived (queue time observed)
         self.detok = tokenizer.detokenizer(req.prompt_token_ids)
         self.stopper = StopMatcher(req.sampling.stop)
         self.generated: list[int] = []  # tokens sent to the client so far (what a migration resumes from)
@@ -73,7 +84,7 @@ class ResponseShaper:
             resp.text += tail
             resp.finish_reason = pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH
         if resp.finish_reason:
-            self.finished = True
+            self._finish(resp.finish_reason)
         if resp.finish_reason or self.req.continuous_usage:
             resp.usage.CopyFrom(self.usage())
         return resp
@@ -81,23 +92,49 @@ class ResponseShaper:
     def final(self, reason: pb.FinishReason) -> pb.GenerateResponse:
         """The last response, when the worker finished the request (`reason`, unless a stop string
         in the text still held back matches)."""
-        self.finished = True
         text, stopped = self._drain()
-        return pb.GenerateResponse(
+        resp = pb.GenerateResponse(
             request_id=self.req.request_id,
             text=text,
             finish_reason=pb.FINISH_REASON_STOP if stopped else reason,
             usage=self.usage(),
         )
+        self._finish(resp.finish_reason)
+        return resp
+
+    def on_admitted(self) -> None:
+        """A decode worker's first event for this request (reservation or local prefill): the end of
+        its queue time, observed once (a later attempt after a migration is not queued again)."""
+        if not self.admitted:
+            self.admitted = True
+            self.metrics.client.queue.observe(self.clock() - self.start)
+
+    def _finish(self, reason: pb.FinishReason) -> None:
+        """The stream ends with `reason`: e2e latency and success observed, once per request."""
+        if self.finished:
+            return
+        self.finished = True
+        client = self.metrics.client
+        client.e2e.observe(self.clock() - self.start)
+        client.finished("length" if reason == pb.FINISH_REASON_LENGTH else "stop")
 
     def _observe_latency(self, n: int) -> None:
-        now = time.monotonic()
+        """`n` tokens about to be sent: the first batch ends the TTFT (its other tokens have no gap to
+        count), each later token counts an equal share of the gap since the batch before."""
+        if not n:
+            return
+        now = self.clock()
+        client = self.metrics.client
         if not self.generated:
             self.metrics.ttft.observe(now - self.start)
-        elif n:
-            gap = (now - self.last_token_at) / n  # a batch of tokens: each counts an equal share of the gap
+            client.ttft.observe(now - self.start)
+            client.prompt_tokens.inc(len(self.req.prompt_token_ids))
+        else:
+            gap = (now - self.last_token_at) / n
             for _ in range(n):
                 self.metrics.itl.observe(gap)
+                client.itl.observe(gap)
+        client.generation_tokens.inc(n)
         self.last_token_at = now
 
     def _drain(self) -> tuple[str, bool]:
