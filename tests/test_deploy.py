@@ -273,8 +273,9 @@ def test_prometheus_scrapes_every_metrics_port():
         for t in sc["targets"]
     }
     assert targets == want
-    workers = [job for job in prom["scrape_configs"] if job["job_name"] == "splitserve-workers"]
-    assert workers and workers[0].get("honor_labels") is True, "the engine series' own role label must be kept"
+    for name in ("splitserve-workers", "splitserve-router"):
+        job = [job for job in prom["scrape_configs"] if job["job_name"] == name]
+        assert job and job[0].get("honor_labels") is True, f"{name}: the series' own role label must be kept"
     mount = services["prometheus"]["volumes"][0].split(":")
     assert (ROOT / mount[0]).resolve() == (DEPLOY / "prometheus" / "prometheus.yml").resolve()
 

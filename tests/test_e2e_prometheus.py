@@ -101,20 +101,26 @@ def test_prometheus_scrapes_router_and_worker_and_reads_ttft_quantiles(tmp_path:
 
                 assert await until(targets_up, "both targets up") == ["router", "workers"]
 
-                async def quantile(metric: str) -> float | None:
-                    promql = f"histogram_quantile(0.9, sum by (le) ({metric}_bucket))"
+                async def quantile(metric: str, selector: str = "") -> float | None:
+                    promql = f"histogram_quantile(0.9, sum by (le) ({metric}_bucket{selector}))"
                     result = await query(s, base, promql)
                     v = float(result[0]["value"][1]) if result else float("nan")
                     return v if v == v and v > 0 else None  # NaN until a scrape has the requests
 
                 router_ttft = await until(lambda: quantile("splitserve_router_ttft_seconds"), "router TTFT")
                 engine_ttft = await until(
-                    lambda: quantile("splitserve:time_to_first_token_seconds"), "the engine's TTFT"
+                    lambda: quantile("splitserve:time_to_first_token_seconds", '{role="decode"}'), "the engine's TTFT"
                 )
-                count = await query(s, base, "sum(splitserve:generation_tokens_total)")
+                # the router's series under the workers' names, as the client saw the requests
+                client_ttft = await until(
+                    lambda: quantile("splitserve:time_to_first_token_seconds", '{role="router"}'), "the client's TTFT"
+                )
+                client_count = await query(s, base, 'sum(splitserve:time_to_first_token_seconds_count{role="router"})')
+                count = await query(s, base, 'sum(splitserve:generation_tokens_total{role!="router"})')
                 print(f"Prometheus: TTFT p90 router {router_ttft:.3f} s, engine {engine_ttft:.3f} s")
                 assert 0 < engine_ttft <= router_ttft + 0.5  # the engine's TTFT is inside the router's
                 assert float(count[0]["value"][1]) >= 6 * 8
+                assert float(client_count[0]["value"][1]) >= 1 and 0 < engine_ttft <= client_ttft + 0.5
         finally:
             prom.terminate()
             prom.wait(30)
