@@ -12,7 +12,17 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
+from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
+
 T = TypeVar("T")
+
+
+def check_request_id(request_id: str) -> None:
+    """Raise ValueError unless the id can name a request here and in the KV frames it travels in."""
+    if not request_id:
+        raise ValueError("request_id is empty")
+    if len(request_id.encode()) > REQUEST_ID_BYTES:
+        raise ValueError(f"request_id is longer than the KV frame's {REQUEST_ID_BYTES} bytes")
 
 
 class RequestIds(Generic[T]):

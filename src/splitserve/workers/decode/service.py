@@ -34,7 +34,6 @@ from splitserve.engine.engine import StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
-from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -43,7 +42,7 @@ from splitserve.workers.common.blocks import stream_block_events
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.common.grpc_abort import refuse
 from splitserve.workers.common.metrics import WorkerMetrics
-from splitserve.workers.common.request_ids import RequestIds
+from splitserve.workers.common.request_ids import RequestIds, check_request_id
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +93,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         rid = request.request_id
         parent = tracing.extract(context.invocation_metadata())
         try:
-            if not rid:
-                raise ValueError("request_id is empty")
-            if len(rid.encode()) > REQUEST_ID_BYTES:
-                raise ValueError(f"request_id is longer than the KV frame's {REQUEST_ID_BYTES} bytes")
+            check_request_id(rid)
             if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
                 raise ValueError("prefill_mode must be LOCAL or REMOTE")
             params = convert.sampling_from_proto(request.sampling)

@@ -35,7 +35,6 @@ from splitserve.engine.engine import StepOutput
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.scheduler import DuplicateRequest
 from splitserve.kv_transfer import FailureCode, TransferError
-from splitserve.kv_transfer.frame import REQUEST_ID_BYTES
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -44,7 +43,7 @@ from splitserve.workers.common.blocks import stream_block_events
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.common.grpc_abort import refuse
 from splitserve.workers.common.metrics import WorkerMetrics
-from splitserve.workers.common.request_ids import RequestIds
+from splitserve.workers.common.request_ids import RequestIds, check_request_id
 from splitserve.workers.prefill.connector import SenderConnector
 
 log = logging.getLogger(__name__)
@@ -80,10 +79,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         parent = tracing.extract(context.invocation_metadata())
         prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
         try:
-            if not rid:
-                raise ValueError("request_id is empty")
-            if len(rid.encode()) > REQUEST_ID_BYTES:
-                raise ValueError(f"request_id is longer than the KV frame's {REQUEST_ID_BYTES} bytes")
+            check_request_id(rid)
             params = convert.sampling_from_proto(request.sampling)
             kv = convert.reservation_from_proto(request.reservation)
             first_index = self._check_reservation(request.reservation, len(prompt) + len(prior))
