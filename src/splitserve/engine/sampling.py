@@ -15,6 +15,27 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, as the client wrote it; compiled by engine/grammar.py (once per
+    distinct spec: it is its own cache key). `source`: the JSON schema text, the regex, a JSON
+    list of choices, a Lark grammar; empty for json_object."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidSamplingParam("grammar", f"kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.source:
+            raise InvalidSamplingParam("grammar", f"a {self.kind} grammar needs a source")
+
+
 class InvalidSamplingParam(ValueError):
     """A sampling field out of range; `field` names it (no one has to parse the message)."""
 
@@ -38,6 +59,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: matched by whoever detokenizes
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    top_logprobs: int = 0  # with logprobs: the this-many most likely tokens at each position too
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the raw logits
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many output tokens
+    grammar: GrammarSpec | None = None  # every output token is sampled under it
+    n: int = 1  # samples of the request: one prefill, the sequence forked n ways
+    prompt_logprobs: int = 0  # 0: off; k: each prompt token's logprob and the k-1 most likely others'
 
     def __post_init__(self) -> None:
         bad = InvalidSamplingParam
@@ -64,8 +91,26 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise bad("stop", "entries must be non-empty strings")
+        self._check_extras()
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    def _check_extras(self) -> None:
+        bad = InvalidSamplingParam
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS + 1:
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS + 1}]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")
+            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -74,3 +119,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but the plain distribution decides the token (so greedy rows cannot
+        all share one argmax)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None

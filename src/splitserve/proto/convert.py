@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.handoff import Handoff, SampleState, TokenLogprob
+from splitserve.engine.sampling import GrammarSpec, SamplingParams
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 
 if TYPE_CHECKING:
@@ -35,9 +36,31 @@ def sampling_from_proto(sp: wpb.SamplingParams) -> SamplingParams:
             stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
             ignore_eos=bool(sp.ignore_eos),
             logprobs=bool(sp.logprobs),
+            top_logprobs=int(sp.top_logprobs),
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items())),
+            min_tokens=int(sp.min_tokens),
+            grammar=_grammar_from_proto(sp.grammar) if sp.HasField("grammar") else None,
+            n=int(sp.n) or 1,
+            prompt_logprobs=int(sp.prompt_logprobs),
         )
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from None
+
+
+_GRAMMAR_KINDS = {
+    wpb.GRAMMAR_KIND_JSON_SCHEMA: "json_schema",
+    wpb.GRAMMAR_KIND_JSON_OBJECT: "json_object",
+    wpb.GRAMMAR_KIND_REGEX: "regex",
+    wpb.GRAMMAR_KIND_CHOICE: "choice",
+    wpb.GRAMMAR_KIND_LARK: "lark",
+}
+_GRAMMAR_KIND_IDS = {name: kind for kind, name in _GRAMMAR_KINDS.items()}
+
+
+def _grammar_from_proto(g: wpb.Grammar) -> GrammarSpec:
+    if g.kind not in _GRAMMAR_KINDS:
+        raise ValueError(f"grammar.kind {g.kind} is not a grammar kind")
+    return GrammarSpec(_GRAMMAR_KINDS[g.kind], g.source)
 
 
 def sampling_to_proto(p: SamplingParams) -> wpb.SamplingParams:
@@ -53,10 +76,65 @@ def sampling_to_proto(p: SamplingParams) -> wpb.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        n=p.n,
+        prompt_logprobs=p.prompt_logprobs,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(wpb.Grammar(kind=_GRAMMAR_KIND_IDS[p.grammar.kind], source=p.grammar.source))
     return msg
+
+
+# ---- the handoff record (engine/handoff.py): the one place it becomes a message, and the one
+# place a message becomes it again
+
+
+def logprob_to_proto(lp: TokenLogprob) -> wpb.TokenLogprob:
+    return wpb.TokenLogprob(
+        logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top]
+    )
+
+
+def logprob_from_proto(m: wpb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(float(m.logprob), tuple(zip(m.top_token_ids, m.top_logprobs, strict=False)))
+
+
+def handoff_to_proto(h: Handoff) -> wpb.Handoff:
+    return wpb.Handoff(
+        prompt_token_ids=h.prompt_token_ids,
+        sampling=sampling_to_proto(h.params),
+        samples=[
+            wpb.SampleState(
+                index=s.index,
+                output_token_ids=s.output_token_ids,
+                logprobs=[logprob_to_proto(lp) for lp in s.logprobs],
+            )
+            for s in h.samples
+        ],
+        prompt_logprobs=[logprob_to_proto(lp) for lp in h.prompt_logprobs],
+    )
+
+
+def handoff_from_proto(m: wpb.Handoff) -> Handoff:
+    """The record a worker continues from; ValueError naming the field for what cannot be continued."""
+    params = sampling_from_proto(m.sampling)
+    samples = [
+        SampleState(int(s.index), list(s.output_token_ids), [logprob_from_proto(lp) for lp in s.logprobs])
+        for s in m.samples
+    ]
+    indices = [s.index for s in samples]
+    if len(set(indices)) != len(indices) or any(i >= params.n for i in indices):
+        raise ValueError(f"handoff.samples: indices {indices} are not distinct sample indices below n={params.n}")
+    for s in samples:
+        if len(s.output_token_ids) >= params.max_tokens:
+            raise ValueError(f"handoff.samples[{s.index}] already has max_tokens={params.max_tokens} output tokens")
+    return Handoff(
+        list(m.prompt_token_ids), params, samples, [logprob_from_proto(lp) for lp in m.prompt_logprobs]
+    )
 
 
 def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:

@@ -7,6 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_KIND_UNSPECIFIED: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_OBJECT: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_CHOICE: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_LARK: _ClassVar[GrammarKind]
+
 class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PREFILL_MODE_UNSPECIFIED: _ClassVar[PrefillMode]
@@ -20,6 +29,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_LEASE_EXPIRED: _ClassVar[FinishReason]
+GRAMMAR_KIND_UNSPECIFIED: GrammarKind
+GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
+GRAMMAR_KIND_JSON_OBJECT: GrammarKind
+GRAMMAR_KIND_REGEX: GrammarKind
+GRAMMAR_KIND_CHOICE: GrammarKind
+GRAMMAR_KIND_LARK: GrammarKind
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
@@ -30,7 +45,14 @@ FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_LEASE_EXPIRED: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "min_tokens", "grammar", "n", "prompt_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +65,12 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -55,7 +83,53 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    grammar: Grammar
+    n: int
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "source")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: GrammarKind
+    source: str
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "samples", "prompt_logprobs")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    samples: _containers.RepeatedCompositeFieldContainer[SampleState]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleState, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class SampleState(_message.Message):
+    __slots__ = ("index", "output_token_ids", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("kv_endpoint", "transport", "ticket", "request_id", "block_ids", "num_cached_tokens", "layout", "lease_deadline_unix_ms", "kv_tcp_endpoint")
@@ -172,20 +246,16 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "prefill_mode", "lease_ms")
+    __slots__ = ("request_id", "handoff", "prefill_mode", "lease_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: SamplingParams
+    handoff: Handoff
     prefill_mode: PrefillMode
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., prefill_mode: _Optional[_Union[PrefillMode, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reservation", "local_prefill", "tokens", "finish")
@@ -206,41 +276,39 @@ class LocalPrefill(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("index", "token_ids", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "message")
+    __slots__ = ("reason", "message", "index")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     message: str
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "reservation")
+    __slots__ = ("request_id", "handoff", "reservation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: SamplingParams
+    handoff: Handoff
     reservation: Reservation
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_cached_tokens")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handoff", "num_cached_tokens")
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
-    first_token_logprob: float
+    handoff: Handoff
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, handoff: _Optional[_Union[Handoff, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
