@@ -270,10 +270,12 @@ class DecodeEvent(_message.Message):
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., local_prefill: _Optional[_Union[LocalPrefill, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
 
 class LocalPrefill(_message.Message):
-    __slots__ = ("num_cached_tokens",)
+    __slots__ = ("num_cached_tokens", "prompt_logprobs")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
-    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")
