@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
+from splitserve.engine.sampling import GrammarSpec, InvalidSamplingParam
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Limits
 from splitserve.router.tokenizer import ByteTokenizer
@@ -152,3 +156,109 @@ def test_fields_the_api_does_not_define_are_rejected() -> None:
     assert rejected(pb.GenerateRequest.FromString(raw)).startswith("request: unknown field number(s) [99]")
     s = pb.SamplingParams.FromString(_with_unknown_field(b"", 40))
     assert rejected(req(sampling=s)).startswith("sampling: unknown field number(s) [40]")
+
+
+# ---- the fields of structured output, n samples and logprobs
+
+
+def test_the_new_sampling_fields_are_carried() -> None:
+    s = validate(
+        sampling(
+            logprobs=True,
+            top_logprobs=5,
+            logit_bias={7: 1.5, 3: -100.0},
+            min_tokens=3,
+            n=4,
+            grammar=pb.Grammar(choice=pb.ChoiceList(choices=["yes", "no"])),
+            prompt_logprobs=2,
+        ),
+        CFG,
+        TOK,
+    ).sampling
+    assert (s.top_logprobs, s.logit_bias, s.min_tokens, s.n, s.prompt_logprobs) == (5, ((3, -100.0), (7, 1.5)), 3, 4, 2)
+    assert s.grammar == GrammarSpec("choice", '["yes", "no"]')
+    unset = validate(req(), CFG, TOK).sampling
+    assert (unset.top_logprobs, unset.logit_bias, unset.min_tokens, unset.n, unset.grammar) == (0, (), 0, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "spec"),
+    [
+        (pb.Grammar(json_schema='{"type": "object"}'), GrammarSpec("json_schema", '{"type": "object"}')),
+        (pb.Grammar(json_object=True), GrammarSpec("json_object")),
+        (pb.Grammar(regex="[0-9]+"), GrammarSpec("regex", "[0-9]+")),
+        (pb.Grammar(lark='start: "a"'), GrammarSpec("lark", 'start: "a"')),
+    ],
+)
+def test_each_grammar_kind_becomes_its_spec(grammar: pb.Grammar, spec: GrammarSpec) -> None:
+    assert validate(sampling(grammar=grammar), CFG, TOK).sampling.grammar == spec
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (sampling(logprobs=True, top_logprobs=21), "sampling.top_logprobs: must be in [0, 20]"),
+        (sampling(top_logprobs=3), "sampling.top_logprobs: requires sampling.logprobs"),
+        (sampling(logprobs=False, top_logprobs=3), "sampling.top_logprobs: requires sampling.logprobs"),
+        (sampling(prompt_logprobs=22), "sampling.prompt_logprobs:"),
+        (sampling(n=0), "sampling.n:"),
+        (sampling(n=17), "sampling.n:"),
+        (sampling(logit_bias={5: 1.0, 999: 1.0}), "sampling.logit_bias[999]: 999 is outside the vocabulary"),
+        (sampling(logit_bias={-1: 1.0}), "sampling.logit_bias[-1]:"),
+        (sampling(logit_bias={5: 100.5}), "sampling.logit_bias[5]: must be in [-100, 100]"),
+        (sampling(logit_bias={5: -101.0}), "sampling.logit_bias[5]:"),
+        (sampling(logit_bias={5: float("nan")}), "sampling.logit_bias[5]:"),
+        (sampling(logit_bias=dict.fromkeys(range(301), 1.0)), "sampling.logit_bias: more than 300"),
+        (sampling(min_tokens=10, max_tokens=5), "sampling.min_tokens: 10 exceeds max_tokens 5"),
+        (sampling(min_tokens=65), "sampling.min_tokens: 65 exceeds max_tokens 64"),  # the default's
+        (sampling(grammar=pb.Grammar()), "sampling.grammar: one of"),
+        (sampling(grammar=pb.Grammar(json_object=False)), "sampling.grammar.json_object:"),
+        (sampling(grammar=pb.Grammar(regex="")), "sampling.grammar.regex:"),
+        (sampling(grammar=pb.Grammar(json_schema="")), "sampling.grammar.json_schema:"),
+        (sampling(grammar=pb.Grammar(choice=pb.ChoiceList())), "sampling.grammar.choice.choices:"),
+        (sampling(grammar=pb.Grammar(lark="x" * 2001)), "sampling.grammar.lark: longer than"),
+    ],
+)
+def test_each_bad_new_field_is_named(request_: pb.GenerateRequest, field: str) -> None:
+    assert rejected(request_).startswith(field)
+
+
+def test_n_has_a_server_cap() -> None:
+    assert validate(sampling(n=16), CFG, TOK).sampling.n == 16
+    cfg = Limits(max_n=2)
+    assert rejected(sampling(n=3), cfg) == "sampling.n: must be in [1, 2], got 3"
+
+
+def test_prompt_logprobs_are_logprobs_the_server_can_switch_off() -> None:
+    assert rejected(sampling(prompt_logprobs=1), Limits(allow_logprobs=False)).startswith("sampling.prompt_logprobs:")
+
+
+def test_a_grammar_that_does_not_compile_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the engine's check refuses (InvalidSamplingParam("grammar", why)) is the client's
+    INVALID_ARGUMENT on sampling.grammar, with the check's reason."""
+    checked: list[GrammarSpec] = []
+
+    def check_grammar(spec: GrammarSpec) -> None:
+        checked.append(spec)
+        if spec.source.startswith("{"):
+            raise InvalidSamplingParam("grammar", "does not compile: expected a property name")
+
+    module = types.ModuleType("splitserve.engine.grammar_source")
+    module.check_grammar = check_grammar  # type: ignore[attr-defined]  # a stand-in module's function
+    monkeypatch.setitem(sys.modules, "splitserve.engine.grammar_source", module)
+    message = rejected(sampling(grammar=pb.Grammar(json_schema="{nope")))
+    assert message == "sampling.grammar: grammar does not compile: expected a property name"
+    assert validate(sampling(grammar=pb.Grammar(regex="a+")), CFG, TOK).sampling.grammar == GrammarSpec("regex", "a+")
+    assert checked == [GrammarSpec("json_schema", "{nope"), GrammarSpec("regex", "a+")]
+
+
+@pytest.mark.parametrize("schema", ['{"type": "objec"}', "{not json", '{"type": "object", "properties": 5}'])
+def test_a_schema_the_real_compiler_refuses_is_invalid_argument(schema: str) -> None:
+    pytest.importorskip("splitserve.engine.grammar_source")
+    assert rejected(sampling(grammar=pb.Grammar(json_schema=schema))).startswith("sampling.grammar:")
+
+
+def test_tool_results_are_a_chat_role() -> None:
+    msgs = [pb.ChatMessage(role="user", content="weather?"), pb.ChatMessage(role="tool", content='{"c": 21}')]
+    ids = validate(pb.GenerateRequest(chat=pb.ChatMessages(messages=msgs)), CFG, TOK).prompt_token_ids
+    assert ids == tuple(TOK.encode_chat([("user", "weather?"), ("tool", '{"c": 21}')]))

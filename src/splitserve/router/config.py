@@ -96,13 +96,23 @@ class Limits:
     max_stop_token_ids: int = 32
     max_chat_messages: int = 256
     allow_logprobs: bool = True
+    # samples of one request (sampling.n): each holds a decode slot and its own blocks past the shared
+    # prompt, so one request must not take a worker's whole batch
+    max_n: int = 16
     max_request_id_chars: int = 128
     max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once (no queue)
 
     def __post_init__(self) -> None:
         _check_numbers(
             self,
-            positive=("max_model_len", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_inflight"),
+            positive=(
+                "max_model_len",
+                "max_prompt_tokens",
+                "max_tokens_cap",
+                "default_max_tokens",
+                "max_inflight",
+                "max_n",
+            ),
         )
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("Limits.max_prompt_tokens must be below max_model_len")

@@ -9,6 +9,8 @@ take the engine's defaults; max_tokens takes the router's.
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 import re
 import uuid
@@ -17,14 +19,22 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from splitserve.engine.sampling import InvalidSamplingParam, SamplingParams
+from splitserve.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    GrammarSpec,
+    InvalidSamplingParam,
+    SamplingParams,
+)
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Limits
 from splitserve.router.tokenizer import RouterTokenizer
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's result, as the OpenAI surface sends it
 _INT64_MAX = 2**63
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_PROMPT_LOGPROBS = MAX_TOP_LOGPROBS + 1  # the prompt token's own and the 20 most likely others
 
 
 class ValidationError(ValueError):
@@ -98,6 +108,20 @@ def validate_sampling(sp: pb.SamplingParams, limits: Limits, vocab_size: int) ->
                 "sampling.max_tokens", f"must be in [1, {limits.max_tokens_cap}], got {sp.max_tokens}"
             )
         kw["max_tokens"] = sp.max_tokens
+    _validate_stops(sp, limits, vocab_size, kw)
+    if sp.HasField("logprobs"):
+        if sp.logprobs and not limits.allow_logprobs:
+            raise ValidationError("sampling.logprobs", "not enabled on this server")
+        kw["logprobs"] = sp.logprobs
+    if sp.HasField("ignore_eos"):
+        kw["ignore_eos"] = sp.ignore_eos
+    _validate_logprob_counts(sp, limits, kw)
+    _validate_logit_bias(sp, vocab_size, kw)
+    _validate_output_shape(sp, limits, kw)
+    return kw
+
+
+def _validate_stops(sp: pb.SamplingParams, limits: Limits, vocab_size: int, kw: dict[str, object]) -> None:
     if len(sp.stop_token_ids) > limits.max_stop_token_ids:
         raise ValidationError("sampling.stop_token_ids", f"more than {limits.max_stop_token_ids} entries")
     for i, t in enumerate(sp.stop_token_ids):
@@ -114,13 +138,96 @@ def validate_sampling(sp: pb.SamplingParams, limits: Limits, vocab_size: int) ->
             raise ValidationError(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
     if sp.stop:
         kw["stop"] = tuple(sp.stop)
-    if sp.HasField("logprobs"):
-        if sp.logprobs and not limits.allow_logprobs:
-            raise ValidationError("sampling.logprobs", "not enabled on this server")
-        kw["logprobs"] = sp.logprobs
-    if sp.HasField("ignore_eos"):
-        kw["ignore_eos"] = sp.ignore_eos
-    return kw
+
+
+def _validate_output_shape(sp: pb.SamplingParams, limits: Limits, kw: dict[str, object]) -> None:
+    """n, min_tokens and the grammar: how many outputs, how short at least, and in what form."""
+    if sp.HasField("n"):
+        if not 1 <= sp.n <= limits.max_n:
+            raise ValidationError("sampling.n", f"must be in [1, {limits.max_n}], got {sp.n}")
+        kw["n"] = sp.n
+    if sp.HasField("min_tokens"):  # against max_tokens in `validate`, once its default is known
+        kw["min_tokens"] = sp.min_tokens
+    if sp.HasField("grammar"):
+        kw["grammar"] = validate_grammar(sp.grammar, limits)
+
+
+def _validate_logprob_counts(sp: pb.SamplingParams, limits: Limits, kw: dict[str, object]) -> None:
+    if sp.HasField("top_logprobs"):
+        if sp.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValidationError("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {sp.top_logprobs}")
+        if sp.top_logprobs and not sp.logprobs:  # as OpenAI: asking for them alone is a mistake, not a no-op
+            raise ValidationError("sampling.top_logprobs", "requires sampling.logprobs = true")
+        kw["top_logprobs"] = sp.top_logprobs
+    if sp.HasField("prompt_logprobs"):
+        if sp.prompt_logprobs > MAX_PROMPT_LOGPROBS:
+            raise ValidationError(
+                "sampling.prompt_logprobs", f"must be in [0, {MAX_PROMPT_LOGPROBS}], got {sp.prompt_logprobs}"
+            )
+        if sp.prompt_logprobs and not limits.allow_logprobs:
+            raise ValidationError("sampling.prompt_logprobs", "not enabled on this server")
+        kw["prompt_logprobs"] = sp.prompt_logprobs
+
+
+def _validate_logit_bias(sp: pb.SamplingParams, vocab_size: int, kw: dict[str, object]) -> None:
+    if not sp.logit_bias:
+        return
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValidationError("sampling.logit_bias", f"more than {MAX_LOGIT_BIAS_ENTRIES} entries")
+    biases = sorted(sp.logit_bias.items())  # sorted: the same request names the same bad entry every time
+    for token, bias in biases:
+        if not 0 <= token < vocab_size:
+            raise ValidationError(
+                f"sampling.logit_bias[{token}]", f"{token} is outside the vocabulary [0, {vocab_size})"
+            )
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise ValidationError(
+                f"sampling.logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+            )
+    kw["logit_bias"] = tuple(biases)
+
+
+def validate_grammar(g: pb.Grammar, limits: Limits) -> GrammarSpec:
+    """The client's grammar as the engine's GrammarSpec, compiled once here so that one that does
+    not compile is the client's INVALID_ARGUMENT, not a failed attempt on a worker."""
+    _reject_unknown(g, "sampling.grammar")
+    kind = g.WhichOneof("kind")
+    if kind is None:
+        raise ValidationError("sampling.grammar", "one of json_schema, json_object, regex, choice or lark is required")
+    path = f"sampling.grammar.{kind}"
+    if kind == "json_object":
+        if not g.json_object:
+            raise ValidationError(path, "must be true (leave grammar unset for no constraint)")
+        source = ""
+    elif kind == "choice":
+        _reject_unknown(g.choice, path)
+        if not g.choice.choices:
+            raise ValidationError(f"{path}.choices", "must not be empty")
+        source = json.dumps(list(g.choice.choices))
+    else:
+        source = getattr(g, kind)
+        if not source:
+            raise ValidationError(path, "must not be empty")
+    if len(source) > limits.max_prompt_chars:  # compiling is the costly part: bounded like a prompt
+        raise ValidationError(path, f"longer than {limits.max_prompt_chars} characters")
+    try:
+        spec = GrammarSpec(kind, source)
+        _check_grammar(spec)
+    except InvalidSamplingParam as e:
+        raise ValidationError("sampling.grammar", str(e)) from None
+    return spec
+
+
+def _check_grammar(spec: GrammarSpec) -> None:
+    """InvalidSamplingParam("grammar", why) if the grammar does not compile. Imported at the first
+    grammar: the compiler is heavy and most requests have none."""
+    try:
+        module = importlib.import_module("splitserve.engine.grammar_source")
+    except ModuleNotFoundError as e:  # not there yet in this tree: the worker compiles it and refuses it
+        if e.name != "splitserve.engine.grammar_source":
+            raise
+        return
+    module.check_grammar(spec)
 
 
 def tokenize_prompt(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer) -> list[int]:
@@ -180,7 +287,10 @@ def validate(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer
                 f"{max_tokens} plus the prompt's {len(ids)} tokens exceed max_model_len {limits.max_model_len}",
             )
     else:
-        kw["max_tokens"] = min(limits.default_max_tokens, room)
+        kw["max_tokens"] = max_tokens = min(limits.default_max_tokens, room)
+    min_tokens = kw.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > max_tokens:
+        raise ValidationError("sampling.min_tokens", f"{min_tokens} exceeds max_tokens {max_tokens}")
     try:
         sampling = SamplingParams(**kw)  # type: ignore[arg-type]  # kw: the fields validate_sampling checked
     except InvalidSamplingParam as e:  # the engine's own checks, in case they are stricter than ours
