@@ -189,7 +189,10 @@ def test_cancels_inside_the_reservation_window_never_corrupt_the_cache(model, cl
         sampling = wpb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, top_p=1.0, repetition_penalty=1.0)
         return stub.Decode(
             wpb.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling, prefill_mode=mode, lease_ms=LEASE_MS
+                request_id=rid,
+                handoff=wpb.Handoff(prompt_token_ids=prompt, sampling=sampling),
+                prefill_mode=mode,
+                lease_ms=LEASE_MS,
             ),
             timeout=60,
         )

@@ -74,7 +74,8 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 def test_logprob_is_the_raw_log_softmax_of_the_chosen_token():
     g = torch.Generator()
     res = sample(LOGITS[None], [SamplingParams(temperature=0, logprobs=True)], [[]], [[]], [None], g)
-    assert res.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4]))
+    lp = res.logprobs[0]
+    assert lp is not None and lp.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4]))
 
 
 @pytest.mark.parametrize(
@@ -129,7 +130,7 @@ def test_engine_reports_logprobs_when_asked():
     outs = []
     while e.has_work:
         outs += e.step()
-    assert len(outs) == 3 and all(o.logprob is not None and o.logprob <= 0 for o in outs)
+    assert len(outs) == 3 and all(o.logprob is not None and o.logprob.logprob <= 0 for o in outs)
 
 
 # ---- no accepted value may make a step fail (a failed step aborts the whole batch)

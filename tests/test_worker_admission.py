@@ -35,7 +35,9 @@ def decode_call(stub: wgrpc.DecodeWorkerStub, rid: str, max_tokens: int) -> Any:
     )
     return stub.Decode(
         wpb.DecodeRequest(
-            request_id=rid, prompt_token_ids=[3, 4, 5, 6, 7], sampling=sampling, prefill_mode=wpb.PREFILL_MODE_LOCAL
+            request_id=rid,
+            handoff=wpb.Handoff(prompt_token_ids=[3, 4, 5, 6, 7], sampling=sampling),
+            prefill_mode=wpb.PREFILL_MODE_LOCAL,
         ),
         metadata=META,
         timeout=60,

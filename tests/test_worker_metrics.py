@@ -233,8 +233,7 @@ def test_a_worker_process_serves_its_metrics_by_default():
         assert found, ready[0]
         request = wpb.DecodeRequest(
             request_id="m1",
-            prompt_token_ids=PROMPT,
-            sampling=sampling,
+            handoff=wpb.Handoff(prompt_token_ids=PROMPT, sampling=sampling),
             prefill_mode=wpb.PREFILL_MODE_LOCAL,
         )
         with grpc.insecure_channel(w.grpc_address) as ch:

@@ -111,6 +111,16 @@ class BlockManager:
             block_table.append(self._take_free())
         return True
 
+    def share(self, block_table: list[int]) -> list[int]:
+        """One more reference to each of these (held) blocks: a forked sequence's copy of them."""
+        for b in block_table:
+            self.ref_counts[b] += 1
+        return list(block_table)
+
+    def take(self, count: int) -> list[int]:
+        """`count` free blocks (the caller checked there are as many)."""
+        return [self._take_free() for _ in range(count)]
+
     def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int) -> None:
         """Register every full, computed block of a sequence in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from splitserve.engine.handoff import SampleState
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
 
@@ -41,6 +42,8 @@ class Admit:
     params: SamplingParams
     prior: list[int] = field(default_factory=list)  # output generated elsewhere before (migration)
     prefill_only: bool = False
+    # a request of several samples handed over (n > 1 migrated): each one's output so far
+    samples: list[SampleState] = field(default_factory=list)
     transfer_id: bytes = b""  # prefill role: the ticket of the reservation its KV goes to
 
 
@@ -55,6 +58,7 @@ class Reserve:
     params: SamplingParams
     lease_s: float  # how long the reservation waits for its KV
     prior: list[int] = field(default_factory=list)
+    sample_index: int = 0  # the sample `prior` belongs to
 
 
 @dataclass(frozen=True)

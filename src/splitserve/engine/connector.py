@@ -28,6 +28,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    from splitserve.engine.handoff import Handoff
     from splitserve.engine.sequence import Sequence
 
 
@@ -39,6 +40,9 @@ class TransferOutcome(NamedTuple):
     transfer_id: bytes
     first_token: int | None  # completed
     code: str | None  # failed: "lease_expired", "cancelled", "disconnected", ...
+    # decode role, completed: the prefill worker's record of the request (engine/handoff.py): each
+    # sample's first token (None: the first token alone, for sample 0)
+    handoff: Handoff | None = None
 
 
 class Transfer(Protocol):
@@ -53,7 +57,7 @@ class KVConnector(Protocol):
     def wants_layers(self) -> bool: ...  # call on_layer_done (a hook keeps CUDA graphs off)
 
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None: ...
-    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None: ...
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None: ...
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Transfer: ...
     def cancel(self, transfer_id: bytes) -> bool: ...
     def poll(self) -> list[TransferOutcome]: ...
@@ -68,7 +72,7 @@ class NullConnector:
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
         pass
 
-    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None:
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None:
         pass
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Any:

@@ -33,6 +33,7 @@ import torch
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
+from splitserve.engine.handoff import Handoff, SampleState
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
@@ -64,8 +65,10 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         connector: KVConnector | None = None,
         clock: Clock = time.monotonic,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        """`clock` times requests for metrics (engine/stats.py)."""
+        """`clock` times requests for metrics (engine/stats.py); `tokenizer`: for grammars (without
+        one, a request with a grammar is refused)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         tp = cfg.tensor_parallel_size
@@ -101,8 +104,11 @@ class Engine:
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
+        self.runner.eos_token_ids = tuple(sorted(eos))
         self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
+        self.tokenizer = tokenizer
+        self._grammars: Any = None  # engine/grammar.py's GrammarCompiler, made at the first grammar
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent). The engine runs no step afterwards."""
@@ -119,21 +125,42 @@ class Engine:
         from splitserve.engine.weights import load_model
 
         loaded = load_model(path, cfg.torch_dtype, progress=progress)
-        engine = Engine(loaded.config, loaded.weights, cfg, tuple(loaded.tokenizer.eos_token_ids))
+        engine = Engine(
+            loaded.config, loaded.weights, cfg, tuple(loaded.tokenizer.eos_token_ids), tokenizer=loaded.tokenizer
+        )
         return engine, loaded.tokenizer
 
     # ---- requests ----
 
     def _new_sequence(
-        self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, prior_output: list[int]
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        sample: SampleState,
     ) -> Sequence:
+        prior = sample.output_token_ids
+        self._check_request(prompt, prior, params, prefill_only)
+        self._arrivals += 1
+        seq = Sequence(request_id, prompt, params, self._arrivals, prefill_only, prior, self.clock(), sample.index)
+        if params.grammar is not None:
+            from splitserve.engine.grammar import Matcher
+
+            seq.matcher = Matcher(self.grammars().compile(params.grammar))
+            seq.matcher.replay(prior)  # ValueError: the tokens handed over break the grammar
+        return seq
+
+    def _check_request(self, prompt: list[int], prior: list[int], params: SamplingParams, prefill_only: bool) -> None:
         if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.model_cfg.vocab_size
-        bad = next((t for t in (*prompt, *prior_output) if not 0 <= t < vocab), None)
+        bad = next((t for t in (*prompt, *prior) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        total = len(prompt) + len(prior_output) + (1 if prefill_only else params.max_tokens)
+        if len(prior) >= params.max_tokens:
+            raise ValueError(f"{len(prior)} output tokens handed over, max_tokens is {params.max_tokens}")
+        total = len(prompt) + (len(prior) + 1 if prefill_only else params.max_tokens)
         if total > self.model_cfg.max_position:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
@@ -145,8 +172,16 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) plus max_tokens needs {self.blocks.blocks_needed(total)} KV blocks; "
                 f"the cache has {self.blocks.num_blocks}"
             )
-        self._arrivals += 1
-        return Sequence(request_id, prompt, params, self._arrivals, prefill_only, prior_output, self.clock())
+
+    def grammars(self) -> Any:
+        """The grammar compiler (engine/grammar.py), made at the first request with a grammar."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("grammar: this engine was built without a tokenizer, so it cannot compile grammars")
+            from splitserve.engine.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.runner.eos_token_ids)
+        return self._grammars
 
     def add_request(
         self,
@@ -155,11 +190,28 @@ class Engine:
         params: SamplingParams,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
+        samples: list[SampleState] | None = None,
     ) -> Sequence:
-        """`output_token_ids`: tokens a worker that died generated before (migration)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, output_token_ids or [])
-        self.scheduler.add(seq)
-        return seq
+        """`output_token_ids`: tokens a worker that died generated before (migration), for sample 0;
+        `samples`: each sample's, for a request of several (n > 1) handed over. A fresh request
+        with n > 1 runs as one sequence until its first token, and forks then."""
+        states = samples or [SampleState(0, list(output_token_ids or []))]
+        if prefill_only and len(states) > 1:
+            raise ValueError("a prefill continues one sample, not several")
+        seqs = [
+            self._new_sequence(
+                request_id if i == 0 else f"{request_id}#{s.index}", prompt_token_ids, params, prefill_only, s
+            )
+            for i, s in enumerate(states)
+        ]
+        if not samples and not output_token_ids:
+            seqs[0].fork_indices = list(range(1, params.n))
+        for seq in seqs:
+            seq.group_id = request_id
+            self.scheduler.add(seq)
+        if len(seqs) > 1:
+            self.scheduler.groups[request_id] = list(seqs)
+        return seqs[0]
 
     def reserve(
         self,
@@ -168,10 +220,13 @@ class Engine:
         params: SamplingParams,
         lease_s: float,
         output_token_ids: list[int] | None = None,
+        sample_index: int = 0,
     ) -> RemotePrefill | None:
         """Decode role: admit a request whose context KV a prefill worker will write; None if there
-        is no seat (`max_num_seqs`) or no blocks for it now."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, False, output_token_ids or [])
+        is no seat (`max_num_seqs`) or no blocks for it now. One sample continues (`sample_index`,
+        with its `output_token_ids`); a fresh n > 1 request forks when its KV arrives."""
+        state = SampleState(sample_index, list(output_token_ids or []))
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, state)
         blocks = self.scheduler.reserve(seq)
         if blocks is None:
             return None
@@ -186,17 +241,48 @@ class Engine:
     def apply_transfers(self, outcomes: list[TransferOutcome]) -> list[StepOutput]:
         """The connector's ended transfers: completed ones run (decode role) or free the held
         request's blocks (prefill role: the receiver confirmed them); failed ones end."""
-        outs = []
+        outs: list[StepOutput] = []
         for o in outcomes:
             if o.first_token is not None:
                 if self.scheduler.release(o.request_id, o.transfer_id):
                     continue
-                out = self.scheduler.commit_remote(o.request_id, o.transfer_id, o.first_token)
-            else:
-                out = self.scheduler.fail_transfer(o.request_id, o.transfer_id, o.code or "transfer_failed")
+                committed = self._commit(o)
+                outs.extend(committed)
+                if committed:
+                    self._copy_blocks()
+                continue
+            out = self.scheduler.fail_transfer(o.request_id, o.transfer_id, o.code or "transfer_failed")
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _commit(self, o: TransferOutcome) -> list[StepOutput]:
+        """A reserved request's KV arrived: it runs from the prefill worker's handoff (a bare first
+        token is sample 0's). A handoff that does not continue the reserved request fails it."""
+        seq = self.scheduler.reserved.get(o.request_id)
+        if seq is None:
+            return []
+        handoff = o.handoff
+        if handoff is None:
+            assert o.first_token is not None
+            handoff = Handoff(
+                seq.token_ids[: seq.num_prompt_tokens],
+                seq.params,
+                [SampleState(seq.sample_index, [*seq.output_token_ids, o.first_token])],
+            )
+        try:
+            if handoff.prompt_token_ids != seq.token_ids[: seq.num_prompt_tokens]:
+                raise ValueError("the handoff's prompt is not the reserved request's")
+            return self.scheduler.commit_remote(o.request_id, o.transfer_id, handoff) or []
+        except ValueError:
+            out = self.scheduler.fail_transfer(o.request_id, o.transfer_id, "bad_handoff")
+            return [out] if out is not None else []
+
+    def _copy_blocks(self) -> None:
+        """The forks' partial last blocks, copied from their parents' before the next step writes."""
+        copies, self.scheduler.block_copies = self.scheduler.block_copies, []
+        if copies:
+            self.kv_cache.copy_blocks(copies)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (a reserved one's once its transfer
@@ -204,8 +290,8 @@ class Engine:
         return self.scheduler.abort(request_id, self.connector.cancel)
 
     def lookup(self, request_id: str) -> Sequence | None:
-        """The unfinished request with this id (held ones included)."""
-        return self.scheduler.requests.get(request_id)
+        """An unfinished sequence of the request with this id (held ones included)."""
+        return self.scheduler.lookup(request_id)
 
     # ---- the step ----
 
@@ -219,11 +305,23 @@ class Engine:
             return []
         hook = self.connector.on_layer_done if self.connector.wants_layers else None
         outs = self.scheduler.postprocess(batch, self.runner.run(batch, hook))
-        for out in outs:
+        self._copy_blocks()
+        for n, out in enumerate(outs):
             if out.finish_reason == "prefill_done":  # held: the connector ends the send now
                 seq = self.scheduler.held[out.request_id]
-                self.connector.on_prefill_done(out.request_id, seq.transfer_id, out.token_id)
+                handoff = self.handoff(seq, out)
+                outs[n] = out._replace(handoff=handoff)
+                self.connector.on_prefill_done(out.request_id, seq.transfer_id, handoff)
         return outs
+
+    def handoff(self, seq: Sequence, out: StepOutput) -> Handoff:
+        """Prefill role: the record the decode worker continues `seq` from once its first output
+        position is drawn (`out`: its own sample's draw; `seq.first_draws`: the other samples')."""
+        prior = seq.output_token_ids[:-1]
+        samples = [SampleState(seq.sample_index, seq.output_token_ids, [out.logprob] if out.logprob else [])]
+        samples += [SampleState(k, [*prior, t], [lp] if lp else []) for k, t, lp in seq.first_draws]
+        samples.sort(key=lambda s: s.index)
+        return Handoff(seq.token_ids[: seq.num_prompt_tokens], seq.params, samples, list(seq.prompt_logprobs))
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -246,5 +344,6 @@ class Engine:
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_work:
             for out in self.step():
-                outputs[out.request_id].append(out.token_id)
+                if out.sample_index == 0:
+                    outputs[out.request_id].append(out.token_id)
         return [outputs[rid] for rid in ids]

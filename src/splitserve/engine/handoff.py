@@ -30,7 +30,9 @@ class SampleState:
 
     index: int
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token with params.logprobs
+    # with params.logprobs: those of the last len(logprobs) output tokens (a worker reports what it
+    # sampled; the router keeps the earlier ones)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass

@@ -149,6 +149,13 @@ class KVCache:
             raise IndexError(f"blocks {first_block}..{first_block + count - 1} outside 0..{self.num_blocks - 1}")
         return self.shards[rank][layer, first_block : first_block + count]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's KV, every layer, every rank's shard."""
+        src = torch.as_tensor([s for s, _ in pairs], device=self.tensor.device)
+        dst = torch.as_tensor([d for _, d in pairs], device=self.tensor.device)
+        for shard in self.shards:
+            shard[:, dst.to(shard.device)] = shard[:, src.to(shard.device)]
+
     def reset_blocks(self, block_ids: list[int]) -> None:
         """Zero the given blocks in every layer (after a failed or partial transfer)."""
         if block_ids:

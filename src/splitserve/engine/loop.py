@@ -127,7 +127,7 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 sink(out)
-            if out.finished:
+            if out.finished and not out.remaining:  # the request's last sample
                 self._sinks.pop(out.request_id, None)
 
     def _run_commands(self, block: bool) -> None:
@@ -162,7 +162,7 @@ class EngineLoop:
             raise QueueFull(
                 f"{waiting} requests already wait for a seat on this worker (limit {self.waiting_limit}); retry later"
             )
-        seq = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior)
+        seq = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior, cmd.samples)
         seq.transfer_id = cmd.transfer_id
         if sink is not None:
             self._sinks[cmd.request_id] = sink
@@ -171,7 +171,7 @@ class EngineLoop:
         return Admitted(seq.times, cached)
 
     def _reserve(self, cmd: Reserve, sink: Sink | None) -> Admitted | None:
-        remote = self.engine.reserve(cmd.request_id, cmd.prompt, cmd.params, cmd.lease_s, cmd.prior)
+        remote = self.engine.reserve(cmd.request_id, cmd.prompt, cmd.params, cmd.lease_s, cmd.prior, cmd.sample_index)
         seq = self.engine.lookup(cmd.request_id)
         if remote is None or seq is None:
             return None
@@ -210,10 +210,10 @@ class EngineLoop:
         outs = []
         sched = self.engine.scheduler
         for seq in [*sched.waiting, *sched.running]:
-            self.engine.abort(seq.request_id)
-            outs.append(
-                StepOutput(seq.request_id, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
-            )
+            if self.engine.abort(seq.group_id):  # every sample at once: one output for the request
+                outs.append(
+                    StepOutput(seq.group_id, -1, None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+                )
         return outs
 
     def _fail_pending(self) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -48,26 +50,73 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.use_cuda_graphs and tp is None:
             self.graphs = DecodeGraphs(model, kv_cache.tensor, cfg)
         self.generator = torch.Generator().manual_seed(cfg.seed)  # for requests without a seed of their own
+        self.eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back, with stop_token_ids
+        # Grammar masks are filled here while the forward pass runs (llguidance releases the GIL):
+        # a matcher's next mask depends only on the tokens it accepted, all known before the step.
+        self._masks: ThreadPoolExecutor | None = None
 
     def run(self, batch: ScheduledBatch, on_layer_done: BatchLayerHook | None = None) -> Sampled:
-        """The next token of each sequence whose step ends at its last token."""
+        """The next token of each sequence whose step ends at its last token (and of each fork of a
+        fresh n > 1 request at its first)."""
         seqs = batch.seqs
         hook = None
         if on_layer_done is not None:
             hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731 (None or this closure)
+        ending = [s for s, n in zip(seqs, batch.num_new_tokens, strict=True) if s.num_computed_tokens + n == len(s)]
+        masks = self._start_masks(ending)
         logits, indices = self.forward(seqs, batch.num_new_tokens, hook)
         if not indices:
             return Sampled([], [], [])
-        chosen = [seqs[i] for i in indices]
+        rows, draws, generators = self._draws([seqs[i] for i in indices])
+        raw = logits if len(rows) == len(indices) else logits[rows]
+        masked = raw
+        if masks is not None:
+            from splitserve.engine.grammar import apply_bitmask
+
+            masked = raw.clone()
+            apply_bitmask(masked, masks.result()[rows], [r for r, (s, _) in enumerate(draws) if s.matcher is not None])
+        chosen = [s for s, _ in draws]
         result = sample(
-            logits,
+            masked,
             [s.params for s in chosen],
             [s.token_ids[: s.num_prompt_tokens] for s in chosen],
             [s.output_token_ids for s in chosen],
-            [s.next_draw_generator() for s in chosen],  # right before the draw: reseeded for this token
+            generators,
             self.generator,
+            raw_logits=raw,
+            stop_ids=[self._stop_ids(s) for s in chosen],
         )
-        return Sampled(indices, result.token_ids, result.logprobs)
+        return Sampled([indices[r] for r in rows], result.token_ids, result.logprobs, [k for _, k in draws])
+
+    def _draws(self, chosen: list[Sequence]) -> tuple[list[int], list[tuple[Sequence, int]], list[Any]]:
+        """Each draw's logits row, (sequence, sample index) and generator: one per sequence, and one
+        more per fork of a fresh n > 1 request at its first output position, each from randomness
+        of its own sample index."""
+        rows: list[int] = []
+        draws: list[tuple[Sequence, int]] = []
+        generators: list[torch.Generator | None] = []
+        for r, s in enumerate(chosen):
+            rows.append(r)
+            draws.append((s, s.sample_index))
+            generators.append(s.next_draw_generator())  # right before the draw: reseeded for this token
+            for k in s.fork_indices:
+                rows.append(r)
+                draws.append((s, k))
+                generators.append(s.draw_generator(k))
+        return rows, draws, generators
+
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        p = seq.params
+        return p.stop_token_ids if p.ignore_eos else (*self.eos_token_ids, *p.stop_token_ids)
+
+    def _start_masks(self, ending: list[Sequence]) -> Future[torch.Tensor] | None:
+        """The grammar masks of the sequences about to sample, filled on a thread while the forward
+        pass runs: one row per sequence (the forks of one share its row: same state)."""
+        if not any(s.matcher is not None for s in ending):
+            return None
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masks.submit(_fill_masks, [s.matcher for s in ending], self.model.cfg.vocab_size)
 
     def forward(
         self,
@@ -120,3 +169,12 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.broadcast(step)
         return run_step(self.model, self.kv_cache.tensor, step, on_layer_done), sampled
+
+
+def _fill_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+    """A bitmask with a row per matcher (None: a row left all allowed), filled in one call."""
+    from splitserve.engine.grammar import allocate_bitmask, fill_masks
+
+    bitmask = allocate_bitmask(len(matchers), vocab_size)
+    fill_masks([(m, row) for row, m in enumerate(matchers) if m is not None], bitmask)
+    return bitmask

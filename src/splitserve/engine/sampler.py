@@ -1,9 +1,11 @@
 """Turn one step's logits into tokens, each row with its own parameters.
 
-Order of the processors follows vLLM: penalties on raw logits, then
-temperature, then min-p, top-k and top-p filters, then a draw from the
-request's own generator. The log-probability reported is that of the chosen
-token under the raw model distribution.
+Order of the processors follows vLLM: the grammar's mask (applied batched by
+the runner before this), logit_bias, min_tokens (end-of-sequence masked),
+penalties on raw logits, then temperature, then min-p, top-k and top-p filters,
+then a draw from the request's own generator. The log-probabilities reported
+(the chosen token's and the top_logprobs alternatives) are under the raw model
+distribution, before any of these, as OpenAI and vLLM report them.
 
 A seeded request's output token i draws from `draw_seed(seed, sample_index, i)`
 (its sequence reseeds its generator with it right before the draw), never from
@@ -24,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitserve.engine.handoff import TokenLogprob
 from splitserve.engine.sampling import SamplingParams
 
 _U64 = (1 << 64) - 1
@@ -53,7 +56,22 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 
 class SampleResult(NamedTuple):
     token_ids: list[int]
-    logprobs: list[float | None]
+    logprobs: list[TokenLogprob | None]  # for rows whose params ask for logprobs
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams, num_output: int, stop_ids: Seq[int]) -> torch.Tensor:
+    """logit_bias added, and (before min_tokens output tokens) `stop_ids` masked; a new tensor."""
+    logits = logits.clone()
+    if params.logit_bias:
+        vocab = logits.shape[-1]
+        pairs = [(t, b) for t, b in params.logit_bias if t < vocab]  # ids past the logits: nothing to bias
+        if pairs:
+            ids = torch.as_tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+            logits[ids] += torch.as_tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    if num_output < params.min_tokens:
+        ids = torch.as_tensor([t for t in stop_ids if t < logits.shape[-1]], dtype=torch.long, device=logits.device)
+        logits[ids] = float("-inf")
+    return logits
 
 
 def apply_penalties(
@@ -96,34 +114,59 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor,  # [B, vocab] fp32
+    logits: torch.Tensor,  # [B, vocab] fp32, the grammars' masks applied
     params: Seq[SamplingParams],
     prompts: Seq[Seq[int]],
     outputs: Seq[Seq[int]],
     generators: Seq[torch.Generator | None],
     default_generator: torch.Generator,
+    raw_logits: torch.Tensor | None = None,  # before the masks, for the logprobs (None: `logits`)
+    stop_ids: Seq[Seq[int]] | None = None,  # per row: what min_tokens holds back (eos, stop_token_ids)
 ) -> SampleResult:
-    want_logprobs = any(p.logprobs for p in params)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    if all(p.greedy and not p.has_penalties for p in params):
+    if all(p.greedy and not p.shapes_logits for p in params):
         tokens = logits.argmax(dim=-1).tolist()
     else:
-        tokens = []
-        for i, p in enumerate(params):
-            row = logits[i]
-            if p.has_penalties:
-                row = apply_penalties(row, p, prompts[i], outputs[i])
-            if p.greedy:
-                tokens.append(int(row.argmax()))
-                continue
-            probs = torch.softmax(filter_logits(row, p), dim=-1).cpu()
-            if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-                tokens.append(int(row.argmax()))  # unreachable after the clamps; a last guard for the batch
-                continue
-            gen = generators[i] if generators[i] is not None else default_generator
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
-    logprobs: list[float | None] = [None] * len(tokens)
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, torch.as_tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-        logprobs = [lp if p.logprobs else None for lp, p in zip(chosen, params, strict=True)]
-    return SampleResult(tokens, logprobs)
+        tokens = [
+            _sample_row(logits[i], p, prompts[i], outputs[i], generators[i] or default_generator, stop_ids, i)
+            for i, p in enumerate(params)
+        ]
+    return SampleResult(tokens, _logprobs(raw_logits if raw_logits is not None else logits, params, tokens))
+
+
+def _sample_row(
+    row: torch.Tensor,
+    p: SamplingParams,
+    prompt: Seq[int],
+    output: Seq[int],
+    generator: torch.Generator,
+    stop_ids: Seq[Seq[int]] | None,
+    i: int,
+) -> int:
+    if p.logit_bias or p.min_tokens:
+        row = apply_logit_bias(row, p, len(output), stop_ids[i] if stop_ids is not None else p.stop_token_ids)
+    if p.has_penalties:
+        row = apply_penalties(row, p, prompt, output)
+    if p.greedy:
+        return int(row.argmax())
+    probs = torch.softmax(filter_logits(row, p), dim=-1).cpu()
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(row.argmax())  # unreachable after the clamps; a last guard for the batch
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _logprobs(raw: torch.Tensor, params: Seq[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+    """The chosen tokens' log-probabilities under the raw distribution, and the top_logprobs most
+    likely alternatives, for the rows that ask."""
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if not rows:
+        return out
+    logprobs = torch.log_softmax(raw[rows], dim=-1)
+    chosen = logprobs.gather(1, torch.as_tensor([tokens[i] for i in rows], device=raw.device)[:, None])[:, 0]
+    k = max(params[i].top_logprobs for i in rows)
+    top_v, top_i = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].top_logprobs
+        out[i] = TokenLogprob(chosen_l[j], tuple(zip(top_il[j][:n], top_vl[j][:n], strict=True)))
+    return out

@@ -36,6 +36,7 @@ from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.handoff import Handoff, TokenLogprob
 from splitserve.engine.sequence import SeqStatus, Sequence
 from splitserve.engine.stats import StatsRecorder
 
@@ -50,21 +51,26 @@ class ScheduledBatch(NamedTuple):
 
 
 class Sampled(NamedTuple):
-    """A step's draws: for the sequences whose step ended at their last token."""
+    """A step's draws: for the sequences whose step ended at their last token. A fresh request
+    with n > 1 has one draw per sample at its first output position (its `fork_indices`)."""
 
     indices: list[int]  # into the batch's seqs
     token_ids: list[int]
-    logprobs: list[float | None]
+    logprobs: list[TokenLogprob | None]
+    sample_indices: list[int] | None = None  # per draw (None: each sequence's own)
 
 
 class StepOutput(NamedTuple):
-    request_id: str
+    request_id: str  # the request's (a fork's outputs carry its group's id)
     token_id: int  # -1: no token (an abort, a failed transfer)
-    logprob: float | None
-    finished: bool
+    logprob: TokenLogprob | None
+    finished: bool  # this sample finished
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done" | a transfer failure code | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    sample_index: int = 0
+    remaining: int = 0  # samples of the request still unfinished after this output
+    handoff: Handoff | None = None  # prefill role, "prefill_done": what the decode worker continues from
 
 
 class RemoteBlocks(NamedTuple):
@@ -109,6 +115,12 @@ class Scheduler:
         # blocks can land: the blocks stay with them until the transfer's outcome comes (by transfer id)
         self.aborting: dict[bytes, Sequence] = {}
         self.num_preemptions = 0
+        # requests of more than one sequence (n > 1 forks, a migrated request's samples): group id ->
+        # its unfinished sequences, so that abort and lookup by the request's id find them all
+        self.groups: dict[str, list[Sequence]] = {}
+        # (source, destination) blocks the engine copies before the next step: a fork's partial
+        # last block, which it cannot share (both would write their next token into it)
+        self.block_copies: list[tuple[int, int]] = []
 
     # ---- admission ----
 
@@ -233,14 +245,51 @@ class Scheduler:
         return budget
 
     def postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[StepOutput]:
-        """Record a step: the computed tokens' KV is in the cache, the sampled tokens join their sequences."""
+        """Record a step: the computed tokens' KV is in the cache, the sampled tokens join their
+        sequences (a fork draw becomes a new sequence first, while its parent's blocks are held)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        return [
-            self._append(batch.seqs[i], t, lp)
-            for i, t, lp in zip(sampled.indices, sampled.token_ids, sampled.logprobs, strict=True)
-        ]
+        own: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        outs: list[StepOutput] = []
+        indices = sampled.sample_indices or [batch.seqs[i].sample_index for i in sampled.indices]
+        for i, t, lp, k in zip(sampled.indices, sampled.token_ids, sampled.logprobs, indices, strict=True):
+            seq = batch.seqs[i]
+            if k == seq.sample_index:
+                own.append((seq, t, lp))
+            elif seq.prefill_only:
+                seq.first_draws.append((k, t, lp))
+            else:
+                outs.append(self.fork(seq, k, t, lp))
+        for seq in {id(s): s for s, _, _ in own}.values():
+            seq.fork_indices = []
+        return outs + [self._append(seq, t, lp) for seq, t, lp in own]
+
+    def fork(self, parent: Sequence, sample_index: int, token: int, logprob: TokenLogprob | None) -> StepOutput:
+        """Sample `sample_index` of `parent`'s request, branching off at `parent`'s current length
+        with `token`: it shares the parent's full blocks (copy on write: a full block is never
+        written again) and gets a copy of the partial last one, or, without a free block for that,
+        waits to be recomputed (its prompt blocks then come from the prefix cache)."""
+        child = parent.forked(f"{parent.group_id}#{sample_index}", sample_index)
+        self._check_id(child)
+        self.requests[child.request_id] = child
+        group = self.groups.setdefault(parent.group_id, [parent])
+        group.append(child)
+        bs = self.blocks.block_size
+        full = parent.num_computed_tokens // bs
+        partial = parent.num_computed_tokens % bs
+        if not partial or self.blocks.num_free_blocks:
+            child.block_table = self.blocks.share(parent.block_table[:full])
+            if partial:
+                child.block_table += self.blocks.take(1)
+                self.block_copies.append((parent.block_table[full], child.block_table[-1]))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+            self.recorder.scheduled(child)
+        else:
+            self.waiting.appendleft(child)
+        return self._append(child, token, logprob)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -250,8 +299,10 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None, sampled: bool = True) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, sampled: bool = True) -> StepOutput:
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.accept(token)  # a token drawn under the grammar's mask is always accepted
         self.recorder.token(seq, sampled)
         p = seq.params
         reason = None
@@ -269,8 +320,21 @@ class Scheduler:
         elif reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
+        return self._output(seq, token, logprob, reason)
+
+    def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None, reason: str | None) -> StepOutput:
+        group = self.groups.get(seq.group_id)
+        remaining = sum(1 for s in group if s is not seq) + (reason is None) if group else int(reason is None)
         return StepOutput(
-            seq.request_id, token, logprob, reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens
+            seq.group_id,
+            token,
+            logprob,
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.sample_index,
+            remaining,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -280,26 +344,37 @@ class Scheduler:
         self.blocks.free_blocks(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        group = self.groups.get(seq.group_id)
+        if group is not None:
+            group.remove(seq)
+            if not group:
+                del self.groups[seq.group_id]
 
     # ---- the remote half of a request's life ----
 
-    def commit_remote(
-        self, request_id: str, transfer_id: bytes, first_token: int, logprob: float | None = None
-    ) -> StepOutput | None:
-        """A reserved request's KV has arrived: it runs, with the first token the prefill worker sampled.
-        None if that transfer's request is no longer reserved (aborted meanwhile)."""
+    def commit_remote(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> list[StepOutput] | None:
+        """A reserved request's KV has arrived: it runs, with the first token of each sample that the
+        prefill worker sampled (`handoff`: the reserved sequence's sample continues, the others fork
+        from it). None if that transfer's request is no longer reserved (aborted meanwhile)."""
         seq = self.reserved.get(request_id)
         if seq is None or seq.transfer_id != transfer_id:
             return None
+        context = len(seq)
+        done = len(seq.output_token_ids)
+        firsts = {s.index: s.output_token_ids[-1] for s in handoff.samples if len(s.output_token_ids) > done}
+        if seq.sample_index not in firsts:
+            raise ValueError(f"the handoff has no next token for sample {seq.sample_index}")
         del self.reserved[request_id]
-        seq.num_computed_tokens = len(seq)
+        seq.num_computed_tokens = context
         self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)  # its seat was taken at reserve
         self.recorder.scheduled(seq)
-        # The router has the first token from the prefill worker already: it joins the sequence,
-        # but the output carries no token, only whether that token finished the request.
-        return self._append(seq, first_token, logprob, sampled=False)._replace(token_id=-1, logprob=None)
+        # The router has the first tokens from the prefill worker already: they join the sequences,
+        # but the outputs carry no token, only whether it finished the sample.
+        outs = [self.fork(seq, k, t, None) for k, t in sorted(firsts.items()) if k != seq.sample_index]
+        outs.append(self._append(seq, firsts[seq.sample_index], None, sampled=False))
+        return [o._replace(token_id=-1, logprob=None) for o in outs]
 
     def fail_transfer(self, request_id: str, transfer_id: bytes, code: str) -> StepOutput | None:
         """A request's KV transfer failed, and nothing writes or reads its blocks for it any more: the
@@ -314,7 +389,7 @@ class Scheduler:
             return None
         self.abort(request_id, cancel_transfer=lambda _: True)
         seq.finish_reason = code
-        return StepOutput(request_id, -1, None, True, code, seq.num_prompt_tokens, seq.num_cached_tokens)
+        return StepOutput(seq.group_id, -1, None, True, code, seq.num_prompt_tokens, seq.num_cached_tokens)
 
     def release(self, request_id: str, transfer_id: bytes | None = None) -> bool:
         """Prefill role: a held request's KV has been sent (on `transfer_id`, when given); free its
@@ -326,12 +401,25 @@ class Scheduler:
         self._finish(seq, "prefill_done")
         return True
 
+    def lookup(self, request_id: str) -> Sequence | None:
+        """An unfinished sequence of the request (held ones included)."""
+        seq = self.requests.get(request_id)
+        if seq is None and request_id in self.groups:
+            seq = self.groups[request_id][0]
+        return seq
+
     def abort(self, request_id: str, cancel_transfer: Callable[[bytes], bool]) -> bool:
-        """Stop a request wherever it is and free its blocks; False if unknown.
+        """Stop a request (every sample of it) wherever it is and free its blocks; False if unknown.
 
         A reserved request's blocks are freed only once `cancel_transfer` promises that no
         write into them can still land; otherwise they wait for the transfer's outcome.
         """
+        found = False
+        for seq in list(self.groups.get(request_id, ())):
+            found = self._abort_one(seq.request_id, cancel_transfer) or found
+        return self._abort_one(request_id, cancel_transfer) or found
+
+    def _abort_one(self, request_id: str, cancel_transfer: Callable[[bytes], bool]) -> bool:
         seq = self.requests.get(request_id)
         if seq is None:
             return False

@@ -4,6 +4,7 @@ its KV cache has been computed, and why it finished."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -33,6 +34,11 @@ class Sequence:
         "finish_reason",
         "generator",
         "sample_index",
+        "group_id",
+        "fork_indices",
+        "matcher",
+        "first_draws",
+        "prompt_logprobs",
         "arrival",
         "prefill_only",
         "max_output_tokens",
@@ -52,16 +58,17 @@ class Sequence:
         sample_index: int = 0,
     ) -> None:
         """`prior_output`: output tokens produced elsewhere (the prefill worker's first token, or
-        those a migration replays); `sample_index`: which of a request's n samples this is."""
+        those a migration replays); `sample_index`: which of a request's n samples this is. Its
+        outputs carry `group_id` (the request's id; a fork's own `request_id` is unique inside the
+        engine)."""
         if sample_index < 0:
             raise ValueError(f"sample_index must be >= 0, got {sample_index}")
         self.request_id = request_id
         prior = list(prior_output or ())
         self.token_ids: list[int] = list(prompt_token_ids) + prior  # prompt then output
         self.num_prompt_tokens = len(prompt_token_ids)
-        # output generated elsewhere before a migration counts as output (penalties) but not
-        # against this call's max_tokens
-        self.max_output_tokens = len(prior) + params.max_tokens
+        # max_tokens counts every output token, those generated elsewhere before included
+        self.max_output_tokens = params.max_tokens
         self.params = params
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
@@ -71,6 +78,14 @@ class Sequence:
         # one per seeded request, reseeded before each draw (next_draw_generator); None: the engine's
         self.generator = torch.Generator() if params.seed is not None else None
         self.sample_index = sample_index
+        self.group_id = request_id
+        # the other samples drawn from this sequence's first output position (fresh, n > 1): they
+        # fork from it then, sharing its blocks (prefill role: they go into the handoff instead)
+        self.fork_indices: list[int] = []
+        self.matcher: Any = None  # engine/grammar.py's Matcher, with params.grammar
+        # prefill role, n > 1: the fork draws (sample index, token, logprob) for the handoff
+        self.first_draws: list[tuple[int, int, Any]] = []
+        self.prompt_logprobs: list[Any] = []  # TokenLogprob per prompt position after the first
         self.arrival = arrival  # admission order: preemption takes the newest first
         self.prefill_only = prefill_only  # prefill role: finish after the first token
         self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
@@ -90,6 +105,34 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def forked(self, request_id: str, sample_index: int) -> Sequence:
+        """Sample `sample_index` of this sequence's request, with the same context so far (no
+        blocks yet: the scheduler gives it its parent's) and the grammar state forked."""
+        child = Sequence(
+            request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            self.params,
+            self.arrival,
+            False,
+            self.output_token_ids,
+            self.times.arrival,
+            sample_index,
+        )
+        child.group_id = self.group_id
+        child.max_output_tokens = self.max_output_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        if self.matcher is not None:
+            child.matcher = type(self.matcher)(self.matcher.compiled)
+            child.matcher.replay(self.output_token_ids)
+        return child
+
+    def draw_generator(self, sample_index: int) -> torch.Generator | None:
+        """A fresh generator for sample `sample_index`'s draw at this sequence's next output position
+        (a fork's first token); None without a seed."""
+        if self.params.seed is None:
+            return None
+        return torch.Generator().manual_seed(draw_seed(self.params.seed, sample_index, self.num_output_tokens))
 
     def next_draw_generator(self) -> torch.Generator | None:
         """A seeded request's generator, reseeded for drawing its next output token (token i, i

@@ -87,6 +87,9 @@ PAYLOAD_ON_CONNECTION, PAYLOAD_DEVICE_COPY = 0, 1  # a handshake's and its ack's
 
 REQUEST_ID_BYTES = 64
 MAX_CONTROL_PAYLOAD = 4096
+# A done frame's payload is the request's handoff record (the workers' serialized Handoff: the
+# prompt's token ids and each sample's first token), opaque to this package.
+MAX_HANDOFF_PAYLOAD = 16 << 20
 # Far above any one layer frame (a whole layer of a 128k-token request in bf16
 # at 8 KV heads x 128 is 0.5 GiB) and far below what would exhaust memory.
 MAX_PAYLOAD = 1 << 31
@@ -184,8 +187,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         raise FrameError(f"unknown dtype code {dtype_code}")
     if length > MAX_PAYLOAD:
         raise FrameError(f"payload length {length} over the limit {MAX_PAYLOAD}")
-    if kind != LAYER and length > MAX_CONTROL_PAYLOAD:
-        raise FrameError(f"{KIND_NAMES[kind]} payload of {length} bytes over {MAX_CONTROL_PAYLOAD}")
+    limit = MAX_HANDOFF_PAYLOAD if kind == DONE else MAX_CONTROL_PAYLOAD
+    if kind != LAYER and length > limit:
+        raise FrameError(f"{KIND_NAMES[kind]} payload of {length} bytes over {limit}")
     try:
         request_id = rid.rstrip(b"\0").decode()
     except UnicodeDecodeError:

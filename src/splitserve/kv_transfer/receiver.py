@@ -272,7 +272,7 @@ class KVReceiver:
                 f"done before every layer arrived ({len(missing)} layer-block-heads missing, first: "
                 f"layer {layer} block {slot.reservation.block_ids[i]} KV head {head})",
             )
-        self._book.complete(slot, h.value)
+        self._book.complete(slot, h.value, self._read_control(conn, h) if h.payload_length else b"")
         self._reply(conn, frame.ACK, slot.reservation.ticket, slot.reservation.request_id, "complete")
 
     def _stream_failed(

@@ -78,6 +78,7 @@ class Reservation:
 
 class Completed(NamedTuple):
     first_token: int
+    handoff: bytes = b""  # the done frame's payload: the workers' handoff record, opaque here
 
 
 class Failed(NamedTuple):

@@ -198,13 +198,13 @@ class Reservations:
         if orphaned:
             self._finalize(slot)
 
-    def complete(self, slot: Slot, first_token: int) -> None:
+    def complete(self, slot: Slot, first_token: int, handoff: bytes = b"") -> None:
         """Every layer of every block arrived, then done: the reservation completes (raises
         Rejected if it is no longer live)."""
         with slot.lock:
             if slot.state != _ACTIVE:
                 raise Rejected(slot.code or FailureCode.NOT_LIVE, "reservation no longer live")
-            slot.state, slot.outcome = _DONE, Completed(first_token)
+            slot.state, slot.outcome = _DONE, Completed(first_token, handoff)
         metrics.RESERVATIONS_COMPLETED.inc()
         self._finish(slot)
 

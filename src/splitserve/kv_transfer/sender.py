@@ -201,6 +201,7 @@ class KVStream:
         self._error: str | None = None
         self._finished = threading.Event()
         self._first_token: int | None = None
+        self._handoff = b""
         self._sent_done = False
         self._sender = sender
         self._watched = Watched(d.conn)
@@ -236,10 +237,11 @@ class KVStream:
                 frames.append((layer, dst_first, n, sf, parts))
         self._put(frames)
 
-    def finish(self, first_token: int, timeout: float) -> None:
-        """Send Done; return once the receiver confirmed every byte, else raise TransferError."""
+    def finish(self, first_token: int, timeout: float, handoff: bytes = b"") -> None:
+        """Send Done (carrying `handoff`, the workers' record of the request, opaque here); return
+        once the receiver confirmed every byte, else raise TransferError."""
         deadline = time.monotonic() + timeout
-        self._first_token = first_token
+        self._first_token, self._handoff = first_token, handoff
         self._put(_DONE_ITEM, timeout)
         if not self._finished.wait(max(0.0, deadline - time.monotonic())):
             self.abort(f"no confirmation within {timeout}s")
@@ -247,12 +249,14 @@ class KVStream:
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._raise_if_failed()
 
-    def finish_async(self, first_token: int, timeout: float, on_end: Callable[[TransferError | None], None]) -> None:
+    def finish_async(
+        self, first_token: int, timeout: float, on_end: Callable[[TransferError | None], None], handoff: bytes = b""
+    ) -> None:
         """`finish` without the wait: queue Done (after the layers queued, with the same back-pressure)
         and return. `on_end` is called once, on the stream's thread, with None once the receiver
         confirmed every byte, else with the error (no confirmation within `timeout` included); it
         must not block."""
-        self._first_token = first_token
+        self._first_token, self._handoff = first_token, handoff
         self._confirm_s = timeout
         self._on_end = on_end
         try:
@@ -367,7 +371,8 @@ class KVStream:
         r = self.reservation
         assert self._first_token is not None
         self._sent_done = True
-        self._conn.send([frame.encode_header(Header(frame.DONE, r.ticket, r.request_id, value=self._first_token))])
+        done = Header(frame.DONE, r.ticket, r.request_id, payload_length=len(self._handoff), value=self._first_token)
+        self._conn.send([frame.encode_header(done), self._handoff] if self._handoff else [frame.encode_header(done)])
         if self._confirm_s is not None:  # finish_async: nobody waits with a deadline, so the watchdog does
             now = time.monotonic()
             self._sender.watchdog().arm(self._watched, now + self._confirm_s, "confirm_timeout", now)

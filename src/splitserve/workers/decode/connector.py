@@ -15,9 +15,14 @@ import queue
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+from google.protobuf.message import DecodeError
+
 from splitserve.engine.connector import TransferOutcome
+from splitserve.engine.handoff import Handoff
 from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import Completed, KVReceiver, Outcome, Reservation
+from splitserve.proto import convert
+from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.workers.decode import metrics
 
 log = logging.getLogger(__name__)
@@ -41,7 +46,7 @@ class ReceiverConnector:
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
         pass
 
-    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None:
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None:
         pass  # a decode worker sends nothing
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Reservation:
@@ -52,7 +57,13 @@ class ReceiverConnector:
     def _on_done(self, r: Reservation, outcome: Outcome) -> None:
         """On a receiver thread, once no write into the blocks can still land."""
         if isinstance(outcome, Completed):
-            self._outcomes.put(TransferOutcome(r.request_id, r.ticket, outcome.first_token, None))
+            try:
+                handoff = _handoff(outcome.handoff)
+            except ValueError as e:  # the blocks are whole but the request cannot go on from them
+                log.warning("request %s: the prefill worker's handoff is unusable: %s", r.request_id, e)
+                self._outcomes.put(TransferOutcome(r.request_id, r.ticket, None, "bad_handoff"))
+            else:
+                self._outcomes.put(TransferOutcome(r.request_id, r.ticket, outcome.first_token, None, handoff))
         else:
             self._outcomes.put(TransferOutcome(r.request_id, r.ticket, None, outcome.code or "failed"))
         self.wake()
@@ -83,3 +94,13 @@ class ReceiverConnector:
                 return out
             self._blocks.pop(o.transfer_id, None)
             out.append(o)
+
+
+def _handoff(payload: bytes) -> Handoff | None:
+    """The done frame's handoff record (None: a sender that sent the first token alone)."""
+    if not payload:
+        return None
+    try:
+        return convert.handoff_from_proto(wpb.Handoff.FromString(payload))
+    except DecodeError as e:
+        raise ValueError(f"not a Handoff message: {e}") from None

@@ -31,8 +31,8 @@ from opentelemetry.context import Context
 
 from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
 from splitserve.engine.engine import StepOutput
+from splitserve.engine.handoff import Handoff, TokenLogprob
 from splitserve.engine.loop import EngineLoop
-from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
@@ -96,7 +96,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             check_request_id(rid)
             if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
                 raise ValueError("prefill_mode must be LOCAL or REMOTE")
-            params = convert.sampling_from_proto(request.sampling)
+            handoff = convert.handoff_from_proto(request.handoff)
         except ValueError as e:
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: Events[Any] = queue.SimpleQueue()
@@ -106,14 +106,17 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         try:
             if not context.add_callback(lambda: events.put(_CANCELLED)):
                 return  # the call is over already
-            remote = request.prefill_mode == wpb.PREFILL_MODE_REMOTE
+            # Samples that went different lengths (a migrated n > 1 request) have no one context for a
+            # prefill worker to fill: each is prefilled here, the prompt's blocks shared by the cache.
+            remote = request.prefill_mode == wpb.PREFILL_MODE_REMOTE and len(handoff.samples) <= 1
             attributes = {"splitserve.attempt_id": rid, "splitserve.prefill_mode": "remote" if remote else "local"}
             with tracing.phase("decode.admission", parent, self.admission_time, attributes):
-                first = self._admit(request, params, notes, notes.sink(events), context)
+                first = self._admit(rid, handoff, remote, request.lease_ms, notes, notes.sink(events), context)
             yield first
             span = tracing.start_span("decode.stream", parent, attributes)
             try:
-                yield from self._stream(events, params.logprobs, notes, tracing.child(span))
+                samples = len(handoff.sample_states())
+                yield from self._stream(events, handoff.params.logprobs, samples, notes, tracing.child(span))
             finally:
                 tracing.end_span(span, notes.error)
         finally:
@@ -126,20 +129,23 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
 
     def _admit(
         self,
-        request: wpb.DecodeRequest,
-        params: SamplingParams,
+        rid: str,
+        handoff: Handoff,
+        remote: bool,
+        lease_ms: int,
         notes: _CallTrace,
         sink: Callable[[StepOutput], None],
         context: grpc.ServicerContext,
     ) -> wpb.DecodeEvent:
         """Admit the request (LOCAL) or reserve its blocks (REMOTE); the call's first event."""
-        rid = request.request_id
-        prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
-        if request.prefill_mode == wpb.PREFILL_MODE_LOCAL:
-            admitted: Admitted = self._submit(Admit(rid, prompt, params, prior), sink, context)
+        prompt, params = handoff.prompt_token_ids, handoff.params
+        if not remote:
+            admitted: Admitted = self._submit(Admit(rid, prompt, params, samples=handoff.samples), sink, context)
             return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=admitted.num_cached_tokens))
-        lease_s = (request.lease_ms or self.cfg.lease_ms) / 1000.0
-        reserved: Admitted | None = self._submit(Reserve(rid, prompt, params, lease_s, prior), sink, context)
+        lease_s = (lease_ms or self.cfg.lease_ms) / 1000.0
+        sample = handoff.sample_states()[0]
+        reserve = Reserve(rid, prompt, params, lease_s, sample.output_token_ids, sample.index)
+        reserved: Admitted | None = self._submit(reserve, sink, context)
         if reserved is None:
             refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or seats for this request now")
         # Before the sink can see a sampled token: that needs the KV, which needs this reservation.
@@ -147,9 +153,9 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return wpb.DecodeEvent(reservation=convert.reservation_to_proto(reserved.transfer, reserved.num_cached_tokens))
 
     def _stream(
-        self, events: Events[Any], logprobs: bool, notes: _CallTrace, trace: Context
+        self, events: Events[Any], logprobs: bool, samples: int, notes: _CallTrace, trace: Context
     ) -> Iterator[wpb.DecodeEvent]:
-        """The engine's outputs as events until the finish (noted in `notes.error`)."""
+        """The engine's outputs as events until every sample finished (how: `notes.error`)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while True:
             try:
@@ -160,36 +166,33 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 return
             if item is _CANCELLED:
                 return  # nobody listens; the finally gives everything back
-            # coalesce whatever else is ready into one Tokens event
-            outs: list[StepOutput] = [item]
-            while not outs[-1].finished:
-                try:
-                    nxt = events.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _CANCELLED:
-                    return
-                outs.append(nxt)
-            sampled = [o for o in outs if o.token_id >= 0]
-            if sampled and not notes.handover_recorded and notes.first_step is not None:
-                notes.handover_recorded = True
-                times = notes.times
-                if times is not None and times.scheduled is not None:  # set when the KV arrived
-                    tracing.record_phase(
-                        "decode.handover", trace, self.handover_time, times.scheduled, notes.first_step
-                    )
-            if sampled:
-                lps = [o.logprob or 0.0 for o in sampled] if logprobs else []
-                yield wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[o.token_id for o in sampled], logprobs=lps))
-            last = outs[-1]
-            if last.finished:
-                reason = last.finish_reason or ""
-                message = "" if reason in ("stop", "length") else f"ended: {reason}"
-                notes.error = message or None  # before the yield: the router may hang up after it
-                yield wpb.DecodeEvent(
-                    finish=wpb.Finish(reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED), message=message)
-                )
+            outs = _coalesce(item, events)
+            if outs is None:
                 return
+            self._note_handover(outs, notes, trace)
+            yield from _token_events(outs, logprobs)
+            for out in outs:
+                if not out.finished:
+                    continue
+                reason = out.finish_reason or ""
+                message = "" if reason in ("stop", "length") else f"ended: {reason}"
+                last = bool(message) or not out.remaining  # a failure ends every sample at once
+                if last:
+                    notes.error = message or None  # before the yield: the router may hang up after it
+                finish = wpb.Finish(
+                    reason=_FINISH.get(reason, wpb.FINISH_REASON_ABORTED), message=message, index=out.sample_index
+                )
+                yield wpb.DecodeEvent(finish=finish)
+                if last:
+                    return
+
+    def _note_handover(self, outs: list[StepOutput], notes: _CallTrace, trace: Context) -> None:
+        if notes.handover_recorded or notes.first_step is None or not any(o.token_id >= 0 for o in outs):
+            return
+        notes.handover_recorded = True
+        times = notes.times
+        if times is not None and times.scheduled is not None:  # set when the KV arrived
+            tracing.record_phase("decode.handover", trace, self.handover_time, times.scheduled, notes.first_step)
 
     def _submit(self, command: Command, sink: Callable[[StepOutput], None], context: grpc.ServicerContext) -> Any:
         """The command's answer (engine/commands.py), or the call ends with the engine's refusal."""
@@ -220,3 +223,28 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[wpb.BlockEventBatch]:
         return stream_block_events(self.loop, context)
+
+
+def _coalesce(item: StepOutput, events: Events[Any]) -> list[StepOutput] | None:
+    """`item` and whatever else is ready, up to a finish that ends the request (None: cancelled)."""
+    outs: list[StepOutput] = [item]
+    while not (outs[-1].finished and not outs[-1].remaining):
+        try:
+            nxt = events.get_nowait()
+        except queue.Empty:
+            break
+        if nxt is _CANCELLED:
+            return None
+        outs.append(nxt)
+    return outs
+
+
+def _token_events(outs: list[StepOutput], logprobs: bool) -> Iterator[wpb.DecodeEvent]:
+    """One Tokens event per sample with new tokens, in the order the samples first appear."""
+    by_sample: dict[int, list[StepOutput]] = {}
+    for o in outs:
+        if o.token_id >= 0:
+            by_sample.setdefault(o.sample_index, []).append(o)
+    for index, sampled in by_sample.items():
+        lps = [convert.logprob_to_proto(o.logprob or TokenLogprob(0.0)) for o in sampled] if logprobs else []
+        yield wpb.DecodeEvent(tokens=wpb.Tokens(index=index, token_ids=[o.token_id for o in sampled], logprobs=lps))

@@ -38,8 +38,10 @@ from opentelemetry.trace import Span
 
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.connector import TransferOutcome
+from splitserve.engine.handoff import Handoff
 from splitserve.engine.sequence import Sequence
 from splitserve.kv_transfer import KVSender, KVStream, Reservation, TransferError
+from splitserve.proto import convert
 from splitserve.runtime import tracing
 
 if TYPE_CHECKING:
@@ -161,13 +163,18 @@ class SenderConnector:
                 if start + n >= len(seq):  # the context's last chunk: its KV is all computed
                     ob.computed_at = time.monotonic()
 
-    def on_prefill_done(self, request_id: str, transfer_id: bytes, first_token: int) -> None:
-        """Send Done; the stream's thread reports the confirmation (a broken stream was reported)."""
+    def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None:
+        """Send Done with the handoff record (what the decode worker continues from); the stream's
+        thread reports the confirmation (a broken stream was reported)."""
         with self._lock:
             ob = self._sends.get(transfer_id)
         if ob is None or ob.failed:
             return
-        ob.stream.finish_async(first_token, self.confirm_timeout_s, lambda error: self._ended(ob, first_token, error))
+        first = handoff.samples[0].output_token_ids[-1]
+        payload = convert.handoff_to_proto(handoff).SerializeToString()
+        ob.stream.finish_async(
+            first, self.confirm_timeout_s, lambda error: self._ended(ob, first, error), handoff=payload
+        )
 
     def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> NoReturn:
         raise RuntimeError("a prefill worker reserves nothing")

@@ -77,12 +77,14 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResult:  # noqa: N802
         rid = request.request_id
         parent = tracing.extract(context.invocation_metadata())
-        prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
         try:
             check_request_id(rid)
-            params = convert.sampling_from_proto(request.sampling)
+            handoff = convert.handoff_from_proto(request.handoff)
+            if len(handoff.samples) > 1:
+                raise ValueError("handoff.samples: a prefill continues one sample (or starts all n)")
+            prior = handoff.samples[0].output_token_ids if handoff.samples else []
             kv = convert.reservation_from_proto(request.reservation)
-            first_index = self._check_reservation(request.reservation, len(prompt) + len(prior))
+            first_index = self._check_reservation(request.reservation, len(handoff.prompt_token_ids) + len(prior))
         except ValueError as e:
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: Events[Any] = queue.SimpleQueue()
@@ -100,15 +102,22 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 code = grpc.StatusCode.FAILED_PRECONDITION if mismatch else grpc.StatusCode.UNAVAILABLE
                 refuse(context, code, f"KV stream to {kv.endpoint}: {e}")
             opened = True
-            admit = Admit(rid, prompt, params, prior, prefill_only=True, transfer_id=kv.ticket)
+            admit = Admit(
+                rid,
+                handoff.prompt_token_ids,
+                handoff.params,
+                prefill_only=True,
+                transfer_id=kv.ticket,
+                samples=handoff.samples,
+            )
             admitted = self._admit(admit, events, context)
             out = self._first_token(events, context)
             self._trace_prefill(rid, admitted, parent, out)
             handed_off = True  # the send and the held blocks are the connector's and the engine's now
-            result = wpb.PrefillResult(first_token_id=out.token_id, num_cached_tokens=out.num_cached_tokens)
-            if out.logprob is not None:
-                result.first_token_logprob = out.logprob
-            return result
+            assert out.handoff is not None  # a prefill_done output carries it
+            return wpb.PrefillResult(
+                handoff=convert.handoff_to_proto(out.handoff), num_cached_tokens=out.num_cached_tokens
+            )
         finally:
             if handed_off:
                 self.calls.release(rid, events)
