@@ -103,7 +103,7 @@ def test_stop_string_over_http():
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "secret_internal": 1}, "secret_internal"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),

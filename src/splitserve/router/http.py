@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -36,6 +35,12 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
+from splitserve.router.openai_choices import Answer, Piece, Shape, stream_choice, whole_choices
+from splitserve.router.openai_fields import BadRequest, boolean, bounded, integer, number, set_field, string
+from splitserve.router.openai_logprobs import TokenText
+from splitserve.router.openai_messages import chat_messages
+from splitserve.router.openai_response_format import CONSTRAINT_FIELDS, output_constraint
+from splitserve.router.openai_tools import TOOL_FIELDS, ToolChoice, parse_tool_choice, tool_grammar
 from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details
@@ -55,10 +60,10 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 # OpenAI field -> GenerateRequest sampling field. Extensions beyond OpenAI's API
-# (top_k, min_p, repetition_penalty, ignore_eos) are the ones vLLM accepts too.
+# (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, the guided_*
+# constraints) are the ones vLLM accepts too, spelled as vLLM spells them.
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed")
 _COMMON = {
@@ -73,15 +78,19 @@ _COMMON = {
     "logprobs",
     "request_id",
     "ignore_eos",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
+    *CONSTRAINT_FIELDS,
     *_FLOATS,
     *_INTS,
 }
-_KNOWN = {True: _COMMON | {"messages"}, False: _COMMON | {"prompt"}}  # by chat or not
+_KNOWN = {  # by chat or not
+    True: _COMMON | {"messages", "top_logprobs", *TOOL_FIELDS},
+    False: _COMMON | {"prompt", "echo"},
+}
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
-
-
-class BadRequest(Exception):
-    pass
+_MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
 
 
 class OpenAIRequest(NamedTuple):
@@ -90,6 +99,8 @@ class OpenAIRequest(NamedTuple):
     generate: pb.GenerateRequest
     stream: bool
     include_usage: bool  # a last chunk with usage (streaming only)
+    shape: Shape = Shape(chat=True)  # the choices' form: tool calls, logprobs, echo
+    continuous_usage: bool = False  # usage on every chunk too (vLLM's continuous_usage_stats)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -97,53 +108,6 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     # the length is bounded as gRPC's is, the same message either way
     body = {"error": {"message": status_details(message), "type": kind, "code": status}}
     return web.json_response(body, status=status)
-
-
-# ---- one field each: type, then what protobuf can hold
-
-
-def _string(v: Any, field: str) -> str:
-    if not isinstance(v, str):
-        raise BadRequest(f"{field}: must be a string")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate from a JSON "\ud800": protobuf cannot encode it
-        raise BadRequest(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
-    return v
-
-
-def _bool(v: Any, field: str) -> bool:
-    if not isinstance(v, bool):
-        raise BadRequest(f"{field}: must be a boolean")
-    return v
-
-
-def _number(v: Any, field: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"{field}: must be a number")
-    try:
-        f = float(v)
-    except OverflowError:
-        raise BadRequest(f"{field}: out of range") from None
-    if not math.isfinite(f):  # a JSON number too large for a float parses as infinity
-        raise BadRequest(f"{field}: must be finite")
-    return f
-
-
-def _integer(v: Any, field: str, integral_floats: bool = False) -> int:
-    if integral_floats and isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{field}: must be an integer")
-    return v
-
-
-def _set(msg: Any, name: str, value: Any, field: str) -> None:
-    """Set a protobuf scalar; one out of the field's range (int32, int64) is the client's error."""
-    try:
-        setattr(msg, name, value)
-    except (ValueError, OverflowError, TypeError):
-        raise BadRequest(f"{field}: out of range") from None
 
 
 def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
@@ -159,21 +123,10 @@ def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool, vocab_size: int | None) -> None:
-    if chat:
-        messages = fields.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages: must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}]: must be an object with string role and content")
-            req.chat.messages.add(
-                role=_string(m["role"], f"messages[{i}].role"), content=_string(m["content"], f"messages[{i}].content")
-            )
-        return
+def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], vocab_size: int | None) -> None:
     prompt = fields.get("prompt")
     if isinstance(prompt, str):
-        req.text = _string(prompt, "prompt")
+        req.text = string(prompt, "prompt")
     elif isinstance(prompt, list) and prompt:
         req.token_ids.ids.extend(_token_ids(prompt, vocab_size))
     else:
@@ -183,30 +136,85 @@ def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool, vocab_s
 def _sampling(sp: pb.SamplingParams, fields: dict[str, Any]) -> None:
     for name in _FLOATS:
         if name in fields:
-            _set(sp, name, _number(fields[name], name), name)
+            set_field(sp, name, number(fields[name], name), name)
     for name in _INTS:
         if name in fields:
-            _set(sp, name, _integer(fields[name], name, integral_floats=True), name)
+            set_field(sp, name, integer(fields[name], name, integral_floats=True), name)
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
         if name in fields:
-            _set(sp, "max_tokens", _integer(fields[name], name), name)
+            set_field(sp, "max_tokens", integer(fields[name], name), name)
             break
     if "ignore_eos" in fields:
-        sp.ignore_eos = _bool(fields["ignore_eos"], "ignore_eos")
+        sp.ignore_eos = boolean(fields["ignore_eos"], "ignore_eos")
     if "stop" in fields:
         stop = fields["stop"]
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
             raise BadRequest("stop: must be a string or a list of strings")
-        sp.stop.extend(_string(s, "stop" if isinstance(stop, str) else f"stop[{i}]") for i, s in enumerate(stops))
-    if "logprobs" in fields:
-        # chat sends a boolean; the legacy completions API a count of top log-probabilities
-        # (the chosen token's is all this server returns)
-        v = fields["logprobs"]
-        if not isinstance(v, bool) and _integer(v, "logprobs") < 0:
-            raise BadRequest("logprobs: must be a boolean or a non-negative integer")
-        if v:
-            sp.logprobs = True
+        sp.stop.extend(string(s, "stop" if isinstance(stop, str) else f"stop[{i}]") for i, s in enumerate(stops))
+    if "n" in fields:
+        set_field(sp, "n", bounded(fields["n"], "n", 1), "n")  # the upper bound is the server's (validation)
+    if "min_tokens" in fields:
+        set_field(sp, "min_tokens", bounded(fields["min_tokens"], "min_tokens", 0), "min_tokens")
+
+
+def _token_lists(sp: pb.SamplingParams, fields: dict[str, Any], vocab_size: int | None) -> None:
+    """stop_token_ids and logit_bias: token ids, each in the vocabulary (when it is known here)."""
+    limit = vocab_size if vocab_size is not None else _INT32
+    if "stop_token_ids" in fields:
+        ids = fields["stop_token_ids"]
+        if not isinstance(ids, list):
+            raise BadRequest("stop_token_ids: must be a list of token ids")
+        for i, t in enumerate(ids):
+            sp.stop_token_ids.append(bounded(t, f"stop_token_ids[{i}]", 0, limit - 1))
+    if "logit_bias" in fields:
+        bias = fields["logit_bias"]
+        if not isinstance(bias, dict):
+            raise BadRequest("logit_bias: must be an object of token id -> bias")
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else -1
+            if not 0 <= token < limit:
+                raise BadRequest(f"logit_bias: key {key[:32]!r} is not a token id in [0, {limit})")
+            b = number(value, f"logit_bias[{key!r}]")
+            if not -100 <= b <= 100:
+                raise BadRequest(f"logit_bias[{key!r}]: must be in [-100, 100], got {b:g}")
+            sp.logit_bias[token] = b
+
+
+def _logprobs(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """Whether log-probabilities are asked for, and how many alternatives each token's come with:
+    chat's logprobs (a boolean) and top_logprobs, completions' logprobs (a count; echo adds the
+    prompt's)."""
+    if chat:
+        on = boolean(fields["logprobs"], "logprobs") if "logprobs" in fields else False
+        top = 0
+        if "top_logprobs" in fields:
+            top = bounded(fields["top_logprobs"], "top_logprobs", 0, _MAX_TOP_LOGPROBS[True])
+            if not on:
+                raise BadRequest("top_logprobs: needs logprobs: true")
+    else:
+        v = fields.get("logprobs", False)
+        on = v is not False
+        top = int(v) if isinstance(v, bool) else bounded(v, "logprobs", 0, _MAX_TOP_LOGPROBS[False])
+        if on and fields.get("echo") is True:
+            req.sampling.prompt_logprobs = top + 1  # the prompt token's own and `top` others
+    if on:
+        req.sampling.logprobs = True
+    if top:
+        req.sampling.top_logprobs = top
+    return on, top
+
+
+def _constraint(sp: pb.SamplingParams, fields: dict[str, Any], tools: ToolChoice | None) -> None:
+    """The output constraint: response_format or a guided_* field, or the one a forced tool call
+    puts (only one of them)."""
+    found = output_constraint(fields)
+    forced = tool_grammar(tools) if tools is not None else None
+    if found is not None and forced is not None:
+        raise BadRequest(f"tool_choice and {found[0]}: only one output constraint per request")
+    grammar = forced if forced is not None else found[1] if found is not None else None
+    if grammar is not None:
+        sp.grammar.CopyFrom(grammar)
 
 
 def _stream_options(fields: dict[str, Any]) -> dict[str, bool]:
@@ -216,14 +224,26 @@ def _stream_options(fields: dict[str, Any]) -> dict[str, bool]:
     unknown = set(opts) - _STREAM_OPTIONS
     if unknown:
         raise BadRequest(f"stream_options: unsupported field(s) {sorted(unknown)!r}")
-    return {k: _bool(v, f"stream_options.{k}") for k, v in opts.items() if v is not None}
+    return {k: boolean(v, f"stream_options.{k}") for k, v in opts.items() if v is not None}
 
 
-def from_openai(body: Any, chat: bool, vocab_size: int | None = None) -> OpenAIRequest:
+def _echo(req: pb.GenerateRequest, fields: dict[str, Any], decode: Callable[[list[int]], str] | None) -> str | None:
+    """completions' echo: the prompt's text, to put before each choice's."""
+    if "echo" not in fields or not boolean(fields["echo"], "echo"):
+        return None
+    if req.WhichOneof("prompt") == "text":
+        return req.text
+    return decode(list(req.token_ids.ids)) if decode is not None else ""
+
+
+def from_openai(
+    body: Any, chat: bool, vocab_size: int | None = None, decode: Callable[[list[int]], str] | None = None
+) -> OpenAIRequest:
     """An OpenAI JSON body -> the request to run; BadRequest names the field that is wrong.
 
     Every value is checked before it goes into the protobuf, so what comes out
-    serialises; `null` counts as absent, as in OpenAI's API.
+    serialises; `null` counts as absent, as in OpenAI's API. `decode` gives a token-id
+    prompt's text for echo.
     """
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -233,18 +253,26 @@ def from_openai(body: Any, chat: bool, vocab_size: int | None = None) -> OpenAIR
     fields = {k: v for k, v in body.items() if v is not None}
     for name in ("model", "user"):  # not used, but a wrong type is still a wrong body
         if name in fields:
-            _string(fields[name], name)
-    if "n" in fields and _integer(fields["n"], "n") != 1:
-        raise BadRequest("n: only n=1 is supported")
+            string(fields[name], name)
     req = pb.GenerateRequest()
-    req.request_id = _string(fields["request_id"], "request_id") if "request_id" in fields else ""
+    req.request_id = string(fields["request_id"], "request_id") if "request_id" in fields else ""
     req.request_id = req.request_id or f"http-{uuid.uuid4().hex}"
-    _prompt(req, fields, chat, vocab_size)
+    tools = parse_tool_choice(fields) if chat else None
+    if chat:
+        for role, content in chat_messages(fields.get("messages"), tools):
+            req.chat.messages.add(role=role, content=content)
+    else:
+        _prompt(req, fields, vocab_size)
     _sampling(req.sampling, fields)
+    _token_lists(req.sampling, fields, vocab_size)
+    logprobs, top = _logprobs(req, fields, chat)
+    _constraint(req.sampling, fields, tools)
     opts = _stream_options(fields)
     req.stream_options.continuous_usage = opts.get("continuous_usage_stats", False)
-    stream = _bool(fields.get("stream", False), "stream")
-    return OpenAIRequest(req, stream, stream and opts.get("include_usage", False))
+    stream = boolean(fields.get("stream", False), "stream")
+    include_usage = stream and opts.get("include_usage", False)
+    shape = Shape(chat, tools, logprobs, top, None if chat else _echo(req, fields, decode))
+    return OpenAIRequest(req, stream, include_usage, shape, include_usage and req.stream_options.continuous_usage)
 
 
 class OpenAIServer:
@@ -266,6 +294,7 @@ class OpenAIServer:
             ]
         )
         self._runner: web.AppRunner | None = None
+        self._token_text: TokenText | None = None
 
     async def start(self, host: str, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler at once, wherever it
@@ -317,9 +346,21 @@ class OpenAIServer:
             raise BodyError(400, f"the body could not be read ({why})", close=True) from None
         return parse_json_body(raw, request.headers.get("Content-Type"))
 
+    @property
+    def token_text(self) -> TokenText:
+        """Token ids' texts for logprobs, cached for the server's life (made at first use: the
+        tokenizer is the service's)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.generation.tokenizer)
+        return self._token_text
+
+    def _decode(self, ids: list[int]) -> str:
+        detok = self.generation.tokenizer.detokenizer(())
+        return "".join([detok.feed(t) for t in ids]) + detok.flush()
+
     def _translate(self, body: Any, chat: bool) -> OpenAIRequest:
         try:
-            return from_openai(body, chat, self.generation.tokenizer.vocab_size)
+            return from_openai(body, chat, self.generation.tokenizer.vocab_size, self._decode)
         except BadRequest:
             raise
         except Exception as e:  # a check from_openai lacks; still the client's body, but worth a look
@@ -340,58 +381,46 @@ class OpenAIServer:
             return resp
         except BadRequest as e:
             return _error(400, str(e))
-        except RequestFailed as e:
+        except RequestFailed as e:  # a grammar that does not compile too: "sampling.grammar: ...", 400
             return _error(_HTTP_STATUS.get(e.code, 500), str(e))
-        rid = oreq.generate.request_id
-        kind = "chat.completion" if chat else "text_completion"
         if oreq.stream:
-            return await self._stream(request, run, rid, kind, chat, oreq.include_usage)
-        return await self._whole(run, rid, kind, chat)
+            return await self._stream(request, run, oreq)
+        return await self._whole(run, oreq)
 
-    async def _whole(self, run: Any, rid: str, kind: str, chat: bool) -> web.Response:
+    async def _whole(self, run: Any, oreq: OpenAIRequest) -> web.Response:
         created = int(time.time())
-        text, logprobs, finish, usage = [], [], None, None
+        rid, chat = oreq.generate.request_id, oreq.shape.chat
+        answer = Answer(oreq.shape, self.token_text)
+        pieces: list[Piece] = []
         try:
             async with contextlib.aclosing(self.generation.stream(run)) as responses:
                 async for r in responses:
-                    text.append(r.text)
-                    logprobs.extend(r.logprobs)
-                    finish = _FINISH.get(r.finish_reason, finish)
-                    if r.HasField("usage"):
-                        usage = r.usage
+                    pieces.append(answer.update(r))
         except RequestFailed as e:
             return _error(_HTTP_STATUS.get(e.code, 500), str(e), "server_error")
         except asyncio.CancelledError:  # the client went away while the answer was being made
             log.info("request %s: the client disconnected before its answer; request cancelled", rid)
             raise
-        content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
-        if logprobs:
-            choice["logprobs"] = {"token_logprobs": logprobs}
         return web.json_response(
             {
                 "id": rid,
-                "object": kind,
+                "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": self.model_name,
-                "choices": [choice],
-                "usage": _usage(usage),
+                "choices": whole_choices(pieces, chat),
+                "usage": _usage(answer.usage),
             }
         )
 
-    async def _stream(
-        self, request: web.Request, run: Any, rid: str, kind: str, chat: bool, include_usage: bool
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, run: Any, oreq: OpenAIRequest) -> web.StreamResponse:
+        rid = oreq.generate.request_id
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        events = _EventStream(resp, rid, kind + (".chunk" if chat else ""), int(time.time()), self.model_name)
+        kind = "chat.completion.chunk" if oreq.shape.chat else "text_completion"
+        events = _EventStream(resp, rid, kind, int(time.time()), self.model_name)
         try:
             await resp.prepare(request)
-            usage = await self._send_chunks(events, run, chat)
-            if include_usage:
+            usage = await self._send_chunks(events, run, oreq)
+            if oreq.include_usage:  # after every choice's last chunk
                 await events.chunk([], usage=_usage(usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -405,25 +434,22 @@ class OpenAIServer:
             raise
         return resp
 
-    async def _send_chunks(self, events: _EventStream, run: Any, chat: bool) -> pb.Usage | None:
-        """A chunk per response with text or a finish (and the first, which names the role); a
-        failure as an error event. Returns the last usage the stream reported."""
-        usage = None
-        first = True
+    async def _send_chunks(self, events: _EventStream, run: Any, oreq: OpenAIRequest) -> pb.Usage | None:
+        """A chunk per response that adds something to its choice (and each choice's first, which
+        names the role); a failure as an error event. Returns the last usage the stream reported."""
+        answer = Answer(oreq.shape, self.token_text)
         try:
             async with contextlib.aclosing(self.generation.stream(run)) as responses:
                 async for r in responses:
-                    if r.HasField("usage"):
-                        usage = r.usage
-                    finish = _FINISH.get(r.finish_reason)
-                    if not r.text and finish is None and not first:
+                    choice = stream_choice(answer.update(r), oreq.shape.chat)
+                    if choice is None:
                         continue
-                    await events.chunk([_stream_choice(r.text, finish, chat, first)])
-                    first = False
+                    extra = {"usage": _usage(r.usage)} if oreq.continuous_usage and r.HasField("usage") else {}
+                    await events.chunk([choice], **extra)
         except RequestFailed as e:
             error = {"message": status_details(str(e)), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}
             await events.send({"error": error})
-        return usage
+        return answer.usage
 
 
 class _EventStream(NamedTuple):
@@ -441,15 +467,6 @@ class _EventStream(NamedTuple):
     async def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> None:
         body = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
         await self.send(body | extra)
-
-
-def _stream_choice(text: str, finish: str | None, chat: bool, first: bool) -> dict[str, Any]:
-    if not chat:
-        return {"index": 0, "text": text, "finish_reason": finish}
-    delta: dict[str, Any] = {"content": text}
-    if first:
-        delta["role"] = "assistant"
-    return {"index": 0, "delta": delta, "finish_reason": finish}
 
 
 def _usage(u: pb.Usage | None) -> dict[str, Any]:
