@@ -136,9 +136,10 @@ def test_remote_prefill_sends_the_first_token_from_the_prefill_worker() -> None:
             (dreq,) = c.decode[0].requests
             (preq,) = c.prefill[0].requests
             assert dreq.prefill_mode == wpb.PREFILL_MODE_REMOTE
-            assert list(preq.prompt_token_ids) == list(LONG.encode())
+            assert list(preq.handoff.prompt_token_ids) == list(LONG.encode())
+            assert not preq.handoff.samples  # fresh: every sample (here the one) starts at the prefill worker
             assert len(preq.reservation.ticket) == 16
-            assert preq.sampling.temperature == 0.0 and preq.sampling.max_tokens == 256
+            assert preq.handoff.sampling.temperature == 0.0 and preq.handoff.sampling.max_tokens == 256
             assert rs[0].token_ids == [SCRIPT[0]] and rs[0].logprobs == [-0.25]  # from Prefill
             assert rs[1].logprobs == [-0.5]  # from the decode worker
 
@@ -342,8 +343,9 @@ def test_decode_worker_dying_mid_stream_migrates_the_request() -> None:
             assert joined(rs) == (ANSWER[:12], SCRIPT[:12])
             assert rs[-1].finish_reason == pb.FINISH_REASON_LENGTH
             (moved,) = c.decode[1].requests
-            assert list(moved.output_token_ids) == SCRIPT[:4]
-            assert moved.sampling.max_tokens == 8
+            (sample,) = moved.handoff.samples
+            assert (sample.index, list(sample.output_token_ids)) == (0, SCRIPT[:4])
+            assert moved.handoff.sampling.max_tokens == 12  # the handed-over tokens count against it
             assert c.router.metrics.migrations._value.get() == 1
 
     run(scenario)

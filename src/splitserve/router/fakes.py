@@ -1,12 +1,15 @@
 """In-process fake workers that speak the real internal gRPC services, so the
 router is tested (and benchmarked) over real gRPC on loopback without a model.
 
-Both fakes produce the same canned tokens: the i-th generated token of any
-request is `script[i]` (then EOS), so a request migrated to another fake
-decode worker continues exactly where it stopped. The "KV plane" between them
-is an in-process `FakeKVPlane`: the prefill fake hands the first token to the
-reservation's ticket, which is what the real prefill worker's Done frame does.
-Knobs make a fake slow, refuse, hang, or die mid-stream.
+Both fakes produce the same canned tokens: the i-th output token of sample k
+of any request is `sample_scripts[k][i]` (`script[i]` where no sample script is
+given; then EOS), so a request migrated to another fake decode worker continues
+exactly where it stopped. They speak the handoff protocol (worker.proto): the
+request comes as a Handoff, each sample's tokens go out under its `index`, each
+sample ends with its own Finish. The "KV plane" between them is an in-process
+`FakeKVPlane`: the prefill fake hands its Handoff (each sample with its first
+token) to the reservation's ticket, which is what the real prefill worker's Done
+frame does. Knobs make a fake slow, refuse, hang, or die mid-stream.
 """
 
 from __future__ import annotations
@@ -20,33 +23,70 @@ import grpc
 
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.blocks import blocks_to_fill, cdiv
+from splitserve.engine.handoff import Handoff, SampleState, TokenLogprob
+from splitserve.engine.sampling import SamplingParams
+from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 
 EOS = 257  # ByteTokenizer's
 LAYOUT = wpb.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
+DECODE_LOGPROB = -0.5  # every token the decode fake samples has this logprob
+PREFILL_LOGPROB = -0.25  # every first token the prefill fake samples
+PROMPT_LOGPROB = -1.0  # every prompt token's
+
+
+def fake_logprob(token: int, value: float, top_logprobs: int) -> TokenLogprob:
+    """A fake's logprob for `token`: the `top_logprobs` most likely are token, token + 1, ...,
+    each 1 below the one before."""
+    return TokenLogprob(value, tuple((token + j, value - j) for j in range(top_logprobs)))
+
+
+def fake_prompt_logprobs(h: Handoff) -> list[TokenLogprob]:
+    """With sampling.prompt_logprobs k: each prompt token after the first, with k - 1 others."""
+    k = h.params.prompt_logprobs
+    if not k:
+        return []
+    return [fake_logprob(t, PROMPT_LOGPROB, k - 1) for t in h.prompt_token_ids[1:]]
 
 
 class FakeKVPlane:
     def __init__(self) -> None:
-        self._waiting: dict[bytes, asyncio.Future[int]] = {}
+        self._waiting: dict[bytes, asyncio.Future[Handoff]] = {}
 
-    def expect(self, ticket: bytes) -> asyncio.Future[int]:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    def expect(self, ticket: bytes) -> asyncio.Future[Handoff]:
+        fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
         self._waiting[ticket] = fut
         return fut
 
-    def deliver(self, ticket: bytes, first_token: int) -> bool:
+    def deliver(self, ticket: bytes, handoff: Handoff) -> bool:
         fut = self._waiting.pop(ticket, None)
         if fut is None or fut.done():
             return False
-        fut.set_result(first_token)
+        fut.set_result(handoff)
         return True
 
 
+async def parse_handoff(handoff: wpb.Handoff, context: grpc.aio.ServicerContext) -> Handoff:
+    """The request's record, as a real worker reads it: INVALID_ARGUMENT naming the field if bad."""
+    try:
+        return convert.handoff_from_proto(handoff)
+    except ValueError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise  # abort raises; for the type checker
+
+
 class _FakeBase:
-    def __init__(self, script: Sequence[int], block_size: int, total_blocks: int, worker_id: str) -> None:
+    def __init__(
+        self,
+        script: Sequence[int],
+        block_size: int,
+        total_blocks: int,
+        worker_id: str,
+        sample_scripts: Sequence[Sequence[int]] = (),
+    ) -> None:
         self.script = list(script)
+        self.sample_scripts = [list(s) for s in sample_scripts]
         self.block_size = block_size
         self.total_blocks = total_blocks
         self.worker_id = worker_id
@@ -55,9 +95,10 @@ class _FakeBase:
         self.address = ""
         self.cancel_calls: list[str] = []  # request ids passed to Cancel
 
-    def token(self, i: int) -> int:
-        """The i-th generated token of every request."""
-        return self.script[i] if i < len(self.script) else EOS
+    def token(self, index: int, i: int) -> int:
+        """The i-th output token of sample `index` of every request."""
+        script = self.sample_scripts[index] if index < len(self.sample_scripts) else self.script
+        return script[i] if i < len(script) else EOS
 
     async def Cancel(self, request: wpb.CancelRequest, context: grpc.aio.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
         self.cancel_calls.append(request.request_id)
@@ -108,8 +149,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         extra_queued_tokens: int = 0,  # reported in stats on top of the real load (to steer routing)
         fail: grpc.StatusCode
         | None = None,  # answer every Decode with this status, as a worker refusing the request would
+        sample_scripts: Sequence[Sequence[int]] = (),  # sample k's tokens, where not `script`
     ) -> None:
-        super().__init__(script, block_size, total_blocks, worker_id)
+        super().__init__(script, block_size, total_blocks, worker_id, sample_scripts)
         self.kv = kv
         self.token_delay_s = token_delay_s
         self.admit_delay_s = admit_delay_s
@@ -178,31 +220,40 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeEvent]:
         self.requests.append(request)
-        await self._admit(request, context)
-        ctx = [*request.prompt_token_ids, *request.output_token_ids]
+        h = await self._admit(request, context)
+        samples = h.sample_states()
+        ctx = [*h.prompt_token_ids, *(samples[0].output_token_ids if len(samples) == 1 else [])]
         hashes, cached = self._cached(ctx)
         rid = request.request_id
         self.active[rid] = len(ctx)
         done = False
         try:
-            out: list[int] = []
             if request.prefill_mode == wpb.PREFILL_MODE_REMOTE:
                 ticket = os.urandom(16)
-                first = self.kv.expect(ticket)
+                arrived = self.kv.expect(ticket)
                 yield wpb.DecodeEvent(reservation=self._reservation(rid, ticket, len(ctx), cached))
-                try:
-                    out.append(await asyncio.wait_for(first, self.lease_s))
+                try:  # the prefill worker's record: each sample with its first token, never sent again
+                    samples = (await asyncio.wait_for(arrived, self.lease_s)).sample_states()
                 except TimeoutError:
                     done = True
                     yield wpb.DecodeEvent(finish=wpb.Finish(reason=wpb.FINISH_REASON_LEASE_EXPIRED, message="no KV"))
                     return
             else:
-                yield wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=cached))
+                local = wpb.LocalPrefill(num_cached_tokens=cached)
+                local.prompt_logprobs.extend(convert.logprob_to_proto(lp) for lp in fake_prompt_logprobs(h))
+                yield wpb.DecodeEvent(local_prefill=local)
             self._store(hashes)
-            while (reason := _finish_reason(out, request.sampling)) is None:
-                yield wpb.DecodeEvent(tokens=await self._next_token(request, out, rid))
-            done = True
-            yield wpb.DecodeEvent(finish=wpb.Finish(reason=reason))
+            pending = list(samples)
+            while pending:  # one step: a token for each unfinished sample, in index order
+                for sample in list(pending):
+                    reason = _finish_reason(sample.output_token_ids, h.params)
+                    if reason is None:
+                        yield wpb.DecodeEvent(tokens=await self._next_token(h.params, sample, rid))
+                        reason = _finish_reason(sample.output_token_ids, h.params)
+                    if reason is not None:
+                        pending.remove(sample)
+                        done = not pending
+                        yield wpb.DecodeEvent(finish=wpb.Finish(reason=reason, index=sample.index))
         except asyncio.CancelledError:
             if not done:
                 self.cancelled.append(rid)
@@ -212,16 +263,18 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
                 self.cancelled.append(rid)  # generator closed early: the router cancelled the call
             self.active.pop(rid, None)
 
-    async def _admit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
-        """Refuse or fail the call as configured, or admit it (after `admit_delay_s`)."""
+    async def _admit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> Handoff:
+        """Refuse or fail the call as configured, or admit it (after `admit_delay_s`): its record."""
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks")
         if self.fail is not None:
             await context.abort(self.fail, "fake decode failure")
         if request.prefill_mode not in (wpb.PREFILL_MODE_LOCAL, wpb.PREFILL_MODE_REMOTE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_mode must be LOCAL or REMOTE")
+        h = await parse_handoff(request.handoff, context)
         if self.admit_delay_s:
             await asyncio.sleep(self.admit_delay_s)
+        return h
 
     def _cached(self, ctx: list[int]) -> tuple[list[bytes], int]:
         """The context's block hashes, and its tokens this worker has cached (never the last one)."""
@@ -244,22 +297,29 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
         )
 
-    async def _next_token(self, request: wpb.DecodeRequest, out: list[int], rid: str) -> wpb.Tokens:
-        """The script's next token (after `token_delay_s`), or the worker's death at `die_after_tokens`."""
+    async def _next_token(self, params: SamplingParams, sample: SampleState, rid: str) -> wpb.Tokens:
+        """The sample's next script token (after `token_delay_s`), or the worker's death at
+        `die_after_tokens`."""
         if self.token_delay_s:
             await asyncio.sleep(self.token_delay_s)
         if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
             self.die()  # the whole worker goes away, mid-stream
             await asyncio.Event().wait()
-        t = self.token(len(request.output_token_ids) + len(out))
-        out.append(t)
+        t = self.token(sample.index, len(sample.output_token_ids))
+        sample.output_token_ids.append(t)
         self.tokens_sent += 1
         self.active[rid] += 1
-        return wpb.Tokens(token_ids=[t], logprobs=[-0.5] if request.sampling.logprobs else [])
+        out = wpb.Tokens(index=sample.index, token_ids=[t])
+        if params.logprobs:
+            lp = fake_logprob(t, DECODE_LOGPROB, params.top_logprobs)
+            sample.logprobs.append(lp)
+            out.logprobs.append(convert.logprob_to_proto(lp))
+        return out
 
 
-def _finish_reason(out: list[int], sp: wpb.SamplingParams) -> wpb.FinishReason | None:
-    """STOP after a stop token, LENGTH at max_tokens; None while the request goes on."""
+def _finish_reason(out: list[int], sp: SamplingParams) -> wpb.FinishReason | None:
+    """STOP after a stop token, LENGTH at max_tokens (a sample's output in all, handed-over tokens
+    included); None while the sample goes on."""
     stops = {EOS, *sp.stop_token_ids} - ({EOS} if sp.ignore_eos else set())
     if out and out[-1] in stops:
         return wpb.FINISH_REASON_STOP
@@ -279,8 +339,9 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
         delay_s: float = 0.0,
         fail: grpc.StatusCode | None = None,  # answer every Prefill with this status
         queued_tokens: int = 0,  # reported in stats
+        sample_scripts: Sequence[Sequence[int]] = (),  # sample k's tokens, where not `script`
     ) -> None:
-        super().__init__(script, block_size, total_blocks, worker_id)
+        super().__init__(script, block_size, total_blocks, worker_id, sample_scripts)
         self.kv = kv
         self.delay_s = delay_s
         self.fail = fail
@@ -314,12 +375,16 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
                 await asyncio.sleep(self.delay_s)
             if self.fail is not None:
                 await context.abort(self.fail, "fake prefill failure")
-            first = self.token(len(request.output_token_ids))
-            if not self.kv.deliver(request.reservation.ticket, first):
+            h = await parse_handoff(request.handoff, context)
+            out = Handoff(h.prompt_token_ids, h.params, h.sample_states(), fake_prompt_logprobs(h))
+            for sample in out.samples:  # each sample's next token here, at its own position
+                t = self.token(sample.index, len(sample.output_token_ids))
+                sample.output_token_ids.append(t)
+                # a worker reports the logprobs of the tokens it sampled (worker.proto's SampleState)
+                sample.logprobs = [fake_logprob(t, PREFILL_LOGPROB, h.params.top_logprobs)] if h.params.logprobs else []
+            result = wpb.PrefillResult(handoff=convert.handoff_to_proto(out))  # before D goes on with `out`
+            if not self.kv.deliver(request.reservation.ticket, out):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no such reservation")
-            result = wpb.PrefillResult(first_token_id=first)
-            if request.sampling.logprobs:
-                result.first_token_logprob = -0.25
             return result
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)

@@ -2,8 +2,14 @@
 decode worker reserves blocks for a remote prefill), hand the tokens to the
 request's `ResponseShaper` (router/response.py, which makes what the client is
 sent), and move the request to another decode worker if its worker dies
-(migration: prompt plus the tokens already sent, so the client's stream just
-goes on).
+(migration: the Handoff carries the prompt and every unfinished sample with the
+tokens already sent, so the client's streams just go on).
+
+The request's n samples share one Decode call: the first tokens come from the
+PrefillResult's handoff (REMOTE) or from Tokens events (LOCAL), every later one
+from Tokens events by `index`; a sample ends at its Finish (STOP, LENGTH) or at
+the router's own end of it (a stop string, its budget), and the request when
+every sample has ended.
 
 Every internal wait has a deadline. Client cancellation arrives as
 CancelledError at whichever await is pending; the `finally` blocks cancel the
@@ -46,6 +52,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.handoff import Handoff
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -153,8 +160,6 @@ class RequestRun:
         self.trace = tracing.child(self.span)  # what this request's spans and worker calls hang under
         self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
-        # the internal sampling message; max_tokens is set per attempt (it shrinks after a migration)
-        self._sampling = convert.sampling_to_proto(req.sampling)
 
     # ---- the attempt loop
 
@@ -194,7 +199,7 @@ class RequestRun:
         if moves > self.cfg.retries.max_migrations:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if all_busy else grpc.StatusCode.UNAVAILABLE
             raise RequestFailed(code, f"gave up after {moves} attempts: {e}") from None
-        if self.response.generated:
+        if self.response.completion_tokens:
             self.metrics.migrations.inc()
 
     def _count_unclear_failure(self, e: Exception) -> None:
@@ -236,7 +241,11 @@ class RequestRun:
                 )
             why = f" (last attempt: {last_error})" if last_error else ""
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}")
-        context = [*self.req.prompt_token_ids, *self.response.generated]
+        # a worker caches the prompt's blocks, and one sample's output after them: the output is part of
+        # the context only when exactly one sample continues (several diverge right after the prompt)
+        samples = self.response.handoff_samples()
+        output = samples[0].output_token_ids if len(samples) == 1 else []
+        context = [*self.req.prompt_token_ids, *output]
         hashes = block_hashes(context, self.cfg.routing.block_size)
         prefill = {} if force_local else self.workers.prefill_queued_tokens()
         r = policy.route(
@@ -276,7 +285,7 @@ class RequestRun:
                 "splitserve.worker": address,
                 "splitserve.prefill_mode": mode,
                 "splitserve.attempt_id": rid,
-                "splitserve.prior_tokens": len(self.response.generated),
+                "splitserve.prior_tokens": self.response.completion_tokens,
             },
             kind=SpanKind.CLIENT,
         )
@@ -293,12 +302,17 @@ class RequestRun:
         finally:
             tracing.end_span(span, error)
 
-    def _attempt_sampling(self) -> wpb.SamplingParams:
-        """The request's sampling for the next attempt: its budget less the tokens already sent."""
-        sampling = wpb.SamplingParams()
-        sampling.CopyFrom(self._sampling)
-        sampling.max_tokens = self.response.tokens_left
-        return sampling
+    def _handoff(self) -> wpb.Handoff:
+        """The request as the next attempt continues it: fresh (no samples) until something was sent,
+        then every unfinished sample with the tokens (and logprobs) the client has of it. max_tokens
+        stays the request's: it counts a sample's handed-over tokens too."""
+        h = Handoff(
+            list(self.req.prompt_token_ids),
+            self.req.sampling,
+            self.response.handoff_samples(),
+            self.response.prompt_logprobs,
+        )
+        return convert.handoff_to_proto(h)
 
     async def _decode(
         self, address: str, mode: policy.PrefillMode, rid: str, trace: Context
@@ -307,13 +321,11 @@ class RequestRun:
         if w is None:
             raise _Retry("worker was removed")
         deadlines = self.cfg.deadlines
-        sampling = self._attempt_sampling()
+        handoff = self._handoff()
         call = w.decode_stub().Decode(
             wpb.DecodeRequest(
                 request_id=rid,
-                prompt_token_ids=self.req.prompt_token_ids,
-                output_token_ids=self.response.generated,
-                sampling=sampling,
+                handoff=handoff,
                 prefill_mode=wpb.PREFILL_MODE_REMOTE if mode == "remote" else wpb.PREFILL_MODE_LOCAL,
                 lease_ms=deadlines.lease_ms,
             ),
@@ -322,44 +334,72 @@ class RequestRun:
         )
         try:
             first = await self._next(call, deadlines.admit_timeout_s, admitted=False)
-            resp = await self._admitted(first, rid, sampling, trace)
-            if resp is not None:
+            for resp in await self._admitted(first, rid, handoff, trace):
                 yield resp
             while not self.response.finished:
-                resp = self._on_event(await self._next(call, deadlines.token_timeout_s, admitted=True))
-                if resp is not None:
-                    yield resp
+                later = self._on_event(await self._next(call, deadlines.token_timeout_s, admitted=True))
+                if later is not None:
+                    yield later
         finally:
             call.cancel()  # no-op when the call is done; an abort for the worker otherwise
 
     async def _admitted(
-        self, first: wpb.DecodeEvent, rid: str, sampling: wpb.SamplingParams, trace: Context
-    ) -> pb.GenerateResponse | None:
-        """The Decode call's first event: a reservation (prefill it remotely; the first token comes
-        from the prefill worker) or the decode worker's own prefill under way."""
+        self, first: wpb.DecodeEvent, rid: str, handoff: wpb.Handoff, trace: Context
+    ) -> list[pb.GenerateResponse]:
+        """The Decode call's first event: a reservation (prefill it remotely; each sample's first token
+        comes from the prefill worker) or the decode worker's own prefill under way."""
         kind = first.WhichOneof("event")
         if kind in ("reservation", "local_prefill"):
             self.response.on_admitted()
         if kind == "reservation":
-            result = await self._prefill(rid, first.reservation, sampling, trace)
+            result = await self._prefill(rid, first.reservation, handoff, trace)
             self.response.set_cached(result.num_cached_tokens)
-            lp = [result.first_token_logprob] if result.HasField("first_token_logprob") else []
-            return self.response.emit([result.first_token_id], lp)
+            return self._first_tokens(result.handoff)
         if kind == "local_prefill":
             self.response.set_cached(first.local_prefill.num_cached_tokens)
-            return None
+            self.response.set_prompt_logprobs(
+                [convert.logprob_from_proto(lp) for lp in first.local_prefill.prompt_logprobs]
+            )
+            return []
         raise _Retry(f"protocol error: first event is {kind}, not a reservation or local_prefill")
 
+    def _first_tokens(self, h: wpb.Handoff) -> list[pb.GenerateResponse]:
+        """The responses for the tokens a prefill worker sampled: its handoff holds each sample as the
+        decode worker continues it, the tokens the client already has (after a migration) included,
+        and the logprobs of its last tokens (those the prefill worker sampled)."""
+        self.response.set_prompt_logprobs([convert.logprob_from_proto(lp) for lp in h.prompt_logprobs])
+        out = []
+        for s in h.samples:
+            self._check_index(s.index)
+            sent = self.response.sent(s.index)
+            ids = list(s.output_token_ids)
+            if len(ids) > sent:  # the whole sample: what is new is past what the client has
+                ids = ids[sent:]
+            # else only the new token came back: all of it is new
+            lps = [convert.logprob_from_proto(lp) for lp in s.logprobs[max(0, len(s.logprobs) - len(ids)) :]]
+            resp = self.response.emit(s.index, ids, lps)
+            if resp is not None:
+                out.append(resp)
+        return out
+
+    def _check_index(self, index: int) -> None:
+        if index >= self.req.sampling.n:
+            raise _Retry(f"protocol error: sample index {index} of a request with n={self.req.sampling.n}")
+
     def _on_event(self, ev: wpb.DecodeEvent) -> pb.GenerateResponse | None:
-        """A Decode event after the first: tokens, or the finish (which ends the stream or the attempt)."""
+        """A Decode event after the first: one sample's tokens, or a finish (which ends a sample,
+        or the attempt)."""
         kind = ev.WhichOneof("event")
         if kind == "tokens":
-            return self.response.emit(ev.tokens.token_ids, ev.tokens.logprobs)
+            t = ev.tokens
+            self._check_index(t.index)
+            return self.response.emit(t.index, t.token_ids, [convert.logprob_from_proto(lp) for lp in t.logprobs])
         if kind != "finish":
             raise _Retry(f"protocol error: {kind} event after the first")
         reason = ev.finish.reason
         if reason in _FINISH:
-            return self.response.final(_FINISH[reason])
+            self._check_index(ev.finish.index)
+            return self.response.final(ev.finish.index, _FINISH[reason])
         if reason == wpb.FINISH_REASON_LEASE_EXPIRED:
             raise _Retry(f"lease expired: {ev.finish.message}", exclude=False, fault=Fault.BUSY, force_local=True)
         raise _Retry(
@@ -391,7 +431,7 @@ class RequestRun:
     # ---- the remote prefill of a reservation
 
     async def _prefill(
-        self, rid: str, reservation: wpb.Reservation, sampling: wpb.SamplingParams, trace: Context
+        self, rid: str, reservation: wpb.Reservation, handoff: wpb.Handoff, trace: Context
     ) -> wpb.PrefillResult:
         """Prefill on the least-queued prefill worker; on failure, on another, same reservation.
         Each call is a span (router.prefill) under `trace`, the decode attempt's.
@@ -400,13 +440,7 @@ class RequestRun:
         refuses the reservation (a layout it cannot map, say) stays in routing for others.
         """
         tried: list[str] = []
-        request = wpb.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=self.req.prompt_token_ids,
-            output_token_ids=self.response.generated,
-            sampling=sampling,
-            reservation=reservation,
-        )
+        request = wpb.PrefillRequest(request_id=rid, handoff=handoff, reservation=reservation)
         last = "no healthy prefill worker"
         for attempt in range(self.cfg.retries.max_prefill_attempts):
             queued = self.workers.prefill_queued_tokens(exclude=tried)
@@ -453,7 +487,7 @@ class RequestRun:
         )
         error: str | None = "cancelled"
         try:
-            self.workers.assigned(address, len(request.prompt_token_ids))
+            self.workers.assigned(address, len(request.handoff.prompt_token_ids))
             metadata = tracing.inject(self.cfg.listeners.auth_metadata, tracing.child(span))
             result = await stub.Prefill(request, timeout=timeout_s, metadata=metadata)
             error = None

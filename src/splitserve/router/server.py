@@ -179,7 +179,7 @@ class GenerationService:
                     {
                         "rpc.grpc.status_code": code.value[0],
                         "splitserve.prompt_tokens": len(run.req.prompt_token_ids),
-                        "splitserve.completion_tokens": len(run.response.generated),
+                        "splitserve.completion_tokens": run.response.completion_tokens,
                         "splitserve.cached_tokens": run.response.cached_tokens or 0,
                     }
                 )
