@@ -182,6 +182,34 @@ def test_a_finished_sample_is_not_handed_over() -> None:
 
 def test_a_migration_to_a_remote_prefill_sends_only_the_new_tokens() -> None:
     async def scenario() -> None:
+        scripts = [list(b"ok"), list(b"a much longer answer")]
+        # the prefill worker samples o and a; d0 sends k, " ", EOS (sample 0 ends), m, u, and dies
+        async with cluster(
+            routing=REMOTE,
+            decode=[
+                {"sample_scripts": scripts, "die_after_tokens": 5},
+                {"sample_scripts": scripts, "extra_queued_tokens": 8000},
+            ],
+            prefill=[{"sample_scripts": scripts}],
+        ) as c:
+            rs = await c.generate(text=LONG, sampling=pb.SamplingParams(n=2, logprobs=True))
+            assert_each_sample_whole(rs, ["ok", "a much longer answer"])
+            for s in by_sample(rs).values():
+                assert all(len(r.logprobs) == len(r.token_ids) for r in s)
+            first, second = c.prefill[0].requests
+            assert not first.handoff.samples
+            (sample,) = second.handoff.samples  # the one sample left, with what the client has of it
+            assert (sample.index, list(sample.output_token_ids)) == (1, list(b"a mu"))
+            assert [r.prefill_mode for r in c.decode[1].requests] == [wpb.PREFILL_MODE_REMOTE]
+
+    run(scenario)
+
+
+def test_samples_of_different_lengths_are_prefilled_on_the_decode_worker() -> None:
+    """A prefill worker fills one context; two samples that went on have two: the replacement
+    decode worker prefills them itself, and no Prefill call is made for them."""
+
+    async def scenario() -> None:
         scripts = SCRIPTS[:2]
         async with cluster(
             routing=REMOTE,
@@ -191,17 +219,15 @@ def test_a_migration_to_a_remote_prefill_sends_only_the_new_tokens() -> None:
             ],
             prefill=[{"sample_scripts": scripts}],
         ) as c:
-            rs = await c.generate(text=LONG, sampling=pb.SamplingParams(n=2, logprobs=True))
+            rs = await c.generate(text=LONG, sampling=pb.SamplingParams(n=2))
             assert_each_sample_whole(rs, TEXTS[:2])
-            for s in by_sample(rs).values():
-                assert all(len(r.logprobs) == len(r.token_ids) for r in s)
-            first, second = c.prefill[0].requests
-            assert not first.handoff.samples
+            (moved,) = c.decode[1].requests
+            assert moved.prefill_mode == wpb.PREFILL_MODE_LOCAL
             # the prefill worker's first token and d0's two of each sample: 3 each
-            assert [(s.index, list(s.output_token_ids)) for s in second.handoff.samples] == [
+            assert [(s.index, list(s.output_token_ids)) for s in moved.handoff.samples] == [
                 (0, scripts[0][:3]),
                 (1, scripts[1][:3]),
             ]
-            assert [r.prefill_mode for r in c.decode[1].requests] == [wpb.PREFILL_MODE_REMOTE]
+            assert len(c.prefill[0].requests) == 1  # the first attempt's only
 
     run(scenario)

@@ -228,7 +228,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.active[rid] = len(ctx)
         done = False
         try:
-            if request.prefill_mode == wpb.PREFILL_MODE_REMOTE:
+            # as the real worker: samples that went different lengths are prefilled here, whatever was asked
+            if request.prefill_mode == wpb.PREFILL_MODE_REMOTE and len(h.samples) <= 1:
                 ticket = os.urandom(16)
                 arrived = self.kv.expect(ticket)
                 yield wpb.DecodeEvent(reservation=self._reservation(rid, ticket, len(ctx), cached))
@@ -376,6 +377,8 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
             if self.fail is not None:
                 await context.abort(self.fail, "fake prefill failure")
             h = await parse_handoff(request.handoff, context)
+            if len(h.samples) > 1:  # as the real worker: one context to prefill
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff.samples: a prefill continues one sample")
             out = Handoff(h.prompt_token_ids, h.params, h.sample_states(), fake_prompt_logprobs(h))
             for sample in out.samples:  # each sample's next token here, at its own position
                 t = self.token(sample.index, len(sample.output_token_ids))

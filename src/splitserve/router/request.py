@@ -247,10 +247,13 @@ class RequestRun:
         output = samples[0].output_token_ids if len(samples) == 1 else []
         context = [*self.req.prompt_token_ids, *output]
         hashes = block_hashes(context, self.cfg.routing.block_size)
-        prefill = {} if force_local else self.workers.prefill_queued_tokens()
+        # Samples of different outputs have no one context for a prefill worker to fill (it refuses
+        # them): the decode worker prefills each itself, every sample's output to compute.
+        local = force_local or len(samples) > 1
+        prefill = {} if local else self.workers.prefill_queued_tokens()
         r = policy.route(
             hashes,
-            len(context),
+            len(self.req.prompt_token_ids) + sum(len(s.output_token_ids) for s in samples),
             self.workers.index,
             loads,
             prefill,
