@@ -4,7 +4,9 @@ logit_bias, min_tokens, stop_token_ids; and every bad value a BadRequest naming 
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 from typing import Any
 
 import pytest
@@ -400,3 +402,66 @@ def test_every_translation_serialises():
         completion(logprobs=5, echo=True, guided_choice=["é"], min_tokens=1, stop_token_ids=[0]),
     ):
         assert pb.GenerateRequest.FromString(req.SerializeToString()) == req
+
+
+# ---- no body makes the translation fail any other way
+
+
+WEIRD: list[Any] = [None, True, 0, -1, 2**70, 1.5, "", "\ud800", "x", [], [1], {}, {"a": 1}, [{}], {"type": "function"}]
+
+
+def rich_body(rng: random.Random) -> dict[str, Any]:
+    """A valid body using the new fields, for the mutations below."""
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
+    body: dict[str, Any] = {
+        "messages": [
+            *MSG,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "ok"}]},
+        ],
+        "tools": [WEATHER, TIME],
+        "tool_choice": rng.choice(["auto", "required", "none", {"type": "function", "function": {"name": "get_time"}}]),
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "logit_bias": {"5": 1.5},
+        "min_tokens": 1,
+        "stop_token_ids": [2],
+    }
+    if body["tool_choice"] in ("auto", "none"):
+        body[rng.choice(["response_format", "guided_json", "structured_outputs"])] = {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+            "guided_json": SCHEMA,
+            "structured_outputs": {"choice": ["a", "b"]},
+        }
+    return copy.deepcopy(body)  # the mutations must not reach the module's constants
+
+
+def slots(v: Any) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else []
+    for k, child in items:
+        out.append((v, k))
+        out.extend(slots(child))
+    return out
+
+
+def test_a_mutated_body_is_translated_or_refused_never_an_error():
+    rng = random.Random(20)
+    refused = 0
+    for _ in range(3000):
+        body = rich_body(rng)
+        for _ in range(rng.randint(1, 3)):
+            container, key = rng.choice(slots(body))
+            if rng.random() < 0.8:
+                container[key] = copy.deepcopy(rng.choice(WEIRD))
+            elif isinstance(container, dict):
+                del container[key]
+        for is_chat in (True, False):
+            try:
+                req = from_openai(body, chat=is_chat, vocab_size=1000).generate
+            except BadRequest:
+                refused += 1
+                continue
+            assert pb.GenerateRequest.FromString(req.SerializeToString()) == req
+    assert 0 < refused < 6000  # both ways out were taken

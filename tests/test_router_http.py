@@ -407,3 +407,15 @@ def test_a_body_that_does_not_decompress_is_400_and_the_server_goes_on(encoding,
     assert (status, after) == (400, 200)
     assert encoding in out["error"]["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_continuous_usage_stats_puts_usage_on_every_chunk():
+    async def body(s):
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        payload = {"prompt": "Say hello", "max_tokens": 5, "stream": True, "stream_options": opts}
+        async with s.post("/v1/completions", json=payload) as r:
+            return [json.loads(x[6:]) for x in (await r.text()).split("\n") if x.startswith("data: {")]
+
+    chunks = run(body)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 5]  # the last: include_usage's
+    assert chunks[-1]["choices"] == []

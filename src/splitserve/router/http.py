@@ -6,6 +6,14 @@ what it waits for; either naming the workers that do not answer), `GET
 
 Each request is translated into the public `GenerateRequest` and goes through
 exactly the gRPC path: the same admission, validation, routing and streaming.
+Beyond OpenAI's sampling fields the body may ask for what vLLM's clients use, in
+vLLM's spellings: structured output (`response_format`, `guided_json`/`_regex`/
+`_choice`/`_grammar`, `structured_outputs`: router/openai_response_format.py), tools
+(`tools`, `tool_choice`, `parallel_tool_calls`: router/openai_tools.py, the calls read
+back by router/openai_tool_calls.py), `n` choices, log-probabilities (chat's `logprobs`
+and `top_logprobs`, completions' `logprobs` and `echo`: router/openai_logprobs.py),
+`logit_bias`, `min_tokens`, `stop_token_ids`. The answer's choices are shaped in
+router/openai_choices.py, the same way streamed or whole.
 gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
 ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED
 504), with an OpenAI-style error body that names what is wrong.
