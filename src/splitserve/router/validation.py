@@ -9,7 +9,6 @@ take the engine's defaults; max_tokens takes the router's.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -220,14 +219,14 @@ def validate_grammar(g: pb.Grammar, limits: Limits) -> GrammarSpec:
 
 def _check_grammar(spec: GrammarSpec) -> None:
     """InvalidSamplingParam("grammar", why) if the grammar does not compile. Imported at the first
-    grammar: the compiler is heavy and most requests have none."""
+    grammar: the compiler (llguidance) is heavy and most requests have none."""
     try:
-        module = importlib.import_module("splitserve.engine.grammar_source")
-    except ModuleNotFoundError as e:  # not there yet in this tree: the worker compiles it and refuses it
+        from splitserve.engine.grammar_source import check_grammar
+    except ModuleNotFoundError as e:  # until engine/grammar_source.py is committed: the worker refuses it
         if e.name != "splitserve.engine.grammar_source":
             raise
         return
-    module.check_grammar(spec)
+    check_grammar(spec)
 
 
 def tokenize_prompt(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer) -> list[int]:
