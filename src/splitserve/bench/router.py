@@ -99,8 +99,10 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
             call = self.stub.Decode(
                 wpb.DecodeRequest(
                     request_id=request.request_id,
-                    prompt_token_ids=request.token_ids.ids,
-                    sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),
+                    handoff=wpb.Handoff(
+                        prompt_token_ids=request.token_ids.ids,
+                        sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),
+                    ),
                     prefill_mode=wpb.PREFILL_MODE_LOCAL,
                 ),
                 timeout=30,
@@ -160,8 +162,7 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
         call = decode.Decode(
             wpb.DecodeRequest(
                 request_id=f"d{i}",
-                prompt_token_ids=prompt,
-                sampling=sampling,
+                handoff=wpb.Handoff(prompt_token_ids=prompt, sampling=sampling),
                 lease_ms=30000,
                 prefill_mode=wpb.PREFILL_MODE_REMOTE if remote else wpb.PREFILL_MODE_LOCAL,
             ),
@@ -172,7 +173,9 @@ async def _latencies(addr: dict[str, str], args: argparse.Namespace) -> dict[str
             if kind == "reservation":
                 await prefill.Prefill(
                     wpb.PrefillRequest(
-                        request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling, reservation=ev.reservation
+                        request_id=f"d{i}",
+                        handoff=wpb.Handoff(prompt_token_ids=prompt, sampling=sampling),
+                        reservation=ev.reservation,
                     ),
                     timeout=30,
                 )

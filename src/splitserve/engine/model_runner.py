@@ -23,6 +23,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.handoff import TokenLogprob
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.parallel.group import TensorParallelGroup
@@ -54,6 +55,7 @@ class ModelRunner:
         # Grammar masks are filled here while the forward pass runs (llguidance releases the GIL):
         # a matcher's next mask depends only on the tokens it accepted, all known before the step.
         self._masks: ThreadPoolExecutor | None = None
+        self.prompt_rows: list[tuple[int, int, int]] = []  # this step's (batch index, position, logits row)
 
     def run(self, batch: ScheduledBatch, on_layer_done: BatchLayerHook | None = None) -> Sampled:
         """The next token of each sequence whose step ends at its last token (and of each fork of a
@@ -65,8 +67,10 @@ class ModelRunner:
         ending = [s for s, n in zip(seqs, batch.num_new_tokens, strict=True) if s.num_computed_tokens + n == len(s)]
         masks = self._start_masks(ending)
         logits, indices = self.forward(seqs, batch.num_new_tokens, hook)
+        prompt = self._prompt_logprobs(seqs, logits[len(indices) :])
+        logits = logits[: len(indices)]
         if not indices:
-            return Sampled([], [], [])
+            return Sampled([], [], [], prompt_logprobs=prompt)
         rows, draws, generators = self._draws([seqs[i] for i in indices])
         raw = logits if len(rows) == len(indices) else logits[rows]
         masked = raw
@@ -86,7 +90,32 @@ class ModelRunner:
             raw_logits=raw,
             stop_ids=[self._stop_ids(s) for s in chosen],
         )
-        return Sampled([indices[r] for r in rows], result.token_ids, result.logprobs, [k for _, k in draws])
+        return Sampled([indices[r] for r in rows], result.token_ids, result.logprobs, [k for _, k in draws], prompt)
+
+    def _want_prompt_logits(self, i: int, seq: Sequence, start: int, end: int, first_row: int) -> None:
+        """With prompt_logprobs: the rows of the positions this step computes whose logits predict a
+        prompt token (position p predicts token p + 1), noted as (batch index, p, row)."""
+        if not seq.params.prompt_logprobs or seq.num_output_tokens:  # none, or reported before a preemption
+            return
+        for p in range(start, min(end, seq.num_prompt_tokens - 1)):
+            self.prompt_rows.append((i, p, first_row + p - start))
+
+    def _prompt_logprobs(self, seqs: Seq[Sequence], logits: torch.Tensor) -> list[tuple[int, TokenLogprob]]:
+        """(batch index, logprob) of each prompt token the step's logits predict, in order, with the
+        prompt_logprobs - 1 most likely others (raw distribution, as the output's)."""
+        if not self.prompt_rows:
+            return []
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.as_tensor([seqs[i].token_ids[p + 1] for i, p, _ in self.prompt_rows], device=logits.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(seqs[i].params.prompt_logprobs for i, _, _ in self.prompt_rows) - 1
+        top_v, top_i = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        top_vl, top_il = top_v.tolist(), top_i.tolist()
+        out = []
+        for j, (i, _, _) in enumerate(self.prompt_rows):
+            m = seqs[i].params.prompt_logprobs - 1
+            out.append((i, TokenLogprob(chosen[j], tuple(zip(top_il[j][:m], top_vl[j][:m], strict=True)))))
+        return out
 
     def _draws(self, chosen: list[Sequence]) -> tuple[list[int], list[tuple[Sequence, int]], list[Any]]:
         """Each draw's logits row, (sequence, sample index) and generator: one per sequence, and one
@@ -134,6 +163,7 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[int] = []
+        self.prompt_rows = []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
@@ -147,6 +177,8 @@ class ModelRunner:
             if end == len(seq):
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(i)
+            self._want_prompt_logits(i, seq, start, end, len(input_ids) - n)
+        logits_rows += [row for _, _, row in self.prompt_rows]  # after the sampling rows
         is_decode = all(n == 1 for n in num_new_tokens)
         width = max(len(s.block_table) for s in seqs)
 

@@ -58,6 +58,7 @@ class Sampled(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     sample_indices: list[int] | None = None  # per draw (None: each sequence's own)
+    prompt_logprobs: list[tuple[int, TokenLogprob]] = []  # (batch index, next prompt token's), in order
 
 
 class StepOutput(NamedTuple):
@@ -71,6 +72,7 @@ class StepOutput(NamedTuple):
     sample_index: int = 0
     remaining: int = 0  # samples of the request still unfinished after this output
     handoff: Handoff | None = None  # prefill role, "prefill_done": what the decode worker continues from
+    prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: on a sample's first output
 
 
 class RemoteBlocks(NamedTuple):
@@ -155,7 +157,8 @@ class Scheduler:
     def _allocate(self, seq: Sequence) -> bool:
         """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
         changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
-        hashes = block_hashes(seq.token_ids, self.blocks.block_size)
+        # prompt logprobs need every prompt position's logits: nothing of the prompt comes from the cache
+        hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size)
         if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
             return False
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
@@ -250,6 +253,8 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        for i, prompt_lp in sampled.prompt_logprobs:
+            batch.seqs[i].prompt_logprobs.append(prompt_lp)
         own: list[tuple[Sequence, int, TokenLogprob | None]] = []
         outs: list[StepOutput] = []
         indices = sampled.sample_indices or [batch.seqs[i].sample_index for i in sampled.indices]
@@ -296,6 +301,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_blocks(seq.block_table)
         seq.num_computed_tokens = 0
+        if not seq.num_output_tokens:
+            seq.prompt_logprobs.clear()  # computed again from the start
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -320,7 +327,10 @@ class Scheduler:
         elif reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)
-        return self._output(seq, token, logprob, reason)
+        out = self._output(seq, token, logprob, reason)
+        if p.prompt_logprobs and seq.num_output_tokens == 1:
+            out = out._replace(prompt_logprobs=list(seq.prompt_logprobs))
+        return out
 
     def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None, reason: str | None) -> StepOutput:
         group = self.groups.get(seq.group_id)

@@ -123,10 +123,15 @@ class EnginePair:
         model_cfg: ModelConfig | None = None,
     ) -> EnginePair:
         """Both engines run the same tiny model (`model_cfg`, as `tiny_engine`'s)."""
-        transport = FakeTransport()
         # the prefill engine takes 8 tokens a step, so a prompt's layers go out over several steps
         prefill = tiny_engine(num_blocks, max_num_batched_tokens=8, clock=clock, model_cfg=model_cfg)
         decode = tiny_engine(num_blocks, max_num_seqs=decode_max_num_seqs, clock=clock, model_cfg=model_cfg)
+        return EnginePair.of(prefill, decode)
+
+    @staticmethod
+    def of(prefill: Engine, decode: Engine) -> EnginePair:
+        """Two engines of one model (a real one, say), joined by the in-memory transport."""
+        transport = FakeTransport()
         receiver = KVReceiver(decode.kv_cache, transport=transport)
         decode_connector = ReceiverConnector(receiver, cancel_timeout_s=5.0)
         decode.connect(decode_connector)
@@ -139,18 +144,23 @@ class EnginePair:
         self.receiver.close()
         self.sender.close()
 
-    def reserve(self, rid: str, prompt: list[int], params: SamplingParams, lease_s: float = 30.0) -> RemotePrefill:
-        remote = self.decode.reserve(rid, prompt, params, lease_s)
+    def reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams, lease_s: float = 30.0, prior: list[int] | None = None
+    ) -> RemotePrefill:
+        remote = self.decode.reserve(rid, prompt, params, lease_s, prior)
         assert remote is not None, "no seat or blocks on the decode engine"
         return remote
 
-    def start_prefill(self, rid: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill) -> bytes:
-        """What the prefill service does: open the send, admit prefill-only on its ticket; the ticket."""
+    def start_prefill(
+        self, rid: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill, prior: list[int] | None = None
+    ) -> bytes:
+        """What the prefill service does: open the send, admit prefill-only on its ticket; the ticket.
+        `prior`: the output a migrated request had (sample 0's)."""
         ticket: bytes = remote.transfer.ticket
         self.prefill_connector.open(
             rid, remote.transfer, remote.num_cached_tokens // self.prefill.cfg.block_size, Context()
         )
-        seq = self.prefill.add_request(rid, prompt, params, prefill_only=True)
+        seq = self.prefill.add_request(rid, prompt, params, prefill_only=True, output_token_ids=prior)
         seq.transfer_id = ticket
         return ticket
 

@@ -112,11 +112,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             attributes = {"splitserve.attempt_id": rid, "splitserve.prefill_mode": "remote" if remote else "local"}
             with tracing.phase("decode.admission", parent, self.admission_time, attributes):
                 first = self._admit(rid, handoff, remote, request.lease_ms, notes, notes.sink(events), context)
+            ahead = None
+            if not remote and handoff.params.prompt_logprobs:  # they come with the first token
+                ahead = self._prompt_logprobs(first, events, context)
             yield first
             span = tracing.start_span("decode.stream", parent, attributes)
             try:
-                samples = len(handoff.sample_states())
-                yield from self._stream(events, handoff.params.logprobs, samples, notes, tracing.child(span))
+                yield from self._stream(events, handoff.params.logprobs, notes, tracing.child(span), ahead)
             finally:
                 tracing.end_span(span, notes.error)
         finally:
@@ -152,14 +154,37 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         notes.times = reserved.times
         return wpb.DecodeEvent(reservation=convert.reservation_to_proto(reserved.transfer, reserved.num_cached_tokens))
 
+    def _prompt_logprobs(
+        self, first: wpb.DecodeEvent, events: Events[Any], context: grpc.ServicerContext
+    ) -> StepOutput | Any:
+        """A local prefill's prompt logprobs into its LocalPrefill event: they come with the request's
+        first output, which is taken here (and streamed after the event)."""
+        try:
+            item = events.get(timeout=self.cfg.request_timeout_s)
+        except queue.Empty:
+            refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the prompt was not prefilled in time")
+        if isinstance(item, StepOutput) and item.prompt_logprobs:
+            first.local_prefill.prompt_logprobs.extend(convert.logprob_to_proto(lp) for lp in item.prompt_logprobs)
+        return item
+
     def _stream(
-        self, events: Events[Any], logprobs: bool, samples: int, notes: _CallTrace, trace: Context
+        self,
+        events: Events[Any],
+        logprobs: bool,
+        notes: _CallTrace,
+        trace: Context,
+        ahead: StepOutput | Any = None,
     ) -> Iterator[wpb.DecodeEvent]:
-        """The engine's outputs as events until every sample finished (how: `notes.error`)."""
+        """The engine's outputs as events until every sample finished (how: `notes.error`); `ahead`:
+        one taken off the queue already."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while True:
             try:
-                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+                item, ahead = (
+                    (ahead, None)
+                    if ahead is not None
+                    else (events.get(timeout=max(0.0, deadline - time.monotonic())), None)
+                )
             except queue.Empty:
                 notes.error = "request timed out"
                 yield wpb.DecodeEvent(finish=wpb.Finish(reason=wpb.FINISH_REASON_ABORTED, message="request timed out"))
