@@ -129,12 +129,7 @@ def handoff_from_proto(m: wpb.Handoff) -> Handoff:
     indices = [s.index for s in samples]
     if len(set(indices)) != len(indices) or any(i >= params.n for i in indices):
         raise ValueError(f"handoff.samples: indices {indices} are not distinct sample indices below n={params.n}")
-    for s in samples:
-        if len(s.output_token_ids) >= params.max_tokens:
-            raise ValueError(f"handoff.samples[{s.index}] already has max_tokens={params.max_tokens} output tokens")
-    return Handoff(
-        list(m.prompt_token_ids), params, samples, [logprob_from_proto(lp) for lp in m.prompt_logprobs]
-    )
+    return Handoff(list(m.prompt_token_ids), params, samples, [logprob_from_proto(lp) for lp in m.prompt_logprobs])
 
 
 def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
