@@ -101,7 +101,9 @@ def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu:
                     request_id=request.request_id,
                     handoff=wpb.Handoff(
                         prompt_token_ids=request.token_ids.ids,
-                        sampling=wpb.SamplingParams(max_tokens=request.sampling.max_tokens, ignore_eos=True),
+                        sampling=wpb.SamplingParams(
+                            max_tokens=request.sampling.max_tokens, ignore_eos=True, top_p=1.0, repetition_penalty=1.0
+                        ),
                     ),
                     prefill_mode=wpb.PREFILL_MODE_LOCAL,
                 ),
