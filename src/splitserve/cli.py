@@ -30,6 +30,7 @@ BENCHMARKS = {
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "serve": ("splitserve.bench.serve.main", "load an OpenAI-compatible or gRPC server: goodput, TTFT, TPOT, ITL"),
     "peer": ("splitserve.bench.peer.main", "vLLM's CPU build against splitserve, same model and load, in one run"),
+    "structured": ("splitserve.bench.structured", "decode step with and without a JSON schema; grammar compile time"),
     "plan-check": ("splitserve.bench.plan_check", "the plan simulator against measured bench serve runs: TTFT, ITL"),
 }
 

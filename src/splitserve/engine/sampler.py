@@ -70,7 +70,10 @@ def apply_logit_bias(logits: torch.Tensor, params: SamplingParams, num_output: i
             logits[ids] += torch.as_tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
     if num_output < params.min_tokens:
         ids = torch.as_tensor([t for t in stop_ids if t < logits.shape[-1]], dtype=torch.long, device=logits.device)
+        held = logits[ids].clone()
         logits[ids] = float("-inf")
+        if not bool(torch.isfinite(logits).any()):  # a grammar that allows only the end: it wins
+            logits[ids] = held
     return logits
 
 
