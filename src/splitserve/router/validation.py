@@ -220,12 +220,8 @@ def validate_grammar(g: pb.Grammar, limits: Limits) -> GrammarSpec:
 def _check_grammar(spec: GrammarSpec) -> None:
     """InvalidSamplingParam("grammar", why) if the grammar does not compile. Imported at the first
     grammar: the compiler (llguidance) is heavy and most requests have none."""
-    try:
-        from splitserve.engine.grammar_source import check_grammar
-    except ModuleNotFoundError as e:  # until engine/grammar_source.py is committed: the worker refuses it
-        if e.name != "splitserve.engine.grammar_source":
-            raise
-        return
+    from splitserve.engine.grammar_source import check_grammar
+
     check_grammar(spec)
 
 
