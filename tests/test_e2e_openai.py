@@ -286,6 +286,17 @@ def test_n_samples_logprobs_and_echo(cluster, mode):
         echo = await client.completions.create(
             model="splitserve", prompt="The capital of France is", max_tokens=4, temperature=0, echo=True, logprobs=2
         )
+        # four samples streaming, the client gone after two chunks: all four are freed (checked
+        # by _with_router's wait for every block)
+        stream = await client.chat.completions.create(
+            model="splitserve", messages=MESSAGES, n=4, temperature=0.9, max_tokens=400, stream=True
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.close()
         return chat, again, echo
 
     chat, again, echo = _with_router(cluster, mode, body)

@@ -216,12 +216,12 @@ def smollm2() -> tuple[Engine, Engine, Engine]:
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer"},
         "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "properties": {"city": {"type": "string", "maxLength": 8}},
             "required": ["city"],
         },
     },
@@ -244,7 +244,7 @@ def test_a_grammar_travels_in_the_handoff_and_holds_in_every_mode(smollm2, gramm
     tok = colo.tokenizer
     assert tok is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "A person, as JSON, please."}]))
-    params = SamplingParams(max_tokens=60, temperature=0.8, seed=11, grammar=grammar, n=2, logprobs=True)
+    params = SamplingParams(max_tokens=96, temperature=0.8, seed=11, grammar=grammar, n=2, logprobs=True)
     whole = colocated(colo, prompt, params)
     pair = EnginePair.of(prefill, decode)
     try:
@@ -252,12 +252,14 @@ def test_a_grammar_travels_in_the_handoff_and_holds_in_every_mode(smollm2, gramm
     finally:
         pair.close()
     assert tokens(remote) == tokens(whole)
-    resumed = migrated(colo, prompt, params, whole, 3)
+    # a migration hands over unfinished samples only: at most all but the last (end) token
+    k = min(3, *(len(t) - 1 for t in tokens(whole).values()))
+    resumed = migrated(colo, prompt, params, whole, k)
     assert tokens(resumed) == tokens(whole)
     # the old way: the grammar not carried past the first tokens
-    assert tokens(migrated(colo, prompt, replace(params, grammar=None), whole, 3)) != tokens(whole)
+    assert tokens(migrated(colo, prompt, replace(params, grammar=None), whole, k)) != tokens(whole)
     for k, ids in tokens(whole).items():
-        assert whole[k][-1].finish_reason == "stop", f"sample {k} did not finish its grammar in 60 tokens"
+        assert whole[k][-1].finish_reason == "stop", f"sample {k} did not finish its grammar in 96 tokens"
         text = tok.decode(ids)
         if grammar.kind == "json_schema":
             value = json.loads(text)
