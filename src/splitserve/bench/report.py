@@ -29,6 +29,8 @@ TITLES = {
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
     "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
+    "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
+    "compile time (issue 20)",
 }
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).
