@@ -217,12 +217,13 @@ SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
         "address": {
             "type": "object",
             "properties": {"city": {"type": "string", "maxLength": 8}},
             "required": ["city"],
+            "additionalProperties": False,
         },
     },
     "required": ["name", "age", "pets", "address"],
