@@ -200,6 +200,27 @@ def test_cancelling_an_n4_request_mid_stream_frees_all_four():
     assert_engine_empty(e)
 
 
+def test_one_sample_stopped_frees_its_own_blocks_and_the_others_go_on():
+    """The router ended sample 2 on a stop string: the worker stops it alone."""
+    params = replace(SEEDED, n=3, max_tokens=20)
+    whole = tokens(colocated(tiny_engine(), PROMPT, params))
+    e = tiny_engine()
+    e.add_request("r", PROMPT, params)
+    out: Samples = {}
+    for _ in range(3):
+        collect(e.step(), out)
+    free_before = e.blocks.num_free_blocks
+    assert e.abort_sample("r", 2)
+    assert not e.abort_sample("r", 2)  # gone already
+    assert e.blocks.num_free_blocks > free_before  # its partial block (the prompt's are shared)
+    while e.has_work:
+        collect(e.step(), out)
+    got = tokens(out)
+    assert got[0] == whole[0] and got[1] == whole[1]
+    assert got[2] == whole[2][: len(got[2])] and len(got[2]) < len(whole[2])
+    assert_engine_empty(e)
+
+
 def test_a_fork_without_a_free_block_waits_and_is_recomputed_with_the_same_tokens():
     params = replace(SEEDED, n=4)
     roomy = tokens(colocated(tiny_engine(num_blocks=64), PROMPT, params))

@@ -88,6 +88,9 @@ def test_each_sample_keeps_its_own_budget_and_stop_strings() -> None:
             counted = [r.usage.completion_tokens for r in rs if r.token_ids]  # one token a response here
             assert counted == list(range(1, len(counted) + 1))
             assert rs[-1].usage.completion_tokens == 12 + len("the second") + 4
+            # the worker hears that sample 1 ended here (the others went on), and of no other
+            (dreq,) = c.decode[0].requests
+            assert c.decode[0].sample_cancels == [(dreq.request_id, 1)]
 
     run(scenario)
 

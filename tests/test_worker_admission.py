@@ -88,3 +88,45 @@ def test_warm_up_runs_a_request_and_leaves_the_engine_empty() -> None:
     assert engine.blocks.num_free_blocks == free
     assert_engine_empty(engine)
     assert not engine.blocks.hash_to_block  # nothing entered the prefix cache
+
+
+def test_one_sample_cancelled_the_others_finish_and_every_block_comes_back() -> None:
+    """Cancel with a sample index (the router matched that sample's stop string) stops it alone."""
+    ecfg = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    w = start_worker(WorkerConfig(role="decode", engine=ecfg, cluster_token=TOKEN), Engine(CFG, WEIGHTS, ecfg))
+    try:
+        with grpc.insecure_channel(w.grpc_address) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            sampling = wpb.SamplingParams(
+                temperature=0.9, seed=1, max_tokens=60, ignore_eos=True, top_p=1.0, repetition_penalty=1.0, n=3
+            )
+            call = stub.Decode(
+                wpb.DecodeRequest(
+                    request_id="n3",
+                    handoff=wpb.Handoff(prompt_token_ids=[3, 4, 5, 6, 7], sampling=sampling),
+                    prefill_mode=wpb.PREFILL_MODE_LOCAL,
+                ),
+                metadata=META,
+                timeout=60,
+            )
+            assert next(call).WhichOneof("event") == "local_prefill"
+            counts = {0: 0, 1: 0, 2: 0}
+            finishes: dict[int, int] = {}
+            cancelled = False
+            for ev in call:
+                if ev.WhichOneof("event") == "tokens":
+                    counts[ev.tokens.index] += len(ev.tokens.token_ids)
+                    if not cancelled and counts[1] >= 2:
+                        cancelled = True
+                        found = stub.Cancel(wpb.CancelRequest(request_id="n3", index=1), metadata=META, timeout=10)
+                        assert found.found
+                elif ev.WhichOneof("event") == "finish":
+                    finishes[ev.finish.index] = ev.finish.reason
+            assert counts[0] == counts[2] == 60 and counts[1] < 60
+            assert finishes == {0: wpb.FINISH_REASON_LENGTH, 2: wpb.FINISH_REASON_LENGTH}
+            gone = stub.Cancel(wpb.CancelRequest(request_id="n3", index=1), metadata=META, timeout=10)
+            assert not gone.found
+        w.loop.stop()
+        assert_engine_empty(w.loop.engine)
+    finally:
+        w.stop()

@@ -70,6 +70,7 @@ class Abort:
     # only if the request's transfer is this one: a prefill call's cleanup never touches a newer
     # request that reuses the id (None: whichever request holds the id)
     transfer_id: bytes | None = None
+    sample_index: int | None = None  # only this sample of an n > 1 request (None: all of it)
 
 
 Command = Admit | Reserve | Abort

@@ -289,6 +289,12 @@ class Engine:
         can no longer write them). False if unknown."""
         return self.scheduler.abort(request_id, self.connector.cancel)
 
+    def abort_sample(self, request_id: str, sample_index: int) -> bool:
+        """Stop one sample of a request whose others go on, and free its blocks (its shared ones
+        stay with the others). False if no such sample is unfinished. No output tells of it: the
+        caller ended it already."""
+        return self.scheduler.abort_sample(request_id, sample_index, self.connector.cancel)
+
     def lookup(self, request_id: str) -> Sequence | None:
         """An unfinished sequence of the request with this id (held ones included)."""
         return self.scheduler.lookup(request_id)

@@ -180,6 +180,8 @@ class EngineLoop:
         return Admitted(seq.times, remote.num_cached_tokens, remote.transfer)
 
     def _abort(self, cmd: Abort) -> bool:
+        if cmd.sample_index is not None:  # the request's call, and its sink, go on with the others
+            return self.engine.abort_sample(cmd.request_id, cmd.sample_index)
         seq = self.engine.lookup(cmd.request_id)
         if seq is None or (cmd.transfer_id is not None and seq.transfer_id != cmd.transfer_id):
             return False

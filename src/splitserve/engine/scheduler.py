@@ -429,6 +429,12 @@ class Scheduler:
             found = self._abort_one(seq.request_id, cancel_transfer) or found
         return self._abort_one(request_id, cancel_transfer) or found
 
+    def abort_sample(self, request_id: str, sample_index: int, cancel_transfer: Callable[[bytes], bool]) -> bool:
+        """`abort` for one sample of the request: the others go on."""
+        seqs = self.groups.get(request_id) or [s for s in (self.requests.get(request_id),) if s is not None]
+        seq = next((s for s in seqs if s.sample_index == sample_index), None)
+        return seq is not None and self._abort_one(seq.request_id, cancel_transfer)
+
     def _abort_one(self, request_id: str, cancel_transfer: Callable[[bytes], bool]) -> bool:
         seq = self.requests.get(request_id)
         if seq is None:

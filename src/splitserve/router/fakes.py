@@ -94,6 +94,7 @@ class _FakeBase:
         self._stopping: asyncio.Task[None] | None = None
         self.address = ""
         self.cancel_calls: list[str] = []  # request ids passed to Cancel
+        self.sample_cancels: list[tuple[str, int]] = []  # (request id, sample index) of one-sample cancels
 
     def token(self, index: int, i: int) -> int:
         """The i-th output token of sample `index` of every request."""
@@ -102,6 +103,8 @@ class _FakeBase:
 
     async def Cancel(self, request: wpb.CancelRequest, context: grpc.aio.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
         self.cancel_calls.append(request.request_id)
+        if request.HasField("index"):
+            self.sample_cancels.append((request.request_id, request.index))
         return wpb.CancelResponse(found=False)
 
     async def BlockEvents(  # noqa: N802

@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from enum import Enum
+from typing import Any
 
 import grpc
 from opentelemetry.context import Context
@@ -63,7 +64,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.response import ResponseShaper
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidRequest
-from splitserve.router.workers import WorkerSet
+from splitserve.router.workers import Worker, WorkerSet
 from splitserve.runtime import tracing
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class RequestRun:
         self.trace = tracing.child(self.span)  # what this request's spans and worker calls hang under
         self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
+        self._cancels: set[asyncio.Future[Any]] = set()  # one-sample cancels in flight (a reference keeps each)
 
     # ---- the attempt loop
 
@@ -342,9 +344,29 @@ class RequestRun:
             while not self.response.finished:
                 later = self._on_event(await self._next(call, deadlines.token_timeout_s, admitted=True))
                 if later is not None:
+                    self._stop_sample_if_ended(w, rid, later)
                     yield later
         finally:
             call.cancel()  # no-op when the call is done; an abort for the worker otherwise
+
+    def _stop_sample_if_ended(self, w: Worker, rid: str, resp: pb.GenerateResponse) -> None:
+        """A sample this router ended (a stop string) while others go on: the worker stops it too,
+        so it neither decodes for nobody nor holds its blocks until the last sample ends. The
+        worker's own finishes and the request's last sample (the call is cancelled) need none."""
+        if not resp.finish_reason or self.response.finished or not self.response.stopped_here(resp.index):
+            return
+        request = wpb.CancelRequest(request_id=rid, index=resp.index)
+        metadata = self.cfg.listeners.auth_metadata
+        task = asyncio.ensure_future(
+            w.decode_stub().Cancel(request, timeout=self.cfg.deadlines.admit_timeout_s, metadata=metadata)
+        )
+        self._cancels.add(task)
+        task.add_done_callback(self._cancel_done)
+
+    def _cancel_done(self, task: asyncio.Future[Any]) -> None:
+        self._cancels.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the sample ends with the call anyway
+            log.info("request %s: a sample's cancel failed: %s", self.req.request_id, task.exception())
 
     async def _admitted(
         self, first: wpb.DecodeEvent, rid: str, handoff: wpb.Handoff, trace: Context

@@ -38,6 +38,7 @@ class _Sample:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id sent, with sampling.logprobs
     reason: pb.FinishReason = pb.FINISH_REASON_UNSPECIFIED  # set once this sample's stream has ended
     last_token_at: float = 0.0
+    stopped_here: bool = False  # ended by a stop string matched here: the worker does not know
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,7 @@ class ResponseShaper:
         released = s.stopper.feed("".join([s.detok.feed(t) for t in ids]))
         resp = self._response(s, released.text, ids, lps)
         if released.stopped:
+            s.stopped_here = True
             self._finish_sample(s, resp, pb.FINISH_REASON_STOP)
         elif len(s.output) >= self.req.sampling.max_tokens:
             tail, stopped = self._drain(s)
@@ -129,6 +131,10 @@ class ResponseShaper:
             self._finish_sample(s, resp, pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH)
         self._add_usage(resp)
         return resp
+
+    def stopped_here(self, index: int) -> bool:
+        """Whether sample `index` ended on a stop string matched here (its worker decodes on)."""
+        return self.samples[index].stopped_here
 
     def final(self, index: int, reason: pb.FinishReason) -> pb.GenerateResponse | None:
         """Sample `index`'s last response, when the worker finished it (`reason`, unless a stop string

@@ -237,6 +237,12 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
     def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelResponse:  # noqa: N802
         """Ends the request's Decode call, which gives everything back (the one way to free it)."""
         events = self.calls.owner(request.request_id)
+        if events is not None and request.HasField("index"):  # one sample: the call goes on
+            try:
+                found = self.loop.submit(Abort(request.request_id, sample_index=request.index))
+                return wpb.CancelResponse(found=bool(found.result(timeout=self.cfg.admit_timeout_s)))
+            except (TimeoutError, RuntimeError) as e:
+                refuse(context, grpc.StatusCode.UNAVAILABLE, f"the engine did not take the cancel: {e}")
         if events is not None:
             events.put(_CANCELLED)
         return wpb.CancelResponse(found=events is not None)

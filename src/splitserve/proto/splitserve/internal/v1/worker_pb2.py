@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#splitserve/internal/v1/worker.proto\x12\x16splitserve.internal.v1\"\x8e\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12I\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x35.splitserve.internal.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x30\n\x07grammar\x18\x10 \x01(\x0b\x32\x1f.splitserve.internal.v1.Grammar\x12\t\n\x01n\x18\x11 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"L\n\x07Grammar\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.splitserve.internal.v1.GrammarKind\x12\x0e\n\x06source\x18\x02 \x01(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd2\x01\n\x07Handoff\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32#.splitserve.internal.v1.SampleState\x12=\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"n\n\x0bSampleState\x12\r\n\x05index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"\xf2\x01\n\x0bReservation\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .splitserve.internal.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tcp_endpoint\x18\t \x01(\t\"z\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x04\x12\x16\n\x0erunning_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\x14\n\x12\x42lockEventsRequest\"E\n\x0f\x42lockEventBatch\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".splitserve.internal.v1.BlockEvent\"\xc3\x01\n\nBlockEvent\x12\x36\n\x06stored\x18\x01 \x01(\x0b\x32$.splitserve.internal.v1.BlocksStoredH\x00\x12\x38\n\x07removed\x18\x02 \x01(\x0b\x32%.splitserve.internal.v1.BlocksRemovedH\x00\x12;\n\x07\x63leared\x18\x03 \x01(\x0b\x32(.splitserve.internal.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xb4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x07handoff\x18\x07 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x39\n\x0cprefill_mode\x18\x05 \x01(\x0e\x32#.splitserve.internal.v1.PrefillMode\x12\x10\n\x08lease_ms\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xf5\x01\n\x0b\x44\x65\x63odeEvent\x12:\n\x0breservation\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.ReservationH\x00\x12=\n\rlocal_prefill\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.LocalPrefillH\x00\x12\x30\n\x06tokens\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.TokensH\x00\x12\x30\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x1e.splitserve.internal.v1.FinishH\x00\x42\x07\n\x05\x65vent\"h\n\x0cLocalPrefill\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12=\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"h\n\x06Tokens\x12\r\n\x05index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x36\n\x08logprobs\x18\x04 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprobJ\x04\x08\x02\x10\x03\"^\n\x06\x46inish\x12\x34\n\x06reason\x18\x01 \x01(\x0e\x32$.splitserve.internal.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xa2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x07handoff\x18\x06 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x38\n\x0breservation\x18\x05 \x01(\x0b\x32#.splitserve.internal.v1.ReservationJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"h\n\rPrefillResult\x12\x30\n\x07handoff\x18\x04 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x05*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_LEASE_EXPIRED\x10\x04\x32\xfc\x02\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12%.splitserve.internal.v1.DecodeRequest\x1a#.splitserve.internal.v1.DecodeEvent0\x01\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x32\xff\x02\n\rPrefillWorker\x12X\n\x07Prefill\x12&.splitserve.internal.v1.PrefillRequest\x1a%.splitserve.internal.v1.PrefillResult\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#splitserve/internal/v1/worker.proto\x12\x16splitserve.internal.v1\"\x8e\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12I\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x35.splitserve.internal.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x30\n\x07grammar\x18\x10 \x01(\x0b\x32\x1f.splitserve.internal.v1.Grammar\x12\t\n\x01n\x18\x11 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"L\n\x07Grammar\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.splitserve.internal.v1.GrammarKind\x12\x0e\n\x06source\x18\x02 \x01(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd2\x01\n\x07Handoff\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.splitserve.internal.v1.SamplingParams\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32#.splitserve.internal.v1.SampleState\x12=\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"n\n\x0bSampleState\x12\r\n\x05index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"\xf2\x01\n\x0bReservation\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x30\n\x06layout\x18\x07 \x01(\x0b\x32 .splitserve.internal.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tcp_endpoint\x18\t \x01(\t\"z\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"A\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rqueued_tokens\x18\x02 \x01(\x04\x12\x16\n\x0erunning_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0cqueue_length\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\x14\n\x12\x42lockEventsRequest\"E\n\x0f\x42lockEventBatch\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".splitserve.internal.v1.BlockEvent\"\xc3\x01\n\nBlockEvent\x12\x36\n\x06stored\x18\x01 \x01(\x0b\x32$.splitserve.internal.v1.BlocksStoredH\x00\x12\x38\n\x07removed\x18\x02 \x01(\x0b\x32%.splitserve.internal.v1.BlocksRemovedH\x00\x12;\n\x07\x63leared\x18\x03 \x01(\x0b\x32(.splitserve.internal.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xb4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x07handoff\x18\x07 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x39\n\x0cprefill_mode\x18\x05 \x01(\x0e\x32#.splitserve.internal.v1.PrefillMode\x12\x10\n\x08lease_ms\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xf5\x01\n\x0b\x44\x65\x63odeEvent\x12:\n\x0breservation\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.ReservationH\x00\x12=\n\rlocal_prefill\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.LocalPrefillH\x00\x12\x30\n\x06tokens\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.TokensH\x00\x12\x30\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x1e.splitserve.internal.v1.FinishH\x00\x42\x07\n\x05\x65vent\"h\n\x0cLocalPrefill\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12=\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprob\"h\n\x06Tokens\x12\r\n\x05index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x36\n\x08logprobs\x18\x04 \x03(\x0b\x32$.splitserve.internal.v1.TokenLogprobJ\x04\x08\x02\x10\x03\"^\n\x06\x46inish\x12\x34\n\x06reason\x18\x01 \x01(\x0e\x32$.splitserve.internal.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xa2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x07handoff\x18\x06 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x38\n\x0breservation\x18\x05 \x01(\x0b\x32#.splitserve.internal.v1.ReservationJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"h\n\rPrefillResult\x12\x30\n\x07handoff\x18\x04 \x01(\x0b\x32\x1f.splitserve.internal.v1.Handoff\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x05*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_LEASE_EXPIRED\x10\x04\x32\xfc\x02\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12%.splitserve.internal.v1.DecodeRequest\x1a#.splitserve.internal.v1.DecodeEvent0\x01\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x32\xff\x02\n\rPrefillWorker\x12X\n\x07Prefill\x12&.splitserve.internal.v1.PrefillRequest\x1a%.splitserve.internal.v1.PrefillResult\x12W\n\x06\x43\x61ncel\x12%.splitserve.internal.v1.CancelRequest\x1a&.splitserve.internal.v1.CancelResponse\x12U\n\x08GetStats\x12$.splitserve.internal.v1.StatsRequest\x1a#.splitserve.internal.v1.WorkerStats\x12\x64\n\x0b\x42lockEvents\x12*.splitserve.internal.v1.BlockEventsRequest\x1a\'.splitserve.internal.v1.BlockEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_GRAMMARKIND']._serialized_start=3177
-  _globals['_GRAMMARKIND']._serialized_end=3352
-  _globals['_PREFILLMODE']._serialized_start=3354
-  _globals['_PREFILLMODE']._serialized_end=3446
-  _globals['_FINISHREASON']._serialized_start=3449
-  _globals['_FINISHREASON']._serialized_end=3604
+  _globals['_GRAMMARKIND']._serialized_start=3207
+  _globals['_GRAMMARKIND']._serialized_end=3382
+  _globals['_PREFILLMODE']._serialized_start=3384
+  _globals['_PREFILLMODE']._serialized_end=3476
+  _globals['_FINISHREASON']._serialized_start=3479
+  _globals['_FINISHREASON']._serialized_end=3634
   _globals['_SAMPLINGPARAMS']._serialized_start=64
   _globals['_SAMPLINGPARAMS']._serialized_end=590
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=533
@@ -56,41 +56,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=1318
   _globals['_KVLAYOUT']._serialized_end=1440
   _globals['_CANCELREQUEST']._serialized_start=1442
-  _globals['_CANCELREQUEST']._serialized_end=1477
-  _globals['_CANCELRESPONSE']._serialized_start=1479
-  _globals['_CANCELRESPONSE']._serialized_end=1510
-  _globals['_STATSREQUEST']._serialized_start=1512
-  _globals['_STATSREQUEST']._serialized_end=1526
-  _globals['_WORKERSTATS']._serialized_start=1529
-  _globals['_WORKERSTATS']._serialized_end=1776
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1778
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1798
-  _globals['_BLOCKEVENTBATCH']._serialized_start=1800
-  _globals['_BLOCKEVENTBATCH']._serialized_end=1869
-  _globals['_BLOCKEVENT']._serialized_start=1872
-  _globals['_BLOCKEVENT']._serialized_end=2067
-  _globals['_BLOCKSSTORED']._serialized_start=2069
-  _globals['_BLOCKSSTORED']._serialized_end=2105
-  _globals['_BLOCKSREMOVED']._serialized_start=2107
-  _globals['_BLOCKSREMOVED']._serialized_end=2144
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=2146
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=2164
-  _globals['_DECODEREQUEST']._serialized_start=2167
-  _globals['_DECODEREQUEST']._serialized_end=2347
-  _globals['_DECODEEVENT']._serialized_start=2350
-  _globals['_DECODEEVENT']._serialized_end=2595
-  _globals['_LOCALPREFILL']._serialized_start=2597
-  _globals['_LOCALPREFILL']._serialized_end=2701
-  _globals['_TOKENS']._serialized_start=2703
-  _globals['_TOKENS']._serialized_end=2807
-  _globals['_FINISH']._serialized_start=2809
-  _globals['_FINISH']._serialized_end=2903
-  _globals['_PREFILLREQUEST']._serialized_start=2906
-  _globals['_PREFILLREQUEST']._serialized_end=3068
-  _globals['_PREFILLRESULT']._serialized_start=3070
-  _globals['_PREFILLRESULT']._serialized_end=3174
-  _globals['_DECODEWORKER']._serialized_start=3607
-  _globals['_DECODEWORKER']._serialized_end=3987
-  _globals['_PREFILLWORKER']._serialized_start=3990
-  _globals['_PREFILLWORKER']._serialized_end=4373
+  _globals['_CANCELREQUEST']._serialized_end=1507
+  _globals['_CANCELRESPONSE']._serialized_start=1509
+  _globals['_CANCELRESPONSE']._serialized_end=1540
+  _globals['_STATSREQUEST']._serialized_start=1542
+  _globals['_STATSREQUEST']._serialized_end=1556
+  _globals['_WORKERSTATS']._serialized_start=1559
+  _globals['_WORKERSTATS']._serialized_end=1806
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1808
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1828
+  _globals['_BLOCKEVENTBATCH']._serialized_start=1830
+  _globals['_BLOCKEVENTBATCH']._serialized_end=1899
+  _globals['_BLOCKEVENT']._serialized_start=1902
+  _globals['_BLOCKEVENT']._serialized_end=2097
+  _globals['_BLOCKSSTORED']._serialized_start=2099
+  _globals['_BLOCKSSTORED']._serialized_end=2135
+  _globals['_BLOCKSREMOVED']._serialized_start=2137
+  _globals['_BLOCKSREMOVED']._serialized_end=2174
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=2176
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=2194
+  _globals['_DECODEREQUEST']._serialized_start=2197
+  _globals['_DECODEREQUEST']._serialized_end=2377
+  _globals['_DECODEEVENT']._serialized_start=2380
+  _globals['_DECODEEVENT']._serialized_end=2625
+  _globals['_LOCALPREFILL']._serialized_start=2627
+  _globals['_LOCALPREFILL']._serialized_end=2731
+  _globals['_TOKENS']._serialized_start=2733
+  _globals['_TOKENS']._serialized_end=2837
+  _globals['_FINISH']._serialized_start=2839
+  _globals['_FINISH']._serialized_end=2933
+  _globals['_PREFILLREQUEST']._serialized_start=2936
+  _globals['_PREFILLREQUEST']._serialized_end=3098
+  _globals['_PREFILLRESULT']._serialized_start=3100
+  _globals['_PREFILLRESULT']._serialized_end=3204
+  _globals['_DECODEWORKER']._serialized_start=3637
+  _globals['_DECODEWORKER']._serialized_end=4017
+  _globals['_PREFILLWORKER']._serialized_start=4020
+  _globals['_PREFILLWORKER']._serialized_end=4403
 # @@protoc_insertion_point(module_scope)

@@ -170,10 +170,12 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("found",)
