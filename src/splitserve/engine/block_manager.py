@@ -13,6 +13,7 @@ is recorded as a `BlockEvent` for the router's prefix index.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from splitserve.engine.blocks import cdiv
 class BlockEvent(NamedTuple):
     kind: str  # "stored" | "removed" | "cleared"
     hashes: tuple[BlockHash, ...]
+    tier: str = "pool"  # where: "pool" (this cache), "host" or "disk" (engine/kv_tiers.py)
 
 
 @dataclass
@@ -47,6 +49,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.events: list[BlockEvent] = []
         self.stats = PrefixCacheStats()
+        # told (block id, hash) just before a cached block is evicted, while its KV is intact
+        # (engine/kv_tiers.py keeps a copy)
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # ---- queries (never change state) ----
 
@@ -151,6 +156,12 @@ class BlockManager:
                 self.free[b] = None
         block_table.clear()
 
+    def adopt(self, block_id: int, h: BlockHash) -> None:
+        """Register a held block whose KV was loaded from a tier as the cached block `h`."""
+        self.block_hash[block_id] = h
+        self.hash_to_block[h] = block_id
+        self.events.append(BlockEvent("stored", (h,)))
+
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
         return events
@@ -159,6 +170,8 @@ class BlockManager:
         b, _ = self.free.popitem(last=False)  # least recently freed: evict it
         h = self.block_hash[b]
         if h is not None:
+            if self.on_evict is not None:
+                self.on_evict(b, h)
             self.block_hash[b] = None
             del self.hash_to_block[h]
             self.events.append(BlockEvent("removed", (h,)))

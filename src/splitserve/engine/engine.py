@@ -34,7 +34,8 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.handoff import Handoff, SampleState
-from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
+from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
@@ -103,6 +104,13 @@ class Engine:
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
+        self.tiers: TierStore | None = None
+        if cfg.enable_prefix_caching and (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
+            self.tiers = TierStore(
+                self.kv_cache, cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes, cfg.kv_disk_tier_dir or None
+            )
+            self.blocks.on_evict = self.tiers.evicted
+            self.scheduler.tiers = self.tiers
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.runner.eos_token_ids = tuple(sorted(eos))
         self.connector: KVConnector = connector or NullConnector()
@@ -310,7 +318,13 @@ class Engine:
         if batch is None:
             return []
         hook = self.connector.on_layer_done if self.connector.wants_layers else None
-        outs = self.scheduler.postprocess(batch, self.runner.run(batch, hook))
+        t0 = time.perf_counter()
+        sampled = self.runner.run(batch, hook)
+        if self.tiers is not None:  # the prefill speed a tier load is weighed against
+            prefill = sum(n for n in batch.num_new_tokens if n > 1)
+            if prefill and prefill == sum(batch.num_new_tokens):
+                self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
+        outs = self.scheduler.postprocess(batch, sampled)
         self._copy_blocks()
         for n, out in enumerate(outs):
             if out.finish_reason == "prefill_done":  # held: the connector ends the send now
@@ -333,7 +347,11 @@ class Engine:
         return self.scheduler.stats()
 
     def drain_block_events(self) -> list[BlockEvent]:
-        return self.scheduler.drain_block_events()
+        """The prefix cache's changes since the last drain, the tiers' after the pool's."""
+        events = self.scheduler.drain_block_events()
+        if self.tiers is not None:
+            events += self.tiers.drain_events()
+        return events
 
     def drain_iteration_stats(self) -> IterationStats:
         """Token counts and request times since the last drain (engine/stats.py)."""

@@ -162,6 +162,25 @@ class KVCache:
             for t in self.shards:
                 t[:, torch.as_tensor(block_ids, dtype=torch.long, device=t.device)] = 0
 
+    def block_nbytes(self) -> int:
+        """Bytes of one block's KV, every layer, every rank's shard (what `export_block` returns)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.shards)
+
+    def export_block(self, block_id: int) -> torch.Tensor:
+        """One block's KV, every layer and shard, as a flat uint8 CPU tensor of its own (a tier's copy)."""
+        parts = [t[:, block_id].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self.shards]
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def import_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Write what `export_block` returned into block `block_id`."""
+        start = 0
+        for t in self.shards:
+            view = t[:, block_id]
+            n = view.numel() * t.element_size()
+            src = data[start : start + n].view(t.dtype).reshape(view.shape)
+            view.copy_(src, non_blocking=False)
+            start += n
+
     @property
     def nbytes(self) -> int:
         """Every rank's shard together."""

@@ -192,7 +192,10 @@ class EngineLoop:
         with self._sub_lock:
             self._subscribers.append(callback)
         hashes = self.engine.scheduler.cached_block_hashes()
-        return [BlockEvent("cleared", ()), BlockEvent("stored", hashes)] if hashes else [BlockEvent("cleared", ())]
+        events = [BlockEvent("cleared", ()), BlockEvent("stored", hashes)] if hashes else [BlockEvent("cleared", ())]
+        if self.engine.tiers is not None:  # the blocks behind the pool, each at its tier
+            events += [BlockEvent("stored", held, tier) for tier, held in self.engine.tiers.held()]
+        return events
 
     def _publish(self) -> None:
         self.stats = self.engine.stats()

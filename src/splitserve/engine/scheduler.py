@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.block_manager import BlockEvent, BlockManager
@@ -39,6 +39,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.handoff import Handoff, TokenLogprob
 from splitserve.engine.sequence import SeqStatus, Sequence
 from splitserve.engine.stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_tiers import TierStore
 
 
 class DuplicateRequest(ValueError):
@@ -123,6 +126,9 @@ class Scheduler:
         # (source, destination) blocks the engine copies before the next step: a fork's partial
         # last block, which it cannot share (both would write their next token into it)
         self.block_copies: list[tuple[int, int]] = []
+        # the host and disk tiers behind the prefix cache (engine/kv_tiers.py), if any: a prompt whose
+        # prefix continues there has those blocks loaded at allocation, when that beats recomputing
+        self.tiers: TierStore | None = None
 
     # ---- admission ----
 
@@ -162,9 +168,31 @@ class Scheduler:
         if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
             return False
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        if self.tiers is not None and hashes:
+            seq.num_cached_tokens += self._load_from_tiers(seq, hashes)
         if self.blocks.enable_prefix_caching:
             self.recorder.prefix_lookup(len(seq), seq.num_cached_tokens)
         return True
+
+    def _load_from_tiers(self, seq: Sequence, hashes: list[bytes]) -> int:
+        """Load the blocks after `seq`'s pooled prefix that continue in a tier into its fresh blocks, as
+        far as loading beats recomputing and each block passes its checks; the tokens loaded."""
+        assert self.tiers is not None
+        bs = self.blocks.block_size
+        first = seq.num_cached_tokens // bs
+        usable = min(len(hashes), (len(seq) - 1) // bs)  # the last prompt token is always computed
+        candidates = hashes[first:usable]
+        n = self.tiers.plan(candidates)
+        loaded = 0
+        for i, h in enumerate(candidates[:n]):
+            if h in self.blocks.hash_to_block:  # back in the pool meanwhile: the rest is computed
+                break
+            b = seq.block_table[first + i]
+            if not self.tiers.load(h, b):
+                break  # a failed check: this block and the rest are recomputed
+            self.blocks.adopt(b, h)
+            loaded += 1
+        return loaded * bs
 
     # ---- a step ----
 

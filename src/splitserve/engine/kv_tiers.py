@@ -1,0 +1,416 @@
+"""Tiers behind the prefix cache: a bounded host (RAM) tier and a bounded disk tier.
+
+A cached block evicted from the pool (its chained hash known, engine/block_hash.py)
+is copied to the host tier; a block the full host tier evicts goes on to the disk
+tier (one file per block under the cache directory), and one the full disk tier
+evicts is gone. At allocation the scheduler asks how many of a prompt's blocks after
+its pooled prefix continue in a tier (`TierStore.lookup`), decides in seconds whether
+loading them beats recomputing them (`plan_load`, a pure function of the tier
+bandwidths and the prefill speed this worker measured), and loads the chosen ones
+into freshly allocated pool blocks (`TierStore.load`).
+
+Every stored block carries a CRC-32 of its bytes, and a disk file also its hash and
+its length; a block that fails any check, a file that is gone or short, is not
+loaded: the load stops there and the rest of the prompt is recomputed, and the
+failure is counted. A write that fails (a full disk) drops the block, counted.
+Nothing here can produce wrong KV: the worst case is a recompute.
+
+Every change of a block's tier is a `BlockEvent` (stored at a tier, removed from
+one), so the router's prefix index learns which worker holds which prefix where.
+"""
+
+from __future__ import annotations
+
+import struct
+import tempfile
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.block_hash import BlockHash
+from splitserve.engine.block_manager import BlockEvent
+from splitserve.engine.kv_cache import KVCache
+
+TIERS = ("host", "disk")
+_MAGIC = b"SSKV"
+_HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
+
+
+def plan_load(
+    tiers: Sequence[str],
+    bytes_per_block: int,
+    block_size: int,
+    bandwidth: dict[str, float],
+    prefill_tokens_per_s: float | None,
+    overhead_s: dict[str, float] | None = None,
+) -> int:
+    """How many of the leading blocks (each in `tiers[i]`) to load rather than recompute.
+
+    Loading block i costs `overhead_s[tier] + bytes_per_block / bandwidth[tier]` seconds,
+    recomputing it `block_size / prefill_tokens_per_s`. Loads must form a prefix (each
+    block's KV depends on the ones before), so the answer is the prefix length with the
+    largest total saving; 0 when no prefix saves time. Without a measured prefill speed
+    every block is loaded (a tier read is never slower than a model's prefill by default).
+    """
+    if not tiers:
+        return 0
+    if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
+        return len(tiers)
+    recompute = block_size / prefill_tokens_per_s
+    best, best_n, saved = 0.0, 0, 0.0
+    for i, tier in enumerate(tiers):
+        bw = bandwidth.get(tier, 0.0)
+        load = (overhead_s or {}).get(tier, 0.0) + (bytes_per_block / bw if bw > 0 else float("inf"))
+        saved += recompute - load
+        if saved > best:
+            best, best_n = saved, i + 1
+    return best_n
+
+
+def expected_seconds(
+    tiers: Sequence[str],
+    bytes_per_block: int,
+    block_size: int,
+    bandwidth: dict[str, float],
+    prefill_tokens_per_s: float | None,
+) -> float:
+    """Seconds until blocks in `tiers` are in the pool: the cheaper of loading and recomputing each
+    (the router's view of a tier hit; a pooled block costs nothing)."""
+    total = 0.0
+    recompute = block_size / prefill_tokens_per_s if prefill_tokens_per_s else float("inf")
+    for tier in tiers:
+        if tier == "pool":
+            continue
+        bw = bandwidth.get(tier, 0.0)
+        load = bytes_per_block / bw if bw > 0 else float("inf")
+        total += min(load, recompute)
+    return total
+
+
+@dataclass
+class TierStats:
+    """Per tier, since start."""
+
+    blocks: int = 0  # held now
+    bytes: int = 0  # held now
+    stored: int = 0  # blocks written into it
+    hits: int = 0  # blocks loaded from it into the pool
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
+    checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
+    write_failures: int = 0  # writes that failed (a full disk): the block dropped
+
+
+@dataclass
+class _Held:
+    data: torch.Tensor  # uint8
+    crc: int
+
+
+def _crc(data: torch.Tensor) -> int:
+    return zlib.crc32(data.numpy().data)
+
+
+class HostTier:
+    """Blocks in RAM, LRU, bounded in bytes."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.blocks: OrderedDict[BlockHash, _Held] = OrderedDict()
+        self.stats = TierStats()
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.blocks
+
+    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> list[tuple[BlockHash, torch.Tensor, int]]:
+        """Store a block; returns the blocks evicted to make room (oldest first)."""
+        if h in self.blocks:
+            self.blocks.move_to_end(h)
+            return []
+        if data.numel() > self.capacity:
+            return [(h, data, crc)]
+        out = []
+        while self.stats.bytes + data.numel() > self.capacity:
+            old, held = self.blocks.popitem(last=False)
+            self.stats.bytes -= held.data.numel()
+            out.append((old, held.data, held.crc))
+        self.blocks[h] = _Held(data, crc)
+        self.stats.bytes += data.numel()
+        self.stats.stored += 1
+        self.stats.blocks = len(self.blocks)
+        return out
+
+    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
+        held = self.blocks.get(h)
+        if held is None:
+            return None
+        self.blocks.move_to_end(h)
+        return held.data, held.crc
+
+    def drop(self, h: BlockHash) -> None:
+        held = self.blocks.pop(h, None)
+        if held is not None:
+            self.stats.bytes -= held.data.numel()
+            self.stats.blocks = len(self.blocks)
+
+
+class DiskTier:
+    """One file per block under `directory`, LRU, bounded in bytes (headers included)."""
+
+    name = "disk"
+
+    def __init__(self, capacity_bytes: int, directory: str) -> None:
+        self.capacity = capacity_bytes
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.kv"):  # a previous process's files: their index is gone
+            stale.unlink(missing_ok=True)
+        self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size
+        self.stats = TierStats()
+
+    def path(self, h: BlockHash) -> Path:
+        return self.dir / f"{h.hex()}.kv"
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.files
+
+    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> tuple[bool, list[BlockHash]]:
+        """Write a block; (written, hashes evicted to make room)."""
+        if h in self.files:
+            self.files.move_to_end(h)
+            return True, []
+        size = _HEADER.size + data.numel()
+        if size > self.capacity:
+            return False, []
+        evicted = []
+        while self.stats.bytes + size > self.capacity:
+            old, old_size = self.files.popitem(last=False)
+            self._remove(old, old_size)
+            evicted.append(old)
+        try:
+            self._write(self.path(h), _HEADER.pack(_MAGIC, h, crc, data.numel()) + data.numpy().tobytes())
+        except OSError:
+            self.stats.write_failures += 1
+            self.path(h).unlink(missing_ok=True)
+            return False, evicted
+        self.files[h] = size
+        self.stats.bytes += size
+        self.stats.stored += 1
+        self.stats.blocks = len(self.files)
+        return True, evicted
+
+    @staticmethod
+    def _write(path: Path, payload: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(payload)
+
+    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
+        """The block's bytes and stored checksum; None (and the entry dropped, counted) when the file is
+        gone, short, or not this block's."""
+        if h not in self.files:
+            return None
+        try:
+            raw = self.path(h).read_bytes()
+        except OSError:
+            raw = b""
+        ok = len(raw) >= _HEADER.size
+        if ok:
+            magic, fh, crc, n = _HEADER.unpack_from(raw)
+            ok = magic == _MAGIC and fh == h and len(raw) == _HEADER.size + n
+        if not ok:
+            self.stats.checksum_failures += 1
+            self.drop(h)
+            return None
+        self.files.move_to_end(h)
+        return torch.frombuffer(bytearray(raw[_HEADER.size :]), dtype=torch.uint8), crc
+
+    def drop(self, h: BlockHash) -> None:
+        size = self.files.pop(h, None)
+        if size is not None:
+            self._remove(h, size)
+
+    def _remove(self, h: BlockHash, size: int) -> None:
+        self.stats.bytes -= size
+        self.stats.blocks = len(self.files)
+        self.path(h).unlink(missing_ok=True)
+
+
+@dataclass
+class Bandwidths:
+    """Measured bytes/s of a tier's load (a running average, seeded by a probe at start)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    alpha: float = 0.2
+
+    def observe(self, tier: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        bw = nbytes / seconds
+        old = self.values.get(tier)
+        self.values[tier] = bw if old is None else (1 - self.alpha) * old + self.alpha * bw
+
+
+class TierStore:
+    """The host and disk tiers of one engine's pool: what the block manager evicts goes in, what the
+    scheduler chooses to load comes out, checked."""
+
+    def __init__(self, kv_cache: KVCache, host_bytes: int, disk_bytes: int = 0, disk_dir: str | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.disk: DiskTier | None = None
+        if disk_bytes > 0:
+            self.disk = DiskTier(disk_bytes, disk_dir or tempfile.mkdtemp(prefix="splitserve-kv-"))
+        self.events: list[BlockEvent] = []
+        self.bandwidth = Bandwidths()
+        self.prefill_tokens_per_s: float | None = None  # the engine's measured prefill speed
+        self.layout = kv_cache.layout
+        self.block_bytes = kv_cache.block_nbytes()
+        self._probe()
+
+    @property
+    def stats(self) -> dict[str, TierStats]:
+        out = {}
+        if self.host is not None:
+            out["host"] = self.host.stats
+        if self.disk is not None:
+            out["disk"] = self.disk.stats
+        return out
+
+    def _probe(self) -> None:
+        """Seed the bandwidths: one block's bytes through each tier, a few times."""
+        data = torch.randint(0, 256, (self.block_bytes,), dtype=torch.uint8)
+        crc = _crc(data)
+        if self.host is not None:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                self.kv_cache.import_block(self.kv_cache.num_blocks - 1, data.clone())
+                _crc(data)
+            self.bandwidth.observe("host", 4 * self.block_bytes, time.perf_counter() - t0)
+        if self.disk is not None:
+            probe = self.disk.dir / "probe.tmp"
+            try:
+                DiskTier._write(probe, data.numpy().tobytes())
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    raw = torch.frombuffer(bytearray(probe.read_bytes()), dtype=torch.uint8)
+                    zlib.crc32(raw.numpy().data) == crc  # noqa: B015  # the checksum is part of a load's cost
+                    self.kv_cache.import_block(self.kv_cache.num_blocks - 1, raw)
+                self.bandwidth.observe("disk", 4 * self.block_bytes, time.perf_counter() - t0)
+            except OSError:
+                pass
+            finally:
+                probe.unlink(missing_ok=True)
+        self.kv_cache.reset_blocks([self.kv_cache.num_blocks - 1])
+
+    # ---- in: the pool evicted a cached block ----
+
+    def evicted(self, block_id: int, h: BlockHash) -> None:
+        """The block manager is about to reuse `block_id`, which held `h`: keep a copy."""
+        if self.host is None:
+            if self.disk is not None:
+                data = self.kv_cache.export_block(block_id)
+                self._to_disk(h, data, _crc(data))
+            return
+        if h in self.host:
+            self.host.put(h, self.host.blocks[h].data, self.host.blocks[h].crc)  # refresh
+            self.events.append(BlockEvent("stored", (h,), "host"))
+            return
+        data = self.kv_cache.export_block(block_id)
+        crc = _crc(data)
+        spilled = self.host.put(h, data, crc)
+        if h in self.host:
+            self.events.append(BlockEvent("stored", (h,), "host"))
+        for old, d, c in spilled:
+            if old != h:
+                self.events.append(BlockEvent("removed", (old,), "host"))
+            if self.disk is not None:
+                self._to_disk(old, d, c)
+
+    def _to_disk(self, h: BlockHash, data: torch.Tensor, crc: int) -> None:
+        assert self.disk is not None
+        written, evicted = self.disk.put(h, data, crc)
+        for old in evicted:
+            self.events.append(BlockEvent("removed", (old,), "disk"))
+        if written:
+            self.events.append(BlockEvent("stored", (h,), "disk"))
+
+    # ---- out: a prompt continues in a tier ----
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[str]:
+        """The tier of each leading block of `hashes` that some tier holds (stops at the first miss)."""
+        out: list[str] = []
+        for h in hashes:
+            if self.host is not None and h in self.host:
+                out.append("host")
+            elif self.disk is not None and h in self.disk:
+                out.append("disk")
+            else:
+                break
+        return out
+
+    def plan(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` to load (the rest recompute), the skipped hits counted."""
+        tiers = self.lookup(hashes)
+        n = plan_load(tiers, self.block_bytes, self.layout.block_size, self.bandwidth.values, self.prefill_tokens_per_s)
+        for tier in tiers[n:]:
+            self.stats[tier].recomputed_instead += 1
+        return n
+
+    def load(self, h: BlockHash, block_id: int) -> bool:
+        """Copy block `h` from its tier into pool block `block_id`; False (nothing written, the failure
+        counted, the entry dropped) when its bytes fail a check."""
+        t0 = time.perf_counter()
+        tier_name, got = "", None
+        if self.host is not None and h in self.host:
+            tier_name, got = "host", self.host.get(h)
+        elif self.disk is not None and h in self.disk:
+            tier_name, got = "disk", self.disk.get(h)
+        if not tier_name:
+            return False
+        tier = self.host if tier_name == "host" else self.disk
+        assert tier is not None
+        if got is None:  # the disk tier counted it
+            self.events.append(BlockEvent("removed", (h,), tier_name))
+            return False
+        data, crc = got
+        if data.numel() != self.block_bytes or _crc(data) != crc:
+            tier.stats.checksum_failures += 1
+            tier.drop(h)
+            self.events.append(BlockEvent("removed", (h,), tier_name))
+            return False
+        self.kv_cache.import_block(block_id, data)
+        dt = time.perf_counter() - t0
+        tier.stats.hits += 1
+        tier.stats.bytes_loaded += data.numel()
+        tier.stats.load_seconds += dt
+        self.bandwidth.observe(tier_name, data.numel(), dt)
+        return True
+
+    def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        """A step that prefilled `tokens` tokens in `seconds`: the prefill speed's running average."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else (1 - alpha) * old + alpha * rate
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def held(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
+        """Every block each tier holds (a snapshot for a new block-event subscriber)."""
+        out = []
+        if self.host is not None and self.host.blocks:
+            out.append(("host", tuple(self.host.blocks)))
+        if self.disk is not None and self.disk.files:
+            out.append(("disk", tuple(self.disk.files)))
+        return out

@@ -1,0 +1,195 @@
+"""The host and disk tiers behind the prefix cache (engine/kv_tiers.py), on the tiny model: an evicted
+prefix comes back from a tier and gives the tokens and log-probabilities of a run without tiers; a
+corrupt host block, a corrupt, truncated or deleted disk file and a full disk each degrade to a
+recompute, counted, with the same tokens; the load-or-recompute decision in seconds; the tiers' block
+events; a decode worker whose cached prefix continues in a tier reserves fewer blocks to fill."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+
+from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kv_tiers import DiskTier, expected_seconds, plan_load
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+BS = 4
+MODEL = tiny_model_config(tie_embeddings=False)  # an untied head: varied greedy tokens
+WEIGHTS = random_weights(MODEL)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+_rng = random.Random(7)
+CONTEXT = [_rng.randrange(1, 512) for _ in range(41)]  # ten full blocks and a token
+OTHER = [_rng.randrange(1, 512) for _ in range(84)]  # fills the pool: CONTEXT's blocks are evicted
+TURN2 = CONTEXT + [5, 9, 17, 33, 65, 129, 257]
+
+
+def engine(num_blocks: int = 24, **tiers: object) -> Engine:
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=64, **tiers)  # type: ignore[arg-type]
+    return Engine(MODEL, WEIGHTS, cfg)
+
+
+def run(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    """Tokens, their logprobs, and the prompt tokens that came from the cache (pool or tier)."""
+    e.add_request(rid, prompt, GREEDY)
+    tokens: list[int] = []
+    lps: list[float] = []
+    cached = -1
+    while e.has_work:
+        for out in e.step():
+            tokens.append(out.token_id)
+            lps.append(out.logprob.logprob if out.logprob else 0.0)
+            cached = out.num_cached_tokens
+    return tokens, lps, cached
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], list[float]]:
+    """The second turn with its context still in a pool large enough (no tiers): a loaded block's KV is
+    the computed one byte for byte, so the log-probabilities are equal too, not only the tokens."""
+    plain, _, cached = run(engine(enable_prefix_caching=False), "ref", TURN2)
+    assert cached == 0 and len(set(plain)) > 2  # a varied greedy run, so that equality means something
+    big = engine(num_blocks=64)
+    run(big, "turn1", CONTEXT)
+    tokens, lps, cached = run(big, "turn2", TURN2)
+    assert cached == 40 and tokens == plain
+    return tokens, lps
+
+
+def same_tokens(tokens: list[int], lps: list[float], reference: tuple[list[int], list[float]]) -> None:
+    """A recomputed prefix: the same tokens; its log-probabilities to float rounding (the chunks differ)."""
+    assert tokens == reference[0]
+    assert lps == pytest.approx(reference[1], abs=1e-4)
+
+
+def evict_context(e: Engine) -> None:
+    run(e, "turn1", CONTEXT)
+    run(e, "other", OTHER)
+    assert e.scheduler.cached_prefix_tokens(TURN2) == 0  # gone from the pool
+
+
+def test_a_host_tier_hit_loads_the_evicted_prefix_and_gives_the_same_tokens(reference):
+    e = engine(kv_host_tier_bytes=1 << 20)
+    evict_context(e)
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    assert (tokens, lps) == reference
+    assert cached == 40  # ten blocks loaded, not recomputed
+    host = e.tiers.stats["host"]
+    assert host.hits == 10 and host.bytes_loaded == 10 * e.tiers.block_bytes and host.load_seconds > 0
+    assert host.checksum_failures == 0 and host.blocks > 0
+    assert_engine_empty(e)
+
+
+def test_the_host_tier_spills_to_disk_and_a_disk_hit_gives_the_same_tokens(reference, tmp_path):
+    block = engine().kv_cache.block_nbytes()
+    e = engine(kv_host_tier_bytes=2 * block, kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    evict_context(e)
+    assert e.tiers.stats["disk"].blocks >= 8 and len(list(tmp_path.glob("*.kv"))) == e.tiers.stats["disk"].blocks
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    assert (tokens, lps) == reference
+    assert cached == 40
+    assert e.tiers.stats["disk"].hits >= 8
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(reference, tmp_path, damage):
+    e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    evict_context(e)
+    disk = e.tiers.disk
+    assert disk is not None
+    fourth = block_hashes(TURN2, BS)[3]
+    assert fourth in disk
+    path = disk.path(fourth)
+    raw = bytearray(path.read_bytes())
+    if damage == "corrupt":
+        raw[-7] ^= 0x01
+        path.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        path.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        path.unlink()
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    same_tokens(tokens, lps, reference)
+    assert cached == 12  # three blocks loaded; the damaged one and the rest recomputed
+    assert e.tiers.stats["disk"].checksum_failures == 1
+    assert fourth not in disk
+
+
+def test_a_corrupt_host_block_is_recomputed_counted(reference):
+    e = engine(kv_host_tier_bytes=1 << 20)
+    evict_context(e)
+    host = e.tiers.host
+    assert host is not None
+    first = block_hashes(TURN2, BS)[0]
+    host.blocks[first].data[100] ^= 0x40
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    same_tokens(tokens, lps, reference)
+    assert cached == 0 and e.tiers.stats["host"].checksum_failures == 1
+
+
+def test_a_full_disk_drops_the_blocks_counted_and_recomputes(reference, tmp_path, monkeypatch):
+    def full(path, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(full))
+    evict_context(e)
+    assert e.tiers.stats["disk"].write_failures >= 10 and e.tiers.stats["disk"].blocks == 0
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    same_tokens(tokens, lps, reference)
+    assert cached == 0 and not list(tmp_path.glob("*.kv"))
+
+
+def test_a_hit_that_would_load_slower_than_it_recomputes_is_recomputed_counted(reference):
+    e = engine(kv_host_tier_bytes=1 << 20)
+    evict_context(e)
+    e.tiers.bandwidth.values["host"] = 1.0  # one byte a second
+    e.tiers.prefill_tokens_per_s = 1000.0
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    same_tokens(tokens, lps, reference)
+    assert cached == 0 and e.tiers.stats["host"].recomputed_instead == 10 and e.tiers.stats["host"].hits == 0
+
+
+def test_plan_load_picks_the_prefix_that_saves_the_most_seconds():
+    bw = {"host": 1e9, "disk": 1e6}
+    # a 1 MB block: host 1 ms, disk 1 s; recomputing 16 tokens at 160 tok/s takes 0.1 s
+    assert plan_load(["host"] * 3, 10**6, 16, bw, 160.0) == 3
+    assert plan_load(["disk"] * 3, 10**6, 16, bw, 160.0) == 0
+    assert plan_load(["host", "host", "disk", "host"], 10**6, 16, bw, 160.0) == 2
+    # one slow block between fast ones is worth loading when the ones after it save more than it costs
+    assert plan_load(["host", "disk", *["host"] * 20], 10**6, 16, bw, 160.0) == 22
+    assert plan_load(["disk"] * 3, 10**6, 16, bw, None) == 3  # no prefill measured yet: load
+    assert plan_load([], 10**6, 16, bw, 160.0) == 0
+    assert expected_seconds(["pool", "host", "disk"], 10**6, 16, bw, 160.0) == pytest.approx(0.001 + 0.1)
+
+
+def test_tier_moves_are_block_events():
+    e = engine(kv_host_tier_bytes=1 << 20)
+    evict_context(e)
+    events = e.drain_block_events()
+    host_stored = {h for ev in events if ev.kind == "stored" and ev.tier == "host" for h in ev.hashes}
+    pool_removed = {h for ev in events if ev.kind == "removed" and ev.tier == "pool" for h in ev.hashes}
+    assert len(host_stored) >= 10 and host_stored <= pool_removed
+    run(e, "turn2", TURN2)
+    loaded = {h for ev in e.drain_block_events() if ev.kind == "stored" and ev.tier == "pool" for h in ev.hashes}
+    assert len(loaded & host_stored) == 10
+
+
+def test_a_decode_worker_reserves_past_the_prefix_it_loads_from_a_tier():
+    decode = engine(kv_host_tier_bytes=1 << 20)
+    pair = EnginePair.of(tiny_engine(num_blocks=64, block_size=BS), decode)
+    try:
+        evict_context(decode)
+        remote = pair.reserve("r", TURN2, GREEDY)
+        assert remote.num_cached_tokens == 40
+        assert decode.tiers.stats["host"].hits == 10
+    finally:
+        decode.abort("r")
+        pair.close()
