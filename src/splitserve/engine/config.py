@@ -170,12 +170,6 @@ class EngineConfig:
     # on CUDA one GPU each, from `device`'s on. The model's heads, KV heads and intermediate
     # size must divide by it (checked when the engine loads the model).
     tensor_parallel_size: int = 1
-    # The KV pool's storage dtype: "auto" (the model's), "bfloat16", "float32", "int8" or "fp8"
-    # (e4m3); the quantized ones keep a scale per token and KV head (engine/kv_cache.py).
-    kv_cache_dtype: str = "auto"
-    # The KV pool in bytes (all layers, every rank's shard): when set, num_blocks is what fits in
-    # them in kv_cache_dtype (engine/kv_cache.py: pool_blocks); 0: num_blocks as given.
-    kv_cache_bytes: int = 0
     # Tiers behind the prefix cache (engine/kv_tiers.py): bytes of evicted cached blocks kept in
     # RAM, and on disk under `kv_disk_tier_dir` ("": a temporary directory); 0 turns a tier off.
     kv_host_tier_bytes: int = 0
@@ -184,9 +178,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        kv_dtype_name(self.kv_cache_dtype, self.dtype)
-        if self.kv_cache_bytes < 0:
-            raise ValueError("kv_cache_bytes must be >= 0 (0: num_blocks decides)")
         if self.kv_host_tier_bytes < 0 or self.kv_disk_tier_bytes < 0:
             raise ValueError("kv tier sizes must be >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -34,7 +34,7 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.handoff import Handoff, SampleState
-from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
+from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
