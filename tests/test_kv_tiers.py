@@ -193,3 +193,40 @@ def test_a_decode_worker_reserves_past_the_prefix_it_loads_from_a_tier():
     finally:
         decode.abort("r")
         pair.close()
+
+
+def test_the_tier_metrics_export_each_tier_with_its_counts(tmp_path):
+    from prometheus_client import generate_latest
+
+    from splitserve.workers.common.metrics import WorkerMetrics
+
+    e = engine(kv_host_tier_bytes=1 << 20, kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    evict_context(e)
+    run(e, "turn2", TURN2)
+    m = WorkerMetrics("tiny", "decode", "w0")
+    m.watch_tiers(e.tiers.stats)
+    text = generate_latest(m.registry).decode()
+    def series(name: str, tier: str) -> str:
+        return f'splitserve:kv_tier_{name}{{model_name="tiny",role="decode",tier="{tier}",worker_id="w0"}}'
+
+    assert series("hits_total", "host") + " 10.0" in text
+    assert series("blocks", "disk") in text
+    for name in ("loaded_bytes_total", "load_seconds_total", "recomputed_instead_total", "checksum_failures_total"):
+        assert series(name, "host") in text
+
+
+def test_the_tier_flags_reach_the_engine_config_and_serve_help():
+    import argparse
+
+    from splitserve.cluster.serve import add_arguments
+    from splitserve.workers.server import add_engine_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    a = p.parse_args(["--kv-host-tier-mib", "64", "--kv-disk-tier-mib", "1024", "--kv-disk-tier-dir", "/x"])
+    cfg = engine_config_from_args(a)
+    assert (cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes, cfg.kv_disk_tier_dir) == (64 << 20, 1 << 30, "/x")
+    serve = argparse.ArgumentParser()
+    add_arguments(serve)
+    help_text = serve.format_help()
+    assert all(f in help_text for f in ("--kv-host-tier-mib", "--kv-disk-tier-mib", "--kv-disk-tier-dir"))

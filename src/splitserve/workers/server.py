@@ -26,7 +26,7 @@ from splitserve.engine.loop import EngineLoop
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
-from splitserve.workers.common.config import WorkerConfig
+from splitserve.workers.common.config import WorkerConfig, add_tier_arguments, tier_fields
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.common.warm_up import warm_up
 
@@ -79,6 +79,8 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     else:
         loop = _serve_prefill(cfg, engine, metrics, server, closers)
     metrics.watch(lambda: loop.stats)
+    if engine.tiers is not None:
+        metrics.watch_tiers(engine.tiers.stats)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     if port == 0:
         loop.stop()
@@ -165,6 +167,7 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
         "must divide the model's heads, KV heads and intermediate size",
     )
+    add_tier_arguments(p)
 
 
 def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
@@ -189,6 +192,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         long_prefill_token_threshold=a.long_prefill_token_threshold,
         tensor_parallel_size=a.tensor_parallel_size,
+        **tier_fields(a),
     )
 
 

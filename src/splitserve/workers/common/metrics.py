@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from splitserve.engine.kv_tiers import TierStats
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
 from splitserve.runtime.metrics_http import serve_metrics_http
@@ -126,6 +127,10 @@ class WorkerMetrics:
         """Read the gauges from `snapshot()` at each scrape (the engine loop's `stats`); absent until then."""
         self._snapshot = snapshot
 
+    def watch_tiers(self, tiers: dict[str, TierStats]) -> None:
+        """Export the KV tiers' counts (engine/kv_tiers.py, by tier name), read at each scrape."""
+        self.registry.register(_TierMetrics(self, tiers))
+
     def record(self, it: IterationStats) -> None:
         """One step's counts and times (the engine loop's `on_iteration`)."""
         self.prompt_tokens.inc(it.prompt_tokens)
@@ -183,6 +188,58 @@ class _EngineGauges(Collector):
         waiting.add_metric(values, s.queue_length + s.reserved_requests)
         usage.add_metric(values, 1.0 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0)
         return [running, waiting, usage]
+
+
+# name (without `_total`), kind, TierStats field, help
+_TIER_SERIES = (
+    ("splitserve:kv_tier_blocks", "gauge", "blocks", "KV blocks a tier behind the prefix cache holds now"),
+    ("splitserve:kv_tier_bytes", "gauge", "bytes", "Bytes a tier holds now (the disk tier's file headers included)"),
+    ("splitserve:kv_tier_stored_blocks", "counter", "stored", "Blocks written into a tier"),
+    ("splitserve:kv_tier_hits", "counter", "hits", "Blocks loaded from a tier into the pool instead of recomputed"),
+    ("splitserve:kv_tier_loaded_bytes", "counter", "bytes_loaded", "Bytes loaded from a tier into the pool"),
+    ("splitserve:kv_tier_load_seconds", "counter", "load_seconds", "Seconds spent loading blocks from a tier"),
+    (
+        "splitserve:kv_tier_recomputed_instead",
+        "counter",
+        "recomputed_instead",
+        "Blocks found in a tier but recomputed, loading them being slower than the measured prefill",
+    ),
+    (
+        "splitserve:kv_tier_checksum_failures",
+        "counter",
+        "checksum_failures",
+        "Blocks refused at load (bad checksum, short, missing or foreign file): recomputed",
+    ),
+    ("splitserve:kv_tier_write_failures", "counter", "write_failures", "Blocks a tier failed to write (a full disk)"),
+)
+
+
+class _TierMetrics(Collector):
+    """Per tier (label `tier`): what engine/kv_tiers.py counts, read when scraped."""
+
+    def __init__(self, metrics: WorkerMetrics, tiers: dict[str, TierStats]) -> None:
+        self.metrics = metrics
+        self.tiers = tiers
+
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        labels = [*LABELS, "tier"]
+        return [
+            GaugeMetricFamily(name, doc, labels=labels)
+            if kind == "gauge"
+            else CounterMetricFamily(name, doc, labels=labels)
+            for name, kind, _, doc in _TIER_SERIES
+        ]
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        families = self._families()
+        for tier, stats in self.tiers.items():
+            values = [*self.metrics.label_values, tier]
+            for family, (_, _, field, _) in zip(families, _TIER_SERIES, strict=True):
+                family.add_metric(values, getattr(stats, field))
+        return families
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[str, Callable[[], None]]:
