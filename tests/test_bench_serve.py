@@ -123,6 +123,11 @@ def test_burst_plan_and_conversations(tok):
     assert all(s.turns[0].tag == "burst" and s.turns[0].prompt_len > 150 for b in plan.bursts for s in b)
     conv = datasets.conversation_sessions(tok, 3, 3, 16, random.Random(0), pool=500)
     assert [[t.tag for t in s.turns] for s in conv] == [["turn1", "turn2", "turn3"]] * 3
+    assert all(s.system is None for s in conv)
+    docs = datasets.conversation_sessions(tok, 3, 3, 16, random.Random(0), pool=500, context_len=300)
+    contexts = [s.system for s in docs]
+    assert all(c is not None and 270 <= len(tok.encode(c)) <= 300 for c in contexts)
+    assert len(set(contexts)) == 3  # each session's own
 
 
 # ---- arrivals and the driver ------------------------------------------------------------------------

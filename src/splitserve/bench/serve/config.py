@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-len", type=int, default=64, help="prefix: tokens of each request's own part")
     g.add_argument("--turns", type=int, default=3, help="conversation: user turns per session")
     g.add_argument("--conversation-output-len", type=int, default=64, help="conversation: output tokens per turn")
+    g.add_argument(
+        "--conversation-context-len",
+        type=int,
+        default=0,
+        help="conversation: tokens of a document each session opens with, its own (0: none)",
+    )
     g.add_argument("--burst-steady-streams", type=int, default=4, help="burst: steady streams running throughout")
     g.add_argument("--burst-steady-input-len", type=int, default=32)
     g.add_argument("--burst-steady-output-len", type=int, default=128)
@@ -80,6 +86,7 @@ class DatasetConfig:
     suffix_len: int = 64
     turns: int = 3
     conversation_output_len: int = 64
+    conversation_context_len: int = 0  # a document of its own each session opens with (0: none)
     burst_steady_streams: int = 4
     burst_steady_input_len: int = 32
     burst_steady_output_len: int = 128
@@ -116,6 +123,8 @@ class DatasetConfig:
             or (self.sharegpt_output_len is not None and self.sharegpt_output_len < 1)
         ):
             raise ValueError("token lengths must be >= 1")
+        if self.conversation_context_len < 0:
+            raise ValueError("--conversation-context-len must be >= 0")
         if not self.burst_interval_s >= 0:
             raise ValueError("--burst-interval-s must be >= 0")
 
@@ -169,6 +178,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
             suffix_len=a.suffix_len,
             turns=a.turns,
             conversation_output_len=a.conversation_output_len,
+            conversation_context_len=a.conversation_context_len,
             burst_steady_streams=a.burst_steady_streams,
             burst_steady_input_len=a.burst_steady_input_len,
             burst_steady_output_len=a.burst_steady_output_len,

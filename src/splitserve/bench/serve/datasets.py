@@ -158,9 +158,18 @@ def keep_sharegpt(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
 
 
 def conversation_sessions(
-    tok: TextTokenizer, num: int, turns: int, output_len: int, rng: random.Random, pool: int = 4000
+    tok: TextTokenizer,
+    num: int,
+    turns: int,
+    output_len: int,
+    rng: random.Random,
+    pool: int = 4000,
+    context_len: int = 0,
 ) -> list[Session]:
-    """`num` sessions of `turns` user turns, from ShareGPT conversations that long; the server answers each."""
+    """`num` sessions of `turns` user turns, from ShareGPT conversations that long; the server answers each.
+    `context_len`: each session opens with a document of about that many tokens, its own (its system
+    message), so that the sessions' working set outgrows a small KV pool and a returning session's
+    context is either still cached, in a tier behind the pool, or recomputed."""
     candidates = [h[:turns] for h, _ in _take(sharegpt_pairs(), pool) if len(h) >= turns]
     rng.shuffle(candidates)
     out: list[Session] = []
@@ -168,9 +177,13 @@ def conversation_sessions(
         lens = [len(tok.encode(h)) for h in humans]
         if min(lens) < MIN_PROMPT_LEN or sum(lens) + turns * output_len > MAX_TOTAL_LEN:
             continue
+        system = random_text(tok, context_len, rng)[0] if context_len else None
         out.append(
             Session(
-                tuple(Turn(h, n, output_len, f"turn{i + 1}") for i, (h, n) in enumerate(zip(humans, lens, strict=True)))
+                tuple(
+                    Turn(h, n, output_len, f"turn{i + 1}") for i, (h, n) in enumerate(zip(humans, lens, strict=True))
+                ),
+                system=system,
             )
         )
         if len(out) == num:

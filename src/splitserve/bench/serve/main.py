@@ -93,7 +93,9 @@ def build_workload(d: DatasetConfig, tok: TextTokenizer) -> list[Session] | Burs
             tok, d.num_prompts, d.prefix_groups, d.prefix_len, d.suffix_len, d.random_output_len, rng
         )
     if d.name == "conversation":
-        return conversation_sessions(tok, d.num_prompts, d.turns, d.conversation_output_len, rng)
+        return conversation_sessions(
+            tok, d.num_prompts, d.turns, d.conversation_output_len, rng, context_len=d.conversation_context_len
+        )
     return burst_plan(
         tok,
         d.burst_steady_streams,
