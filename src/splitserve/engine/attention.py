@@ -12,6 +12,12 @@ sequence's whole context read back through its block table. Two paths:
   cached prefix. Prefill is compute-bound, so the Python loop costs nothing that
   shows.
 
+A quantized cache (int8 or fp8 values with a scale per token and KV head, the format in
+engine/kv_cache.py) is written through `write_quantized` and read back dequantized to the
+model's dtype, block by gathered block; a cache of another float dtype than the model's is
+cast the same way. Such caches always read K/V back from the cache, even for a prompt's first
+chunk, so that prefill and decode attend over exactly the same (quantized) K/V.
+
 A bf16 or fp32 decode step on a CPU does not come here: the model runs it on the fused
 kernel in engine/kernels/decode.py, which writes the new K/V and attends over
 the cache through the block table in one call, without the gather, and which
@@ -27,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.kv_cache import gather_dequantized, quantized_block_size, quantized_kind, write_quantized
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,13 @@ class AttentionMetadata:
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store new K and V ([T, kv_heads, head_dim]) into `layer_cache` [blocks, 2, bs, kv_heads, head_dim]."""
-    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
-    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+    """Store new K and V ([T, kv_heads, head_dim]) into `layer_cache` [blocks, 2, bs, kv_heads, head_dim]
+    (quantized: [blocks, block_bytes], engine/kv_cache.py's format)."""
+    if quantized_kind(layer_cache) is not None:
+        write_quantized(layer_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        return
+    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k.to(layer_cache.dtype)
+    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v.to(layer_cache.dtype)
 
 
 def paged_attention(
@@ -62,16 +73,27 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [T, heads, head_dim]. The new K/V must already be written."""
     if meta.is_decode:
-        return _decode_attention(q, layer_cache, meta, scale)
+        return _decode_attention(q, layer_cache, meta, scale, k_new.shape[1])
     return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale)
 
 
-def _decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+def gather_blocks(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> torch.Tensor:
+    """`[*block_ids.shape, 2, bs, kv_heads, head_dim]` in `dtype`: the blocks' K and V, dequantized
+    from a quantized cache, cast from a cache of another dtype."""
+    if quantized_kind(layer_cache) is not None:
+        return gather_dequantized(layer_cache, block_ids, kv_heads, head_dim, dtype)
+    return layer_cache[block_ids].to(dtype)
+
+
+def _decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_heads: int = 0
+) -> torch.Tensor:
+    """`kv_heads`: needed for a quantized cache only (a block of it is bytes)."""
     bsz, heads, dim = q.shape
-    kv_heads = layer_cache.shape[3]
-    ctx = layer_cache[meta.block_tables]  # [B, max_blocks, 2, bs, kv_heads, dim]
+    kv_heads = kv_heads or layer_cache.shape[3]
+    ctx = gather_blocks(layer_cache, meta.block_tables, kv_heads, dim, q.dtype)  # [B, max_blocks, 2, bs, kv_heads, dim]
     max_len = ctx.shape[1] * ctx.shape[3]
     k = ctx[:, :, 0].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
     v = ctx[:, :, 1].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
@@ -93,19 +115,20 @@ def _prefill_attention(
 ) -> torch.Tensor:
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_new.shape[1]
-    bs = layer_cache.shape[2]
+    same = layer_cache.dtype == q.dtype  # else K/V are read back from the cache, as decode reads them
+    bs = layer_cache.shape[2] if layer_cache.dim() == 5 else quantized_block_size(layer_cache, kv_heads, dim)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
         qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, heads, q_len, dim]
-        if ctx_len == q_len:  # nothing cached before this chunk: attend to the new tokens only
+        if ctx_len == q_len and same:  # nothing cached before this chunk: attend to the new tokens only
             ki = k_new[start : start + q_len].transpose(0, 1)[None]
             vi = v_new[start : start + q_len].transpose(0, 1)[None]
             mask = None
             causal = q_len > 1
         else:
             nb = cdiv(ctx_len, bs)
-            blocks = layer_cache[meta.block_tables[i, :nb]]  # [nb, 2, bs, kv_heads, dim]
+            blocks = gather_blocks(layer_cache, meta.block_tables[i, :nb], kv_heads, dim, q.dtype)
             ki = blocks[:, 0].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
             vi = blocks[:, 1].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
             # query j sits at absolute position ctx_len - q_len + j and sees keys up to it

@@ -37,6 +37,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
+# --kv-cache-dtype's choices; "auto" is the model's dtype. int8 and fp8 (e4m3) are quantized
+# with scales beside the values (engine/kv_cache.py has the format).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")  # canonical names of the quantized storage dtypes
+_KV_ALIASES = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+
+
+def kv_dtype_name(kv_cache_dtype: str, model_dtype: str | torch.dtype) -> str:
+    """The canonical storage dtype name of a KV cache: "float32", "bfloat16", "float16" (the
+    model's dtype for "auto"), "int8" or "fp8_e4m3". ValueError for anything else."""
+    name = kv_cache_dtype.lower()
+    if name == "auto":
+        return dtype_name(parse_dtype(model_dtype))
+    if name in _KV_ALIASES:
+        return _KV_ALIASES[name]
+    try:
+        return dtype_name(parse_dtype(name))
+    except ValueError:
+        choices = list(KV_CACHE_DTYPES)
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; expected one of {choices}") from None
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling as in HF's `rope_scaling` (llama3 and linear kinds)."""
@@ -170,6 +192,12 @@ class EngineConfig:
     # on CUDA one GPU each, from `device`'s on. The model's heads, KV heads and intermediate
     # size must divide by it (checked when the engine loads the model).
     tensor_parallel_size: int = 1
+    # The KV pool's storage dtype: "auto" (the model's), "bfloat16", "float32", "int8" or "fp8"
+    # (e4m3); the quantized ones keep a scale per token and KV head (engine/kv_cache.py).
+    kv_cache_dtype: str = "auto"
+    # The KV pool in bytes (all layers, every rank's shard): when set, num_blocks is what fits in
+    # them in kv_cache_dtype (engine/kv_cache.py: pool_blocks); 0: num_blocks as given.
+    kv_cache_bytes: int = 0
     # Tiers behind the prefix cache (engine/kv_tiers.py): bytes of evicted cached blocks kept in
     # RAM, and on disk under `kv_disk_tier_dir` ("": a temporary directory); 0 turns a tier off.
     kv_host_tier_bytes: int = 0
@@ -178,6 +206,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        kv_dtype_name(self.kv_cache_dtype, self.dtype)
+        if self.kv_cache_bytes < 0:
+            raise ValueError("kv_cache_bytes must be >= 0 (0: num_blocks decides)")
         if self.kv_host_tier_bytes < 0 or self.kv_disk_tier_bytes < 0:
             raise ValueError("kv tier sizes must be >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -201,6 +232,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's canonical storage dtype name (kv_cache_dtype with "auto" resolved)."""
+        return kv_dtype_name(self.kv_cache_dtype, self.dtype)
 
     @property
     def torch_device(self) -> torch.device:

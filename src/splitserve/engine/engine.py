@@ -26,6 +26,7 @@ The engine is not thread-safe: one thread owns it.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -34,7 +35,7 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.handoff import Handoff, SampleState
-from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
 from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.model_runner import ModelRunner
@@ -79,9 +80,11 @@ class Engine:
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             block_size=cfg.block_size,
-            dtype=cfg.dtype,
+            dtype=cfg.kv_dtype,
             tp_size=tp,
         )
+        if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
+            cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         # Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU).
         devices = rank_devices(cfg.torch_device, tp)

@@ -14,6 +14,28 @@ The worker's rank 0 holds every rank's shard (`KVCache.shards`, shared memory
 on a CPU, each rank's own device on CUDA, handed to the ranks when they start),
 so the scheduler, the block manager and the KV transfer see one cache and only
 block ids cross its interface; `tensor` is rank 0's shard.
+
+Quantized KV (`KVLayout.dtype` "int8" or "fp8_e4m3", `--kv-cache-dtype int8|fp8`): each
+block carries its own scales, so that a block stays one contiguous run of bytes (copied,
+sent and received as it is) and can be written token by token. The tensor is `[num_layers,
+num_blocks, block_bytes]` of one-byte elements (torch.int8, or torch.float8_e4m3fn for
+fp8), and one layer's block (one rank's shard: `kv_heads` = `kv_heads_per_rank`) is:
+
+    bytes [0, V)        values [2, block_size, kv_heads, head_dim], one byte each
+                        (K then V; int8 two's complement, or float8 e4m3fn bits)
+    bytes [V, V + 4S)   scales [2, block_size, kv_heads] fp32, little-endian
+    V = 2 * block_size * kv_heads * head_dim,  S = 2 * block_size * kv_heads,
+    block_bytes = V + 4S = 2 * block_size * kv_heads * (head_dim + 4)
+
+One scale per (layer, block, K|V, token, kv head): x[d] = value[d] * scale. A row x (one
+token's head_dim elements of one head, K after RoPE) is quantized as `quantize_rows` does:
+scale = max|x| / Q with Q = 127 (int8) or 448 (e4m3's largest finite value), in fp32;
+value = round-half-even(x / scale) clamped to [-127, 127] (int8), or x / scale clamped to
+[-448, 448] and rounded to e4m3fn (fp8); an all-zero row has scale 0 and values 0. The
+attention kernels (the CPU C++ decode kernel and the torch path in engine/attention.py)
+read the values and scales in place; `quantize_into` writes a layer of bf16/fp32 K and V
+into blocks of any layout (what a receiver of another dtype calls) and `dequantize_blocks`
+reads them back.
 """
 
 from __future__ import annotations
@@ -23,7 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.config import dtype_name, parse_dtype
+from splitserve.engine.config import QUANTIZED_KV_DTYPES, kv_dtype_name
+
+# The storage dtype of each quantized KV format's values, and the largest magnitude it holds.
+QUANTIZED_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+SCALE_BYTES = 4  # one fp32 scale per token and KV head
 
 
 @dataclass(frozen=True)
@@ -34,11 +61,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # canonical name: "float32" | "bfloat16" | "float16"
+    dtype: str  # storage dtype, canonical: "float32" | "bfloat16" | "float16" | "int8" | "fp8_e4m3"
     tp_size: int = 1  # ranks the heads are split over; num_kv_heads is the model's, all ranks together
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))
+        object.__setattr__(self, "dtype", kv_dtype_name(self.dtype, "float32"))
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"KVLayout.{f} must be positive")
@@ -59,18 +86,35 @@ class KVLayout:
         return range(rank * n, (rank + 1) * n)
 
     @property
+    def quantized(self) -> bool:
+        """int8 or fp8 values with their scales in each block (the module doc's format)."""
+        return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+        """The cache tensor's element type (a quantized cache's values' type)."""
+        if self.quantized:
+            return QUANTIZED_TORCH_DTYPES[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
     @property
     def elements_per_block(self) -> int:
-        """Elements of one layer's K and V for one block, every rank's heads."""
+        """K and V values of one layer for one block, every rank's heads (scales not counted)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one layer's K and V for one block, every rank's heads."""
+        """Bytes of one layer's K and V for one block, every rank's heads (with their scales)."""
+        if self.quantized:
+            return 2 * self.block_size * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
         return self.elements_per_block * torch.tensor([], dtype=self.torch_dtype).element_size()
+
+    def shard_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One rank's cache tensor: `[layers, blocks, 2, block_size, kv_heads_per_rank, head_dim]`,
+        or `[layers, blocks, block_bytes]` when quantized."""
+        if self.quantized:
+            return (self.num_layers, num_blocks, self.shard_bytes_per_block)
+        return (self.num_layers, num_blocks, 2, self.block_size, self.kv_heads_per_rank, self.head_dim)
 
     @property
     def shard_bytes_per_block(self) -> int:
@@ -83,8 +127,21 @@ class KVLayout:
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
+                if f == "dtype":
+                    return f"KV layout mismatch on dtype: {a} KV here, {b} KV at the peer"
                 return f"KV layout mismatch on {f}: {a} here, {b} at the peer"
         return None
+
+
+def pool_blocks(layout: KVLayout, pool_bytes: int) -> int:
+    """Blocks of `layout` (every layer, every rank) that fit in `pool_bytes` (ValueError if none)."""
+    n = pool_bytes // (layout.num_layers * layout.bytes_per_block)
+    if n < 1:
+        raise ValueError(
+            f"a KV pool of {pool_bytes} bytes holds no block of {layout.num_layers * layout.bytes_per_block} bytes "
+            f"({layout.dtype} KV)"
+        )
+    return n
 
 
 SHM_DIR = "/dev/shm"
@@ -125,7 +182,7 @@ class KVCache:
         devices = shard_devices if shard_devices is not None else [device] * layout.tp_size
         if len(devices) != layout.tp_size:
             raise ValueError(f"{len(devices)} shard devices for tensor-parallel size {layout.tp_size}")
-        shape = (layout.num_layers, num_blocks, 2, layout.block_size, layout.kv_heads_per_rank, layout.head_dim)
+        shape = layout.shard_shape(num_blocks)
         if shared:
             check_shared_memory(num_blocks * layout.num_layers * layout.bytes_per_block)
         self.shards = [torch.zeros(shape, dtype=layout.torch_dtype, device=d) for d in devices]
@@ -139,7 +196,8 @@ class KVCache:
         return self.shards[rank]
 
     def layer(self, layer: int) -> torch.Tensor:
-        """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of one layer."""
+        """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of one layer (quantized:
+        `[num_blocks, block_bytes]`, which `quantized_views` splits)."""
         return self.tensor[layer]
 
     def blocks(self, layer: int, first_block: int, count: int, rank: int = 0) -> torch.Tensor:
@@ -154,13 +212,15 @@ class KVCache:
         src = torch.as_tensor([s for s, _ in pairs], device=self.tensor.device)
         dst = torch.as_tensor([d for _, d in pairs], device=self.tensor.device)
         for shard in self.shards:
-            shard[:, dst.to(shard.device)] = shard[:, src.to(shard.device)]
+            raw = shard.view(torch.uint8) if self.layout.quantized else shard
+            raw[:, dst.to(shard.device)] = raw[:, src.to(shard.device)]
 
     def reset_blocks(self, block_ids: list[int]) -> None:
         """Zero the given blocks in every layer (after a failed or partial transfer)."""
         if block_ids:
             for t in self.shards:
-                t[:, torch.as_tensor(block_ids, dtype=torch.long, device=t.device)] = 0
+                raw = t.view(torch.uint8) if self.layout.quantized else t
+                raw[:, torch.as_tensor(block_ids, dtype=torch.long, device=t.device)] = 0
 
     def block_nbytes(self) -> int:
         """Bytes of one block's KV, every layer, every rank's shard (what `export_block` returns)."""
@@ -185,3 +245,134 @@ class KVCache:
     def nbytes(self) -> int:
         """Every rank's shard together."""
         return sum(t.numel() * t.element_size() for t in self.shards)
+
+
+# ------------------------------------------------------------------ quantized KV
+
+
+def quantized_kind(t: torch.Tensor) -> str | None:
+    """ "int8" or "fp8_e4m3" for a quantized cache tensor (or one layer of it), None otherwise."""
+    for name, dtype in QUANTIZED_TORCH_DTYPES.items():
+        if t.dtype == dtype:
+            return name
+    return None
+
+
+def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] (any float dtype) as (values [..., head_dim] of the kind's torch dtype,
+    scales [...] fp32): the module doc's rounding, which the C++ decode kernel reproduces."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / QUANT_MAX[kind]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = xf / safe[..., None]
+    if kind == "int8":
+        return y.round().clamp(-127, 127).to(torch.int8), scale
+    return y.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_rows' inverse: values [..., head_dim] * scales [...], in `dtype`."""
+    return (values.float() * scales[..., None].float()).to(dtype)
+
+
+def quantized_block_size(layer_cache: torch.Tensor, kv_heads: int, head_dim: int) -> int:
+    """Tokens per block of one quantized layer `[num_blocks, block_bytes]`."""
+    per_token = 2 * kv_heads * (head_dim + SCALE_BYTES)
+    if layer_cache.shape[-1] % per_token:
+        raise ValueError(f"a quantized block of {layer_cache.shape[-1]} bytes is no whole number of tokens")
+    return int(layer_cache.shape[-1]) // per_token
+
+
+def quantized_views(layer_cache: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One quantized layer `[num_blocks, block_bytes]` as (values `[num_blocks, 2, block_size,
+    kv_heads, head_dim]` in the cache's dtype, scales `[num_blocks, 2, block_size, kv_heads]`
+    fp32), both views of the same memory."""
+    blocks = layer_cache.shape[0]
+    bs = quantized_block_size(layer_cache, kv_heads, head_dim)
+    nvals = 2 * bs * kv_heads * head_dim
+    values = layer_cache[:, :nvals].view(blocks, 2, bs, kv_heads, head_dim)
+    scales = layer_cache[:, nvals:].view(torch.uint8).view(torch.float32).view(blocks, 2, bs, kv_heads)
+    return values, scales
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor as int8 (so that indexing works whatever its dtype: torch lacks
+    index_put and gather for float8 on some devices)."""
+    return t.view(torch.int8)
+
+
+def write_quantized(
+    layer_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """New tokens' K and V ([T, kv_heads, head_dim]) quantized into their slots of one layer."""
+    kind = quantized_kind(layer_cache)
+    if kind is None:
+        raise ValueError(f"{layer_cache.dtype} is not a quantized KV cache")
+    values, scales = quantized_views(layer_cache, k.shape[1], k.shape[2])
+    raw = _as_int(values)
+    for i, x in enumerate((k, v)):
+        qv, sc = quantize_rows(x, kind)
+        raw[slot_blocks, i, slot_offsets] = _as_int(qv)
+        scales[slot_blocks, i, slot_offsets] = sc
+
+
+def gather_dequantized(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Blocks `block_ids` (any shape S) of one quantized layer, dequantized:
+    `[*S, 2, block_size, kv_heads, head_dim]` in `dtype`."""
+    kind = quantized_kind(layer_cache)
+    if kind is None:
+        raise ValueError(f"{layer_cache.dtype} is not a quantized KV cache")
+    values, scales = quantized_views(layer_cache, kv_heads, head_dim)
+    qv = _as_int(values)[block_ids].view(QUANTIZED_TORCH_DTYPES[kind])
+    return dequantize_rows(qv, scales[block_ids], dtype)
+
+
+def quantize_into(
+    cache: KVCache, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, rank: int = 0
+) -> None:
+    """Write one layer's K and V of whole blocks, `[len(block_ids), block_size, kv_heads_per_rank,
+    head_dim]` each in any float dtype (bf16 or fp32 off the wire), into blocks `block_ids` of
+    rank `rank`'s shard, in the cache's own storage dtype: quantized with fresh per-token, per-head
+    scales for an int8 or fp8 cache (exactly as the engine's own writes), cast otherwise."""
+    lay = cache.layout
+    shape = (len(block_ids), lay.block_size, lay.kv_heads_per_rank, lay.head_dim)
+    if tuple(k.shape) != shape or tuple(v.shape) != shape:
+        raise ValueError(f"quantize_into takes K and V of shape {list(shape)}, got {list(k.shape)}, {list(v.shape)}")
+    if not block_ids:
+        return
+    if not 0 <= min(block_ids) <= max(block_ids) < cache.num_blocks:
+        raise IndexError(f"block ids outside 0..{cache.num_blocks - 1}")
+    shard = cache.shard(rank)[layer]
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=shard.device)
+    k, v = k.to(shard.device), v.to(shard.device)
+    if not lay.quantized:
+        shard[ids, 0] = k.to(shard.dtype)
+        shard[ids, 1] = v.to(shard.dtype)
+        return
+    values, scales = quantized_views(shard, lay.kv_heads_per_rank, lay.head_dim)
+    raw = _as_int(values)
+    for i, x in enumerate((k, v)):
+        qv, sc = quantize_rows(x, lay.dtype)
+        raw[ids, i] = _as_int(qv)
+        scales[ids, i] = sc
+
+
+def dequantize_blocks(
+    cache: KVCache, layer: int, block_ids: list[int], dtype: torch.dtype, rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_into's inverse: (K, V) of blocks `block_ids` of one layer of rank `rank`'s shard,
+    each `[len(block_ids), block_size, kv_heads_per_rank, head_dim]` in `dtype`."""
+    lay = cache.layout
+    shard = cache.shard(rank)[layer]
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=shard.device)
+    if lay.quantized:
+        kv = gather_dequantized(shard, ids, lay.kv_heads_per_rank, lay.head_dim, dtype)
+    else:
+        kv = shard[ids].to(dtype)
+    return kv[:, 0], kv[:, 1]

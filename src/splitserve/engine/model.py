@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels.decode import KV_KINDS as QUANTIZED_KV_KINDS
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
@@ -130,7 +131,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [layers, blocks, 2, bs, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [layers, blocks, 2, bs, kv_heads, head_dim] (quantized: engine/kv_cache.py)
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose logits are wanted
         on_layer_done: LayerHook | None = None,
@@ -184,10 +185,13 @@ class LlamaModel:
         self, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> DecodeKernels | TritonDecodeKernels | None:
         """The fused kernels when this step can take them, else None (the torch path)."""
-        if not meta.is_decode or kv_cache.dtype != self.dtype:
+        quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
+        if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized):
             return None
         if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()
+        if quantized:  # the Triton kernel reads the model's dtype only: the torch path dequantizes
+            return None
         if self.device.type == "cuda" and self.dtype in TRITON_DECODE_DTYPES and kv_cache.device.type == "cuda":
             return triton_decode_kernels()
         return None
@@ -215,6 +219,7 @@ class LlamaModel:
             scale=self.scale,
             eps=cfg.rms_norm_eps,
             intermediate_size=cfg.intermediate_size,
+            **({"kv_heads": cfg.num_kv_heads} if kv_cache.dtype in QUANTIZED_KV_KINDS else {}),
         )
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):

@@ -141,6 +141,8 @@ def serve_metrics(worker: RunningWorker, port: int) -> str:
 
 def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """Model and engine flags shared by every command that builds an engine."""
+    from splitserve.engine.config import KV_CACHE_DTYPES
+
     p.add_argument(
         "--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -149,6 +151,20 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)"
     )
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV pool's storage dtype: auto (the model's), bfloat16, float32, int8 or fp8 (e4m3); int8 and fp8 "
+        "keep a scale per token and KV head and hold about twice the tokens of bfloat16 in the same bytes",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=0,
+        help="size the KV pool in bytes instead (all layers, every rank's shard): the blocks that fit "
+        "in the chosen --kv-cache-dtype (0: --num-blocks decides)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (the prefill chunk)")
@@ -188,6 +204,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         dtype=dtype,
         block_size=a.block_size,
         num_blocks=a.num_blocks,
+        kv_cache_dtype=a.kv_cache_dtype,
+        kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         long_prefill_token_threshold=a.long_prefill_token_threshold,

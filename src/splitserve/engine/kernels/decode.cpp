@@ -209,6 +209,7 @@ struct Attn {
   const void* sin;
   int64_t b, heads, kv_heads, dim, block_size;
   float scale;
+  int kv_kind;               // kKvNative (cache of T), kKvInt8 or kKvFp8 (the quantized format)
 };
 
 // Floats of scratch one call of an attend function needs (either path).
@@ -311,6 +312,203 @@ SS_INLINE void attend_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, f
 template <class T>
 using Attend = void (*)(const Attn&, int64_t, int64_t, int64_t, float*);
 SS_VARIANTS(attend, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
+
+// ------------------------------------------ decode attention, quantized KV
+//
+// An int8 or fp8 (e4m3) cache (engine/kv_cache.py has the format): one layer
+// is [num_blocks, block_bytes] bytes, each block its values [2, block_size,
+// kv_heads, dim] (one byte each) and then its fp32 scales [2, block_size,
+// kv_heads], one per token and kv head: x = value * scale. The portable loop
+// of attend_dim with the scale taken out of the inner loops: a score is
+// scale_t * (q . k_t) and a token's V is weighted by p_t * scale_t, so the
+// inner loops only widen bytes to fp32. The write quantizes each new row as
+// engine/kv_cache.py's quantize_rows does, bit for bit.
+
+constexpr int kKvNative = 0, kKvInt8 = 1, kKvFp8 = 2;
+
+SS_INLINE float dequant(int8_t v) { return static_cast<float>(v); }
+// e4m3fn bits to fp32: the 7 magnitude bits placed at fp32's exponent and
+// mantissa, times 2^(127 - 7); exact for normals and subnormals alike.
+SS_INLINE float dequant(uint8_t v) {
+  const uint32_t u = (static_cast<uint32_t>(v & 0x7fu) << 20) | (static_cast<uint32_t>(v & 0x80u) << 24);
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f * 0x1p120f;
+}
+
+// fp32 to e4m3fn bits, round to nearest even: c10's fp8e4m3fn_from_fp32_value.
+SS_INLINE uint8_t fp8_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u >= (UINT32_C(1087) << 20)) {
+    r = 0x7f;
+  } else if (u < (UINT32_C(121) << 23)) {
+    const uint32_t denorm = UINT32_C(141) << 23;
+    float x, d;
+    std::memcpy(&x, &u, sizeof(x));
+    std::memcpy(&d, &denorm, sizeof(d));
+    x += d;
+    std::memcpy(&u, &x, sizeof(u));
+    r = static_cast<uint8_t>(u - denorm);
+  } else {
+    const uint32_t odd = (u >> 20) & 1u;
+    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
+    u += odd;
+    r = static_cast<uint8_t>(u >> 20);
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+SS_INLINE void quantize_to(int8_t* p, float y) {
+  float r = std::nearbyint(y);
+  r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+  *p = static_cast<int8_t>(r);
+}
+SS_INLINE void quantize_to(uint8_t* p, float y) {
+  y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+  *p = fp8_bits(y);
+}
+constexpr float qmax(int8_t*) { return 127.0f; }
+constexpr float qmax(uint8_t*) { return 448.0f; }
+
+// Bytes of one block of one layer: values, then scales.
+SS_INLINE int64_t q_block_bytes(const Attn& a) { return 2 * a.block_size * a.kv_heads * (a.dim + 4); }
+
+template <class C, int D>
+SS_INLINE void attend_q_dim(const Attn& a, int64_t b, int64_t kh, float* buf, bool bf16_out) {
+  const int64_t dim = D > 0 ? D : a.dim, group = a.heads / a.kv_heads, ctx = a.context_lens[b];
+  const int64_t row = a.kv_heads * dim, v_off = a.block_size * row, block_bytes = q_block_bytes(a);
+  const int64_t scales_off = 2 * v_off;  // bytes: values are one byte each
+  const uint8_t* cache = static_cast<const uint8_t*>(a.cache);
+  const int64_t* table = a.tables + b * a.width;
+  float* qf = buf;
+  float* acc = qf + group * dim;
+  float* kv = acc + group * dim;
+  float* s = kv + dim;  // [group, ctx]
+  const int64_t q_off = b * a.q_stride + kh * group * dim;
+#pragma omp simd
+  for (int64_t i = 0; i < group * dim; ++i) {
+    qf[i] = (bf16_out ? to_f32(static_cast<const uint16_t*>(a.q)[q_off + i])
+                      : static_cast<const float*>(a.q)[q_off + i]) *
+            a.scale;
+    acc[i] = 0.0f;
+  }
+  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
+    const uint8_t* base = cache + table[blk] * block_bytes;
+    const C* k = reinterpret_cast<const C*>(base) + kh * dim;
+    const float* sc = reinterpret_cast<const float*>(base + scales_off) + kh;
+    const int64_t n = std::min(a.block_size, ctx - t0);
+    for (int64_t t = 0; t < n; ++t, k += row) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) kv[d] = dequant(k[d]);
+      const float st = sc[t * a.kv_heads];
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kv[d];
+        s[g * ctx + t0 + t] = dot * st;
+      }
+    }
+  }
+  float sums[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * ctx;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < ctx; ++t) {
+      float e = exp_f32(sg[t] - m);
+      sg[t] = e;
+      sum += e;
+    }
+    sums[g] = sum;
+  }
+  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
+    const uint8_t* base = cache + table[blk] * block_bytes;
+    const C* v = reinterpret_cast<const C*>(base) + v_off + kh * dim;
+    const float* sc = reinterpret_cast<const float*>(base + scales_off) + a.block_size * a.kv_heads + kh;
+    const int64_t n = std::min(a.block_size, ctx - t0);
+    for (int64_t t = 0; t < n; ++t, v += row) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) kv[d] = dequant(v[d]);
+      const float st = sc[t * a.kv_heads];
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = s[g * ctx + t0 + t] * st;
+        float* ag = acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ag[d] += p * kv[d];
+      }
+    }
+  }
+  const int64_t o_off = (b * a.heads + kh * group) * dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float sum = sums[g];
+    if (bf16_out) {
+      uint16_t* out = static_cast<uint16_t*>(a.out) + o_off;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) store(out, g * dim + d, acc[g * dim + d] / sum);
+    } else {
+      float* out = static_cast<float*>(a.out) + o_off;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) store(out, g * dim + d, acc[g * dim + d] / sum);
+    }
+  }
+}
+
+// T: the model's dtype (q and out); C: the cache's value type (int8_t, or uint8_t for e4m3 bits).
+template <class T, class C>
+SS_INLINE void attend_q_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  constexpr bool bf16 = sizeof(T) == 2;
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    switch (a.dim) {
+      case 64: attend_q_dim<C, 64>(a, b, kh, buf, bf16); break;
+      case 128: attend_q_dim<C, 128>(a, b, kh, buf, bf16); break;
+      default: attend_q_dim<C, 0>(a, b, kh, buf, bf16); break;
+    }
+  }
+}
+template <class T>
+SS_INLINE void attend_i8_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  attend_q_impl<T, int8_t>(a, b, kh0, kh1, buf);
+}
+template <class T>
+SS_INLINE void attend_f8_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  attend_q_impl<T, uint8_t>(a, b, kh0, kh1, buf);
+}
+SS_VARIANTS(attend_i8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
+SS_VARIANTS(attend_f8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
+
+// Each new row's K and V (after RoPE) quantized into its slot: per kv head,
+// scale = max|x| / qmax (0 for a zero row, whose values are 0) and value =
+// round(x / scale), as quantize_rows in engine/kv_cache.py.
+template <class T, class C>
+void write_new_kv_q(const Attn& a) {
+  const int64_t row = a.kv_heads * a.dim, v_off = a.block_size * row, block_bytes = q_block_bytes(a);
+  uint8_t* cache = static_cast<uint8_t*>(a.cache);
+  for (int64_t b = 0; b < a.b; ++b) {
+    uint8_t* base = cache + a.slot_blocks[b] * block_bytes;
+    for (int kv = 0; kv < 2; ++kv) {
+      const T* src = static_cast<const T*>(kv == 0 ? a.k_new : a.v_new) + b * a.kv_stride;
+      C* dst = reinterpret_cast<C*>(base) + kv * v_off + a.slot_offsets[b] * row;
+      float* sc = reinterpret_cast<float*>(base + 2 * v_off) + (kv * a.block_size + a.slot_offsets[b]) * a.kv_heads;
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        const T* x = src + h * a.dim;
+        float amax = 0.0f;
+        for (int64_t d = 0; d < a.dim; ++d) amax = std::max(amax, std::fabs(to_f32(x[d])));
+        const float scale = amax / qmax(static_cast<C*>(nullptr));
+        const float safe = scale > 0.0f ? scale : 1.0f;
+        for (int64_t d = 0; d < a.dim; ++d) quantize_to(dst + h * a.dim + d, to_f32(x[d]) / safe);
+        sc[h] = scale;
+      }
+    }
+  }
+}
 
 // ---------------------------------------------- decode attention, AVX-512
 //
@@ -569,14 +767,20 @@ struct Ops {
   RopeRow<T> rope_row;
   SiluMulRow<T> silu_mul_row;
   Attend<T> attend;
+  Attend<T> attend_i8;
+  Attend<T> attend_f8;
 };
 
 template <class T>
 Ops<T> ops_for(int isa) {
   switch (isa) {
-    case kIsaAvx512: return {rms_norm_row_v4<T>, rope_row_v4<T>, silu_mul_row_v4<T>, attend_avx512<T>};
-    case kIsaAvx2: return {rms_norm_row_v3<T>, rope_row_v3<T>, silu_mul_row_v3<T>, attend_v3<T>};
-    default: return {rms_norm_row_v1<T>, rope_row_v1<T>, silu_mul_row_v1<T>, attend_v1<T>};
+    case kIsaAvx512:
+      return {rms_norm_row_v4<T>, rope_row_v4<T>, silu_mul_row_v4<T>, attend_avx512<T>, attend_i8_v4<T>,
+              attend_f8_v4<T>};
+    case kIsaAvx2:
+      return {rms_norm_row_v3<T>, rope_row_v3<T>, silu_mul_row_v3<T>, attend_v3<T>, attend_i8_v3<T>, attend_f8_v3<T>};
+    default:
+      return {rms_norm_row_v1<T>, rope_row_v1<T>, silu_mul_row_v1<T>, attend_v1<T>, attend_i8_v1<T>, attend_f8_v1<T>};
   }
 }
 
@@ -609,10 +813,12 @@ void attention(const Attn& a, const Ops<T>& ops, bool write, bool read, int64_t 
         ops.rope_row(static_cast<T*>(a.k_new) + b * a.kv_stride, a.kv_heads, a.dim, cos + b * a.dim, sin + b * a.dim);
       }
     }
-    write_new_kv<T>(a);
+    if (a.kv_kind == kKvInt8) write_new_kv_q<T, int8_t>(a);
+    else if (a.kv_kind == kKvFp8) write_new_kv_q<T, uint8_t>(a);
+    else write_new_kv<T>(a);
   }
   if (!read) return;
-  const Attend<T> attend = ops.attend;
+  const Attend<T> attend = a.kv_kind == kKvInt8 ? ops.attend_i8 : a.kv_kind == kKvFp8 ? ops.attend_f8 : ops.attend;
   int64_t work = 0, max_ctx = 0;
   for (int64_t b = 0; b < a.b; ++b) {
     work += a.context_lens[b];
@@ -777,10 +983,10 @@ PyObject* py_silu_mul(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* py_decode_attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  long long v[26];
+  long long v[27];
   double scale = 0.0;
   int isa;
-  if (!parse("decode_attention", args, nargs, 26, v, 21, &scale) || !resolve_isa("decode_attention", v[25], &isa))
+  if (!parse("decode_attention", args, nargs, 27, v, 21, &scale) || !resolve_isa("decode_attention", v[25], &isa))
     return nullptr;
   Attn a{};
   a.out = ptr<void>(v[0]);
@@ -807,6 +1013,11 @@ PyObject* py_decode_attention(PyObject*, PyObject* const* args, Py_ssize_t nargs
   a.scale = static_cast<float>(scale);
   const bool write = v[22] != 0, read = v[23] != 0;
   const int64_t threads = v[24];
+  if (v[26] < kKvNative || v[26] > kKvFp8) {
+    PyErr_Format(PyExc_ValueError, "decode_attention: kv_kind %lld is not 0 (native), 1 (int8) or 2 (fp8)", v[26]);
+    return nullptr;
+  }
+  a.kv_kind = static_cast<int>(v[26]);
   if ((a.cos == nullptr) != (a.sin == nullptr) || (a.cos != nullptr && (a.dim % 2 != 0 || a.dim > 2 * kMaxHalf))) {
     PyErr_Format(PyExc_ValueError, "decode_attention: cos and sin go together, head_dim even and at most %d",
                  2 * kMaxHalf);
@@ -848,8 +1059,9 @@ PyMethodDef kMethods[] = {
     {"decode_attention", SS_FASTCALL(py_decode_attention), METH_FASTCALL,
      "decode_attention(out, q, q_stride, k_new, v_new, kv_stride, slot_blocks, slot_offsets, cache,\n"
      "num_blocks, block_tables, width, context_lens, cos, sin, batch, heads, kv_heads, head_dim,\n"
-     "block_size, bf16, scale, write, read, threads, isa): one query token per sequence. If write:\n"
-     "RoPE on q and k_new in place (if cos), then the new K/V into their slots. If read: out[b] =\n"
+     "block_size, bf16, scale, write, read, threads, isa, kv_kind): one query token per sequence. If\n"
+     "write: RoPE on q and k_new in place (if cos), then the new K/V into their slots (kv_kind 1 int8,\n"
+     "2 fp8 e4m3: quantized, the cache in engine/kv_cache.py's format). If read: out[b] =\n"
      "attention of q[b] over its context. scale is a float. Indices are checked (IndexError);\n"
      "everything else is trusted."},
     {"isa", py_isa, METH_NOARGS, "best ISA level of this CPU: 1 x86-64, 2 AVX2+FMA, 3 AVX-512"},

@@ -14,7 +14,10 @@ dispatch for nanoseconds of arithmetic. Here a layer is four calls:
     y = step.linear(x, w)                     # x @ w.T: linear.py here, its own kernel on the GPU
     down = step.silu_mul_linear(gate_up, w)   # silu_mul, then linear (one kernel on the GPU)
 
-bf16 and fp32 on the CPU only. Every property the C++ relies on (dtype,
+bf16 and fp32 on the CPU only; the KV cache in the model's dtype, or quantized (int8 or fp8
+e4m3 values with a scale per token and KV head, engine/kv_cache.py's format: `[layers,
+blocks, block_bytes]` of torch.int8 or torch.float8_e4m3fn), which the kernel quantizes on
+write and reads in place (kv_kind 1 or 2 below). Every property the C++ relies on (dtype,
 shape, contiguity, device) is checked here, the step's fixed tensors once per
 step and each layer's new tensor per call; the scheduler's indices (block
 tables, slots, context lengths) are checked by the C++ before it touches
@@ -44,6 +47,10 @@ _LONG = torch.int64
 
 ISA_NAMES = {1: "x86-64", 2: "avx2", 3: "avx512"}
 
+# decode_attention's kv_kind: the cache's element type (0: the model's dtype)
+KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+_SCALE_BYTES = 4  # engine/kv_cache.py's fp32 scale per token and KV head
+
 
 class StepMetadata(Protocol):
     """What a step needs of engine.attention.AttentionMetadata (not imported: it imports nothing from here)."""
@@ -69,8 +76,22 @@ def _fits(t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return t.dtype is dtype and t.is_cpu and t.is_contiguous() and tuple(t.shape) == shape
 
 
+def _cache_shape(kv_cache: Tensor, kv_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(layers, blocks, block_size, kv_heads, head_dim) of a cache in either format (ValueError if neither)."""
+    if kv_cache.dim() == 6 and kv_cache.dtype not in KV_KINDS:
+        layers, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+        return layers, blocks, block_size, kv_heads, head_dim
+    per_token = 2 * kv_heads * (head_dim + _SCALE_BYTES)
+    if kv_cache.dim() != 3 or kv_cache.dtype not in KV_KINDS or kv_heads <= 0 or kv_cache.shape[2] % per_token:
+        raise ValueError(
+            "kv_cache must be [layers, blocks, 2, block_size, kv_heads, head_dim] in the model's dtype, or "
+            "a quantized [layers, blocks, block_bytes] (int8 or float8_e4m3fn) with kv_heads given"
+        )
+    return kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[2] // per_token, kv_heads, head_dim
+
+
 def _check_step_tensors(
-    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int
+    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int, kv_heads: int
 ) -> None:
     """Every property of a step's fixed tensors that the C++ relies on (ValueError naming the first that fails)."""
     dtype = h.dtype
@@ -78,14 +99,16 @@ def _check_step_tensors(
         raise ValueError(f"decode kernels take bf16 or fp32, not {dtype}")
     if h.dim() != 2 or not h.is_cpu or not h.is_contiguous():
         raise ValueError("h must be a contiguous CPU tensor [batch, hidden]")
-    if kv_cache.dim() != 6 or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.dtype is not dtype:
+    own = kv_cache.dtype is dtype or kv_cache.dtype in KV_KINDS
+    if not kv_cache.is_cpu or not kv_cache.is_contiguous() or not own:
         raise ValueError(
             f"kv_cache must be a contiguous CPU {dtype} tensor [layers, blocks, 2, block_size, kv_heads, head_dim]"
+            " or a quantized one (int8, float8_e4m3fn)"
         )
+    _, _, _, kv_heads, head_dim = _cache_shape(kv_cache, kv_heads, cos.shape[-1])
     if not meta.is_decode:
         raise ValueError("a decode step needs one new token per sequence")
     batch = h.shape[0]
-    kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     tables = meta.block_tables
     if tables.dim() != 2 or tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [{batch}, width]")
@@ -125,8 +148,9 @@ class DecodeStep:
         scale: float,
         eps: float,
         intermediate_size: int,
+        kv_heads: int = 0,
     ):
-        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads)
+        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads, kv_heads)
         self._ext, self._isa = ext, isa
         self.h = h
         self.dtype = h.dtype
@@ -134,11 +158,12 @@ class DecodeStep:
         self._bf16 = int(h.dtype is _BF16)
         self._threads = torch.get_num_threads()
         self._eps = float(eps)
-        kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
-        self._allocate_buffers(num_heads, kv_heads, head_dim, intermediate_size)
+        self._kv_kind = KV_KINDS.get(kv_cache.dtype, 0)
+        shape = _cache_shape(kv_cache, kv_heads, cos.shape[-1])
+        self._allocate_buffers(num_heads, shape[3], shape[4], intermediate_size)
         # Kept so that the pointers _bind_attention_args takes stay valid for the step's lifetime.
         self._keep = (kv_cache, meta, cos, sin)
-        self._bind_attention_args(kv_cache, meta, cos, sin, num_heads, scale)
+        self._bind_attention_args(kv_cache, shape, meta, cos, sin, num_heads, scale)
 
     def _allocate_buffers(self, num_heads: int, kv_heads: int, head_dim: int, intermediate_size: int) -> None:
         """The expected shapes of each layer's new tensors, and the step's output buffers."""
@@ -153,17 +178,24 @@ class DecodeStep:
         self._act = h.new_empty(batch, intermediate_size)
 
     def _bind_attention_args(
-        self, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int, scale: float
+        self,
+        kv_cache: Tensor,
+        shape: tuple[int, int, int, int, int],
+        meta: StepMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        num_heads: int,
+        scale: float,
     ) -> None:
         """decode_attention's arguments that stay fixed for the step: offsets, pointers and sizes."""
-        _, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+        _, blocks, block_size, kv_heads, head_dim = shape
         batch = self.h.shape[0]
         tables = meta.block_tables
         elt = self.h.element_size()
         self._k_off = num_heads * head_dim * elt
         self._v_off = (num_heads + kv_heads) * head_dim * elt
         self._cache = kv_cache.data_ptr()
-        self._layer_bytes = kv_cache.stride(0) * elt
+        self._layer_bytes = kv_cache.stride(0) * kv_cache.element_size()
         width = self._qkv_shape[1]
         # decode_attention's arguments after k_new/v_new and after the cache pointer
         self._slots = (width, meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr())
@@ -223,6 +255,7 @@ class DecodeStep:
             int(read),
             self._threads,
             self._isa,
+            self._kv_kind,
         )
 
     def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
@@ -293,13 +326,17 @@ class DecodeKernels:
         scale: float,
         eps: float,
         intermediate_size: int,
+        kv_heads: int = 0,
     ) -> DecodeStep:
         """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
 
         cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
-        dtype; meta is the step's AttentionMetadata (a decode step).
+        dtype; meta is the step's AttentionMetadata (a decode step). `kv_heads`: the cache's KV
+        heads, needed only for a quantized cache (whose blocks are bytes).
         """
-        return DecodeStep(self._ext, self.isa, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
+        return DecodeStep(
+            self._ext, self.isa, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size, kv_heads
+        )
 
 
 def _self_test(k: DecodeKernels) -> bool:
