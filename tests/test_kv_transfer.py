@@ -24,6 +24,7 @@ from splitserve.kv_transfer import (
     Outcome,
     Reservation,
     TransferError,
+    codec,
     frame,
 )
 from splitserve.kv_transfer.fake import FakeTransport
@@ -54,10 +55,11 @@ def test_header_round_trips_and_rejects_tampering():
         payload_length=20,
         checksum_kind=2,
         checksum=123,
-        value=-1,
+        value=codec.CODEC_INT8,  # a layer frame's value is its codec: version 3
     )
     raw = frame.encode_header(h)
     assert len(raw) == frame.HEADER_SIZE
+    assert raw[4] == frame.VERSION_CODEC
     assert frame.decode_header(raw) == h
     for i in (0, 5, 40, 100, 130):
         bad = bytearray(raw)

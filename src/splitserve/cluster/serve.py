@@ -83,6 +83,9 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
             "transfer re-shards heads between pools of different sizes",
         )
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    from splitserve.workers.common.config import add_wire_codec_arguments
+
+    add_wire_codec_arguments(p)
 
 
 def _add_placement_arguments(p: argparse._ActionsContainer) -> None:
@@ -309,6 +312,8 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
             engine=replace(cfg.engine, tensor_parallel_size=cfg.tp[role]),
             host=a.worker_host,
             kv_transport=a.kv_transport,
+            kv_wire_codec=a.kv_wire_codec,
+            kv_link_gbps=a.kv_link_gbps,
             cluster_token=cluster_token,
             threads=a.threads,
             max_waiting_requests=a.max_waiting_requests,

@@ -11,7 +11,7 @@ Header, little-endian, `HEADER_SIZE` = 136 bytes:
 | offset | size | field            | meaning                                                   |
 | ------ | ---- | ---------------- | --------------------------------------------------------- |
 | 0      | 4    | magic            | b"SSKV"                                                   |
-| 4      | 1    | version          | 2                                                         |
+| 4      | 1    | version          | 2, or 3 for a layer frame with an encoded payload (below) |
 | 5      | 1    | kind             | 1 handshake, 2 layer, 3 done, 4 ack, 5 error              |
 | 6      | 1    | checksum kind    | 0 none, 1 crc32 (zlib), 2 lane-sum crc32 (see below)      |
 | 7      | 1    | dtype code       | 0 none, 1 float32, 2 bfloat16, 3 float16                  |
@@ -19,11 +19,14 @@ Header, little-endian, `HEADER_SIZE` = 136 bytes:
 | 24     | 64   | request id       | utf-8, NUL-padded; at most 64 bytes                       |
 | 88     | 4    | layer            | layer index (layer frames)                                |
 | 92     | 4    | first block      | the receiver's block id of the first block (layer frames) |
-| 96     | 4    | block count      | consecutive receiver block ids from first block           |
+| 96     | 4    | block count      | consecutive receiver block ids from first block; a        |
+|        |      |                  | handshake's: the codecs offered; its ack's: the codec     |
+|        |      |                  | chosen (see "Wire codecs")                                |
 | 100    | 4    | payload checksum | of the payload, by checksum kind                          |
 | 104    | 8    | element count    | tensor elements in the payload (layer frames)             |
 | 112    | 8    | payload length   | bytes that follow the header                              |
-| 120    | 8    | value            | done: the first token; handshake and its ack: see below   |
+| 120    | 8    | value            | done: the first token; handshake and its ack: see below;  |
+|        |      |                  | layer: the payload's codec id (0 raw, 1 int8: codec.py)   |
 | 128    | 2    | first head       | the model's KV head the payload starts at (layer frames)   |
 | 130    | 2    | head count       | KV heads in the payload; 0: every head (layer frames)     |
 | 132    | 4    | header crc32     | zlib.crc32 of bytes 0..131                                |
@@ -48,6 +51,17 @@ after each layer header; `PAYLOAD_DEVICE_COPY` (1), copied by the sender into
 the receiver's cache through the mapping (CUDA IPC, same GPU) before it sends
 the layer header, which then carries no payload and no checksum.
 
+Wire codecs (codec.py). A handshake's block count is a bit set of the codecs the sender
+offers (bit i: codec i; raw, 0, is always acceptable and not offered); its ack's block
+count is the codec the receiver chose, one of those offered or 0. A peer from before
+codecs writes 0 in both (the field was unused and zero in those kinds) and reads neither,
+so against it a stream is raw. A layer frame whose payload is encoded is version 3 and
+names its codec in `value`; raw layer frames and every other kind stay version 2 (what
+such a peer reads), and a version 2 layer frame must say codec 0. Element count is still
+the elements of the K and V the frame carries; payload length and the checksum are of
+the bytes on the wire, and the receiver checks the length against the codec's size for
+that many elements (`codec.wire_bytes`).
+
 Why a lane-sum checksum: zlib.crc32 runs at about 2.7 GB/s per core here,
 slower than loopback TCP, so checking it on both ends would cost about half
 the bandwidth on a two-core machine. Kind 2 sums the payload's 64-bit words
@@ -70,9 +84,11 @@ import torch
 
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.kv_cache import KVLayout
+from splitserve.kv_transfer.codec import CODEC_NAMES, CODEC_RAW
 
 MAGIC = b"SSKV"
 VERSION = 2  # 2: head ranges in layer frames, tensor-parallel sizes in the handshake
+VERSION_CODEC = 3  # 3: a layer frame whose payload is encoded, its codec id in `value` (codec.py)
 
 HANDSHAKE, LAYER, DONE, ACK, ERROR = 1, 2, 3, 4, 5
 KIND_NAMES = {HANDSHAKE: "handshake", LAYER: "layer", DONE: "done", ACK: "ack", ERROR: "error"}
@@ -129,9 +145,10 @@ def encode_header(h: Header) -> bytes:
         raise ValueError(f"request id longer than {REQUEST_ID_BYTES} bytes")
     if len(h.ticket) != 16:
         raise ValueError("ticket must be 16 bytes")
+    version = VERSION_CODEC if h.kind == LAYER and h.value != CODEC_RAW else VERSION
     body = _BODY.pack(
         MAGIC,
-        VERSION,
+        version,
         h.kind,
         h.checksum_kind,
         h.dtype_code,
@@ -175,12 +192,18 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     ) = _BODY.unpack(body)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_CODEC):
         raise FrameError(f"unsupported frame version {version}")
     if _CRC.unpack(bytes(buf[_BODY.size :]))[0] != zlib.crc32(body):
         raise FrameError("header checksum mismatch")
     if kind not in KIND_NAMES:
         raise FrameError(f"unknown frame kind {kind}")
+    if kind == LAYER and (version == VERSION_CODEC) != (value != CODEC_RAW):
+        raise FrameError(f"layer frame of version {version} names codec {value}")
+    if version == VERSION_CODEC and kind != LAYER:
+        raise FrameError(f"a {KIND_NAMES[kind]} frame of version {version}")
+    if kind == LAYER and value not in CODEC_NAMES:
+        raise FrameError(f"unknown codec {value}")
     if ck_kind not in CHECKSUM_KINDS.values():
         raise FrameError(f"unknown checksum kind {ck_kind}")
     if dtype_code != 0 and dtype_code not in DTYPE_NAMES:

@@ -29,6 +29,7 @@ where it runs decides, not its price.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from splitserve.engine.kv_cache import KVLayout
@@ -72,12 +73,15 @@ def plan(sender: KVLayout, receiver: KVLayout) -> tuple[ShardFrame, ...]:
     return tuple(frames)
 
 
-def mapping_error(prefill: KVLayout, decode: KVLayout) -> str | None:
+def mapping_error(prefill: KVLayout, decode: KVLayout, dtype: bool = True) -> str | None:
     """Why the prefill side's KV cannot go into the decode side's cache, or None.
 
     Any two tensor-parallel sizes map as long as the model's KV (every head of
     every layer, head dim, block size, dtype) is the same on both sides; at
-    equal sizes the message is the layout's own, naming the field."""
+    equal sizes the message is the layout's own, naming the field. `dtype=False`:
+    the dtypes may differ (a wire codec decodes into the receiver's, codec.py)."""
+    if not dtype:
+        prefill = dataclasses.replace(prefill, dtype=decode.dtype)
     if prefill.mismatch(decode) is None:
         return None
     f = next(f for f in _MODEL_FIELDS if getattr(prefill, f) != getattr(decode, f))

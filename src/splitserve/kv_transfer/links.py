@@ -38,7 +38,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.kv_transfer import codec as codec_mod
 from splitserve.kv_transfer import cuda_ipc, frame, metrics
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, Reservation, TransportName
 from splitserve.kv_transfer.transport import Connection, Listener, TCPTransport, Transport
@@ -118,13 +119,31 @@ class Grant(NamedTuple):
     value: int  # the ack's value: frame.PAYLOAD_ON_CONNECTION or frame.PAYLOAD_DEVICE_COPY
     payload: bytes  # the ack's payload: the mapping of the cache for device copies, else nothing
     bytes_per_block: int  # what each block of a layer frame carries on the connection (0: copied in already)
+    codec: int = codec_mod.CODEC_RAW  # the ack's block count: the codec the stream's layer payloads use
 
 
-def grant(offered: TransportName, asked: int, cache: KVCache) -> Grant:
-    """The receiver's answer to a handshake asking for payloads to travel as `asked`."""
+def grant(offered: TransportName, asked: int, cache: KVCache, codecs: int = 0) -> Grant:
+    """The receiver's answer to a handshake asking for payloads to travel as `asked`, with
+    the codecs the sender offers (`codecs`, a bit set: frame.py)."""
     if asked == frame.PAYLOAD_DEVICE_COPY and offered == "cuda_ipc":
         return Grant(frame.PAYLOAD_DEVICE_COPY, cuda_ipc.export_cache(cache), 0)
-    return Grant(frame.PAYLOAD_ON_CONNECTION, b"", cache.layout.shard_bytes_per_block)  # a frame is one shard's
+    lay = cache.layout
+    if codecs & codec_mod.OFFER_INT8 and accepts_int8(lay) is None:
+        shard_elements = lay.elements_per_block // lay.tp_size
+        per_block = codec_mod.wire_bytes(codec_mod.CODEC_INT8, shard_elements, lay.head_dim, 1)
+        return Grant(frame.PAYLOAD_ON_CONNECTION, b"", per_block, codec_mod.CODEC_INT8)
+    return Grant(frame.PAYLOAD_ON_CONNECTION, b"", lay.shard_bytes_per_block)  # a frame is one shard's
+
+
+def accepts_int8(layout: KVLayout) -> str | None:
+    """Why a receiver with this cache cannot take int8 frames, or None: it decodes them into
+    its own dtype (codec.DECODES_INTO)."""
+    if layout.dtype not in codec_mod.DECODES_INTO:
+        return (
+            f"FAILED_PRECONDITION: the int8 wire codec cannot be written into a {layout.dtype} KV cache "
+            f"(int8 frames decode into {', '.join(codec_mod.DECODES_INTO)})"
+        )
+    return codec_mod.check_aligned(layout.head_dim)
 
 
 # ---- the sender's side ------------------------------------------------------------------

@@ -27,3 +27,17 @@ CONNECTIONS_DROPPED = Counter(
     "Connections the KV receiver closed on a slow or silent peer, or refused over its cap on unbound ones, by reason",
     ["reason"],
 )
+WIRE_BYTES = Counter(
+    "splitserve_kv_wire_bytes",
+    "KV layer payload bytes on the wire, by side and wire codec (raw: the cache's own bytes)",
+    ["side", "codec"],
+)
+WIRE_KV_BYTES = Counter(
+    "splitserve_kv_wire_cache_bytes",
+    "Cache bytes (in the sender's dtype) the layer frames sent carried, by wire codec: over "
+    "splitserve_kv_wire_bytes_total, what the codec saved",
+    ["codec"],
+)
+CODEC_CHOSEN = Counter(
+    "splitserve_kv_wire_codec_chosen", "KV streams opened, by the wire codec the handshake settled", ["codec"]
+)

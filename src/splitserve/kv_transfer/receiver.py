@@ -34,9 +34,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer import frame, heads, links, metrics
+from splitserve.kv_transfer import codec, frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 
 # Reservation and the outcomes live in reservation.py; they are importable from here as well, as before.
@@ -105,6 +106,7 @@ class KVReceiver:
         self._unbound: set[Connection] = set()  # open, no handshake with a valid ticket yet
         self._refused_unlogged, self._refused_logged_at = 0, -1e9  # connections refused over the cap
         self._closed = False
+        self._local = threading.local()  # per connection thread: the staging buffer of encoded frames
         self._watchdog = Watchdog(self._on_dropped, name="kv-rx-watchdog")
         try:
             self._listening = links.listen(transport, cache, host, port, self._serve)
@@ -225,10 +227,10 @@ class KVReceiver:
         slot: Slot | None = None
         try:
             h = self._recv_frame_header(conn, w, header, handshake_by)
-            slot, per_block = self._handshake(conn, h)
+            slot, grant = self._handshake(conn, h)
             # Bound: the wait for each next frame is the lease's to bound (its expiry closes us).
             self._watchdog.disarm(w)
-            self._receive_until_done(conn, w, header, slot, per_block)
+            self._receive_until_done(conn, w, header, slot, grant)
             return True
         except (FrameError, Rejected, ConnectionClosed) as e:
             self._stream_failed(conn, w, slot, e)
@@ -241,7 +243,9 @@ class KVReceiver:
                 self._book.unbind(slot, conn)
         return False
 
-    def _receive_until_done(self, conn: Connection, w: Watched, header: bytearray, slot: Slot, per_block: int) -> None:
+    def _receive_until_done(
+        self, conn: Connection, w: Watched, header: bytearray, slot: Slot, grant: links.Grant
+    ) -> None:
         """The stream's frames after its handshake: layers into the slot, until a Done that completes it."""
         while True:
             self._recv_frame_start(conn, header)
@@ -251,7 +255,7 @@ class KVReceiver:
             if time.monotonic() > slot.deadline:
                 raise Rejected(FailureCode.LEASE_EXPIRED, "lease expired")
             if h.kind == frame.LAYER:
-                self._receive_layer(conn, slot, h, per_block)
+                self._receive_layer(conn, slot, h, grant)
                 self._watchdog.disarm(w)
             elif h.kind == frame.DONE:
                 self._complete(conn, slot, h)
@@ -343,9 +347,9 @@ class KVReceiver:
             self.max_unbound_connections,
         )
 
-    def _handshake(self, conn: Connection, h: Header) -> tuple[Slot, int]:
-        """Bind the connection to the handshake's reservation; the slot, and the bytes
-        each block of a layer frame will carry on this connection (`links.grant`)."""
+    def _handshake(self, conn: Connection, h: Header) -> tuple[Slot, links.Grant]:
+        """Bind the connection to the handshake's reservation; the slot, and how its layer
+        frames arrive (`links.grant`: the bytes each block carries on this connection, the codec)."""
         if h.kind != frame.HANDSHAKE:
             raise FrameError(f"expected a handshake, got a {frame.KIND_NAMES[h.kind]} frame")
         layout, cut_for_tp = frame.decode_layout(self._read_control(conn, h))
@@ -356,7 +360,9 @@ class KVReceiver:
             raise
         with self._lock:  # bound by a valid ticket: no longer counts against the cap
             self._unbound.discard(conn)
-        mismatch = heads.mapping_error(layout, self.cache.layout)
+        grant = links.grant(self.transport, h.value, self.cache, h.block_count)
+        # another dtype than this cache's: only through a codec decoded into it
+        mismatch = heads.mapping_error(layout, self.cache.layout, dtype=grant.codec == codec.CODEC_RAW)
         if mismatch is None and cut_for_tp != self.cache.layout.tp_size:
             mismatch = (
                 f"KV layout: the prefill worker cuts its KV for decode TP {cut_for_tp}, this decode worker "
@@ -365,12 +371,18 @@ class KVReceiver:
         if mismatch:
             self._book.fail(slot, FailureCode.LAYOUT_MISMATCH, mismatch)  # replies with the reason
             raise Rejected(FailureCode.LAYOUT_MISMATCH, mismatch)
-        grant = links.grant(self.transport, h.value, self.cache)
-        ack = Header(frame.ACK, h.ticket, h.request_id, payload_length=len(grant.payload), value=grant.value)
+        ack = Header(
+            frame.ACK,
+            h.ticket,
+            h.request_id,
+            block_count=grant.codec,
+            payload_length=len(grant.payload),
+            value=grant.value,
+        )
         conn.send([frame.encode_header(ack), grant.payload])
-        return slot, grant.bytes_per_block
+        return slot, grant
 
-    def _receive_layer(self, conn: Connection, slot: Slot, h: Header, per_block: int) -> None:
+    def _receive_layer(self, conn: Connection, slot: Slot, h: Header, grant: links.Grant) -> None:
         layout = self.cache.layout
         if h.layer >= layout.num_layers:
             raise Rejected(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
@@ -380,7 +392,13 @@ class KVReceiver:
         outside = [b for b in ids if b not in slot.position]
         if outside:
             raise Rejected(FailureCode.BLOCK_OUT_OF_RANGE, f"block {outside[0]} is not in the reservation")
-        if h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
+        if h.value != grant.codec:
+            raise Rejected(
+                FailureCode.BAD_FRAME,
+                f"layer frame in codec {codec.CODEC_NAMES[h.value]}, the stream agreed on "
+                f"{codec.CODEC_NAMES[grant.codec]}",
+            )
+        if grant.codec == codec.CODEC_RAW and h.dtype_code != frame.DTYPE_CODES[layout.dtype]:
             raise Rejected(FailureCode.DTYPE_MISMATCH, f"frame dtype code {h.dtype_code}, cache is {layout.dtype}")
         rank = heads.receiver_rank(layout, h.first_head, h.head_count)
         if rank is None:
@@ -391,7 +409,7 @@ class KVReceiver:
             )
         if h.element_count != heads.frame_elements(layout, h.block_count, h.head_count):
             raise Rejected(FailureCode.LENGTH_MISMATCH, f"element count {h.element_count} for {h.block_count} blocks")
-        expected = h.block_count * per_block
+        expected = h.block_count * grant.bytes_per_block
         if h.payload_length != expected:
             raise Rejected(
                 FailureCode.LENGTH_MISMATCH,
@@ -400,7 +418,9 @@ class KVReceiver:
         if expected:  # else the sender copied the blocks in before sending this header (device copies)
             if h.checksum_kind == frame.CHECKSUM_NONE:
                 raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
-            view = frame.as_bytes(self.cache.blocks(h.layer, h.first_block, h.block_count, rank))
+            blocks = self.cache.blocks(h.layer, h.first_block, h.block_count, rank)
+            # raw: straight into the blocks; encoded: into this thread's staging, decoded after the check
+            view = frame.as_bytes(blocks) if grant.codec == codec.CODEC_RAW else self._staging(expected)
             check = frame.PayloadChecksum(h.checksum_kind)
             # On a byte stream, check each piece as it lands (still in cache, and the
             # sender keeps filling the socket buffer meanwhile); messages come whole.
@@ -411,17 +431,28 @@ class KVReceiver:
                     piece = view[at : at + step]
                     conn.recv_into(piece)
                     check.update(piece)
+                if check.value != h.checksum:
+                    raise Rejected(
+                        FailureCode.CHECKSUM_MISMATCH,
+                        f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
+                    )
+                if grant.codec == codec.CODEC_INT8:
+                    codec.decode_into(view, blocks)
             finally:
                 self._book.end_write(slot)
-            if check.value != h.checksum:
-                raise Rejected(
-                    FailureCode.CHECKSUM_MISMATCH,
-                    f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
-                )
             metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
+            metrics.WIRE_BYTES.labels(side="receiver", codec=codec.CODEC_NAMES[grant.codec]).inc(h.payload_length)
         shard_heads = layout.rank_heads(rank)
         slot.received[h.layer, [slot.position[b] for b in ids], shard_heads.start : shard_heads.stop] = True
         metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """This connection thread's buffer for encoded payloads, kept and grown (a fresh one per
+        frame would pay its page faults every frame)."""
+        s: torch.Tensor | None = getattr(self._local, "staging", None)
+        if s is None or s.numel() < nbytes:
+            s = self._local.staging = torch.empty(nbytes, dtype=torch.uint8)
+        return s[:nbytes]
 
     @staticmethod
     def _read_control(conn: Connection, h: Header) -> bytes:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.kv_transfer import frame, heads, links, metrics
+from splitserve.kv_transfer import codec, frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
 from splitserve.kv_transfer.transport import (
@@ -48,6 +48,9 @@ from splitserve.kv_transfer.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+# A stream must carry at least this much for its time to say what the link can do.
+MIN_MEASURED_BYTES = 1 << 20
 
 
 class TransferError(Exception):
@@ -76,11 +79,34 @@ class KVSender:
         queue_depth: int = 4,
         connect_timeout: float = 5.0,
         transport: Transport | None = None,
+        wire_codec: codec.WireCodecMode = "raw",
+        link_gbps: float | None = None,
+        codec_speed: codec.CodecSpeed | None = None,
     ) -> None:
         """`checksum`: "lanesum" (fast, see frame.py) or "crc32"; `queue_depth`: queued
         send_layer calls before back-pressure; `transport`: in place of TCP (the fake).
-        Which transport a stream uses is the reservation's offer and links.py's choice."""
+        Which transport a stream uses is the reservation's offer and links.py's choice.
+
+        `wire_codec`: "raw" never offers a codec, "int8" always offers int8 (the receiver
+        still chooses), "auto" offers it on a link where `codec.choose` says it pays. The
+        link's bandwidth: `link_gbps` (Gb/s, every receiver) if given, else measured on the
+        earlier streams to each receiver (the first goes raw). `codec_speed`: the codec's
+        throughput, else measured here at start (a few milliseconds, "auto" only)."""
+        if wire_codec not in codec.WIRE_CODEC_MODES:
+            raise ValueError(f"wire_codec must be one of {codec.WIRE_CODEC_MODES}, got {wire_codec!r}")
+        if link_gbps is not None and link_gbps <= 0:
+            raise ValueError("link_gbps must be positive")
         self.cache = cache
+        lay = cache.layout
+        self.wire_codec: codec.WireCodecMode = wire_codec
+        self._link_bps = None if link_gbps is None else link_gbps * 1e9 / 8
+        self._int8_unusable = codec.check_aligned(lay.head_dim)
+        if codec_speed is None and wire_codec == "auto" and self._int8_unusable is None:
+            codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim)
+        self.codec_speed = codec_speed
+        self._int8_ratio = codec.ratio(codec.CODEC_INT8, lay.head_dim, lay.torch_dtype.itemsize)
+        self._measured_bps: dict[tuple[str, str], float] = {}  # per (transport, endpoint): measured streams'
+        self._measured_lock = threading.Lock()
         self.checksum_kind = frame.CHECKSUM_KINDS[checksum]
         self.queue_depth = queue_depth
         self._dialer = links.Dialer(cache, transport or TCPTransport(), connect_timeout)
@@ -90,16 +116,25 @@ class KVSender:
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
         mismatch = heads.mapping_error(self.cache.layout, reservation.layout)
-        if mismatch:
+        # Caches of two dtypes exchange KV only through a codec that the receiver decodes into its own.
+        bridge = (
+            self.wire_codec != "raw" and heads.mapping_error(self.cache.layout, reservation.layout, dtype=False) is None
+        )
+        if mismatch and not bridge:
             raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
         while True:
             try:
                 d = self._dialer.dial(reservation)
             except ConnectionClosed as e:
                 raise TransferError(str(e)) from None
+            offer, why = self.codec_offer(d, needed=mismatch is not None)
             try:
-                value, payload = self._handshake(d.conn, reservation, d.ask)
+                value, payload, chosen = self._handshake(d.conn, reservation, d.ask, offer)
                 transport, payloads = self._dialer.accept(d, reservation, value, payload, self.checksum_kind)
+                if chosen != codec.CODEC_RAW and (not offer >> chosen & 1 or transport == "cuda_ipc"):
+                    raise TransferError(f"the receiver chose wire codec {chosen}, which was not offered")
+                if mismatch and chosen == codec.CODEC_RAW:  # the receiver would not take the codec
+                    raise TransferError(f"{mismatch}, and the receiver took no wire codec", FailureCode.LAYOUT_MISMATCH)
                 break
             except _StaleConnection as e:
                 d.conn.close()
@@ -108,7 +143,44 @@ class KVSender:
             except BaseException:
                 d.conn.close()
                 raise
-        return KVStream(self, d, reservation, transport, payloads)
+        if offer and not chosen:
+            why = "the receiver chose raw"
+        metrics.CODEC_CHOSEN.labels(codec=codec.CODEC_NAMES[chosen]).inc()
+        log.debug("kv_transfer: %s to %s in %s (%s)", reservation.request_id, d.pool[1], codec.CODEC_NAMES[chosen], why)
+        return KVStream(self, d, reservation, transport, payloads, chosen)
+
+    def codec_offer(self, d: links.Dialed, needed: bool = False) -> tuple[int, str]:
+        """The codecs a stream on `d` offers (a bit set, frame.py), and why. `needed`: the
+        receiver's cache has another dtype, so raw cannot go into it."""
+        if self.wire_codec == "raw":
+            return 0, "--kv-wire-codec raw"
+        if self._int8_unusable is not None:
+            return 0, self._int8_unusable
+        if needed:
+            return codec.OFFER_INT8, "the receiver's cache has another dtype"
+        if d.ask == frame.PAYLOAD_DEVICE_COPY:
+            return 0, "device copies move no bytes on the connection"
+        if self.wire_codec == "int8":
+            return codec.OFFER_INT8, "--kv-wire-codec int8"
+        c = codec.choose(self.link_bps(d.pool), self.codec_speed, self._int8_ratio)
+        return (codec.OFFER_INT8 if c.codec == codec.CODEC_INT8 else 0), c.why
+
+    def link_bps(self, pool: tuple[str, str]) -> float | None:
+        """The bandwidth to a receiver in bytes per second: configured, else measured, else None."""
+        if self._link_bps is not None:
+            return self._link_bps
+        with self._measured_lock:
+            return self._measured_bps.get(pool)
+
+    def record_link(self, pool: tuple[str, str], wire_bytes: int, busy_s: float) -> None:
+        """A confirmed stream's wire bytes over the seconds its thread had them to send (a running
+        average per receiver, the half-life one stream; streams under `MIN_MEASURED_BYTES` skipped)."""
+        if wire_bytes < MIN_MEASURED_BYTES or busy_s <= 0:
+            return
+        bps = wire_bytes / busy_s
+        with self._measured_lock:
+            old = self._measured_bps.get(pool)
+            self._measured_bps[pool] = bps if old is None else (old + bps) / 2
 
     def close(self) -> None:
         """Close the idle connections (and stop the confirmation watchdog)."""
@@ -125,13 +197,14 @@ class KVSender:
                 self._watchdog = Watchdog(lambda w: None, name="kv-tx-watchdog")
             return self._watchdog
 
-    def _handshake(self, conn: Connection, r: Reservation, ask: int) -> tuple[int, bytes]:
-        """The ack's value and payload (how the stream's layer payloads travel: links.py)."""
+    def _handshake(self, conn: Connection, r: Reservation, ask: int, offer: int) -> tuple[int, bytes, int]:
+        """The ack's value and payload (how the stream's layer payloads travel: links.py), and the
+        wire codec it chose among `offer` (frame.py)."""
         lay = self.cache.layout
         body = frame.encode_layout(
             lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype, lay.tp_size, r.layout.tp_size
         )
-        h = Header(frame.HANDSHAKE, r.ticket, r.request_id, payload_length=len(body), value=ask)
+        h = Header(frame.HANDSHAKE, r.ticket, r.request_id, block_count=offer, payload_length=len(body), value=ask)
         try:
             conn.send([frame.encode_header(h), body])
             reply, payload = read_control(conn)
@@ -141,7 +214,7 @@ class KVSender:
             raise TransferError(payload.decode(errors="replace"))
         if reply.kind != frame.ACK:
             raise TransferError(f"handshake answered with a {frame.KIND_NAMES[reply.kind]} frame")
-        return reply.value, payload
+        return reply.value, payload, reply.block_count
 
 
 def read_control(conn: Connection) -> tuple[Header, bytes]:
@@ -188,10 +261,22 @@ class KVStream:
     """One request's KV on its way; made by `KVSender.open`."""
 
     def __init__(
-        self, sender: KVSender, d: links.Dialed, r: Reservation, transport: TransportName, payloads: links.LayerPayloads
+        self,
+        sender: KVSender,
+        d: links.Dialed,
+        r: Reservation,
+        transport: TransportName,
+        payloads: links.LayerPayloads,
+        wire_codec: int = codec.CODEC_RAW,
     ) -> None:
         self.reservation = r
         self.transport = transport
+        self.codec = wire_codec
+        self.wire_bytes = 0  # layer payload bytes sent so far
+        self._encoder = codec.Int8Encoder() if wire_codec == codec.CODEC_INT8 else None
+        self._busy_from: float | None = None  # the first frame's start: the link measurement's
+        self._idle_s = 0.0  # after it, waiting for frames (the link was not the bottleneck then)
+        self._encode_s = 0.0
         self._dialer, self._pool = sender._dialer, d.pool
         self._cache = sender.cache
         self._plan = heads.plan(sender.cache.layout, r.layout)  # checked to map by KVSender.open
@@ -313,10 +398,17 @@ class KVStream:
     def _run(self) -> None:
         r = self.reservation
         ck = self._payloads.checksum_kind
-        dtype_code = frame.DTYPE_CODES[self._cache.layout.dtype]
+        lay = self._cache.layout
+        dtype_code = frame.DTYPE_CODES[lay.dtype]
+        codec_name = codec.CODEC_NAMES[self.codec]
         try:
             while self._error is None:
+                waited = time.perf_counter()
                 item = self._queue.get()
+                if self._busy_from is not None:
+                    self._idle_s += time.perf_counter() - waited
+                else:
+                    self._busy_from = time.perf_counter()
                 if item is None:
                     break
                 if isinstance(item, _Done):
@@ -324,6 +416,12 @@ class KVStream:
                     return
                 for layer, first, n, sf, parts in item:
                     payload = self._payloads.place(layer, first, sf.dst_rank, parts)
+                    cache_bytes = sum(p.numel() for p in payload)
+                    if self._encoder is not None:  # one contiguous piece (OnConnection), back to its dtype
+                        t0 = time.perf_counter()
+                        (raw,) = payload
+                        payload = [self._encoder.encode(raw.view(lay.torch_dtype).view(n, -1, lay.head_dim))]
+                        self._encode_s += time.perf_counter() - t0
                     length = sum(p.numel() for p in payload)
                     h = Header(
                         frame.LAYER,
@@ -337,11 +435,15 @@ class KVStream:
                         payload_length=length,
                         checksum_kind=ck,
                         checksum=frame.checksum(ck, payload),
+                        value=self.codec,
                         first_head=sf.first_head,
                         head_count=sf.head_count,
                     )
                     self._conn.send([frame.encode_header(h), *payload])
+                    self.wire_bytes += length
                     metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
+                    metrics.WIRE_BYTES.labels(side="sender", codec=codec_name).inc(length)
+                    metrics.WIRE_KV_BYTES.labels(codec=codec_name).inc(cache_bytes)
         except ConnectionClosed as e:
             if self._error is None:
                 self._fail(self._receiver_reason() or f"connection lost: {e}")
@@ -392,6 +494,9 @@ class KVStream:
         if reply.kind != frame.ACK:
             self._fail(payload.decode(errors="replace") or "receiver refused the transfer")
             return
+        if self._busy_from is not None and self.transport != "cuda_ipc":
+            busy = time.perf_counter() - self._busy_from - self._idle_s - self._encode_s
+            self._sender.record_link(self._pool, self.wire_bytes, busy)
         self._finished.set()
 
     def _receiver_reason(self) -> str | None:

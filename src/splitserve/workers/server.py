@@ -26,7 +26,7 @@ from splitserve.engine.loop import EngineLoop
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
-from splitserve.workers.common.config import WorkerConfig, add_tier_arguments, tier_fields
+from splitserve.workers.common.config import WorkerConfig, add_tier_arguments, add_wire_codec_arguments, tier_fields
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.common.warm_up import warm_up
 
@@ -121,7 +121,7 @@ def _serve_prefill(
     from splitserve.workers.prefill.connector import SenderConnector
     from splitserve.workers.prefill.service import PrefillService
 
-    sender = KVSender(engine.kv_cache)
+    sender = KVSender(engine.kv_cache, wire_codec=cfg.kv_wire_codec, link_gbps=cfg.kv_link_gbps or None)
     closers.append(sender.close)
     tail_time = metrics.phase("kv_transfer_tail")
     connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
@@ -221,6 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    add_wire_codec_arguments(p)
     add_secret_argument(
         p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, required from every caller"
     )
@@ -275,6 +276,8 @@ def run(a: argparse.Namespace) -> int:
         grpc_port=a.grpc_port,
         kv_port=a.kv_port,
         kv_transport=a.kv_transport,
+        kv_wire_codec=a.kv_wire_codec,
+        kv_link_gbps=a.kv_link_gbps,
         cluster_token=a.cluster_token,
         threads=a.threads,
         max_waiting_requests=a.max_waiting_requests,

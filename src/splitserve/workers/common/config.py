@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.engine.config import EngineConfig
+from splitserve.kv_transfer.codec import WIRE_CODEC_MODES, WireCodecMode
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 
 ROLES = ("prefill", "decode")
@@ -23,6 +24,10 @@ class WorkerConfig:
     grpc_port: int = 0  # 0: any free port
     kv_port: int = 0  # decode role: the kv_transfer receiver's port
     kv_transport: TransportName = "tcp"
+    # prefill role: the KV wire codec (kv_transfer/codec.py): "auto" turns int8 on per link where the cost
+    # model says it pays, "raw" never, "int8" always (the decode worker accepts what it can decode)
+    kv_wire_codec: WireCodecMode = "auto"
+    kv_link_gbps: float = 0.0  # prefill role: the link to the decode workers, Gb/s, for that model (0: measured)
     cluster_token: str | None = None  # required in "x-splitserve-token" when set
     lease_ms: int = 300_000  # default lease of a REMOTE reservation (the router normally sends its own)
     admit_timeout_s: float = 30.0  # an engine call from a gRPC handler (waits for the current step)
@@ -42,6 +47,10 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+        if self.kv_wire_codec not in WIRE_CODEC_MODES:
+            raise ValueError(f"kv_wire_codec must be one of {WIRE_CODEC_MODES}, got {self.kv_wire_codec!r}")
+        if self.kv_link_gbps < 0:
+            raise ValueError("kv_link_gbps must be >= 0 (0: measured)")
         for f in ("grpc_port", "kv_port"):
             if not 0 <= getattr(self, f) < 65536:
                 raise ValueError(f"{f} must be a port number")
@@ -87,3 +96,22 @@ def tier_fields(a: argparse.Namespace) -> dict[str, Any]:
         "kv_disk_tier_bytes": a.kv_disk_tier_mib << 20,
         "kv_disk_tier_dir": a.kv_disk_tier_dir,
     }
+
+
+def add_wire_codec_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
+    """The KV wire codec's flags (kv_transfer/codec.py); the prefill worker decides, the decode worker accepts."""
+    p.add_argument(
+        "--kv-wire-codec",
+        default="auto",
+        choices=list(WIRE_CODEC_MODES),
+        help="how a prefill worker sends KV: auto (int8 with per-token-head scales, about 0.53x bfloat16's bytes, "
+        "on links where encoding costs less than the bytes it saves: not on loopback, the same host or CUDA IPC), "
+        "raw (the cache's own bytes), int8 (always, where the decode worker takes it)",
+    )
+    p.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=0.0,
+        help="the prefill worker's link to the decode workers in Gb/s, for --kv-wire-codec auto (0: measured on "
+        "the streams to each decode worker; the first goes raw)",
+    )
