@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -105,6 +106,15 @@ class TierStats:
     recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
     checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
     write_failures: int = 0  # writes that failed (a full disk): the block dropped
+
+
+class Fetched(NamedTuple):
+    """A block read from a tier and checked, not yet in the pool."""
+
+    hash: BlockHash
+    tier: str
+    data: torch.Tensor  # uint8, KVCache.export_block's layout
+    seconds: float  # the read and the check
 
 
 @dataclass
@@ -364,9 +374,19 @@ class TierStore:
             self.stats[tier].recomputed_instead += 1
         return n
 
-    def load(self, h: BlockHash, block_id: int) -> bool:
-        """Copy block `h` from its tier into pool block `block_id`; False (nothing written, the failure
-        counted, the entry dropped) when its bytes fail a check."""
+    def fetch(self, hashes: Sequence[BlockHash]) -> list[Fetched]:
+        """The checked bytes of the leading blocks of `hashes` worth loading (`plan`), read before the
+        pool makes room for them (its evictions could push them further down otherwise); stops at the
+        first block that fails a check (counted, dropped from its tier): it and the rest are recomputed."""
+        out: list[Fetched] = []
+        for h in hashes[: self.plan(hashes)]:
+            got = self._read(h)
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+    def _read(self, h: BlockHash) -> Fetched | None:
         t0 = time.perf_counter()
         tier_name, got = "", None
         if self.host is not None and h in self.host:
@@ -374,25 +394,30 @@ class TierStore:
         elif self.disk is not None and h in self.disk:
             tier_name, got = "disk", self.disk.get(h)
         if not tier_name:
-            return False
+            return None
         tier = self.host if tier_name == "host" else self.disk
         assert tier is not None
         if got is None:  # the disk tier counted it
             self.events.append(BlockEvent("removed", (h,), tier_name))
-            return False
+            return None
         data, crc = got
         if data.numel() != self.block_bytes or _crc(data) != crc:
             tier.stats.checksum_failures += 1
             tier.drop(h)
             self.events.append(BlockEvent("removed", (h,), tier_name))
-            return False
-        self.kv_cache.import_block(block_id, data)
-        dt = time.perf_counter() - t0
-        tier.stats.hits += 1
-        tier.stats.bytes_loaded += data.numel()
-        tier.stats.load_seconds += dt
-        self.bandwidth.observe(tier_name, data.numel(), dt)
-        return True
+            return None
+        return Fetched(h, tier_name, data, time.perf_counter() - t0)
+
+    def install(self, fetched: Fetched, block_id: int) -> None:
+        """Write a fetched block into pool block `block_id`; its tier counts the hit."""
+        t0 = time.perf_counter()
+        self.kv_cache.import_block(block_id, fetched.data)
+        dt = fetched.seconds + time.perf_counter() - t0
+        stats = self.stats[fetched.tier]
+        stats.hits += 1
+        stats.bytes_loaded += fetched.data.numel()
+        stats.load_seconds += dt
+        self.bandwidth.observe(fetched.tier, fetched.data.numel(), dt)
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """A step that prefilled `tokens` tokens in `seconds`: the prefill speed's running average."""

@@ -41,7 +41,7 @@ from splitserve.engine.sequence import SeqStatus, Sequence
 from splitserve.engine.stats import StatsRecorder
 
 if TYPE_CHECKING:
-    from splitserve.engine.kv_tiers import TierStore
+    from splitserve.engine.kv_tiers import Fetched, TierStore
 
 
 class DuplicateRequest(ValueError):
@@ -165,32 +165,36 @@ class Scheduler:
         changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
         # prompt logprobs need every prompt position's logits: nothing of the prompt comes from the cache
         hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size)
-        if not self.blocks.can_allocate(len(seq), self.blocks.cached_prefix(hashes, len(seq))):
+        cached = self.blocks.cached_prefix(hashes, len(seq))
+        if not self.blocks.can_allocate(len(seq), cached):
             return False
+        fetched = self._fetch_from_tiers(seq, hashes, len(cached)) if self.tiers is not None and hashes else []
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
-        if self.tiers is not None and hashes:
-            seq.num_cached_tokens += self._load_from_tiers(seq, hashes)
+        if fetched:
+            seq.num_cached_tokens += self._install(seq, fetched)
         if self.blocks.enable_prefix_caching:
             self.recorder.prefix_lookup(len(seq), seq.num_cached_tokens)
         return True
 
-    def _load_from_tiers(self, seq: Sequence, hashes: list[bytes]) -> int:
-        """Load the blocks after `seq`'s pooled prefix that continue in a tier into its fresh blocks, as
-        far as loading beats recomputing and each block passes its checks; the tokens loaded."""
+    def _fetch_from_tiers(self, seq: Sequence, hashes: list[bytes], num_cached: int) -> list[Fetched]:
+        """The checked bytes of the blocks after `seq`'s pooled prefix that continue in a tier, as far
+        as loading beats recomputing (read before the allocation's evictions can move them)."""
+        assert self.tiers is not None
+        usable = min(len(hashes), (len(seq) - 1) // self.blocks.block_size)  # the last prompt token is computed
+        return self.tiers.fetch(hashes[num_cached:usable])
+
+    def _install(self, seq: Sequence, fetched: list[Fetched]) -> int:
+        """Write the fetched blocks into `seq`'s fresh blocks after its pooled prefix; the tokens loaded."""
         assert self.tiers is not None
         bs = self.blocks.block_size
         first = seq.num_cached_tokens // bs
-        usable = min(len(hashes), (len(seq) - 1) // bs)  # the last prompt token is always computed
-        candidates = hashes[first:usable]
-        n = self.tiers.plan(candidates)
         loaded = 0
-        for i, h in enumerate(candidates[:n]):
-            if h in self.blocks.hash_to_block:  # back in the pool meanwhile: the rest is computed
+        for i, f in enumerate(fetched):
+            if f.hash in self.blocks.hash_to_block:  # in the pool after all: the rest is computed
                 break
             b = seq.block_table[first + i]
-            if not self.tiers.load(h, b):
-                break  # a failed check: this block and the rest are recomputed
-            self.blocks.adopt(b, h)
+            self.tiers.install(f, b)
+            self.blocks.adopt(b, f.hash)
             loaded += 1
         return loaded * bs
 
