@@ -12,9 +12,19 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.engine.kv_cache import KVCache, KVLayout, dequantize_blocks, quantize_into
 from splitserve.engine.sampling import SamplingParams
-from splitserve.kv_transfer import Completed, Failed, FailureCode, KVReceiver, KVSender, codec, frame, links
+from splitserve.kv_transfer import (
+    Completed,
+    Failed,
+    FailureCode,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    codec,
+    frame,
+    links,
+)
 from splitserve.kv_transfer.codec import CODEC_INT8, CODEC_RAW, CodecSpeed
 from splitserve.workers.testing import EnginePair
 from tests.kv_transfer_helpers.common import LAYOUT, RawPeer, assert_no_leak, random_cache, send_all
@@ -383,3 +393,96 @@ def test_worker_flags_and_config():
         WorkerConfig(role="prefill", kv_wire_codec="zstd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_link_gbps"):
         WorkerConfig(role="prefill", kv_link_gbps=-1)
+
+
+# ---- quantized pools (engine/kv_cache.py's int8 and fp8 blocks) on either end ----------------
+
+
+def _quantized_cache(dtype: str, num_blocks: int = 64, seed: int = 1) -> tuple[KVCache, KVCache]:
+    """A `dtype` pool filled from a random bfloat16 one (returned too) by quantize_into."""
+    src = random_cache(LAYOUT, num_blocks, seed=seed)
+    q = KVCache(dataclasses.replace(LAYOUT, dtype=dtype), num_blocks)
+    ids = list(range(num_blocks))
+    for layer in range(LAYOUT.num_layers):
+        x = src.tensor[layer]
+        quantize_into(q, layer, ids, x[:, 0], x[:, 1])
+    return q, src
+
+
+def _dequantized(cache: KVCache, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[layers, len(ids), 2, block_size, heads, head_dim]`, whatever the pool's dtype."""
+    out = []
+    for layer in range(cache.layout.num_layers):
+        if cache.layout.quantized:
+            k, v = dequantize_blocks(cache, layer, ids, dtype)
+            out.append(torch.stack([k, v], dim=1))
+        else:
+            out.append(cache.tensor[layer, ids].to(dtype))
+    return torch.stack(out)
+
+
+def _send(src: KVCache, dst: KVCache, mode: codec.WireCodecMode, dst_ids, src_ids) -> tuple[Completed | Failed, int]:
+    rx, tx = KVReceiver(dst), KVSender(src, wire_codec=mode)
+    try:
+        r = rx.reserve("q", list(dst_ids), lease_s=10)
+        with tx.open(r) as stream:
+            for layer in range(src.layout.num_layers):
+                stream.send_layer(layer, list(src_ids))
+            stream.finish(1, timeout=10)
+        out = rx.wait(r.ticket, 5)
+        assert isinstance(out, Completed), out
+        return out, stream.codec
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_int8_frames_land_in_an_int8_pool_as_its_own_blocks():
+    src = random_cache(LAYOUT, seed=3)
+    dst = KVCache(dataclasses.replace(LAYOUT, dtype="int8"), 64)
+    _, used = _send(src, dst, "auto", [1, 2, 3], [4, 5, 6])  # another dtype: the codec is needed
+    assert used == CODEC_INT8
+    ref = KVCache(dst.layout, 64)  # what the engine's own write would have stored
+    for layer in range(LAYOUT.num_layers):
+        x = src.tensor[layer, [4, 5, 6]]
+        quantize_into(ref, layer, [1, 2, 3], x[:, 0], x[:, 1])
+    assert torch.equal(dst.tensor[:, [1, 2, 3]].view(torch.uint8), ref.tensor[:, [1, 2, 3]].view(torch.uint8))
+
+
+def test_an_int8_pool_sends_its_blocks_as_int8_frames():
+    src, orig = _quantized_cache("int8")
+    dst = KVCache(LAYOUT, 64)  # bfloat16
+    _, used = _send(src, dst, "auto", [7, 8], [9, 10])
+    assert used == CODEC_INT8  # no encoding: the pool's blocks are int8 frames already
+    assert torch.equal(dst.tensor[:, [7, 8]], _dequantized(src, [9, 10], torch.bfloat16))
+    assert_within_step(dst.tensor[:, [7, 8]], orig.tensor[:, [9, 10]])
+    same = KVCache(src.layout, 64)  # int8 to int8: raw, bit for bit
+    _, used = _send(src, same, "auto", [1], [2])
+    assert used == CODEC_RAW and torch.equal(same.tensor[:, 1], src.tensor[:, 2])
+
+
+def test_int8_frames_into_an_fp8_pool_through_quantize_into():
+    src = random_cache(LAYOUT, seed=4)
+    dst = KVCache(dataclasses.replace(LAYOUT, dtype="fp8_e4m3"), 64)
+    _, used = _send(src, dst, "int8", [1, 2], [3, 4])
+    assert used == CODEC_INT8
+    ref = KVCache(dst.layout, 64)  # the int8-decoded values, quantized as the engine does
+    for layer in range(LAYOUT.num_layers):
+        x = src.tensor[layer, [3, 4]]
+        decoded = torch.empty(x.shape)
+        codec.decode_into(codec.Int8Encoder().encode(x), decoded)
+        quantize_into(ref, layer, [1, 2], decoded[:, 0], decoded[:, 1])
+    assert torch.equal(dst.tensor[:, [1, 2]].view(torch.uint8), ref.tensor[:, [1, 2]].view(torch.uint8))
+
+
+def test_an_fp8_pool_to_another_dtype_is_refused_naming_both():
+    src, _ = _quantized_cache("fp8_e4m3")
+    rx, tx = KVReceiver(KVCache(LAYOUT, 64)), KVSender(src, wire_codec="auto")
+    try:
+        r = rx.reserve("q", [1], lease_s=10)
+        with pytest.raises(TransferError, match="fp8_e4m3.*bfloat16") as e:
+            tx.open(r)
+        assert e.value.code == FailureCode.LAYOUT_MISMATCH and "FAILED_PRECONDITION" in str(e.value)
+    finally:
+        tx.close()
+        rx.close()

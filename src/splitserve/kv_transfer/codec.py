@@ -43,9 +43,13 @@ WIRE_CODEC_MODES: tuple[WireCodecMode, ...] = ("auto", "raw", "int8")
 # Offer bits in a handshake (bit i: codec i); raw is always acceptable and never offered.
 OFFER_INT8 = 1 << CODEC_INT8
 
-# Storage dtypes the int8 codec decodes into (the receiver's cache). Quantized pools are
-# not among them until engine/kv_cache.py provides a way to write into one.
-DECODES_INTO = ("float32", "bfloat16", "float16")
+# Storage dtypes the int8 codec decodes into (the receiver's cache): the float ones by
+# `decode_into`; an int8 pool takes the frame's bytes as they are (its own block format);
+# an fp8 pool through engine/kv_cache.py's `quantize_into` (re-quantized from the decoded values).
+DECODES_INTO = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+# Storage dtypes a sender can put on the wire as int8: the float ones are encoded, an int8
+# pool's blocks already are int8 frames. An fp8 pool's are not, and there is no transcoder.
+ENCODES_FROM = ("float32", "bfloat16", "float16", "int8")
 
 _SCALE_BYTES = 4
 _QMAX = 127.0

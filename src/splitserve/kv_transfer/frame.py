@@ -14,7 +14,8 @@ Header, little-endian, `HEADER_SIZE` = 136 bytes:
 | 4      | 1    | version          | 2, or 3 for a layer frame with an encoded payload (below) |
 | 5      | 1    | kind             | 1 handshake, 2 layer, 3 done, 4 ack, 5 error              |
 | 6      | 1    | checksum kind    | 0 none, 1 crc32 (zlib), 2 lane-sum crc32 (see below)      |
-| 7      | 1    | dtype code       | 0 none, 1 float32, 2 bfloat16, 3 float16                  |
+| 7      | 1    | dtype code       | 0 none, 1 float32, 2 bfloat16, 3 float16, 4 int8, 5 fp8   |
+|        |      |                  | (the sender's cache; an encoded frame's values came from) |
 | 8      | 16   | ticket           | the reservation's 128-bit random ticket                   |
 | 24     | 64   | request id       | utf-8, NUL-padded; at most 64 bytes                       |
 | 88     | 4    | layer            | layer index (layer frames)                                |
@@ -96,7 +97,8 @@ KIND_NAMES = {HANDSHAKE: "handshake", LAYER: "layer", DONE: "done", ACK: "ack", 
 CHECKSUM_NONE, CHECKSUM_CRC32, CHECKSUM_LANESUM = 0, 1, 2
 CHECKSUM_KINDS = {"none": CHECKSUM_NONE, "crc32": CHECKSUM_CRC32, "lanesum": CHECKSUM_LANESUM}
 
-DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+# 4, 5: quantized pools (engine/kv_cache.py: a block is its one-byte values, then its fp32 scales)
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4, "fp8_e4m3": 5}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 PAYLOAD_ON_CONNECTION, PAYLOAD_DEVICE_COPY = 0, 1  # a handshake's and its ack's value

@@ -131,6 +131,7 @@ def grant(offered: TransportName, asked: int, cache: KVCache, codecs: int = 0) -
     if codecs & codec_mod.OFFER_INT8 and accepts_int8(lay) is None:
         shard_elements = lay.elements_per_block // lay.tp_size
         per_block = codec_mod.wire_bytes(codec_mod.CODEC_INT8, shard_elements, lay.head_dim, 1)
+        assert lay.dtype != "int8" or per_block == lay.shard_bytes_per_block  # an int8 pool's block is a frame's
         return Grant(frame.PAYLOAD_ON_CONNECTION, b"", per_block, codec_mod.CODEC_INT8)
     return Grant(frame.PAYLOAD_ON_CONNECTION, b"", lay.shard_bytes_per_block)  # a frame is one shard's
 

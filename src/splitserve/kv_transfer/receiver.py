@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache import KVCache, quantize_into
 from splitserve.kv_transfer import codec, frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 
@@ -419,8 +419,10 @@ class KVReceiver:
             if h.checksum_kind == frame.CHECKSUM_NONE:
                 raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
             blocks = self.cache.blocks(h.layer, h.first_block, h.block_count, rank)
-            # raw: straight into the blocks; encoded: into this thread's staging, decoded after the check
-            view = frame.as_bytes(blocks) if grant.codec == codec.CODEC_RAW else self._staging(expected)
+            # raw, or int8 frames into an int8 pool (its own block format): straight into the blocks;
+            # else into this thread's staging, decoded after the check
+            direct = grant.codec == codec.CODEC_RAW or layout.dtype == "int8"
+            view = frame.as_bytes(blocks) if direct else self._staging(expected)
             check = frame.PayloadChecksum(h.checksum_kind)
             # On a byte stream, check each piece as it lands (still in cache, and the
             # sender keeps filling the socket buffer meanwhile); messages come whole.
@@ -436,8 +438,8 @@ class KVReceiver:
                         FailureCode.CHECKSUM_MISMATCH,
                         f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
                     )
-                if grant.codec == codec.CODEC_INT8:
-                    codec.decode_into(view, blocks)
+                if not direct:
+                    self._decode(view, h, ids, rank)
             finally:
                 self._book.end_write(slot)
             metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
@@ -445,6 +447,17 @@ class KVReceiver:
         shard_heads = layout.rank_heads(rank)
         slot.received[h.layer, [slot.position[b] for b in ids], shard_heads.start : shard_heads.stop] = True
         metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
+
+    def _decode(self, payload: torch.Tensor, h: Header, ids: range, rank: int) -> None:
+        """An int8 frame's payload into blocks `ids` of shard `rank`, in this cache's dtype."""
+        lay = self.cache.layout
+        if not lay.quantized:
+            codec.decode_into(payload, self.cache.blocks(h.layer, h.first_block, h.block_count, rank))
+            return
+        # fp8: decoded to float32, then quantized as the engine's own writes are
+        kv = torch.empty(h.block_count, 2, lay.block_size, lay.kv_heads_per_rank, lay.head_dim)
+        codec.decode_into(payload, kv)
+        quantize_into(self.cache, h.layer, list(ids), kv[:, 0], kv[:, 1], rank)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """This connection thread's buffer for encoded payloads, kept and grown (a fresh one per

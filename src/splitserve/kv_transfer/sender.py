@@ -101,7 +101,9 @@ class KVSender:
         self.wire_codec: codec.WireCodecMode = wire_codec
         self._link_bps = None if link_gbps is None else link_gbps * 1e9 / 8
         self._int8_unusable = codec.check_aligned(lay.head_dim)
-        if codec_speed is None and wire_codec == "auto" and self._int8_unusable is None:
+        if lay.dtype not in codec.ENCODES_FROM:
+            self._int8_unusable = f"FAILED_PRECONDITION: {lay.dtype} KV cannot be sent as int8 (no transcoder)"
+        if codec_speed is None and wire_codec == "auto" and self._int8_unusable is None and not lay.quantized:
             codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim)
         self.codec_speed = codec_speed
         self._int8_ratio = codec.ratio(codec.CODEC_INT8, lay.head_dim, lay.torch_dtype.itemsize)
@@ -116,12 +118,20 @@ class KVSender:
     def open(self, reservation: Reservation) -> KVStream:
         """Connect and handshake; raises TransferError (e.g. a layout mismatch, naming the field)."""
         mismatch = heads.mapping_error(self.cache.layout, reservation.layout)
-        # Caches of two dtypes exchange KV only through a codec that the receiver decodes into its own.
-        bridge = (
-            self.wire_codec != "raw" and heads.mapping_error(self.cache.layout, reservation.layout, dtype=False) is None
-        )
-        if mismatch and not bridge:
-            raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
+        if mismatch:  # caches of two dtypes exchange KV only through a codec the receiver decodes into its own
+            if heads.mapping_error(self.cache.layout, reservation.layout, dtype=False) is not None:
+                raise TransferError(mismatch, code=FailureCode.LAYOUT_MISMATCH)
+            why_not = "--kv-wire-codec raw" if self.wire_codec == "raw" else self._int8_unusable
+            if why_not is not None:
+                raise TransferError(f"{mismatch}; no wire codec bridges them: {why_not}", FailureCode.LAYOUT_MISMATCH)
+        if self.cache.layout.quantized and not all(
+            sf.zero_copy for sf in heads.plan(self.cache.layout, reservation.layout)
+        ):
+            raise TransferError(
+                f"KV layout: a {self.cache.layout.dtype} pool's blocks are sent whole; re-sharding them from "
+                f"TP {self.cache.layout.tp_size} to TP {reservation.layout.tp_size} is not supported",
+                code=FailureCode.LAYOUT_MISMATCH,
+            )
         while True:
             try:
                 d = self._dialer.dial(reservation)
@@ -133,8 +143,10 @@ class KVSender:
                 transport, payloads = self._dialer.accept(d, reservation, value, payload, self.checksum_kind)
                 if chosen != codec.CODEC_RAW and (not offer >> chosen & 1 or transport == "cuda_ipc"):
                     raise TransferError(f"the receiver chose wire codec {chosen}, which was not offered")
-                if mismatch and chosen == codec.CODEC_RAW:  # the receiver would not take the codec
-                    raise TransferError(f"{mismatch}, and the receiver took no wire codec", FailureCode.LAYOUT_MISMATCH)
+                if mismatch and chosen == codec.CODEC_RAW:  # no codec offered, or the receiver took none
+                    raise TransferError(
+                        f"{mismatch}, and no wire codec bridges them ({why})", FailureCode.LAYOUT_MISMATCH
+                    )
                 break
             except _StaleConnection as e:
                 d.conn.close()
@@ -317,7 +329,12 @@ class KVStream:
                 parts: list[links.HeadsPart] = []
                 for p in sf.parts:
                     shard_blocks = self._cache.blocks(layer, src_first, n, p.src_rank)
-                    view = shard_blocks[:, :, :, p.src_first : p.src_first + p.head_count]
+                    # a quantized pool's blocks are bytes `[n, block_bytes]`, sent whole (KVSender.open)
+                    view = (
+                        shard_blocks
+                        if lay.quantized
+                        else shard_blocks[:, :, :, p.src_first : p.src_first + p.head_count]
+                    )
                     parts.append((p.dst_offset, view.clone() if snapshot else view))
                 frames.append((layer, dst_first, n, sf, parts))
         self._put(frames)
@@ -417,7 +434,7 @@ class KVStream:
                 for layer, first, n, sf, parts in item:
                     payload = self._payloads.place(layer, first, sf.dst_rank, parts)
                     cache_bytes = sum(p.numel() for p in payload)
-                    if self._encoder is not None:  # one contiguous piece (OnConnection), back to its dtype
+                    if self._encoder is not None and not lay.quantized:  # one piece (OnConnection), in its dtype
                         t0 = time.perf_counter()
                         (raw,) = payload
                         payload = [self._encoder.encode(raw.view(lay.torch_dtype).view(n, -1, lay.head_dim))]
