@@ -66,14 +66,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "against the plain transfer, in place of the other figures (bench/transfer_tp.py)",
     )
     p.add_argument(
+        "--codec",
+        action="store_true",
+        help="in place of the other figures: the KV wire codec's bytes and TTFT on loopback and on a link paced to "
+        "--link-gbps, raw against auto against int8 (bench/transfer_codec.py; the default model's KV shape is "
+        "--layers 30 --kv-heads 3 --head-dim 64)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="--codec: tokens per prompt")
+    p.add_argument("--link-gbps", type=float, default=1.0, help="--codec: the throttled link's rate")
+    p.add_argument("--prompts", type=int, default=5, help="--codec: timed prompts per link and codec")
+    p.add_argument("--warm-up", type=int, default=2, help="--codec: untimed prompts first (auto measures the link)")
+    p.add_argument(
         "--layer-ms",
         type=float,
         default=0.0,
-        help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer)",
+        help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer); with --codec, "
+        "the stand-in prefill's per layer (0: 2 ms)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.codec:
+        from splitserve.bench import transfer_codec
+
+        return transfer_codec.run(args)
     torch.manual_seed(0)
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
     blocks = max(1, args.size // (layout.num_layers * layout.bytes_per_block))
