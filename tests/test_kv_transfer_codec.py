@@ -28,6 +28,7 @@ from splitserve.kv_transfer import (
 from splitserve.kv_transfer.codec import CODEC_INT8, CODEC_RAW, CodecSpeed
 from splitserve.workers.testing import EnginePair
 from tests.kv_transfer_helpers.common import LAYOUT, RawPeer, assert_no_leak, random_cache, send_all
+from tests.kv_transfer_helpers.tp import TP_LAYOUT, at_tp, full_kv, random_tp_cache
 
 # SmolLM2-135M's KV (the default model): 30 layers, 3 KV heads of 64, bfloat16
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
@@ -105,6 +106,12 @@ def test_cost_model(gbps, want):
     bw = None if gbps is None else gbps * 1e9 / 8
     assert codec.choose(bw, SPEED, RATIO).codec == want
     assert codec.choose(bw, None, RATIO).codec == CODEC_RAW  # speed unknown: raw
+
+
+def test_same_host_is_raw():
+    assert codec.choose(125e6, SPEED, RATIO, same_host=True) == (CODEC_RAW, "the receiver is on this host")
+    assert links.is_this_host("127.0.0.1") and links.is_this_host("::1") and links.is_this_host("localhost")
+    assert not links.is_this_host("192.0.2.1")  # TEST-NET-1: nobody's
 
 
 def test_cost_model_pipelined_stages():
@@ -278,7 +285,8 @@ def test_frame_version_names_the_codec():
 
 
 def test_auto_follows_the_measured_link():
-    src, dst, rx, tx = _pair("auto", codec_speed=SPEED)
+    # this receiver is on loopback: the same-host rule off, it stands for a remote one
+    src, dst, rx, tx = _pair("auto", codec_speed=SPEED, same_host_raw=False)
     try:
         pool = ("tcp", rx.tcp_endpoint)
         r = rx.reserve("q1", [1], lease_s=10)
@@ -296,12 +304,18 @@ def test_auto_follows_the_measured_link():
         with tx.open(r) as stream:
             assert stream.codec == CODEC_RAW
             stream.abort()
-        configured = KVSender(src, wire_codec="auto", link_gbps=1.0, codec_speed=SPEED)
+        configured = KVSender(src, wire_codec="auto", link_gbps=1.0, codec_speed=SPEED, same_host_raw=False)
         r = rx.reserve("q4", [4], lease_s=10)
         with configured.open(r) as stream:
             assert stream.codec == CODEC_INT8  # a configured 1 Gb/s link, before any measurement
             stream.abort()
         configured.close()
+        local = KVSender(src, wire_codec="auto", link_gbps=1.0, codec_speed=SPEED)
+        r = rx.reserve("q5", [5], lease_s=10)
+        with local.open(r) as stream:
+            assert stream.codec == CODEC_RAW  # the same host: raw, whatever the link is said to be
+            stream.abort()
+        local.close()
     finally:
         tx.close()
         rx.close()
@@ -483,6 +497,26 @@ def test_an_fp8_pool_to_another_dtype_is_refused_naming_both():
         with pytest.raises(TransferError, match="fp8_e4m3.*bfloat16") as e:
             tx.open(r)
         assert e.value.code == FailureCode.LAYOUT_MISMATCH and "FAILED_PRECONDITION" in str(e.value)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 2), (1, 4)])
+def test_int8_frames_between_tensor_parallel_sizes(src_tp, dst_tp):
+    # head dim 8: the scales after a block's values stay on 4-byte boundaries
+    src = random_tp_cache(src_tp, seed=5)
+    dst = KVCache(at_tp(dst_tp), 48)
+    rx, tx = KVReceiver(dst), KVSender(src, wire_codec="int8")
+    try:
+        r = rx.reserve("q", [3, 4, 9], lease_s=10)
+        with tx.open(r) as stream:
+            assert stream.codec == CODEC_INT8
+            for layer in range(TP_LAYOUT.num_layers):
+                stream.send_layer(layer, [0, 1, 2])
+            stream.finish(1, timeout=10)
+        assert isinstance(rx.wait(r.ticket, 5), Completed)
+        assert_within_step(full_kv(dst)[:, [3, 4, 9]], full_kv(src)[:, [0, 1, 2]])
     finally:
         tx.close()
         rx.close()

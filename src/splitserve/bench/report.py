@@ -24,6 +24,8 @@ TITLES = {
     "engine-cuda": "Engine decode and prefill on an H100 against transformers and the GPU's limits (issue 2)",
     "cuda-tests": "The CUDA tests on the H100: graphs, CUDA against the CPU, Triton kernels, CUDA IPC (issue 2)",
     "transfer-cuda": "KV transfer over CUDA IPC and TCP on the H100 (issue 3)",
+    "transfer-codec": "The KV wire codec: int8 against raw, bytes per prompt and TTFT on loopback and on a link "
+    "paced to 1 Gb/s (issue 21)",
     "transfer-tp": "KV transfer between tensor-parallel sizes: re-sharding per layer against the plain transfer "
     "(issue 13)",
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
@@ -51,6 +53,11 @@ NOTES = {
     "chooser (router/policy.py) over a prefix index fed by its simulated workers. The misses are colocated at "
     "low load, where one worker is mostly idle and lends its core to the router and the client, so the overhead "
     "measured with both busy overstates it. Run to run on this shared VM the count has been 23 to 29 of 32.",
+    "transfer-codec": "The 1 Gb/s link is a TCP proxy inside the benchmark that paces the sender's bytes (a "
+    "token bucket, 64 KiB chunks, a 256 KiB socket buffer): no root or tc needed, the same on CI. The prefill "
+    "is a stand-in (a sleep per layer, as a GPU's): this CPU's real prefill of a 2K-token prompt takes seconds "
+    "and would hide the link. TTFT ends when the last layer is handed to the stream, as a prefill worker then "
+    "samples and returns the first token; the bounded send queue is what lets a slow link hold it back.",
     "transfer-tp": "The TP 1 -> TP 1 rows send the same transfer twice: their spread is the noise floor. "
     "Equal sizes above 1 send one zero-copy frame per shard; other pairs pack each receiver shard's heads in "
     "the sender's stream thread, in line with its sends. The copy figures repeat one 8 MiB layer, which stays "

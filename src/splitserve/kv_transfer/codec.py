@@ -165,15 +165,25 @@ class Choice(NamedTuple):
 MARGIN = 0.8
 
 
-def choose(bandwidth_bps: float | None, speed: CodecSpeed | None, wire_ratio: float, margin: float = MARGIN) -> Choice:
+def choose(
+    bandwidth_bps: float | None,
+    speed: CodecSpeed | None,
+    wire_ratio: float,
+    margin: float = MARGIN,
+    same_host: bool = False,
+) -> Choice:
     """The codec for a link, from its bandwidth (payload bytes per second; None: not known
-    yet), the codec's speed, and wire bytes over raw bytes.
+    yet), the codec's speed, wire bytes over raw bytes, and whether the receiver is on this
+    host (loopback, or one of its own addresses: memory moves the bytes, faster than either
+    end encodes them, so raw without measuring).
 
     Per raw byte, raw costs `1 / bandwidth`; int8 costs the slowest of its three stages,
     which overlap (the sender encodes the next frame while the socket drains the last, the
     receiver decodes one while the next arrives): `max(1 / encode, ratio / bandwidth,
     1 / decode)`. On when that is under `margin` of raw's.
     """
+    if same_host:
+        return Choice(CODEC_RAW, "the receiver is on this host")
     if speed is None:
         return Choice(CODEC_RAW, "codec speed unknown")
     if bandwidth_bps is None:

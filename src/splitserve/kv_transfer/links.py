@@ -30,8 +30,10 @@ each end ends up with (`splitserve_kv_transport_chosen`).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -70,6 +72,27 @@ def _open_ucx() -> Transport | None:
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+_own_addresses: frozenset[str] | None = None
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine: loopback, or one of the addresses
+    its host name resolves to (looked up once)."""
+    global _own_addresses
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        if host == "localhost":
+            return True
+    if _own_addresses is None:
+        try:
+            _own_addresses = frozenset(str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None))
+        except OSError:
+            _own_addresses = frozenset()
+    return host in _own_addresses or host == socket.gethostname()
 
 
 # ---- the receiver's side ----------------------------------------------------------------

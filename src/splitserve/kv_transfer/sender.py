@@ -82,6 +82,7 @@ class KVSender:
         wire_codec: codec.WireCodecMode = "raw",
         link_gbps: float | None = None,
         codec_speed: codec.CodecSpeed | None = None,
+        same_host_raw: bool = True,
     ) -> None:
         """`checksum`: "lanesum" (fast, see frame.py) or "crc32"; `queue_depth`: queued
         send_layer calls before back-pressure; `transport`: in place of TCP (the fake).
@@ -91,7 +92,9 @@ class KVSender:
         still chooses), "auto" offers it on a link where `codec.choose` says it pays. The
         link's bandwidth: `link_gbps` (Gb/s, every receiver) if given, else measured on the
         earlier streams to each receiver (the first goes raw). `codec_speed`: the codec's
-        throughput, else measured here at start (a few milliseconds, "auto" only)."""
+        throughput, else measured here at start (a few milliseconds, "auto" only).
+        `same_host_raw=False`: "auto" treats a receiver on this host like any other (a benchmark
+        whose slow link is a proxy on loopback)."""
         if wire_codec not in codec.WIRE_CODEC_MODES:
             raise ValueError(f"wire_codec must be one of {codec.WIRE_CODEC_MODES}, got {wire_codec!r}")
         if link_gbps is not None and link_gbps <= 0:
@@ -99,6 +102,7 @@ class KVSender:
         self.cache = cache
         lay = cache.layout
         self.wire_codec: codec.WireCodecMode = wire_codec
+        self.same_host_raw = same_host_raw
         self._link_bps = None if link_gbps is None else link_gbps * 1e9 / 8
         self._int8_unusable = codec.check_aligned(lay.head_dim)
         if lay.dtype not in codec.ENCODES_FROM:
@@ -174,7 +178,8 @@ class KVSender:
             return 0, "device copies move no bytes on the connection"
         if self.wire_codec == "int8":
             return codec.OFFER_INT8, "--kv-wire-codec int8"
-        c = codec.choose(self.link_bps(d.pool), self.codec_speed, self._int8_ratio)
+        same_host = self.same_host_raw and links.is_this_host(links.split_endpoint(d.pool[1])[0])
+        c = codec.choose(self.link_bps(d.pool), self.codec_speed, self._int8_ratio, same_host=same_host)
         return (codec.OFFER_INT8 if c.codec == codec.CODEC_INT8 else 0), c.why
 
     def link_bps(self, pool: tuple[str, str]) -> float | None:
