@@ -14,9 +14,10 @@ import pytest
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_tiers import DiskTier, expected_seconds, plan_load
+from splitserve.engine.kv_tiers import DiskTier
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.engine.tier_cost import expected_seconds, plan_load
 from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(120)

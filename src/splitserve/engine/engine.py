@@ -107,19 +107,22 @@ class Engine:
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
-        self.tiers: TierStore | None = None
-        if cfg.enable_prefix_caching and (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
-            self.tiers = TierStore(
-                self.kv_cache, cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes, cfg.kv_disk_tier_dir or None
-            )
-            self.blocks.on_evict = self.tiers.evicted
-            self.scheduler.tiers = self.tiers
+        self.tiers = self._start_tiers(cfg)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.runner.eos_token_ids = tuple(sorted(eos))
         self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
         self.tokenizer = tokenizer
         self._grammars: Any = None  # engine/grammar.py's GrammarCompiler, made at the first grammar
+
+    def _start_tiers(self, cfg: EngineConfig) -> TierStore | None:
+        """The host and disk tiers behind the prefix cache (engine/kv_tiers.py), if the config asks for any."""
+        if not cfg.enable_prefix_caching or not (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
+            return None
+        tiers = TierStore(self.kv_cache, cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes, cfg.kv_disk_tier_dir or None)
+        self.blocks.on_evict = tiers.evicted
+        self.scheduler.tiers = tiers
+        return tiers
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent). The engine runs no step afterwards."""

@@ -36,61 +36,11 @@ import torch
 from splitserve.engine.block_hash import BlockHash
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.tier_cost import TierSpeeds, plan_load
 
 TIERS = ("host", "disk")
 _MAGIC = b"SSKV"
 _HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
-
-
-def plan_load(
-    tiers: Sequence[str],
-    bytes_per_block: int,
-    block_size: int,
-    bandwidth: dict[str, float],
-    prefill_tokens_per_s: float | None,
-    overhead_s: dict[str, float] | None = None,
-) -> int:
-    """How many of the leading blocks (each in `tiers[i]`) to load rather than recompute.
-
-    Loading block i costs `overhead_s[tier] + bytes_per_block / bandwidth[tier]` seconds,
-    recomputing it `block_size / prefill_tokens_per_s`. Loads must form a prefix (each
-    block's KV depends on the ones before), so the answer is the prefix length with the
-    largest total saving; 0 when no prefix saves time. Without a measured prefill speed
-    every block is loaded (a tier read is never slower than a model's prefill by default).
-    """
-    if not tiers:
-        return 0
-    if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
-        return len(tiers)
-    recompute = block_size / prefill_tokens_per_s
-    best, best_n, saved = 0.0, 0, 0.0
-    for i, tier in enumerate(tiers):
-        bw = bandwidth.get(tier, 0.0)
-        load = (overhead_s or {}).get(tier, 0.0) + (bytes_per_block / bw if bw > 0 else float("inf"))
-        saved += recompute - load
-        if saved > best:
-            best, best_n = saved, i + 1
-    return best_n
-
-
-def expected_seconds(
-    tiers: Sequence[str],
-    bytes_per_block: int,
-    block_size: int,
-    bandwidth: dict[str, float],
-    prefill_tokens_per_s: float | None,
-) -> float:
-    """Seconds until blocks in `tiers` are in the pool: the cheaper of loading and recomputing each
-    (the router's view of a tier hit; a pooled block costs nothing)."""
-    total = 0.0
-    recompute = block_size / prefill_tokens_per_s if prefill_tokens_per_s else float("inf")
-    for tier in tiers:
-        if tier == "pool":
-            continue
-        bw = bandwidth.get(tier, 0.0)
-        load = bytes_per_block / bw if bw > 0 else float("inf")
-        total += min(load, recompute)
-    return total
 
 
 @dataclass
@@ -418,6 +368,11 @@ class TierStore:
         stats.bytes_loaded += fetched.data.numel()
         stats.load_seconds += dt
         self.bandwidth.observe(fetched.tier, fetched.data.numel(), dt)
+
+    def speeds(self) -> TierSpeeds:
+        """What this worker measured, for the router (WorkerStats)."""
+        bw = self.bandwidth.values
+        return TierSpeeds(self.prefill_tokens_per_s or 0.0, bw.get("host", 0.0), bw.get("disk", 0.0), self.block_bytes)
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """A step that prefilled `tokens` tokens in `seconds`: the prefill speed's running average."""

@@ -26,6 +26,7 @@ from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFul
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
+from splitserve.engine.tier_cost import TierSpeeds
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,12 @@ class EngineLoop:
     def wake(self) -> None:
         """From any thread: end an idle wait now (the connector has news for the next poll)."""
         self._inbox.put(_Posted(None, None, Future()))
+
+    def tier_speeds(self) -> TierSpeeds | None:
+        """The engine's measured prefill speed and tier bandwidths (engine/kv_tiers.py), None without tiers;
+        plain numbers, safe to read from any thread."""
+        tiers = self.engine.tiers
+        return tiers.speeds() if tiers is not None else None
 
     def subscribe_blocks(self, callback: BlockCallback) -> Future[list[BlockEvent]]:
         """Follow the prefix cache: resolves to a snapshot, after which `callback` gets every change."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from splitserve.engine.block_manager import BlockEvent
     from splitserve.engine.kv_cache import KVLayout
     from splitserve.engine.scheduler import SchedulerStats
+    from splitserve.engine.tier_cost import TierSpeeds
     from splitserve.kv_transfer import Reservation as KVReservation
 
 
@@ -191,20 +192,32 @@ def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
     )
 
 
+KV_TIERS = {"pool": wpb.KV_TIER_POOL, "host": wpb.KV_TIER_HOST, "disk": wpb.KV_TIER_DISK}
+KV_TIER_NAMES: dict[int, str] = {int(v): k for k, v in KV_TIERS.items()}
+
+
 def block_events_to_proto(events: list[BlockEvent]) -> wpb.BlockEventBatch:
     out = wpb.BlockEventBatch()
     for e in events:
         if e.kind == "stored":
-            out.events.add(stored=wpb.BlocksStored(block_hashes=list(e.hashes)))
+            out.events.add(stored=wpb.BlocksStored(block_hashes=list(e.hashes)), tier=KV_TIERS[e.tier])
         elif e.kind == "removed":
-            out.events.add(removed=wpb.BlocksRemoved(block_hashes=list(e.hashes)))
+            out.events.add(removed=wpb.BlocksRemoved(block_hashes=list(e.hashes)), tier=KV_TIERS[e.tier])
         else:
             out.events.add(cleared=wpb.AllBlocksCleared())
     return out
 
 
-def stats_to_proto(worker_id: str, s: SchedulerStats, block_size: int) -> wpb.WorkerStats:
-    return wpb.WorkerStats(
+def tier_name(tier: int) -> str:
+    """A BlockEvent's tier as engine/kv_tiers.py names it ("pool" for values this side does not know)."""
+    return KV_TIER_NAMES.get(tier, "pool")
+
+
+def stats_to_proto(
+    worker_id: str, s: SchedulerStats, block_size: int, speeds: TierSpeeds | None = None
+) -> wpb.WorkerStats:
+    """`speeds`: the worker's measured prefill speed and tier bandwidths (engine/kv_tiers.py), if it has tiers."""
+    out = wpb.WorkerStats(
         worker_id=worker_id,
         queued_tokens=s.queued_tokens,
         running_tokens=s.running_tokens,
@@ -216,3 +229,9 @@ def stats_to_proto(worker_id: str, s: SchedulerStats, block_size: int) -> wpb.Wo
         prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits,
     )
+    if speeds is not None:
+        out.prefill_tokens_per_s = speeds.prefill_tokens_per_s
+        out.host_tier_bytes_per_s = speeds.host_bytes_per_s
+        out.disk_tier_bytes_per_s = speeds.disk_bytes_per_s
+        out.kv_block_bytes = speeds.block_bytes
+    return out

@@ -8,8 +8,15 @@ the weight and block size from `RoutingConfig`:
               + queued_and_running_tokens(w)                the work w already has
               + kv_shortfall_tokens(w)                      the request's new KV that finds no free block on w
 
-The uncached count of the chosen worker is computed once and reused by the
-local-or-remote prefill decision. A `DecodeChooser`, selected once from config,
+A worker whose context continues in a tier behind its pool (host RAM, disk:
+engine/kv_tiers.py) is priced by the seconds until that context is in its pool
+(`engine/tier_cost.prefix_cost`: each tier block loaded where that beats
+recomputing it, at the worker's own measured bandwidths and prefill speed),
+expressed in tokens of prefill at its speed: a tier hit is neither free nor a
+full recompute. The tokens the chosen worker still has to prefill (past its pool
+and its loads) are computed once and reused by the local-or-remote prefill
+decision, which so weighs the same seconds (a tier load happens on the decode
+worker either way; only the rest can move to a prefill worker). A `DecodeChooser`, selected once from config,
 turns the candidates into a choice: `KvAwareChooser` (the cost above) or
 `RoundRobinChooser` (the baseline that ignores caches and load).
 
@@ -28,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple, Protocol
 
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.tier_cost import TierSpeeds, prefix_cost
 from splitserve.router.config import RoutingConfig
 from splitserve.router.prefix_index import PrefixIndex
 
@@ -43,6 +51,7 @@ class WorkerLoad(NamedTuple):
     running_tokens: int
     free_blocks: int
     total_blocks: int
+    speeds: TierSpeeds = TierSpeeds()  # its measured prefill speed and tier bandwidths (WorkerStats)
 
     @property
     def work_tokens(self) -> int:
@@ -52,8 +61,10 @@ class WorkerLoad(NamedTuple):
 class DecodeCandidate(NamedTuple):
     worker: str
     overlap_blocks: int  # leading prompt blocks already in the worker's prefix cache
-    uncached_tokens: int  # context tokens past them: what this worker would have to prefill
+    uncached_tokens: int  # context tokens past them (and past its tier loads): what it would have to prefill
     load: WorkerLoad
+    loaded_blocks: int = 0  # blocks after the cached ones it would load from a tier behind its pool
+    prefill_tokens: float | None = None  # seconds until the context is in its pool, in its prefill tokens
 
 
 class DecodeChoice(NamedTuple):
@@ -91,7 +102,7 @@ def kv_shortfall_tokens(uncached_tokens: int, free_blocks: int, block_size: int)
     return max(0, needed_blocks - free_blocks) * block_size
 
 
-def decode_cost(prefill_tokens: int, work_tokens: int, shortfall_tokens: int, prefill_weight: float) -> float:
+def decode_cost(prefill_tokens: float, work_tokens: int, shortfall_tokens: int, prefill_weight: float) -> float:
     """Lower is better; every term in tokens."""
     return prefill_weight * prefill_tokens + work_tokens + shortfall_tokens
 
@@ -134,8 +145,10 @@ class KvAwareChooser:
         costs = []
         for c in candidates:
             work = queued_and_running_tokens(c.load)
-            shortfall = kv_shortfall_tokens(c.uncached_tokens, c.load.free_blocks, r.block_size)
-            cost = decode_cost(c.uncached_tokens, work, shortfall, r.prefill_weight)
+            new_kv = c.uncached_tokens + c.loaded_blocks * r.block_size  # loaded blocks take pool blocks too
+            shortfall = kv_shortfall_tokens(new_kv, c.load.free_blocks, r.block_size)
+            prefill = c.uncached_tokens if c.prefill_tokens is None else c.prefill_tokens
+            cost = decode_cost(prefill, work, shortfall, r.prefill_weight)
             costs.append(cost)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -242,6 +255,29 @@ def choose_prefill_worker(queued_tokens: Mapping[str, int], rng: random.Random) 
 # ---- the terms together
 
 
+def decode_candidates(
+    hashes: Sequence[bytes],
+    num_tokens: int,
+    index: PrefixIndex,
+    decode_loads: Mapping[str, WorkerLoad],
+    block_size: int,
+    tier_aware: bool = True,
+) -> list[DecodeCandidate]:
+    """Each decode worker with what it holds of the context: its pooled prefix, the tier blocks it
+    would load, the tokens left to prefill, and the seconds of all that in its prefill tokens."""
+    where = index.overlap_tiers(hashes)
+    out = []
+    for w, load in decode_loads.items():
+        tiers = where.get(w, [])
+        if not tier_aware:
+            tiers = tiers[: next((i for i, t in enumerate(tiers) if t != "pool"), len(tiers))]
+        cost = prefix_cost(tiers, num_tokens, block_size, load.speeds)
+        speed = load.speeds.prefill_tokens_per_s
+        prefill = cost.equivalent_tokens(speed) if cost.loaded_blocks else None
+        out.append(DecodeCandidate(w, cost.pool_blocks, cost.compute_tokens, load, cost.loaded_blocks, prefill))
+    return out
+
+
 def route(
     hashes: Sequence[bytes],
     num_tokens: int,
@@ -251,21 +287,19 @@ def route(
     routing: RoutingConfig,
     rng: random.Random,
     chooser: DecodeChooser | None = None,
+    tier_aware: bool = True,
 ) -> Route:
     """One routing decision: the decode worker, then local or remote prefill for it.
 
     `num_tokens` is the context length (prompt plus any tokens already generated);
     `hashes` its full blocks' chained hashes. With no prefill worker, prefill is local.
     `chooser`: the router's own (selected once from `routing`; the round-robin one counts
-    its turns); None makes one for this decision alone.
+    its turns); None makes one for this decision alone. `tier_aware` False: the blocks behind the
+    workers' pools count as uncached (the tier-blind baseline).
     """
     if chooser is None:
         chooser = decode_chooser(routing)
-    overlaps = index.overlap(hashes)
-    candidates = []
-    for w, load in decode_loads.items():
-        ov = overlaps.get(w, 0)
-        candidates.append(DecodeCandidate(w, ov, uncached_prefill_tokens(num_tokens, ov, routing.block_size), load))
+    candidates = decode_candidates(hashes, num_tokens, index, decode_loads, routing.block_size, tier_aware)
     choice = chooser.choose(candidates, rng)
     if prefill_queued_tokens:
         decode_queue = decode_loads[choice.worker].queued_tokens

@@ -4,6 +4,10 @@ workers' block events (stored, removed, cleared).
 A block hash is chained (engine/block_hash.py), so it names a whole prefix.
 `overlap` walks a prompt's hashes in order and stops, for each worker, at its
 first miss: a worker that evicted block i cannot reuse block i+1 either.
+
+A block a worker evicted from its pool into a tier behind it (engine/kv_tiers.py:
+"host" RAM or "disk") comes as an event with that tier; `overlap` counts pooled
+blocks only, `overlap_tiers` says where each leading block is on each worker.
 """
 
 from __future__ import annotations
@@ -17,15 +21,34 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._workers_by_hash: dict[bytes, set[WorkerId]] = {}
         self._hashes_by_worker: dict[WorkerId, set[bytes]] = {}
+        # blocks behind the pools: worker -> hash -> the tiers holding it; hash -> the workers
+        self._tiers_by_worker: dict[WorkerId, dict[bytes, set[str]]] = {}
+        self._tier_workers_by_hash: dict[bytes, set[WorkerId]] = {}
 
-    def stored(self, worker: WorkerId, hashes: Iterable[bytes]) -> None:
+    def stored(self, worker: WorkerId, hashes: Iterable[bytes], tier: str = "pool") -> None:
+        if tier != "pool":
+            held = self._tiers_by_worker.setdefault(worker, {})
+            for h in hashes:
+                held.setdefault(h, set()).add(tier)
+                self._tier_workers_by_hash.setdefault(h, set()).add(worker)
+            return
         mine = self._hashes_by_worker.setdefault(worker, set())
         for h in hashes:
             if h not in mine:
                 mine.add(h)
                 self._workers_by_hash.setdefault(h, set()).add(worker)
 
-    def removed(self, worker: WorkerId, hashes: Iterable[bytes]) -> None:
+    def removed(self, worker: WorkerId, hashes: Iterable[bytes], tier: str = "pool") -> None:
+        if tier != "pool":
+            held = self._tiers_by_worker.get(worker, {})
+            for h in hashes:
+                where = held.get(h)
+                if where is not None:
+                    where.discard(tier)
+                    if not where:
+                        del held[h]
+                        self._drop_tiered(h, worker)
+            return
         mine = self._hashes_by_worker.get(worker)
         if not mine:
             return
@@ -38,6 +61,14 @@ class PrefixIndex:
         """The worker dropped its whole cache (or left, or its event stream broke)."""
         for h in self._hashes_by_worker.pop(worker, ()):
             self._drop(h, worker)
+        for h in self._tiers_by_worker.pop(worker, {}):
+            self._drop_tiered(h, worker)
+
+    def _drop_tiered(self, h: bytes, worker: WorkerId) -> None:
+        holders = self._tier_workers_by_hash[h]
+        holders.discard(worker)
+        if not holders:
+            del self._tier_workers_by_hash[h]
 
     def _drop(self, h: bytes, worker: WorkerId) -> None:
         holders = self._workers_by_hash[h]
@@ -68,6 +99,27 @@ class PrefixIndex:
             depth += 1
         for w in active:
             result[w] = depth
+        return result
+
+    def overlap_tiers(self, hashes: Sequence[bytes]) -> dict[WorkerId, list[str]]:
+        """Worker -> where each leading block of `hashes` is on it ("pool", else "host", else "disk"),
+        up to its first block held nowhere (workers holding none are absent)."""
+        if not hashes:
+            return {}
+        workers = self._workers_by_hash.get(hashes[0], set()) | self._tier_workers_by_hash.get(hashes[0], set())
+        result: dict[WorkerId, list[str]] = {}
+        for w in workers:
+            pooled = self._hashes_by_worker.get(w, set())
+            tiered = self._tiers_by_worker.get(w, {})
+            where: list[str] = []
+            for h in hashes:
+                if h in pooled:
+                    where.append("pool")
+                elif h in tiered:
+                    where.append("host" if "host" in tiered[h] else "disk")
+                else:
+                    break
+            result[w] = where
         return result
 
     def num_blocks(self, worker: WorkerId) -> int:

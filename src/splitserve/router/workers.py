@@ -29,6 +29,8 @@ from typing import Literal
 
 import grpc
 
+from splitserve.engine.tier_cost import TierSpeeds
+from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.router.config import RouterConfig
@@ -81,7 +83,10 @@ class Worker:
 
     def load(self) -> WorkerLoad:
         s = self.stats or wpb.WorkerStats()
-        return WorkerLoad(s.queued_tokens + self.assigned_tokens, s.running_tokens, s.free_blocks, s.total_blocks)
+        speeds = TierSpeeds(s.prefill_tokens_per_s, s.host_tier_bytes_per_s, s.disk_tier_bytes_per_s, s.kv_block_bytes)
+        return WorkerLoad(
+            s.queued_tokens + self.assigned_tokens, s.running_tokens, s.free_blocks, s.total_blocks, speeds
+        )
 
 
 class WorkerSet:
@@ -279,9 +284,9 @@ class WorkerSet:
                     for ev in batch.events:
                         kind = ev.WhichOneof("kind")
                         if kind == "stored":
-                            index.stored(w.address, ev.stored.block_hashes)
+                            index.stored(w.address, ev.stored.block_hashes, convert.tier_name(ev.tier))
                         elif kind == "removed":
-                            index.removed(w.address, ev.removed.block_hashes)
+                            index.removed(w.address, ev.removed.block_hashes, convert.tier_name(ev.tier))
                         elif kind == "cleared":
                             index.cleared(w.address)
             except grpc.aio.AioRpcError as e:

@@ -22,6 +22,12 @@ class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_MODE_LOCAL: _ClassVar[PrefillMode]
     PREFILL_MODE_REMOTE: _ClassVar[PrefillMode]
 
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_POOL: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+    KV_TIER_DISK: _ClassVar[KVTier]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -38,6 +44,9 @@ GRAMMAR_KIND_LARK: GrammarKind
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
+KV_TIER_POOL: KVTier
+KV_TIER_HOST: KVTier
+KV_TIER_DISK: KVTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -188,7 +197,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_s", "host_tier_bytes_per_s", "disk_tier_bytes_per_s", "kv_block_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +208,10 @@ class WorkerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_tokens: int
     running_tokens: int
@@ -209,7 +222,11 @@ class WorkerStats(_message.Message):
     block_size: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    host_tier_bytes_per_s: float
+    disk_tier_bytes_per_s: float
+    kv_block_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_tier_bytes_per_s: _Optional[float] = ..., disk_tier_bytes_per_s: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()
@@ -222,14 +239,16 @@ class BlockEventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("stored", "removed", "cleared")
+    __slots__ = ("stored", "removed", "cleared", "tier")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     stored: BlocksStored
     removed: BlocksRemoved
     cleared: AllBlocksCleared
-    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes",)
