@@ -31,6 +31,8 @@ TITLES = {
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
     "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
+    "tiers-cpu": "KV tiers behind the prefix cache: TTFT of a host-tier and a disk-tier hit against recomputing "
+    "the prefix, in one run (issue 21)",
     "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
     "compile time (issue 20)",
 }
