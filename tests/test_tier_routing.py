@@ -5,6 +5,7 @@ numbers; a tier-blind router counts the tiers' blocks as uncached."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,6 +86,8 @@ def test_routing_prefers_a_host_hit_and_keeps_its_prefill_local():
     assert r.mode == "local"  # no prefill to move: a remote prefill would only add a hop
     blind = route(HASHES, 1600, idx, loads(a=SPEEDS, b=SPEEDS), {"p": 0}, cfg, random.Random(0), tier_aware=False)
     assert blind.worker == "b" and blind.mode == "remote"  # tier-blind: a counts as empty
+    blind_cfg = dataclasses.replace(cfg, tier_aware=False)  # what --tier-blind-routing sets
+    assert route(HASHES, 1600, idx, loads(a=SPEEDS, b=SPEEDS), {"p": 0}, blind_cfg, random.Random(0)).worker == "b"
 
 
 def test_a_disk_hit_slower_than_recompute_is_priced_as_a_recompute():
@@ -95,3 +98,15 @@ def test_a_disk_hit_slower_than_recompute_is_priced_as_a_recompute():
     assert (c.loaded_blocks, c.uncached_tokens, c.prefill_tokens) == (0, 1600, None)
     (fast,) = decode_candidates(HASHES, 1600, idx, loads(a=SPEEDS), BS)
     assert fast.loaded_blocks == 100 and fast.prefill_tokens == pytest.approx(100 * (1 << 20) / 2e8 * 1600)
+
+
+def test_the_tier_blind_flag_reaches_the_routing_config():
+    import argparse
+
+    from splitserve.router.flags import add_router_arguments, router_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    p.add_argument("--block-size", type=int, default=16)
+    assert router_config_from_args(p.parse_args([]), None).routing.tier_aware
+    assert not router_config_from_args(p.parse_args(["--tier-blind-routing"]), None).routing.tier_aware

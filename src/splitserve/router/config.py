@@ -58,6 +58,9 @@ class RoutingConfig:
     # stats poll, however soon the request finished, and a cache hit must outweigh that phantom
     # load (at 1, a short prompt's 48 cached tokens lost to the 59 of the request that cached them).
     prefill_weight: float = 4.0
+    # Price a worker's tier blocks (host RAM, disk behind its prefix cache) by their load seconds at its
+    # measured speeds; False: count them as uncached, the tier-blind baseline
+    tier_aware: bool = True
     # 0: always the cheapest worker (ties broken by the RNG); > 0: softmax over -cost/T, T in tokens
     temperature: float = 0.0
 

@@ -48,6 +48,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "tokens queued and the decode worker would finish the prompt before the pool could start it",
     )
     p.add_argument(
+        "--tier-blind-routing",
+        action="store_true",
+        help="count the KV blocks behind a worker's prefix cache (its --kv-host-tier-mib, --kv-disk-tier-mib) as "
+        "uncached when routing: the baseline for tier-aware routing, which prices them in load seconds",
+    )
+    p.add_argument(
         "--max-inflight",
         type=int,
         default=_DEFAULTS.limits.max_inflight,
@@ -72,6 +78,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         block_size=a.block_size,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         prefill_backlog_tokens=a.prefill_backlog_tokens,
+        tier_aware=not a.tier_blind_routing,
     )
     listeners = Listeners(
         host=a.host,

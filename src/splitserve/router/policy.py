@@ -287,19 +287,20 @@ def route(
     routing: RoutingConfig,
     rng: random.Random,
     chooser: DecodeChooser | None = None,
-    tier_aware: bool = True,
+    tier_aware: bool | None = None,
 ) -> Route:
     """One routing decision: the decode worker, then local or remote prefill for it.
 
     `num_tokens` is the context length (prompt plus any tokens already generated);
     `hashes` its full blocks' chained hashes. With no prefill worker, prefill is local.
     `chooser`: the router's own (selected once from `routing`; the round-robin one counts
-    its turns); None makes one for this decision alone. `tier_aware` False: the blocks behind the
-    workers' pools count as uncached (the tier-blind baseline).
+    its turns); None makes one for this decision alone. `tier_aware` (default: `routing.tier_aware`)
+    False: the blocks behind the workers' pools count as uncached (the tier-blind baseline).
     """
     if chooser is None:
         chooser = decode_chooser(routing)
-    candidates = decode_candidates(hashes, num_tokens, index, decode_loads, routing.block_size, tier_aware)
+    aware = routing.tier_aware if tier_aware is None else tier_aware
+    candidates = decode_candidates(hashes, num_tokens, index, decode_loads, routing.block_size, aware)
     choice = chooser.choose(candidates, rng)
     if prefill_queued_tokens:
         decode_queue = decode_loads[choice.worker].queued_tokens
