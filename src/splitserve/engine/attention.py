@@ -13,9 +13,10 @@ sequence's whole context read back through its block table. Two paths:
   shows.
 
 A quantized cache (int8 or fp8 values with a scale per token and KV head, the format in
-engine/kv_cache.py) is written through `write_quantized` and read back dequantized to the
-model's dtype, block by gathered block; a cache of another float dtype than the model's is
-cast the same way. Such caches always read K/V back from the cache, even for a prompt's first
+engine/kv_cache.py) is written through `write_quantized` and read back dequantized, block
+by gathered block, to fp32, where its attention is computed (as the C++ decode kernel reads
+the values and scales exactly); a cache of another float dtype than the model's is cast to
+the model's. Such caches always read K/V back from the cache, even for a prompt's first
 chunk, so that prefill and decode attend over exactly the same (quantized) K/V.
 
 A bf16 or fp32 decode step on a CPU does not come here: the model runs it on the fused
@@ -93,16 +94,23 @@ def _decode_attention(
     """`kv_heads`: needed for a quantized cache only (a block of it is bytes)."""
     bsz, heads, dim = q.shape
     kv_heads = kv_heads or layer_cache.shape[3]
-    ctx = gather_blocks(layer_cache, meta.block_tables, kv_heads, dim, q.dtype)  # [B, max_blocks, 2, bs, kv_heads, dim]
+    work = _work_dtype(layer_cache, q.dtype)
+    ctx = gather_blocks(layer_cache, meta.block_tables, kv_heads, dim, work)  # [B, max_blocks, 2, bs, kv_heads, dim]
     max_len = ctx.shape[1] * ctx.shape[3]
     k = ctx[:, :, 0].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
     v = ctx[:, :, 1].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
     positions = torch.arange(max_len, device=q.device)
     mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+        q[:, :, None, :].to(work), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
     )
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(q.dtype)
+
+
+def _work_dtype(layer_cache: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What attention computes in: fp32 over a quantized cache (the values dequantized exactly, as
+    the C++ decode kernel reads them), else the model's dtype."""
+    return torch.float32 if quantized_kind(layer_cache) is not None else dtype
 
 
 def _prefill_attention(
@@ -116,11 +124,12 @@ def _prefill_attention(
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_new.shape[1]
     same = layer_cache.dtype == q.dtype  # else K/V are read back from the cache, as decode reads them
+    work = _work_dtype(layer_cache, q.dtype)
     bs = layer_cache.shape[2] if layer_cache.dim() == 5 else quantized_block_size(layer_cache, kv_heads, dim)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
-        qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, heads, q_len, dim]
+        qi = q[start : start + q_len].transpose(0, 1)[None].to(work)  # [1, heads, q_len, dim]
         if ctx_len == q_len and same:  # nothing cached before this chunk: attend to the new tokens only
             ki = k_new[start : start + q_len].transpose(0, 1)[None]
             vi = v_new[start : start + q_len].transpose(0, 1)[None]
@@ -128,7 +137,7 @@ def _prefill_attention(
             causal = q_len > 1
         else:
             nb = cdiv(ctx_len, bs)
-            blocks = gather_blocks(layer_cache, meta.block_tables[i, :nb], kv_heads, dim, q.dtype)
+            blocks = gather_blocks(layer_cache, meta.block_tables[i, :nb], kv_heads, dim, work)
             ki = blocks[:, 0].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
             vi = blocks[:, 1].reshape(nb * bs, kv_heads, dim)[:ctx_len].transpose(0, 1)[None]
             # query j sits at absolute position ctx_len - q_len + j and sees keys up to it
@@ -139,6 +148,6 @@ def _prefill_attention(
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv_heads
         )
-        out[start : start + q_len] = oi[0].transpose(0, 1)
+        out[start : start + q_len] = oi[0].transpose(0, 1).to(q.dtype)
         start += q_len
     return out

@@ -740,6 +740,185 @@ SS_V4 void attend_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, flo
   }
 }
 
+// ------------------------------------ decode attention, AVX-512, quantized KV
+//
+// attend_seq_v4's walk over a quantized cache: a row of one-byte values
+// widens to NV fp32 vectors in the lane order q has (load_row's: permuted for
+// bf16 q, natural for fp32), each token's scale multiplies its score after the
+// dot product and its probability before the weighted sum of V. Half (int8,
+// e4m3) the bytes of a bf16 row are read per token.
+
+// 16 one-byte values, widened to fp32 from 16 int32 lanes holding one byte each (in the low 8 bits).
+SS_V4 SS_INLINE __m512 widen(__m512i x, int8_t*) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24), 24));
+}
+SS_V4 SS_INLINE __m512 widen(__m512i x, uint8_t*) {  // e4m3 bits: as dequant(uint8_t)
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+}
+
+template <class T, class C, int NV>
+SS_V4 SS_INLINE void load_row_q(const C* p, __m512* v) {
+  if constexpr (sizeof(T) == 2) {  // bf16 q: even elements of each 32, then the odd ones
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)));
+      v[2 * c] = widen(x, static_cast<C*>(nullptr));
+      v[2 * c + 1] = widen(_mm512_srli_epi32(x, 8), static_cast<C*>(nullptr));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c)
+      v[c] = widen(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))),
+                   static_cast<C*>(nullptr));
+  }
+}
+
+// block_scores over quantized rows; sc: the block's K scales of this kv head (stride kv_heads).
+template <class T, class C, int NV, int GC>
+SS_V4 SS_INLINE void block_scores_q(const float* qf, const C* k, int64_t row, int64_t n, float* s, int64_t ctx,
+                                    const float* sc, int64_t sc_stride) {
+  __m512 q[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(qf + (g * NV + c) * 16);
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    __m512 p[4][GC];
+    for (int j = 0; j < 4; ++j) {
+      __m512 kv[NV];
+      load_row_q<T, C, NV>(k + (t + j) * row, kv);
+      for (int g = 0; g < GC; ++g) p[j][g] = dot<NV>(q[g], kv);
+    }
+    for (int g = 0; g < GC; ++g) sum4(p[0][g], p[1][g], p[2][g], p[3][g], s + g * ctx + t);
+  }
+  for (; t < n; ++t) {
+    __m512 kv[NV];
+    load_row_q<T, C, NV>(k + t * row, kv);
+    for (int g = 0; g < GC; ++g) s[g * ctx + t] = _mm512_reduce_add_ps(dot<NV>(q[g], kv));
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int64_t j = 0; j < n; ++j) s[g * ctx + j] *= sc[j * sc_stride];
+}
+
+template <class T, class C, int NV, int GC>
+SS_V4 SS_INLINE void block_values_q(const float* p, int64_t ctx, const C* v, int64_t row, int64_t n, float* acc,
+                                    const float* sc, int64_t sc_stride) {
+  __m512 a[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * NV + c) * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[NV];
+    load_row_q<T, C, NV>(v + t * row, vv);
+    const float st = sc[t * sc_stride];
+    for (int g = 0; g < GC; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * ctx + t] * st);
+      for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (g * NV + c) * 16, a[g][c]);
+}
+
+template <class T, class C, int NV>
+SS_V4 void attend_seq_q_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t group = a.heads / a.kv_heads, ctx = a.context_lens[b], bs = a.block_size, kvh = a.kv_heads;
+  const int64_t row = kvh * D, v_off = bs * row, block_bytes = q_block_bytes(a), scales_off = 2 * v_off;
+  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
+  const uint8_t* cache = static_cast<const uint8_t*>(a.cache);
+  const int64_t* table = a.tables + b * a.width;
+  const int64_t last = (ctx - 1) / bs;
+  const int64_t run_bytes = (kh1 - kh0) * D;
+  float* qf = buf;
+  float* acc = qf + nh * D;
+  float* s = acc + nh * D;
+  float* sums = s + nh * ctx;
+  const T* q = static_cast<const T*>(a.q) + b * a.q_stride + h0 * D;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t h = 0; h < nh; ++h) {
+    __m512 qv[NV];
+    load_row<NV>(q + h * D, qv);
+    for (int c = 0; c < NV; ++c) {
+      _mm512_storeu_ps(qf + h * D + 16 * c, _mm512_mul_ps(qv[c], scale));
+      _mm512_storeu_ps(acc + h * D + 16 * c, _mm512_setzero_ps());
+    }
+  }
+
+  for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
+    const uint8_t* base = cache + table[blk] * block_bytes;
+    const C* k = reinterpret_cast<const C*>(base) + kh0 * D;
+    const float* sc = reinterpret_cast<const float*>(base + scales_off) + kh0;
+    if (blk < last) prefetch_rows(reinterpret_cast<const C*>(cache + table[blk + 1] * block_bytes) + kh0 * D, row, bs, run_bytes);
+    const int64_t n = std::min(bs, ctx - t0);
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
+#define SS_SCORES(GC)                                                                                         \
+  block_scores_q<T, C, NV, GC>(qf + (kh * group + g0) * D, k + kh * D, row, n, s + (kh * group + g0) * ctx + t0, \
+                               ctx, sc + kh, kvh)
+      SS_FOR_HEAD_CHUNKS(NV, group, SS_SCORES)
+#undef SS_SCORES
+    }
+  }
+
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = s + h * ctx;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + t));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < ctx; ++i) {
+      float e = exp_f32(sh[i] - m);
+      sh[i] = e;
+      sum += e;
+    }
+    sums[h] = sum;
+  }
+
+  for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
+    const uint8_t* base = cache + table[blk] * block_bytes;
+    const C* v = reinterpret_cast<const C*>(base) + v_off + kh0 * D;
+    const float* sc = reinterpret_cast<const float*>(base + scales_off) + bs * kvh + kh0;
+    if (blk < last)
+      prefetch_rows(reinterpret_cast<const C*>(cache + table[blk + 1] * block_bytes) + v_off + kh0 * D, row, bs,
+                    run_bytes);
+    const int64_t n = std::min(bs, ctx - t0);
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
+#define SS_VALUES(GC)                                                                                         \
+  block_values_q<T, C, NV, GC>(s + (kh * group + g0) * ctx + t0, ctx, v + kh * D, row, n,                       \
+                               acc + (kh * group + g0) * D, sc + kh, kvh)
+      SS_FOR_HEAD_CHUNKS(NV, group, SS_VALUES)
+#undef SS_VALUES
+    }
+  }
+
+  T* out = static_cast<T*>(a.out) + (b * a.heads + h0) * D;
+  for (int64_t h = 0; h < nh; ++h) {
+    __m512 o[NV];
+    for (int c = 0; c < NV; ++c) o[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
+    store_row<NV>(out + h * D, o, _mm512_set1_ps(1.0f / sums[h]));
+  }
+}
+
+template <class T>
+SS_V4 void attend_i8_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  switch (a.dim) {
+    case 32: return attend_seq_q_v4<T, int8_t, 2>(a, b, kh0, kh1, buf);
+    case 64: return attend_seq_q_v4<T, int8_t, 4>(a, b, kh0, kh1, buf);
+    case 128: return attend_seq_q_v4<T, int8_t, 8>(a, b, kh0, kh1, buf);
+    default: return attend_i8_v4<T>(a, b, kh0, kh1, buf);
+  }
+}
+template <class T>
+SS_V4 void attend_f8_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  switch (a.dim) {
+    case 32: return attend_seq_q_v4<T, uint8_t, 2>(a, b, kh0, kh1, buf);
+    case 64: return attend_seq_q_v4<T, uint8_t, 4>(a, b, kh0, kh1, buf);
+    case 128: return attend_seq_q_v4<T, uint8_t, 8>(a, b, kh0, kh1, buf);
+    default: return attend_f8_v4<T>(a, b, kh0, kh1, buf);
+  }
+}
+
 // ------------------------------------------------------------ ISA dispatch
 
 constexpr int kIsaBaseline = 1;  // x86-64 (SSE2)
@@ -775,8 +954,8 @@ template <class T>
 Ops<T> ops_for(int isa) {
   switch (isa) {
     case kIsaAvx512:
-      return {rms_norm_row_v4<T>, rope_row_v4<T>, silu_mul_row_v4<T>, attend_avx512<T>, attend_i8_v4<T>,
-              attend_f8_v4<T>};
+      return {rms_norm_row_v4<T>, rope_row_v4<T>, silu_mul_row_v4<T>, attend_avx512<T>, attend_i8_avx512<T>,
+              attend_f8_avx512<T>};
     case kIsaAvx2:
       return {rms_norm_row_v3<T>, rope_row_v3<T>, silu_mul_row_v3<T>, attend_v3<T>, attend_i8_v3<T>, attend_f8_v3<T>};
     default:

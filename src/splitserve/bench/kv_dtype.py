@@ -1,0 +1,352 @@
+"""What a quantized KV pool costs in quality and buys in capacity, against bfloat16 KV, in one run.
+
+    splitserve bench kv-dtype [--dtype bfloat16] [--kv-dtypes int8,fp8] [--tokens 256]
+                              [--pool-mib 32] [--batch 8] [--context 256] [--steps 24] [--repeats 3]
+
+On the default model (SmolLM2-135M) with the model in `--dtype`, each quantized KV dtype
+against bfloat16 KV (the issue's targets in brackets):
+
+- perplexity over the fixed text shipped in bench/data/public_domain.txt, teacher-forced
+  through the engine's own prefill path and cache, in chunks of --chunk tokens (later chunks
+  read the earlier ones back from the quantized pool) [within 1% of bfloat16 KV's];
+- greedy agreement over --tokens tokens for a set of prompts, each dtype's engine decoding
+  them in one batch: the fraction identical over every token, and the mean first divergence
+  (a prompt that never diverges counts --tokens);
+- the same tokens' log-probabilities computed teacher-forced by one prefill and step by step
+  by decode (the fused CPU kernel): each decode step over the KV the prefill wrote (as a
+  decode worker continues a prefill worker's) [the largest difference within 0.05 with the
+  model in float32, where the compute is exact enough that the KV is what differs], and every
+  KV written by decode from scratch (the two paths' own quantization roundings, compounding),
+  with the model in float32 and in bfloat16 (whose prefill and decode already differ by bf16
+  rounding in another order, bfloat16 KV included);
+- capacity at a fixed pool of --pool-mib MiB (--kv-cache-bytes): the blocks that fit and the
+  most sequences running at once when --requests prompts of --capacity-context tokens (each asking for
+  --capacity-tokens more) arrive together [int8 at least 1.8x bfloat16];
+- the decode step at batch --batch over --context tokens of context, bfloat16 KV and each
+  quantized dtype measured alternately in every repetition [not slower: ratio at most 1.0].
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.bench.engine import _code_version, _load, _machine
+from splitserve.bench.structured import _cpu_flags
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+
+TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
+BASELINE = "bfloat16"
+PROMPTS = [
+    "The history of the printing press begins",
+    "Here is a recipe for a simple vegetable soup:",
+    "Write a short story about a lighthouse keeper.",
+    "The three laws of thermodynamics are",
+    "Dear hiring manager, I am writing to apply for",
+    "def fibonacci(n):\n    ",
+    "The capital of France is Paris. The capital of Italy is",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (bfloat16, float32)")
+    p.add_argument("--kv-dtypes", default="int8,fp8", help="quantized KV dtypes compared with bfloat16 KV")
+    p.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt for the agreement")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk for the perplexity")
+    p.add_argument("--logprob-tokens", type=int, default=160, help="tokens of the text for prefill against decode")
+    p.add_argument(
+        "--logprob-dtypes", default="float32,bfloat16", help="model dtypes of prefill against decode (float32: target)"
+    )
+    p.add_argument("--pool-mib", type=float, default=32.0, help="the fixed KV pool for the capacity, MiB")
+    p.add_argument("--requests", type=int, default=64, help="prompts arriving together for the capacity")
+    p.add_argument("--capacity-context", type=int, default=64, help="prompt tokens of each capacity request")
+    p.add_argument("--capacity-tokens", type=int, default=8, help="tokens each capacity request asks for")
+    p.add_argument("--batch", type=int, default=8, help="batch of the decode step timed")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens (the context) of each sequence")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per repetition")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions; each runs every dtype back to back")
+
+
+def run(args: argparse.Namespace) -> int:
+    kvs = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
+    print(
+        f"# splitserve bench kv-dtype --dtype {args.dtype} --kv-dtypes {','.join(kvs)} --tokens {args.tokens} "
+        f"--chunk {args.chunk} --logprob-tokens {args.logprob_tokens} --logprob-dtypes {args.logprob_dtypes} "
+        f"--pool-mib {args.pool_mib:g} --requests {args.requests} --capacity-context {args.capacity_context} "
+        f"--capacity-tokens {args.capacity_tokens} --batch {args.batch} --context {args.context} "
+        f"--steps {args.steps} --repeats {args.repeats}"
+    )
+    print(
+        f"machine: {_machine(torch.device('cpu'))}; CPU flags: {_cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; code {_code_version()}; load average {_load()}"
+    )
+    verdicts: list[tuple[str, bool]] = []
+    quality = {kv: _quality(args, kv) for kv in [BASELINE, *kvs]}
+    verdicts += _print_quality(args, quality, kvs)
+    verdicts += _logprobs(args, kvs)
+    verdicts += _capacity(args, kvs)
+    verdicts += _decode_speed(args, kvs)
+    met = sum(ok for _, ok in verdicts)
+    print(f"targets: {met} of {len(verdicts)} met" + "".join(f"; NOT met: {n}" for n, ok in verdicts if not ok))
+    return 0
+
+
+# ------------------------------------------------------------------ quality
+
+
+def _engine(args: argparse.Namespace, kv: str, **cfg: object) -> tuple[Engine, Tokenizer]:
+    fields: dict[str, object] = {"dtype": args.dtype, "kv_cache_dtype": kv, "num_blocks": 512, "max_num_seqs": 64}
+    fields.update(cfg)
+    return Engine.from_path(None, EngineConfig(**fields), progress=False)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Quality:
+    tokens: int  # of the text
+    ppl: float
+    greedy: list[list[int]]  # each prompt's greedy tokens
+
+
+def _quality(args: argparse.Namespace, kv: str) -> Quality:
+    engine, tok = _engine(args, kv)
+    try:
+        text = tok.encode(TEXT.read_text())
+        lp = _teacher_forced(engine, text, args.chunk)
+        nll = -float(lp.mean())
+        greedy = engine.generate(
+            [tok.encode(p) for p in PROMPTS], SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+        )
+        return Quality(len(text), math.exp(nll), greedy)
+    finally:
+        engine.close()
+
+
+def _meta(table: torch.Tensor, positions: torch.Tensor, context: int, decode: bool) -> AttentionMetadata:
+    bs = _BLOCK[0]
+    n = positions.numel()
+    return AttentionMetadata(
+        slot_blocks=table[0, positions // bs].contiguous(),
+        slot_offsets=positions % bs,
+        block_tables=table,
+        context_lens=torch.tensor([context]),
+        query_lens=[n],
+        context_lens_list=[context],
+        is_decode=decode,
+    )
+
+
+_BLOCK = [16]
+
+
+def _table(engine: Engine, n: int) -> torch.Tensor:
+    """Blocks 1.. of the (idle) engine's pool for one sequence of n tokens."""
+    bs = _BLOCK[0] = engine.cfg.block_size
+    nb = (n + bs - 1) // bs
+    if nb >= engine.kv_cache.num_blocks:
+        raise ValueError(f"{n} tokens need {nb} blocks; the pool has {engine.kv_cache.num_blocks}")
+    return torch.arange(1, nb + 1)[None]
+
+
+@torch.inference_mode()
+def _teacher_forced(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor:
+    """log p(tokens[i+1] | tokens[:i+1]) for every i, by prefill in chunks through the engine's pool."""
+    model, cache = engine.model, engine.kv_cache.tensor
+    ids = torch.tensor(tokens)
+    table = _table(engine, len(tokens))
+    rows = []
+    for start in range(0, len(tokens), chunk):
+        pos = torch.arange(start, min(start + chunk, len(tokens)))
+        meta = _meta(table, pos, int(pos[-1]) + 1, False)
+        rows.append(model.forward(ids[pos], pos, cache, meta, torch.arange(pos.numel())))
+    logits = torch.cat(rows)[:-1]
+    return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
+
+
+@torch.inference_mode()
+def _step_by_step(engine: Engine, tokens: list[int], over_prefill: bool = False) -> torch.Tensor:
+    """The same log-probabilities by one decode step per token (the fused kernel on a CPU). With
+    `over_prefill`, each step reads the earlier tokens' KV as a prefill of the whole text wrote it
+    (the step's own write is undone after it), as a decode worker continues a prefill worker's KV."""
+    model, cache = engine.model, engine.kv_cache.tensor
+    ids = torch.tensor(tokens)
+    table = _table(engine, len(tokens))
+    if over_prefill:
+        _teacher_forced(engine, tokens, len(tokens))
+    prefilled = cache.clone() if over_prefill else None
+    rows = []
+    for i in range(len(tokens) - 1):
+        pos = torch.tensor([i])
+        rows.append(model.forward(ids[i : i + 1], pos, cache, _meta(table, pos, i + 1, True), torch.zeros(1).long()))
+        if prefilled is not None:
+            blk = table[0, i // engine.cfg.block_size]
+            cache[:, blk] = prefilled[:, blk]
+    logits = torch.cat(rows)
+    return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
+
+
+def _print_quality(args: argparse.Namespace, q: dict[str, Quality], kvs: list[str]) -> list[tuple[str, bool]]:
+    base = q[BASELINE]
+    print(f"\ntext: {TEXT.name}, {base.tokens} tokens; model dtype {args.dtype}")
+    verdicts = []
+    for kv in [BASELINE, *kvs]:
+        r = q[kv]
+        ratio = r.ppl / base.ppl
+        line = f"perplexity {kv:<9} KV: {r.ppl:8.4f}  ratio {ratio:.4f}"
+        if kv != BASELINE:
+            ok = ratio <= 1.01
+            verdicts.append((f"perplexity {kv} within 1%", ok))
+            line += f"  [target <= 1.0100: {'met' if ok else 'NOT met'}]"
+        print(line)
+    print(f"greedy agreement with {BASELINE} KV over {args.tokens} tokens, {len(PROMPTS)} prompts:")
+    for kv in kvs:
+        same, firsts = _agreement(base.greedy, q[kv].greedy, args.tokens)
+        print(
+            f"  {kv:<9} identical {same}/{len(PROMPTS)} ({same / len(PROMPTS):.2f}); mean first divergence "
+            f"{statistics.mean(firsts):.1f} tokens (per prompt: {' '.join(map(str, firsts))})"
+        )
+    return verdicts
+
+
+def _logprobs(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]]:
+    """Prefill against decode, per model dtype and KV dtype: the largest and the mean difference."""
+    n = args.logprob_tokens
+    print(
+        f"log-probabilities of the same {n - 1} tokens of the text, teacher-forced by one prefill against "
+        "decode one step per token (the fused CPU kernel), max |diff| (mean):"
+    )
+    print(
+        "  'over prefill KV': each step reads the earlier tokens' KV as the prefill wrote it (a decode worker "
+        "continuing a prefill worker); 'from scratch': every KV written by decode, the two paths' quantization "
+        "roundings compounding over layers and tokens"
+    )
+    verdicts = []
+    for dtype in args.logprob_dtypes.split(","):
+        for kv in [BASELINE, *kvs]:
+            engine, tok = _engine(argparse.Namespace(**{**vars(args), "dtype": dtype}), kv)
+            try:
+                text = tok.encode(TEXT.read_text())[:n]
+                forced = _teacher_forced(engine, text, n)
+                over = (forced - _step_by_step(engine, text, over_prefill=True)).abs()
+                scratch = (forced - _step_by_step(engine, text)).abs()
+            finally:
+                engine.close()
+            line = (
+                f"  model {dtype:<8} {kv:<9} KV: over prefill KV {float(over.max()):.4f} ({float(over.mean()):.4f}); "
+                f"from scratch {float(scratch.max()):.4f} ({float(scratch.mean()):.4f})"
+            )
+            if dtype == "float32":  # the compute exact enough that the KV is what differs
+                ok = float(over.max()) <= 0.05
+                verdicts.append((f"prefill/decode logprobs {kv} KV", ok))
+                line += f"  [target over prefill KV <= 0.05: {'met' if ok else 'NOT met'}]"
+            print(line)
+    return verdicts
+
+
+def _agreement(base: list[list[int]], other: list[list[int]], tokens: int) -> tuple[int, list[int]]:
+    firsts = []
+    for a, b in zip(base, other, strict=True):
+        firsts.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), tokens))
+    return sum(f >= tokens for f in firsts), firsts
+
+
+# ----------------------------------------------------------------- capacity
+
+
+def _capacity(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]]:
+    pool = int(args.pool_mib * 2**20)
+    print(
+        f"\ncapacity at a fixed pool of {args.pool_mib:g} MiB (--kv-cache-bytes {pool}): {args.requests} prompts of "
+        f"{args.capacity_context} tokens arriving together, each asking for {args.capacity_tokens} tokens"
+    )
+    peak: dict[str, int] = {}
+    verdicts = []
+    for kv in [BASELINE, *kvs]:
+        engine, tok = _engine(args, kv, kv_cache_bytes=pool, num_blocks=1, max_num_seqs=256)
+        try:
+            prompt = tok.encode(TEXT.read_text())[: args.capacity_context - 1]
+            params = SamplingParams(max_tokens=args.capacity_tokens, temperature=0, ignore_eos=True)
+            for i in range(args.requests):
+                engine.add_request(f"c{i}", [*prompt, 1 + i], params)
+            most = 0
+            while engine.has_work:
+                engine.step()
+                most = max(most, engine.stats().running_requests)
+            peak[kv] = most
+            print(
+                f"  {kv:<9} KV: {engine.cfg.num_blocks} blocks of {engine.layout.bytes_per_block} B per layer; "
+                f"most sequences running at once {most}; preemptions {engine.scheduler.num_preemptions}"
+            )
+        finally:
+            engine.close()
+    for kv in kvs:
+        ratio = peak[kv] / max(1, peak[BASELINE])
+        ok = ratio >= 1.8
+        verdicts.append((f"capacity {kv} >= 1.8x", ok))
+        print(f"  {kv} against {BASELINE}: {ratio:.2f}x the sequences  [target >= 1.80: {'met' if ok else 'NOT met'}]")
+    return verdicts
+
+
+# ------------------------------------------------------------- decode speed
+
+
+def _decode_speed(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]]:
+    engines = {kv: _engine(args, kv) for kv in [BASELINE, *kvs]}
+    try:
+        tok = engines[BASELINE][1]
+        prompt = tok.encode(TEXT.read_text())[: args.context - 1]
+        times: dict[str, list[float]] = {kv: [] for kv in engines}
+        for r in range(args.repeats):
+            for kv, (engine, _) in engines.items():
+                times[kv].append(_step_ms(engine, prompt, args.batch, args.steps, f"{kv}{r}"))
+    finally:
+        for engine, _ in engines.values():
+            engine.close()
+    print(
+        f"\ndecode step at batch {args.batch}, {args.context} tokens of context each, median of {args.steps} steps, "
+        f"{args.repeats} repetitions alternating:"
+    )
+    base = statistics.median(times[BASELINE])
+    print(f"  {BASELINE:<9} KV: {base:.2f} ms (per repetition: {' '.join(f'{t:.2f}' for t in times[BASELINE])})")
+    verdicts = []
+    for kv in kvs:
+        ratios = [a / b for a, b in zip(times[kv], times[BASELINE], strict=True)]
+        ratio = statistics.median(ratios)
+        ok = ratio <= 1.0
+        verdicts.append((f"decode batch {args.batch} {kv} not slower", ok))
+        print(
+            f"  {kv:<9} KV: {statistics.median(times[kv]):.2f} ms, ratio {ratio:.3f} (per repetition: "
+            f"{' '.join(f'{x:.3f}' for x in ratios)})  [target <= 1.000: {'met' if ok else 'NOT met'}]"
+        )
+    return verdicts
+
+
+def _step_ms(engine: Engine, prompt: list[int], batch: int, steps: int, tag: str) -> float:
+    """Median wall time of the pure decode steps of `batch` requests over `prompt`."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [*prompt, 1 + i], params)
+    sched = engine.scheduler
+    while sched.waiting or any(len(s) - s.num_computed_tokens > 1 for s in sched.running):
+        engine.step()  # the prefills
+    times: list[float] = []
+    while engine.has_work and len(times) < steps:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        elapsed = time.perf_counter() - t0
+        if len(outs) != batch or any(o.finished for o in outs):
+            break
+        times.append(elapsed)
+    for i in range(batch):
+        engine.abort(f"{tag}-{i}")
+    return statistics.median(times) * 1e3

@@ -1,0 +1,45 @@
+"""splitserve bench kv-dtype's measuring pieces on a tiny model: the teacher-forced and step-by-step
+log-probabilities (the same over an fp32 pool; within the target over the prefill's int8 KV), the
+greedy agreement count, and the text it measures on being shipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.bench import kv_dtype
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.testing import random_weights, tiny_model_config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _engine(kv: str) -> Engine:
+    cfg = tiny_model_config(max_position=512)
+    return Engine(cfg, random_weights(cfg, seed=5), EngineConfig(kv_cache_dtype=kv, num_blocks=64, block_size=8))
+
+
+@pytest.mark.parametrize(("kv", "tol"), [("auto", 1e-4), ("int8", 0.05), ("fp8", 0.05)])
+def test_prefill_against_decode_over_the_prefill_kv(kv: str, tol: float) -> None:
+    tokens = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng = _engine(kv)
+    try:
+        forced = kv_dtype._teacher_forced(eng, tokens, 16)  # three chunks, the later ones reading the pool
+        assert forced.shape == (47,)
+        assert torch.allclose(forced, kv_dtype._teacher_forced(eng, tokens, 48), atol=tol)
+        over = kv_dtype._step_by_step(eng, tokens, over_prefill=True)
+        assert (forced - over).abs().max().item() <= tol
+        scratch = kv_dtype._step_by_step(eng, tokens)
+        assert (forced - scratch).abs().max().item() <= (1e-4 if kv == "auto" else 1.0)
+    finally:
+        eng.close()
+
+
+def test_agreement_counts_identical_prompts_and_first_divergences() -> None:
+    same, firsts = kv_dtype._agreement([[1, 2, 3], [1, 2, 3], [4, 5, 6]], [[1, 2, 3], [1, 9, 3], [7, 5, 6]], 3)
+    assert (same, firsts) == (1, [3, 1, 0])
+
+
+def test_the_text_is_shipped_and_a_few_kilobytes() -> None:
+    assert 2_000 <= len(kv_dtype.TEXT.read_bytes()) <= 20_000
