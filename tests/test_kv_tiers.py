@@ -18,7 +18,7 @@ from splitserve.engine.kv_tiers import DiskTier
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tier_cost import expected_seconds, plan_load
-from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
+from splitserve.workers.testing import EnginePair, assert_engine_empty
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -185,17 +185,26 @@ def test_tier_moves_are_block_events():
     assert len(loaded & host_stored) == 10
 
 
-def test_a_decode_worker_reserves_past_the_prefix_it_loads_from_a_tier():
+def test_a_decode_worker_loads_its_prefix_from_a_tier_and_a_remote_prefill_fills_the_rest(reference):
+    """Disaggregated: the decode worker's reservation loads the evicted context from its host tier, the
+    prefill worker computes only the blocks after it (its own cache holds nothing), and the tokens are
+    the ones of a run without tiers."""
     decode = engine(kv_host_tier_bytes=1 << 20)
-    pair = EnginePair.of(tiny_engine(num_blocks=64, block_size=BS), decode)
+    evict_context(decode)
+    pair = EnginePair.of(
+        Engine(MODEL, WEIGHTS, EngineConfig(num_blocks=64, block_size=BS, max_num_batched_tokens=8)), decode
+    )
     try:
-        evict_context(decode)
         remote = pair.reserve("r", TURN2, GREEDY)
-        assert remote.num_cached_tokens == 40
-        assert decode.tiers.stats["host"].hits == 10
+        assert remote.num_cached_tokens == 40 and decode.tiers.stats["host"].hits == 10
+        pair.start_prefill("r", TURN2, GREEDY, remote)
+        first = pair.prefill_until_done("r")
+        pair.poll_prefill()
+        pair.poll_decode()
+        assert [first, *pair.decode_to_end("r")] == reference[0]
     finally:
-        decode.abort("r")
         pair.close()
+    assert_engine_empty(decode)
 
 
 def test_the_tier_metrics_export_each_tier_with_its_counts(tmp_path):
