@@ -383,7 +383,9 @@ def test_greedy_tokens_after_an_int8_transfer_agree_with_raw():
             pair.sender.wire_codec = "int8"
             int8 = _greedy(pair, f"int8{i}", prompt, TOKENS)
             same += raw == int8
-            firsts.append(next((j for j, (a, b) in enumerate(zip(raw, int8, strict=True)) if a != b), len(raw)))
+            # None: identical (a sample that ends at EOS before TOKENS does so in both)
+            differ = [j for j in range(max(len(raw), len(int8))) if raw[j : j + 1] != int8[j : j + 1]]
+            firsts.append(differ[0] if differ else None)
         print(
             f"greedy agreement int8 vs raw: {same}/{len(PROMPTS)} identical over {TOKENS} tokens; "
             f"first divergence {firsts}"

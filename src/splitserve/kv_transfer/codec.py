@@ -137,18 +137,25 @@ class CodecSpeed(NamedTuple):
     decode_bps: float
 
 
-def measure_speed(dtype: torch.dtype, head_dim: int, nbytes: int = 4 << 20, repeats: int = 3) -> CodecSpeed:
-    """Encode and decode throughput on this machine (best of `repeats`, a few ms each)."""
+def measure_speed(
+    dtype: torch.dtype, head_dim: int, nbytes: int = 4 << 20, repeats: int = 3, device: str | torch.device = "cpu"
+) -> CodecSpeed:
+    """Encode and decode throughput on this machine, on `device` (the cache's: where the
+    sender encodes; best of `repeats`, a few ms each)."""
     elements = max(head_dim, nbytes // torch.tensor([], dtype=dtype).element_size() // head_dim * head_dim)
-    x = torch.randn(elements // (32 * head_dim) or 1, 32, head_dim).to(dtype)  # blocks of 32 rows
+    x = torch.randn(elements // (32 * head_dim) or 1, 32, head_dim).to(dtype).to(device)
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)  # blocks of 32 rows
     enc = Int8Encoder()
     dst = torch.empty_like(x)
     best_e = best_d = math.inf
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         payload = enc.encode(x)
+        sync()
         t1 = time.perf_counter()
         decode_into(payload, dst)
+        sync()
         t2 = time.perf_counter()
         best_e, best_d = min(best_e, t1 - t0), min(best_d, t2 - t1)
     raw = x.numel() * x.element_size()

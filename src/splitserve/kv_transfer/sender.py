@@ -108,7 +108,7 @@ class KVSender:
         if lay.dtype not in codec.ENCODES_FROM:
             self._int8_unusable = f"FAILED_PRECONDITION: {lay.dtype} KV cannot be sent as int8 (no transcoder)"
         if codec_speed is None and wire_codec == "auto" and self._int8_unusable is None and not lay.quantized:
-            codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim)
+            codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim, device=cache.tensor.device)
         self.codec_speed = codec_speed
         self._int8_ratio = codec.ratio(codec.CODEC_INT8, lay.head_dim, lay.torch_dtype.itemsize)
         self._measured_bps: dict[tuple[str, str], float] = {}  # per (transport, endpoint): measured streams'
