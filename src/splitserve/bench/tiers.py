@@ -87,15 +87,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _header(args: argparse.Namespace) -> None:
-    print(
-        f"# splitserve bench tiers --context-tokens {args.context_tokens} --suffix-tokens {args.suffix_tokens} "
+    command = (
+        f"splitserve bench tiers --context-tokens {args.context_tokens} --suffix-tokens {args.suffix_tokens} "
         f"--trials {args.trials} --dtype {args.dtype} --block-size {args.block_size}"
         + (" --keep-page-cache" if args.keep_page_cache else "")
     )
+    now = datetime.datetime.now(datetime.UTC)
+    print(f"# {command}   [code {_code_version()}; {now:%Y-%m-%d %H:%M} UTC; CPU flags: {_cpu_flags()}]")
     print(
-        f"code {_code_version()}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
-        f"{_machine(torch.device('cpu'))}; CPU flags: {_cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; load average {_load()}"
+        f"machine: {_machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"load average {_load()}"
     )
 
 
