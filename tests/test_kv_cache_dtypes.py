@@ -357,3 +357,28 @@ def test_worker_and_serve_flags() -> None:
     serve = argparse.ArgumentParser()
     add_serve_arguments(serve)
     assert "--kv-cache-dtype" in serve.format_help() and "--kv-cache-bytes" in serve.format_help()
+
+
+def test_cpp_reads_every_e4m3_code_exactly(kernels: kd.DecodeKernels) -> None:
+    """A context of one token: attention returns its V, dequantized. V holds every e4m3fn code
+    but NaN's (subnormals, zeros of both signs, the largest), each scale 1: the kernel's
+    widening (portable and AVX-512) gives torch's float8_e4m3fn values exactly."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[codes == 0x7F], codes[codes == 0xFF] = 0x7E, 0xFE  # NaN is never written
+    lay = KVLayout(1, 2, 128, 4, "fp8")
+    for isa in range(1, kernels.best_isa + 1):
+        cache = KVCache(lay, 2).tensor
+        values, scales = quantized_views(cache[0], 2, 128)
+        values.view(torch.uint8)[1, 1, 0] = codes.view(2, 128).to(torch.uint8)
+        scales[1, :, 0] = 1.0
+        meta = AttentionMetadata(
+            torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
+        )
+        h = torch.zeros(1, 16)
+        ones = torch.ones(1, 128)
+        step = kernels.with_isa(isa).step(
+            h, cache, meta, ones, ones * 0, num_heads=2, scale=0.1, eps=1e-5, intermediate_size=8, kv_heads=2
+        )
+        out = step.attention(0, torch.zeros(1, 6 * 128), write=False)
+        want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.equal(out.view(-1), want), f"isa {isa}"

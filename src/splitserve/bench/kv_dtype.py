@@ -272,7 +272,10 @@ def _capacity(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]
     peak: dict[str, int] = {}
     verdicts = []
     for kv in [BASELINE, *kvs]:
-        engine, tok = _engine(args, kv, kv_cache_bytes=pool, num_blocks=1, max_num_seqs=256)
+        # no prefix caching: the prompts' shared beginning would otherwise be held once for all
+        engine, tok = _engine(
+            args, kv, kv_cache_bytes=pool, num_blocks=1, max_num_seqs=256, enable_prefix_caching=False
+        )
         try:
             prompt = tok.encode(TEXT.read_text())[: args.capacity_context - 1]
             params = SamplingParams(max_tokens=args.capacity_tokens, temperature=0, ignore_eos=True)

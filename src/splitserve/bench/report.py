@@ -35,6 +35,8 @@ TITLES = {
     "the prefix, in one run (issue 21)",
     "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
     "compile time (issue 20)",
+    "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
+    "against decode log-probabilities, sequences at a fixed pool and the batch-8 decode step (issue 21)",
 }
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).

@@ -327,13 +327,21 @@ SS_VARIANTS(attend, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* 
 constexpr int kKvNative = 0, kKvInt8 = 1, kKvFp8 = 2;
 
 SS_INLINE float dequant(int8_t v) { return static_cast<float>(v); }
-// e4m3fn bits to fp32: the 7 magnitude bits placed at fp32's exponent and
-// mantissa, times 2^(127 - 7); exact for normals and subnormals alike.
+// e4m3fn bits to fp32, exactly, with no fp32 subnormal on the way (an operand
+// that slows a multiply a hundredfold): a normal's exponent rebased by 127 - 7;
+// a subnormal m * 2^-9 as 2^-6 * (1 + m/8) - 2^-6.
 SS_INLINE float dequant(uint8_t v) {
-  const uint32_t u = (static_cast<uint32_t>(v & 0x7fu) << 20) | (static_cast<uint32_t>(v & 0x80u) << 24);
+  const uint32_t mag = static_cast<uint32_t>(v & 0x7fu) << 20;
+  const bool sub = (v & 0x78u) == 0;
+  const uint32_t u = sub ? (mag | (UINT32_C(121) << 23)) : (mag + (UINT32_C(120) << 23));
   float f;
   std::memcpy(&f, &u, sizeof(f));
-  return f * 0x1p120f;
+  f = sub ? f - 0x1p-6f : f;
+  uint32_t r;
+  std::memcpy(&r, &f, sizeof(r));
+  r |= static_cast<uint32_t>(v & 0x80u) << 24;
+  std::memcpy(&f, &r, sizeof(f));
+  return f;
 }
 
 // fp32 to e4m3fn bits, round to nearest even: c10's fp8e4m3fn_from_fp32_value.
@@ -363,7 +371,8 @@ SS_INLINE uint8_t fp8_bits(float f) {
 }
 
 SS_INLINE void quantize_to(int8_t* p, float y) {
-  float r = std::nearbyint(y);
+  // round half to even as torch.round, for |y| <= 127: the 1.5 * 2^23 trick (no libm call)
+  float r = (y + 12582912.0f) - 12582912.0f;
   r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
   *p = static_cast<int8_t>(r);
 }
@@ -754,8 +763,12 @@ SS_V4 SS_INLINE __m512 widen(__m512i x, int8_t*) {
 }
 SS_V4 SS_INLINE __m512 widen(__m512i x, uint8_t*) {  // e4m3 bits: as dequant(uint8_t)
   const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(mag, _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, _mm512_set1_epi32(121 << 23))),
+                                   _mm512_set1_ps(0x1p-6f));
+  const __m512 f = _mm512_mask_mov_ps(normal, _mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), sub);
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
 template <class T, class C, int NV>
