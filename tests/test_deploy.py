@@ -332,6 +332,7 @@ def exported_metrics() -> dict[str, set[str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     import splitserve.kv_transfer.metrics as kv_metrics
+    from splitserve.engine.kv_tiers import TierStats
     from splitserve.engine.scheduler import SchedulerStats
     from splitserve.router.config import RouterConfig
     from splitserve.router.metrics import RouterMetrics
@@ -342,6 +343,7 @@ def exported_metrics() -> dict[str, set[str]]:
     # the workers' engine series, gauges read at scrape time included: every sample as served
     engine = WorkerMetrics("m", "decode", "w")
     engine.watch(lambda: SchedulerStats(0, 0, 1, 1, 0, 0, 0, 0, 0))
+    engine.watch_tiers({"host": TierStats(), "disk": TierStats()})  # a worker with KV tiers
     for family in engine.registry.collect():
         for sample in family.samples:
             out.setdefault(sample.name, set()).update(sample.labels)
