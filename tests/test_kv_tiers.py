@@ -243,3 +243,16 @@ def test_the_tier_flags_reach_the_engine_config_and_serve_help():
     add_arguments(serve)
     help_text = serve.format_help()
     assert all(f in help_text for f in ("--kv-host-tier-mib", "--kv-disk-tier-mib", "--kv-disk-tier-dir"))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_pools_blocks_go_through_a_tier_with_their_scales(kv_dtype):
+    """A quantized block is one run of bytes, values and scales (engine/kv_cache.py): loaded back from a
+    tier it gives the tokens and log-probabilities of the same pool that kept it."""
+    big = engine(num_blocks=64, kv_cache_dtype=kv_dtype)
+    run(big, "turn1", CONTEXT)
+    want = run(big, "turn2", TURN2)
+    e = engine(kv_cache_dtype=kv_dtype, kv_host_tier_bytes=1 << 20)
+    evict_context(e)
+    assert run(e, "turn2", TURN2) == want
+    assert e.tiers.stats["host"].hits == 10
