@@ -14,7 +14,7 @@ import pytest
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_tiers import DiskTier
+from splitserve.engine.kv_tiers import DiskTier, TierStore
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tier_cost import expected_seconds, plan_load
@@ -35,6 +35,11 @@ TURN2 = CONTEXT + [5, 9, 17, 33, 65, 129, 257]
 def engine(num_blocks: int = 24, **tiers: object) -> Engine:
     cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=64, **tiers)  # type: ignore[arg-type]
     return Engine(MODEL, WEIGHTS, cfg)
+
+
+def tiers_of(e: Engine) -> TierStore:
+    assert e.tiers is not None
+    return e.tiers
 
 
 def run(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], list[float], int]:
@@ -75,7 +80,7 @@ def evict_context(e: Engine) -> None:
     run(e, "other", OTHER)
     assert e.scheduler.cached_prefix_tokens(TURN2) == 0  # gone from the pool
     # no prefill speed measured: every hit loads (the timing-dependent decision has tests of its own)
-    e.tiers.prefill_tokens_per_s = None
+    tiers_of(e).prefill_tokens_per_s = None
 
 
 def test_a_host_tier_hit_loads_the_evicted_prefix_and_gives_the_same_tokens(reference):
@@ -84,8 +89,8 @@ def test_a_host_tier_hit_loads_the_evicted_prefix_and_gives_the_same_tokens(refe
     tokens, lps, cached = run(e, "turn2", TURN2)
     assert (tokens, lps) == reference
     assert cached == 40  # ten blocks loaded, not recomputed
-    host = e.tiers.stats["host"]
-    assert host.hits == 10 and host.bytes_loaded == 10 * e.tiers.block_bytes and host.load_seconds > 0
+    host = tiers_of(e).stats["host"]
+    assert host.hits == 10 and host.bytes_loaded == 10 * tiers_of(e).block_bytes and host.load_seconds > 0
     assert host.checksum_failures == 0 and host.blocks > 0
     assert_engine_empty(e)
 
@@ -94,18 +99,20 @@ def test_the_host_tier_spills_to_disk_and_a_disk_hit_gives_the_same_tokens(refer
     block = engine().kv_cache.block_nbytes()
     e = engine(kv_host_tier_bytes=2 * block, kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    assert e.tiers.stats["disk"].blocks >= 8 and len(list(tmp_path.glob("*.kv"))) == e.tiers.stats["disk"].blocks
+    assert (
+        tiers_of(e).stats["disk"].blocks >= 8 and len(list(tmp_path.glob("*.kv"))) == tiers_of(e).stats["disk"].blocks
+    )
     tokens, lps, cached = run(e, "turn2", TURN2)
     assert (tokens, lps) == reference
     assert cached == 40
-    assert e.tiers.stats["disk"].hits >= 8
+    assert tiers_of(e).stats["disk"].hits >= 8
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
 def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(reference, tmp_path, damage):
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    disk = e.tiers.disk
+    disk = tiers_of(e).disk
     assert disk is not None
     fourth = block_hashes(TURN2, BS)[3]
     assert fourth in disk
@@ -121,20 +128,20 @@ def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(referenc
     tokens, lps, cached = run(e, "turn2", TURN2)
     same_tokens(tokens, lps, reference)
     assert cached == 12  # three blocks loaded; the damaged one and the rest recomputed
-    assert e.tiers.stats["disk"].checksum_failures == 1
+    assert tiers_of(e).stats["disk"].checksum_failures == 1
     assert fourth not in disk
 
 
 def test_a_corrupt_host_block_is_recomputed_counted(reference):
     e = engine(kv_host_tier_bytes=1 << 20)
     evict_context(e)
-    host = e.tiers.host
+    host = tiers_of(e).host
     assert host is not None
     first = block_hashes(TURN2, BS)[0]
     host.blocks[first].data[100] ^= 0x40
     tokens, lps, cached = run(e, "turn2", TURN2)
     same_tokens(tokens, lps, reference)
-    assert cached == 0 and e.tiers.stats["host"].checksum_failures == 1
+    assert cached == 0 and tiers_of(e).stats["host"].checksum_failures == 1
 
 
 def test_a_full_disk_drops_the_blocks_counted_and_recomputes(reference, tmp_path, monkeypatch):
@@ -144,7 +151,7 @@ def test_a_full_disk_drops_the_blocks_counted_and_recomputes(reference, tmp_path
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     monkeypatch.setattr(DiskTier, "_write", staticmethod(full))
     evict_context(e)
-    assert e.tiers.stats["disk"].write_failures >= 10 and e.tiers.stats["disk"].blocks == 0
+    assert tiers_of(e).stats["disk"].write_failures >= 10 and tiers_of(e).stats["disk"].blocks == 0
     tokens, lps, cached = run(e, "turn2", TURN2)
     same_tokens(tokens, lps, reference)
     assert cached == 0 and not list(tmp_path.glob("*.kv"))
@@ -153,11 +160,11 @@ def test_a_full_disk_drops_the_blocks_counted_and_recomputes(reference, tmp_path
 def test_a_hit_that_would_load_slower_than_it_recomputes_is_recomputed_counted(reference):
     e = engine(kv_host_tier_bytes=1 << 20)
     evict_context(e)
-    e.tiers.bandwidth.values["host"] = 1.0  # one byte a second
-    e.tiers.prefill_tokens_per_s = 1000.0
+    tiers_of(e).bandwidth.values["host"] = 1.0  # one byte a second
+    tiers_of(e).prefill_tokens_per_s = 1000.0
     tokens, lps, cached = run(e, "turn2", TURN2)
     same_tokens(tokens, lps, reference)
-    assert cached == 0 and e.tiers.stats["host"].recomputed_instead == 10 and e.tiers.stats["host"].hits == 0
+    assert cached == 0 and tiers_of(e).stats["host"].recomputed_instead == 10 and tiers_of(e).stats["host"].hits == 0
 
 
 def test_plan_load_picks_the_prefix_that_saves_the_most_seconds():
@@ -196,7 +203,7 @@ def test_a_decode_worker_loads_its_prefix_from_a_tier_and_a_remote_prefill_fills
     )
     try:
         remote = pair.reserve("r", TURN2, GREEDY)
-        assert remote.num_cached_tokens == 40 and decode.tiers.stats["host"].hits == 10
+        assert remote.num_cached_tokens == 40 and tiers_of(decode).stats["host"].hits == 10
         pair.start_prefill("r", TURN2, GREEDY, remote)
         first = pair.prefill_until_done("r")
         pair.poll_prefill()
@@ -216,7 +223,7 @@ def test_the_tier_metrics_export_each_tier_with_its_counts(tmp_path):
     evict_context(e)
     run(e, "turn2", TURN2)
     m = WorkerMetrics("tiny", "decode", "w0")
-    m.watch_tiers(e.tiers.stats)
+    m.watch_tiers(tiers_of(e).stats)
     text = generate_latest(m.registry).decode()
 
     def series(name: str, tier: str) -> str:
@@ -255,4 +262,4 @@ def test_a_quantized_pools_blocks_go_through_a_tier_with_their_scales(kv_dtype):
     e = engine(kv_cache_dtype=kv_dtype, kv_host_tier_bytes=1 << 20)
     evict_context(e)
     assert run(e, "turn2", TURN2) == want
-    assert e.tiers.stats["host"].hits == 10
+    assert tiers_of(e).stats["host"].hits == 10

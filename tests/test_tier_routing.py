@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.scheduler import SchedulerStats
-from splitserve.engine.tier_cost import PrefixCost, TierSpeeds, prefix_cost
+from splitserve.engine.tier_cost import TierSpeeds, prefix_cost
 from splitserve.proto import convert
 from splitserve.router.config import RoutingConfig
 from splitserve.router.policy import WorkerLoad, decode_candidates, route
@@ -63,7 +63,8 @@ def test_the_index_learns_each_blocks_tier_and_forgets_it():
 
 def test_prefix_cost_loads_what_is_faster_than_recomputing():
     host = prefix_cost(["pool"] * 10 + ["host"] * 90, 1600, BS, SPEEDS)
-    assert host == PrefixCost(10, 90, pytest.approx(90 * (1 << 20) / 1e9), 0)
+    assert (host.pool_blocks, host.loaded_blocks, host.compute_tokens) == (10, 90, 0)
+    assert host.load_seconds == pytest.approx(90 * (1 << 20) / 1e9)
     assert host.seconds(SPEEDS.prefill_tokens_per_s) == pytest.approx(0.094, rel=0.01)
     slow = SPEEDS._replace(disk_bytes_per_s=1e7)  # 100 ms a block against 10 ms to recompute it
     disk = prefix_cost(["disk"] * 100, 1600, BS, slow)
