@@ -99,9 +99,8 @@ def test_the_host_tier_spills_to_disk_and_a_disk_hit_gives_the_same_tokens(refer
     block = engine().kv_cache.block_nbytes()
     e = engine(kv_host_tier_bytes=2 * block, kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    assert (
-        tiers_of(e).stats["disk"].blocks >= 8 and len(list(tmp_path.glob("*.kv"))) == tiers_of(e).stats["disk"].blocks
-    )
+    on_disk = tiers_of(e).stats["disk"].blocks
+    assert on_disk >= 8 and len(list(tmp_path.glob("pid-*/*.kv"))) == on_disk
     tokens, lps, cached = run(e, "turn2", TURN2)
     assert (tokens, lps) == reference
     assert cached == 40
@@ -154,7 +153,7 @@ def test_a_full_disk_drops_the_blocks_counted_and_recomputes(reference, tmp_path
     assert tiers_of(e).stats["disk"].write_failures >= 10 and tiers_of(e).stats["disk"].blocks == 0
     tokens, lps, cached = run(e, "turn2", TURN2)
     same_tokens(tokens, lps, reference)
-    assert cached == 0 and not list(tmp_path.glob("*.kv"))
+    assert cached == 0 and not list(tmp_path.glob("pid-*/*.kv"))
 
 
 def test_a_hit_that_would_load_slower_than_it_recomputes_is_recomputed_counted(reference):
@@ -263,3 +262,17 @@ def test_a_quantized_pools_blocks_go_through_a_tier_with_their_scales(kv_dtype):
     evict_context(e)
     assert run(e, "turn2", TURN2) == want
     assert tiers_of(e).stats["host"].hits == 10
+
+
+def test_workers_sharing_a_disk_directory_keep_to_their_own_folders(tmp_path):
+    gone = tmp_path / "pid-999999999-0"  # a process that is no more: its files go at the next start
+    gone.mkdir()
+    (gone / "x.kv").write_bytes(b"old")
+    a = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    evict_context(a)
+    held = sorted(tmp_path.glob("pid-*/*.kv"))
+    assert held and not gone.exists()
+    b = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    a_disk, b_disk = tiers_of(a).disk, tiers_of(b).disk
+    assert a_disk is not None and b_disk is not None and a_disk.dir != b_disk.dir
+    assert sorted(tmp_path.glob("pid-*/*.kv")) == held  # the other's files stay

@@ -21,6 +21,9 @@ one), so the router's prefix index learns which worker holds which prefix where.
 
 from __future__ import annotations
 
+import itertools
+import os
+import shutil
 import struct
 import tempfile
 import time
@@ -122,17 +125,38 @@ class HostTier:
             self.stats.blocks = len(self.blocks)
 
 
+_DISK_TIERS = itertools.count()
+
+
+def _alive(pid: str) -> bool:
+    """Whether a process with this id runs on this host (a folder name that is no pid: not)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class DiskTier:
-    """One file per block under `directory`, LRU, bounded in bytes (headers included)."""
+    """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
+    `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
+    the directory. At start the folders of processes that are gone are deleted (their index went
+    with them)."""
 
     name = "disk"
 
     def __init__(self, capacity_bytes: int, directory: str) -> None:
         self.capacity = capacity_bytes
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob("*.kv"):  # a previous process's files: their index is gone
-            stale.unlink(missing_ok=True)
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("pid-*"):
+            if stale.is_dir() and not _alive(stale.name.split("-")[1]):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.dir = root / f"pid-{os.getpid()}-{next(_DISK_TIERS)}"
+        shutil.rmtree(self.dir, ignore_errors=True)  # a reused pid's leftovers
+        self.dir.mkdir()
         self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size
         self.stats = TierStats()
 

@@ -84,8 +84,8 @@ def add_tier_arguments(p: argparse._ActionsContainer) -> None:  # a parser or on
     p.add_argument(
         "--kv-disk-tier-dir",
         default="",
-        help="the disk tier's directory; its *.kv files are the worker's own and are deleted at start "
-        "(default: a fresh temporary directory)",
+        help="the disk tier's directory; each worker keeps its files in a folder of its own there (workers of a "
+        "host may share it), and deletes the folders of workers that are gone (default: a temporary directory)",
     )
 
 
