@@ -78,7 +78,7 @@ def same_tokens(tokens: list[int], lps: list[float], reference: tuple[list[int],
 def evict_context(e: Engine) -> None:
     run(e, "turn1", CONTEXT)
     run(e, "other", OTHER)
-    assert e.scheduler.cached_prefix_tokens(TURN2) == 0  # gone from the pool
+    assert not e.blocks.cached_prefix(block_hashes(TURN2, BS), len(TURN2))  # gone from the pool
     # no prefill speed measured: every hit loads (the timing-dependent decision has tests of its own)
     tiers_of(e).prefill_tokens_per_s = None
 
@@ -86,6 +86,7 @@ def evict_context(e: Engine) -> None:
 def test_a_host_tier_hit_loads_the_evicted_prefix_and_gives_the_same_tokens(reference):
     e = engine(kv_host_tier_bytes=1 << 20)
     evict_context(e)
+    assert e.scheduler.cached_prefix_tokens(TURN2) == 40  # what a request's usage reports: the tier's too
     tokens, lps, cached = run(e, "turn2", TURN2)
     assert (tokens, lps) == reference
     assert cached == 40  # ten blocks loaded, not recomputed

@@ -340,6 +340,11 @@ class TierStore:
                 break
         return out
 
+    def loadable(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` a load would take from the tiers now (nothing counted)."""
+        tiers, bw = self.lookup(hashes), self.bandwidth.values
+        return plan_load(tiers, self.block_bytes, self.layout.block_size, bw, self.prefill_tokens_per_s)
+
     def plan(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` to load (the rest recompute), the skipped hits counted."""
         tiers = self.lookup(hashes)

@@ -508,9 +508,14 @@ class Scheduler:
         )
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Tokens of `token_ids` this cache holds now (whole blocks)."""
-        hashes = block_hashes(token_ids, self.blocks.block_size)
-        return len(self.blocks.cached_prefix(hashes, len(token_ids))) * self.blocks.block_size
+        """Tokens of `token_ids` this cache holds now (whole blocks), those it would load from a tier
+        behind it included (what a request's usage reports as cached)."""
+        bs = self.blocks.block_size
+        hashes = block_hashes(token_ids, bs)
+        n = len(self.blocks.cached_prefix(hashes, len(token_ids)))
+        if self.tiers is not None and self.blocks.enable_prefix_caching:
+            n += self.tiers.loadable(hashes[n : min(len(hashes), (len(token_ids) - 1) // bs)])
+        return n * bs
 
     def drain_block_events(self) -> list[BlockEvent]:
         return self.blocks.drain_events()
