@@ -344,30 +344,25 @@ SS_INLINE float dequant(uint8_t v) {
   return f;
 }
 
-// fp32 to e4m3fn bits, round to nearest even: c10's fp8e4m3fn_from_fp32_value.
+// fp32 to e4m3fn bits, round to nearest even: c10's fp8e4m3fn_from_fp32_value,
+// its three cases computed side by side and selected (so that a row vectorizes).
 SS_INLINE uint8_t fp8_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint8_t r;
-  if (u >= (UINT32_C(1087) << 20)) {
-    r = 0x7f;
-  } else if (u < (UINT32_C(121) << 23)) {
-    const uint32_t denorm = UINT32_C(141) << 23;
-    float x, d;
-    std::memcpy(&x, &u, sizeof(x));
-    std::memcpy(&d, &denorm, sizeof(d));
-    x += d;
-    std::memcpy(&u, &x, sizeof(u));
-    r = static_cast<uint8_t>(u - denorm);
-  } else {
-    const uint32_t odd = (u >> 20) & 1u;
-    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
-    u += odd;
-    r = static_cast<uint8_t>(u >> 20);
-  }
-  return static_cast<uint8_t>(r | (sign >> 24));
+  const uint32_t denorm = UINT32_C(141) << 23;
+  float x, d;
+  std::memcpy(&x, &u, sizeof(x));
+  std::memcpy(&d, &denorm, sizeof(d));
+  x += d;
+  uint32_t ud;
+  std::memcpy(&ud, &x, sizeof(ud));
+  const uint32_t r_denorm = ud - denorm;
+  const uint32_t r_normal = (u + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+  uint32_t r = u < (UINT32_C(121) << 23) ? r_denorm : r_normal;
+  r = u >= (UINT32_C(1087) << 20) ? 0x7fu : r;
+  return static_cast<uint8_t>((r | (sign >> 24)) & 0xffu);
 }
 
 SS_INLINE void quantize_to(int8_t* p, float y) {
@@ -493,11 +488,39 @@ SS_INLINE void attend_f8_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1
 SS_VARIANTS(attend_i8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
 SS_VARIANTS(attend_f8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
 
-// Each new row's K and V (after RoPE) quantized into its slot: per kv head,
-// scale = max|x| / qmax (0 for a zero row, whose values are 0) and value =
-// round(x / scale), as quantize_rows in engine/kv_cache.py.
+// One head's row x (dim elements) quantized: scale = max|x| / qmax (0 for a zero
+// row, whose values are 0) and value = round(x / scale), as quantize_rows in
+// engine/kv_cache.py; compiled per ISA so that both loops vectorize.
 template <class T, class C>
-void write_new_kv_q(const Attn& a) {
+SS_INLINE void quantize_row_q(const T* x, C* dst, float* scale_out, int64_t dim) {
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t d = 0; d < dim; ++d) {
+    const float v = std::fabs(to_f32(x[d]));
+    amax = v > amax ? v : amax;
+  }
+  const float scale = amax / qmax(static_cast<C*>(nullptr));
+  const float safe = scale > 0.0f ? scale : 1.0f;
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) quantize_to(dst + d, to_f32(x[d]) / safe);
+  *scale_out = scale;
+}
+template <class T>
+SS_INLINE void quantize_i8_row_impl(const T* x, void* dst, float* scale_out, int64_t dim) {
+  quantize_row_q<T, int8_t>(x, static_cast<int8_t*>(dst), scale_out, dim);
+}
+template <class T>
+SS_INLINE void quantize_f8_row_impl(const T* x, void* dst, float* scale_out, int64_t dim) {
+  quantize_row_q<T, uint8_t>(x, static_cast<uint8_t*>(dst), scale_out, dim);
+}
+template <class T>
+using QuantizeRow = void (*)(const T*, void*, float*, int64_t);
+SS_VARIANTS(quantize_i8_row, (const T* x, void* dst, float* scale_out, int64_t dim), (x, dst, scale_out, dim))
+SS_VARIANTS(quantize_f8_row, (const T* x, void* dst, float* scale_out, int64_t dim), (x, dst, scale_out, dim))
+
+// Each new row's K and V (after RoPE) quantized into its slot, head by head.
+template <class T, class C>
+void write_new_kv_q(const Attn& a, QuantizeRow<T> quantize_row) {
   const int64_t row = a.kv_heads * a.dim, v_off = a.block_size * row, block_bytes = q_block_bytes(a);
   uint8_t* cache = static_cast<uint8_t*>(a.cache);
   for (int64_t b = 0; b < a.b; ++b) {
@@ -506,15 +529,7 @@ void write_new_kv_q(const Attn& a) {
       const T* src = static_cast<const T*>(kv == 0 ? a.k_new : a.v_new) + b * a.kv_stride;
       C* dst = reinterpret_cast<C*>(base) + kv * v_off + a.slot_offsets[b] * row;
       float* sc = reinterpret_cast<float*>(base + 2 * v_off) + (kv * a.block_size + a.slot_offsets[b]) * a.kv_heads;
-      for (int64_t h = 0; h < a.kv_heads; ++h) {
-        const T* x = src + h * a.dim;
-        float amax = 0.0f;
-        for (int64_t d = 0; d < a.dim; ++d) amax = std::max(amax, std::fabs(to_f32(x[d])));
-        const float scale = amax / qmax(static_cast<C*>(nullptr));
-        const float safe = scale > 0.0f ? scale : 1.0f;
-        for (int64_t d = 0; d < a.dim; ++d) quantize_to(dst + h * a.dim + d, to_f32(x[d]) / safe);
-        sc[h] = scale;
-      }
+      for (int64_t h = 0; h < a.kv_heads; ++h) quantize_row(src + h * a.dim, dst + h * a.dim, sc + h, a.dim);
     }
   }
 }
@@ -961,18 +976,22 @@ struct Ops {
   Attend<T> attend;
   Attend<T> attend_i8;
   Attend<T> attend_f8;
+  QuantizeRow<T> quantize_i8_row;
+  QuantizeRow<T> quantize_f8_row;
 };
 
 template <class T>
 Ops<T> ops_for(int isa) {
   switch (isa) {
     case kIsaAvx512:
-      return {rms_norm_row_v4<T>, rope_row_v4<T>, silu_mul_row_v4<T>, attend_avx512<T>, attend_i8_avx512<T>,
-              attend_f8_avx512<T>};
+      return {rms_norm_row_v4<T>,  rope_row_v4<T>,       silu_mul_row_v4<T>,   attend_avx512<T>,
+              attend_i8_avx512<T>, attend_f8_avx512<T>, quantize_i8_row_v4<T>, quantize_f8_row_v4<T>};
     case kIsaAvx2:
-      return {rms_norm_row_v3<T>, rope_row_v3<T>, silu_mul_row_v3<T>, attend_v3<T>, attend_i8_v3<T>, attend_f8_v3<T>};
+      return {rms_norm_row_v3<T>, rope_row_v3<T>,  silu_mul_row_v3<T>,    attend_v3<T>,
+              attend_i8_v3<T>,    attend_f8_v3<T>, quantize_i8_row_v3<T>, quantize_f8_row_v3<T>};
     default:
-      return {rms_norm_row_v1<T>, rope_row_v1<T>, silu_mul_row_v1<T>, attend_v1<T>, attend_i8_v1<T>, attend_f8_v1<T>};
+      return {rms_norm_row_v1<T>, rope_row_v1<T>,  silu_mul_row_v1<T>,    attend_v1<T>,
+              attend_i8_v1<T>,    attend_f8_v1<T>, quantize_i8_row_v1<T>, quantize_f8_row_v1<T>};
   }
 }
 
@@ -1005,8 +1024,8 @@ void attention(const Attn& a, const Ops<T>& ops, bool write, bool read, int64_t 
         ops.rope_row(static_cast<T*>(a.k_new) + b * a.kv_stride, a.kv_heads, a.dim, cos + b * a.dim, sin + b * a.dim);
       }
     }
-    if (a.kv_kind == kKvInt8) write_new_kv_q<T, int8_t>(a);
-    else if (a.kv_kind == kKvFp8) write_new_kv_q<T, uint8_t>(a);
+    if (a.kv_kind == kKvInt8) write_new_kv_q<T, int8_t>(a, ops.quantize_i8_row);
+    else if (a.kv_kind == kKvFp8) write_new_kv_q<T, uint8_t>(a, ops.quantize_f8_row);
     else write_new_kv<T>(a);
   }
   if (!read) return;
