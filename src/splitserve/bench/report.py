@@ -48,10 +48,8 @@ NOTES = {
     "and attention is 40% (SmolLM2) of the FLOPs; the Llama-3-8B shape meets it. Greedy agreement with HF at "
     "batch 32 on the Llama-3-8B shape is low from the first steps: random weights leave near-tied logits that "
     "bf16 rounding in another order flips (Llama-3.2-1B agrees 32 of 32).",
-    "tiers-cpu": "The load average rose from 0.87 at the start of the run to 2.58 at its end (other processes on "
-    "this shared 2-core VM), which the spread of the recompute TTFTs shows; each ratio is within one trial, its "
-    "three second turns run back to back. The disk tier's files are read off the device: the page cache is dropped "
-    "for them before each disk hit.",
+    "tiers-cpu": "Each ratio is within one trial, its three second turns run back to back. The disk tier's files are "
+    "read off the device: the page cache is dropped for them before each disk hit.",
     "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
     "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
     "workers also stream every token over gRPC. What that costs is measured on each running system before its "
