@@ -277,3 +277,46 @@ def test_workers_sharing_a_disk_directory_keep_to_their_own_folders(tmp_path):
     a_disk, b_disk = tiers_of(a).disk, tiers_of(b).disk
     assert a_disk is not None and b_disk is not None and a_disk.dir != b_disk.dir
     assert sorted(tmp_path.glob("pid-*/*.kv")) == held  # the other's files stay
+
+
+def test_a_soak_of_damaged_files_and_a_full_disk_gives_no_wrong_token(tmp_path, monkeypatch):
+    """Conversations that outgrow the pool, their contexts going to a small host tier and on to disk,
+    while files are corrupted, truncated and deleted at random and the disk fills now and then: every
+    turn's greedy tokens equal a run without tiers, and every fallback is counted."""
+    rng = random.Random(11)
+    sessions = [[rng.randrange(1, 512) for _ in range(24)] for _ in range(4)]
+    plain = engine(num_blocks=24, enable_prefix_caching=False)
+    block = plain.kv_cache.block_nbytes()
+    e = engine(kv_host_tier_bytes=6 * block, kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    real_write = DiskTier._write
+    full = {"on": False}
+
+    def write(path, payload):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, payload)
+
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(write))
+    damaged = 0
+    for turn in range(24):
+        s = turn % len(sessions)
+        prompt = sessions[s] + [rng.randrange(1, 512) for _ in range(4)]
+        tiers_of(e).prefill_tokens_per_s = None  # every hit loads
+        got = run(e, f"t{turn}", prompt)[0]
+        assert got == run(plain, f"p{turn}", prompt)[0], f"turn {turn}"
+        sessions[s] = prompt + got[:4]
+        full["on"] = rng.random() < 0.2
+        files = sorted(tmp_path.glob("pid-*/*.kv"))
+        for f in rng.sample(files, min(2, len(files))):
+            damage = rng.choice(["corrupt", "truncate", "delete"])
+            raw = bytearray(f.read_bytes())
+            if damage == "corrupt":
+                raw[rng.randrange(40, len(raw))] ^= 0x10  # past the header: the checksum must catch it
+                f.write_bytes(bytes(raw))
+            elif damage == "truncate":
+                f.write_bytes(bytes(raw[: rng.randrange(len(raw))]))
+            else:
+                f.unlink()
+            damaged += 1
+    disk = tiers_of(e).stats["disk"]
+    assert damaged > 10 and disk.hits > 0 and disk.checksum_failures > 0 and disk.write_failures > 0
