@@ -335,7 +335,7 @@ def test_a_loopback_stream_measures_fast_and_stays_raw():
                     stream.send_layer(layer, list(range(128)))
                 stream.finish(1, timeout=10)
         bps = tx.link_bps(("tcp", rx.tcp_endpoint))
-        assert bps is not None and codec.choose(bps, tx.codec_speed, codec.ratio(CODEC_INT8, 64, 2)).codec == CODEC_RAW
+        assert bps is not None and codec.choose(bps, tx.speed(), codec.ratio(CODEC_INT8, 64, 2)).codec == CODEC_RAW
     finally:
         tx.close()
         rx.close()

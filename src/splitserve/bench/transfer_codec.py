@@ -139,7 +139,7 @@ def _scenario(
         if mode == "auto":
             bw = tx.link_bps(("tcp", f"127.0.0.1:{via}" if via is not None else rx.tcp_endpoint))
             ratio = codec.ratio(codec.CODEC_INT8, src.layout.head_dim, src.layout.torch_dtype.itemsize)
-            f.model = codec.choose(bw, tx.codec_speed, ratio).why
+            f.model = codec.choose(bw, tx.speed(), ratio).why
     finally:
         tx.close()
     return f

@@ -138,15 +138,17 @@ class CodecSpeed(NamedTuple):
 
 
 def measure_speed(
-    dtype: torch.dtype, head_dim: int, nbytes: int = 4 << 20, repeats: int = 3, device: str | torch.device = "cpu"
+    dtype: torch.dtype, head_dim: int, nbytes: int = 4 << 20, repeats: int = 5, device: str | torch.device = "cpu"
 ) -> CodecSpeed:
     """Encode and decode throughput on this machine, on `device` (the cache's: where the
-    sender encodes; best of `repeats`, a few ms each)."""
+    sender encodes; best of `repeats` after one untimed pass, which pays the buffers' page
+    faults and any lazy start-up; a few ms each)."""
     elements = max(head_dim, nbytes // torch.tensor([], dtype=dtype).element_size() // head_dim * head_dim)
     x = torch.randn(elements // (32 * head_dim) or 1, 32, head_dim).to(dtype).to(device)
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)  # blocks of 32 rows
     enc = Int8Encoder()
     dst = torch.empty_like(x)
+    decode_into(enc.encode(x), dst)  # warm-up
     best_e = best_d = math.inf
     for _ in range(repeats):
         sync()

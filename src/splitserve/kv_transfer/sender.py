@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 # A stream must carry at least this much for its time to say what the link can do.
 MIN_MEASURED_BYTES = 1 << 20
+SPEED_TTL_S = 60.0  # how long a measured codec speed stands
 
 
 class TransferError(Exception):
@@ -92,7 +93,9 @@ class KVSender:
         still chooses), "auto" offers it on a link where `codec.choose` says it pays. The
         link's bandwidth: `link_gbps` (Gb/s, every receiver) if given, else measured on the
         earlier streams to each receiver (the first goes raw). `codec_speed`: the codec's
-        throughput, else measured here at start (a few milliseconds, "auto" only).
+        throughput, else measured the first time "auto" weighs a link that is not this host's
+        (a few milliseconds; not at start, when a worker is busy loading its model), and again
+        each `SPEED_TTL_S` after.
         `same_host_raw=False`: "auto" treats a receiver on this host like any other (a benchmark
         whose slow link is a proxy on loopback)."""
         if wire_codec not in codec.WIRE_CODEC_MODES:
@@ -107,9 +110,9 @@ class KVSender:
         self._int8_unusable = codec.check_aligned(lay.head_dim)
         if lay.dtype not in codec.ENCODES_FROM:
             self._int8_unusable = f"FAILED_PRECONDITION: {lay.dtype} KV cannot be sent as int8 (no transcoder)"
-        if codec_speed is None and wire_codec == "auto" and self._int8_unusable is None and not lay.quantized:
-            codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim, device=cache.tensor.device)
-        self.codec_speed = codec_speed
+        self.codec_speed = codec_speed  # None: measured when first needed (`speed`)
+        self._speed_at: float | None = None  # when measured here (None: given, kept)
+        self._speed_lock = threading.Lock()
         self._int8_ratio = codec.ratio(codec.CODEC_INT8, lay.head_dim, lay.torch_dtype.itemsize)
         self._measured_bps: dict[tuple[str, str], float] = {}  # per (transport, endpoint): measured streams'
         self._measured_lock = threading.Lock()
@@ -179,8 +182,21 @@ class KVSender:
         if self.wire_codec == "int8":
             return codec.OFFER_INT8, "--kv-wire-codec int8"
         same_host = self.same_host_raw and links.is_this_host(links.split_endpoint(d.pool[1])[0])
-        c = codec.choose(self.link_bps(d.pool), self.codec_speed, self._int8_ratio, same_host=same_host)
+        bps = self.link_bps(d.pool)
+        speed = None if same_host or bps is None else self.speed()
+        c = codec.choose(bps, speed, self._int8_ratio, same_host=same_host)
         return (codec.OFFER_INT8 if c.codec == codec.CODEC_INT8 else 0), c.why
+
+    def speed(self) -> codec.CodecSpeed:
+        """The codec's speed: given, or measured here and again when `SPEED_TTL_S` old (a figure
+        taken while the machine was busy must not keep the codec off for good)."""
+        with self._speed_lock:
+            now = time.monotonic()
+            if self.codec_speed is None or (self._speed_at is not None and now - self._speed_at > SPEED_TTL_S):
+                lay = self.cache.layout
+                self.codec_speed = codec.measure_speed(lay.torch_dtype, lay.head_dim, device=self.cache.tensor.device)
+                self._speed_at = now
+            return self.codec_speed
 
     def link_bps(self, pool: tuple[str, str]) -> float | None:
         """The bandwidth to a receiver in bytes per second: configured, else measured, else None."""
