@@ -28,6 +28,7 @@ BENCHMARKS = {
     "transfer": ("splitserve.bench.transfer", "KV transfer GB/s per transport against the raw link"),
     "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
+    "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),
     "serve": ("splitserve.bench.serve.main", "load an OpenAI-compatible or gRPC server: goodput, TTFT, TPOT, ITL"),
     "peer": ("splitserve.bench.peer.main", "vLLM's CPU build against splitserve, same model and load, in one run"),
     "structured": ("splitserve.bench.structured", "decode step with and without a JSON schema; grammar compile time"),
