@@ -198,23 +198,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         raise FrameError(f"unsupported frame version {version}")
     if _CRC.unpack(bytes(buf[_BODY.size :]))[0] != zlib.crc32(body):
         raise FrameError("header checksum mismatch")
-    if kind not in KIND_NAMES:
-        raise FrameError(f"unknown frame kind {kind}")
-    if kind == LAYER and (version == VERSION_CODEC) != (value != CODEC_RAW):
-        raise FrameError(f"layer frame of version {version} names codec {value}")
-    if version == VERSION_CODEC and kind != LAYER:
-        raise FrameError(f"a {KIND_NAMES[kind]} frame of version {version}")
-    if kind == LAYER and value not in CODEC_NAMES:
-        raise FrameError(f"unknown codec {value}")
-    if ck_kind not in CHECKSUM_KINDS.values():
-        raise FrameError(f"unknown checksum kind {ck_kind}")
-    if dtype_code != 0 and dtype_code not in DTYPE_NAMES:
-        raise FrameError(f"unknown dtype code {dtype_code}")
-    if length > MAX_PAYLOAD:
-        raise FrameError(f"payload length {length} over the limit {MAX_PAYLOAD}")
-    limit = MAX_HANDOFF_PAYLOAD if kind == DONE else MAX_CONTROL_PAYLOAD
-    if kind != LAYER and length > limit:
-        raise FrameError(f"{KIND_NAMES[kind]} payload of {length} bytes over {limit}")
+    _check_fields(version, kind, ck_kind, dtype_code, length, value)
     try:
         request_id = rid.rstrip(b"\0").decode()
     except UnicodeDecodeError:
@@ -235,6 +219,27 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         first_head,
         head_count,
     )
+
+
+def _check_fields(version: int, kind: int, ck_kind: int, dtype_code: int, length: int, value: int) -> None:
+    """A checksummed header's fields against the format: FrameError naming the first that is wrong."""
+    if kind not in KIND_NAMES:
+        raise FrameError(f"unknown frame kind {kind}")
+    if kind == LAYER and (version == VERSION_CODEC) != (value != CODEC_RAW):
+        raise FrameError(f"layer frame of version {version} names codec {value}")
+    if version == VERSION_CODEC and kind != LAYER:
+        raise FrameError(f"a {KIND_NAMES[kind]} frame of version {version}")
+    if kind == LAYER and value not in CODEC_NAMES:
+        raise FrameError(f"unknown codec {value}")
+    if ck_kind not in CHECKSUM_KINDS.values():
+        raise FrameError(f"unknown checksum kind {ck_kind}")
+    if dtype_code != 0 and dtype_code not in DTYPE_NAMES:
+        raise FrameError(f"unknown dtype code {dtype_code}")
+    if length > MAX_PAYLOAD:
+        raise FrameError(f"payload length {length} over the limit {MAX_PAYLOAD}")
+    limit = MAX_HANDOFF_PAYLOAD if kind == DONE else MAX_CONTROL_PAYLOAD
+    if kind != LAYER and length > limit:
+        raise FrameError(f"{KIND_NAMES[kind]} payload of {length} bytes over {limit}")
 
 
 def control(kind: int, ticket: bytes, request_id: str, text: str = "") -> list[bytes]:

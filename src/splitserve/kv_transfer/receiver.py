@@ -383,6 +383,17 @@ class KVReceiver:
         return slot, grant
 
     def _receive_layer(self, conn: Connection, slot: Slot, h: Header, grant: links.Grant) -> None:
+        ids, rank, expected = self._check_layer(slot, h, grant)
+        if expected:  # else the sender copied the blocks in before sending this header (device copies)
+            self._read_layer(conn, slot, h, grant, ids, rank, expected)
+        layout = self.cache.layout
+        shard_heads = layout.rank_heads(rank)
+        slot.received[h.layer, [slot.position[b] for b in ids], shard_heads.start : shard_heads.stop] = True
+        metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
+
+    def _check_layer(self, slot: Slot, h: Header, grant: links.Grant) -> tuple[range, int, int]:
+        """A layer frame's header against the reservation and the agreed codec: its block ids, the
+        rank whose shard it fills and its payload's bytes; Rejected naming what is wrong."""
         layout = self.cache.layout
         if h.layer >= layout.num_layers:
             raise Rejected(FailureCode.LAYER_OUT_OF_RANGE, f"layer {h.layer} outside 0..{layout.num_layers - 1}")
@@ -415,38 +426,41 @@ class KVReceiver:
                 FailureCode.LENGTH_MISMATCH,
                 f"payload length {h.payload_length} does not match {h.block_count} blocks ({expected} bytes)",
             )
-        if expected:  # else the sender copied the blocks in before sending this header (device copies)
-            if h.checksum_kind == frame.CHECKSUM_NONE:
-                raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
-            blocks = self.cache.blocks(h.layer, h.first_block, h.block_count, rank)
-            # raw, or int8 frames into an int8 pool (its own block format): straight into the blocks;
-            # else into this thread's staging, decoded after the check
-            direct = grant.codec == codec.CODEC_RAW or layout.dtype == "int8"
-            view = frame.as_bytes(blocks) if direct else self._staging(expected)
-            check = frame.PayloadChecksum(h.checksum_kind)
-            # On a byte stream, check each piece as it lands (still in cache, and the
-            # sender keeps filling the socket buffer meanwhile); messages come whole.
-            step = RECV_PIECE_BYTES if conn.stream else view.numel()
-            self._book.begin_write(slot)
-            try:
-                for at in range(0, view.numel(), step):
-                    piece = view[at : at + step]
-                    conn.recv_into(piece)
-                    check.update(piece)
-                if check.value != h.checksum:
-                    raise Rejected(
-                        FailureCode.CHECKSUM_MISMATCH,
-                        f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
-                    )
-                if not direct:
-                    self._decode(view, h, ids, rank)
-            finally:
-                self._book.end_write(slot)
-            metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
-            metrics.WIRE_BYTES.labels(side="receiver", codec=codec.CODEC_NAMES[grant.codec]).inc(h.payload_length)
-        shard_heads = layout.rank_heads(rank)
-        slot.received[h.layer, [slot.position[b] for b in ids], shard_heads.start : shard_heads.stop] = True
-        metrics.FRAMES_RECEIVED.labels(transport=self.transport).inc()
+        return ids, rank, expected
+
+    def _read_layer(
+        self, conn: Connection, slot: Slot, h: Header, grant: links.Grant, ids: range, rank: int, expected: int
+    ) -> None:
+        """A checked layer frame's payload into the blocks (decoded first unless it is their own format)."""
+        layout = self.cache.layout
+        if h.checksum_kind == frame.CHECKSUM_NONE:
+            raise Rejected(FailureCode.BAD_FRAME, "layer frame without a checksum")
+        blocks = self.cache.blocks(h.layer, h.first_block, h.block_count, rank)
+        # raw, or int8 frames into an int8 pool (its own block format): straight into the blocks;
+        # else into this thread's staging, decoded after the check
+        direct = grant.codec == codec.CODEC_RAW or layout.dtype == "int8"
+        view = frame.as_bytes(blocks) if direct else self._staging(expected)
+        check = frame.PayloadChecksum(h.checksum_kind)
+        # On a byte stream, check each piece as it lands (still in cache, and the
+        # sender keeps filling the socket buffer meanwhile); messages come whole.
+        step = RECV_PIECE_BYTES if conn.stream else view.numel()
+        self._book.begin_write(slot)
+        try:
+            for at in range(0, view.numel(), step):
+                piece = view[at : at + step]
+                conn.recv_into(piece)
+                check.update(piece)
+            if check.value != h.checksum:
+                raise Rejected(
+                    FailureCode.CHECKSUM_MISMATCH,
+                    f"checksum mismatch on layer {h.layer} blocks {h.first_block}..{ids[-1]}",
+                )
+            if not direct:
+                self._decode(view, h, ids, rank)
+        finally:
+            self._book.end_write(slot)
+        metrics.BYTES_RECEIVED.labels(transport=self.transport).inc(h.payload_length)
+        metrics.WIRE_BYTES.labels(side="receiver", codec=codec.CODEC_NAMES[grant.codec]).inc(h.payload_length)
 
     def _decode(self, payload: torch.Tensor, h: Header, ids: range, rank: int) -> None:
         """An int8 frame's payload into blocks `ids` of shard `rank`, in this cache's dtype."""

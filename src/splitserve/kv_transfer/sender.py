@@ -434,11 +434,6 @@ class KVStream:
         self._finished.set()
 
     def _run(self) -> None:
-        r = self.reservation
-        ck = self._payloads.checksum_kind
-        lay = self._cache.layout
-        dtype_code = frame.DTYPE_CODES[lay.dtype]
-        codec_name = codec.CODEC_NAMES[self.codec]
         try:
             while self._error is None:
                 waited = time.perf_counter()
@@ -453,35 +448,7 @@ class KVStream:
                     self._send_done()
                     return
                 for layer, first, n, sf, parts in item:
-                    payload = self._payloads.place(layer, first, sf.dst_rank, parts)
-                    cache_bytes = sum(p.numel() for p in payload)
-                    if self._encoder is not None and not lay.quantized:  # one piece (OnConnection), in its dtype
-                        t0 = time.perf_counter()
-                        (raw,) = payload
-                        payload = [self._encoder.encode(raw.view(lay.torch_dtype).view(n, -1, lay.head_dim))]
-                        self._encode_s += time.perf_counter() - t0
-                    length = sum(p.numel() for p in payload)
-                    h = Header(
-                        frame.LAYER,
-                        r.ticket,
-                        r.request_id,
-                        layer=layer,
-                        first_block=first,
-                        block_count=n,
-                        dtype_code=dtype_code,
-                        element_count=heads.frame_elements(r.layout, n, sf.head_count),
-                        payload_length=length,
-                        checksum_kind=ck,
-                        checksum=frame.checksum(ck, payload),
-                        value=self.codec,
-                        first_head=sf.first_head,
-                        head_count=sf.head_count,
-                    )
-                    self._conn.send([frame.encode_header(h), *payload])
-                    self.wire_bytes += length
-                    metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
-                    metrics.WIRE_BYTES.labels(side="sender", codec=codec_name).inc(length)
-                    metrics.WIRE_KV_BYTES.labels(codec=codec_name).inc(cache_bytes)
+                    self._send_layer_frame(layer, first, n, sf, parts)
         except ConnectionClosed as e:
             if self._error is None:
                 self._fail(self._receiver_reason() or f"connection lost: {e}")
@@ -496,6 +463,45 @@ class KVStream:
             else:
                 self._conn.close()
             self._ended()
+
+    def _send_layer_frame(
+        self, layer: int, first: int, n: int, sf: heads.ShardFrame, parts: list[links.HeadsPart]
+    ) -> None:
+        """One layer frame: blocks `first`.. (`n` of them) of `layer` for the receiver's shard `sf`,
+        encoded with the stream's codec unless the pool is already quantized."""
+        r = self.reservation
+        lay = self._cache.layout
+        ck = self._payloads.checksum_kind
+        codec_name = codec.CODEC_NAMES[self.codec]
+        payload = self._payloads.place(layer, first, sf.dst_rank, parts)
+        cache_bytes = sum(p.numel() for p in payload)
+        if self._encoder is not None and not lay.quantized:  # one piece (OnConnection), in its dtype
+            t0 = time.perf_counter()
+            (raw,) = payload
+            payload = [self._encoder.encode(raw.view(lay.torch_dtype).view(n, -1, lay.head_dim))]
+            self._encode_s += time.perf_counter() - t0
+        length = sum(p.numel() for p in payload)
+        h = Header(
+            frame.LAYER,
+            r.ticket,
+            r.request_id,
+            layer=layer,
+            first_block=first,
+            block_count=n,
+            dtype_code=frame.DTYPE_CODES[lay.dtype],
+            element_count=heads.frame_elements(r.layout, n, sf.head_count),
+            payload_length=length,
+            checksum_kind=ck,
+            checksum=frame.checksum(ck, payload),
+            value=self.codec,
+            first_head=sf.first_head,
+            head_count=sf.head_count,
+        )
+        self._conn.send([frame.encode_header(h), *payload])
+        self.wire_bytes += length
+        metrics.BYTES_SENT.labels(transport=self.transport).inc(length)
+        metrics.WIRE_BYTES.labels(side="sender", codec=codec_name).inc(length)
+        metrics.WIRE_KV_BYTES.labels(codec=codec_name).inc(cache_bytes)
 
     def _ended(self) -> None:
         """Tell `finish_async`'s caller how the stream ended, once (a failed stream may tell it from
