@@ -6,6 +6,7 @@ int8 against raw on the default model."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import pytest
 import torch
@@ -112,6 +113,16 @@ def test_same_host_is_raw():
     assert codec.choose(125e6, SPEED, RATIO, same_host=True) == (CODEC_RAW, "the receiver is on this host")
     assert links.is_this_host("127.0.0.1") and links.is_this_host("::1") and links.is_this_host("localhost")
     assert not links.is_this_host("192.0.2.1")  # TEST-NET-1: nobody's
+
+
+def test_an_address_of_this_machine_s_own_interfaces_is_this_host():
+    """A receiver advertises an interface's address, which this machine's name may not resolve to
+    (here: the name resolves to loopback alone): auto must still see it on this host, or it would
+    put a lossy codec between two workers of one machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet leaves: this only picks the outgoing interface
+        own = s.getsockname()[0]
+    assert links.is_this_host(own)
 
 
 def test_cost_model_pipelined_stages():

@@ -74,25 +74,37 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_own_addresses: frozenset[str] | None = None
+_this_host: dict[str, bool] = {}  # host -> whether it is this machine (looked up once each)
 
 
 def is_this_host(host: str) -> bool:
-    """Whether `host` (a name or an address) is this machine: loopback, or one of the addresses
-    its host name resolves to (looked up once)."""
-    global _own_addresses
+    """Whether `host` (a name or an address) is this machine: loopback, or an address assigned to
+    one of its interfaces (a socket can bind to it). Resolving the host name is not enough: a
+    machine's name often resolves to loopback alone while its interfaces carry other addresses,
+    and a receiver there advertises one of those."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    known = _this_host.get(host)
+    if known is None:
+        known = _this_host[host] = _bindable(host)
+    return known
+
+
+def _bindable(host: str) -> bool:
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        if host == "localhost":
-            return True
-    if _own_addresses is None:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
         try:
-            _own_addresses = frozenset(str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None))
-        except OSError:
-            _own_addresses = frozenset()
-    return host in _own_addresses or host == socket.gethostname()
+            if ipaddress.ip_address(addr[0]).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 # ---- the receiver's side ----------------------------------------------------------------
