@@ -83,9 +83,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compute per layer for the pipelining figure (0: 1.5x one layer's measured transfer); with --codec, "
         "the stand-in prefill's per layer (0: 2 ms)",
     )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="with --codec: through the real serving path instead (worker processes, routers, gRPC), the prefill "
+        "workers in a network namespace behind a veth link shaped by tc to each --netns-gbps rate, and on "
+        "loopback; sets the namespace up and removes it; needs CAP_NET_ADMIN (bench/transfer_netns.py)",
+    )
+    p.add_argument(
+        "--netns-gbps", default="1,0.1", help="--netns: the link's rates in Gb/s, comma-separated, in this order"
+    )
+    p.add_argument("--netns-chunk", type=int, default=512, help="--netns: the workers' --max-num-batched-tokens")
+    p.add_argument("--netns-blocks", type=int, default=1024, help="--netns: the workers' --num-blocks")
+    p.add_argument("--netns-probe-mib", type=int, default=64, help="--netns: MiB of the link's raw TCP probe")
+    p.add_argument("--netns-timeout-s", type=float, default=3600.0, help="--netns: the whole measurement's limit")
+    p.add_argument("--model", default=None, help="--netns: the workers' model (default: the embedded SmolLM2)")
+    p.add_argument("--out", default="", help="--netns: also write the output to this results file")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.codec and args.netns:
+        from splitserve.bench import transfer_netns
+
+        return transfer_netns.run(args)
     if args.codec:
         from splitserve.bench import transfer_codec
 
