@@ -106,7 +106,9 @@ def add_wire_codec_arguments(p: argparse._ActionsContainer) -> None:  # a parser
         choices=list(WIRE_CODEC_MODES),
         help="how a prefill worker sends KV: auto (int8 with per-token-head scales, about 0.53x bfloat16's bytes, "
         "on links where encoding costs less than the bytes it saves: not on loopback, the same host or CUDA IPC), "
-        "raw (the cache's own bytes), int8 (always, where the decode worker takes it)",
+        "raw (the cache's own bytes), int8 (always, where the decode worker takes it). int8 is LOSSY, and auto "
+        "turns it on by itself across a slow link between hosts: greedy tokens after the first may then differ "
+        "from a colocated run; raw keeps the KV exact",
     )
     p.add_argument(
         "--kv-link-gbps",
