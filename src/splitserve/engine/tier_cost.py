@@ -36,12 +36,20 @@ def plan_load(
     recompute = block_size / prefill_tokens_per_s
     best, best_n, saved = 0.0, 0, 0.0
     for i, tier in enumerate(tiers):
-        bw = bandwidth.get(tier, 0.0)
-        load = (overhead_s or {}).get(tier, 0.0) + (bytes_per_block / bw if bw > 0 else float("inf"))
-        saved += recompute - load
+        saved += recompute - load_seconds(tier, bytes_per_block, bandwidth, overhead_s)
         if saved > best:
             best, best_n = saved, i + 1
     return best_n
+
+
+def load_seconds(
+    tier: str, bytes_per_block: int, bandwidth: dict[str, float], overhead_s: dict[str, float] | None = None
+) -> float:
+    """Seconds to load one block from `tier` into the pool: the one place a tier block is priced (the
+    worker's load-or-recompute plan and the router's view of a worker both come here). A tier without
+    a measured bandwidth never loads (infinity)."""
+    bw = bandwidth.get(tier, 0.0)
+    return (overhead_s or {}).get(tier, 0.0) + (bytes_per_block / bw if bw > 0 else float("inf"))
 
 
 def expected_seconds(
@@ -56,11 +64,8 @@ def expected_seconds(
     total = 0.0
     recompute = block_size / prefill_tokens_per_s if prefill_tokens_per_s else float("inf")
     for tier in tiers:
-        if tier == "pool":
-            continue
-        bw = bandwidth.get(tier, 0.0)
-        load = bytes_per_block / bw if bw > 0 else float("inf")
-        total += min(load, recompute)
+        if tier != "pool":
+            total += min(load_seconds(tier, bytes_per_block, bandwidth), recompute)
     return total
 
 
@@ -95,17 +100,19 @@ class PrefixCost(NamedTuple):
         return self.compute_tokens + self.load_seconds * prefill_tokens_per_s
 
 
-def prefix_cost(tiers: Sequence[str], num_tokens: int, block_size: int, speeds: TierSpeeds) -> PrefixCost:
+def prefix_cost(
+    tiers: Sequence[str], num_tokens: int, block_size: int, speeds: TierSpeeds, tier_aware: bool = True
+) -> PrefixCost:
     """`tiers`: where each leading block of the context is on one worker ("pool", "host", "disk"; the run
     stops at its first block held nowhere). The pooled head is free; the tier run after it is loaded as
     far as `plan_load` says loading beats recomputing (with the worker's own measurements: without a
     measured prefill speed or bandwidth nothing is counted as loadable, as a tier-blind router would);
-    the rest is prefilled."""
+    the rest is prefilled. `tier_aware` False: the tier run counts as uncached (the tier-blind baseline)."""
     pool = 0
     while pool < len(tiers) and tiers[pool] == "pool":
         pool += 1
     run: list[str] = []
-    for t in tiers[pool:]:
+    for t in tiers[pool:] if tier_aware else ():
         if t == "pool":
             break
         run.append(t)
@@ -114,6 +121,6 @@ def prefix_cost(tiers: Sequence[str], num_tokens: int, block_size: int, speeds: 
     if speeds.prefill_tokens_per_s > 0 and speeds.block_bytes > 0 and run:
         bw = speeds.bandwidth
         n = plan_load(run, speeds.block_bytes, block_size, bw, speeds.prefill_tokens_per_s)
-        load = sum(speeds.block_bytes / bw[t] for t in run[:n])
+        load = sum(load_seconds(t, speeds.block_bytes, bw) for t in run[:n])
     compute = max(0, num_tokens - (pool + n) * block_size)
     return PrefixCost(pool, n, load, compute)

@@ -268,10 +268,7 @@ def decode_candidates(
     where = index.overlap_tiers(hashes)
     out = []
     for w, load in decode_loads.items():
-        tiers = where.get(w, [])
-        if not tier_aware:
-            tiers = tiers[: next((i for i, t in enumerate(tiers) if t != "pool"), len(tiers))]
-        cost = prefix_cost(tiers, num_tokens, block_size, load.speeds)
+        cost = prefix_cost(where.get(w, []), num_tokens, block_size, load.speeds, tier_aware)
         speed = load.speeds.prefill_tokens_per_s
         prefill = cost.equivalent_tokens(speed) if cost.loaded_blocks else None
         out.append(DecodeCandidate(w, cost.pool_blocks, cost.compute_tokens, load, cost.loaded_blocks, prefill))
