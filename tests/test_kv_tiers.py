@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import random
+import threading
 
 import pytest
 
@@ -53,6 +54,8 @@ def run(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], list[float],
             tokens.append(out.token_id)
             lps.append(out.logprob.logprob if out.logprob else 0.0)
             cached = out.num_cached_tokens
+    if e.tiers is not None:  # the disk tier writes on a thread of its own: its files as of now
+        e.tiers.flush()
     return tokens, lps, cached
 
 
@@ -320,3 +323,61 @@ def test_a_soak_of_damaged_files_and_a_full_disk_gives_no_wrong_token(tmp_path, 
             damaged += 1
     disk = tiers_of(e).stats["disk"]
     assert damaged > 10 and disk.hits > 0 and disk.checksum_failures > 0 and disk.write_failures > 0
+
+
+def test_disk_writes_run_on_the_writer_thread_not_the_engine_thread(reference, tmp_path, monkeypatch):
+    real_write = DiskTier._write
+    writers: set[str] = set()
+
+    def write(path, payload):
+        writers.add(threading.current_thread().name)
+        real_write(path, payload)
+
+    e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(write))
+    evict_context(e)
+    assert writers == {"kv-disk-writer"}
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    assert (tokens, lps) == reference and cached == 40
+
+
+def test_a_block_queued_for_disk_is_served_from_memory_and_a_full_queue_drops_counted(reference, tmp_path, monkeypatch):
+    """The disk stalls: the first blocks wait in the writer's queue (a hit reads them from there), the
+    ones past its bound are dropped and counted, and nothing waits for the disk."""
+    real_write = DiskTier._write
+    stalled = threading.Event()
+
+    def slow(path, payload):
+        stalled.wait(timeout=60)
+        real_write(path, payload)
+
+    cfg = EngineConfig(
+        num_blocks=24,
+        block_size=BS,
+        max_num_batched_tokens=64,
+        kv_disk_tier_bytes=1 << 20,
+        kv_disk_tier_dir=str(tmp_path),
+    )
+    e = Engine(MODEL, WEIGHTS, cfg)
+    disk = tiers_of(e).disk
+    assert disk is not None
+    disk.max_pending = 6
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(slow))  # after the start's probe, which writes too
+    e.add_request("turn1", CONTEXT, GREEDY)
+    while e.has_work:
+        e.step()
+    e.add_request("other", OTHER, GREEDY)
+    while e.has_work:
+        e.step()
+    assert disk.stats.write_dropped > 0 and len(disk.pending) == 6 and not list(tmp_path.glob("pid-*/*.kv"))
+    tiers_of(e).prefill_tokens_per_s = None
+    e.add_request("turn2", TURN2, GREEDY)
+    tokens: list[int] = []
+    while e.has_work:
+        tokens += [o.token_id for o in e.step()]
+    assert tokens == reference[0]
+    stalled.set()
+    tiers_of(e).flush()
+    assert not disk.pending and disk.stats.write_failures == 0
+    assert len(list(tmp_path.glob("pid-*/*.kv"))) == disk.stats.blocks
+    tiers_of(e).close()

@@ -22,10 +22,13 @@ one), so the router's prefix index learns which worker holds which prefix where.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -41,9 +44,15 @@ from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.tier_cost import TierSpeeds, plan_load
 
+log = logging.getLogger(__name__)
+
 TIERS = ("host", "disk")
 _MAGIC = b"SSKV"
 _HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
+# Disk writes that may wait for the writer thread at once. The blocks waiting are the host tier's
+# spills (already in RAM, moved not copied), so the bound caps how far the disk may fall behind, not
+# a new buffer: a context of 1.5K tokens is 96 blocks of 16.
+DISK_WRITES_PENDING = 256
 
 
 @dataclass
@@ -59,6 +68,7 @@ class TierStats:
     recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
     checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
     write_failures: int = 0  # writes that failed (a full disk): the block dropped
+    write_dropped: int = 0  # blocks not written because the disk writer's queue was full
 
 
 class Fetched(NamedTuple):
@@ -143,11 +153,18 @@ class DiskTier:
     """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
     `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
     the directory. At start the folders of processes that are gone are deleted (their index went
-    with them)."""
+    with them).
+
+    Files are written and deleted by a writer thread of its own, never on the engine thread: `put`
+    books the block into the index and queues its write, and until the write is done the block is
+    read from the bytes it queued (still in RAM). At most `max_pending` writes wait at once; a block
+    that would be one more is dropped, counted (`write_dropped`): a disk slower than the evictions
+    costs recomputes, never a stalled step. The index is only touched on the engine thread; the
+    writer reports each write's outcome through a queue that `settle` drains."""
 
     name = "disk"
 
-    def __init__(self, capacity_bytes: int, directory: str) -> None:
+    def __init__(self, capacity_bytes: int, directory: str, max_pending: int = DISK_WRITES_PENDING) -> None:
         self.capacity = capacity_bytes
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -157,8 +174,18 @@ class DiskTier:
         self.dir = root / f"pid-{os.getpid()}-{next(_DISK_TIERS)}"
         shutil.rmtree(self.dir, ignore_errors=True)  # a reused pid's leftovers
         self.dir.mkdir()
-        self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size
+        self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size (pending writes too)
+        # queued or being written, with the write's ticket: read from here meanwhile
+        self.pending: dict[BlockHash, tuple[_Held, int]] = {}
+        self._tickets = itertools.count()
+        self.max_pending = max_pending
+        self.lost: list[BlockHash] = []  # blocks whose write failed since the last `drain_lost`
         self.stats = TierStats()
+        # (block, its bytes and checksum to write, or None to delete its file; the write's ticket)
+        self._jobs: queue.SimpleQueue[tuple[BlockHash, _Held | None, int] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[BlockHash, int, bool]] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
 
     def path(self, h: BlockHash) -> Path:
         return self.dir / f"{h.hex()}.kv"
@@ -167,24 +194,26 @@ class DiskTier:
         return h in self.files
 
     def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> tuple[bool, list[BlockHash]]:
-        """Write a block; (written, hashes evicted to make room)."""
+        """Book a block and queue its write; (taken, hashes evicted to make room). Not taken: too
+        large for the tier, or `max_pending` writes already waiting (counted in `write_dropped`)."""
+        self.settle()
         if h in self.files:
             self.files.move_to_end(h)
             return True, []
         size = _HEADER.size + data.numel()
         if size > self.capacity:
             return False, []
+        if len(self.pending) >= self.max_pending:
+            self.stats.write_dropped += 1
+            return False, []
         evicted = []
         while self.stats.bytes + size > self.capacity:
             old, old_size = self.files.popitem(last=False)
             self._remove(old, old_size)
             evicted.append(old)
-        try:
-            self._write(self.path(h), _HEADER.pack(_MAGIC, h, crc, data.numel()) + data.numpy().tobytes())
-        except OSError:
-            self.stats.write_failures += 1
-            self.path(h).unlink(missing_ok=True)
-            return False, evicted
+        ticket = next(self._tickets)
+        self.pending[h] = (_Held(data, crc), ticket)
+        self._jobs.put((h, self.pending[h][0], ticket))  # serialized on the writer thread, not here
         self.files[h] = size
         self.stats.bytes += size
         self.stats.stored += 1
@@ -196,11 +225,71 @@ class DiskTier:
         with open(path, "wb") as f:
             f.write(payload)
 
+    def _write_loop(self) -> None:
+        """The writer thread: the jobs in order (a block's delete never overtakes its write)."""
+        while (job := self._jobs.get()) is not None:
+            h, held, ticket = job
+            path = self.path(h)
+            if held is None:
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                payload = _HEADER.pack(_MAGIC, h, held.crc, held.data.numel()) + held.data.numpy().tobytes()
+                DiskTier._write(path, payload)  # looked up at each write: a test may replace it
+                self._done.put((h, ticket, True))
+            except OSError:
+                path.unlink(missing_ok=True)
+                self._done.put((h, ticket, False))
+
+    def settle(self) -> None:
+        """Take in the writes the writer finished: a written block is read from its file from now on; a
+        failed one (a full disk) leaves the index, counted, and is reported in `lost`."""
+        while True:
+            try:
+                h, ticket, ok = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if self.pending.get(h, (None, -1))[1] != ticket:  # evicted while it was being written
+                continue
+            del self.pending[h]
+            if not ok:
+                self.stats.write_failures += 1
+                size = self.files.pop(h)
+                self.stats.bytes -= size
+                self.stats.blocks = len(self.files)
+                self.lost.append(h)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued write is done and settled (tests, and a clean stop)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending and time.monotonic() < deadline:
+            try:
+                done = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._done.put(done)
+            self.settle()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        self._jobs.put(None)
+        self._writer.join(timeout=30.0)
+        self.settle()
+
+    def drain_lost(self) -> list[BlockHash]:
+        lost, self.lost = self.lost, []
+        return lost
+
     def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
         """The block's bytes and stored checksum; None (and the entry dropped, counted) when the file is
         gone, short, or not this block's."""
+        self.settle()
         if h not in self.files:
             return None
+        if h in self.pending:  # its write still queued: the bytes it was queued with
+            held = self.pending[h][0]
+            self.files.move_to_end(h)
+            return held.data, held.crc
         try:
             raw = self.path(h).read_bytes()
         except OSError:
@@ -224,7 +313,8 @@ class DiskTier:
     def _remove(self, h: BlockHash, size: int) -> None:
         self.stats.bytes -= size
         self.stats.blocks = len(self.files)
-        self.path(h).unlink(missing_ok=True)
+        self.pending.pop(h, None)
+        self._jobs.put((h, None, -1))
 
 
 @dataclass
@@ -398,6 +488,21 @@ class TierStore:
         stats.load_seconds += dt
         self.bandwidth.observe(fetched.tier, fetched.data.numel(), dt)
 
+    def note_prefix(self, prompt_tokens: int, pooled_tokens: int, loaded: Sequence[Fetched]) -> None:
+        """Log where an admitted prompt's prefix came from: the one per-request record of it (the
+        conversation benchmark splits its TTFTs by it; an operator reads how often a tier served)."""
+        bs = self.layout.block_size
+        host = sum(bs for f in loaded if f.tier == "host")
+        disk = len(loaded) * bs - host
+        log.info(
+            "prefix: prompt %d tokens, pool %d, host %d, disk %d, computed %d",
+            prompt_tokens,
+            pooled_tokens,
+            host,
+            disk,
+            prompt_tokens - pooled_tokens - host - disk,
+        )
+
     def speeds(self) -> TierSpeeds:
         """What this worker measured, for the router (WorkerStats)."""
         bw = self.bandwidth.values
@@ -412,8 +517,21 @@ class TierStore:
         self.prefill_tokens_per_s = rate if old is None else (1 - alpha) * old + alpha * rate
 
     def drain_events(self) -> list[BlockEvent]:
+        if self.disk is not None:  # disk writes that failed since: the router must not count on them
+            self.disk.settle()
+            self.events += [BlockEvent("removed", (h,), "disk") for h in self.disk.drain_lost()]
         events, self.events = self.events, []
         return events
+
+    def flush(self) -> None:
+        """Wait for the disk tier's queued writes (tests; the engine never waits on the disk)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Stop the disk tier's writer thread once its queued writes are done."""
+        if self.disk is not None:
+            self.disk.close()
 
     def held(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
         """Every block each tier holds (a snapshot for a new block-event subscriber)."""
