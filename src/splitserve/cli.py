@@ -31,6 +31,10 @@ BENCHMARKS = {
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),
     "serve": ("splitserve.bench.serve.main", "load an OpenAI-compatible or gRPC server: goodput, TTFT, TPOT, ITL"),
     "peer": ("splitserve.bench.peer.main", "vLLM's CPU build against splitserve, same model and load, in one run"),
+    "conversation": (
+        "splitserve.bench.peer.conversation",
+        "multi-turn sessions over KV tiers: tier-aware against tier-blind routing and vLLM, TTFT by prefix source",
+    ),
     "structured": ("splitserve.bench.structured", "decode step with and without a JSON schema; grammar compile time"),
     "kv-dtype": ("splitserve.bench.kv_dtype", "quantized KV (int8, fp8) against bfloat16: quality, capacity, speed"),
     "plan-check": ("splitserve.bench.plan_check", "the plan simulator against measured bench serve runs: TTFT, ITL"),

@@ -33,6 +33,9 @@ TITLES = {
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
     "tiers-cpu": "KV tiers behind the prefix cache: TTFT of a host-tier and a disk-tier hit against recomputing "
     "the prefix, in one run (issue 21)",
+    "conversation-cpu": "KV tiers on the conversation load: 20 sessions of 8 turns, the pools a quarter of the "
+    "working set; goodput with tier-aware against tier-blind routing, TTFT by where the prefix came from, and vLLM's "
+    "CPU build on the same load (issue 21)",
     "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
     "compile time (issue 20)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "

@@ -1,0 +1,102 @@
+"""bench conversation's pure parts: the workers' prefix lines parsed, joined to the client's records by
+prompt length and time window, and the TTFT split by source (bench/peer/prefix_sources.py)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from splitserve.bench.peer import prefix_sources as ps
+from splitserve.bench.peer.conversation_report import ratio_lines
+
+T0 = datetime.datetime(2026, 11, 26, 3, 40, 0)
+
+
+def line(seconds: float, prompt: int, pool: int, host: int, disk: int) -> str:
+    t = T0 + datetime.timedelta(seconds=seconds)
+    stamp = t.strftime("%Y-%m-%d %H:%M:%S,") + f"{t.microsecond // 1000:03d}"
+    computed = prompt - pool - host - disk
+    return (
+        f"{stamp} INFO splitserve.engine.kv_tiers: prefix: prompt {prompt} tokens, pool {pool}, host {host}, "
+        f"disk {disk}, computed {computed}"
+    )
+
+
+def record(start: float, ttft: float, prompt: int, error: str | None = None) -> dict[str, object]:
+    return {"start_s": start, "ttft_s": ttft, "prompt_len": prompt, "error": error, "cached_len": -1}
+
+
+def test_a_prefix_line_parses_and_names_where_most_tokens_came_from():
+    lines = [
+        line(0.0, 1600, 0, 0, 0),  # before `since`: the warm-up's
+        "2026-11-26 03:40:01,000 INFO splitserve.workers.server: listening",
+        line(2.0, 2000, 1024, 512, 0),
+        line(3.0, 2000, 0, 0, 1536),
+        line(4.0, 2000, 0, 1200, 0),
+    ]
+    notes = ps.parse_notes(lines, since=(T0 + datetime.timedelta(seconds=1)).timestamp())
+    assert [n.source for n in notes] == ["pool", "disk", "host"]
+    assert notes[0].computed == 464
+
+
+def test_records_join_their_line_by_prompt_length_inside_their_window():
+    base = (T0 + datetime.timedelta(seconds=100)).timestamp()
+    notes = [
+        ps.PrefixNote(base + 0.01, 1700, 0, 0, 0, 1700),  # the run's first request, admitted at once
+        ps.PrefixNote(base + 2.5, 2100, 1600, 0, 0, 500),
+        ps.PrefixNote(base + 2.6, 2300, 0, 1600, 0, 700),  # waited 1.6 s in the queue
+        ps.PrefixNote(base + 9.0, 2400, 0, 0, 2000, 400),
+    ]
+    records = [
+        record(0.0, 3.0, 1700),
+        record(1.0, 2.0, 2300),
+        record(2.4, 0.3, 2100),
+        record(5.0, 1.0, 2400),  # its line comes 4 s after its first token: not this request's
+        record(6.0, 0.0, 999, error="HTTP 500"),
+    ]
+    joined = ps.join(records, notes)
+    assert joined.sources == ["recompute", "host", "pool", None, None]
+    assert (joined.unjoined, joined.ambiguous) == (1, 0)
+
+
+def test_two_lines_in_one_window_leave_the_record_unjoined_and_counted():
+    notes = [ps.PrefixNote(10.0, 500, 0, 0, 0, 500), ps.PrefixNote(10.5, 500, 496, 0, 0, 4)]
+    joined = ps.join([record(0.0, 1.0, 500)], notes)
+    assert joined.sources == [None] and (joined.unjoined, joined.ambiguous) == (1, 1)
+
+
+def test_a_system_without_tiers_is_split_by_its_usages_cached_tokens():
+    rs = [record(0, 1, 1000) | {"cached_len": 896}, record(1, 1, 1000) | {"cached_len": 0}, record(2, 1, 1000)]
+    assert ps.cached_sources(rs) == ["pool", "recompute", None]
+
+
+def test_the_ratios_compare_hits_with_recomputes_and_name_the_target():
+    def result(goodput: float, ttfts: dict[str, list[float]]) -> dict[str, object]:
+        requests, sources = [], []
+        for source, values in ttfts.items():
+            for v in values:
+                requests.append(record(0, v, 2000))
+                sources.append(source)
+        return {"runs": [{"goodput": goodput, "requests": requests}], "sources": sources}
+
+    results = {
+        "tier-aware": result(1.2, {"host": [0.2, 0.3], "disk": [0.5], "recompute": [4.0]}),
+        "tier-blind": result(0.6, {"recompute": [4.0, 5.0]}),
+        "vllm": result(0.4, {}),
+    }
+    lines = ratio_lines(results)
+    assert lines[0].startswith("goodput tier-aware / tier-blind: 2.00x") and "met" in lines[0]
+    assert lines[1] == "goodput tier-aware / vLLM: 3.00x"
+    host = next(x for x in lines if x.startswith("host"))
+    assert f"{0.25 / 4.0:.2f}x" in host and "NOT met" not in host
+    disk = next(x for x in lines if x.startswith("disk"))
+    assert f"{0.5 / 4.0:.2f}x" in disk
+
+
+@pytest.mark.parametrize("bad", [{"error": "start: boom"}])
+def test_a_system_that_failed_gives_no_ratio(bad):
+    assert ratio_lines({"tier-aware": bad, "tier-blind": bad}) == [
+        "host hit / recompute TTFT: no host requests to compare",
+        "disk hit / recompute TTFT: no disk requests to compare",
+    ]
