@@ -14,7 +14,7 @@ from splitserve.measure import metrics
 from splitserve.measure.results import BenchResult, RequestRecord, save_result
 from splitserve.plan import decision
 from splitserve.plan.decision import best_split, decide
-from splitserve.plan.deployment import Deployment
+from splitserve.plan.deployment import Deployment, smallest_fitting_tp, tp_sizes
 from splitserve.plan.hardware import GPUS, Network, accelerator, cpu_from_profile
 from splitserve.plan.shapes import BUILTIN
 from splitserve.plan.sim.workload import Length, Workload, lengths_from_result
@@ -192,6 +192,29 @@ def test_the_command_prints_every_section_and_its_answer():
     )
     assert no.returncode == 0, no.stderr
     assert "COLOCATE: all 2 GPUs" in no.stdout
+
+
+@pytest.mark.timeout(180)
+def test_without_tp_the_plan_takes_the_smallest_size_that_fits_and_says_so():
+    out = run_plan("--model", "llama-3-70b")  # 141 GB of bf16 weights: not on one 80 GB H100
+    assert out.returncode == 0, out.stdout
+    assert "--tp not given: TP 2, the smallest tensor-parallel size" in out.stdout
+    assert "TP 2 = 4 replicas" in out.stdout
+    small = run_plan("--model", "llama-3-8b")
+    assert small.returncode == 0 and "--tp not given" not in small.stdout and "TP 1 = 8 replicas" in small.stdout
+    none = run_plan("--model", "llama-3.1-405b", "--gpu", "a100-80gb", "--gpus", "4")
+    assert none.returncode == 2
+    assert "no tensor-parallel size up to --gpus 4 fits (at TP 4" in none.stdout and "raise --gpus" in none.stdout
+
+
+def test_tp_sizes_split_the_heads_within_the_budget():
+    llama = BUILTIN["llama-3-70b"]  # 64 heads
+    assert tp_sizes(llama, 8) == [1, 2, 4, 8] and tp_sizes(llama, 6) == [1, 2, 4]
+    dep = deployment("llama-3-70b", gpus=8)
+    fitting = smallest_fitting_tp(dep, 1280)
+    assert fitting is not None and fitting.tp == 2 and fitting.does_not_fit(1280) is None
+    assert dep.does_not_fit(1280) is not None
+    assert smallest_fitting_tp(deployment("llama-3-70b", gpus=1), 1280) is None
 
 
 @pytest.mark.timeout(180)

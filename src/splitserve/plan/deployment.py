@@ -10,7 +10,7 @@ The checks and the recommendation read these numbers and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from splitserve.plan import capacity, roofline
@@ -76,13 +76,18 @@ class Deployment:
 
     def does_not_fit(self, context: int) -> str | None:
         """Why not one request of `context` tokens fits beside the weights, or None when one does."""
+        short = self.shortfall(context)
+        return None if short is None else f"{short}: raise --tp or lower --weight-dtype"
+
+    def shortfall(self, context: int) -> str | None:
+        """What does not fit in what (no advice), or None when one request of `context` tokens fits."""
         if self.max_batch(context) > 0:
             return None
         room = self.gpu.memory_bytes * (1 - self.reserve)
         return (
             f"{self.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU (TP {self.tp}) and one request's KV "
             f"({context * self.kv_bytes_per_token_per_gpu / 1e9:.2f} GB) do not fit in {room / 1e9:.1f} GB of "
-            f"{self.gpu.name}: raise --tp or lower --weight-dtype"
+            f"{self.gpu.name}"
         )
 
     def exposed_transfer_s(self, tokens: int, cached: int = 0) -> float:
@@ -94,6 +99,27 @@ class Deployment:
         return capacity.max_concurrent_requests(
             self.gpu.memory_bytes, self.weight_bytes_per_gpu, context * self.kv_bytes_per_token_per_gpu, self.reserve
         )
+
+
+def tp_sizes(shape: ModelShape, gpus: int) -> list[int]:
+    """The tensor-parallel sizes a replica may take: powers of two up to the GPU budget that split the
+    attention heads evenly (a size past the KV heads replicates them, as the engine does)."""
+    sizes, tp = [], 1
+    while tp <= gpus:
+        if shape.heads % tp == 0:
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def smallest_fitting_tp(dep: Deployment, context: int) -> Deployment | None:
+    """`dep` at the smallest tensor-parallel size (`tp_sizes`) where one request of `context`
+    tokens fits beside the weights, or None when none up to the budget does."""
+    for tp in tp_sizes(dep.shape, dep.gpus):
+        candidate = replace(dep, tp=tp)
+        if candidate.does_not_fit(context) is None:
+            return candidate
+    return None
 
 
 class DeploymentCosts:

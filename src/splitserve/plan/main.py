@@ -15,9 +15,10 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from splitserve.plan.decision import Plan, decide
-from splitserve.plan.deployment import Deployment, DeploymentCosts
+from splitserve.plan.deployment import Deployment, DeploymentCosts, smallest_fitting_tp, tp_sizes
 from splitserve.plan.hardware import CPU_HERE, GPUS, Network, accelerator
 from splitserve.plan.report import format_plan
 from splitserve.plan.roofline import Efficiency
@@ -36,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --gpu cpu-here: a JSON file with measured memory_bytes_per_s and matmul_flops (else measured now)",
     )
     g.add_argument("--gpus", type=int, default=8, help="the whole GPU budget")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size of one replica")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size of one replica (default: the smallest power of two, up to --gpus and dividing "
+        "the heads, at which the weights and one request's KV fit; the plan says which it took)",
+    )
     g.add_argument("--weight-dtype", default="bf16", help="bf16, fp8, int4, ...")
     g.add_argument("--kv-dtype", default="bf16", help="bf16, fp8, ...")
     g.add_argument("--reserve", type=float, default=0.10, help="share of GPU memory kept for activations")
@@ -71,7 +78,7 @@ def build(args: argparse.Namespace) -> tuple[Deployment, Workload]:
         shape=load_shape(args.model),
         gpu=accelerator(args.gpu, profile),
         gpus=args.gpus,
-        tp=args.tp,
+        tp=args.tp or 1,  # without --tp: 1 here, then the smallest that fits (`_run`)
         network=Network.of(args.network_gbps, args.rdma, args.network_efficiency),
         weight_dtype_bytes=dtype_bytes(args.weight_dtype),
         kv_dtype_bytes=dtype_bytes(args.kv_dtype),
@@ -105,13 +112,37 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def _smallest_tp(dep: Deployment, context: int) -> Deployment | None:
+    """Without --tp: the smallest size that fits, said when it is not 1; None (said why) when none does."""
+    fitting = smallest_fitting_tp(dep, context)
+    if fitting is None:
+        largest = replace(dep, tp=tp_sizes(dep.shape, dep.gpus)[-1])
+        print(
+            f"splitserve plan: no tensor-parallel size up to --gpus {dep.gpus} fits (at TP {largest.tp}, "
+            f"{largest.shortfall(context)}): raise --gpus or lower --weight-dtype"
+        )
+    elif fitting.tp > 1:
+        smaller = replace(dep, tp=fitting.tp // 2)
+        print(
+            f"splitserve plan: --tp not given: TP {fitting.tp}, the smallest tensor-parallel size at which "
+            f"the weights and a {context:,}-token request's KV fit (at TP {smaller.tp}, {smaller.shortfall(context)})\n"
+        )
+    return fitting
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         dep, wl = build(args)
     except (ValueError, OSError) as e:
         print(f"splitserve plan: {e}")
         return 2
-    why = dep.does_not_fit(round(wl.prompt.mean) + round(wl.output.mean))
+    context = round(wl.prompt.mean) + round(wl.output.mean)
+    if args.tp is None:
+        fitting = _smallest_tp(dep, context)
+        if fitting is None:
+            return 2
+        dep = fitting
+    why = dep.does_not_fit(context)
     if why:
         print(f"splitserve plan: {why}")
         return 2
