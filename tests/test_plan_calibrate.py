@@ -22,7 +22,9 @@ from splitserve.plan.profile import (
     least_squares,
     load_profile,
     save_profile,
+    serving_by_busy,
     with_serving,
+    with_serving_alone,
 )
 from splitserve.plan.sim.simulate import Percentiles
 
@@ -120,6 +122,38 @@ def test_the_serving_overhead_is_paid_once_per_step_and_per_token():
     assert mixed_step_s(served, 256, 0, 4, 2000) == pytest.approx(mixed_step_s(base, 256, 0, 4, 2000) + 0.001 + 0.008)
     assert served.transfer_s(512) == pytest.approx(base.transfer_s(512))  # the KV's path is not the token's
     assert served.prefill_s(0) == 0.0
+
+
+def test_the_serving_overhead_by_workers_busy():
+    """All busy: 1 ms + 2 ms/token over the engine; one request alone on one of two workers: 0.5 ms.
+    Each idle worker takes the difference at batch 1 (3 - 0.5 ms) off a step."""
+    p = with_serving(synthetic(), [(1, 0, 0.0, 0.003), (3, 0, 0.0, 0.007)], "colocated, 2 worker(s)")
+    assert serving_by_busy(p) is None  # not measured: the overhead as fitted, whatever the load
+    s = with_serving_alone(p, [(1, 50, 0.010, 0.0105), (1, 60, 0.010, 0.0104), (1, 70, 0.010, 0.0106)], 2)
+    assert s.serve_s_per_busy == pytest.approx(0.0025) and s.serve_workers == 2
+    by_busy = serving_by_busy(s)
+    assert by_busy is not None
+    assert by_busy(2) == 0.0 and by_busy(1) == pytest.approx(-0.0025) and by_busy(0) == by_busy(1)
+    # never below nothing: an alone figure above the all-busy one takes nothing off
+    assert with_serving_alone(p, [(1, 0, 0.0, 0.009)], 2).serve_s_per_busy == 0.0
+    with pytest.raises(ValueError):
+        with_serving_alone(p, [(1, 0, 0.0, 0.001)], 1)
+    with pytest.raises(ValueError):
+        with_serving_alone(p, [], 2)
+
+
+def test_a_profile_with_the_overhead_by_workers_busy_round_trips(tmp_path):
+    p = with_serving(synthetic(), [(1, 100, 0.011, 0.013), (4, 400, 0.013, 0.019)], "colocated, 2 worker(s)")
+    p = with_serving_alone(p, [(1, 100, 0.011, 0.0115)], 2)
+    path = tmp_path / "profile.json"
+    save_profile(p, str(path))
+    assert load_profile(str(path)) == p
+    data = json.loads(path.read_text())
+    data["version"] = 5  # before the overhead by workers busy: read as not measured
+    for k in ("serve_workers", "serve_alone_points", "serve_s_per_busy"):
+        del data[k]
+    path.write_text(json.dumps(data))
+    assert serving_by_busy(load_profile(str(path))) is None
 
 
 def _record(start: float, ttft: float, gaps: list[float], prompt: int = 70) -> RequestRecord:

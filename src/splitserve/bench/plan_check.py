@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 TOLERANCE = 0.25  # |simulated / measured - 1| at most this
 DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "splitserve", "plan-check")
 MODES = ("colocated", "disaggregated")
+SERVE_ALONE_RUNS = 3  # one request decoding alone, this many times (the median taken)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,7 +136,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
     from splitserve.measure.results import RunResult
-    from splitserve.plan.profile import ProfileCosts, prefill_slowdown
+    from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_by_busy
     from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
     from splitserve.plan.sim.sweep import requests_from_run
     from splitserve.router.engine_tokenizer import EngineTokenizer
@@ -204,6 +205,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                 random.Random(args.seed),
                 spread=profile.step_spread(),
                 prefill_slowdown=prefill_slowdown(profile, mode),
+                serve_by_busy=serving_by_busy(profile),
             )
             rows += compare(mode, load.name, measured, sim)
     return rows
@@ -255,13 +257,44 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
     if not points:
         raise RuntimeError("the serving overhead: no batch measured")
     profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
+    if workers > 1:
+        profile = _measure_serving_alone(system, ctx, out, profile, workers, args)
     save_profile(profile, os.path.join(out, f"profile-{name}.json"))
     print(
         f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
-        f"{profile.serve_s_per_seq * 1e3:.3f} ms/token, saved to the profile",
+        f"{profile.serve_s_per_seq * 1e3:.3f} ms/token with all {workers} worker(s) busy, "
+        f"{profile.serve_s_per_busy * 1e3:.2f} ms/step less for each idle one; saved to the profile",
         flush=True,
     )
     return profile
+
+
+def _measure_serving_alone(
+    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace
+) -> Any:
+    """The serving overhead with one worker of `workers` busy (one request decoding alone, the
+    others idle), fitted into the profile as the overhead by workers busy (plan/profile.py's
+    `with_serving_alone`)."""
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.measure.results import RunResult
+    from splitserve.plan.calibrate import serving_load_flags, serving_point
+    from splitserve.plan.profile import with_serving_alone
+
+    name = system.spec.name
+    points = []
+    for i in range(SERVE_ALONE_RUNS):
+        load = Load(f"serving-alone-{i}", serving_load_flags(1, 1, args.seed + 200 + i), args.load_timeout)
+        data = run_load(system, load, ctx, out, "openai-chat")
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        b, context, engine_s, served_s = serving_point(RunResult.from_dict(data["runs"][0]).requests, 1, profile)
+        print(
+            f"[{name}] serving: one request alone, context {context}: engine step {engine_s * 1e3:.1f} ms, "
+            f"served gap {served_s * 1e3:.1f} ms",
+            flush=True,
+        )
+        points.append((b, context, engine_s, served_s))
+    return with_serving_alone(profile, points, workers)
 
 
 def _measure_prefill_load(
@@ -344,6 +377,7 @@ def _print_profile(p: Any) -> None:
         print(
             f"  serving overhead ({p.serve_system}) = {p.serve_step_s * 1e3:.2f} ms/step + "
             f"{p.serve_s_per_seq * 1e3:.3f} ms/token"
+            + (f", {p.serve_s_per_busy * 1e3:.2f} ms/step less per idle worker" if p.serve_s_per_busy else "")
         )
     print("  " + spread_line(p))
     for fit in p.prefill_load_fits:

@@ -13,7 +13,11 @@ the fitted coefficients, so a reader can check the fit against its points:
     serving      what a served step costs beyond `Engine.step()`: per step + per_seq x batch (least
                  squares, no negative term), fitted to the gap between tokens a client saw through a
                  router and a real worker against the engine-alone decode step at the same batch and
-                 context (`plan/calibrate.py`'s `serving_points`); 0 when not measured
+                 context (`plan/calibrate.py`'s `serving_points`); 0 when not measured. Those gaps are
+                 taken with every worker of the system decoding; on a machine this small the router
+                 and the client take their cycles from the workers' cores, so a step costs less
+                 overhead while fewer workers are busy: a request decoding alone, measured too, gives
+                 what each idle worker takes off a step (`with_serving_alone`, `serving_by_busy`)
     spread       how single decode steps spread around those figures, per batch, as quantiles of
                  measured / modelled (`costs.StepSpread`): the engine's timed steps against the decode
                  model (`decode_spread`), and a client's gaps against the served model at each gap's
@@ -46,11 +50,11 @@ from typing import Any
 from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, spread_quantiles
 
 # 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load (a ratio fit);
-# 5: prefill under load as a multiplier and a cost per request
-PROFILE_VERSION = 5
+# 5: prefill under load as a multiplier and a cost per request; 6: the serving overhead by workers busy
+PROFILE_VERSION = 6
 # a version 3 profile reads as one with prefill under load not measured; a version 4 one's ratio fit
 # as the multiplier alone (no cost per request)
-READS_VERSIONS = (3, 4, 5)
+READS_VERSIONS = (3, 4, 5, 6)
 
 # (system, scale, scale per decoding request, fixed s, fixed s per decoding request): see Profile
 PrefillLoadFit = tuple[str, float, float, float, float]
@@ -91,6 +95,12 @@ class Profile:
     # (system, scale, scale_per, fixed_s, fixed_s_per), fitted per system: a prefill beside N decoding
     # requests takes model s x (scale + scale_per x N) + fixed_s + fixed_s_per x N
     prefill_load_fits: tuple[PrefillLoadFit, ...] = ()
+    # the serving overhead by how many of the system's workers step at once: serve_points were taken
+    # with `serve_workers` busy; serve_alone_points (same fields) with one busy and the rest idle;
+    # each worker idle takes `serve_s_per_busy` off a step's overhead (0 and () when not measured)
+    serve_workers: int = 0
+    serve_alone_points: tuple[tuple[int, int, float, float], ...] = ()
+    serve_s_per_busy: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -135,6 +145,11 @@ class Profile:
                 (str(m), int(n), float(e), float(s)) for m, n, e, s in d.get("prefill_load_points", ())
             ),
             prefill_load_fits=tuple(_prefill_load_fit(f) for f in d.get("prefill_load_fits", ())),
+            serve_workers=int(d.get("serve_workers", 0)),
+            serve_alone_points=tuple(
+                (int(b), int(c), float(e), float(s)) for b, c, e, s in d.get("serve_alone_points", ())
+            ),
+            serve_s_per_busy=float(d.get("serve_s_per_busy", 0.0)),
         )
 
     def step_spread(self) -> StepSpread | None:
@@ -311,6 +326,37 @@ def with_serving(
         serve_s_per_seq=per_seq,
         serve_spread=spread_table(gap_ratios, profile.spread_levels),
     )
+
+
+def with_serving_alone(profile: Profile, points: Sequence[tuple[int, int, float, float]], workers: int) -> Profile:
+    """The profile with the serving overhead as a function of the workers busy: `points` (as
+    `Profile.serve_points`) measured with one of the system's `workers` busy, the profile's
+    serve_points with all of them. Each idle worker takes the same share off a step's overhead:
+    (the fitted overhead at the alone points' batch - their median measured one) / (workers - 1),
+    never negative and never more than takes the overhead below the alone figure."""
+    if not points:
+        raise ValueError("no serving points with one worker busy")
+    if workers < 2:
+        raise ValueError("the serving overhead by workers busy needs a system of two workers or more")
+    batch = sorted(b for b, *_ in points)[len(points) // 2]
+    alone = sorted(s - e for _, _, e, s in points)[len(points) // 2]
+    all_busy = profile.serve_step_s + profile.serve_s_per_seq * batch
+    per_busy = min(max(0.0, (all_busy - alone) / (workers - 1)), all_busy / (workers - 1))
+    return replace(profile, serve_workers=workers, serve_alone_points=tuple(points), serve_s_per_busy=per_busy)
+
+
+def serving_by_busy(profile: Profile) -> Callable[[int], float] | None:
+    """What a step's modelled time changes by with `busy` of the system's workers stepping (itself
+    included): the profile's overhead was fitted with all of them busy, and each idle one takes
+    `serve_s_per_busy` off it. None when not measured (the overhead then as fitted, whatever the load)."""
+    if profile.serve_s_per_busy <= 0 or profile.serve_workers < 2:
+        return None
+    per_busy, workers = profile.serve_s_per_busy, profile.serve_workers
+
+    def at(busy: int) -> float:
+        return -per_busy * (workers - min(max(busy, 1), workers))
+
+    return at
 
 
 def with_prefill_load(profile: Profile, system: str, points: Sequence[tuple[int, float, float]]) -> Profile:

@@ -180,13 +180,15 @@ def simulate(
     prefill_costs: CostModel | None = None,
     spread: StepSpread | None = None,
     prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
+    serve_by_busy: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
     they differ from the decode workers (another tensor-parallel size); default `costs`.
     `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: at N requests
     decoding in the cluster, a prefill step's multiplier and its seconds per prompt finished (see
-    the module's note)."""
-    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown)
+    the module's note); `serve_by_busy`: at N decode workers stepping at once, the seconds a step's
+    serving overhead changes by from the cost model's (measured with all of them busy)."""
+    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown, serve_by_busy)
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
@@ -248,8 +250,10 @@ class _Cluster:
         rng: random.Random,
         spread: StepSpread | None = None,
         prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
+        serve_by_busy: Callable[[int], float] | None = None,
     ) -> None:
         self.spec = spec
+        self.serve_by_busy = serve_by_busy
         self.prefill_costs = prefill_costs
         self.rng = rng
         self.chooser = decode_chooser(spec.routing)  # selected once, as the router's WorkerSet does
@@ -294,6 +298,13 @@ class _Cluster:
             def prefill_factor() -> tuple[float, float]:  # only steps with a prefill chunk ask: O(decode workers) each
                 return slowdown(sum(w.num_decoding for w in self.decode))
 
+        busy_overhead: Callable[[], float] | None = None
+        if self.serve_by_busy is not None and not prefill_only:
+            by_busy = self.serve_by_busy
+
+            def busy_overhead() -> float:  # O(decode workers) a step
+                return by_busy(sum(w.busy for w in self.decode))
+
         return SimWorker(
             name,
             model,
@@ -308,6 +319,7 @@ class _Cluster:
             prefill_factor,
             block_size=spec.routing.block_size,
             on_cached=None if prefill_only else self._cached,
+            busy_overhead=busy_overhead,
         )
 
     def warm_up(self, hashes: Sequence[BlockHash]) -> None:
