@@ -87,7 +87,17 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.plan.calibrate import CalibrationConfig, calibrate
     from splitserve.plan.profile import load_profile, save_profile
 
-    print(f"$ splitserve {shlex.join(sys.argv[1:])}   # at {_commit()}", flush=True)
+    import datetime
+
+    from splitserve.bench.structured import _cpu_flags
+
+    now = datetime.datetime.now(datetime.UTC)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"$ splitserve {shlex.join(sys.argv[1:])}   # at {_commit()}, {now:%Y-%m-%dT%H:%MZ}, {os.cpu_count()} CPU "
+        f"cores (flags {_cpu_flags()}), load average {load} at start",
+        flush=True,
+    )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not modes or any(m not in MODES for m in modes) or not rates or min(rates) <= 0:
