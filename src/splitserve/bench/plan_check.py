@@ -81,15 +81,14 @@ class Row(NamedTuple):
 
 
 def run(args: argparse.Namespace) -> int:
+    import datetime
+
     from splitserve.bench.peer.hf_export import export_hf_dir
     from splitserve.bench.peer.main import SERVED_MODEL_NAME, parse_cores
     from splitserve.bench.peer.servers import LaunchContext
+    from splitserve.bench.structured import _cpu_flags
     from splitserve.plan.calibrate import CalibrationConfig, calibrate
     from splitserve.plan.profile import load_profile, save_profile
-
-    import datetime
-
-    from splitserve.bench.structured import _cpu_flags
 
     now = datetime.datetime.now(datetime.UTC)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
