@@ -419,6 +419,19 @@ def test_dashboard_covers_the_serving_signals():
             assert p["datasource"]["uid"] == ds_uid and all(t["datasource"]["uid"] == ds_uid for t in p["targets"])
 
 
+def test_dashboard_shows_every_kv_tier_series_and_the_wire_bytes_by_codec():
+    """Issue 21's metrics on the board: each tier series a worker exports (engine/kv_tiers.py's counts,
+    by tier) and the KV bytes on the wire by codec; the test above checks that each exists."""
+    from splitserve.workers.common.metrics import _TIER_SERIES
+
+    exprs = " ".join(e for _, e in dashboard_exprs())
+    for name, kind, _, _ in _TIER_SERIES:
+        series = name + ("_total" if kind == "counter" else "")
+        assert re.search(rf"sum by \(tier\) \((rate\()?{re.escape(series)}\b", exprs), series
+    assert "sum by (codec, side) (rate(splitserve_kv_wire_bytes_total" in exprs
+    assert "sum by (codec) (rate(splitserve_kv_wire_cache_bytes_total" in exprs
+
+
 def test_the_real_route_modes_are_the_ones_the_dashboard_names():
     import typing
 

@@ -211,6 +211,12 @@ _TIER_SERIES = (
         "Blocks refused at load (bad checksum, short, missing or foreign file): recomputed",
     ),
     ("splitserve:kv_tier_write_failures", "counter", "write_failures", "Blocks a tier failed to write (a full disk)"),
+    (
+        "splitserve:kv_tier_write_dropped",
+        "counter",
+        "write_dropped",
+        "Blocks not written to the disk tier because its writer's queue was full (the disk slower than the evictions)",
+    ),
 )
 
 
