@@ -6,8 +6,11 @@ tier (one file per block under the cache directory), and one the full disk tier
 evicts is gone. At allocation the scheduler asks how many of a prompt's blocks after
 its pooled prefix continue in a tier (`TierStore.lookup`), decides in seconds whether
 loading them beats recomputing them (`plan_load`, a pure function of the tier
-bandwidths and the prefill speed this worker measured), and loads the chosen ones
-into freshly allocated pool blocks (`TierStore.load`).
+bandwidths and the prefill speed this worker measured), reads and checks the chosen
+ones (`TierStore.fetch`) and writes them into freshly allocated pool blocks
+(`TierStore.install`). The tiers themselves, as stores of blocks, are
+engine/kv_tier_blocks.py's; the disk tier writes on a thread of its own. On CUDA the
+host tier's blocks are pinned and a load runs on a stream of its own (`CudaLoads`).
 
 Every stored block carries a CRC-32 of its bytes, and a disk file also its hash and
 its length; a block that fails any check, a file that is gone or short, is not
@@ -21,20 +24,12 @@ one), so the router's prefix index learns which worker holds which prefix where.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import queue
-import shutil
-import struct
 import tempfile
-import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -42,33 +37,13 @@ import torch
 from splitserve.engine.block_hash import BlockHash
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_tier_blocks import DiskTier, HostTier, TierStats
+from splitserve.engine.kv_tier_blocks import crc32 as _crc
 from splitserve.engine.tier_cost import TierSpeeds, plan_load
 
 log = logging.getLogger(__name__)
 
 TIERS = ("host", "disk")
-_MAGIC = b"SSKV"
-_HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
-# Disk writes that may wait for the writer thread at once. The blocks waiting are the host tier's
-# spills (already in RAM, moved not copied), so the bound caps how far the disk may fall behind, not
-# a new buffer: a context of 1.5K tokens is 96 blocks of 16.
-DISK_WRITES_PENDING = 256
-
-
-@dataclass
-class TierStats:
-    """Per tier, since start."""
-
-    blocks: int = 0  # held now
-    bytes: int = 0  # held now
-    stored: int = 0  # blocks written into it
-    hits: int = 0  # blocks loaded from it into the pool
-    bytes_loaded: int = 0
-    load_seconds: float = 0.0
-    recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
-    checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
-    write_failures: int = 0  # writes that failed (a full disk): the block dropped
-    write_dropped: int = 0  # blocks not written because the disk writer's queue was full
 
 
 class Fetched(NamedTuple):
@@ -80,241 +55,39 @@ class Fetched(NamedTuple):
     seconds: float  # the read and the check
 
 
-@dataclass
-class _Held:
-    data: torch.Tensor  # uint8
-    crc: int
+class CudaLoads:
+    """On CUDA: the host tier keeps its blocks in pinned memory, and a load runs on a stream of its own
+    (host to device from the pinned bytes, then into the pool), so that the engine thread only queues
+    it: the compute stream waits for the load on the device, not the host. A load's seconds come from
+    CUDA events once they have completed (`harvest`): timed on the host, an asynchronous copy would
+    look free, and the load-or-recompute plan would price it so."""
 
-
-def _crc(data: torch.Tensor) -> int:
-    return zlib.crc32(data.numpy().data)
-
-
-class HostTier:
-    """Blocks in RAM, LRU, bounded in bytes."""
-
-    name = "host"
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
-        self.blocks: OrderedDict[BlockHash, _Held] = OrderedDict()
-        self.stats = TierStats()
-
-    def __contains__(self, h: BlockHash) -> bool:
-        return h in self.blocks
-
-    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> list[tuple[BlockHash, torch.Tensor, int]]:
-        """Store a block; returns the blocks evicted to make room (oldest first)."""
-        if h in self.blocks:
-            self.blocks.move_to_end(h)
-            return []
-        if data.numel() > self.capacity:
-            return [(h, data, crc)]
-        out = []
-        while self.stats.bytes + data.numel() > self.capacity:
-            old, held = self.blocks.popitem(last=False)
-            self.stats.bytes -= held.data.numel()
-            out.append((old, held.data, held.crc))
-        self.blocks[h] = _Held(data, crc)
-        self.stats.bytes += data.numel()
-        self.stats.stored += 1
-        self.stats.blocks = len(self.blocks)
-        return out
-
-    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
-        held = self.blocks.get(h)
-        if held is None:
-            return None
-        self.blocks.move_to_end(h)
-        return held.data, held.crc
-
-    def drop(self, h: BlockHash) -> None:
-        held = self.blocks.pop(h, None)
-        if held is not None:
-            self.stats.bytes -= held.data.numel()
-            self.stats.blocks = len(self.blocks)
-
-
-_DISK_TIERS = itertools.count()
-
-
-def _alive(pid: str) -> bool:
-    """Whether a process with this id runs on this host (a folder name that is no pid: not)."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
-
-
-class DiskTier:
-    """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
-    `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
-    the directory. At start the folders of processes that are gone are deleted (their index went
-    with them).
-
-    Files are written and deleted by a writer thread of its own, never on the engine thread: `put`
-    books the block into the index and queues its write, and until the write is done the block is
-    read from the bytes it queued (still in RAM). At most `max_pending` writes wait at once; a block
-    that would be one more is dropped, counted (`write_dropped`): a disk slower than the evictions
-    costs recomputes, never a stalled step. The index is only touched on the engine thread; the
-    writer reports each write's outcome through a queue that `settle` drains."""
-
-    name = "disk"
-
-    def __init__(self, capacity_bytes: int, directory: str, max_pending: int = DISK_WRITES_PENDING) -> None:
-        self.capacity = capacity_bytes
-        root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("pid-*"):
-            if stale.is_dir() and not _alive(stale.name.split("-")[1]):
-                shutil.rmtree(stale, ignore_errors=True)
-        self.dir = root / f"pid-{os.getpid()}-{next(_DISK_TIERS)}"
-        shutil.rmtree(self.dir, ignore_errors=True)  # a reused pid's leftovers
-        self.dir.mkdir()
-        self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size (pending writes too)
-        # queued or being written, with the write's ticket: read from here meanwhile
-        self.pending: dict[BlockHash, tuple[_Held, int]] = {}
-        self._tickets = itertools.count()
-        self.max_pending = max_pending
-        self.lost: list[BlockHash] = []  # blocks whose write failed since the last `drain_lost`
-        self.stats = TierStats()
-        # (block, its bytes and checksum to write, or None to delete its file; the write's ticket)
-        self._jobs: queue.SimpleQueue[tuple[BlockHash, _Held | None, int] | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[BlockHash, int, bool]] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-        self._writer.start()
-
-    def path(self, h: BlockHash) -> Path:
-        return self.dir / f"{h.hex()}.kv"
-
-    def __contains__(self, h: BlockHash) -> bool:
-        return h in self.files
-
-    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> tuple[bool, list[BlockHash]]:
-        """Book a block and queue its write; (taken, hashes evicted to make room). Not taken: too
-        large for the tier, or `max_pending` writes already waiting (counted in `write_dropped`)."""
-        self.settle()
-        if h in self.files:
-            self.files.move_to_end(h)
-            return True, []
-        size = _HEADER.size + data.numel()
-        if size > self.capacity:
-            return False, []
-        if len(self.pending) >= self.max_pending:
-            self.stats.write_dropped += 1
-            return False, []
-        evicted = []
-        while self.stats.bytes + size > self.capacity:
-            old, old_size = self.files.popitem(last=False)
-            self._remove(old, old_size)
-            evicted.append(old)
-        ticket = next(self._tickets)
-        self.pending[h] = (_Held(data, crc), ticket)
-        self._jobs.put((h, self.pending[h][0], ticket))  # serialized on the writer thread, not here
-        self.files[h] = size
-        self.stats.bytes += size
-        self.stats.stored += 1
-        self.stats.blocks = len(self.files)
-        return True, evicted
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        # per load queued: its tier, bytes, seconds on the host (read and check), and its CUDA events
+        self.timing: list[tuple[str, int, float, torch.cuda.Event, torch.cuda.Event]] = []
 
     @staticmethod
-    def _write(path: Path, payload: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(payload)
+    def pin(data: torch.Tensor) -> torch.Tensor:
+        return data.pin_memory()
 
-    def _write_loop(self) -> None:
-        """The writer thread: the jobs in order (a block's delete never overtakes its write)."""
-        while (job := self._jobs.get()) is not None:
-            h, held, ticket = job
-            path = self.path(h)
-            if held is None:
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                payload = _HEADER.pack(_MAGIC, h, held.crc, held.data.numel()) + held.data.numpy().tobytes()
-                DiskTier._write(path, payload)  # looked up at each write: a test may replace it
-                self._done.put((h, ticket, True))
-            except OSError:
-                path.unlink(missing_ok=True)
-                self._done.put((h, ticket, False))
+    def load(self, kv_cache: KVCache, block_id: int, data: torch.Tensor, tier: str, read_s: float) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            on_device = data.to(self.device, non_blocking=True)  # asynchronous from pinned memory
+            kv_cache.import_block(block_id, on_device)  # device to device, on this stream
+            end.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)  # the next step sees the block
+        self.timing.append((tier, data.numel(), read_s, start, end))
 
-    def settle(self) -> None:
-        """Take in the writes the writer finished: a written block is read from its file from now on; a
-        failed one (a full disk) leaves the index, counted, and is reported in `lost`."""
-        while True:
-            try:
-                h, ticket, ok = self._done.get_nowait()
-            except queue.Empty:
-                return
-            if self.pending.get(h, (None, -1))[1] != ticket:  # evicted while it was being written
-                continue
-            del self.pending[h]
-            if not ok:
-                self.stats.write_failures += 1
-                size = self.files.pop(h)
-                self.stats.bytes -= size
-                self.stats.blocks = len(self.files)
-                self.lost.append(h)
-
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued write is done and settled (tests, and a clean stop)."""
-        deadline = time.monotonic() + timeout_s
-        while self.pending and time.monotonic() < deadline:
-            try:
-                done = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self._done.put(done)
-            self.settle()
-
-    def close(self) -> None:
-        """Finish the queued writes and stop the writer thread."""
-        self._jobs.put(None)
-        self._writer.join(timeout=30.0)
-        self.settle()
-
-    def drain_lost(self) -> list[BlockHash]:
-        lost, self.lost = self.lost, []
-        return lost
-
-    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
-        """The block's bytes and stored checksum; None (and the entry dropped, counted) when the file is
-        gone, short, or not this block's."""
-        self.settle()
-        if h not in self.files:
-            return None
-        if h in self.pending:  # its write still queued: the bytes it was queued with
-            held = self.pending[h][0]
-            self.files.move_to_end(h)
-            return held.data, held.crc
-        try:
-            raw = self.path(h).read_bytes()
-        except OSError:
-            raw = b""
-        ok = len(raw) >= _HEADER.size
-        if ok:
-            magic, fh, crc, n = _HEADER.unpack_from(raw)
-            ok = magic == _MAGIC and fh == h and len(raw) == _HEADER.size + n
-        if not ok:
-            self.stats.checksum_failures += 1
-            self.drop(h)
-            return None
-        self.files.move_to_end(h)
-        return torch.frombuffer(bytearray(raw[_HEADER.size :]), dtype=torch.uint8), crc
-
-    def drop(self, h: BlockHash) -> None:
-        size = self.files.pop(h, None)
-        if size is not None:
-            self._remove(h, size)
-
-    def _remove(self, h: BlockHash, size: int) -> None:
-        self.stats.bytes -= size
-        self.stats.blocks = len(self.files)
-        self.pending.pop(h, None)
-        self._jobs.put((h, None, -1))
+    def harvest(self) -> list[tuple[str, int, float]]:
+        """The loads that have completed since the last harvest: (tier, bytes, seconds on host and device)."""
+        finished = [t[4].query() for t in self.timing]
+        done = [t for t, f in zip(self.timing, finished, strict=True) if f]
+        self.timing = [t for t, f in zip(self.timing, finished, strict=True) if not f]
+        return [(tier, n, read_s + start.elapsed_time(end) / 1e3) for tier, n, read_s, start, end in done]
 
 
 @dataclass
@@ -347,6 +120,8 @@ class TierStore:
         self.prefill_tokens_per_s: float | None = None  # the engine's measured prefill speed
         self.layout = kv_cache.layout
         self.block_bytes = kv_cache.block_nbytes()
+        device = kv_cache.shards[0].device
+        self.cuda = CudaLoads(device) if device.type == "cuda" and torch.cuda.is_available() else None
         self._probe()
 
     @property
@@ -398,6 +173,8 @@ class TierStore:
             self.events.append(BlockEvent("stored", (h,), "host"))
             return
         data = self.kv_cache.export_block(block_id)
+        if self.cuda is not None:  # loads from pinned memory can be asynchronous
+            data = self.cuda.pin(data)
         crc = _crc(data)
         spilled = self.host.put(h, data, crc)
         if h in self.host:
@@ -479,14 +256,25 @@ class TierStore:
 
     def install(self, fetched: Fetched, block_id: int) -> None:
         """Write a fetched block into pool block `block_id`; its tier counts the hit."""
-        t0 = time.perf_counter()
-        self.kv_cache.import_block(block_id, fetched.data)
-        dt = fetched.seconds + time.perf_counter() - t0
         stats = self.stats[fetched.tier]
         stats.hits += 1
         stats.bytes_loaded += fetched.data.numel()
+        if self.cuda is not None:  # queued on the load stream; timed when it has completed
+            self.cuda.load(self.kv_cache, block_id, fetched.data, fetched.tier, fetched.seconds)
+            self._harvest_cuda()
+            return
+        t0 = time.perf_counter()
+        self.kv_cache.import_block(block_id, fetched.data)
+        dt = fetched.seconds + time.perf_counter() - t0
         stats.load_seconds += dt
         self.bandwidth.observe(fetched.tier, fetched.data.numel(), dt)
+
+    def _harvest_cuda(self) -> None:
+        """Count the seconds of the CUDA loads that have completed (their read and check included)."""
+        assert self.cuda is not None
+        for tier, nbytes, seconds in self.cuda.harvest():
+            self.stats[tier].load_seconds += seconds
+            self.bandwidth.observe(tier, nbytes, seconds)
 
     def note_prefix(self, prompt_tokens: int, pooled_tokens: int, loaded: Sequence[Fetched]) -> None:
         """Log where an admitted prompt's prefix came from: the one per-request record of it (the
@@ -505,6 +293,8 @@ class TierStore:
 
     def speeds(self) -> TierSpeeds:
         """What this worker measured, for the router (WorkerStats)."""
+        if self.cuda is not None:
+            self._harvest_cuda()
         bw = self.bandwidth.values
         return TierSpeeds(self.prefill_tokens_per_s or 0.0, bw.get("host", 0.0), bw.get("disk", 0.0), self.block_bytes)
 

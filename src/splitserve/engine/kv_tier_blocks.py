@@ -1,0 +1,285 @@
+"""The two tiers behind the prefix cache as stores of blocks: `HostTier` (RAM) and `DiskTier` (one
+checksummed file per block, written by a thread of its own), each LRU and bounded in bytes, each with
+its counts (`TierStats`). What goes into them and what comes out, checked, is engine/kv_tiers.py's.
+
+A disk file is a header (magic, the block's hash, the CRC-32 of the payload, the payload's length)
+and the block's bytes (KVCache.export_block's layout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.block_hash import BlockHash
+
+_MAGIC = b"SSKV"
+_HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
+# Disk writes that may wait for the writer thread at once. The blocks waiting are the host tier's
+# spills (already in RAM, moved not copied), so the bound caps how far the disk may fall behind, not
+# a new buffer: a context of 1.5K tokens is 96 blocks of 16.
+DISK_WRITES_PENDING = 256
+
+
+@dataclass
+class TierStats:
+    """Per tier, since start."""
+
+    blocks: int = 0  # held now
+    bytes: int = 0  # held now
+    stored: int = 0  # blocks written into it
+    hits: int = 0  # blocks loaded from it into the pool
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
+    checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
+    write_failures: int = 0  # writes that failed (a full disk): the block dropped
+    write_dropped: int = 0  # blocks not written because the disk writer's queue was full
+
+
+@dataclass
+class Held:
+    data: torch.Tensor  # uint8
+    crc: int
+
+
+def crc32(data: torch.Tensor) -> int:
+    return zlib.crc32(data.numpy().data)
+
+
+class HostTier:
+    """Blocks in RAM, LRU, bounded in bytes."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.blocks: OrderedDict[BlockHash, Held] = OrderedDict()
+        self.stats = TierStats()
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.blocks
+
+    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> list[tuple[BlockHash, torch.Tensor, int]]:
+        """Store a block; returns the blocks evicted to make room (oldest first)."""
+        if h in self.blocks:
+            self.blocks.move_to_end(h)
+            return []
+        if data.numel() > self.capacity:
+            return [(h, data, crc)]
+        out = []
+        while self.stats.bytes + data.numel() > self.capacity:
+            old, held = self.blocks.popitem(last=False)
+            self.stats.bytes -= held.data.numel()
+            out.append((old, held.data, held.crc))
+        self.blocks[h] = Held(data, crc)
+        self.stats.bytes += data.numel()
+        self.stats.stored += 1
+        self.stats.blocks = len(self.blocks)
+        return out
+
+    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
+        held = self.blocks.get(h)
+        if held is None:
+            return None
+        self.blocks.move_to_end(h)
+        return held.data, held.crc
+
+    def drop(self, h: BlockHash) -> None:
+        held = self.blocks.pop(h, None)
+        if held is not None:
+            self.stats.bytes -= held.data.numel()
+            self.stats.blocks = len(self.blocks)
+
+
+_DISK_TIERS = itertools.count()
+
+
+def _alive(pid: str) -> bool:
+    """Whether a process with this id runs on this host (a folder name that is no pid: not)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+class DiskTier:
+    """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
+    `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
+    the directory. At start the folders of processes that are gone are deleted (their index went
+    with them).
+
+    Files are written and deleted by a writer thread of its own, never on the engine thread: `put`
+    books the block into the index and queues its write, and until the write is done the block is
+    read from the bytes it queued (still in RAM). At most `max_pending` writes wait at once; a block
+    that would be one more is dropped, counted (`write_dropped`): a disk slower than the evictions
+    costs recomputes, never a stalled step. The index is only touched on the engine thread; the
+    writer reports each write's outcome through a queue that `settle` drains."""
+
+    name = "disk"
+
+    def __init__(self, capacity_bytes: int, directory: str, max_pending: int = DISK_WRITES_PENDING) -> None:
+        self.capacity = capacity_bytes
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("pid-*"):
+            if stale.is_dir() and not _alive(stale.name.split("-")[1]):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.dir = root / f"pid-{os.getpid()}-{next(_DISK_TIERS)}"
+        shutil.rmtree(self.dir, ignore_errors=True)  # a reused pid's leftovers
+        self.dir.mkdir()
+        self.files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size (pending writes too)
+        # queued or being written, with the write's ticket: read from here meanwhile
+        self.pending: dict[BlockHash, tuple[Held, int]] = {}
+        self._tickets = itertools.count()
+        self.max_pending = max_pending
+        self.lost: list[BlockHash] = []  # blocks whose write failed since the last `drain_lost`
+        self.stats = TierStats()
+        # (block, its bytes and checksum to write, or None to delete its file; the write's ticket)
+        self._jobs: queue.SimpleQueue[tuple[BlockHash, Held | None, int] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[BlockHash, int, bool]] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    def path(self, h: BlockHash) -> Path:
+        return self.dir / f"{h.hex()}.kv"
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.files
+
+    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> tuple[bool, list[BlockHash]]:
+        """Book a block and queue its write; (taken, hashes evicted to make room). Not taken: too
+        large for the tier, or `max_pending` writes already waiting (counted in `write_dropped`)."""
+        self.settle()
+        if h in self.files:
+            self.files.move_to_end(h)
+            return True, []
+        size = _HEADER.size + data.numel()
+        if size > self.capacity:
+            return False, []
+        if len(self.pending) >= self.max_pending:
+            self.stats.write_dropped += 1
+            return False, []
+        evicted = []
+        while self.stats.bytes + size > self.capacity:
+            old, old_size = self.files.popitem(last=False)
+            self._remove(old, old_size)
+            evicted.append(old)
+        ticket = next(self._tickets)
+        self.pending[h] = (Held(data, crc), ticket)
+        self._jobs.put((h, self.pending[h][0], ticket))  # serialized on the writer thread, not here
+        self.files[h] = size
+        self.stats.bytes += size
+        self.stats.stored += 1
+        self.stats.blocks = len(self.files)
+        return True, evicted
+
+    @staticmethod
+    def _write(path: Path, payload: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(payload)
+
+    def _write_loop(self) -> None:
+        """The writer thread: the jobs in order (a block's delete never overtakes its write)."""
+        while (job := self._jobs.get()) is not None:
+            h, held, ticket = job
+            path = self.path(h)
+            if held is None:
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                payload = _HEADER.pack(_MAGIC, h, held.crc, held.data.numel()) + held.data.numpy().tobytes()
+                DiskTier._write(path, payload)  # looked up at each write: a test may replace it
+                self._done.put((h, ticket, True))
+            except OSError:
+                path.unlink(missing_ok=True)
+                self._done.put((h, ticket, False))
+
+    def settle(self) -> None:
+        """Take in the writes the writer finished: a written block is read from its file from now on; a
+        failed one (a full disk) leaves the index, counted, and is reported in `lost`."""
+        while True:
+            try:
+                h, ticket, ok = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if self.pending.get(h, (None, -1))[1] != ticket:  # evicted while it was being written
+                continue
+            del self.pending[h]
+            if not ok:
+                self.stats.write_failures += 1
+                size = self.files.pop(h)
+                self.stats.bytes -= size
+                self.stats.blocks = len(self.files)
+                self.lost.append(h)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued write is done and settled (tests, and a clean stop)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending and time.monotonic() < deadline:
+            try:
+                done = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._done.put(done)
+            self.settle()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        self._jobs.put(None)
+        self._writer.join(timeout=30.0)
+        self.settle()
+
+    def drain_lost(self) -> list[BlockHash]:
+        lost, self.lost = self.lost, []
+        return lost
+
+    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
+        """The block's bytes and stored checksum; None (and the entry dropped, counted) when the file is
+        gone, short, or not this block's."""
+        self.settle()
+        if h not in self.files:
+            return None
+        if h in self.pending:  # its write still queued: the bytes it was queued with
+            held = self.pending[h][0]
+            self.files.move_to_end(h)
+            return held.data, held.crc
+        try:
+            raw = self.path(h).read_bytes()
+        except OSError:
+            raw = b""
+        ok = len(raw) >= _HEADER.size
+        if ok:
+            magic, fh, crc, n = _HEADER.unpack_from(raw)
+            ok = magic == _MAGIC and fh == h and len(raw) == _HEADER.size + n
+        if not ok:
+            self.stats.checksum_failures += 1
+            self.drop(h)
+            return None
+        self.files.move_to_end(h)
+        return torch.frombuffer(bytearray(raw[_HEADER.size :]), dtype=torch.uint8), crc
+
+    def drop(self, h: BlockHash) -> None:
+        size = self.files.pop(h, None)
+        if size is not None:
+            self._remove(h, size)
+
+    def _remove(self, h: BlockHash, size: int) -> None:
+        self.stats.bytes -= size
+        self.stats.blocks = len(self.files)
+        self.pending.pop(h, None)
+        self._jobs.put((h, None, -1))
