@@ -381,3 +381,22 @@ def test_a_block_queued_for_disk_is_served_from_memory_and_a_full_queue_drops_co
     assert not disk.pending and disk.stats.write_failures == 0
     assert len(list(tmp_path.glob("pid-*/*.kv"))) == disk.stats.blocks
     tiers_of(e).close()
+
+
+def test_a_prompts_disk_blocks_are_read_ahead_at_admission_and_loaded_from_those_reads(reference, tmp_path):
+    """Asking what a prompt would load (at admission: `cached_prefix_tokens`) starts reading its disk
+    blocks on the reader thread; the load at its allocation takes those reads, checked: with the files
+    deleted in between, the blocks still load, and give the reference tokens."""
+    e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    evict_context(e)
+    disk = tiers_of(e).disk
+    assert disk is not None and not disk.read_ahead
+    assert e.scheduler.cached_prefix_tokens(TURN2) == 40
+    assert len(disk.read_ahead) == 10
+    for read in disk.read_ahead.values():
+        read.result(timeout=30)
+    for f in tmp_path.glob("pid-*/*.kv"):
+        f.unlink()
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    assert (tokens, lps) == reference and cached == 40
+    assert tiers_of(e).stats["disk"].hits == 10 and not disk.read_ahead

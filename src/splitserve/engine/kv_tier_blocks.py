@@ -17,6 +17,8 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,9 @@ _HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, 
 # spills (already in RAM, moved not copied), so the bound caps how far the disk may fall behind, not
 # a new buffer: a context of 1.5K tokens is 96 blocks of 16.
 DISK_WRITES_PENDING = 256
+# Disk blocks read ahead at once (`DiskTier.prefetch`), about two 1.5K-token contexts: a read ahead
+# that no load takes (the request was aborted) waits until its block leaves the tier.
+DISK_READS_AHEAD = 192
 
 
 @dataclass
@@ -117,6 +122,14 @@ def _alive(pid: str) -> bool:
     return True
 
 
+def read_file(path: Path) -> bytes:
+    """A tier file's bytes; empty when it cannot be read (gone): `DiskTier.get` refuses it, counted."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
 class DiskTier:
     """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
     `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
@@ -154,6 +167,9 @@ class DiskTier:
         self._done: queue.SimpleQueue[tuple[BlockHash, int, bool]] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        # reads ahead of a load: a prompt's disk blocks are read while it waits for its allocation
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-reader")
+        self.read_ahead: dict[BlockHash, Future[bytes]] = {}
 
     def path(self, h: BlockHash) -> Path:
         return self.dir / f"{h.hex()}.kv"
@@ -238,8 +254,19 @@ class DiskTier:
             self._done.put(done)
             self.settle()
 
+    def prefetch(self, hashes: Iterable[BlockHash]) -> None:
+        """Start reading these blocks' files on the reader thread (at most `DISK_READS_AHEAD` at once), so
+        that their load (`get`, at the prompt's allocation) finds the bytes read. Checked at `get`, as
+        any read: a read ahead is only early, never trusted."""
+        for h in hashes:
+            if len(self.read_ahead) >= DISK_READS_AHEAD:
+                return
+            if h in self.files and h not in self.pending and h not in self.read_ahead:
+                self.read_ahead[h] = self._reader.submit(read_file, self.path(h))
+
     def close(self) -> None:
-        """Finish the queued writes and stop the writer thread."""
+        """Finish the queued writes and stop the writer and reader threads."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
         self._jobs.put(None)
         self._writer.join(timeout=30.0)
         self.settle()
@@ -258,10 +285,8 @@ class DiskTier:
             held = self.pending[h][0]
             self.files.move_to_end(h)
             return held.data, held.crc
-        try:
-            raw = self.path(h).read_bytes()
-        except OSError:
-            raw = b""
+        ahead = self.read_ahead.pop(h, None)
+        raw = ahead.result() if ahead is not None else read_file(self.path(h))
         ok = len(raw) >= _HEADER.size
         if ok:
             magic, fh, crc, n = _HEADER.unpack_from(raw)
@@ -282,4 +307,5 @@ class DiskTier:
         self.stats.bytes -= size
         self.stats.blocks = len(self.files)
         self.pending.pop(h, None)
+        self.read_ahead.pop(h, None)  # a read under way may see the file go: the next read is afresh
         self._jobs.put((h, None, -1))

@@ -208,9 +208,15 @@ class TierStore:
         return out
 
     def loadable(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `hashes` a load would take from the tiers now (nothing counted)."""
+        """How many leading blocks of `hashes` a load would take from the tiers now (nothing counted).
+        Asked when a prompt is admitted, so the disk blocks among them start being read now (the
+        reader thread): their load at the prompt's allocation, after its wait for a seat or for the
+        step in progress, finds them read."""
         tiers, bw = self.lookup(hashes), self.bandwidth.values
-        return plan_load(tiers, self.block_bytes, self.layout.block_size, bw, self.prefill_tokens_per_s)
+        n = plan_load(tiers, self.block_bytes, self.layout.block_size, bw, self.prefill_tokens_per_s)
+        if self.disk is not None:
+            self.disk.prefetch(h for h, t in zip(hashes[:n], tiers[:n], strict=True) if t == "disk")
+        return n
 
     def plan(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` to load (the rest recompute), the skipped hits counted."""
