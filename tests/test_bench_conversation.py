@@ -100,3 +100,17 @@ def test_a_system_that_failed_gives_no_ratio(bad):
         "host hit / recompute TTFT: no host requests to compare",
         "disk hit / recompute TTFT: no disk requests to compare",
     ]
+
+
+def test_a_sessions_first_turn_computed_is_a_first_turn_not_a_recompute():
+    rs = [record(0, 1, 1600) | {"tag": "turn1"}, record(5, 1, 2400) | {"tag": "turn2"}, record(9, 1, 2600)]
+    assert ps.mark_first_turns(rs, ["recompute", "recompute", "host"]) == ["first turn", "recompute", "host"]
+    # no returning turn was recomputed: the first turns stand in, and the line says so
+    results = {
+        "tier-aware": {
+            "runs": [{"goodput": 1.0, "requests": rs}],
+            "sources": ["first turn", "host", "host"],
+        }
+    }
+    host = ratio_lines(results)[0]
+    assert host.startswith("host hit / first turn TTFT p50") and "1.00x" in host

@@ -150,7 +150,11 @@ def run_one(label: str, spec: SystemSpec, ctx: LaunchContext, a: argparse.Namesp
         return res
     records = res["runs"][0]["requests"]
     if spec.is_vllm:
-        res["sources"], res["unjoined"], res["ambiguous"] = ps.cached_sources(records), 0, 0
+        res["sources"], res["unjoined"], res["ambiguous"] = (
+            ps.mark_first_turns(records, ps.cached_sources(records)),
+            0,
+            0,
+        )
         return res
     notes: list[ps.PrefixNote] = []
     for name in os.listdir(ctx.workdir):
@@ -158,7 +162,8 @@ def run_one(label: str, spec: SystemSpec, ctx: LaunchContext, a: argparse.Namesp
             with open(os.path.join(ctx.workdir, name), encoding="utf-8", errors="replace") as f:
                 notes += ps.parse_notes(f, since)
     joined = ps.join(records, sorted(notes))
-    res["sources"], res["unjoined"], res["ambiguous"] = joined.sources, joined.unjoined, joined.ambiguous
+    res["sources"] = ps.mark_first_turns(records, joined.sources)
+    res["unjoined"], res["ambiguous"] = joined.unjoined, joined.ambiguous
     return res
 
 

@@ -14,7 +14,8 @@ counted. vLLM logs nothing of the kind: its requests are split by its usage's ca
 (pool or recompute), its KV living in its pool only.
 
 A request's source is where most of its prompt's tokens came from; "recompute" when that is
-computing them.
+computing them, and "first turn" when that is a session's first prompt (its context new to every
+cache): a recompute that a tier could have saved is a returning turn's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-SOURCES = ("pool", "host", "disk", "recompute")
+SOURCES = ("pool", "host", "disk", "recompute", "first turn")
 _LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO splitserve\.engine\.kv_tiers: prefix: prompt (\d+) tokens, "
     r"pool (\d+), host (\d+), disk (\d+), computed (-?\d+)"
@@ -46,7 +47,7 @@ class PrefixNote(NamedTuple):
     @property
     def source(self) -> str:
         shares = {"pool": self.pool, "host": self.host, "disk": self.disk, "recompute": self.computed}
-        return max(SOURCES, key=lambda s: shares[s])  # ties: the order of SOURCES
+        return max(SOURCES[:4], key=lambda s: shares[s])  # ties: the order of SOURCES
 
 
 def parse_notes(lines: Iterable[str], since: float = 0.0) -> list[PrefixNote]:
@@ -105,6 +106,14 @@ def cached_sources(records: Sequence[dict[str, Any]]) -> list[str | None]:
         else:
             out.append("pool" if 2 * r["cached_len"] >= r["prompt_len"] else "recompute")
     return out
+
+
+def mark_first_turns(records: Sequence[dict[str, Any]], sources: Sequence[str | None]) -> list[str | None]:
+    """A session's first turn (bench serve's tag "turn1") computed: "first turn", not "recompute"."""
+    return [
+        "first turn" if s == "recompute" and r.get("tag") == "turn1" else s
+        for r, s in zip(records, sources, strict=True)
+    ]
 
 
 class SourceStats(NamedTuple):
