@@ -535,3 +535,16 @@ def test_int8_frames_between_tensor_parallel_sizes(src_tp, dst_tp):
     finally:
         tx.close()
         rx.close()
+
+
+def test_the_throttled_link_refuses_without_cap_net_admin():
+    from splitserve.bench.transfer_link import net_admin_refusal
+
+    root = "Name:\tpython\nCapEff:\t000001ffffffffff\n"
+    user = "Name:\tpython\nCapEff:\t0000000000000000\n"
+    if net_admin_refusal(root) is not None:  # no ip or tc on this machine: that is the refusal
+        assert "iproute2" in (net_admin_refusal(root) or "")
+        return
+    assert net_admin_refusal(root) is None
+    assert "CAP_NET_ADMIN" in (net_admin_refusal(user) or "")
+    assert "Linux only" in (net_admin_refusal("Name:\tpython\n") or "")

@@ -91,14 +91,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "loopback; sets the namespace up and removes it; needs CAP_NET_ADMIN (bench/transfer_netns.py)",
     )
     p.add_argument(
-        "--netns-gbps", default="1,0.1", help="--netns: the link's rates in Gb/s, comma-separated, in this order"
+        "--netns-gbps", default="1,0.1,0.03", help="--netns: the link's rates in Gb/s, comma-separated, in this order"
     )
     p.add_argument("--netns-chunk", type=int, default=512, help="--netns: the workers' --max-num-batched-tokens")
     p.add_argument("--netns-blocks", type=int, default=1024, help="--netns: the workers' --num-blocks")
     p.add_argument("--netns-probe-mib", type=int, default=64, help="--netns: MiB of the link's raw TCP probe")
     p.add_argument("--netns-timeout-s", type=float, default=3600.0, help="--netns: the whole measurement's limit")
     p.add_argument("--model", default=None, help="--netns: the workers' model (default: the embedded SmolLM2)")
-    p.add_argument("--out", default="", help="--netns: also write the output to this results file")
+    p.add_argument(
+        "--lossless",
+        action="store_true",
+        help="with --codec: lossless compressors (zlib, and zstd, lz4 where installed) on real KV blocks of a 2K-token "
+        "prefill, ratio and MB/s on one core, against link rates (bench/transfer_lossless.py)",
+    )
+    p.add_argument("--out", default="", help="--netns, --lossless: also write the output to this results file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         from splitserve.bench import transfer_netns
 
         return transfer_netns.run(args)
+    if args.codec and args.lossless:
+        from splitserve.bench import transfer_lossless
+
+        return transfer_lossless.run(args)
     if args.codec:
         from splitserve.bench import transfer_codec
 

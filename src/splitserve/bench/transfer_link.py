@@ -30,14 +30,17 @@ class LinkError(RuntimeError):
     """A step of setting up the link failed; the message names the command and what it said."""
 
 
-def net_admin_refusal() -> str | None:
-    """Why this process cannot build a throttled link, or None."""
+def net_admin_refusal(status: str | None = None) -> str | None:
+    """Why this process cannot build a throttled link, or None. `status`: the text of
+    /proc/self/status (read when None)."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"needs the {' and '.join(missing)} command(s) (iproute2) to build a network namespace and shape it"
     try:
-        with open("/proc/self/status") as f:
-            cap = next(line for line in f if line.startswith("CapEff:")).split()[1]
+        if status is None:
+            with open("/proc/self/status") as f:
+                status = f.read()
+        cap = next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1]
     except (OSError, StopIteration):
         return "cannot read this process's capabilities (/proc/self/status): Linux only"
     if not int(cap, 16) >> CAP_NET_ADMIN & 1:
