@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Float compares may be turned into selects: without no-trapping-math GCC
@@ -223,18 +224,84 @@ float* scratch(int64_t n) {
 }
 
 // Sequence b, kv head kh and the `group` query heads that share it. Two passes
+
+// ------------------------------------------------------------- the KV formats
+//
+// One layer of the cache is either blocks of the model's own T, [num_blocks,
+// 2, block_size, kv_heads, dim] (kKvNative), or int8 / fp8 (e4m3) blocks
+// (engine/kv_cache.py has the format): [num_blocks, block_bytes] bytes, each
+// block its values [2, block_size, kv_heads, dim] (one byte each) and then
+// its fp32 scales [2, block_size, kv_heads], one per token and kv head: x =
+// value * scale. One block walk per ISA reads all three, templated on C, the
+// cache's element (uint16_t bf16 bits or float: T itself; int8_t; uint8_t
+// holding e4m3 bits). With a scale, a score is scale_t * (q . k_t) and a
+// token's V is weighted by p_t * scale_t, so the inner loops only widen
+// values to fp32. The write quantizes each new row as engine/kv_cache.py's
+// quantize_rows does, bit for bit.
+
+constexpr int kKvNative = 0, kKvInt8 = 1, kKvFp8 = 2;
+
+template <class C>
+constexpr bool kScaled = sizeof(C) == 1;  // one-byte values carry a scale per token and kv head
+
+SS_INLINE float kv_f32(uint16_t v) { return to_f32(v); }
+SS_INLINE float kv_f32(float v) { return v; }
+SS_INLINE float kv_f32(int8_t v) { return static_cast<float>(v); }
+// e4m3fn bits to fp32, exactly, with no fp32 subnormal on the way (an operand
+// that slows a multiply a hundredfold): a normal's exponent rebased by 127 - 7;
+// a subnormal m * 2^-9 as 2^-6 * (1 + m/8) - 2^-6.
+SS_INLINE float kv_f32(uint8_t v) {
+  const uint32_t mag = static_cast<uint32_t>(v & 0x7fu) << 20;
+  const bool sub = (v & 0x78u) == 0;
+  const uint32_t u = sub ? (mag | (UINT32_C(121) << 23)) : (mag + (UINT32_C(120) << 23));
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  f = sub ? f - 0x1p-6f : f;
+  uint32_t r;
+  std::memcpy(&r, &f, sizeof(r));
+  r |= static_cast<uint32_t>(v & 0x80u) << 24;
+  std::memcpy(&f, &r, sizeof(f));
+  return f;
+}
+
+// Bytes of one quantized block of one layer: values, then scales.
+SS_INLINE int64_t q_block_bytes(const Attn& a) { return 2 * a.block_size * a.kv_heads * (a.dim + 4); }
+
+// Where one layer's K and V rows, and their scales, sit in block `blk`.
+template <class C>
+struct Blocks {
+  const uint8_t* cache;
+  int64_t row;    // elements between one token's row and the next: kv_heads * dim
+  int64_t v_off;  // elements from a block's K to its V
+  int64_t block_bytes;
+  int64_t v_scales_off;  // floats from a block's K scales to its V scales
+  explicit Blocks(const Attn& a)
+      : cache(static_cast<const uint8_t*>(a.cache)),
+        row(a.kv_heads * a.dim),
+        v_off(a.block_size * a.kv_heads * a.dim),
+        block_bytes(kScaled<C> ? q_block_bytes(a) : 2 * v_off * static_cast<int64_t>(sizeof(C))),
+        v_scales_off(a.block_size * a.kv_heads) {}
+  SS_INLINE const C* k(int64_t blk) const { return reinterpret_cast<const C*>(cache + blk * block_bytes); }
+  SS_INLINE const C* v(int64_t blk) const { return k(blk) + v_off; }
+  // token t's scale of kv head h at [t * kv_heads + h] (quantized blocks only)
+  SS_INLINE const float* k_scales(int64_t blk) const {
+    return reinterpret_cast<const float*>(cache + blk * block_bytes + 2 * v_off);
+  }
+  SS_INLINE const float* v_scales(int64_t blk) const { return k_scales(blk) + v_scales_off; }
+};
+
+// ---------------------------------------------------- decode attention, portable
+
+// Sequence b, kv head kh and the `group` query heads that share it. Two passes
 // over the context: scores (q . k) with a softmax over them, then the
 // probability-weighted sum of V, both reading K/V in place through the block
-// table. D is head_dim when
-// it is one of the common sizes (the loops then compile to straight vector
-// code), else 0 and a.dim is read at run time.
-template <class T, int D>
+// table. D is head_dim when it is one of the common sizes (the loops then
+// compile to straight vector code), else 0 and a.dim is read at run time.
+template <class T, class C, int D>
 SS_INLINE void attend_dim(const Attn& a, int64_t b, int64_t kh, float* buf) {
   const int64_t dim = D > 0 ? D : a.dim, group = a.heads / a.kv_heads, ctx = a.context_lens[b];
-  const int64_t row = a.kv_heads * dim;                  // elements between tokens in a block
-  const int64_t v_off = a.block_size * row;              // V after K inside a block
-  const int64_t block_stride = 2 * v_off;
-  const T* cache = static_cast<const T*>(a.cache);
+  const Blocks<C> blocks(a);
+  const int64_t row = blocks.row, kvh = a.kv_heads;
   const int64_t* table = a.tables + b * a.width;
   float* qf = buf;
   float* acc = qf + group * dim;
@@ -247,17 +314,18 @@ SS_INLINE void attend_dim(const Attn& a, int64_t b, int64_t kh, float* buf) {
     acc[i] = 0.0f;
   }
   for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
-    const T* k = cache + table[blk] * block_stride + kh * dim;
+    const C* k = blocks.k(table[blk]) + kh * dim;
+    const float* sc = blocks.k_scales(table[blk]) + kh;
     const int64_t n = std::min(a.block_size, ctx - t0);
     for (int64_t t = 0; t < n; ++t, k += row) {
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) kv[d] = to_f32(k[d]);
+      for (int64_t d = 0; d < dim; ++d) kv[d] = kv_f32(k[d]);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qf + g * dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kv[d];
-        s[g * ctx + t0 + t] = dot;
+        s[g * ctx + t0 + t] = kScaled<C> ? dot * sc[t * kvh] : dot;
       }
     }
   }
@@ -277,13 +345,14 @@ SS_INLINE void attend_dim(const Attn& a, int64_t b, int64_t kh, float* buf) {
     sums[g] = sum;
   }
   for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
-    const T* v = cache + table[blk] * block_stride + v_off + kh * dim;
+    const C* v = blocks.v(table[blk]) + kh * dim;
+    const float* sc = blocks.v_scales(table[blk]) + kh;
     const int64_t n = std::min(a.block_size, ctx - t0);
     for (int64_t t = 0; t < n; ++t, v += row) {
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) kv[d] = to_f32(v[d]);
+      for (int64_t d = 0; d < dim; ++d) kv[d] = kv_f32(v[d]);
       for (int64_t g = 0; g < group; ++g) {
-        const float p = s[g * ctx + t0 + t];
+        const float p = kScaled<C> ? s[g * ctx + t0 + t] * sc[t * kvh] : s[g * ctx + t0 + t];
         float* ag = acc + g * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) ag[d] += p * kv[d];
@@ -298,51 +367,34 @@ SS_INLINE void attend_dim(const Attn& a, int64_t b, int64_t kh, float* buf) {
   }
 }
 
-template <class T>
+// T: the model's dtype (q and out); C: the cache's element (T itself, int8_t, or uint8_t for e4m3 bits).
+template <class T, class C>
 SS_INLINE void attend_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     switch (a.dim) {
-      case 64: attend_dim<T, 64>(a, b, kh, buf); break;
-      case 128: attend_dim<T, 128>(a, b, kh, buf); break;
-      default: attend_dim<T, 0>(a, b, kh, buf); break;
+      case 64: attend_dim<T, C, 64>(a, b, kh, buf); break;
+      case 128: attend_dim<T, C, 128>(a, b, kh, buf); break;
+      default: attend_dim<T, C, 0>(a, b, kh, buf); break;
     }
   }
 }
 
 template <class T>
 using Attend = void (*)(const Attn&, int64_t, int64_t, int64_t, float*);
-SS_VARIANTS(attend, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
-
-// ------------------------------------------ decode attention, quantized KV
-//
-// An int8 or fp8 (e4m3) cache (engine/kv_cache.py has the format): one layer
-// is [num_blocks, block_bytes] bytes, each block its values [2, block_size,
-// kv_heads, dim] (one byte each) and then its fp32 scales [2, block_size,
-// kv_heads], one per token and kv head: x = value * scale. The portable loop
-// of attend_dim with the scale taken out of the inner loops: a score is
-// scale_t * (q . k_t) and a token's V is weighted by p_t * scale_t, so the
-// inner loops only widen bytes to fp32. The write quantizes each new row as
-// engine/kv_cache.py's quantize_rows does, bit for bit.
-
-constexpr int kKvNative = 0, kKvInt8 = 1, kKvFp8 = 2;
-
-SS_INLINE float dequant(int8_t v) { return static_cast<float>(v); }
-// e4m3fn bits to fp32, exactly, with no fp32 subnormal on the way (an operand
-// that slows a multiply a hundredfold): a normal's exponent rebased by 127 - 7;
-// a subnormal m * 2^-9 as 2^-6 * (1 + m/8) - 2^-6.
-SS_INLINE float dequant(uint8_t v) {
-  const uint32_t mag = static_cast<uint32_t>(v & 0x7fu) << 20;
-  const bool sub = (v & 0x78u) == 0;
-  const uint32_t u = sub ? (mag | (UINT32_C(121) << 23)) : (mag + (UINT32_C(120) << 23));
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  f = sub ? f - 0x1p-6f : f;
-  uint32_t r;
-  std::memcpy(&r, &f, sizeof(r));
-  r |= static_cast<uint32_t>(v & 0x80u) << 24;
-  std::memcpy(&f, &r, sizeof(f));
-  return f;
+template <class T, class C>
+SS_V4 void attend_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  attend_impl<T, C>(a, b, kh0, kh1, buf);
 }
+template <class T, class C>
+SS_V3 void attend_v3(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  attend_impl<T, C>(a, b, kh0, kh1, buf);
+}
+template <class T, class C>
+void attend_v1(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+  attend_impl<T, C>(a, b, kh0, kh1, buf);
+}
+
+// --------------------------------------------------------- the quantized write
 
 // fp32 to e4m3fn bits, round to nearest even: c10's fp8e4m3fn_from_fp32_value,
 // its three cases computed side by side and selected (so that a row vectorizes).
@@ -378,115 +430,6 @@ SS_INLINE void quantize_to(uint8_t* p, float y) {
 constexpr float qmax(int8_t*) { return 127.0f; }
 constexpr float qmax(uint8_t*) { return 448.0f; }
 
-// Bytes of one block of one layer: values, then scales.
-SS_INLINE int64_t q_block_bytes(const Attn& a) { return 2 * a.block_size * a.kv_heads * (a.dim + 4); }
-
-template <class C, int D>
-SS_INLINE void attend_q_dim(const Attn& a, int64_t b, int64_t kh, float* buf, bool bf16_out) {
-  const int64_t dim = D > 0 ? D : a.dim, group = a.heads / a.kv_heads, ctx = a.context_lens[b];
-  const int64_t row = a.kv_heads * dim, v_off = a.block_size * row, block_bytes = q_block_bytes(a);
-  const int64_t scales_off = 2 * v_off;  // bytes: values are one byte each
-  const uint8_t* cache = static_cast<const uint8_t*>(a.cache);
-  const int64_t* table = a.tables + b * a.width;
-  float* qf = buf;
-  float* acc = qf + group * dim;
-  float* kv = acc + group * dim;
-  float* s = kv + dim;  // [group, ctx]
-  const int64_t q_off = b * a.q_stride + kh * group * dim;
-#pragma omp simd
-  for (int64_t i = 0; i < group * dim; ++i) {
-    qf[i] = (bf16_out ? to_f32(static_cast<const uint16_t*>(a.q)[q_off + i])
-                      : static_cast<const float*>(a.q)[q_off + i]) *
-            a.scale;
-    acc[i] = 0.0f;
-  }
-  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
-    const uint8_t* base = cache + table[blk] * block_bytes;
-    const C* k = reinterpret_cast<const C*>(base) + kh * dim;
-    const float* sc = reinterpret_cast<const float*>(base + scales_off) + kh;
-    const int64_t n = std::min(a.block_size, ctx - t0);
-    for (int64_t t = 0; t < n; ++t, k += row) {
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) kv[d] = dequant(k[d]);
-      const float st = sc[t * a.kv_heads];
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf + g * dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kv[d];
-        s[g * ctx + t0 + t] = dot * st;
-      }
-    }
-  }
-  float sums[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = s + g * ctx;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      float e = exp_f32(sg[t] - m);
-      sg[t] = e;
-      sum += e;
-    }
-    sums[g] = sum;
-  }
-  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += a.block_size, ++blk) {
-    const uint8_t* base = cache + table[blk] * block_bytes;
-    const C* v = reinterpret_cast<const C*>(base) + v_off + kh * dim;
-    const float* sc = reinterpret_cast<const float*>(base + scales_off) + a.block_size * a.kv_heads + kh;
-    const int64_t n = std::min(a.block_size, ctx - t0);
-    for (int64_t t = 0; t < n; ++t, v += row) {
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) kv[d] = dequant(v[d]);
-      const float st = sc[t * a.kv_heads];
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = s[g * ctx + t0 + t] * st;
-        float* ag = acc + g * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ag[d] += p * kv[d];
-      }
-    }
-  }
-  const int64_t o_off = (b * a.heads + kh * group) * dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float sum = sums[g];
-    if (bf16_out) {
-      uint16_t* out = static_cast<uint16_t*>(a.out) + o_off;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) store(out, g * dim + d, acc[g * dim + d] / sum);
-    } else {
-      float* out = static_cast<float*>(a.out) + o_off;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) store(out, g * dim + d, acc[g * dim + d] / sum);
-    }
-  }
-}
-
-// T: the model's dtype (q and out); C: the cache's value type (int8_t, or uint8_t for e4m3 bits).
-template <class T, class C>
-SS_INLINE void attend_q_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  constexpr bool bf16 = sizeof(T) == 2;
-  for (int64_t kh = kh0; kh < kh1; ++kh) {
-    switch (a.dim) {
-      case 64: attend_q_dim<C, 64>(a, b, kh, buf, bf16); break;
-      case 128: attend_q_dim<C, 128>(a, b, kh, buf, bf16); break;
-      default: attend_q_dim<C, 0>(a, b, kh, buf, bf16); break;
-    }
-  }
-}
-template <class T>
-SS_INLINE void attend_i8_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  attend_q_impl<T, int8_t>(a, b, kh0, kh1, buf);
-}
-template <class T>
-SS_INLINE void attend_f8_impl(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  attend_q_impl<T, uint8_t>(a, b, kh0, kh1, buf);
-}
-SS_VARIANTS(attend_i8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
-SS_VARIANTS(attend_f8, (const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf), (a, b, kh0, kh1, buf))
 
 // One head's row x (dim elements) quantized: scale = max|x| / qmax (0 for a zero
 // row, whose values are 0) and value = round(x / scale), as quantize_rows in
@@ -496,7 +439,8 @@ SS_INLINE void quantize_row_q(const T* x, C* dst, float* scale_out, int64_t dim)
   float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
   for (int64_t d = 0; d < dim; ++d) {
-    const float v = std::fabs(to_f32(x[d]));
+    // the builtin, not std::fabs: under this file's optimize pragma GCC calls libm's for each element
+    const float v = __builtin_fabsf(to_f32(x[d]));
     amax = v > amax ? v : amax;
   }
   const float scale = amax / qmax(static_cast<C*>(nullptr));
@@ -617,10 +561,85 @@ SS_V4 SS_INLINE __m512 dot(const __m512* q, const __m512* k) {
   return p;
 }
 
+// bf16 q and output rows in natural order, beside one-byte K/V rows (which
+// widen 16 at a time in order): bf16 bits shifted into an fp32's high half;
+// and back, rounded as store_row rounds.
+template <int NV>
+SS_V4 SS_INLINE void load_row_natural(const uint16_t* p, __m512* v) {
+  for (int c = 0; c < NV; ++c) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c)));
+    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  }
+}
+template <int NV>
+SS_V4 SS_INLINE void store_row_natural(uint16_t* p, const __m512* v, __m512 scale) {
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7fc00000);
+  for (int c = 0; c < NV; ++c) {
+    const __m512 x = _mm512_mul_ps(v[c], scale);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    const __m512i r = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
+
+// K and V rows as NV fp32 vectors. The cache's own bf16 or fp32: load_row.
+template <int NV>
+SS_V4 SS_INLINE void load_kv(const uint16_t* p, __m512* v) {
+  load_row<NV>(p, v);
+}
+template <int NV>
+SS_V4 SS_INLINE void load_kv(const float* p, __m512* v) {
+  load_row<NV>(p, v);
+}
+// int8: 16 bytes sign-extended to 16 int32 lanes, converted (exact).
+template <int NV>
+SS_V4 SS_INLINE void load_kv(const int8_t* p, __m512* v) {
+  for (int c = 0; c < NV; ++c)
+    v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
+}
+// e4m3 through fp16, whose format has e4m3's mantissa and one more exponent
+// bit: the sign-extended byte shifted left by 7, its second bit (a copy of the
+// sign) cleared, is the fp16 of value / 256 exactly, subnormals included (fp16
+// subnormals are e4m3's, scaled), and vcvtph2ps widens 16 of them at once, to
+// fp32 normals. Three integer operations per 32 values instead of kv_f32's
+// dozen per 16; the 2^8 goes into each token's scale (kKvUnit), exactly.
+template <int NV>
+SS_V4 SS_INLINE void load_kv(const uint8_t* p, __m512* v) {
+  static_assert(NV % 2 == 0, "e4m3 rows are widened 32 values at a time");
+  const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0xbfff));
+  for (int c = 0; c < NV / 2; ++c) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), keep);
+    v[2 * c] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    v[2 * c + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  }
+}
+// What load_kv's values must be multiplied by (with the token's scale): 2^8 for e4m3 (above).
+template <class C>
+constexpr float kKvUnit = sizeof(C) == 1 && !std::is_signed_v<C> ? 256.0f : 1.0f;
+
+// q's and the output's lane order follows the K/V rows': load_row's permuted
+// order beside bf16 K/V, natural beside fp32 or one-byte rows.
+template <class T, class C>
+constexpr bool kNaturalBf16 = sizeof(T) == 2 && sizeof(C) == 1;
+template <class T, class C, int NV>
+SS_V4 SS_INLINE void load_q(const T* p, __m512* v) {
+  if constexpr (kNaturalBf16<T, C>) load_row_natural<NV>(p, v);
+  else load_row<NV>(p, v);
+}
+template <class T, class C, int NV>
+SS_V4 SS_INLINE void store_out(T* p, const __m512* v, __m512 scale) {
+  if constexpr (kNaturalBf16<T, C>) store_row_natural<NV>(p, v, scale);
+  else store_row<NV>(p, v, scale);
+}
+
 // Scores for query heads g0 .. g0 + GC - 1 (q, prescaled, in qf) of kv head
-// kh against the n tokens of one block; k points at the block's row 0 of kh.
-template <class T, int NV, int GC>
-SS_V4 SS_INLINE void block_scores(const float* qf, const T* k, int64_t row, int64_t n, float* s, int64_t ctx) {
+// kh against the n tokens of one block; k points at the block's row 0 of kh,
+// sc at its token 0's scale of kh (quantized rows; sc_stride floats apart).
+template <class C, int NV, int GC>
+SS_V4 SS_INLINE void block_scores(const float* qf, const C* k, int64_t row, int64_t n, float* s, int64_t ctx,
+                                  const float* sc, int64_t sc_stride) {
   __m512 q[GC][NV];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(qf + (g * NV + c) * 16);
@@ -629,30 +648,37 @@ SS_V4 SS_INLINE void block_scores(const float* qf, const T* k, int64_t row, int6
     __m512 p[4][GC];
     for (int j = 0; j < 4; ++j) {
       __m512 kv[NV];
-      load_row<NV>(k + (t + j) * row, kv);
+      load_kv<NV>(k + (t + j) * row, kv);
       for (int g = 0; g < GC; ++g) p[j][g] = dot<NV>(q[g], kv);
     }
     for (int g = 0; g < GC; ++g) sum4(p[0][g], p[1][g], p[2][g], p[3][g], s + g * ctx + t);
   }
   for (; t < n; ++t) {
     __m512 kv[NV];
-    load_row<NV>(k + t * row, kv);
+    load_kv<NV>(k + t * row, kv);
     for (int g = 0; g < GC; ++g) s[g * ctx + t] = _mm512_reduce_add_ps(dot<NV>(q[g], kv));
+  }
+  if constexpr (kScaled<C>) {
+    for (int g = 0; g < GC; ++g)
+      for (int64_t j = 0; j < n; ++j) s[g * ctx + j] *= sc[j * sc_stride] * kKvUnit<C>;
   }
 }
 
 // acc (GC heads x head_dim, fp32, in memory between blocks) += p . V over the
-// n tokens of one block; v points at the block's V row 0 of the kv head.
-template <class T, int NV, int GC>
-SS_V4 SS_INLINE void block_values(const float* p, int64_t ctx, const T* v, int64_t row, int64_t n, float* acc) {
+// n tokens of one block; v points at the block's V row 0 of the kv head, sc
+// as in block_scores.
+template <class C, int NV, int GC>
+SS_V4 SS_INLINE void block_values(const float* p, int64_t ctx, const C* v, int64_t row, int64_t n, float* acc,
+                                  const float* sc, int64_t sc_stride) {
   __m512 a[GC][NV];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * NV + c) * 16);
   for (int64_t t = 0; t < n; ++t) {
     __m512 vv[NV];
-    load_row<NV>(v + t * row, vv);
+    load_kv<NV>(v + t * row, vv);
+    const float st = kScaled<C> ? sc[t * sc_stride] * kKvUnit<C> : 1.0f;
     for (int g = 0; g < GC; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * ctx + t]);
+      const __m512 pg = _mm512_set1_ps(kScaled<C> ? p[g * ctx + t] * st : p[g * ctx + t]);
       for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
     }
   }
@@ -679,18 +705,18 @@ constexpr int64_t kChunk = NV <= 4 ? 4 : 2;
 // all those heads at once: a block's K (then V) rows are read in address
 // order while the next block's are prefetched, which at large batch, when the
 // cache lives in DRAM, is what sets the speed. buf: see attn_buf_len.
-template <class T, int NV>
+template <class T, class C, int NV>
 SS_V4 void attend_seq_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
   constexpr int64_t D = 16 * NV;
-  const int64_t group = a.heads / a.kv_heads, ctx = a.context_lens[b], bs = a.block_size;
-  const int64_t row = a.kv_heads * D, v_off = bs * row, block_stride = 2 * v_off;
+  const int64_t group = a.heads / a.kv_heads, ctx = a.context_lens[b], bs = a.block_size, kvh = a.kv_heads;
+  const Blocks<C> blocks(a);
+  const int64_t row = blocks.row;
   const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // query heads h0 .. h0 + nh - 1
-  const T* cache = static_cast<const T*>(a.cache);
   const int64_t* table = a.tables + b * a.width;
   const int64_t last = (ctx - 1) / bs;
   // a block's rows of kv heads kh0 .. kh1 - 1: one run of (kh1 - kh0) * D elements per token
-  const int64_t run_bytes = (kh1 - kh0) * D * static_cast<int64_t>(sizeof(T));
-  float* qf = buf;             // [nh, D], scaled, in load_row's lane order
+  const int64_t run_bytes = (kh1 - kh0) * D * static_cast<int64_t>(sizeof(C));
+  float* qf = buf;             // [nh, D], scaled, in load_q's lane order
   float* acc = qf + nh * D;    // [nh, D], the same order
   float* s = acc + nh * D;     // [nh, ctx]
   float* sums = s + nh * ctx;  // [nh]
@@ -698,7 +724,7 @@ SS_V4 void attend_seq_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, flo
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t h = 0; h < nh; ++h) {
     __m512 qv[NV];
-    load_row<NV>(q + h * D, qv);
+    load_q<T, C, NV>(q + h * D, qv);
     for (int c = 0; c < NV; ++c) {
       _mm512_storeu_ps(qf + h * D + 16 * c, _mm512_mul_ps(qv[c], scale));
       _mm512_storeu_ps(acc + h * D + 16 * c, _mm512_setzero_ps());
@@ -706,181 +732,14 @@ SS_V4 void attend_seq_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, flo
   }
 
   for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
-    const T* k = cache + table[blk] * block_stride + kh0 * D;
-    if (blk < last) prefetch_rows(cache + table[blk + 1] * block_stride + kh0 * D, row, bs, run_bytes);
-    const int64_t n = std::min(bs, ctx - t0);
-    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
-#define SS_SCORES(GC) \
-  block_scores<T, NV, GC>(qf + (kh * group + g0) * D, k + kh * D, row, n, s + (kh * group + g0) * ctx + t0, ctx)
-      SS_FOR_HEAD_CHUNKS(NV, group, SS_SCORES)
-#undef SS_SCORES
-    }
-  }
-
-  for (int64_t h = 0; h < nh; ++h) {
-    float* sh = s + h * ctx;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + t));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < ctx; ++i) {
-      float e = exp_f32(sh[i] - m);
-      sh[i] = e;
-      sum += e;
-    }
-    sums[h] = sum;
-  }
-
-  for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
-    const T* v = cache + table[blk] * block_stride + v_off + kh0 * D;
-    if (blk < last) prefetch_rows(cache + table[blk + 1] * block_stride + v_off + kh0 * D, row, bs, run_bytes);
-    const int64_t n = std::min(bs, ctx - t0);
-    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
-#define SS_VALUES(GC) \
-  block_values<T, NV, GC>(s + (kh * group + g0) * ctx + t0, ctx, v + kh * D, row, n, acc + (kh * group + g0) * D)
-      SS_FOR_HEAD_CHUNKS(NV, group, SS_VALUES)
-#undef SS_VALUES
-    }
-  }
-
-  T* out = static_cast<T*>(a.out) + (b * a.heads + h0) * D;
-  for (int64_t h = 0; h < nh; ++h) {
-    __m512 o[NV];
-    for (int c = 0; c < NV; ++c) o[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
-    store_row<NV>(out + h * D, o, _mm512_set1_ps(1.0f / sums[h]));
-  }
-}
-
-template <class T>
-SS_V4 void attend_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  switch (a.dim) {
-    case 32: return attend_seq_v4<T, 2>(a, b, kh0, kh1, buf);
-    case 64: return attend_seq_v4<T, 4>(a, b, kh0, kh1, buf);
-    case 128: return attend_seq_v4<T, 8>(a, b, kh0, kh1, buf);
-    default: return attend_v4<T>(a, b, kh0, kh1, buf);
-  }
-}
-
-// ------------------------------------ decode attention, AVX-512, quantized KV
-//
-// attend_seq_v4's walk over a quantized cache: a row of one-byte values
-// widens to NV fp32 vectors in the lane order q has (load_row's: permuted for
-// bf16 q, natural for fp32), each token's scale multiplies its score after the
-// dot product and its probability before the weighted sum of V. Half (int8,
-// e4m3) the bytes of a bf16 row are read per token.
-
-// 16 one-byte values, widened to fp32 from 16 int32 lanes holding one byte each (in the low 8 bits).
-SS_V4 SS_INLINE __m512 widen(__m512i x, int8_t*) {
-  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24), 24));
-}
-SS_V4 SS_INLINE __m512 widen(__m512i x, uint8_t*) {  // e4m3 bits: as dequant(uint8_t)
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
-  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(mag, _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, _mm512_set1_epi32(121 << 23))),
-                                   _mm512_set1_ps(0x1p-6f));
-  const __m512 f = _mm512_mask_mov_ps(normal, _mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)), sub);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-}
-
-template <class T, class C, int NV>
-SS_V4 SS_INLINE void load_row_q(const C* p, __m512* v) {
-  if constexpr (sizeof(T) == 2) {  // bf16 q: even elements of each 32, then the odd ones
-    for (int c = 0; c < NV / 2; ++c) {
-      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)));
-      v[2 * c] = widen(x, static_cast<C*>(nullptr));
-      v[2 * c + 1] = widen(_mm512_srli_epi32(x, 8), static_cast<C*>(nullptr));
-    }
-  } else {
-    for (int c = 0; c < NV; ++c)
-      v[c] = widen(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))),
-                   static_cast<C*>(nullptr));
-  }
-}
-
-// block_scores over quantized rows; sc: the block's K scales of this kv head (stride kv_heads).
-template <class T, class C, int NV, int GC>
-SS_V4 SS_INLINE void block_scores_q(const float* qf, const C* k, int64_t row, int64_t n, float* s, int64_t ctx,
-                                    const float* sc, int64_t sc_stride) {
-  __m512 q[GC][NV];
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(qf + (g * NV + c) * 16);
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    __m512 p[4][GC];
-    for (int j = 0; j < 4; ++j) {
-      __m512 kv[NV];
-      load_row_q<T, C, NV>(k + (t + j) * row, kv);
-      for (int g = 0; g < GC; ++g) p[j][g] = dot<NV>(q[g], kv);
-    }
-    for (int g = 0; g < GC; ++g) sum4(p[0][g], p[1][g], p[2][g], p[3][g], s + g * ctx + t);
-  }
-  for (; t < n; ++t) {
-    __m512 kv[NV];
-    load_row_q<T, C, NV>(k + t * row, kv);
-    for (int g = 0; g < GC; ++g) s[g * ctx + t] = _mm512_reduce_add_ps(dot<NV>(q[g], kv));
-  }
-  for (int g = 0; g < GC; ++g)
-    for (int64_t j = 0; j < n; ++j) s[g * ctx + j] *= sc[j * sc_stride];
-}
-
-template <class T, class C, int NV, int GC>
-SS_V4 SS_INLINE void block_values_q(const float* p, int64_t ctx, const C* v, int64_t row, int64_t n, float* acc,
-                                    const float* sc, int64_t sc_stride) {
-  __m512 a[GC][NV];
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * NV + c) * 16);
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 vv[NV];
-    load_row_q<T, C, NV>(v + t * row, vv);
-    const float st = sc[t * sc_stride];
-    for (int g = 0; g < GC; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * ctx + t] * st);
-      for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
-    }
-  }
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (g * NV + c) * 16, a[g][c]);
-}
-
-template <class T, class C, int NV>
-SS_V4 void attend_seq_q_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t group = a.heads / a.kv_heads, ctx = a.context_lens[b], bs = a.block_size, kvh = a.kv_heads;
-  const int64_t row = kvh * D, v_off = bs * row, block_bytes = q_block_bytes(a), scales_off = 2 * v_off;
-  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
-  const uint8_t* cache = static_cast<const uint8_t*>(a.cache);
-  const int64_t* table = a.tables + b * a.width;
-  const int64_t last = (ctx - 1) / bs;
-  const int64_t run_bytes = (kh1 - kh0) * D;
-  float* qf = buf;
-  float* acc = qf + nh * D;
-  float* s = acc + nh * D;
-  float* sums = s + nh * ctx;
-  const T* q = static_cast<const T*>(a.q) + b * a.q_stride + h0 * D;
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t h = 0; h < nh; ++h) {
-    __m512 qv[NV];
-    load_row<NV>(q + h * D, qv);
-    for (int c = 0; c < NV; ++c) {
-      _mm512_storeu_ps(qf + h * D + 16 * c, _mm512_mul_ps(qv[c], scale));
-      _mm512_storeu_ps(acc + h * D + 16 * c, _mm512_setzero_ps());
-    }
-  }
-
-  for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
-    const uint8_t* base = cache + table[blk] * block_bytes;
-    const C* k = reinterpret_cast<const C*>(base) + kh0 * D;
-    const float* sc = reinterpret_cast<const float*>(base + scales_off) + kh0;
-    if (blk < last) prefetch_rows(reinterpret_cast<const C*>(cache + table[blk + 1] * block_bytes) + kh0 * D, row, bs, run_bytes);
+    const C* k = blocks.k(table[blk]) + kh0 * D;
+    const float* sc = blocks.k_scales(table[blk]) + kh0;
+    if (blk < last) prefetch_rows(blocks.k(table[blk + 1]) + kh0 * D, row, bs, run_bytes);
     const int64_t n = std::min(bs, ctx - t0);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
 #define SS_SCORES(GC)                                                                                         \
-  block_scores_q<T, C, NV, GC>(qf + (kh * group + g0) * D, k + kh * D, row, n, s + (kh * group + g0) * ctx + t0, \
-                               ctx, sc + kh, kvh)
+  block_scores<C, NV, GC>(qf + (kh * group + g0) * D, k + kh * D, row, n, s + (kh * group + g0) * ctx + t0, ctx, \
+                          sc + kh, kvh)
       SS_FOR_HEAD_CHUNKS(NV, group, SS_SCORES)
 #undef SS_SCORES
     }
@@ -904,17 +763,14 @@ SS_V4 void attend_seq_q_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, f
   }
 
   for (int64_t blk = 0, t0 = 0; blk <= last; ++blk, t0 += bs) {
-    const uint8_t* base = cache + table[blk] * block_bytes;
-    const C* v = reinterpret_cast<const C*>(base) + v_off + kh0 * D;
-    const float* sc = reinterpret_cast<const float*>(base + scales_off) + bs * kvh + kh0;
-    if (blk < last)
-      prefetch_rows(reinterpret_cast<const C*>(cache + table[blk + 1] * block_bytes) + v_off + kh0 * D, row, bs,
-                    run_bytes);
+    const C* v = blocks.v(table[blk]) + kh0 * D;
+    const float* sc = blocks.v_scales(table[blk]) + kh0;
+    if (blk < last) prefetch_rows(blocks.v(table[blk + 1]) + kh0 * D, row, bs, run_bytes);
     const int64_t n = std::min(bs, ctx - t0);
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
-#define SS_VALUES(GC)                                                                                         \
-  block_values_q<T, C, NV, GC>(s + (kh * group + g0) * ctx + t0, ctx, v + kh * D, row, n,                       \
-                               acc + (kh * group + g0) * D, sc + kh, kvh)
+#define SS_VALUES(GC)                                                                                          \
+  block_values<C, NV, GC>(s + (kh * group + g0) * ctx + t0, ctx, v + kh * D, row, n, acc + (kh * group + g0) * D, \
+                          sc + kh, kvh)
       SS_FOR_HEAD_CHUNKS(NV, group, SS_VALUES)
 #undef SS_VALUES
     }
@@ -924,26 +780,17 @@ SS_V4 void attend_seq_q_v4(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, f
   for (int64_t h = 0; h < nh; ++h) {
     __m512 o[NV];
     for (int c = 0; c < NV; ++c) o[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
-    store_row<NV>(out + h * D, o, _mm512_set1_ps(1.0f / sums[h]));
+    store_out<T, C, NV>(out + h * D, o, _mm512_set1_ps(1.0f / sums[h]));
   }
 }
 
-template <class T>
-SS_V4 void attend_i8_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
+template <class T, class C>
+SS_V4 void attend_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
   switch (a.dim) {
-    case 32: return attend_seq_q_v4<T, int8_t, 2>(a, b, kh0, kh1, buf);
-    case 64: return attend_seq_q_v4<T, int8_t, 4>(a, b, kh0, kh1, buf);
-    case 128: return attend_seq_q_v4<T, int8_t, 8>(a, b, kh0, kh1, buf);
-    default: return attend_i8_v4<T>(a, b, kh0, kh1, buf);
-  }
-}
-template <class T>
-SS_V4 void attend_f8_avx512(const Attn& a, int64_t b, int64_t kh0, int64_t kh1, float* buf) {
-  switch (a.dim) {
-    case 32: return attend_seq_q_v4<T, uint8_t, 2>(a, b, kh0, kh1, buf);
-    case 64: return attend_seq_q_v4<T, uint8_t, 4>(a, b, kh0, kh1, buf);
-    case 128: return attend_seq_q_v4<T, uint8_t, 8>(a, b, kh0, kh1, buf);
-    default: return attend_f8_v4<T>(a, b, kh0, kh1, buf);
+    case 32: return attend_seq_v4<T, C, 2>(a, b, kh0, kh1, buf);
+    case 64: return attend_seq_v4<T, C, 4>(a, b, kh0, kh1, buf);
+    case 128: return attend_seq_v4<T, C, 8>(a, b, kh0, kh1, buf);
+    default: return attend_v4<T, C>(a, b, kh0, kh1, buf);
   }
 }
 
@@ -973,9 +820,7 @@ struct Ops {
   RmsNormRow<T> rms_norm_row;
   RopeRow<T> rope_row;
   SiluMulRow<T> silu_mul_row;
-  Attend<T> attend;
-  Attend<T> attend_i8;
-  Attend<T> attend_f8;
+  Attend<T> attend[3];  // by kv_kind: the cache's own T, int8, e4m3
   QuantizeRow<T> quantize_i8_row;
   QuantizeRow<T> quantize_f8_row;
 };
@@ -984,14 +829,26 @@ template <class T>
 Ops<T> ops_for(int isa) {
   switch (isa) {
     case kIsaAvx512:
-      return {rms_norm_row_v4<T>,  rope_row_v4<T>,       silu_mul_row_v4<T>,   attend_avx512<T>,
-              attend_i8_avx512<T>, attend_f8_avx512<T>, quantize_i8_row_v4<T>, quantize_f8_row_v4<T>};
+      return {rms_norm_row_v4<T>,
+              rope_row_v4<T>,
+              silu_mul_row_v4<T>,
+              {attend_avx512<T, T>, attend_avx512<T, int8_t>, attend_avx512<T, uint8_t>},
+              quantize_i8_row_v4<T>,
+              quantize_f8_row_v4<T>};
     case kIsaAvx2:
-      return {rms_norm_row_v3<T>, rope_row_v3<T>,  silu_mul_row_v3<T>,    attend_v3<T>,
-              attend_i8_v3<T>,    attend_f8_v3<T>, quantize_i8_row_v3<T>, quantize_f8_row_v3<T>};
+      return {rms_norm_row_v3<T>,
+              rope_row_v3<T>,
+              silu_mul_row_v3<T>,
+              {attend_v3<T, T>, attend_v3<T, int8_t>, attend_v3<T, uint8_t>},
+              quantize_i8_row_v3<T>,
+              quantize_f8_row_v3<T>};
     default:
-      return {rms_norm_row_v1<T>, rope_row_v1<T>,  silu_mul_row_v1<T>,    attend_v1<T>,
-              attend_i8_v1<T>,    attend_f8_v1<T>, quantize_i8_row_v1<T>, quantize_f8_row_v1<T>};
+      return {rms_norm_row_v1<T>,
+              rope_row_v1<T>,
+              silu_mul_row_v1<T>,
+              {attend_v1<T, T>, attend_v1<T, int8_t>, attend_v1<T, uint8_t>},
+              quantize_i8_row_v1<T>,
+              quantize_f8_row_v1<T>};
   }
 }
 
@@ -1029,7 +886,7 @@ void attention(const Attn& a, const Ops<T>& ops, bool write, bool read, int64_t 
     else write_new_kv<T>(a);
   }
   if (!read) return;
-  const Attend<T> attend = a.kv_kind == kKvInt8 ? ops.attend_i8 : a.kv_kind == kKvFp8 ? ops.attend_f8 : ops.attend;
+  const Attend<T> attend = ops.attend[a.kv_kind];
   int64_t work = 0, max_ctx = 0;
   for (int64_t b = 0; b < a.b; ++b) {
     work += a.context_lens[b];
