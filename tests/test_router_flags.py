@@ -70,8 +70,15 @@ def test_the_router_command_reads_its_cluster_token_flag() -> None:
 
 def test_the_worker_flags_build_the_engine_config() -> None:
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.tuned import detect_machine, tuned_defaults
     from splitserve.workers.server import engine_config_from_args
 
     a = parse("worker", "--role", "decode", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64")
-    assert engine_config_from_args(a) == EngineConfig(max_num_batched_tokens=256, long_prefill_token_threshold=64)
-    assert engine_config_from_args(parse("worker", "--role", "prefill")) == EngineConfig()
+    tuned = tuned_defaults(detect_machine())  # the dtype no flag gave: the machine's arithmetic decides
+    assert engine_config_from_args(a) == EngineConfig(
+        dtype=tuned.dtype, max_num_batched_tokens=256, long_prefill_token_threshold=64
+    )
+    # no flags: the EngineConfig's own defaults, but for what the machine is tuned to (issue 22)
+    assert engine_config_from_args(parse("worker", "--role", "prefill")) == EngineConfig(
+        dtype=tuned.dtype, long_prefill_token_threshold=tuned.long_prefill_token_threshold
+    )

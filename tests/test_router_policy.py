@@ -201,7 +201,7 @@ def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) ->
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
     choose_prefill_mode(300, 9000, 100, ROUTING)
     assert (
-        "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 8192 and decode queue "
+        "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 700 and decode queue "
         "100 + 300 <= it is True" in caplog.text
     )
 

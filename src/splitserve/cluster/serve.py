@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from splitserve.cluster.pool import PoolManager, PoolSpec
     from splitserve.cluster.scaling import ScalingConfig
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.tuned import Tuned
     from splitserve.router.server import Router
     from splitserve.router.workers import Role
 
@@ -48,6 +49,7 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
         default="127.0.0.1",
         help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)",
     )
+    # one of each: the tuned pair (engine/tuned.py), whose prefill borrows the decode worker's idle cores
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument(
@@ -171,6 +173,8 @@ class ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, tuned = with_tuned(args)
+    print(f"splitserve: tuned for this machine: {tuned.line()} (a flag overrides each)", flush=True)
     try:  # checked before Ray starts or a port is bound, so a bad flag costs seconds
         cfg = configure(args)
     except (ValueError, OSError) as e:
@@ -184,6 +188,27 @@ def run(args: argparse.Namespace) -> int:
         return run_loop(_serve(args, cfg, cpus_per_worker))
     except KeyboardInterrupt:
         return 0
+
+
+def with_tuned(a: argparse.Namespace) -> tuple[argparse.Namespace, Tuned]:
+    """The flags with every one not given set to the machine's tuned value (engine/tuned.py), and
+    what the tuned values are (each flag given still wins, so the line printed is the machine's).
+    On a CPU the workers of this machine share a core lease: a fresh file in /dev/shm per cluster
+    (each node has its own /dev/shm, so a multi-node cluster lends within each machine)."""
+    from splitserve.engine.tuned import detect_machine, tuned_defaults
+
+    tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
+    filled = argparse.Namespace(**vars(a))
+    filled.dtype = a.dtype or tuned.dtype
+    if a.long_prefill_token_threshold is None:
+        filled.long_prefill_token_threshold = tuned.long_prefill_token_threshold
+    if not a.threads and a.device == "cpu":
+        filled.threads = tuned.threads
+    if a.core_lease == "" and tuned.core_lease:
+        filled.core_lease = f"/dev/shm/splitserve-cores-{secrets.token_hex(6)}"
+    elif a.core_lease == "off":
+        filled.core_lease = ""
+    return filled, tuned
 
 
 def _refuse(*lines: str) -> int:
@@ -316,6 +341,8 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
             kv_link_gbps=a.kv_link_gbps,
             cluster_token=cluster_token,
             threads=a.threads,
+            core_lease=a.core_lease,
+            lease_cores=a.lease_cores,
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,
         )

@@ -10,6 +10,9 @@ ended (a decode worker's arriving KV, a prefill worker's confirmed send), so
 the KV plane's threads never touch the engine. Block events and a stats
 snapshot are published after every step for the router, and the step's
 `IterationStats` go to `on_iteration` (the worker's metrics) on this thread.
+With a core lease (engine/core_lease.py) each step's torch threads are sized at
+its boundary: a prefill borrows the machine's idle cores, and an idle loop lends
+its own.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import torch
+
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
+from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.scheduler import SchedulerStats
+from splitserve.engine.scheduler import Scheduler, SchedulerStats
 from splitserve.engine.stats import IterationStats
 from splitserve.engine.tier_cost import TierSpeeds
 
@@ -54,10 +60,13 @@ class EngineLoop:
         waiting_limit: int | None = None,
         idle_wait_s: float = 0.05,
         on_iteration: Callable[[IterationStats], None] | None = None,
+        core_lease: CoreLease | None = None,
     ) -> None:
         """`waiting_limit`: requests an `Admit` lets wait for a seat (None: no limit);
-        `on_iteration` is called on the engine thread with what each step counted; it must not block."""
+        `on_iteration` is called on the engine thread with what each step counted; it must not block;
+        `core_lease`: the machine's cores shared with its other workers (None: torch's threads as set)."""
         self.engine = engine
+        self.core_lease = core_lease
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
@@ -119,6 +128,7 @@ class EngineLoop:
             self._run_commands(block=not engine.has_work)
             self._deliver(engine.apply_transfers(engine.connector.poll()))
             if engine.has_work:
+                self._size_step()
                 try:
                     outputs = engine.step()
                 except Exception:
@@ -126,8 +136,21 @@ class EngineLoop:
                     outputs = self._abort_all()
                 self.steps += 1
                 self._deliver(outputs)
+            elif self.core_lease is not None:
+                self.core_lease.release()
             self._publish()
         self._fail_pending()
+        if self.core_lease is not None:
+            self.core_lease.close()
+
+    def _size_step(self) -> None:
+        """The next step's threads, from the lease: set here, on the thread that runs the step,
+        because OpenMP keeps the thread count per calling thread."""
+        if self.core_lease is None:
+            return
+        threads = self.core_lease.acquire(borrows=prefills_next(self.engine.scheduler))
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -236,3 +259,9 @@ class EngineLoop:
                 return
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("engine loop stopped"))
+
+
+def prefills_next(sched: Scheduler) -> bool:
+    """Whether the next step computes prompt tokens: a request waits, or one runs with its prompt
+    (or a preempted one's recompute) not all in the cache. Such a step may borrow idle cores."""
+    return bool(sched.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running)

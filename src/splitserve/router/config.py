@@ -71,8 +71,9 @@ class RoutingConfig:
     # prompt tokens to prefill before it could start this one, and the decode worker would finish
     # this prompt (after its own queued prefill) no later than that. Tokens, not seconds: both sides
     # prefill at about the same rate on one kind of hardware, so the comparison needs no clock.
-    # Size it to the TTFT you would give up waiting for: about 700 tokens is 3 s on one CPU core.
-    prefill_backlog_tokens: int = 8192
+    # Size it to the TTFT you would give up waiting for. 700 is what the peer sweeps found best on
+    # a 2-core CPU (issue 10) and the default since issue 22: a user gets the recorded figures.
+    prefill_backlog_tokens: int = 700
 
     def __post_init__(self) -> None:
         if self.decode_policy not in DECODE_POLICIES:

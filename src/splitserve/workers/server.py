@@ -21,8 +21,10 @@ import grpc
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
+from splitserve.engine.tuned import detect_machine, tuned_defaults
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
@@ -74,10 +76,20 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     kv_endpoint: str | None = None
     metrics = WorkerMetrics(engine.model_cfg.name, cfg.role, cfg.worker_id)
     engine.drain_iteration_stats()  # counted from here on: a warm-up request is not traffic
+    lease = core_lease(cfg)
+    if lease is not None:
+        log.info(
+            "%s worker %s: lends and borrows cores through %s (%d shared, %d its own)",
+            cfg.role,
+            cfg.worker_id,
+            lease.path,
+            lease.total_cores,
+            lease.own_cores,
+        )
     if cfg.role == "decode":
-        loop, kv_endpoint = _serve_decode(cfg, engine, metrics, server, closers)
+        loop, kv_endpoint = _serve_decode(cfg, engine, metrics, server, closers, lease)
     else:
-        loop = _serve_prefill(cfg, engine, metrics, server, closers)
+        loop = _serve_prefill(cfg, engine, metrics, server, closers, lease)
     metrics.watch(lambda: loop.stats)
     if engine.tiers is not None:
         metrics.watch_tiers(engine.tiers.stats)
@@ -96,7 +108,12 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
 
 
 def _serve_decode(
-    cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, server: grpc.Server, closers: list
+    cfg: WorkerConfig,
+    engine: Engine,
+    metrics: WorkerMetrics,
+    server: grpc.Server,
+    closers: list,
+    lease: CoreLease | None = None,
 ) -> tuple[EngineLoop, str]:
     from splitserve.kv_transfer import KVReceiver
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -107,14 +124,19 @@ def _serve_decode(
     closers.append(receiver.close)
     connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
     engine.connect(connector)
-    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record)
+    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record, core_lease=lease)
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
     return loop, receiver.endpoint
 
 
 def _serve_prefill(
-    cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, server: grpc.Server, closers: list
+    cfg: WorkerConfig,
+    engine: Engine,
+    metrics: WorkerMetrics,
+    server: grpc.Server,
+    closers: list,
+    lease: CoreLease | None = None,
 ) -> EngineLoop:
     from splitserve.kv_transfer import KVSender
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -126,10 +148,18 @@ def _serve_prefill(
     tail_time = metrics.phase("kv_transfer_tail")
     connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
     engine.connect(connector)
-    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record)
+    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record, core_lease=lease)
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, connector, metrics), server)
     return loop
+
+
+def core_lease(cfg: WorkerConfig) -> CoreLease | None:
+    """The worker's slot in its machine's core lease (None: off, or on a GPU, whose cores are not lent)."""
+    if cfg.core_lease in ("", "off") or cfg.engine.device != "cpu":
+        return None
+    total = cfg.lease_cores or len(os.sched_getaffinity(0))
+    return CoreLease(cfg.core_lease, total, min(total, cfg.threads or 1))
 
 
 def serve_metrics(worker: RunningWorker, port: int) -> str:
@@ -148,7 +178,10 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
-        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)"
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
+        "avx512_bf16 or amx_bf16; else float32)",
     )
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument(
@@ -171,11 +204,12 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
+        default=None,
         help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
-        "(0: arrival order)",
+        "(0: arrival order; default 256, what the peer runs found best)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    add_core_lease_arguments(p)
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -184,6 +218,23 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         "must divide the model's heads, KV heads and intermediate size",
     )
     add_tier_arguments(p)
+
+
+def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
+    """Core lending between the workers of one machine (engine/core_lease.py)."""
+    p.add_argument(
+        "--core-lease",
+        default="",
+        help="a file in /dev/shm shared by the workers of this machine: a prefill step takes the cores no other "
+        "worker's step claims, and gives them back at its next step when they do; --threads is each worker's "
+        "own share ('' or 'off': off; splitserve serve makes one for its CPU workers unless given 'off')",
+    )
+    p.add_argument(
+        "--lease-cores",
+        type=int,
+        default=0,
+        help="the cores the --core-lease shares (0: the cores this process may run on)",
+    )
 
 
 def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
@@ -198,17 +249,19 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    """The engine the flags describe; a flag not given takes the machine's tuned default (engine/tuned.py)."""
+    tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
+    threshold = a.long_prefill_token_threshold
     return EngineConfig(
         device=a.device,
-        dtype=dtype,
+        dtype=a.dtype or tuned.dtype,
         block_size=a.block_size,
         num_blocks=a.num_blocks,
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
-        long_prefill_token_threshold=a.long_prefill_token_threshold,
+        long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,
         tensor_parallel_size=a.tensor_parallel_size,
         **tier_fields(a),
     )
@@ -280,6 +333,8 @@ def run(a: argparse.Namespace) -> int:
         kv_link_gbps=a.kv_link_gbps,
         cluster_token=a.cluster_token,
         threads=a.threads,
+        core_lease=a.core_lease,
+        lease_cores=a.lease_cores,
         max_waiting_requests=a.max_waiting_requests,
     )
     worker = start_worker(cfg)

@@ -41,6 +41,10 @@ class WorkerConfig:
     warm_up: bool = True  # one short request through the engine before listening (workers/common/warm_up.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (tracing.py); None: off
     threads: int = 0  # torch intra-op threads; 0: torch's default
+    # The machine's lease file (engine/core_lease.py) shared with the other workers on it: a prefill
+    # step borrows the cores none of them claims, down to `threads` when they all work. "": off.
+    core_lease: str = ""
+    lease_cores: int = 0  # the cores the lease shares; 0: the cores this process may run on
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -56,6 +60,8 @@ class WorkerConfig:
                 raise ValueError(f"{f} must be a port number")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0 (0: twice max_num_seqs)")
+        if self.lease_cores < 0 or self.threads < 0:
+            raise ValueError("lease_cores and threads must be >= 0 (0: what this process may run on)")
         if self.lease_ms <= 0 or self.admit_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("lease_ms and timeouts must be positive")
 

@@ -1,0 +1,93 @@
+"""The configuration a user gets without flags: what the benchmarks found best for the
+machine, chosen by `tuned_defaults`, a pure function of what `detect_machine` saw.
+
+Issue 22: the figures in BENCHMARKS.md needed flags that were not the defaults
+(`--dtype bfloat16`, `--long-prefill-token-threshold 256`, `--prefill-backlog-tokens
+700`), so `splitserve serve` as a user starts it did not give them. Each choice here
+names the measurement behind it; a flag still overrides it, and the commands print
+`Tuned.line()` at start so that nobody has to guess what ran.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# CPU flags whose bfloat16 arithmetic makes a bf16 matmul faster than float32's (dot products
+# in bf16 with float32 accumulation); without them torch converts, and float32 is faster.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the defaults are chosen from."""
+
+    device: str  # "cpu" or "cuda[:N]"
+    cores: int  # the cores this process may run on
+    cpu_flags: frozenset[str]  # /proc/cpuinfo's flags
+
+    @property
+    def bf16_arithmetic(self) -> bool:
+        return bool(self.cpu_flags & BF16_CPU_FLAGS)
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The defaults for one machine; every field is a flag's default."""
+
+    dtype: str  # weights and KV (--kv-cache-dtype auto follows the weights)
+    prefill_workers: int
+    decode_workers: int
+    threads: int  # each worker's own share of the cores
+    core_lease: bool  # a prefill borrows the idle cores of the other workers (engine/core_lease.py)
+    long_prefill_token_threshold: int
+    prefill_backlog_tokens: int
+    mode: str
+
+    def line(self) -> str:
+        lend = "a prefill borrows idle cores" if self.core_lease else "no core lending"
+        return (
+            f"--dtype {self.dtype}, {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
+            f"{self.threads} thread(s) ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
+            f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}"
+        )
+
+
+def tuned_defaults(machine: Machine) -> Tuned:
+    """The tuned configuration of `machine`. On a CPU: bfloat16 where the CPU has bf16 arithmetic
+    (the engine bench: bf16 decode and prefill beat float32 there, and float32 beats bf16 without
+    it); one prefill and one decode worker, each owning half the cores and the prefill borrowing
+    the decode worker's while it idles (issue 22: the mode auto pair kept the steady streams' ITL
+    flat through bursts, and a lone prompt gets every core); a long prefill yielding to prompts of
+    256 tokens or fewer and the router prefilling locally past a 700-token backlog (the peer
+    sweeps of issue 10). On a GPU: bfloat16, one worker per role, nothing lent."""
+    on_cpu = machine.device == "cpu"
+    dtype = "bfloat16" if (not on_cpu or machine.bf16_arithmetic) else "float32"
+    threads = max(1, machine.cores // 2) if on_cpu else 1
+    return Tuned(
+        dtype=dtype,
+        prefill_workers=1,
+        decode_workers=1,
+        threads=threads,
+        core_lease=on_cpu and machine.cores > 1,
+        long_prefill_token_threshold=256,
+        prefill_backlog_tokens=700,
+        mode="auto",
+    )
+
+
+def detect_machine(device: str = "cpu") -> Machine:
+    """This process's machine: the cores it may run on and the CPU's flags."""
+    return Machine(device=device, cores=len(os.sched_getaffinity(0)), cpu_flags=cpu_flags())
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's flags (empty where /proc/cpuinfo is not there to read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

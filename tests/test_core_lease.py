@@ -1,0 +1,94 @@
+"""Core lending between the workers of one machine (engine/core_lease.py) and the tuned
+defaults that turn it on (engine/tuned.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.engine.core_lease import CoreLease, step_threads
+from splitserve.engine.tuned import Machine, tuned_defaults
+
+
+def test_a_prefill_takes_every_core_no_neighbour_claims():
+    assert step_threads(total_cores=2, own_cores=1, others_claimed=0, borrows=True) == 2
+    assert step_threads(total_cores=8, own_cores=2, others_claimed=3, borrows=True) == 5
+
+
+def test_a_prefill_never_shrinks_below_its_own_share():
+    assert step_threads(total_cores=2, own_cores=1, others_claimed=2, borrows=True) == 1
+
+
+def test_a_decode_step_runs_on_its_own_share_whatever_is_free():
+    assert step_threads(total_cores=8, own_cores=2, others_claimed=0, borrows=False) == 2
+
+
+@pytest.fixture
+def lease_path(tmp_path):
+    return str(tmp_path / "cores")
+
+
+def test_a_neighbour_with_work_takes_its_core_back_at_the_next_step(lease_path):
+    prefill = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getpid())
+    decode = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getppid())  # another live process
+    assert prefill.acquire(borrows=True) == 2  # decode idle: both cores
+    assert decode.acquire(borrows=False) == 1  # decode gets work and claims its core
+    assert prefill.acquire(borrows=True) == 1  # the prefill's next step gives it back
+    decode.release()
+    assert prefill.acquire(borrows=True) == 2
+    prefill.close()
+    decode.close()
+
+
+def test_two_prefills_starting_at_once_do_not_both_take_every_core(lease_path):
+    a = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getpid())
+    b = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getppid())
+    assert a.acquire(borrows=True) == 2
+    assert b.acquire(borrows=True) == 1  # a's claim is in the file already
+    a.close()
+    b.close()
+
+
+def test_a_dead_workers_claim_counts_for_nothing(lease_path):
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from splitserve.engine.core_lease import CoreLease; "
+            "CoreLease(sys.argv[1], 2, 1).acquire(borrows=True)",  # exits holding its claim of 2
+            lease_path,
+        ],
+        check=True,
+        timeout=60,
+    )
+    assert child.returncode == 0
+    lease = CoreLease(lease_path, total_cores=2, own_cores=1)
+    assert lease.acquire(borrows=True) == 2
+    lease.close()
+
+
+def test_a_lease_that_cannot_be_met_is_refused_with_its_numbers(lease_path):
+    with pytest.raises(ValueError, match="own_cores \\(3\\) is more than the 2 cores"):
+        CoreLease(lease_path, total_cores=2, own_cores=3)
+
+
+def _machine(flags: set[str], cores: int = 2, device: str = "cpu") -> Machine:
+    return Machine(device=device, cores=cores, cpu_flags=frozenset(flags))
+
+
+def test_bfloat16_where_the_cpu_has_bf16_arithmetic_float32_where_it_has_not():
+    assert tuned_defaults(_machine({"avx2", "avx512f", "avx512_bf16"})).dtype == "bfloat16"
+    assert tuned_defaults(_machine({"avx2", "amx_bf16"})).dtype == "bfloat16"
+    assert tuned_defaults(_machine({"avx2", "avx512f"})).dtype == "float32"
+    assert tuned_defaults(_machine(set(), device="cuda")).dtype == "bfloat16"
+
+
+def test_the_tuned_cpu_pair_owns_half_the_cores_each_and_lends_them():
+    t = tuned_defaults(_machine({"avx2"}, cores=8))
+    assert (t.prefill_workers, t.decode_workers, t.threads, t.core_lease) == (1, 1, 4, True)
+    assert (t.long_prefill_token_threshold, t.prefill_backlog_tokens, t.mode) == (256, 700, "auto")
+    assert not tuned_defaults(_machine({"avx2"}, cores=1)).core_lease  # nothing to lend
+    assert "--dtype float32" in t.line() and "--prefill-backlog-tokens 700" in t.line()
