@@ -260,12 +260,28 @@ def test_cores_split_in_halves_for_a_pair_one_worker_each_colocated_and_whole_fo
     assert placement("vllm", None) == Placement()
 
 
+def test_lent_cores_let_every_worker_run_anywhere_owning_an_equal_share() -> None:
+    pair = placement("auto", (0, 1), lend=True)
+    assert pair == Placement(workers=(("decode", (0, 1)), ("prefill", (0, 1))), lend=True) and pair.share == 1
+    assert placement("colocated", (0, 1, 2, 3), lend=True).share == 1
+    assert placement("disaggregated", (0, 1, 2, 3), lend=True).share == 2
+    assert placement("vllm", (0, 1), lend=True) == Placement(server=(0, 1))  # vLLM has every core anyway
+    spec = SystemSpec("auto")
+    argv = worker_argv("prefill", spec, _ctx(), (0, 1), "/w/p.ready", ("/dev/shm/lease", 1))
+    assert argv[:3] == ["taskset", "-c", "0,1"] and argv[argv.index("--threads") + 1] == "1"
+    assert argv[argv.index("--core-lease") + 1] == "/dev/shm/lease" and argv[argv.index("--lease-cores") + 1] == "2"
+    used = cores_used(spec, pair)
+    assert used["lend"] and used["processes"]["prefill"] == {"cores": [0, 1], "threads": 1}
+    assert describe_cores("auto", used).endswith("a prefill borrows the idle cores (core lease)")
+
+
 def test_vllm_runs_as_a_module_with_its_omp_threads_bound() -> None:
     spec = SystemSpec("vllm", flags=("--max-num-seqs", "8"))
     argv = vllm_argv(spec, _ctx(), 8123)
     assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--served-model-name") + 1] == "smol"
-    assert argv[argv.index("--dtype") + 1] == "float32" and argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--port") + 1] == "8123"
+    assert vllm_argv(spec, _ctx(dtype="float32"), 8123)[argv.index("--dtype") + 1] == "float32"  # splitserve's
     assert argv[-2:] == ["--max-num-seqs", "8"]
     env = vllm_env({"PATH": "/bin"}, _ctx(kv_cache_gib=4), (0, 1))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
@@ -306,6 +322,7 @@ def test_cores_used_names_each_process_and_its_threads() -> None:
         "total": 2,
         "pinned": True,
         "processes": {"decode": {"cores": [1], "threads": 1}, "prefill": {"cores": [0], "threads": 1}},
+        "lend": False,
     }
     assert describe_cores("disaggregated", used) == (
         "disaggregated: 2 cores: decode cores 1 (1 threads), prefill cores 0 (1 threads)"

@@ -226,6 +226,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a system to serve")
     p.add_argument("--load-timeout", type=float, default=3600.0, help="seconds for one bench serve run")
     p.add_argument("--replot", action="store_true", help="only redraw the charts from --out's peer.json")
+    p.add_argument(
+        "--no-core-lending",
+        action="store_true",
+        help="pin each splitserve worker to its share of the cores instead of sharing a core lease",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        help="also write everything printed to this file, after a header line: the command, commit, date, "
+        "the CPU's flags and the load average (bench/results/peer-*.txt)",
+    )
 
 
 def parse_cores(value: str | None) -> tuple[int, ...] | None:
@@ -237,6 +248,23 @@ def parse_cores(value: str | None) -> tuple[int, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.results and not args.replot:
+        from splitserve.bench.peer.results_file import tee_results
+
+        with tee_results(args.results):
+            return _run(args)
+    return _run(args)
+
+
+def _dtype(splitserve_flags: str) -> str:
+    """splitserve's dtype: its --dtype flag, else what the machine's tuned default is (engine/tuned.py)."""
+    from splitserve.bench.peer.servers import last_flag
+    from splitserve.engine.tuned import detect_machine, tuned_defaults
+
+    return last_flag(shlex.split(splitserve_flags), "--dtype") or tuned_defaults(detect_machine()).dtype
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.replot:
         with open(os.path.join(args.out, "peer.json"), encoding="utf-8") as f:
             plot(json.load(f)["systems"], args.out)
@@ -269,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
         except VllmEnvError as e:
             print(f"splitserve bench peer: vLLM venv: {e}", file=sys.stderr)
             return 1
+    dtype = _dtype(args.splitserve_flags)
+    print(f"dtype: {dtype} for both systems (vLLM's --dtype is splitserve's)", flush=True)
     ctx = LaunchContext(
+        dtype=dtype,
+        lend_cores=not args.no_core_lending,
         model_dir=model_dir,
         served_model_name=SERVED_MODEL_NAME,
         workdir=logs,
@@ -360,6 +392,8 @@ def finish(
         if "cores" in res:
             start = f"started in {res['start_s']:.1f}s"
             print(f"{describe_cores(name, res['cores'])}; {start}; flags: {' '.join(res['flags']) or '-'}")
+            for proc, argv in res.get("argv", {}).items():  # what each process ran with, defaults included
+                print(f"  {proc}: {shlex.join(argv)}")
         for what, value in [("", res.get("error"))] + [(f" {k}", v.get("error")) for k, v in res["loads"].items()]:
             if value:
                 print(f"{name}{what}: ERROR {value}")

@@ -9,8 +9,13 @@ deadline; `stop` sends TERM to the group, then KILL.
   to the cores given (VLLM_CPU_OMP_THREADS_BIND).
 - `colocated`: one splitserve worker per core, each doing prefill and decode,
   behind one router in mode colocated.
-- `disaggregated`, `auto`: a prefill and a decode worker, each on its own half of
+- `disaggregated`, `auto`: a prefill and a decode worker, each owning half of
   the cores, behind a router in that mode.
+
+With core lending (the default, as `splitserve serve` runs) every splitserve
+worker may run on all the cores and shares a lease file (engine/core_lease.py):
+each owns its share of threads, and a prefill step borrows the shares of the
+workers that are idle. Without it each worker is pinned to its share.
 
 The routers and vLLM's API front end run unpinned: each system's model compute
 gets the same cores, the HTTP work around it floats.
@@ -69,6 +74,8 @@ class LaunchContext:
     served_model_name: str
     workdir: str  # logs and ready files
     vllm_python: str = ""  # the vLLM venv's interpreter
+    dtype: str = "bfloat16"  # vLLM's --dtype: the same as splitserve's, so both compute alike
+    lend_cores: bool = True  # splitserve's workers share a core lease (as splitserve serve runs them)
     cores: tuple[int, ...] | None = None  # None: nothing is pinned
     kv_cache_gib: int = 4  # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 4096
@@ -83,18 +90,26 @@ class Placement:
 
     server: tuple[int, ...] | None = None  # vllm's OpenMP threads
     workers: tuple[tuple[str, tuple[int, ...] | None], ...] = ()  # splitserve: (role, cores) per worker
+    lend: bool = False  # splitserve: every worker may run on all the cores, owning `share` of them
+
+    @property
+    def share(self) -> int:
+        """Each worker's own threads when the cores are lent: an equal part of them."""
+        cores = self.workers[0][1] if self.workers else None
+        return max(1, len(cores) // len(self.workers)) if cores else 1
 
     def cores_of(self, role: str) -> list[tuple[int, ...] | None]:
         return [cores for r, cores in self.workers if r == role]
 
 
-def placement(system: str, cores: tuple[int, ...] | None) -> Placement:
+def placement(system: str, cores: tuple[int, ...] | None, lend: bool = False) -> Placement:
     """vLLM gets every core. Colocated splitserve runs one worker per core, each doing prefill and
     decode behind one router: on a CPU a decode step at a few sequences gains little from a second
     thread, so two single-threaded workers serve more than one two-threaded one (ShareGPT at
     concurrency 4: TPOT p50 69 ms on one worker with two threads). A prefill/decode pair splits
     the cores in halves (one core each on a 2-core machine). Unpinned (or fewer than two cores
-    for a pair): one worker per role, unpinned."""
+    for a pair): one worker per role, unpinned. `lend`: the same workers, each allowed on every core
+    and owning an equal share of them, a prefill borrowing the idle ones (splitserve serve's way)."""
     pair = system in ("disaggregated", "auto")
     if cores is None or not cores or (pair and len(cores) < 2):
         if system == "vllm":
@@ -102,6 +117,9 @@ def placement(system: str, cores: tuple[int, ...] | None) -> Placement:
         return Placement(workers=(("decode", None), ("prefill", None)) if pair else (("decode", None),))
     if system == "vllm":
         return Placement(server=cores)
+    if lend:
+        roles = ("decode",) * len(cores) if system == "colocated" else ("decode", "prefill")
+        return Placement(workers=tuple((role, cores) for role in roles), lend=True)
     if system == "colocated":
         return Placement(workers=tuple(("decode", (c,)) for c in cores))
     half = len(cores) // 2
@@ -138,7 +156,7 @@ def vllm_argv(spec: SystemSpec, ctx: LaunchContext, port: int) -> list[str]:
         "--served-model-name",
         ctx.served_model_name,
         "--dtype",
-        "float32",
+        ctx.dtype,
         "--max-model-len",
         str(ctx.max_model_len),
         "--host",
@@ -160,10 +178,17 @@ def vllm_env(base: Mapping[str, str], ctx: LaunchContext, cores: tuple[int, ...]
 
 
 def worker_argv(
-    role: str, spec: SystemSpec, ctx: LaunchContext, cores: tuple[int, ...] | None, ready_file: str
+    role: str,
+    spec: SystemSpec,
+    ctx: LaunchContext,
+    cores: tuple[int, ...] | None,
+    ready_file: str,
+    lease: tuple[str, int] | None = None,
 ) -> list[str]:
-    # one torch thread per pinned core; a --threads in spec.flags comes later and wins
-    threads = str(len(cores)) if cores is not None else "0"
+    """`lease`: the core lease's file and this worker's share of threads (None: one thread per pinned
+    core); a --threads in spec.flags comes later and wins."""
+    threads = str(lease[1] if lease else len(cores) if cores is not None else 0)
+    lending = ["--core-lease", lease[0], "--lease-cores", str(len(cores) if cores else 0)] if lease else []
     cmd = [
         sys.executable,
         "-m",
@@ -182,6 +207,7 @@ def worker_argv(
         ctx.model_dir,
         "--threads",
         threads,
+        *lending,
         *spec.flags,
     ]
     return ["taskset", "-c", core_list(cores), *cmd] if cores is not None else cmd
@@ -232,12 +258,13 @@ def cores_used(spec: SystemSpec, where: Placement) -> dict[str, Any]:
     else:
         flag = last_flag(spec.flags, "--threads")
         for name, (_, cores) in zip(worker_names(where), where.workers, strict=True):
-            threads = int(flag) if flag is not None else (len(cores) if cores is not None else 0)
+            own = where.share if where.lend else len(cores) if cores is not None else 0
+            threads = int(flag) if flag is not None else own
             procs[name] = {"cores": _listed(cores), "threads": threads or None}
     pinned = sorted({c for p in procs.values() for c in (p["cores"] or [])})
     any_unpinned = any(p["cores"] is None for p in procs.values())
     total = len(os.sched_getaffinity(0)) if any_unpinned else len(pinned)
-    return {"total": total, "pinned": not any_unpinned, "processes": procs}
+    return {"total": total, "pinned": not any_unpinned, "processes": procs, "lend": where.lend}
 
 
 def worker_names(where: Placement) -> list[str]:
@@ -263,7 +290,8 @@ def describe_cores(name: str, used: Mapping[str, Any]) -> str:
         where = f"cores {core_list(tuple(p['cores']))}" if p["cores"] is not None else "unpinned"
         threads = f"{p['threads']} threads" if p["threads"] else "default threads"
         parts.append(f"{proc} {where} ({threads})")
-    return f"{name}: {used['total']} cores: " + ", ".join(parts)
+    lent = "; a prefill borrows the idle cores (core lease)" if used.get("lend") else ""
+    return f"{name}: {used['total']} cores: " + ", ".join(parts) + lent
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -396,7 +424,7 @@ def start_system(spec: SystemSpec, ctx: LaunchContext) -> RunningSystem:
     """Start the system and wait until it serves (its /health answers 200)."""
     os.makedirs(ctx.workdir, exist_ok=True)
     cores = ctx.cores if ctx.cores is not None and shutil.which("taskset") else None
-    where = placement(spec.name, cores)
+    where = placement(spec.name, cores, lend=ctx.lend_cores)
     started: list[ServerProcess] = []
     t0 = time.monotonic()
     try:
@@ -426,12 +454,13 @@ def _start_vllm(spec: SystemSpec, ctx: LaunchContext, where: Placement, started:
 def _start_splitserve(spec: SystemSpec, ctx: LaunchContext, where: Placement, started: list[ServerProcess]) -> str:
     env = splitserve_env(os.environ, secrets.token_urlsafe(24))  # a fresh control-plane credential per system
     ready: dict[str, tuple[str, str]] = {}  # worker name -> (role, ready file)
+    lease = (f"/dev/shm/splitserve-peer-{spec.name}-{secrets.token_hex(4)}", where.share) if where.lend else None
     for name, (role, cores) in zip(worker_names(where), where.workers, strict=True):
         path = os.path.join(ctx.workdir, f"{spec.name}-{name}.ready")
         if os.path.exists(path):
             os.remove(path)
         ready[name] = (role, path)
-        argv = worker_argv(role, spec, ctx, cores, path)
+        argv = worker_argv(role, spec, ctx, cores, path, lease)
         started.append(ServerProcess(f"{spec.name}-{name}", argv, env, _log(ctx, f"{spec.name}-{name}")))
     wait_until(
         lambda: all(os.path.exists(f) for _, f in ready.values()), ctx.start_timeout_s, started, f"{spec.name} workers"
