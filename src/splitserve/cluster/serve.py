@@ -343,6 +343,7 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
             threads=a.threads,
             core_lease=a.core_lease,
             lease_cores=a.lease_cores,
+            prefill_order=a.prefill_order,
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,
         )

@@ -12,7 +12,9 @@ snapshot are published after every step for the router, and the step's
 `IterationStats` go to `on_iteration` (the worker's metrics) on this thread.
 With a core lease (engine/core_lease.py) each step's torch threads are sized at
 its boundary: a prefill borrows the machine's idle cores, and an idle loop lends
-its own.
+its own. Between steps the loop also puts the waiting prompts in the order they
+should start (engine/prefill_order.py: shortest remaining first, aged), unless
+told to keep arrival order.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine, StepOutput
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, Waiting, admission_order
 from splitserve.engine.scheduler import Scheduler, SchedulerStats
 from splitserve.engine.stats import IterationStats
 from splitserve.engine.tier_cost import TierSpeeds
@@ -61,12 +64,16 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_iteration: Callable[[IterationStats], None] | None = None,
         core_lease: CoreLease | None = None,
+        prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S,
     ) -> None:
         """`waiting_limit`: requests an `Admit` lets wait for a seat (None: no limit);
         `on_iteration` is called on the engine thread with what each step counted; it must not block;
-        `core_lease`: the machine's cores shared with its other workers (None: torch's threads as set)."""
+        `core_lease`: the machine's cores shared with its other workers (None: torch's threads as set);
+        `prefill_aging_tokens_per_s`: waiting prompts start shortest first, each second waited counting as
+        this many tokens fewer (None: in arrival order)."""
         self.engine = engine
         self.core_lease = core_lease
+        self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
@@ -128,6 +135,7 @@ class EngineLoop:
             self._run_commands(block=not engine.has_work)
             self._deliver(engine.apply_transfers(engine.connector.poll()))
             if engine.has_work:
+                self._order_waiting()
                 self._size_step()
                 try:
                     outputs = engine.step()
@@ -142,6 +150,22 @@ class EngineLoop:
         self._fail_pending()
         if self.core_lease is not None:
             self.core_lease.close()
+
+    def _order_waiting(self) -> None:
+        """The scheduler's queue in the order its prompts should start (it admits from the head)."""
+        waiting = self.engine.scheduler.waiting
+        if self.prefill_aging_tokens_per_s is None or len(waiting) < 2:
+            return
+        now = self.engine.clock()
+        seen = [
+            Waiting(len(s) - s.num_computed_tokens, now - s.times.arrival, len(s) > s.num_prompt_tokens)
+            for s in waiting
+        ]
+        order = admission_order(seen, self.prefill_aging_tokens_per_s)
+        if order != sorted(order):
+            ordered = [waiting[i] for i in order]
+            waiting.clear()
+            waiting.extend(ordered)
 
     def _size_step(self) -> None:
         """The next step's threads, from the lease: set here, on the thread that runs the step,

@@ -43,13 +43,15 @@ class Tuned:
     long_prefill_token_threshold: int
     prefill_backlog_tokens: int
     mode: str
+    prefill_order: str  # which waiting prompt starts first (engine/prefill_order.py)
 
     def line(self) -> str:
         lend = "a prefill borrows idle cores" if self.core_lease else "no core lending"
         return (
             f"--dtype {self.dtype}, {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
             f"{self.threads} thread(s) ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
-            f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}"
+            f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}, "
+            f"--prefill-order {self.prefill_order}"
         )
 
 
@@ -60,7 +62,8 @@ def tuned_defaults(machine: Machine) -> Tuned:
     the decode worker's while it idles (issue 22: the mode auto pair kept the steady streams' ITL
     flat through bursts, and a lone prompt gets every core); a long prefill yielding to prompts of
     256 tokens or fewer and the router prefilling locally past a 700-token backlog (the peer
-    sweeps of issue 10). On a GPU: bfloat16, one worker per role, nothing lent."""
+    sweeps of issue 10); waiting prompts shortest first, aged, to bound the short ones' TTFT.
+    On a GPU: bfloat16, one worker per role, nothing lent."""
     on_cpu = machine.device == "cpu"
     dtype = "bfloat16" if (not on_cpu or machine.bf16_arithmetic) else "float32"
     threads = max(1, machine.cores // 2) if on_cpu else 1
@@ -73,6 +76,7 @@ def tuned_defaults(machine: Machine) -> Tuned:
         long_prefill_token_threshold=256,
         prefill_backlog_tokens=700,
         mode="auto",
+        prefill_order="shortest",
     )
 
 

@@ -24,11 +24,18 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.engine.tuned import detect_machine, tuned_defaults
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
-from splitserve.workers.common.config import WorkerConfig, add_tier_arguments, add_wire_codec_arguments, tier_fields
+from splitserve.workers.common.config import (
+    PREFILL_ORDERS,
+    WorkerConfig,
+    add_tier_arguments,
+    add_wire_codec_arguments,
+    tier_fields,
+)
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.common.warm_up import warm_up
 
@@ -124,7 +131,13 @@ def _serve_decode(
     closers.append(receiver.close)
     connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
     engine.connect(connector)
-    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record, core_lease=lease)
+    loop = EngineLoop(
+        engine,
+        waiting_limit=cfg.waiting_limit,
+        on_iteration=metrics.record,
+        core_lease=lease,
+        prefill_aging_tokens_per_s=_aging(cfg),
+    )
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
     return loop, receiver.endpoint
@@ -148,10 +161,21 @@ def _serve_prefill(
     tail_time = metrics.phase("kv_transfer_tail")
     connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
     engine.connect(connector)
-    loop = EngineLoop(engine, waiting_limit=cfg.waiting_limit, on_iteration=metrics.record, core_lease=lease)
+    loop = EngineLoop(
+        engine,
+        waiting_limit=cfg.waiting_limit,
+        on_iteration=metrics.record,
+        core_lease=lease,
+        prefill_aging_tokens_per_s=_aging(cfg),
+    )
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, connector, metrics), server)
     return loop
+
+
+def _aging(cfg: WorkerConfig) -> float | None:
+    """The loop's prefill order: shortest first, aged at this rate; None: arrival order."""
+    return AGING_TOKENS_PER_S if cfg.prefill_order == "shortest" else None
 
 
 def core_lease(cfg: WorkerConfig) -> CoreLease | None:
@@ -228,6 +252,13 @@ def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
         help="a file in /dev/shm shared by the workers of this machine: a prefill step takes the cores no other "
         "worker's step claims, and gives them back at its next step when they do; --threads is each worker's "
         "own share ('' or 'off': off; splitserve serve makes one for its CPU workers unless given 'off')",
+    )
+    p.add_argument(
+        "--prefill-order",
+        default="shortest",
+        choices=PREFILL_ORDERS,
+        help="which waiting prompt starts first: the shortest remaining, a second of waiting counting as "
+        f"{AGING_TOKENS_PER_S:g} tokens fewer so that long ones are not starved, or in arrival order",
     )
     p.add_argument(
         "--lease-cores",
@@ -335,6 +366,7 @@ def run(a: argparse.Namespace) -> int:
         threads=a.threads,
         core_lease=a.core_lease,
         lease_cores=a.lease_cores,
+        prefill_order=a.prefill_order,
         max_waiting_requests=a.max_waiting_requests,
     )
     worker = start_worker(cfg)

@@ -14,6 +14,9 @@ ROLES = ("prefill", "decode")
 TRANSPORTS: tuple[TransportName, ...] = TRANSPORT_NAMES
 
 
+PREFILL_ORDERS = ("shortest", "arrival")  # --prefill-order
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str
@@ -45,6 +48,8 @@ class WorkerConfig:
     # step borrows the cores none of them claims, down to `threads` when they all work. "": off.
     core_lease: str = ""
     lease_cores: int = 0  # the cores the lease shares; 0: the cores this process may run on
+    # which waiting prompt starts first (engine/prefill_order.py): "shortest" remaining, aged, or "arrival"
+    prefill_order: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +65,8 @@ class WorkerConfig:
                 raise ValueError(f"{f} must be a port number")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0 (0: twice max_num_seqs)")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         if self.lease_cores < 0 or self.threads < 0:
             raise ValueError("lease_cores and threads must be >= 0 (0: what this process may run on)")
         if self.lease_ms <= 0 or self.admit_timeout_s <= 0 or self.request_timeout_s <= 0:
