@@ -101,3 +101,39 @@ def test_tokens_routed_while_a_stats_poll_is_in_flight_survive_its_answer():
             await fake.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_that_ended_leaves_the_workers_queue_at_once_not_a_poll_later():
+    # Issue 22: counted only by the next poll, a worker that had just finished a long prompt looked
+    # busy for a stats interval, and the next prompt went to the busier worker.
+    async def scenario() -> None:
+        fake = FakePrefillWorker(FakeKVPlane(), queued_tokens=600)
+        await fake.start()
+        workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=0.05)), PrefixIndex())
+        try:
+            workers.add(fake.address, "prefill")
+            w = workers.get(fake.address)
+            assert w is not None
+            await until(lambda: w.healthy and w.stats is not None and w.stats.queued_tokens == 600)
+            fake.stats_open.clear()
+            await until(lambda: fake.stats_held == 1)  # a poll is out, its answer held
+            workers.ended(fake.address, 500)
+            assert workers.prefill_queued_tokens() == {fake.address: 100}  # at once
+            answered = w.stats
+            fake.stats_open.set()  # the held poll, taken before the ending, shows the 600...
+            fake.stats_open.clear()
+            await until(lambda: w.stats is not answered)
+            assert workers.prefill_queued_tokens() == {fake.address: 100}  # ...and the ending stays counted
+            fake.queued_tokens = 100  # what the worker says from now on
+            await until(lambda: fake.stats_held == 1)  # a poll that went out after the ending
+            answered = w.stats
+            fake.stats_open.set()
+            await until(lambda: w.stats is not answered)
+            assert workers.prefill_queued_tokens() == {fake.address: 100}  # counted once, by the worker
+            workers.ended(fake.address, 10_000)
+            assert workers.prefill_queued_tokens() == {fake.address: 0}  # never below empty
+        finally:
+            await workers.close()
+            await fake.stop()
+
+    asyncio.run(scenario())

@@ -305,6 +305,8 @@ class RequestRun:
             error = "cancelled"
             raise
         finally:
+            # the attempt's context leaves the worker's running load now, not at its next stats poll
+            self.workers.ended(address, len(self.req.prompt_token_ids) + self.response.completion_tokens)
             tracing.end_span(span, error)
 
     def _handoff(self) -> wpb.Handoff:
@@ -511,8 +513,9 @@ class RequestRun:
             "router.prefill", trace, {"splitserve.worker": address, "splitserve.try": attempt}, SpanKind.CLIENT
         )
         error: str | None = "cancelled"
+        prompt_tokens = len(request.handoff.prompt_token_ids)
         try:
-            self.workers.assigned(address, len(request.handoff.prompt_token_ids))
+            self.workers.assigned(address, prompt_tokens)
             metadata = tracing.inject(self.cfg.listeners.auth_metadata, tracing.child(span))
             result = await stub.Prefill(request, timeout=timeout_s, metadata=metadata)
             error = None
@@ -530,4 +533,5 @@ class RequestRun:
                 self._count_unclear_failure(RuntimeError(last))
             return last
         finally:
+            self.workers.ended(address, prompt_tokens)  # its queue is shorter now, not a poll later
             tracing.end_span(span, error)

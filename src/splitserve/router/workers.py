@@ -59,7 +59,13 @@ class Worker:
     stats: wpb.WorkerStats | None = None
     healthy: bool = False  # routable: its last stats polls succeeded and its block size matches
     failures: int = 0  # stats polls failed in a row
-    assigned_tokens: int = 0  # context tokens routed here that its last stats may not show yet (so bursts spread)
+    # The router's view is the last stats plus what it knows happened since: tokens routed here
+    # (so bursts spread) and tokens of its requests that ended here (so a worker that finished a
+    # long prompt is chosen again at once, not a poll later), each kept until a poll that went out
+    # after it answers. Issue 22: with endings counted only by the poll, a prefill worker that had
+    # just finished looked busy for up to a stats interval and prompts went to the busier one.
+    assigned_tokens: int = 0  # routed here, that its last stats may not show yet
+    ended_tokens: int = 0  # of this router's requests that ended here, that its last stats may still show
     draining: bool = False  # being scaled away: not routable, polled until idle
     # Stats polls in a row, since draining began, that found no work and no block in use. A request
     # routed just before the drain may still be on its way, so one idle poll is not proof.
@@ -84,9 +90,13 @@ class Worker:
     def load(self) -> WorkerLoad:
         s = self.stats or wpb.WorkerStats()
         speeds = TierSpeeds(s.prefill_tokens_per_s, s.host_tier_bytes_per_s, s.disk_tier_bytes_per_s, s.kv_block_bytes)
-        return WorkerLoad(
-            s.queued_tokens + self.assigned_tokens, s.running_tokens, s.free_blocks, s.total_blocks, speeds
-        )
+        queued, running = s.queued_tokens + self.assigned_tokens, s.running_tokens
+        # an ended prefill leaves the queue it was in; an ended decode leaves the running context
+        if self.role == "prefill":
+            queued = max(0, queued - self.ended_tokens)
+        else:
+            running = max(0, running - self.ended_tokens)
+        return WorkerLoad(queued, running, s.free_blocks, s.total_blocks, speeds)
 
 
 class WorkerSet:
@@ -185,6 +195,13 @@ class WorkerSet:
         if w is not None:
             w.assigned_tokens += tokens
 
+    def ended(self, address: str, tokens: int) -> None:
+        """One of this router's requests (or Prefill calls) ended on this worker: its `tokens` leave the
+        worker's load now, not at the next stats poll."""
+        w = self._workers.get(address)
+        if w is not None:
+            w.ended_tokens += tokens
+
     def mark_failed(self, address: str) -> None:
         """A call to this worker failed: stop routing to it until a stats poll succeeds."""
         w = self._workers.get(address)
@@ -214,7 +231,7 @@ class WorkerSet:
             # Tokens routed before this poll went out will show in its stats; the ones
             # routed while it is in flight may not, so they stay counted (clearing them
             # all made a burst's load vanish for a poll and fooled the pool scaler).
-            assigned_before = w.assigned_tokens
+            assigned_before, ended_before = w.assigned_tokens, w.ended_tokens
             try:
                 st = await w.stub.GetStats(
                     wpb.StatsRequest(), timeout=deadlines.stats_timeout_s, metadata=self.cfg.listeners.auth_metadata
@@ -222,7 +239,7 @@ class WorkerSet:
             except grpc.aio.AioRpcError as e:
                 self._poll_failed(w, e)
             else:
-                self._poll_answered(w, st, assigned_before)
+                self._poll_answered(w, st, assigned_before, ended_before)
             if w.healthy != was:
                 log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
                 self._health_changed()
@@ -250,7 +267,7 @@ class WorkerSet:
             )
         w.unreachable = why
 
-    def _poll_answered(self, w: Worker, st: wpb.WorkerStats, assigned_before: int) -> None:
+    def _poll_answered(self, w: Worker, st: wpb.WorkerStats, assigned_before: int, ended_before: int) -> None:
         if w.unreachable is not None:
             log.info("%s worker %s answers again", w.role, w.address)
             w.unreachable = None
@@ -267,6 +284,7 @@ class WorkerSet:
             return
         w.stats, w.failures, w.healthy = st, 0, True
         w.assigned_tokens = max(0, w.assigned_tokens - assigned_before)
+        w.ended_tokens = max(0, w.ended_tokens - ended_before)
         if w.draining:
             w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
 
