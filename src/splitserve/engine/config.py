@@ -59,6 +59,9 @@ def kv_dtype_name(kv_cache_dtype: str, model_dtype: str | torch.dtype) -> str:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; expected one of {choices}") from None
 
 
+SPECULATIVE_MODES = ("ngram", "auto", "off")  # --speculative's choices (engine/spec/)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling as in HF's `rope_scaling` (llama3 and linear kinds)."""
@@ -203,9 +206,18 @@ class EngineConfig:
     kv_host_tier_bytes: int = 0
     kv_disk_tier_bytes: int = 0
     kv_disk_tier_dir: str = ""
+    # Speculative decoding (engine/spec/): "ngram" verifies prompt-lookup drafts of up to
+    # num_speculative_tokens in every decode step, "auto" only where the measured acceptance pays
+    # for the draft's rows at the measured step costs, "off" never. The n-gram matched is the
+    # longest of ngram_max down to ngram_min tokens.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        self._check_speculation()
         kv_dtype_name(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_bytes < 0:
             raise ValueError("kv_cache_bytes must be >= 0 (0: num_blocks decides)")
@@ -228,6 +240,14 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a positive multiple "
                 f"of block_size ({self.block_size}) so that prefill chunks end on block boundaries"
             )
+
+    def _check_speculation(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.ngram_min < 1 or self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be >= 1 and ngram_max ({self.ngram_max}) >= ngram_min")
 
     @property
     def torch_dtype(self) -> torch.dtype:

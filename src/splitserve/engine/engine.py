@@ -45,6 +45,7 @@ from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_w
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.spec.speculator import Speculator
 from splitserve.engine.stats import Clock, IterationStats, StatsRecorder
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -110,6 +111,7 @@ class Engine:
         self.tiers = self._start_tiers(cfg)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.runner.eos_token_ids = tuple(sorted(eos))
+        self.speculator = Speculator(cfg, model_cfg.max_position, self.scheduler) if cfg.speculative != "off" else None
         self.connector: KVConnector = connector or NullConnector()
         self._arrivals = 0
         self.tokenizer = tokenizer
@@ -323,9 +325,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if self.speculator is not None:
+            batch = self.speculator.plan(batch)
         hook = self.connector.on_layer_done if self.connector.wants_layers else None
         t0 = time.perf_counter()
         sampled = self.runner.run(batch, hook)
+        if self.speculator is not None:
+            self.speculator.observe(batch, sampled, time.perf_counter() - t0)
         if self.tiers is not None:  # the prefill speed a tier load is weighed against
             prefill = sum(n for n in batch.num_new_tokens if n > 1)
             if prefill and prefill == sum(batch.num_new_tokens):

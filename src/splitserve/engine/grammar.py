@@ -114,6 +114,18 @@ class Matcher:
         its error state for good (`error` says why) and its mask allows only end-of-sequence."""
         return self._matcher.consume_token(token_id)
 
+    def fork(self) -> Matcher:
+        """A matcher at this one's state that advances on its own (a draft's positions are masked
+        on copies, so the sequence's own matcher only ever takes accepted tokens)."""
+        copy = Matcher.__new__(Matcher)
+        copy.compiled = self.compiled
+        copy._matcher = self._matcher.deep_copy()
+        return copy
+
+    def allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar allows from here (state unchanged)."""
+        return int(self._matcher.validate_tokens(token_ids))
+
     def replay(self, token_ids: Iterable[int]) -> None:
         """Rebuild the state from the start and a sequence's output so far (a handoff from the
         prefill worker, a migration, a preempted sequence coming back). ValueError naming the

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,6 +31,7 @@ from splitserve.engine.parallel.step import StepInputs, run_step
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Sampled, ScheduledBatch
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.spec.verify import accepted_tokens
 
 # Called as each layer of a batch lands in the cache: (layer, the batch's seqs, their new token counts).
 BatchLayerHook = Callable[[int, Seq[Sequence], Seq[int]], None]
@@ -64,38 +65,42 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, on_layer_done: BatchLayerHook | None = None) -> Sampled:
         """The next token of each sequence whose step ends at its last token (and of each fork of a
-        fresh n > 1 request at its first)."""
+        fresh n > 1 request at its first); a sequence with a draft (`batch.drafts`) gets the tokens
+        its verified draft yields (engine/spec/verify.py), one or more, in order."""
         seqs = batch.seqs
+        drafts = batch.drafts or [[] for _ in seqs]
         hook = None
         if on_layer_done is not None:
             hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731 (None or this closure)
-        ending = [s for s, n in zip(seqs, batch.num_new_tokens, strict=True) if s.num_computed_tokens + n == len(s)]
-        masks = self._start_masks(ending)
-        logits, indices = self.forward(seqs, batch.num_new_tokens, hook)
-        prompt = self._prompt_logprobs(seqs, logits[len(indices) :])
-        logits = logits[: len(indices)]
+        todo = zip(seqs, batch.num_new_tokens, drafts, strict=True)
+        ending = [(s, d) for s, n, d in todo if s.num_computed_tokens + n == len(s)]
+        masks = self._start_masks([m for s, d in ending for m in _row_matchers(s, d)])
+        logits, indices = self.forward(seqs, batch.num_new_tokens, hook, drafts)
+        num_rows = sum(1 + len(drafts[i]) for i in indices)
+        prompt = self._prompt_logprobs(seqs, logits[num_rows:])
+        logits = logits[:num_rows]
         if not indices:
             return Sampled([], [], [], prompt_logprobs=prompt)
-        rows, draws, generators = self._draws([seqs[i] for i in indices])
-        raw = logits if len(rows) == len(indices) else logits[rows]
+        draws = self._draws([(seqs[i], drafts[i]) for i in indices])
+        rows = [d.row for d in draws]
+        raw = logits if len(rows) == num_rows else logits[rows]
         masked = raw
         if masks is not None:
             from splitserve.engine.grammar import apply_bitmask
 
             masked = raw.clone()
-            apply_bitmask(masked, masks.result()[rows], [r for r, (s, _) in enumerate(draws) if s.matcher is not None])
-        chosen = [s for s, _ in draws]
+            apply_bitmask(masked, masks.result()[rows], [r for r, d in enumerate(draws) if d.seq.matcher is not None])
         result = sample(
             masked,
-            [s.params for s in chosen],
-            [s.token_ids[: s.num_prompt_tokens] for s in chosen],
-            [s.output_token_ids for s in chosen],
-            generators,
+            [d.seq.params for d in draws],
+            [d.seq.token_ids[: d.seq.num_prompt_tokens] for d in draws],
+            [d.seq.output_token_ids + d.ahead for d in draws],
+            [d.generator for d in draws],
             self.generator,
             raw_logits=raw,
-            stop_ids=[self._stop_ids(s) for s in chosen],
+            stop_ids=[self._stop_ids(d.seq) for d in draws],
         )
-        return Sampled([indices[r] for r in rows], result.token_ids, result.logprobs, [k for _, k in draws], prompt)
+        return _verified(indices, [drafts[i] for i in indices], draws, result.token_ids, result.logprobs, prompt)
 
     def _want_prompt_logits(self, i: int, seq: Sequence, start: int, end: int, first_row: int) -> None:
         """With prompt_logprobs: the rows of the positions this step computes whose logits predict a
@@ -122,95 +127,166 @@ class ModelRunner:
             out.append((i, TokenLogprob(chosen[j], tuple(zip(top_il[j][:m], top_vl[j][:m], strict=True)))))
         return out
 
-    def _draws(self, chosen: list[Sequence]) -> tuple[list[int], list[tuple[Sequence, int]], list[Any]]:
-        """Each draw's logits row, (sequence, sample index) and generator: one per sequence, and one
-        more per fork of a fresh n > 1 request at its first output position, each from randomness
-        of its own sample index."""
-        rows: list[int] = []
-        draws: list[tuple[Sequence, int]] = []
-        generators: list[torch.Generator | None] = []
-        for r, s in enumerate(chosen):
-            rows.append(r)
-            draws.append((s, s.sample_index))
-            generators.append(s.next_draw_generator())  # right before the draw: reseeded for this token
+    def _draws(self, chosen: list[tuple[Sequence, list[int]]]) -> list[Draw]:
+        """Each draw of the step, in logits-row order: one per sequence and draft token (a draft's
+        row j draws output position len + j, as if the draft tokens before it were accepted), and
+        one more per fork of a fresh n > 1 request at its first output position, each from
+        randomness of its own sample index."""
+        draws: list[Draw] = []
+        row = 0
+        for s, draft in chosen:
+            # right before the draw: reseeded for this token
+            draws.append(Draw(row, s, s.sample_index, s.next_draw_generator(), []))
             for k in s.fork_indices:
-                rows.append(r)
-                draws.append((s, k))
-                generators.append(s.draw_generator(k))
-        return rows, draws, generators
+                draws.append(Draw(row, s, k, s.draw_generator(k), []))
+            for j in range(1, len(draft) + 1):
+                draws.append(Draw(row + j, s, s.sample_index, s.draw_generator(s.sample_index, ahead=j), draft[:j]))
+            row += 1 + len(draft)
+        return draws
 
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.params
         return p.stop_token_ids if p.ignore_eos else (*self.eos_token_ids, *p.stop_token_ids)
 
-    def _start_masks(self, ending: list[Sequence]) -> Future[torch.Tensor] | None:
-        """The grammar masks of the sequences about to sample, one row per sequence (the forks of one
-        share its row: same state): filled on a thread while the forward pass runs on a GPU, now on
-        the CPU."""
-        if not any(s.matcher is not None for s in ending):
+    def _start_masks(self, matchers: list[Any]) -> Future[torch.Tensor] | None:
+        """The grammar masks of the step's logits rows, one per row (`matchers`: a row's matcher,
+        None for an unconstrained row; the forks of a sequence share its row: same state): filled
+        on a thread while the forward pass runs on a GPU, now on the CPU."""
+        if not any(m is not None for m in matchers):
             return None
         if not self._overlap_masks:
             done: Future[torch.Tensor] = Future()
-            done.set_result(_fill_masks([s.matcher for s in ending], self.model.cfg.vocab_size))
+            done.set_result(_fill_masks(matchers, self.model.cfg.vocab_size))
             return done
         if self._masks is None:
             self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._masks.submit(_fill_masks, [s.matcher for s in ending], self.model.cfg.vocab_size)
+        return self._masks.submit(_fill_masks, matchers, self.model.cfg.vocab_size)
 
     def forward(
         self,
         seqs: Seq[Sequence],
         num_new_tokens: Seq[int],
         on_layer_done: Callable[[int], None] | None = None,
+        drafts: Seq[Seq[int]] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """Logits [S, vocab] (fp32) for the sequences whose step ends at their last token,
-        and those sequences' indices in `seqs`."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        context_lens: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[int] = []
-        self.prompt_rows = []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
-            table = seq.block_table
-            slot_blocks.extend(table[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
-            context_lens.append(end)
-            if end == len(seq):
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(i)
-            self._want_prompt_logits(i, seq, start, end, len(input_ids) - n)
-        logits_rows += [row for _, _, row in self.prompt_rows]  # after the sampling rows
-        is_decode = all(n == 1 for n in num_new_tokens)
-        width = max(len(s.block_table) for s in seqs)
-
-        if is_decode and self.graphs is not None and on_layer_done is None and self.graphs.fits(len(seqs), width):
-            logits = self.graphs.run(seqs, input_ids, positions, slot_blocks, slot_offsets, context_lens)
-            return logits, sampled
-
-        tables = [seq.block_table for seq in seqs]
-        step = StepInputs(
-            input_ids,
-            positions,
-            slot_blocks,
-            slot_offsets,
-            tables,
-            context_lens,
-            list(num_new_tokens),
-            logits_rows,
-            is_decode,
-        )
+        """Logits (fp32) for the sequences whose step ends at their last token, one row each and
+        one more per draft token (`drafts`), then the prompt-logprob rows; and those sequences'
+        indices in `seqs`."""
+        step, sampled = self._step_inputs(seqs, num_new_tokens, drafts or [()] * len(seqs))
+        width = max(len(t) for t in step.block_tables)
+        if (
+            step.is_decode
+            and len(step.query_lens) == len(seqs)  # no draft rows: the graphs take a row per sequence
+            and self.graphs is not None
+            and on_layer_done is None
+            and self.graphs.fits(len(seqs), width)
+        ):
+            return self.graphs.run(
+                seqs, step.input_ids, step.positions, step.slot_blocks, step.slot_offsets, step.context_lens
+            ), sampled
         if self.tp is not None:
             self.tp.broadcast(step)
         return run_step(self.model, self.kv_cache.tensor, step, on_layer_done), sampled
+
+    def _step_inputs(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], drafts: Seq[Seq[int]]
+    ) -> tuple[StepInputs, list[int]]:
+        """The step's rows. A sequence with a draft brings its last token and the draft's, each
+        a query of one token at its own position and context length: to attention (the fused
+        decode kernel too, which writes every row's K/V before any row attends) these are decode
+        rows, computed as plain decode computes them one step at a time."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[int] = []
+        self.prompt_rows = []
+        for i, (seq, n, draft) in enumerate(zip(seqs, num_new_tokens, drafts, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            chunks = [(start, end)] if not draft else [(p, p + 1) for p in range(start, end + len(draft))]
+            tokens = seq.token_ids[start:end] + list(draft)
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            slot_blocks.extend(seq.block_table[p // bs] for p in range(start, start + len(tokens)))
+            for a, b in chunks:
+                tables.append(seq.block_table)
+                context_lens.append(b)
+                query_lens.append(b - a)
+            if end == len(seq):
+                logits_rows.extend(range(len(ids) - 1 - len(draft), len(ids)))
+                sampled.append(i)
+            self._want_prompt_logits(i, seq, start, end, len(ids) - n - len(draft))
+        logits_rows += [row for _, _, row in self.prompt_rows]  # after the sampling rows
+        step = StepInputs(
+            ids,
+            positions,
+            slot_blocks,
+            [p % bs for p in positions],
+            tables,
+            context_lens,
+            query_lens,
+            logits_rows,
+            all(q == 1 for q in query_lens),
+        )
+        return step, sampled
+
+
+class Draw(NamedTuple):
+    """One draw of a step: its logits row, whose it is, its generator (None: the engine's) and
+    the draft tokens assumed accepted before it (a verified draft's rows)."""
+
+    row: int
+    seq: Sequence
+    sample_index: int
+    generator: torch.Generator | None
+    ahead: list[int]
+
+
+def _row_matchers(seq: Sequence, draft: list[int]) -> list[Any]:
+    """The grammar state at each of `seq`'s logits rows: its matcher, then copies advanced past
+    each draft token (the speculator kept only the draft tokens the grammar allows)."""
+    if seq.matcher is None:
+        return [None] * (1 + len(draft))
+    rows = [seq.matcher]
+    for t in draft:
+        ahead = rows[-1].fork()
+        ahead.accept(t)
+        rows.append(ahead)
+    return rows
+
+
+def _verified(
+    indices: list[int],
+    drafts: list[list[int]],
+    draws: list[Draw],
+    tokens: list[int],
+    logprobs: list[TokenLogprob | None],
+    prompt: list[tuple[int, TokenLogprob]],
+) -> Sampled:
+    """The step's `Sampled`: every draw of a sequence without a draft; of a verified draft's rows,
+    the tokens `accepted_tokens` keeps (its draws are in row order, each its own sample's)."""
+    out_i: list[int] = []
+    out_t: list[int] = []
+    out_lp: list[TokenLogprob | None] = []
+    out_k: list[int] = []
+    at = 0
+    for i, draft in zip(indices, drafts, strict=True):
+        n = 1 + len(draft) + len(draws[at].seq.fork_indices)
+        mine = list(range(at, at + n))
+        if draft:
+            mine = mine[: len(accepted_tokens(draft, [tokens[r] for r in mine]))]
+        for r in mine:
+            out_i.append(i)
+            out_t.append(tokens[r])
+            out_lp.append(logprobs[r])
+            out_k.append(draws[r].sample_index)
+        at += n
+    return Sampled(out_i, out_t, out_lp, out_k, prompt)
 
 
 def _fill_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:

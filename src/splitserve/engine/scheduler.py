@@ -51,6 +51,9 @@ class DuplicateRequest(ValueError):
 class ScheduledBatch(NamedTuple):
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens of each sequence computed this step
+    # per sequence, draft tokens the step verifies after its last one (engine/spec/); [] for none.
+    # The speculator adds them, with their blocks (`reserve_draft`), after `schedule`.
+    drafts: list[list[int]] = []
 
 
 class Sampled(NamedTuple):
@@ -170,8 +173,13 @@ class Scheduler:
             return False
         fetched = self._fetch_from_tiers(seq, hashes, len(cached)) if self.tiers is not None and hashes else []
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        pooled = seq.num_cached_tokens
         if fetched:
             seq.num_cached_tokens += self._install(seq, fetched)
+        if self.tiers is not None:  # one record per admitted prompt of where its prefix came from
+            self.tiers.note_prefix(
+                len(seq), pooled, fetched[: (seq.num_cached_tokens - pooled) // self.blocks.block_size]
+            )
         if self.blocks.enable_prefix_caching:
             self.recorder.prefix_lookup(len(seq), seq.num_cached_tokens)
         return True
@@ -298,9 +306,37 @@ class Scheduler:
                 seq.first_draws.append((k, t, lp))
             else:
                 outs.append(self.fork(seq, k, t, lp))
-        for seq in {id(s): s for s, _, _ in own}.values():
-            seq.fork_indices = []
-        return outs + [self._append(seq, t, lp) for seq, t, lp in own]
+        runs: dict[int, list[tuple[Sequence, int, TokenLogprob | None]]] = {}
+        for draw in own:  # a verified draft's tokens come as one run, in order
+            runs.setdefault(id(draw[0]), []).append(draw)
+        for run in runs.values():
+            run[0][0].fork_indices = []
+            outs += self._append_run(run) if len(run) > 1 else [self._append(*run[0])]
+        return outs
+
+    def reserve_draft(self, seq: Sequence, num_draft: int) -> bool:
+        """Blocks for `seq`'s next token and `num_draft` draft tokens after it, from the free blocks
+        only (a draft never preempts anyone); False (nothing changed) if they do not suffice."""
+        return self.blocks.append_slot(seq.block_table, seq.num_computed_tokens + 1 + num_draft)
+
+    def _append_run(self, run: list[tuple[Sequence, int, TokenLogprob | None]]) -> list[StepOutput]:
+        """A verified draft's tokens joining `seq` in order, up to the first that finishes it. Each
+        token after the first means the draft token before it was accepted, and so its K/V, computed
+        by the step, is valid; the blocks that only rejected draft tokens reached are freed."""
+        seq = run[0][0]
+        outs: list[StepOutput] = []
+        for j, (_, t, lp) in enumerate(run):
+            if j:
+                seq.num_computed_tokens += 1
+            outs.append(self._append(seq, t, lp))
+            if outs[-1].finished:
+                return outs
+        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        keep = self.blocks.blocks_needed(len(seq))  # what the next step writes into, too
+        if len(seq.block_table) > keep:
+            self.blocks.free_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        return outs
 
     def fork(self, parent: Sequence, sample_index: int, token: int, logprob: TokenLogprob | None) -> StepOutput:
         """Sample `sample_index` of `parent`'s request, branching off at `parent`'s current length

@@ -44,6 +44,7 @@ class Sequence:
         "max_output_tokens",
         "transfer_id",
         "times",
+        "speculation",
     )
 
     def __init__(
@@ -90,6 +91,9 @@ class Sequence:
         self.prefill_only = prefill_only  # prefill role: finish after the first token
         self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
         self.times = RequestTimes(arrival_time)  # for metrics (engine/stats.py), on the engine's clock
+        # engine/spec/speculator.py's record of this sequence's drafts (acceptance), made at its
+        # first decode step; derived from its tokens and steps here, so never handed over
+        self.speculation: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -127,12 +131,13 @@ class Sequence:
             child.matcher.replay(self.output_token_ids)
         return child
 
-    def draw_generator(self, sample_index: int) -> torch.Generator | None:
+    def draw_generator(self, sample_index: int, ahead: int = 0) -> torch.Generator | None:
         """A fresh generator for sample `sample_index`'s draw at this sequence's next output position
-        (a fork's first token); None without a seed."""
+        (a fork's first token), or `ahead` positions past it (a verified draft's rows); None
+        without a seed."""
         if self.params.seed is None:
             return None
-        return torch.Generator().manual_seed(draw_seed(self.params.seed, sample_index, self.num_output_tokens))
+        return torch.Generator().manual_seed(draw_seed(self.params.seed, sample_index, self.num_output_tokens + ahead))
 
     def next_draw_generator(self) -> torch.Generator | None:
         """A seeded request's generator, reseeded for drawing its next output token (token i, i

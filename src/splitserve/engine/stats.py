@@ -68,6 +68,8 @@ class IterationStats:
     ttfts: list[float] = field(default_factory=list)  # arrival to first token
     itls: list[float] = field(default_factory=list)  # between two tokens of one request
     finished: list[FinishedRequest] = field(default_factory=list)
+    draft_tokens: int = 0  # speculation (engine/spec/): draft tokens the target verified
+    accepted_draft_tokens: int = 0  # of those, accepted (each one a decode step saved)
 
     @property
     def empty(self) -> bool:
@@ -78,6 +80,7 @@ class IterationStats:
             or self.ttfts
             or self.itls
             or self.finished
+            or self.draft_tokens
         )
 
 
@@ -112,6 +115,11 @@ class StatsRecorder:
         t.num_tokens += 1
         if sampled:
             self._it.generation_tokens += 1
+
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` draft tokens and accepted `accepted` of them."""
+        self._it.draft_tokens += drafted
+        self._it.accepted_draft_tokens += accepted
 
     def finished(self, seq: TimedRequest, reason: str) -> None:
         now = self.clock()

@@ -37,6 +37,7 @@ from splitserve.workers.common.config import (
     tier_fields,
 )
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
+from splitserve.workers.common.speculation import add_speculation_arguments, speculation_fields
 from splitserve.workers.common.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,7 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         "must divide the model's heads, KV heads and intermediate size",
     )
     add_tier_arguments(p)
+    add_speculation_arguments(p)
 
 
 def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
@@ -295,6 +297,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,
         tensor_parallel_size=a.tensor_parallel_size,
         **tier_fields(a),
+        **speculation_fields(a),
     )
 
 

@@ -82,6 +82,14 @@ class WorkerMetrics:
         self.prefix_cache_hits = self._counter(
             "splitserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens, whole blocks)"
         )
+        # the acceptance rate is accepted / draft tokens over any window (rate() of each, as vLLM's)
+        self.spec_draft_tokens = self._counter(
+            "splitserve:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens the target verified"
+        )
+        self.spec_accepted_tokens = self._counter(
+            "splitserve:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (each a decode step saved)",
+        )
 
     def _add_latency_histograms(self) -> None:
         self.ttft = self._histogram(
@@ -137,6 +145,8 @@ class WorkerMetrics:
         self.generation_tokens.inc(it.generation_tokens)
         self.prefix_cache_queries.inc(it.prefix_cache_queries)
         self.prefix_cache_hits.inc(it.prefix_cache_hits)
+        self.spec_draft_tokens.inc(it.draft_tokens)
+        self.spec_accepted_tokens.inc(it.accepted_draft_tokens)
         for t in it.ttfts:
             self.ttft.observe(t)
         for t in it.itls:
