@@ -37,6 +37,10 @@ BENCHMARKS = {
     ),
     "structured": ("splitserve.bench.structured", "decode step with and without a JSON schema; grammar compile time"),
     "kv-dtype": ("splitserve.bench.kv_dtype", "quantized KV (int8, fp8) against bfloat16: quality, capacity, speed"),
+    "prefill-profile": (
+        "splitserve.bench.prefill_profile",
+        "where a lone long prompt's prefill time goes, per thread count",
+    ),
     "plan-check": ("splitserve.bench.plan_check", "the plan simulator against measured bench serve runs: TTFT, ITL"),
 }
 

@@ -38,6 +38,13 @@ TITLES = {
     "CPU build on the same load (issue 21)",
     "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
     "compile time (issue 20)",
+    "prefill-profile-cpu": "Where a lone ~1,000-token prompt's prefill time goes, on 1 and 2 threads: TTFT, per-op "
+    "time, FLOP rate (issue 22)",
+    "peer-cpu4-default": "Against vLLM's CPU build in the same dtype, both on the whole machine, splitserve in its "
+    "default (tuned) configuration with core lending: a lone prompt, ShareGPT at concurrency 4, the burst load "
+    "(issue 22)",
+    "peer-cpu4-nolend": "The lone prompt with each worker pinned to its own core (no core lending): the lever's "
+    "share of the default run's figure (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
     "against decode log-probabilities, sequences at a fixed pool and the batch-8 decode step (issue 21)",
 }
