@@ -172,3 +172,27 @@ def test_serve_refuses_a_bad_flag_in_one_line_before_ray_starts(flags, says, tmp
         assert line.startswith("splitserve serve: cannot place the workers: ")
     assert "Traceback" not in r.stdout + r.stderr
     assert "starting" not in r.stdout  # neither Ray nor a pool was started
+
+
+def test_serve_without_flags_runs_the_tuned_configuration_and_a_flag_overrides_it() -> None:
+    from splitserve.cluster.serve import with_tuned
+
+    args = build_parser(["serve"]).parse_args(["serve"])
+    filled, tuned = with_tuned(args)
+    assert filled.dtype == tuned.dtype and filled.threads == tuned.threads
+    assert filled.long_prefill_token_threshold == 256 and filled.prefill_backlog_tokens == 700
+    assert filled.mode == "auto" and filled.prefill_order == "shortest"
+    assert filled.core_lease.startswith("/dev/shm/splitserve-cores-") == tuned.core_lease
+    argv = [
+        "serve",
+        "--dtype",
+        "float32",
+        "--threads",
+        "3",
+        "--core-lease",
+        "off",
+        "--long-prefill-token-threshold",
+        "0",
+    ]
+    given, _ = with_tuned(build_parser(argv).parse_args(argv))
+    assert (given.dtype, given.threads, given.core_lease, given.long_prefill_token_threshold) == ("float32", 3, "", 0)
