@@ -20,11 +20,13 @@ from splitserve.router.policy import (
     choose_prefill_worker,
     decode_chooser,
     decode_cost,
+    decode_stall_tokens,
     kv_shortfall_tokens,
     pick,
     queued_and_running_tokens,
     round_robin,
     route,
+    ttft_saved_tokens,
     uncached_prefill_tokens,
 )
 from splitserve.router.prefix_index import PrefixIndex
@@ -199,11 +201,29 @@ def test_forced_modes() -> None:
 
 def test_the_mode_decision_logs_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="splitserve.router.policy")
-    choose_prefill_mode(300, 9000, 100, ROUTING)
+    choose_prefill_mode(300, 9000, 100, ROUTING, decode_running=2)
     assert (
         "prefill mode local: uncached 300 <= 256 is False; prefill queue 9000 >= 700 and decode queue "
-        "100 + 300 <= it is True" in caplog.text
+        "100 + 300 <= it and TTFT saved 8900 >= stall 1 x 300 x 2 running is True" in caplog.text
     )
+
+
+def test_a_backed_up_prompt_stays_remote_when_its_stall_of_the_running_streams_outweighs_the_ttft_saved() -> None:
+    # the burst load: a 1,100-token prompt behind another on the prefill worker, four steady streams
+    r = RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=700)
+    assert choose_prefill_mode(1100, 1100, 0, r, decode_running=0) == "local"  # nobody to stall
+    assert choose_prefill_mode(1100, 1100, 0, r, decode_running=4) == "remote"  # saves 1100, stalls 4 x 1100
+    assert choose_prefill_mode(1100, 1100, 0, replace(r, decode_stall_weight=0.25), decode_running=4) == "local"
+    assert choose_prefill_mode(1100, 1100, 0, replace(r, decode_stall_weight=0.0), decode_running=40) == "local"
+    assert ttft_saved_tokens(1100, 300) == 800 and decode_stall_tokens(1100, 4) == 4400
+
+
+def test_route_weighs_the_chosen_decode_workers_running_streams() -> None:
+    cfg = RoutingConfig(local_prefill_max_tokens=0, prefill_backlog_tokens=100)
+    quiet = WorkerLoad(0, 0, 100, 100, running_requests=0)
+    streaming = WorkerLoad(0, 1200, 100, 100, running_requests=4)
+    assert route([], 300, PrefixIndex(), {"d:1": quiet}, {"p:1": 400}, cfg, random.Random(0)).mode == "local"
+    assert route([], 300, PrefixIndex(), {"d:1": streaming}, {"p:1": 400}, cfg, random.Random(0)).mode == "remote"
 
 
 def test_route_reads_the_chosen_decode_workers_own_prefill_queue() -> None:

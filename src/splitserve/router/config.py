@@ -74,6 +74,10 @@ class RoutingConfig:
     # Size it to the TTFT you would give up waiting for. 700 is what the peer sweeps found best on
     # a 2-core CPU (issue 10) and the default since issue 22: a user gets the recorded figures.
     prefill_backlog_tokens: int = 700
+    # ...and only while the TTFT that saves (in prefill tokens) is at least this weight times the stall
+    # it puts on the decode worker's running streams (the prompt's tokens times the streams): 1 holds
+    # a stream's stalled second as dear as the new request's waited one; 0 ignores the streams.
+    decode_stall_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.decode_policy not in DECODE_POLICIES:

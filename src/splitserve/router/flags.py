@@ -48,6 +48,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "tokens queued and the decode worker would finish the prompt before the pool could start it",
     )
     p.add_argument(
+        "--decode-stall-weight",
+        type=float,
+        default=_DEFAULTS.routing.decode_stall_weight,
+        help="mode auto: a backed-up prompt prefills on the decode worker only while the TTFT it saves outweighs "
+        "this times the stall it puts on that worker's running streams (prompt tokens x streams; 0: ignore them)",
+    )
+    p.add_argument(
         "--tier-blind-routing",
         action="store_true",
         help="count the KV blocks behind a worker's prefix cache (its --kv-host-tier-mib, --kv-disk-tier-mib) as "
@@ -78,6 +85,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         block_size=a.block_size,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         prefill_backlog_tokens=a.prefill_backlog_tokens,
+        decode_stall_weight=a.decode_stall_weight,
         tier_aware=not a.tier_blind_routing,
     )
     listeners = Listeners(

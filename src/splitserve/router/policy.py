@@ -52,6 +52,7 @@ class WorkerLoad(NamedTuple):
     free_blocks: int
     total_blocks: int
     speeds: TierSpeeds = TierSpeeds()  # its measured prefill speed and tier bandwidths (WorkerStats)
+    running_requests: int = 0  # requests it decodes now: the streams a local prefill would stall
 
     @property
     def work_tokens(self) -> int:
@@ -206,15 +207,35 @@ def decode_chooser(routing: RoutingConfig) -> DecodeChooser:
 # ---- local or remote prefill, and which prefill worker
 
 
+def ttft_saved_tokens(prefill_queue_tokens: int, decode_queue_tokens: int) -> int:
+    """What a local prefill saves the new request's TTFT, in prefill tokens: the remote one starts
+    after the prefill pool's queue, the local one after the decode worker's own."""
+    return prefill_queue_tokens - decode_queue_tokens
+
+
+def decode_stall_tokens(uncached_tokens: int, decode_running: int) -> int:
+    """What a local prefill costs the decode worker's running streams, in prefill tokens: each of them
+    waits out the prompt's prefill (its chunks share the steps), a stall in every one's ITL."""
+    return uncached_tokens * decode_running
+
+
 def choose_prefill_mode(
-    uncached_tokens: int, prefill_queue_tokens: int, decode_queue_tokens: int, routing: RoutingConfig
+    uncached_tokens: int,
+    prefill_queue_tokens: int,
+    decode_queue_tokens: int,
+    routing: RoutingConfig,
+    decode_running: int = 0,
 ) -> PrefillMode:
     """Local when disaggregation costs more than it saves: a short uncached suffix (the KV transfer
     and the second hop cost more than the prefill itself), or a prefill pool so backed up that it
     could not start this prompt before the decode worker had finished it (`prefill_queue_tokens`:
     the least-queued prefill worker's; `decode_queue_tokens`: the decode worker's own prompt tokens
     yet to prefill). The second is Dynamo's prefill-load rule and llm-d's decider: a disaggregated
-    prompt that waits in a queue pays for its ITL protection in TTFT, past what the SLO allows."""
+    prompt that waits in a queue pays for its ITL protection in TTFT, past what the SLO allows. It
+    holds only while the TTFT it saves outweighs the stall it puts on the decode worker's
+    `decode_running` streams (`routing.decode_stall_weight` per stalled stream's token; issue 22:
+    with a 700-token backlog and no such weight, the second prompt of a burst went local and
+    stalled four steady streams for its whole prefill)."""
     if routing.mode == "colocated":
         mode: PrefillMode = "local"
         why = "mode=colocated"
@@ -222,16 +243,20 @@ def choose_prefill_mode(
         mode, why = "remote", "mode=disaggregated"
     else:
         short = uncached_tokens <= routing.local_prefill_max_tokens
+        saved = ttft_saved_tokens(prefill_queue_tokens, decode_queue_tokens)
+        stall = routing.decode_stall_weight * decode_stall_tokens(uncached_tokens, decode_running)
         backed_up = (
             prefill_queue_tokens >= routing.prefill_backlog_tokens
             and decode_queue_tokens + uncached_tokens <= prefill_queue_tokens
+            and saved >= stall
         )
         mode = "local" if short or backed_up else "remote"
         why = (
             (
                 f"uncached {uncached_tokens} <= {routing.local_prefill_max_tokens} is {short}; "
                 f"prefill queue {prefill_queue_tokens} >= {routing.prefill_backlog_tokens} and decode queue "
-                f"{decode_queue_tokens} + {uncached_tokens} <= it is {backed_up}"
+                f"{decode_queue_tokens} + {uncached_tokens} <= it and TTFT saved {saved} >= stall "
+                f"{routing.decode_stall_weight:g} x {uncached_tokens} x {decode_running} running is {backed_up}"
             )
             if log.isEnabledFor(logging.DEBUG)
             else ""
@@ -300,8 +325,14 @@ def route(
     candidates = decode_candidates(hashes, num_tokens, index, decode_loads, routing.block_size, aware)
     choice = chooser.choose(candidates, rng)
     if prefill_queued_tokens:
-        decode_queue = decode_loads[choice.worker].queued_tokens
-        mode = choose_prefill_mode(choice.uncached_tokens, min(prefill_queued_tokens.values()), decode_queue, routing)
+        chosen = decode_loads[choice.worker]
+        mode = choose_prefill_mode(
+            choice.uncached_tokens,
+            min(prefill_queued_tokens.values()),
+            chosen.queued_tokens,
+            routing,
+            chosen.running_requests,
+        )
     else:
         mode = "local"
     return Route(choice.worker, mode, choice.overlap_blocks, choice.uncached_tokens)

@@ -96,7 +96,7 @@ class Worker:
             queued = max(0, queued - self.ended_tokens)
         else:
             running = max(0, running - self.ended_tokens)
-        return WorkerLoad(queued, running, s.free_blocks, s.total_blocks, speeds)
+        return WorkerLoad(queued, running, s.free_blocks, s.total_blocks, speeds, s.running_requests)
 
 
 class WorkerSet:
