@@ -26,6 +26,11 @@ TITLES = {
     "transfer-cuda": "KV transfer over CUDA IPC and TCP on the H100 (issue 3)",
     "transfer-codec": "The KV wire codec: int8 against raw, bytes per prompt and TTFT on loopback and on a link "
     "paced to 1 Gb/s (issue 21)",
+    "transfer-codec-netns": "The KV wire codec through the real serving path over a link throttled by tc in a network "
+    "namespace: raw against auto against int8, TTFT of 2K-token prompts at 1, 0.1 and 0.03 Gb/s and on loopback "
+    "(issue 21)",
+    "transfer-lossless": "Lossless compression of real bfloat16 KV frames (zlib, zstd, lz4; plain, byte-shuffled, "
+    "after int8): ratio and MB/s on one core against link rates (issue 21)",
     "transfer-tp": "KV transfer between tensor-parallel sizes: re-sharding per layer against the plain transfer "
     "(issue 13)",
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
