@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from splitserve.engine.commands import Admit
 from splitserve.engine.core_lease import CoreLease, step_threads
 from splitserve.engine.tuned import Machine, tuned_defaults
 
@@ -92,3 +93,45 @@ def test_the_tuned_cpu_pair_owns_half_the_cores_each_and_lends_them():
     assert (t.long_prefill_token_threshold, t.prefill_backlog_tokens, t.mode) == (256, 700, "auto")
     assert not tuned_defaults(_machine({"avx2"}, cores=1)).core_lease  # nothing to lend
     assert "--dtype float32" in t.line() and "--prefill-backlog-tokens 700" in t.line()
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_loop_runs_each_prefill_step_on_the_threads_the_lease_gives(lease_path):
+    import threading
+
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine, StepOutput
+    from splitserve.engine.loop import EngineLoop
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.engine.testing import random_weights, tiny_model_config
+
+    cfg = tiny_model_config()
+    engine = Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    neighbour = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getppid())
+    seen: list[int] = []  # each step's threads, read on the engine thread right after it
+    lease = CoreLease(lease_path, total_cores=2, own_cores=1)
+    loop = EngineLoop(engine, on_iteration=lambda _: seen.append(torch.get_num_threads()), core_lease=lease)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill(request_id: str, first: int) -> list[int]:
+        finished = threading.Event()
+        seen.clear()
+
+        def sink(out: StepOutput) -> None:
+            if out.finished:
+                finished.set()
+
+        prompt = list(range(first, first + 128))  # two chunks of 64, none of them cached
+        loop.submit(Admit(request_id, prompt, params), sink)
+        assert finished.wait(30)
+        return list(seen)
+
+    try:
+        assert prefill("neighbour-idle", 1) == [2, 2]  # both cores
+        neighbour.acquire(borrows=False)  # the neighbour gets work and claims its core
+        assert prefill("neighbour-busy", 200) == [1, 1]  # given back at the step boundary
+    finally:
+        loop.stop()
+        neighbour.close()
