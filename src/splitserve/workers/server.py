@@ -180,8 +180,9 @@ def _aging(cfg: WorkerConfig) -> float | None:
 
 
 def core_lease(cfg: WorkerConfig) -> CoreLease | None:
-    """The worker's slot in its machine's core lease (None: off, or on a GPU, whose cores are not lent)."""
-    if cfg.core_lease in ("", "off") or cfg.engine.device != "cpu":
+    """The worker's slot in its machine's core lease (None: off; on a GPU, whose cores are not lent;
+    or for a tensor-parallel worker, whose ranks divide its threads between them once, at start)."""
+    if cfg.core_lease in ("", "off") or cfg.engine.device != "cpu" or cfg.engine.tensor_parallel_size > 1:
         return None
     total = cfg.lease_cores or len(os.sched_getaffinity(0))
     return CoreLease(cfg.core_lease, total, min(total, cfg.threads or 1))
