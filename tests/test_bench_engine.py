@@ -52,7 +52,7 @@ def test_quick_run_prints_every_figure_for_both_dtypes(capsys):
         _figures(
             out, tag + rf" prefill   64 tokens: ours {NUMBER} tok/s .* = {NUMBER} TFLOP/s = {NUMBER}% of F\.linear"
         )
-    assert re.search(r"machine: .*; torch .*, 1 threads", out)
+    assert re.search(r"machine: .*; CPU flags: .*; torch .*, 1 threads", out)
 
 
 def test_cuda_without_a_gpu_skips_cleanly(capsys):

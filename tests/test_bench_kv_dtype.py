@@ -1,6 +1,7 @@
 """splitserve bench kv-dtype's measuring pieces on a tiny model: the teacher-forced and step-by-step
 log-probabilities (the same over an fp32 pool; within the target over the prefill's int8 KV), the
-greedy agreement count, and the text it measures on being shipped."""
+greedy agreement count, the text it measures on being shipped, the contexts it times the decode
+step at, and the decode-step timer it shares with bench structured (bench/step_timer.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 
 from splitserve.bench import kv_dtype
+from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine import Engine
+from splitserve.engine.engine import Engine, StepOutput
+from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,3 +46,42 @@ def test_agreement_counts_identical_prompts_and_first_divergences() -> None:
 
 def test_the_text_is_shipped_and_a_few_kilobytes() -> None:
     assert 2_000 <= len(kv_dtype.TEXT.read_bytes()) <= 20_000
+
+
+def test_the_step_timer_waits_for_chunked_prefills_and_leaves_the_engine_idle() -> None:
+    cfg = tiny_model_config(max_position=512)
+    # prompts of 40 tokens in chunks of 16: three steps of prefill per request before any pure decode step
+    eng = Engine(cfg, random_weights(cfg, seed=5), EngineConfig(num_blocks=64, block_size=8, max_num_batched_tokens=16))
+    steps: list[bool] = []
+    real_step = eng.step
+
+    def step() -> list[StepOutput]:
+        # a step counts as decode when every running sequence has only its one new token left to compute
+        sched = eng.scheduler
+        steps.append(
+            bool(sched.running)
+            and not sched.waiting
+            and all(len(s) - s.num_computed_tokens == 1 for s in sched.running)
+        )
+        return real_step()
+
+    eng.step = step  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        ms = decode_step_ms(eng, list(range(3, 42)), params, batch=2, steps=3, tag="t")
+        assert ms > 0
+        assert not eng.has_work
+        first_decode = steps.index(True)
+        assert first_decode >= 3 and all(steps[first_decode:])
+        with pytest.raises(RuntimeError, match="no pure decode step"):
+            decode_step_ms(eng, list(range(3, 42)), SamplingParams(max_tokens=1, ignore_eos=True), 2, 3, "u")
+    finally:
+        eng.close()
+
+
+def test_contexts_are_parsed_and_prompts_cut_to_them() -> None:
+    assert kv_dtype._contexts("256, 1024,2048") == [256, 1024, 2048]
+    for bad in ("", "1", "a,b"):
+        with pytest.raises(SystemExit, match="--contexts"):
+            kv_dtype._contexts(bad)
+    assert kv_dtype._prompt_of([1, 2, 3], 8) == [1, 2, 3, 1, 2, 3, 1]

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -148,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own progress bar
     import torch
 
+    from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
+
     if args.threads:
         torch.set_num_threads(args.threads)
     argv = sys.argv[1:]
@@ -167,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
     if opts.hf and hf_version is None:
         print("transformers is not installed: HF figures are skipped")
     print(
-        f"machine: {_machine(opts.device)}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"transformers {hf_version or '-'}; code {_code_version()}; load average {_load()}"
+        f"machine: {machine(opts.device)}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; transformers {hf_version or '-'}; code {code_version()}; "
+        f"load average {load_average()}"
     )
     print(
         f"decode: prompts of {opts.prompt_len} random tokens, {opts.new_tokens} new tokens per request (greedy, "
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         subject = _subject(key, opts.device)
         for dtype in opts.dtypes:
             _bench(subject, dtype, opts, hf_version is not None)
-    print(f"\nload average at the end: {_load()}")
+    print(f"\nload average at the end: {load_average()}")
     return 0
 
 
@@ -726,10 +728,6 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def _transformers_version() -> str | None:
     try:
         import transformers
@@ -738,38 +736,21 @@ def _transformers_version() -> str | None:
     return str(transformers.__version__)
 
 
+# Kept for bench modules still in flight that import these names (bench/spec.py); everything
+# else takes them from measure/hw.py, where they live.
+def _load() -> str:
+    from splitserve.measure.hw import load_average
+
+    return load_average()
+
+
 def _code_version() -> str:
-    """The commit the engine comes from, marked when engine/ has uncommitted changes: a figure belongs to a version."""
-    import subprocess
+    from splitserve.measure.hw import code_version
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    stated = os.environ.get("SPLITSERVE_COMMIT")
-    # a GPU machine's copy has no .git, or a stale one (its HEAD is not the tree that was sent):
-    # the commit as the caller states it wins there
-    if stated and not (commit and stated.startswith(commit)):
-        return f"{stated} (stated, not checked)"
-    if not commit:
-        return "-"
-    return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
+    return code_version()
 
 
 def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        import torch
+    from splitserve.measure.hw import machine
 
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} CPUs"
+    return machine(device)

@@ -1,7 +1,8 @@
 """What a quantized KV pool costs in quality and buys in capacity, against bfloat16 KV, in one run.
 
     splitserve bench kv-dtype [--dtype bfloat16] [--kv-dtypes int8,fp8] [--tokens 256]
-                              [--pool-mib 32] [--batch 8] [--context 256] [--steps 24] [--repeats 3]
+                              [--pool-mib 32] [--batch 8] [--contexts 256,1024,2048] [--steps 24]
+                              [--repeats 3]
 
 On the default model (SmolLM2-135M) with the model in `--dtype`, each quantized KV dtype
 against bfloat16 KV (the issue's targets in brackets):
@@ -22,8 +23,9 @@ against bfloat16 KV (the issue's targets in brackets):
 - capacity at a fixed pool of --pool-mib MiB (--kv-cache-bytes): the blocks that fit and the
   most sequences running at once when --requests prompts of --capacity-context tokens (each asking for
   --capacity-tokens more) arrive together [int8 at least 1.8x bfloat16];
-- the decode step at batch --batch over --context tokens of context, bfloat16 KV and each
-  quantized dtype measured alternately in every repetition [not slower: ratio at most 1.0].
+- the decode step at batch --batch over each of --contexts tokens of context (KV is a small share
+  of a step's bytes at 256 tokens, most of them at 2048), bfloat16 KV and each quantized dtype
+  measured alternately in every repetition [not slower: ratio at most 1.0 at every context].
 """
 
 from __future__ import annotations
@@ -31,19 +33,18 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from splitserve.bench.engine import _code_version, _load, _machine
-from splitserve.bench.structured import _cpu_flags
+from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 BASELINE = "bfloat16"
@@ -73,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-context", type=int, default=64, help="prompt tokens of each capacity request")
     p.add_argument("--capacity-tokens", type=int, default=8, help="tokens each capacity request asks for")
     p.add_argument("--batch", type=int, default=8, help="batch of the decode step timed")
-    p.add_argument("--context", type=int, default=256, help="prompt tokens (the context) of each sequence")
+    p.add_argument(
+        "--contexts", default="256,1024,2048", help="prompt tokens (the context) of each sequence, one figure each"
+    )
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per repetition")
     p.add_argument("--repeats", type=int, default=3, help="repetitions; each runs every dtype back to back")
 
@@ -84,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
         f"# splitserve bench kv-dtype --dtype {args.dtype} --kv-dtypes {','.join(kvs)} --tokens {args.tokens} "
         f"--chunk {args.chunk} --logprob-tokens {args.logprob_tokens} --logprob-dtypes {args.logprob_dtypes} "
         f"--pool-mib {args.pool_mib:g} --requests {args.requests} --capacity-context {args.capacity_context} "
-        f"--capacity-tokens {args.capacity_tokens} --batch {args.batch} --context {args.context} "
+        f"--capacity-tokens {args.capacity_tokens} --batch {args.batch} --contexts {args.contexts} "
         f"--steps {args.steps} --repeats {args.repeats}"
     )
     print(
-        f"machine: {_machine(torch.device('cpu'))}; CPU flags: {_cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; code {_code_version()}; load average {_load()}"
+        f"machine: {machine(torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
     )
     verdicts: list[tuple[str, bool]] = []
     quality = {kv: _quality(args, kv) for kv in [BASELINE, *kvs]}
@@ -132,8 +135,7 @@ def _quality(args: argparse.Namespace, kv: str) -> Quality:
         engine.close()
 
 
-def _meta(table: torch.Tensor, positions: torch.Tensor, context: int, decode: bool) -> AttentionMetadata:
-    bs = _BLOCK[0]
+def _meta(table: torch.Tensor, positions: torch.Tensor, context: int, decode: bool, bs: int) -> AttentionMetadata:
     n = positions.numel()
     return AttentionMetadata(
         slot_blocks=table[0, positions // bs].contiguous(),
@@ -146,12 +148,9 @@ def _meta(table: torch.Tensor, positions: torch.Tensor, context: int, decode: bo
     )
 
 
-_BLOCK = [16]
-
-
 def _table(engine: Engine, n: int) -> torch.Tensor:
     """Blocks 1.. of the (idle) engine's pool for one sequence of n tokens."""
-    bs = _BLOCK[0] = engine.cfg.block_size
+    bs = engine.cfg.block_size
     nb = (n + bs - 1) // bs
     if nb >= engine.kv_cache.num_blocks:
         raise ValueError(f"{n} tokens need {nb} blocks; the pool has {engine.kv_cache.num_blocks}")
@@ -167,7 +166,7 @@ def _teacher_forced(engine: Engine, tokens: list[int], chunk: int) -> torch.Tens
     rows = []
     for start in range(0, len(tokens), chunk):
         pos = torch.arange(start, min(start + chunk, len(tokens)))
-        meta = _meta(table, pos, int(pos[-1]) + 1, False)
+        meta = _meta(table, pos, int(pos[-1]) + 1, False, engine.cfg.block_size)
         rows.append(model.forward(ids[pos], pos, cache, meta, torch.arange(pos.numel())))
     logits = torch.cat(rows)[:-1]
     return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
@@ -185,11 +184,13 @@ def _step_by_step(engine: Engine, tokens: list[int], over_prefill: bool = False)
         _teacher_forced(engine, tokens, len(tokens))
     prefilled = cache.clone() if over_prefill else None
     rows = []
+    bs = engine.cfg.block_size
     for i in range(len(tokens) - 1):
         pos = torch.tensor([i])
-        rows.append(model.forward(ids[i : i + 1], pos, cache, _meta(table, pos, i + 1, True), torch.zeros(1).long()))
+        meta = _meta(table, pos, i + 1, True, bs)
+        rows.append(model.forward(ids[i : i + 1], pos, cache, meta, torch.zeros(1, dtype=torch.long)))
         if prefilled is not None:
-            blk = table[0, i // engine.cfg.block_size]
+            blk = table[0, i // bs]
             cache[:, blk] = prefilled[:, blk]
     logits = torch.cat(rows)
     return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
@@ -304,52 +305,68 @@ def _capacity(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]
 
 
 def _decode_speed(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]]:
-    engines = {kv: _engine(args, kv) for kv in [BASELINE, *kvs]}
+    """The batch's decode step at each context, every dtype back to back in each repetition."""
+    contexts = _contexts(args.contexts)
+    bs = EngineConfig().block_size
+    # room for every sequence of the longest context and its steps, plus a spare block
+    blocks = args.batch * -(-(max(contexts) + args.steps + 3) // bs) + 1
+    engines = {kv: _engine(args, kv, num_blocks=max(512, blocks)) for kv in [BASELINE, *kvs]}
+    verdicts = []
     try:
-        tok = engines[BASELINE][1]
-        prompt = tok.encode(TEXT.read_text())[: args.context - 1]
-        times: dict[str, list[float]] = {kv: [] for kv in engines}
-        for r in range(args.repeats):
-            for kv, (engine, _) in engines.items():
-                times[kv].append(_step_ms(engine, prompt, args.batch, args.steps, f"{kv}{r}"))
+        prompt = engines[BASELINE][1].encode(TEXT.read_text())
+        print(
+            f"\ndecode step at batch {args.batch}, median of {args.steps} steps, {args.repeats} repetitions "
+            "alternating the dtypes, at each context:"
+        )
+        for ctx in contexts:
+            times = _step_times(engines, _prompt_of(prompt, ctx), args, f"c{ctx}")
+            verdicts += _print_speed(times, kvs, args.batch, ctx)
     finally:
         for engine, _ in engines.values():
             engine.close()
-    print(
-        f"\ndecode step at batch {args.batch}, {args.context} tokens of context each, median of {args.steps} steps, "
-        f"{args.repeats} repetitions alternating:"
-    )
+    return verdicts
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        contexts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise SystemExit(f"bench kv-dtype: --contexts takes comma-separated token counts, not {text!r}") from None
+    if not contexts or min(contexts) < 2:
+        raise SystemExit(f"bench kv-dtype: --contexts needs token counts of at least 2, got {text!r}")
+    return contexts
+
+
+def _prompt_of(text: list[int], n: int) -> list[int]:
+    """n - 1 tokens of the text, repeated as often as it takes (the timer appends one of its own)."""
+    return (text * (n // len(text) + 1))[: n - 1]
+
+
+def _step_times(
+    engines: dict[str, tuple[Engine, Tokenizer]], prompt: list[int], args: argparse.Namespace, tag: str
+) -> dict[str, list[float]]:
+    params = SamplingParams(max_tokens=args.steps + 2, temperature=0, ignore_eos=True)
+    times: dict[str, list[float]] = {kv: [] for kv in engines}
+    for r in range(args.repeats):
+        for kv, (engine, _) in engines.items():
+            times[kv].append(decode_step_ms(engine, prompt, params, args.batch, args.steps, f"{tag}{kv}{r}"))
+    return times
+
+
+def _print_speed(times: dict[str, list[float]], kvs: list[str], batch: int, ctx: int) -> list[tuple[str, bool]]:
     base = statistics.median(times[BASELINE])
-    print(f"  {BASELINE:<9} KV: {base:.2f} ms (per repetition: {' '.join(f'{t:.2f}' for t in times[BASELINE])})")
+    print(
+        f"  context {ctx:>5}: {BASELINE:<9} KV {base:.2f} ms "
+        f"(per repetition: {' '.join(f'{t:.2f}' for t in times[BASELINE])})"
+    )
     verdicts = []
     for kv in kvs:
         ratios = [a / b for a, b in zip(times[kv], times[BASELINE], strict=True)]
         ratio = statistics.median(ratios)
         ok = ratio <= 1.0
-        verdicts.append((f"decode batch {args.batch} {kv} not slower", ok))
+        verdicts.append((f"decode batch {batch} context {ctx} {kv} not slower", ok))
         print(
-            f"  {kv:<9} KV: {statistics.median(times[kv]):.2f} ms, ratio {ratio:.3f} (per repetition: "
-            f"{' '.join(f'{x:.3f}' for x in ratios)})  [target <= 1.000: {'met' if ok else 'NOT met'}]"
+            f"  context {ctx:>5}: {kv:<9} KV {statistics.median(times[kv]):.2f} ms, ratio {ratio:.3f} (per "
+            f"repetition: {' '.join(f'{x:.3f}' for x in ratios)})  [target <= 1.000: {'met' if ok else 'NOT met'}]"
         )
     return verdicts
-
-
-def _step_ms(engine: Engine, prompt: list[int], batch: int, steps: int, tag: str) -> float:
-    """Median wall time of the pure decode steps of `batch` requests over `prompt`."""
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [*prompt, 1 + i], params)
-    sched = engine.scheduler
-    while sched.waiting or any(len(s) - s.num_computed_tokens > 1 for s in sched.running):
-        engine.step()  # the prefills
-    times: list[float] = []
-    while engine.has_work and len(times) < steps:
-        t0 = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - t0
-        if len(outs) != batch or any(o.finished for o in outs):
-            break
-        times.append(elapsed)
-    for i in range(batch):
-        engine.abort(f"{tag}-{i}")
-    return statistics.median(times) * 1e3

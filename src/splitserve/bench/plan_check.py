@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.bench.peer.hf_export import export_hf_dir
     from splitserve.bench.peer.main import SERVED_MODEL_NAME, parse_cores
     from splitserve.bench.peer.servers import LaunchContext
-    from splitserve.bench.structured import _cpu_flags
+    from splitserve.measure.hw import cpu_flags
     from splitserve.plan.calibrate import CalibrationConfig, calibrate
     from splitserve.plan.profile import load_profile, save_profile
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"$ splitserve {shlex.join(sys.argv[1:])}   # at {_commit()}, {now:%Y-%m-%dT%H:%MZ}, {os.cpu_count()} CPU "
-        f"cores (flags {_cpu_flags()}), load average {load} at start",
+        f"cores (flags {cpu_flags()}), load average {load} at start",
         flush=True,
     )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from splitserve.bench.engine import _code_version, _load, _machine
+from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.grammar import GrammarCompiler
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
 
 # Records with free text: long enough that no request finishes its grammar within --steps.
 RECORDS: dict[str, Any] = {
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         f"--repeats {args.repeats}"
     )
     print(
-        f"machine: {_machine(torch.device('cpu'))}; CPU flags: {_cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; code {_code_version()}; load average {_load()}"
+        f"machine: {machine(torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
     )
     engine, tokenizer = Engine.from_path(None, EngineConfig(num_blocks=1024, dtype=args.dtype), progress=False)
     _compile_times(tokenizer, engine, args.schemas)
@@ -115,8 +116,8 @@ def _compare(engine: Engine, prompt: list[int], spec: GrammarSpec, batch: int, s
     plain_ms, schema_ms, ratios = [], [], []
     base = SamplingParams(max_tokens=steps + 2, temperature=0.8, seed=1, ignore_eos=True)
     for r in range(repeats):
-        plain = _step_ms(engine, prompt, base, batch, steps, f"p{r}")
-        constrained = _step_ms(engine, prompt, dataclasses.replace(base, grammar=spec), batch, steps, f"s{r}")
+        plain = decode_step_ms(engine, prompt, base, batch, steps, f"p{r}")
+        constrained = decode_step_ms(engine, prompt, dataclasses.replace(base, grammar=spec), batch, steps, f"s{r}")
         plain_ms.append(plain)
         schema_ms.append(constrained)
         ratios.append(constrained / plain)
@@ -129,29 +130,6 @@ def _compare(engine: Engine, prompt: list[int], spec: GrammarSpec, batch: int, s
     return ratio
 
 
-def _step_ms(engine: Engine, prompt: list[int], params: SamplingParams, batch: int, steps: int, tag: str) -> float:
-    """Median wall time of the pure decode steps of `batch` requests (fresh prompts: no cache hits)."""
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [*prompt, 1 + i], params)
-    times: list[float] = []
-    engine.step()  # the prefill
-    while engine.has_work and len(times) < steps:
-        t0 = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - t0
-        if len(outs) != batch or any(o.finished for o in outs):
-            break
-        times.append(elapsed)
-    for i in range(batch):
-        engine.abort(f"{tag}-{i}")
-    return statistics.median(times) * 1e3
-
-
 def _cpu_flags() -> str:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in wanted if f in flags) or "none of " + " ".join(wanted)
+    """Kept for bench modules still in flight that import it (bench/spec.py): measure/hw.py's cpu_flags."""
+    return cpu_flags()

@@ -30,13 +30,12 @@ from pathlib import Path
 
 import torch
 
-from splitserve.bench.engine import _code_version, _load, _machine
-from splitserve.bench.structured import _cpu_flags
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.weights import load_model
+from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -93,10 +92,10 @@ def _header(args: argparse.Namespace) -> None:
         + (" --keep-page-cache" if args.keep_page_cache else "")
     )
     now = datetime.datetime.now(datetime.UTC)
-    print(f"# {command}   [code {_code_version()}; {now:%Y-%m-%d %H:%M} UTC; CPU flags: {_cpu_flags()}]")
+    print(f"# {command}   [code {code_version()}; {now:%Y-%m-%d %H:%M} UTC; CPU flags: {cpu_flags()}]")
     print(
-        f"machine: {_machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"load average {_load()}"
+        f"machine: {machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"load average {load_average()}"
     )
 
 

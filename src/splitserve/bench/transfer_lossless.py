@@ -151,15 +151,14 @@ def run(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     import datetime
 
-    from splitserve.bench.engine import _code_version, _load
-    from splitserve.bench.structured import _cpu_flags
+    from splitserve.measure.hw import code_version, cpu_flags, load_average
 
     torch.set_num_threads(1)
     now = datetime.datetime.now(datetime.UTC)
     print(
         f"$ splitserve bench transfer --codec --lossless --prompt-tokens {a.prompt_tokens} --dtype {a.dtype} "
-        f"--repeats {a.repeats}   # at {_code_version()}, {now:%Y-%m-%dT%H:%MZ}, flags {_cpu_flags()}, "
-        f"load average {_load()} at start"
+        f"--repeats {a.repeats}   # at {code_version()}, {now:%Y-%m-%dT%H:%MZ}, flags {cpu_flags()}, "
+        f"load average {load_average()} at start"
     )
     frames = _real_frames(a)
     mib = sum(f.numel() * f.element_size() for f in frames) / 2**20
@@ -175,7 +174,7 @@ def _run(a: argparse.Namespace) -> int:
         rates = f"{s.compress_bps / 1e6:10.0f} {s.decompress_bps / 1e6:11.0f}"
         print(f"  {s.name:24s} {s.ratio:6.3f} {rates}   {'':13s}{costs}")
     _verdict(stages)
-    print(f"load average {_load()} at the end")
+    print(f"load average {load_average()} at the end")
     return 0
 
 

@@ -377,16 +377,15 @@ def _header(
 ) -> None:
     import datetime
 
-    from splitserve.bench.engine import _code_version, _load
-    from splitserve.bench.structured import _cpu_flags
+    from splitserve.measure.hw import code_version, cpu_flags, load_average
 
     now = datetime.datetime.now(datetime.UTC)
     model = f" --model {a.model}" if a.model else ""
     print(
         f"$ splitserve bench transfer --codec --netns --netns-gbps {a.netns_gbps} --prompt-tokens {a.prompt_tokens} "
         f"--prompts {a.prompts} --warm-up {a.warm_up} --dtype {a.dtype} --netns-chunk {a.netns_chunk}{model}"
-        f"   # at {_code_version()}, {now:%Y-%m-%dT%H:%MZ}, {os.cpu_count()} CPU cores (flags {_cpu_flags()}), "
-        f"load average {_load()} at start"
+        f"   # at {code_version()}, {now:%Y-%m-%dT%H:%MZ}, {os.cpu_count()} CPU cores (flags {cpu_flags()}), "
+        f"load average {load_average()} at start"
     )
     cores = f"prefill workers on core {pcore}, decode worker on core {dcore}" if pcore is not None else "unpinned"
     print(
@@ -397,7 +396,7 @@ def _header(
 
 
 def _report(a: argparse.Namespace, rates: list[float], got: tuple[Results, dict[str, float]], raw: int) -> int:
-    from splitserve.bench.engine import _load
+    from splitserve.measure.hw import load_average
 
     results, probed = got
     print(
@@ -433,7 +432,7 @@ def _report(a: argparse.Namespace, rates: list[float], got: tuple[Results, dict[
             f"{alone * int8 * 1e3:.0f} ms, against the prefill's {prefill * 1e3:.0f} ms: the {neck} is the "
             f"bottleneck; auto's TTFT {auto * 100:.1f}% lower than raw"
         )
-    return _verdicts(results, rates, raw, _load)
+    return _verdicts(results, rates, raw, load_average)
 
 
 def _verdicts(results: Results, rates: list[float], raw: int, load: Any) -> int:

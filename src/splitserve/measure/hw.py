@@ -14,12 +14,17 @@ measured in the same run as the figures divided by it.
 
 The probes use plain torch on purpose: they say what the library and the
 machine give, whatever kernel the engine itself happens to use.
+
+Every benchmark's header states the machine it ran on with the functions below
+(`cpu_flags`, `machine`, `code_version`, `load_average`): these machines differ,
+and a figure belongs to the CPU paths and the code that produced it.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from typing import NamedTuple
 
@@ -27,6 +32,55 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.tuned import cpu_flags as cpu_flag_set
+
+# The flags the kernels choose their paths by (engine/kernels: AVX2, AVX-512, AVX-512 bf16 dot
+# products; VNNI and AMX where present), as a benchmark's header states them.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_flags() -> str:
+    """This CPU's KERNEL_FLAGS, space-separated ("none of ..." if it has none, "unknown" without /proc)."""
+    flags = cpu_flag_set()
+    if not flags:
+        return "unknown"
+    return " ".join(f for f in KERNEL_FLAGS if f in flags) or "none of " + " ".join(KERNEL_FLAGS)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages ("?" where the platform has none)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def machine(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and how many CPUs this process sees."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {os.cpu_count()} CPUs"
+
+
+def code_version() -> str:
+    """The commit the engine comes from, marked when engine/ has uncommitted changes: a figure belongs to a version."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/splitserve
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    stated = os.environ.get("SPLITSERVE_COMMIT")
+    # a GPU machine's copy has no .git, or a stale one (its HEAD is not the tree that was sent):
+    # the commit as the caller states it wins there
+    if stated and not (commit and stated.startswith(commit)):
+        return f"{stated} (stated, not checked)"
+    if not commit:
+        return "-"
+    return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
 
 
 def cpu_name() -> str:

@@ -179,13 +179,12 @@ class Report:
 
 
 def header(argv: list[str], out: Report) -> None:
-    from splitserve.bench.engine import _code_version, _load
-    from splitserve.bench.structured import _cpu_flags
+    from splitserve.measure.hw import code_version, cpu_flags, load_average
 
     now = datetime.datetime.now(datetime.UTC)
     command = "splitserve bench conversation " + " ".join(shlex.quote(x) for x in argv)
-    out(f"# {command.strip()}   [code {_code_version()}; {now:%Y-%m-%d %H:%M} UTC; CPU flags: {_cpu_flags()}]")
-    out(f"machine: {os.cpu_count()} CPUs; load average at the start {_load()}")
+    out(f"# {command.strip()}   [code {code_version()}; {now:%Y-%m-%d %H:%M} UTC; CPU flags: {cpu_flags()}]")
+    out(f"machine: {os.cpu_count()} CPUs; load average at the start {load_average()}")
 
 
 def run(a: argparse.Namespace) -> int:
