@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
 from splitserve.runtime.grpc_fork import disable_grpc_fork_handlers
+
+if TYPE_CHECKING:
+    from splitserve.engine.kernels.decode import DecodeKernels
 
 # Nothing in the tests may reach a model hub; transformers reads this at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,3 +40,17 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
     d = tmp_path_factory.mktemp("tokenizer")
     load_text_tokenizer(smollm2_path).save(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def cpu_decode_kernels() -> DecodeKernels:
+    """The C++ CPU decode kernels (engine/kernels/decode.py), built once; the test is skipped where
+    they are disabled or cannot be built. The kernel tests take them as their `kernels` fixture."""
+    import splitserve.engine.kernels.decode as kd
+
+    if kd.kernels_disabled():
+        pytest.skip(f"{kd.DISABLE_ENV} is set")
+    k = kd.decode_kernels()
+    if k is None:
+        pytest.skip("the decode kernels could not be built here (see the warning in the log)")
+    return k

@@ -29,6 +29,7 @@ from splitserve.engine.attention import AttentionMetadata, _decode_attention, wr
 from splitserve.engine.layers import apply_rope, rms_norm
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.engine.tuned import cpu_flags
 from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,13 +40,8 @@ INDEX_FIELDS = ("slot_blocks", "slot_offsets", "block_tables", "context_lens")
 
 
 @pytest.fixture(scope="module")
-def kernels() -> kd.DecodeKernels:
-    if kd.kernels_disabled():
-        pytest.skip(f"{kd.DISABLE_ENV} is set")
-    k = kd.decode_kernels()
-    if k is None:
-        pytest.skip("the decode kernels could not be built here (see the warning in the log)")
-    return k
+def kernels(cpu_decode_kernels: kd.DecodeKernels) -> kd.DecodeKernels:
+    return cpu_decode_kernels  # tests/conftest.py's
 
 
 def isas(k: kd.DecodeKernels) -> list[kd.DecodeKernels]:
@@ -184,6 +180,19 @@ def test_decode_attention_no_less_accurate_than_torch_in_bf16(kernels):
     theirs = _decode_attention(q, cache[0], meta, dim**-0.5).reshape(t, -1)
     ours = make_step(kernels, torch.zeros(t, 8, dtype=BF16), cache, meta, heads).attention(0, qkv, write=False)
     assert (ours.float() - ref).abs().mean() <= (theirs.float() - ref).abs().mean() * 1.05
+
+
+def test_the_best_path_is_the_one_the_cpu_flags_allow(kernels):
+    """isa 0 (every model step) takes the widest path this CPU's flags allow; the tests above run each
+    path up to it."""
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "bmi2"} <= flags:
+        want = 3
+    elif {"avx2", "fma", "bmi2", "f16c"} <= flags:
+        want = 2
+    else:
+        want = 1
+    assert kernels.best_isa == want, (kd.ISA_NAMES[kernels.best_isa], sorted(flags))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

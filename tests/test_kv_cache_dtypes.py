@@ -34,13 +34,8 @@ KINDS = ["int8", "fp8_e4m3"]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> kd.DecodeKernels:
-    if kd.kernels_disabled():
-        pytest.skip(f"{kd.DISABLE_ENV} is set")
-    k = kd.decode_kernels()
-    if k is None:
-        pytest.skip("the decode kernels could not be built here (see the warning in the log)")
-    return k
+def kernels(cpu_decode_kernels: kd.DecodeKernels) -> kd.DecodeKernels:
+    return cpu_decode_kernels  # tests/conftest.py's
 
 
 # ------------------------------------------------------------ names and sizes
