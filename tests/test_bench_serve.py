@@ -200,6 +200,23 @@ def test_a_conversation_turn_carries_the_previous_answer():
     assert backend.prompts[1].text == "be brief\nq0\nanswer to q0\nq1"
 
 
+def test_a_conversation_pauses_its_think_time_between_turns_not_before_the_first():
+    backend = CountingBackend()
+    turns = tuple(datasets.Turn(f"q{i}", 2, 4, f"turn{i + 1}") for i in range(3))
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:  # the clock's sleep, recorded: the driver's only wait
+        slept.append(s)
+
+    clock = Clock(time.perf_counter, sleep)
+    session = datasets.Session(turns, think_s=7.5)
+    got = asyncio.run(run_load(backend, [session], [0.0], None, clock, Progress(3, "t", enabled=False)))
+    assert len(got.records) == 3 and slept == [7.5, 7.5]
+    slept.clear()
+    asyncio.run(run_load(backend, [datasets.Session(turns)], [0.0], None, clock, Progress(3, "t", enabled=False)))
+    assert slept == []
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 
 

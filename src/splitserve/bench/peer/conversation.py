@@ -1,10 +1,13 @@
 """`splitserve bench conversation`: the multi-turn load that KV tiers are for (issue 21), in one run.
 
-    splitserve bench conversation [--sessions 20 --turns 8 --context-len 1536 --session-rate 0.2]
+    splitserve bench conversation [--sessions 20 --turns 8 --context-len 1536 --session-rate 0.33 --think-s 10]
 
 Three systems on this machine, one after another, each loaded with the same `bench serve`
 conversation sessions (each opens with a document of --context-len tokens of its own, then
---turns user turns; every answer goes back into the next turn's prompt):
+--turns user turns; every answer goes back into the next turn's prompt, after --think-s seconds of
+the user's pause, during which the session holds only its parked context: without a pause every
+session runs at once, the running requests alone outgrow pools a quarter of the working set, and
+every system waits for blocks, tiers or not):
 
 - `tier-aware`: two colocated splitserve workers (one per core, as `bench peer` runs them) with a
   host and a disk tier behind each pool, the router pricing a worker by the seconds until the
@@ -47,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--context-len", type=int, default=1536, help="tokens of each session's opening document")
     p.add_argument("--output-len", type=int, default=64, help="tokens of each answer")
-    p.add_argument("--session-rate", type=float, default=0.2, help="sessions started per second (Poisson)")
+    p.add_argument("--session-rate", type=float, default=0.33, help="sessions started per second (Poisson)")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=10.0,
+        help="the user's pause after each answer: sessions park their context between turns",
+    )
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="NAME:MS")
     p.add_argument("--pool-fraction", type=float, default=0.25, help="the pools' share of the working set")
     p.add_argument("--host-fraction", type=float, default=0.125, help="each host tier's share of it")
@@ -127,6 +136,7 @@ def load_for(a: argparse.Namespace, label: str) -> Load:
     flags = (
         *("--dataset", "conversation", "--num-prompts", str(a.sessions), "--turns", str(a.turns)),
         *("--conversation-context-len", str(a.context_len), "--conversation-output-len", str(a.output_len)),
+        *("--conversation-think-s", f"{a.think_s:g}"),
         *("--request-rate", f"{a.session_rate:g}", "--ignore-eos", "--seed", str(a.seed), "--goodput", *a.goodput),
     )
     return Load(f"conversation-{label}", flags, a.load_timeout)
@@ -223,7 +233,8 @@ def describe_sizing(a: argparse.Namespace, s: Sizing, per_token: int, out: Repor
     mib = per_token * s.working_set_tokens / 2**20
     out(
         f"load: {a.sessions} sessions of {a.turns} turns, each opening with a {a.context_len}-token document of its "
-        f"own, {a.output_len}-token answers, sessions started at {a.session_rate:g}/s (Poisson), seed {a.seed}; "
+        f"own, {a.output_len}-token answers, {a.think_s:g} s of user think time after each answer, sessions started "
+        f"at {a.session_rate:g}/s (Poisson), seed {a.seed}; "
         f"goodput objective {' '.join(a.goodput)} (ms)"
     )
     out(

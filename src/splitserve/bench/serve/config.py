@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="conversation: tokens of a document each session opens with, its own (0: none)",
     )
+    g.add_argument(
+        "--conversation-think-s",
+        type=float,
+        default=0.0,
+        help="conversation: seconds the user pauses after each answer before the next turn",
+    )
     g.add_argument("--burst-steady-streams", type=int, default=4, help="burst: steady streams running throughout")
     g.add_argument("--burst-steady-input-len", type=int, default=32)
     g.add_argument("--burst-steady-output-len", type=int, default=128)
@@ -87,6 +93,7 @@ class DatasetConfig:
     turns: int = 3
     conversation_output_len: int = 64
     conversation_context_len: int = 0  # a document of its own each session opens with (0: none)
+    conversation_think_s: float = 0.0  # the user's pause after each answer
     burst_steady_streams: int = 4
     burst_steady_input_len: int = 32
     burst_steady_output_len: int = 128
@@ -125,6 +132,8 @@ class DatasetConfig:
             raise ValueError("token lengths must be >= 1")
         if self.conversation_context_len < 0:
             raise ValueError("--conversation-context-len must be >= 0")
+        if not 0 <= self.conversation_think_s < float("inf"):
+            raise ValueError("--conversation-think-s must be a number >= 0")
         if not self.burst_interval_s >= 0:
             raise ValueError("--burst-interval-s must be >= 0")
 
@@ -179,6 +188,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
             turns=a.turns,
             conversation_output_len=a.conversation_output_len,
             conversation_context_len=a.conversation_context_len,
+            conversation_think_s=a.conversation_think_s,
             burst_steady_streams=a.burst_steady_streams,
             burst_steady_input_len=a.burst_steady_input_len,
             burst_steady_output_len=a.burst_steady_output_len,

@@ -51,6 +51,7 @@ class Turn:
 class Session:
     turns: tuple[Turn, ...]
     system: str | None = None  # a system prompt sent before the turns (the prefix dataset's shared one)
+    think_s: float = 0.0  # seconds the user takes after each answer before the next turn
 
 
 # ---- ShareGPT -------------------------------------------------------------------------
@@ -165,11 +166,14 @@ def conversation_sessions(
     rng: random.Random,
     pool: int = 4000,
     context_len: int = 0,
+    think_s: float = 0.0,
 ) -> list[Session]:
     """`num` sessions of `turns` user turns, from ShareGPT conversations that long; the server answers each.
     `context_len`: each session opens with a document of about that many tokens, its own (its system
     message), so that the sessions' working set outgrows a small KV pool and a returning session's
-    context is either still cached, in a tier behind the pool, or recomputed."""
+    context is either still cached, in a tier behind the pool, or recomputed. `think_s`: the user's pause
+    after each answer: while it thinks, a session holds no running request, only its context in some
+    cache (what tiers are for: many sessions parked, a few running)."""
     candidates = [h[:turns] for h, _ in _take(sharegpt_pairs(), pool) if len(h) >= turns]
     rng.shuffle(candidates)
     out: list[Session] = []
@@ -184,6 +188,7 @@ def conversation_sessions(
                     Turn(h, n, output_len, f"turn{i + 1}") for i, (h, n) in enumerate(zip(humans, lens, strict=True))
                 ),
                 system=system,
+                think_s=think_s,
             )
         )
         if len(out) == num:

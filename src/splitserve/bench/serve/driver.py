@@ -41,11 +41,18 @@ def prompt_for(session: Session, history: Sequence[tuple[str, str]], turn: Turn)
 
 
 async def run_session(
-    backend: Backend, session: Session, t0: float, on_done: Callable[[bool], None]
+    backend: Backend,
+    session: Session,
+    t0: float,
+    on_done: Callable[[bool], None],
+    sleep: Callable[[float], Awaitable[None]] | None = None,
 ) -> list[RequestRecord]:
+    """The session's turns in order; `sleep` waits the user's think time between an answer and the next turn."""
     records: list[RequestRecord] = []
     history: list[tuple[str, str]] = []
-    for turn in session.turns:
+    for i, turn in enumerate(session.turns):
+        if i and session.think_s > 0 and sleep is not None:
+            await sleep(session.think_s)
         out = await backend.send(prompt_for(session, history, turn), t0)
         records.append(out.record)
         on_done(out.record.ok)
@@ -74,9 +81,9 @@ async def run_load(
         if wait > 0:
             await clock.sleep(wait)
         if limit is None:
-            return await run_session(backend, session, t0, progress.update)
+            return await run_session(backend, session, t0, progress.update, clock.sleep)
         async with limit:
-            return await run_session(backend, session, t0, progress.update)
+            return await run_session(backend, session, t0, progress.update, clock.sleep)
 
     done = await asyncio.gather(*(one(s, at) for s, at in zip(sessions, offsets_s, strict=True)))
     duration = clock.now() - t0

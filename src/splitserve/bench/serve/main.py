@@ -94,7 +94,13 @@ def build_workload(d: DatasetConfig, tok: TextTokenizer) -> list[Session] | Burs
         )
     if d.name == "conversation":
         return conversation_sessions(
-            tok, d.num_prompts, d.turns, d.conversation_output_len, rng, context_len=d.conversation_context_len
+            tok,
+            d.num_prompts,
+            d.turns,
+            d.conversation_output_len,
+            rng,
+            context_len=d.conversation_context_len,
+            think_s=d.conversation_think_s,
         )
     return burst_plan(
         tok,
