@@ -36,11 +36,23 @@ import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 import splitserve.engine.kernels.triton_decode as td  # noqa: E402
-from splitserve.engine.attention import AttentionMetadata, write_kv  # noqa: E402
+from splitserve.engine.attention import (  # noqa: E402
+    AttentionMetadata,
+    paged_attention,
+    write_kv,
+)
+from splitserve.engine.kv_cache import quantized_views  # noqa: E402
 from splitserve.engine.layers import apply_rope, rms_norm  # noqa: E402
 from splitserve.engine.model import LlamaModel  # noqa: E402
 from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
-from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows  # noqa: E402
+from tests.kernel_helpers.decode_cases import (  # noqa: E402
+    decode_batch,
+    decode_logits,
+    fp32_attention,
+    make_step,
+    quantized_batch,
+    rope_rows,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -285,6 +297,83 @@ def test_split_k_fills_the_gpu_at_batch_1_and_leaves_short_or_wide_batches_alone
     assert td.context_splits(64, 8, 8192)[0] == 1  # 512 programs already
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "bs", "ctx", "split"),
+    [
+        (9, 3, 64, 16, [5, 20, 33], False),
+        (8, 2, 32, 4, [7, 13, 2, 30], False),
+        (6, 2, 48, 16, [17], False),
+        (4, 2, 32, 16, [70, 3], True),
+    ],
+)
+def test_quantized_decode_matches_the_torch_path(
+    kernels, monkeypatch, kind, dtype, heads, kv_heads, dim, bs, ctx, split
+):
+    """An int8 or e4m3 cache (engine/kv_cache.py's format): the step's write gives the torch
+    write's bytes, and its attention, reading values and scales in place, the torch path's
+    (which dequantizes the gathered blocks to fp32), one split or several."""
+    if split:
+        split_everything(monkeypatch)
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    cache, meta = quantized_batch(gen, kind, dtype, ctx, kv_heads, dim, bs)
+    ref_cache = cache.clone()
+    b, q_size, kv_size = len(ctx), heads * dim, kv_heads * dim
+    qkv = torch.randn(b, q_size + 2 * kv_size, generator=gen).to(dtype)
+    kn = qkv[:, q_size : q_size + kv_size].reshape(b, kv_heads, dim)
+    vn = qkv[:, q_size + kv_size :].reshape(b, kv_heads, dim)
+    write_kv(ref_cache[1], kn, vn, meta)
+    ref = paged_attention(qkv[:, :q_size].reshape(b, heads, dim), kn, vn, ref_cache[1], meta, dim**-0.5)
+    ones, zeros = torch.ones(b, dim, dtype=dtype), torch.zeros(b, dim, dtype=dtype)  # RoPE as the identity
+    step = kernels.step(
+        torch.zeros(b, 8, dtype=dtype),
+        cache,
+        meta,
+        ones,
+        zeros,
+        num_heads=heads,
+        scale=dim**-0.5,
+        eps=1e-5,
+        intermediate_size=8,
+        kv_heads=kv_heads,
+    )
+    assert (step._splits > 1) == split
+    out = step.attention(1, qkv.clone())
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    tol = 2e-2 if dtype is BF16 else 1e-5
+    torch.testing.assert_close(out.float(), ref.reshape(b, -1).float(), rtol=tol, atol=tol)
+
+
+def test_every_e4m3_code_is_read_exactly(kernels):
+    """Attention over one token's V is that V: each of the 254 finite e4m3 codes (scale 1), one
+    head of 254 values, comes back as torch's own conversion gives it."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 0x7f and 0xff are NaN
+    dim = codes.numel()
+    cache, meta = quantized_batch(torch.Generator().manual_seed(0), "fp8_e4m3", F32, [1], 1, dim, 4)
+    qkv = torch.zeros(1, 3 * dim)
+    step = kernels.step(
+        torch.zeros(1, 8),
+        cache,
+        meta,
+        torch.ones(1, dim),
+        torch.zeros(1, dim),
+        num_heads=1,
+        scale=dim**-0.5,
+        eps=1e-5,
+        intermediate_size=8,
+        kv_heads=1,
+    )
+    step.write_kv(1, qkv)
+    values, scales = quantized_views(cache[1], 1, dim)  # then the token's V replaced by the codes, scale 1
+    blk, off = int(meta.slot_blocks[0]), int(meta.slot_offsets[0])
+    values.view(torch.uint8)[blk, 1, off, 0] = codes
+    scales[blk, 1, off, 0] = 1.0
+    out = step.attention(1, qkv, write=False)[0]
+    assert torch.equal(out, codes.view(torch.float8_e4m3fn).float())
+
+
 def test_attention_after_write_kv_reads_what_it_wrote(kernels):
     """The layer-hook path: write_kv, then attention(write=False), is attention(write=True)."""
     gen = torch.Generator().manual_seed(11)
@@ -410,6 +499,8 @@ def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeyp
     assert model._decode_kernels(cache(BF16, cuda), meta) is kernels
     assert model._decode_kernels(cache(BF16, cuda), prefill) is None
     assert model._decode_kernels(cache(F32, cuda), meta) is None  # a cache of another dtype
+    for quantized in (torch.int8, torch.float8_e4m3fn):  # read in place by the kernels
+        assert model._decode_kernels(cache(quantized, cuda), meta) is kernels
     cpu = LlamaModel(TINY, weights, torch.device("cpu"), BF16)
     assert cpu._decode_kernels(cache(BF16, torch.device("cpu")), meta) is not kernels  # C++ kernels or torch
     monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: None)  # no triton: torch

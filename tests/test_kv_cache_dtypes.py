@@ -26,6 +26,7 @@ from splitserve.engine.kv_cache import (
 )
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
+from tests.kernel_helpers.decode_cases import quantized_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,43 +172,6 @@ def _slots(blocks: list[int], offsets: list[int]) -> AttentionMetadata:
     )
 
 
-def _quantized_batch(
-    gen: torch.Generator, kind: str, dtype: torch.dtype, ctx: list[int], kv_heads: int, dim: int, bs: int
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """A quantized 2-layer cache whose sequences hold scattered blocks, their contexts written
-    through the torch path but for each one's last token, and the decode step's metadata."""
-    need = [(n + bs - 1) // bs for n in ctx]
-    lay = KVLayout(2, kv_heads, dim, bs, kind)
-    cache = KVCache(lay, sum(need) + 2).tensor
-    order = (torch.randperm(sum(need) + 1, generator=gen) + 1).tolist()
-    tables = torch.zeros(len(ctx), max(need) + 1, dtype=torch.long)
-    for b, n in enumerate(need):
-        tables[b, :n] = torch.tensor(order[:n])
-        order = order[n:]
-    for b, n in enumerate(ctx):
-        pos = torch.arange(n - 1)
-        if n > 1:
-            kv = torch.randn(2, n - 1, kv_heads, dim, generator=gen).to(dtype)
-            for layer in range(2):
-                write_kv(cache[layer], kv[0], kv[1], _meta_for(tables[b, pos // bs], pos % bs))
-    last = torch.tensor(ctx) - 1
-    meta = AttentionMetadata(
-        slot_blocks=tables[torch.arange(len(ctx)), last // bs].contiguous(),
-        slot_offsets=last % bs,
-        block_tables=tables,
-        context_lens=torch.tensor(ctx),
-        query_lens=[1] * len(ctx),
-        context_lens_list=list(ctx),
-        is_decode=True,
-    )
-    return cache, meta
-
-
-def _meta_for(blocks: torch.Tensor, offsets: torch.Tensor) -> AttentionMetadata:
-    n = blocks.numel()
-    return AttentionMetadata(blocks, offsets, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), [n], [n], False)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize(
@@ -230,7 +194,7 @@ def test_cpp_quantized_decode_matches_torch(
     for isa in range(1, kernels.best_isa + 1):
         k = kernels.with_isa(isa)
         gen = torch.Generator().manual_seed(isa * 100 + dim)
-        cache, meta = _quantized_batch(gen, kind, dtype, ctx, kv_heads, dim, bs)
+        cache, meta = quantized_batch(gen, kind, dtype, ctx, kv_heads, dim, bs)
         ref_cache = cache.clone()
         b = len(ctx)
         qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -261,7 +225,7 @@ def test_cpp_quantized_decode_matches_torch(
 
 def test_cpp_quantized_step_needs_kv_heads(kernels: kd.DecodeKernels) -> None:
     gen = torch.Generator().manual_seed(5)
-    cache, meta = _quantized_batch(gen, "int8", BF16, [3], 2, 16, 4)
+    cache, meta = quantized_batch(gen, "int8", BF16, [3], 2, 16, 4)
     h = torch.randn(1, 16, generator=gen).to(BF16)
     ones = torch.ones(1, 16, dtype=BF16)
     with pytest.raises(ValueError, match="kv_heads given"):

@@ -1,6 +1,7 @@
 """Cases and references shared by the fused decode kernel tests: the C++ CPU kernels
-(test_kernels_decode.py) and the Triton CUDA kernels (test_kernels_triton.py) are held
-against the same torch code on the same random paged caches."""
+(test_kernels_decode.py, test_kv_cache_dtypes.py) and the Triton CUDA kernels
+(test_kernels_triton.py) are held against the same torch code on the same random paged
+caches, in the model's dtype or quantized."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any, Protocol
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.attention import AttentionMetadata, write_kv
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model import LlamaModel
 
 
@@ -139,3 +141,40 @@ def decode_logits(
                 )[0]
             )
     return torch.stack(out)
+
+
+def quantized_batch(
+    gen: torch.Generator, kind: str, dtype: torch.dtype, ctx: list[int], kv_heads: int, dim: int, bs: int
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A quantized 2-layer cache whose sequences hold scattered blocks, their contexts written
+    through the torch path but for each one's last token, and the decode step's metadata."""
+    need = [(n + bs - 1) // bs for n in ctx]
+    lay = KVLayout(2, kv_heads, dim, bs, kind)
+    cache = KVCache(lay, sum(need) + 2).tensor
+    order = (torch.randperm(sum(need) + 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(ctx), max(need) + 1, dtype=torch.long)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    for b, n in enumerate(ctx):
+        pos = torch.arange(n - 1)
+        if n > 1:
+            kv = torch.randn(2, n - 1, kv_heads, dim, generator=gen).to(dtype)
+            for layer in range(2):
+                write_kv(cache[layer], kv[0], kv[1], _slots_meta(tables[b, pos // bs], pos % bs))
+    last = torch.tensor(ctx) - 1
+    meta = AttentionMetadata(
+        slot_blocks=tables[torch.arange(len(ctx)), last // bs].contiguous(),
+        slot_offsets=last % bs,
+        block_tables=tables,
+        context_lens=torch.tensor(ctx),
+        query_lens=[1] * len(ctx),
+        context_lens_list=list(ctx),
+        is_decode=True,
+    )
+    return cache, meta
+
+
+def _slots_meta(blocks: torch.Tensor, offsets: torch.Tensor) -> AttentionMetadata:
+    n = blocks.numel()
+    return AttentionMetadata(blocks, offsets, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), [n], [n], False)

@@ -190,8 +190,6 @@ class LlamaModel:
             return None
         if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()
-        if quantized:  # the Triton kernel reads the model's dtype only: the torch path dequantizes
-            return None
         if self.device.type == "cuda" and self.dtype in TRITON_DECODE_DTYPES and kv_cache.device.type == "cuda":
             return triton_decode_kernels()
         return None

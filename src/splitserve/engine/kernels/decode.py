@@ -76,8 +76,9 @@ def _fits(t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return t.dtype is dtype and t.is_cpu and t.is_contiguous() and tuple(t.shape) == shape
 
 
-def _cache_shape(kv_cache: Tensor, kv_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
-    """(layers, blocks, block_size, kv_heads, head_dim) of a cache in either format (ValueError if neither)."""
+def cache_shape(kv_cache: Tensor, kv_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(layers, blocks, block_size, kv_heads, head_dim) of a cache in either format (ValueError if
+    neither): the model's dtype, or quantized (then `kv_heads` is needed: a block is bytes)."""
     if kv_cache.dim() == 6 and kv_cache.dtype not in KV_KINDS:
         layers, blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
         return layers, blocks, block_size, kv_heads, head_dim
@@ -105,7 +106,7 @@ def _check_step_tensors(
             f"kv_cache must be a contiguous CPU {dtype} tensor [layers, blocks, 2, block_size, kv_heads, head_dim]"
             " or a quantized one (int8, float8_e4m3fn)"
         )
-    _, _, _, kv_heads, head_dim = _cache_shape(kv_cache, kv_heads, cos.shape[-1])
+    _, _, _, kv_heads, head_dim = cache_shape(kv_cache, kv_heads, cos.shape[-1])
     if not meta.is_decode:
         raise ValueError("a decode step needs one new token per sequence")
     batch = h.shape[0]
@@ -159,7 +160,7 @@ class DecodeStep:
         self._threads = torch.get_num_threads()
         self._eps = float(eps)
         self._kv_kind = KV_KINDS.get(kv_cache.dtype, 0)
-        shape = _cache_shape(kv_cache, kv_heads, cos.shape[-1])
+        shape = cache_shape(kv_cache, kv_heads, cos.shape[-1])
         self._allocate_buffers(num_heads, shape[3], shape[4], intermediate_size)
         # Kept so that the pointers _bind_attention_args takes stay valid for the step's lifetime.
         self._keep = (kv_cache, meta, cos, sin)

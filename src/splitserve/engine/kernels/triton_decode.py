@@ -23,7 +23,10 @@ graph's pool when captured), and the first launch, which compiles, happens in
 the capture's warm-up runs (engine/cuda_graphs.py).
 
 bf16, fp16 and fp32 tensors on one device: CUDA in serving, the CPU only under
-Triton's interpreter (TRITON_INTERPRET=1, for the tests). `triton_decode_kernels()`
+Triton's interpreter (TRITON_INTERPRET=1, for the tests). The KV cache in the model's dtype,
+or quantized (int8 or fp8 e4m3 with a scale per token and kv head, engine/kv_cache.py's
+format), which attention reads in place; a quantized cache's write is the torch path's
+`write_quantized` after the kernel's RoPE (the same bytes as the C++ kernel's write). `triton_decode_kernels()`
 is None, and the model runs its torch code, when triton is not installed or
 SPLITSERVE_NO_KERNELS is set; triton is imported only on its first call.
 """
@@ -41,9 +44,10 @@ from torch import Tensor
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.blocks import cdiv
-from splitserve.engine.kernels.decode import StepMetadata
+from splitserve.engine.kernels.decode import KV_KINDS, StepMetadata, cache_shape
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
 from splitserve.engine.kernels.once import Once
+from splitserve.engine.kv_cache import write_quantized
 from splitserve.engine.layers import apply_rope, rms_norm
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def _check_step_tensors(
-    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int
+    h: Tensor, kv_cache: Tensor, meta: StepMetadata, cos: Tensor, sin: Tensor, num_heads: int, kv_heads: int = 0
 ) -> None:
     """Every property of a step's fixed tensors that the kernels rely on (ValueError naming the first that fails)."""
     dtype, dev = h.dtype, h.device
@@ -94,14 +98,16 @@ def _check_step_tensors(
         raise ValueError(f"Triton decode kernels take bf16, fp16 or fp32, not {dtype}")
     if h.dim() != 2 or not h.is_contiguous():
         raise ValueError("h must be a contiguous tensor [batch, hidden]")
-    if kv_cache.dim() != 6 or not kv_cache.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device != dev:
+    own = kv_cache.dtype == dtype or kv_cache.dtype in KV_KINDS
+    if not kv_cache.is_contiguous() or not own or kv_cache.device != dev:
         raise ValueError(
             f"kv_cache must be a contiguous {dtype} tensor on {dev} [layers, blocks, 2, block_size, kv_heads, head_dim]"
+            " or a quantized one (int8, float8_e4m3fn)"
         )
+    _, _, _, kv_heads, head_dim = cache_shape(kv_cache, kv_heads, cos.shape[-1])
     if not meta.is_decode:
         raise ValueError("a decode step needs one new token per sequence")
     batch = h.shape[0]
-    kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     tables = meta.block_tables
     # the block table may be a column slice of a wider buffer (cuda_graphs.py): rows strided
     if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1:
@@ -140,10 +146,11 @@ class TritonDecodeStep:
         scale: float,
         eps: float,
         intermediate_size: int,
+        kv_heads: int = 0,
     ):
-        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads)
+        _check_step_tensors(h, kv_cache, meta, cos, sin, num_heads, kv_heads)
         batch, hidden = h.shape
-        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        layers, _, block_size, kv_heads, head_dim = cache_shape(kv_cache, kv_heads, cos.shape[-1])
         self._ops = ops
         self.h = h
         self.num_layers = layers
@@ -158,8 +165,19 @@ class TritonDecodeStep:
         self._act = h.new_empty(batch, intermediate_size)
         self._norm_block = _pow2(hidden)
         self._norm_warps = 4 if hidden <= 2048 else 8
-        self._cache_strides = kv_cache.stride()[1:5]  # block, k/v, token, head (a layer's view shares them)
+        self._quant = KV_KINDS.get(kv_cache.dtype, 0)  # the attention kernel's KV_QUANT
+        self._bind_cache(kv_cache)
         self._plan_attention(scale, meta.block_tables.shape[1])
+
+    def _bind_cache(self, kv_cache: Tensor) -> None:
+        """The cache's element strides (block, K/V, token, head) as the kernels address it, shared
+        by every layer's view; a quantized cache's in bytes (the kernel finds its scales from them)."""
+        if not self._quant:
+            self._cache_strides = kv_cache.stride()[1:5]
+            return
+        bs, kvh, dim = self._block_size, self._kv_heads, self._head_dim
+        # a block's scales start 4-byte aligned: 2 * bs * kvh * dim is a multiple of 4 (dim is even)
+        self._cache_strides = (kv_cache.shape[2], bs * kvh * dim, kvh * dim, dim)
 
     def _plan_attention(self, scale: float, table_width: int) -> None:
         """The attention kernel's compile-time sizes, its context split and the split's part buffers."""
@@ -175,6 +193,7 @@ class TritonDecodeStep:
             DIM_PAD=_pow2(head_dim, 16),
             BLOCK_N=ATTENTION_BLOCK_N,
             QK_PRECISION="ieee" if h.dtype is torch.float32 else "tf32",  # no TF32 for fp32 models
+            KV_QUANT=self._quant,
         )
         self._scale_log2 = float(scale) * math.log2(math.e)
         self._splits, self._tokens_per_split = context_splits(batch, kv_heads, table_width * self._block_size)
@@ -230,8 +249,15 @@ class TritonDecodeStep:
             KV_HEADS=self._kv_heads,
             HEAD_DIM=self._head_dim,
             HALF_PAD=_pow2(self._head_dim // 2),
+            STORE_KV=not self._quant,
             num_warps=1,
         )
+        if self._quant:  # the rotated K and V quantized into their slots, as the torch path writes them
+            q_size, kv_size = self._num_heads * self._head_dim, self._kv_heads * self._head_dim
+            shape = (qkv.shape[0], self._kv_heads, self._head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(shape)
+            v = qkv[:, q_size + kv_size :].view(shape)
+            write_quantized(cache, k, v, meta.slot_blocks, meta.slot_offsets)
 
     def attention(self, layer: int, qkv: Tensor, write: bool = True) -> Tensor:
         """Attention output [B, heads * head_dim] (the o projection's input) of one layer.
@@ -245,12 +271,14 @@ class TritonDecodeStep:
         cache = self._check(layer, qkv)
         meta = self._meta
         batch, splits = qkv.shape[0], self._splits
+        # e4m3 read as its bits (the kernel widens them exactly, with or without fp8 hardware)
+        values = cache.view(torch.uint8) if self._quant == KV_KINDS[torch.float8_e4m3fn] else cache
         self._ops.paged_decode_attention_kernel[(batch, self._kv_heads, splits)](
             self._attn,
             self._part_acc,
             self._part_ml,
             qkv,
-            cache,
+            values,
             meta.block_tables,
             meta.context_lens,
             qkv.stride(0),
@@ -370,13 +398,17 @@ class TritonDecodeKernels:
         scale: float,
         eps: float,
         intermediate_size: int,
+        kv_heads: int = 0,
     ) -> TritonDecodeStep:
         """A decode step over residual stream h [B, hidden] and kv_cache (all layers).
 
         cos and sin are [B, head_dim] rows of the RoPE tables at each token's position, in h's
-        dtype; meta is the step's AttentionMetadata (a decode step).
+        dtype; meta is the step's AttentionMetadata (a decode step). `kv_heads`: the cache's KV
+        heads, needed only for a quantized cache (whose blocks are bytes).
         """
-        return TritonDecodeStep(self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size)
+        return TritonDecodeStep(
+            self._ops, h, kv_cache, meta, cos, sin, num_heads, scale, eps, intermediate_size, kv_heads
+        )
 
 
 class _SelfTestSizes(NamedTuple):

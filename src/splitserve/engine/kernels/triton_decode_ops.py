@@ -10,6 +10,12 @@ output and rounds once.
 
 Indices (block tables, slots, context lengths) are int64, and every cache
 offset is computed in int64: a cache of a few GiB overflows int32 element offsets.
+
+A quantized cache (KV_QUANT 1 int8, 2 e4m3; engine/kv_cache.py's format: one-byte values,
+then a fp32 scale per token and kv head, inside each block) is read in place: its values
+widen to fp32 in registers, each token's K scale multiplies its score and its V scale its
+probability, and the products run in fp32 ("ieee"), as the C++ kernel computes them. The
+write of a quantized cache is the torch code's (triton_decode.py), this module only rotates.
 """
 
 from __future__ import annotations
@@ -58,10 +64,11 @@ def rope_write_kv_kernel(
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     """Grid (tokens, heads + 2 kv_heads): program (b, j) takes head j of row b of qkv, q heads
-    first, then k, then v. q and k heads are rotated in place (HF's rotate_half); k and v
-    heads are stored at the token's slot of `cache_ptr` (one layer: [blocks, 2, bs, kv, dim])."""
+    first, then k, then v. q and k heads are rotated in place (HF's rotate_half); with STORE_KV,
+    k and v heads are stored at the token's slot of `cache_ptr` (one layer: [blocks, 2, bs, kv, dim])."""
     dtype = qkv_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -85,11 +92,11 @@ def rope_write_kv_kernel(
         y2 = ((f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)).to(dtype)
         tl.store(src + offs, y1, mask=mask)
         tl.store(src + half + offs, y2, mask=mask)
-        if head >= NUM_HEADS:
+        if STORE_KV and head >= NUM_HEADS:
             dst = slot + (head - NUM_HEADS) * stride_head
             tl.store(dst + offs, y1, mask=mask)
             tl.store(dst + half + offs, y2, mask=mask)
-    else:
+    elif STORE_KV:
         dst = slot + stride_kv + (head - NUM_HEADS - KV_HEADS) * stride_head
         tl.store(dst + offs, x1, mask=mask)
         tl.store(dst + half + offs, x2, mask=mask)
@@ -121,12 +128,13 @@ def paged_decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     QK_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Grid (sequences, kv_heads, splits): one program attends the GROUP query heads that share
     a kv head, so each K/V tile is read once for all of them, over its split's share of the
     context (tokens_per_split from split * tokens_per_split on; one split: all of it), tile by
     tile with an online softmax. One split writes the output; several write their partial sums
-    for combine_splits_kernel."""
+    for combine_splits_kernel. KV_QUANT: 0 a cache of the model's dtype, 1 int8, 2 e4m3 bits."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,11 +151,11 @@ def paged_decode_attention_kernel(
     k_head = cache_ptr + kvh * stride_head
     table_row = block_tables_ptr + b * table_stride
     for start in range(first, end, BLOCK_N):  # no iteration for a split past the context
-        k, tok, kv_mask, t_valid = _load_k_tile(
-            k_head, table_row, start, end, d, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N
+        k, tok, kv_mask, t_valid, ks, vs = _load_k_tile(
+            k_head, table_row, start, end, d, stride_block, stride_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N, cache_ptr, kvh
         )
         m, l, acc = _online_softmax_step(
-            q, k, t_valid, m, l, acc, scale_log2, k_head + stride_kv, tok, d, kv_mask, QK_PRECISION
+            q, k, t_valid, m, l, acc, scale_log2, k_head + stride_kv, tok, d, kv_mask, QK_PRECISION, ks, vs, KV_QUANT
         )
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
@@ -169,11 +177,16 @@ def _load_k_tile(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    cache_ptr,
+    kvh,
 ):
     """K [BLOCK_N, dim] of the context tokens from `start` on (those from `end` on masked to
     zeros, t_valid False), addressed token by token through the sequence's block table
     `table_row` (any block size, no gather); `k_head`: the layer's cache at one kv head.
-    Also each token's offset in the cache and the tile's mask, for its V."""
+    Also each token's offset in the cache and the tile's mask, for its V; and where a quantized
+    cache (engine/kv_cache.py: a block's values, then its fp32 K scales [block_size, kv_heads],
+    then its V scales) keeps the tokens' K and V scales of kv head `kvh` (addresses only: nothing
+    is read there)."""
     n = tl.arange(0, BLOCK_N)
     t = start + n
     t_valid = t < end
@@ -181,25 +194,76 @@ def _load_k_tile(
     block = tl.load(table_row + t // BLOCK_SIZE, mask=t_valid, other=0)
     tok = block * stride_block + (t % BLOCK_SIZE) * stride_tok
     kv_mask = t_valid[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return k, tok, kv_mask, t_valid
+    k = tl.load(k_head + tok[:, None] + d[None, :], mask=kv_mask, other=0)
+    # one-byte values: stride_block is a block's bytes, stride_tok kv_heads * HEAD_DIM
+    kv_heads = stride_tok // HEAD_DIM
+    ks = (
+        cache_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+        + kvh
+        + block * (stride_block // 4)
+        + BLOCK_SIZE * stride_tok // 2
+        + (t % BLOCK_SIZE) * kv_heads
+    )
+    return k, tok, kv_mask, t_valid, ks, ks + BLOCK_SIZE * kv_heads
 
 
 @triton.jit
-def _online_softmax_step(q, k, t_valid, m, l, acc, scale_log2, v_head, tok, d, kv_mask, QK_PRECISION: tl.constexpr):
+def _widen(x, KV_QUANT: tl.constexpr):
+    """One-byte cache values as fp32, exactly: int8 (KV_QUANT 1), or e4m3 bits read as uint8
+    (2; the C++ kernel's kv_f32, with no fp32 subnormal on the way: a normal's exponent
+    rebased by 127 - 7, a subnormal m * 2^-9 as 2^-6 * (1 + m/8) - 2^-6)."""
+    if KV_QUANT == 1:
+        return x.to(tl.float32)
+    v = x.to(tl.uint32)
+    mag = (v & 0x7F) << 20
+    sub = (v & 0x78) == 0
+    f = tl.where(sub, mag | (121 << 23), mag + (120 << 23)).to(tl.float32, bitcast=True)
+    f = tl.where(sub, f - 0.015625, f)
+    return (f.to(tl.uint32, bitcast=True) | ((v & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _online_softmax_step(
+    q,
+    k,
+    t_valid,
+    m,
+    l,
+    acc,
+    scale_log2,
+    v_head,
+    tok,
+    d,
+    kv_mask,
+    QK_PRECISION: tl.constexpr,
+    ks,
+    vs,
+    KV_QUANT: tl.constexpr,
+):
     """One K/V tile into the running max m, denominator l and unnormalised output acc of the
     query group q, all fp32, in base 2 (scale_log2 = scale * log2(e)). V is read (at v_head, the
-    cache's V at the kv head) once the tile's probabilities are known."""
-    # bf16 x bf16 products are exact in fp32, so this dot is as accurate as an fp32 one
-    s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale_log2
+    cache's V at the kv head) once the tile's probabilities are known. A quantized tile's values
+    widen to fp32, against q in fp32 (as the C++ kernel computes), and its tokens' scales (at ks
+    and vs) weigh their scores and probabilities."""
+    if KV_QUANT == 0:
+        # bf16 x bf16 products are exact in fp32, so this dot is as accurate as an fp32 one
+        s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale_log2
+    else:
+        k_scale = tl.load(ks, mask=t_valid, other=0.0)
+        s = tl.dot(q.to(tl.float32), tl.trans(_widen(k, KV_QUANT)), input_precision="ieee")
+        s = s * (k_scale * scale_log2)[None, :]
     s = tl.where(t_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_head + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + tok[:, None] + d[None, :], mask=kv_mask, other=0)
     # probabilities stay fp32 (no rounding to bf16 as flash kernels do): decode is bound by K/V reads
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    if KV_QUANT == 0:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        v_scale = tl.load(vs, mask=t_valid, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], _widen(v, KV_QUANT), input_precision="ieee")
     return m_new, l, acc
 
 
