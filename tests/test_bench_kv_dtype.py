@@ -85,3 +85,15 @@ def test_contexts_are_parsed_and_prompts_cut_to_them() -> None:
         with pytest.raises(SystemExit, match="--contexts"):
             kv_dtype._contexts(bad)
     assert kv_dtype._prompt_of([1, 2, 3], 8) == [1, 2, 3, 1, 2, 3, 1]
+
+
+@pytest.mark.parametrize(("dtype", "bits"), [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)])
+def test_the_noise_floor_moves_each_weight_by_at_most_one_ulp(dtype: torch.dtype, bits: torch.dtype) -> None:
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
+    w[0] = 0
+    before = w.clone()
+    kv_dtype._move_by_an_ulp(w, torch.Generator().manual_seed(0))
+    step = w.view(bits).long() - before.view(bits).long()  # one ulp is one step of the bit pattern
+    assert set(step.unique().tolist()) == {-1, 0, 1}
+    assert not step[0].any()  # zeros stay zeros (no step into NaN bits)
+    assert torch.equal(w.sign(), before.sign())
