@@ -55,7 +55,10 @@ TITLES = {
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
-    "against decode log-probabilities, sequences at a fixed pool and the batch-8 decode step (issue 21)",
+    "against decode log-probabilities beside their noise floor, sequences at a fixed pool and the batch-8 decode "
+    "step at 256 to 2048 tokens of context (issue 21)",
+    "kernels-isa-cpu": "The CPU kernels' paths side by side: linear's AVX2, AVX-512 and AVX-512 BF16 (vdpbf16ps), "
+    "decode attention's x86-64, AVX2 and AVX-512 over bfloat16, int8 and fp8 KV (issue 22)",
 }
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).

@@ -132,6 +132,30 @@ def _extension() -> ModuleType | None:
     return _EXT.get()
 
 
+# The kernel's paths, by the `isa` argument (linear.cpp picks the widest the CPU has for 0).
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+
+
+def best_isa() -> int:
+    """The path `linear` takes on this CPU: 1 AVX2+FMA, 2 AVX-512F, 3 AVX-512 BF16 (0: no kernel here)."""
+    ext = _extension()
+    return 0 if ext is None else int(ext.isa())
+
+
+def linear_on(x: Tensor, w: Tensor, isa: int) -> Tensor:
+    """x @ w.T on one path of the kernel (1 .. best_isa()), to compare the paths side by side: x [B, K]
+    and w [N, K] contiguous CPU tensors, bf16 w with bf16 or fp32 x, or fp32 both (ValueError else)."""
+    ext = _extension()
+    if ext is None or not 1 <= isa <= int(ext.isa()):
+        raise ValueError(f"linear kernel path {isa} is not available here (paths 1..{best_isa()})")
+    pair = (w.dtype is _BF16 and x.dtype in (_BF16, _F32)) or (w.dtype is _F32 and x.dtype is _F32)
+    if not (pair and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] > 0):
+        raise ValueError("linear_on takes x [B, K] and w [N, K]: bf16 w with bf16 or fp32 x, or fp32 both")
+    if not (x.is_cpu and w.is_cpu and x.is_contiguous() and w.is_contiguous()):
+        raise ValueError("linear_on takes contiguous CPU tensors")
+    return _run(ext, x, w, None, isa)
+
+
 def kernel_available() -> bool:
     """True when linear() will use the kernel for calls that fit it (building it now if not yet built)."""
     return _extension() is not None
