@@ -29,7 +29,7 @@ from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.kernels import decode as kd
 from splitserve.engine.kernels import linear as kl
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
+from splitserve.measure.hw import load_average, machine_line
 
 # SmolLM2-135M: [N, K] per matrix as nn.Linear stores it; its attention heads.
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -68,10 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit("bench kernels-isa: --rounds must be at least 1")
     print(f"# splitserve bench kernels-isa --batches {args.batches} --contexts {args.contexts} --rounds {args.rounds}")
-    print(
-        f"machine: {machine(torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
-    )
+    print(machine_line())
     kernels = kd.decode_kernels()
     if kl.best_isa() == 0 or kernels is None:
         print("the C++ kernels are not available here (disabled or unbuildable): nothing to compare")

@@ -44,7 +44,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
+from splitserve.measure.hw import machine_line
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 BASELINE = "bfloat16"
@@ -98,10 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         f"--capacity-tokens {args.capacity_tokens} --batch {args.batch} --contexts {args.contexts} "
         f"--steps {args.steps} --repeats {args.repeats}"
     )
-    print(
-        f"machine: {machine(torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
-    )
+    print(machine_line())
     verdicts: list[tuple[str, bool]] = []
     quality = {kv: _quality(args, kv) for kv in [BASELINE, *kvs]}
     verdicts += _print_quality(args, quality, kvs)

@@ -291,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
     if pin:
         os.sched_setaffinity(0, set(cpus))
 
+    from splitserve.measure.hw import machine_line  # torch, which it imports, only once the figures are in
+
+    print(machine_line())
     print(
         f"router overhead against mock workers: {args.requests} requests per path and mode after {args.warmup} warm-up,"
     )

@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
 
     from splitserve.bench.cluster import LocalCluster, WorkerArgs, usable_cores
     from splitserve.engine.weights import load_tokenizer
-    from splitserve.measure.hw import cpu_name
+    from splitserve.measure.hw import machine_line
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = _options(args)
@@ -277,9 +277,7 @@ def run(args: argparse.Namespace) -> int:
         f"prefill chunk {opts.chunk} tokens, KV over {args.kv_transport}; {where}; "
         f"router and client unpinned; prompts: {prompts.kind}"
     )
-    print(
-        f"machine: {platform.machine()} {cpu_name()}, {os.cpu_count()} cores visible, load average {_load()} at start"
-    )
+    print(f"{machine_line()} at start; {platform.machine()}, {os.cpu_count()} cores visible")
     wargs = WorkerArgs(
         model=args.model,
         dtype=args.dtype,

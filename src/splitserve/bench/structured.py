@@ -23,15 +23,13 @@ import statistics
 import time
 from typing import Any
 
-import torch
-
 from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.grammar import GrammarCompiler
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
+from splitserve.measure.hw import cpu_flags, machine_line
 
 # Records with free text: long enough that no request finishes its grammar within --steps.
 RECORDS: dict[str, Any] = {
@@ -75,10 +73,7 @@ def run(args: argparse.Namespace) -> int:
         f"# splitserve bench structured --dtype {args.dtype} --batches {args.batches} --steps {args.steps} "
         f"--repeats {args.repeats}"
     )
-    print(
-        f"machine: {machine(torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
-    )
+    print(machine_line())
     engine, tokenizer = Engine.from_path(None, EngineConfig(num_blocks=1024, dtype=args.dtype), progress=False)
     _compile_times(tokenizer, engine, args.schemas)
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))

@@ -20,6 +20,7 @@ import torch
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.measure.hw import machine_line
 
 
 def prefill_s(engine: Engine, prompt_len: int, vocab: int, seed: int) -> float:
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 engine.close()
     threads = torch.get_num_threads()
+    print(machine_line())
     print(
         f"{cfg.name}, fp32, {a.reps} repetitions (medians); TP 1 on {threads} torch threads, "
         f"TP {a.tp} on {max(1, threads // a.tp)} per rank"

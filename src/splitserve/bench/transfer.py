@@ -36,6 +36,7 @@ from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import KVReceiver, KVSender, frame
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.kv_transfer.transport import SOCKET_BUFFER_BYTES
+from splitserve.measure.hw import machine_line
 
 TARGETS: dict[TransportName, float] = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}
 
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         f"# splitserve bench transfer --size {args.size} --layers {args.layers} --transports {args.transports} "
         f"--checksum {args.checksum} --repeats {args.repeats}{tp}"
     )
+    print(machine_line())
     print(
         f"KV cache {src.nbytes / 2**30:.3f} GiB: {layout.num_layers} layers x {layer_bytes / 2**20:.1f} MiB frames "
         f"({blocks} blocks of {layout.bytes_per_block // 1024} KiB; {layout.dtype}, {layout.num_kv_heads} KV heads x "

@@ -32,6 +32,7 @@ import torch
 
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import KVReceiver, KVSender, KVStream, codec
+from splitserve.measure.hw import machine_line
 
 PROXY_CHUNK = 64 << 10
 PROXY_RCVBUF = 256 << 10  # the proxy's socket buffer: a NIC's queue, not a second sender buffer
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.head_dim} --dtype {args.dtype} --prompt-tokens {args.prompt_tokens} --layer-ms {args.layer_ms or 2.0} "
         f"--link-gbps {args.link_gbps} --prompts {args.prompts} --warm-up {args.warm_up}"
     )
+    print(machine_line())
     print(
         f"one prompt: {args.prompt_tokens} tokens, {layout.num_layers} layers x {blocks} blocks of "
         f"{layout.bytes_per_block} B ({layout.dtype}, {layout.num_kv_heads} KV heads x {layout.head_dim}, block "

@@ -83,6 +83,14 @@ def code_version() -> str:
     return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
 
 
+def machine_line(device: torch.device | None = None) -> str:
+    """A benchmark header's second line: the machine, its CPU flags, torch and its threads, the code, the load."""
+    return (
+        f"machine: {machine(device or torch.device('cpu'))}; CPU flags: {cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; code {code_version()}; load average {load_average()}"
+    )
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
     try:
