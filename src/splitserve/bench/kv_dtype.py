@@ -238,8 +238,9 @@ def _logprobs(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, bool]
         "prefill against itself with the embedding weights moved by at most one ulp of the model's dtype (seeded), "
         "what the same function gives under rounding noise. Prefill attends over its own chunk's K/V read back "
         "from the pool (quantized, then dequantized: what decode reads), so the two paths compute one function; "
-        "they differ only in the order of their sums (GEMM against GEMV), and a quantized KV rounds such ulps "
-        "into whole quantization steps that compound over layers and tokens, as the noise floor's do"
+        "they differ in the order of their sums (GEMM against GEMV; with a bfloat16 model also where torch's SDPA "
+        "rounds to bf16), and a quantized KV rounds such ulps into whole quantization steps that compound over "
+        "layers and tokens, as the noise floor's do"
     )
     verdicts = []
     for dtype in args.logprob_dtypes.split(","):
