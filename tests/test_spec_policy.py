@@ -111,3 +111,30 @@ def test_the_drafts_that_pay_are_taken_first_and_the_rest_left():
 def test_unmeasured_costs_are_tried_and_the_row_bound_holds():
     assert plan_drafts([0.1], [4], base_rows=1, seconds=lambda rows: None, max_rows=32) == [4]
     assert sum(plan_drafts([0.9] * 4, [8] * 4, base_rows=4, seconds=flat(0.01), max_rows=12)) == 8
+
+
+def reference_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The drafter's rule written the slow, obvious way."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for e in range(len(tokens) - 2, n - 2, -1):  # the latest earlier occurrence first
+            if tokens[e - n + 1 : e + 1] == suffix:
+                following = tokens[e + 1 :]
+                draft: list[int] = []
+                while len(draft) < k:
+                    draft.append(following[len(draft)] if len(draft) < len(following) else draft[-len(following)])
+                return draft
+    return []
+
+
+def test_the_drafter_agrees_with_the_obvious_rule_on_random_token_strings():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        tokens = [rng.randrange(rng.choice((2, 4, 16))) for _ in range(rng.randrange(1, 40))]
+        k, min_n = rng.randrange(0, 6), rng.randrange(1, 4)
+        max_n = min_n + rng.randrange(0, 3)
+        assert propose(tokens, k, min_n, max_n) == reference_propose(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)

@@ -26,20 +26,25 @@ def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int) 
     """`k` draft tokens to follow `tokens`: what followed the latest earlier occurrence of their
     longest suffix of `max_n`..`min_n` tokens that occurred before; [] if none did."""
     check_ngram_range(min_n, max_n)
-    arr = np.asarray(tokens, dtype=np.int64)
-    length = arr.shape[0]
+    length = len(tokens)
     if k <= 0 or length < min_n + 1:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # candidate n-grams end at e in [n-1, length-2]: strictly before the suffix's own end
-        ends = np.arange(n - 1, length - 1)
-        match = arr[ends] == arr[length - 1]
-        for j in range(1, n):
-            match &= arr[ends - j] == arr[length - 1 - j]
-        hits = np.flatnonzero(match)
-        if hits.size:
-            return _continue(arr[int(ends[hits[-1]]) + 1 :].tolist(), k)
-    return []
+    arr = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64, count=length)
+    # one pass over the context for the last token; the longer suffixes are checked at its hits only
+    ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])
+    if ends.size == 0:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched, from the last one back
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, max_n):
+        alive &= ends >= j
+        alive[alive] = arr[ends[alive] - j] == arr[length - 1 - j]
+        matched += alive
+    best = int(matched.max())
+    if best < min_n:
+        return []
+    e = int(ends[np.flatnonzero(matched == best)[-1]])
+    return _continue(arr[e + 1 :].tolist(), k)
 
 
 def _continue(following: list[int], k: int) -> list[int]:
