@@ -78,7 +78,8 @@ def test_the_ratios_compare_hits_with_recomputes_and_name_the_target():
             for v in values:
                 requests.append(record(0, v, 2000))
                 sources.append(source)
-        return {"runs": [{"goodput": goodput, "requests": requests}], "sources": sources}
+        run = {"goodput": goodput, "request_throughput": 2 * goodput, "requests": requests}
+        return {"runs": [run], "sources": sources}
 
     results = {
         "tier-aware": result(1.2, {"host": [0.2, 0.3], "disk": [0.5], "recompute": [4.0]}),
@@ -88,6 +89,7 @@ def test_the_ratios_compare_hits_with_recomputes_and_name_the_target():
     lines = ratio_lines(results)
     assert lines[0].startswith("goodput tier-aware / tier-blind: 2.00x") and "met" in lines[0]
     assert lines[1] == "goodput tier-aware / vLLM: 3.00x"
+    assert lines[2] == "throughput tier-aware / tier-blind: 2.00x (2.400 against 1.200 req/s)"
     host = next(x for x in lines if x.startswith("host"))
     assert f"{0.25 / 4.0:.2f}x" in host and "NOT met" not in host
     disk = next(x for x in lines if x.startswith("disk"))
@@ -108,9 +110,17 @@ def test_a_sessions_first_turn_computed_is_a_first_turn_not_a_recompute():
     # no returning turn was recomputed: the first turns stand in, and the line says so
     results = {
         "tier-aware": {
-            "runs": [{"goodput": 1.0, "requests": rs}],
+            "runs": [{"goodput": 1.0, "request_throughput": 1.0, "requests": rs}],
             "sources": ["first turn", "host", "host"],
         }
     }
-    host = ratio_lines(results)[0]
+    host = next(x for x in ratio_lines(results) if x.startswith("host"))
     assert host.startswith("host hit / first turn TTFT p50") and "1.00x" in host
+
+
+def test_a_tier_blind_goodput_of_nothing_gives_the_figures_not_a_ratio():
+    def result(goodput: float) -> dict[str, object]:
+        return {"runs": [{"goodput": goodput, "request_throughput": 0.5, "requests": []}], "sources": []}
+
+    lines = ratio_lines({"tier-aware": result(0.004), "tier-blind": result(0.0)})
+    assert lines[0] == "goodput tier-aware 0.004 req/s against tier-blind 0: no ratio (target NOT met)"

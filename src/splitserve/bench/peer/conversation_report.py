@@ -45,6 +45,18 @@ def _slower(hit_ms: float, recompute_ms: float) -> str:
     return "not slower" if hit_ms <= recompute_ms else "SLOWER"
 
 
+def _throughput_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Requests served per second, whether or not they met the objective: tier-aware over the others."""
+    thr = {k: float(r["runs"][0]["request_throughput"]) for k, r in results.items() if "runs" in r}
+    if not thr.get("tier-aware"):
+        return []
+    return [
+        f"throughput tier-aware / {k}: {thr['tier-aware'] / v:.2f}x ({thr['tier-aware']:.3f} against {v:.3f} req/s)"
+        for k, v in thr.items()
+        if k != "tier-aware" and v > 0
+    ]
+
+
 def ratio_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The issue's ratios: goodput aware/blind, host and disk hits' TTFT p50 over recompute's (both
     splitserve systems' requests together: the same workers and tiers), and against vLLM."""
@@ -60,8 +72,11 @@ def ratio_lines(results: dict[str, dict[str, Any]]) -> list[str]:
             f"goodput tier-aware / tier-blind: {aware / blind:.2f}x (target >= {TARGET_GOODPUT}x: "
             f"{_verdict(aware / blind >= TARGET_GOODPUT)})"
         )
+    elif aware is not None and blind is not None:  # a ratio over nothing says nothing: the figures instead
+        out.append(f"goodput tier-aware {aware:.3f} req/s against tier-blind 0: no ratio (target NOT met)")
     if aware is not None and vllm:
         out.append(f"goodput tier-aware / vLLM: {aware / vllm:.2f}x")
+    out += _throughput_lines(results)
     records: list[dict[str, Any]] = []
     sources: list[str | None] = []
     for label in ("tier-aware", "tier-blind"):
