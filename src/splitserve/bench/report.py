@@ -38,9 +38,12 @@ TITLES = {
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
     "tiers-cpu": "KV tiers behind the prefix cache: TTFT of a host-tier and a disk-tier hit against recomputing "
     "the prefix, in one run (issue 21)",
-    "conversation-cpu": "KV tiers on the conversation load: 20 sessions of 8 turns, the pools a quarter of the "
-    "working set; goodput with tier-aware against tier-blind routing, TTFT by where the prefix came from, and vLLM's "
-    "CPU build on the same load (issue 21)",
+    "conversation-cpu": "KV tiers on the conversation load without think time: 20 sessions of 8 turns at once, the "
+    "pools a quarter of the working set; tier-aware against tier-blind routing and vLLM's CPU build, TTFT by where "
+    "the prefix came from (issue 21)",
+    "conversation-cpu-think": "KV tiers on the conversation load with 10 s of think time between turns: 20 sessions "
+    "of 8 turns, the pools a quarter of the working set; goodput with tier-aware against tier-blind routing (the "
+    "same tiers), TTFT by where the prefix came from (issue 21)",
     "structured-cpu": "Structured output's cost: the decode step with and without a JSON schema, and the grammar "
     "compile time (issue 20)",
     "prefill-profile-cpu": "Where a lone ~1,000-token prompt's prefill time goes, on 1 and 2 threads: TTFT, per-op "
@@ -63,6 +66,11 @@ TITLES = {
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).
 NOTES = {
+    "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
+    "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
+    "TTFT is that wait (14 to 90 s), tiers or not: no request meets a 2 s TTFT anywhere. Its returning turns did "
+    "come from the tiers (the disk, mostly: pool and host churn faster than a turn comes back), and splitserve "
+    "served 3.7x vLLM's requests per second. The figures the issue asks for are conversation-cpu-think's.",
     "engine-cuda": "From `bash bench/device.sh` on a lent H100 (no Ray there, weights drawn at random: a step's "
     "time does not depend on their values). Batch 1..4 matrix products run on the Triton GEMV of "
     "engine/kernels/triton_decode_ops.py, past that on cuBLAS; decode steps replay CUDA graphs. The small "
