@@ -545,3 +545,33 @@ def test_the_load_time_self_test_passes_on_the_kernels_and_catches_a_wrong_one(k
             return s
 
     assert not td._self_test(WrongSilu(kernels), torch.device("cpu"))  # type: ignore[arg-type]  # it calls only step
+
+
+def test_the_quantized_read_has_a_self_test_of_its_own(kernels, monkeypatch):
+    """On a GPU the quantized read is checked apart at load: if it fails there, int8 and fp8 pools
+    decode on the torch path while pools of the model's dtype keep the kernels."""
+    import splitserve.engine.model as model_mod
+
+    assert td._self_test_quantized(kernels, torch.device("cpu"))
+    assert td._quantized_self_test_passes(kernels, torch.device("cpu"))
+
+    class WrongScales:
+        def step(self, *args, **kwargs):
+            s = kernels.step(*args, **kwargs)
+            real = s.attention
+            s.attention = lambda layer, qkv, write=True: real(layer, qkv, write) * 1.01
+            return s
+
+    assert not td._quantized_self_test_passes(WrongScales(), torch.device("cpu"))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: kernels)
+    monkeypatch.setattr(kernels, "reads_quantized", False)
+    weights = random_weights(TINY, seed=3, dtype=BF16)
+    model = LlamaModel(TINY, weights, torch.device("meta"), BF16)
+    model.device = torch.device("cuda")
+    meta = AttentionMetadata(
+        torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
+    )
+    cuda = torch.device("cuda")
+    assert model._decode_kernels(SimpleNamespace(dtype=torch.int8, device=cuda, is_cpu=False), meta) is None  # type: ignore[arg-type]
+    assert model._decode_kernels(SimpleNamespace(dtype=BF16, device=cuda, is_cpu=False), meta) is kernels  # type: ignore[arg-type]

@@ -191,7 +191,9 @@ class LlamaModel:
         if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()
         if self.device.type == "cuda" and self.dtype in TRITON_DECODE_DTYPES and kv_cache.device.type == "cuda":
-            return triton_decode_kernels()
+            kernels = triton_decode_kernels()
+            # a quantized cache only where the kernels' quantized read passed its self-test on this GPU
+            return kernels if kernels is not None and (kernels.reads_quantized or not quantized) else None
         return None
 
     def _fused_decode(

@@ -47,7 +47,7 @@ from splitserve.engine.blocks import cdiv
 from splitserve.engine.kernels.decode import KV_KINDS, StepMetadata, cache_shape
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
 from splitserve.engine.kernels.once import Once
-from splitserve.engine.kv_cache import write_quantized
+from splitserve.engine.kv_cache import KVCache, KVLayout, write_quantized
 from splitserve.engine.layers import apply_rope, rms_norm
 
 log = logging.getLogger(__name__)
@@ -381,10 +381,13 @@ def context_splits(batch: int, kv_heads: int, max_context: int) -> tuple[int, in
 
 
 class TritonDecodeKernels:
-    """The kernels' front: `step` as decode.DecodeKernels.step."""
+    """The kernels' front: `step` as decode.DecodeKernels.step. `reads_quantized`: whether a step
+    may take an int8 or fp8 cache (False when that path failed its load-time self-test; the model
+    then runs such steps on the torch path)."""
 
-    def __init__(self, ops: ModuleType):
+    def __init__(self, ops: ModuleType, reads_quantized: bool = True):
         self._ops = ops
+        self.reads_quantized = reads_quantized
 
     def step(
         self,
@@ -459,6 +462,45 @@ def _self_test(k: TritonDecodeKernels, device: torch.device) -> bool:
         torch.allclose(a.float().cpu(), b.float().cpu(), rtol=1e-3, atol=1e-3) for a, b in zip(got, want, strict=True)
     )
     return bool(close)
+
+
+def _self_test_quantized(k: TritonDecodeKernels, device: torch.device) -> bool:
+    """The quantized read on both formats: one small fp32 step's attention over an int8 and an fp8
+    cache written by the torch path, against the torch path's attention over the same bytes."""
+    z = _SelfTestSizes()
+    meta, cos, sin = _self_test_positions(z, device)
+    x = _self_test_inputs(z, device)
+    q_size, kv_size = z.heads * z.dim, z.kv_heads * z.dim
+    ok = True
+    for kind in ("int8", "fp8_e4m3"):
+        cache = KVCache(KVLayout(1, z.kv_heads, z.dim, z.block_size, kind), 6, device).tensor
+        k_old, v_old = x.cache[0, :, 0], x.cache[0, :, 1]  # every block's earlier tokens, as the torch path writes
+        blocks = torch.arange(6, device=device).repeat_interleave(z.block_size)
+        offsets = torch.arange(z.block_size, device=device).repeat(6)
+        shape = (6 * z.block_size, z.kv_heads, z.dim)
+        write_quantized(cache[0], k_old.reshape(shape), v_old.reshape(shape), blocks, offsets)
+        want_cache = cache.clone()
+        q = apply_rope(x.qkv[:, :q_size].view(2, z.heads, z.dim), cos, sin)
+        kn = apply_rope(x.qkv[:, q_size : q_size + kv_size].view(2, z.kv_heads, z.dim), cos, sin)
+        vn = x.qkv[:, q_size + kv_size :].view(2, z.kv_heads, z.dim)
+        write_kv(want_cache[0], kn, vn, meta)
+        want = paged_attention(q, kn, vn, want_cache[0], meta, z.dim**-0.5).reshape(2, q_size)
+        step = k.step(
+            x.h.clone(),
+            cache,
+            meta,
+            cos,
+            sin,
+            num_heads=z.heads,
+            scale=z.dim**-0.5,
+            eps=z.eps,
+            intermediate_size=z.inter,
+            kv_heads=z.kv_heads,
+        )
+        got = step.attention(0, x.qkv.clone())
+        ok &= torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+        ok &= torch.allclose(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3)
+    return ok
 
 
 def _self_test_positions(z: _SelfTestSizes, device: torch.device) -> tuple[AttentionMetadata, Tensor, Tensor]:
@@ -537,7 +579,19 @@ def _load() -> TritonDecodeKernels | None:
         if not ok:
             log.warning("Triton decode kernels disagree with torch on their self-test; CUDA decode runs on torch")
             return None
+        k.reads_quantized = _quantized_self_test_passes(k, torch.device("cuda"))
     return k
+
+
+def _quantized_self_test_passes(k: TritonDecodeKernels, device: torch.device) -> bool:
+    """The quantized read's self-test, apart: its failure costs int8/fp8 pools the torch path only."""
+    try:
+        if _self_test_quantized(k, device):
+            return True
+        log.warning("the Triton quantized KV read disagrees with torch; CUDA decode over int8/fp8 KV runs on torch")
+    except Exception as e:  # as for the kernels as a whole
+        log.warning("the Triton quantized KV read failed (%s: %s); int8/fp8 KV decodes on torch", type(e).__name__, e)
+    return False
 
 
 _KERNELS: Once[TritonDecodeKernels | None] = Once(_load)
