@@ -379,9 +379,9 @@ def test_bf16_gemm_runs_in_fp32_where_the_cpu_lacks_bf16_arithmetic(monkeypatch)
 
 
 def test_native_bf16_reads_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(kl, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kl, "cpu_flags", lambda: {"avx2", "fma"})
     assert not kl._NATIVE_BF16._make()
-    monkeypatch.setattr(kl, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(kl, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert kl._NATIVE_BF16._make()
 
 

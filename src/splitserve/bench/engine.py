@@ -734,23 +734,3 @@ def _transformers_version() -> str | None:
     except ImportError:
         return None
     return str(transformers.__version__)
-
-
-# Kept for bench modules still in flight that import these names (bench/spec.py); everything
-# else takes them from measure/hw.py, where they live.
-def _load() -> str:
-    from splitserve.measure.hw import load_average
-
-    return load_average()
-
-
-def _code_version() -> str:
-    from splitserve.measure.hw import code_version
-
-    return code_version()
-
-
-def _machine(device: torch.device) -> str:
-    from splitserve.measure.hw import machine
-
-    return machine(device)

@@ -31,12 +31,11 @@ from typing import TextIO
 
 import torch
 
-from splitserve.bench.engine import _code_version, _load, _machine
-from splitserve.bench.structured import _cpu_flags
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "public_domain.txt")
 COPY_TARGET = 1.5
@@ -79,14 +78,14 @@ def run(args: argparse.Namespace) -> int:
     modes = ["off", *[m for m in args.modes.split(",") if m and m != "off"]]
     command = " ".join(["splitserve bench spec", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "spec"] else "spec"
     out.print(
-        f"# {command}   [code {_code_version()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-        f"CPU flags: {_cpu_flags()}; load average {_load()}]"
+        f"# {command}   [code {code_version()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"CPU flags: {cpu_flags()}; load average {load_average()}]"
     )
     engines = {m: _engine(args, m) for m in modes}
     tok = engines["off"].tokenizer
     assert tok is not None
     out.print(
-        f"machine: {_machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"machine: {machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
         f"model SmolLM2-135M-Instruct in {args.dtype}; greedy, up to {args.max_tokens} tokens, batch {args.batch}; "
         f"--num-speculative-tokens {args.num_speculative_tokens}, --ngram-min 2 --ngram-max 4"
     )

@@ -29,7 +29,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.grammar import GrammarCompiler
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.measure.hw import cpu_flags, machine_line
+from splitserve.measure.hw import machine_line
 
 # Records with free text: long enough that no request finishes its grammar within --steps.
 RECORDS: dict[str, Any] = {
@@ -123,8 +123,3 @@ def _compare(engine: Engine, prompt: list[int], spec: GrammarSpec, batch: int, s
         f"{' '.join(f'{x:.2f}' for x in ratios)})"
     )
     return ratio
-
-
-def _cpu_flags() -> str:
-    """Kept for bench modules still in flight that import it (bench/spec.py): measure/hw.py's cpu_flags."""
-    return cpu_flags()

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension
 from splitserve.engine.kernels.once import Once
+from splitserve.engine.tuned import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +41,9 @@ _BF16 = torch.bfloat16
 _F32 = torch.float32
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # bf16 products in hardware (AVX512-BF16 or AMX); read once per process. Unknown (no
 # /proc/cpuinfo) counts as absent: the fp32 path is always right, at worst slower.
-_NATIVE_BF16: Once[bool] = Once(lambda: bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"}))
+_NATIVE_BF16: Once[bool] = Once(lambda: bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}))
 
 
 def native_bf16() -> bool:
