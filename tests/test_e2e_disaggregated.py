@@ -115,9 +115,10 @@ def test_disaggregated_greedy_matches_single_process_engine(model, transport):
     try:
 
         async def run() -> tuple[list[tuple[list[int], pb.Usage]], Router]:
-            cfg = RouterConfig(
-                routing=RoutingConfig(mode="auto", local_prefill_max_tokens=24), listeners=Listeners(grpc_port=0)
-            )
+            # a backlog far above the wave's: every prompt with a question goes remote (at the default
+            # 700 the wave's own queue, charged when routed, sends some to the idle decode worker)
+            routing = RoutingConfig(mode="auto", local_prefill_max_tokens=24, prefill_backlog_tokens=1 << 20)
+            cfg = RouterConfig(routing=routing, listeners=Listeners(grpc_port=0))
             router = Router(
                 cfg, EngineTokenizer(model.tokenizer), decode=[decode.grpc_address], prefill=[prefill.grpc_address]
             )

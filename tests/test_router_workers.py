@@ -137,3 +137,26 @@ def test_a_prefill_that_ended_leaves_the_workers_queue_at_once_not_a_poll_later(
             await fake.stop()
 
     asyncio.run(scenario())
+
+
+def test_tokens_routed_to_arrive_as_kv_count_as_the_decode_workers_context_not_its_queue():
+    # Issue 22: a remote prompt charged to the decode worker's queue made the next prompt of a
+    # burst look cheaper to send remote (the decode worker seemed to have a prompt to prefill).
+    async def scenario() -> None:
+        fake = FakePrefillWorker(FakeKVPlane())
+        await fake.start()
+        workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=60)), PrefixIndex())
+        try:
+            workers.add(fake.address, "prefill")  # its load() is what any worker's is
+            w = workers.get(fake.address)
+            assert w is not None
+            await until(lambda: w.stats is not None)
+            workers.assigned(fake.address, 1500, queued=False)
+            assert (w.load().queued_tokens, w.load().running_tokens) == (0, 1500)
+            workers.assigned(fake.address, 200)
+            assert (w.load().queued_tokens, w.load().running_tokens) == (200, 1500)
+        finally:
+            await workers.close()
+            await fake.stop()
+
+    asyncio.run(scenario())

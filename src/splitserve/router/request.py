@@ -162,6 +162,9 @@ class RequestRun:
         self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
         self._cancels: set[asyncio.Future[Any]] = set()  # one-sample cancels in flight (a reference keeps each)
+        # a remote prefill's prompt, charged to the least-queued prefill worker's queue when it was
+        # routed, until its Prefill call charges its own: (worker, tokens), or None
+        self._prefill_charge: tuple[str, int] | None = None
 
     # ---- the attempt loop
 
@@ -263,9 +266,32 @@ class RequestRun:
             self.rng,
             self.workers.decode_chooser,
         )
-        self.workers.assigned(r.worker, r.uncached_tokens)
+        self._charge(r, prefill)
         self.metrics.routed(r.mode, len(hashes), r.overlap_blocks)
         return r.worker, r.mode, r.overlap_blocks
+
+    def _charge(self, r: policy.Route, prefill_queued: dict[str, int]) -> None:
+        """The routed tokens into the router's view at once, where they will be: a local prefill's in
+        the decode worker's queue; a remote one's in the prefill pool's queue (its least-queued worker,
+        which `_prefill` then calls first) and, arriving as KV, in the decode worker's context. Issue
+        22: charged to the decode worker's queue, the first prompt of a burst made the second look
+        cheaper to send remote, and the pool's queue showed neither until their Prefill calls began
+        (after a reservation on the decode worker, a step or more later)."""
+        if r.mode == "local" or not prefill_queued:
+            self.workers.assigned(r.worker, r.uncached_tokens)
+            return
+        self.workers.assigned(r.worker, r.uncached_tokens, queued=False)
+        self._release_prefill_charge()
+        address = policy.choose_prefill_worker(prefill_queued, self.rng)
+        self.workers.assigned(address, r.uncached_tokens)
+        self._prefill_charge = (address, r.uncached_tokens)
+
+    def _release_prefill_charge(self) -> None:
+        """Drop the routing-time charge of the prefill queue: the Prefill call charges its own from
+        its start, or the attempt ended before one."""
+        charge, self._prefill_charge = self._prefill_charge, None
+        if charge is not None:
+            self.workers.ended(*charge)
 
     def _remaining_s(self) -> float:
         left = self.deadline - time.monotonic()
@@ -307,6 +333,7 @@ class RequestRun:
         finally:
             # the attempt's context leaves the worker's running load now, not at its next stats poll
             self.workers.ended(address, len(self.req.prompt_token_ids) + self.response.completion_tokens)
+            self._release_prefill_charge()
             tracing.end_span(span, error)
 
     def _handoff(self) -> wpb.Handoff:
@@ -466,6 +493,7 @@ class RequestRun:
         A prefill worker is marked failed only for its own faults (Fault.WORKER); one that
         refuses the reservation (a layout it cannot map, say) stays in routing for others.
         """
+        self._release_prefill_charge()
         tried: list[str] = []
         request = wpb.PrefillRequest(request_id=rid, handoff=handoff, reservation=reservation)
         last = "no healthy prefill worker"

@@ -64,7 +64,8 @@ class Worker:
     # long prompt is chosen again at once, not a poll later), each kept until a poll that went out
     # after it answers. Issue 22: with endings counted only by the poll, a prefill worker that had
     # just finished looked busy for up to a stats interval and prompts went to the busier one.
-    assigned_tokens: int = 0  # routed here, that its last stats may not show yet
+    assigned_tokens: int = 0  # routed here to prefill, that its last stats may not show yet
+    assigned_context: int = 0  # routed here as KV from a prefill worker: context it will hold, not queue
     ended_tokens: int = 0  # of this router's requests that ended here, that its last stats may still show
     draining: bool = False  # being scaled away: not routable, polled until idle
     # Stats polls in a row, since draining began, that found no work and no block in use. A request
@@ -90,7 +91,7 @@ class Worker:
     def load(self) -> WorkerLoad:
         s = self.stats or wpb.WorkerStats()
         speeds = TierSpeeds(s.prefill_tokens_per_s, s.host_tier_bytes_per_s, s.disk_tier_bytes_per_s, s.kv_block_bytes)
-        queued, running = s.queued_tokens + self.assigned_tokens, s.running_tokens
+        queued, running = s.queued_tokens + self.assigned_tokens, s.running_tokens + self.assigned_context
         # an ended prefill leaves the queue it was in; an ended decode leaves the running context
         if self.role == "prefill":
             queued = max(0, queued - self.ended_tokens)
@@ -190,10 +191,16 @@ class WorkerSet:
     def prefill_queued_tokens(self, exclude: Iterable[str] = ()) -> dict[str, int]:
         return {w.address: w.load().queued_tokens for w in self.healthy("prefill", exclude)}
 
-    def assigned(self, address: str, tokens: int) -> None:
+    def assigned(self, address: str, tokens: int, queued: bool = True) -> None:
+        """`tokens` routed to this worker: to prefill (`queued`), or to hold as context once their KV
+        arrives from a prefill worker."""
         w = self._workers.get(address)
-        if w is not None:
+        if w is None:
+            return
+        if queued:
             w.assigned_tokens += tokens
+        else:
+            w.assigned_context += tokens
 
     def ended(self, address: str, tokens: int) -> None:
         """One of this router's requests (or Prefill calls) ended on this worker: its `tokens` leave the
@@ -231,7 +238,7 @@ class WorkerSet:
             # Tokens routed before this poll went out will show in its stats; the ones
             # routed while it is in flight may not, so they stay counted (clearing them
             # all made a burst's load vanish for a poll and fooled the pool scaler).
-            assigned_before, ended_before = w.assigned_tokens, w.ended_tokens
+            assigned_before, ended_before = (w.assigned_tokens, w.assigned_context), w.ended_tokens
             try:
                 st = await w.stub.GetStats(
                     wpb.StatsRequest(), timeout=deadlines.stats_timeout_s, metadata=self.cfg.listeners.auth_metadata
@@ -267,7 +274,9 @@ class WorkerSet:
             )
         w.unreachable = why
 
-    def _poll_answered(self, w: Worker, st: wpb.WorkerStats, assigned_before: int, ended_before: int) -> None:
+    def _poll_answered(
+        self, w: Worker, st: wpb.WorkerStats, assigned_before: tuple[int, int], ended_before: int
+    ) -> None:
         if w.unreachable is not None:
             log.info("%s worker %s answers again", w.role, w.address)
             w.unreachable = None
@@ -283,7 +292,8 @@ class WorkerSet:
             w.healthy, w.failures = False, 1
             return
         w.stats, w.failures, w.healthy = st, 0, True
-        w.assigned_tokens = max(0, w.assigned_tokens - assigned_before)
+        w.assigned_tokens = max(0, w.assigned_tokens - assigned_before[0])
+        w.assigned_context = max(0, w.assigned_context - assigned_before[1])
         w.ended_tokens = max(0, w.ended_tokens - ended_before)
         if w.draining:
             w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
