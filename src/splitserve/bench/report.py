@@ -55,6 +55,8 @@ TITLES = {
     "share of the default run's figure (issue 22)",
     "spec-cpu": "Speculative decoding by prompt lookup against plain decode: decode tokens/s and identical greedy "
     "output on a load that copies its prompt and on ShareGPT, in one run (issue 22)",
+    "peer-cpu5-default": "The default configuration against vLLM again, with the router charging a remote prompt "
+    "to the prefill pool when it is routed (issue 22)",
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
