@@ -44,7 +44,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.measure.hw import machine_line
+from splitserve.measure.hw import CpuShare, machine_line
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 BASELINE = "bfloat16"
@@ -358,8 +358,11 @@ def _decode_speed(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, b
             "alternating the dtypes, at each context:"
         )
         for ctx in contexts:
+            share = CpuShare()
             times = _step_times(engines, _prompt_of(prompt, ctx), args, f"c{ctx}")
             verdicts += _print_speed(times, kvs, args.batch, ctx)
+            # a busy neighbour on a small shared machine slows one repetition several-fold: say how busy
+            print(f"  context {ctx:>5}: other processes kept {share.others():.2f} cores busy meanwhile")
     finally:
         for engine, _ in engines.values():
             engine.close()
