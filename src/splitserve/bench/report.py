@@ -68,6 +68,20 @@ TITLES = {
 
 # What a section's output does not say itself (earlier runs that predate the line that now prints it).
 NOTES = {
+    "peer-cpu4-default": "Against the issue's targets: the lone ~1,000-token prompt 0.84x vLLM's TTFT (target "
+    "0.8x; 1,552 against 1,855 ms): the prefill itself takes 1,155 ms on the two lent threads "
+    "(prefill-profile-cpu), the rest is the serving path (HTTP, template, router, the KV handed to the decode "
+    "worker, the first token back). ShareGPT at concurrency 4: goodput 1.81x (target 1.6x, met) but TTFT p99 "
+    "1.69x (target 0.8x): with four streams decoding, the decode worker claims its core and a long prompt "
+    "prefills on one thread. The burst load: the steady streams' ITL p99 during bursts 1.57x quiet (target 1.3x) "
+    "and the burst prompts' TTFT p50 10.3 s against vLLM's 3.6 s: two 1,566-token prompts at once on the prefill "
+    "worker's one thread (a 1,000-token prompt alone takes 2.1 s on one thread, prefill-profile-cpu; the first of "
+    "each burst here 6.2 to 9.6 s, beside the streams, the router and the client), while vLLM puts both cores on "
+    "them and stalls its streams (ITL 17.7x quiet; 13 steady requests done against 48). On two cores the two "
+    "burst targets pull against each other. In peer-cpu4-stall0 (no stall weighing) the second prompt of a burst "
+    "still went remote: the router had charged the first to the decode worker's queue and not yet to the prefill "
+    "pool's, fixed after this run (router/request.py, `_charge`). The machine was shared (load average 3 to 5 "
+    "from other engineers' tests) for both systems.",
     "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
     "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
     "TTFT is that wait (14 to 90 s), tiers or not: no request meets a 2 s TTFT anywhere. Its returning turns did "
