@@ -299,6 +299,10 @@ def _run(args: argparse.Namespace) -> int:
             return 1
     dtype = _dtype(args.splitserve_flags)
     print(f"dtype: {dtype} for both systems (vLLM's --dtype is splitserve's)", flush=True)
+    from splitserve.engine.tuned import detect_machine, tuned_defaults
+
+    # what splitserve's workers and router run with where their argv below gives no flag
+    print(f"splitserve's defaults on this machine: {tuned_defaults(detect_machine()).line()}", flush=True)
     ctx = LaunchContext(
         dtype=dtype,
         lend_cores=not args.no_core_lending,
