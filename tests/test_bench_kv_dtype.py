@@ -97,3 +97,12 @@ def test_the_noise_floor_moves_each_weight_by_at_most_one_ulp(dtype: torch.dtype
     assert set(step.unique().tolist()) == {-1, 0, 1}
     assert not step[0].any()  # zeros stay zeros (no step into NaN bits)
     assert torch.equal(w.sign(), before.sign())
+
+
+def test_the_speed_lines_give_each_ratio_per_repetition_beside_the_control(capsys) -> None:
+    times = {"bfloat16": [10.0, 10.0, 10.0], "int8": [9.0, 11.0, 9.5], "control": [10.5, 10.0, 9.0]}
+    verdicts = kv_dtype._print_speed(times, ["int8"], 8, 256)
+    out = capsys.readouterr().out
+    assert "control   a second bfloat16 KV engine: ratio 1.000 (per repetition: 1.050 1.000 0.900)" in out
+    assert "int8      KV 9.50 ms, ratio 0.950 (per repetition: 0.900 1.100 0.950)  [target <= 1.000: met]" in out
+    assert verdicts == [("decode batch 8 context 256 int8 not slower", True)]  # the control is no target

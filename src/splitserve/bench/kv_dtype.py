@@ -24,7 +24,8 @@ against bfloat16 KV (the issue's targets in brackets):
   --capacity-tokens more) arrive together [int8 at least 1.8x bfloat16];
 - the decode step at batch --batch over each of --contexts tokens of context (KV is a small share
   of a step's bytes at 256 tokens, most of them at 2048), bfloat16 KV and each quantized dtype
-  measured alternately in every repetition [not slower: ratio at most 1.0 at every context].
+  measured alternately in every repetition [not slower: ratio at most 1.0 at every context],
+  beside a second bfloat16 engine's ratio (two identical engines' spread: the yardstick).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from splitserve.measure.hw import CpuShare, machine_line
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 BASELINE = "bfloat16"
+CONTROL = "control"  # bench kv-dtype's second bfloat16 engine in the decode-step timing
 PROMPTS = [
     "The history of the printing press begins",
     "Here is a recipe for a simple vegetable soup:",
@@ -350,6 +352,9 @@ def _decode_speed(args: argparse.Namespace, kvs: list[str]) -> list[tuple[str, b
     # room for every sequence of the longest context and its steps, plus a spare block
     blocks = args.batch * -(-(max(contexts) + args.steps + 3) // bs) + 1
     engines = {kv: _engine(args, kv, num_blocks=max(512, blocks)) for kv in [BASELINE, *kvs]}
+    # a second engine of the baseline's dtype: what two identical engines differ by (their own
+    # copies of the weights and pool in other pages), the yardstick for the dtypes' ratios
+    engines[CONTROL] = _engine(args, BASELINE, num_blocks=max(512, blocks))
     verdicts = []
     try:
         prompt = engines[BASELINE][1].encode(TEXT.read_text())
@@ -402,6 +407,12 @@ def _print_speed(times: dict[str, list[float]], kvs: list[str], batch: int, ctx:
         f"(per repetition: {' '.join(f'{t:.2f}' for t in times[BASELINE])})"
     )
     verdicts = []
+    if CONTROL in times:
+        ratios = [a / b for a, b in zip(times[CONTROL], times[BASELINE], strict=True)]
+        print(
+            f"  context {ctx:>5}: {CONTROL:<9} a second {BASELINE} KV engine: ratio {statistics.median(ratios):.3f} "
+            f"(per repetition: {' '.join(f'{x:.3f}' for x in ratios)}): two identical engines' spread"
+        )
     for kv in kvs:
         ratios = [a / b for a, b in zip(times[kv], times[BASELINE], strict=True)]
         ratio = statistics.median(ratios)
