@@ -51,4 +51,4 @@ def test_decode_runs_count_their_tokens_and_the_report_checks_identity(capsys, t
     assert spec._report(out, "copy", prompts, runs, ["off", "ngram"])[1] is False
     out.close()
     text = (tmp_path / "spec.txt").read_text()
-    assert "identical to off in 6 of 6" in text and "identical to off in 5 of 6" in text
+    assert "identical to off's in 6 of 6" in text and "identical to off's in 5 of 6" in text

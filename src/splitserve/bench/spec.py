@@ -1,17 +1,20 @@
 """`splitserve bench spec`: speculative decoding against plain decode, side by side in one run.
 
-    splitserve bench spec [--dtype bfloat16] [--threads 1] [--batch 4] [--prompts 8]
+    splitserve bench spec [--dtype bfloat16] [--threads 1] [--batches 1,4] [--prompts 8]
                           [--max-tokens 128] [--repeats 3] [--modes auto,ngram]
 
 Two loads on the default model, greedy: one that copies from its prompt (repeat a passage,
 fix the typos of a passage, add a docstring to a function: the passages from the fixed text
 shipped in bench/data/public_domain.txt, the functions from this package's own source), and
-ShareGPT's first human turns. Each repetition decodes every load's prompts, `--batch` at a
-time, with speculation off and in each `--modes` back to back (the order rotating, so a
+ShareGPT's first human turns. Each repetition decodes every load's prompts, a batch at a
+time (each of `--batches` in turn), with speculation off and in each `--modes` back to back (the order rotating, so a
 neighbour's load falls on every mode alike). A run's decode speed is its output tokens after
 each request's first, over the time from the step that gave every request of the group its
 first token to the group's last step; the ratio is the median of the repetitions' ratios to
-plain decode. Every mode's tokens are compared with plain decode's, request by request.
+plain decode. Every mode's tokens are compared with plain decode's of the same repetition,
+request by request. (Across repetitions plain decode need not agree with itself in bfloat16:
+a prompt found in the prefix cache prefills only its tail, in a matrix product of another
+shape, whose bfloat16 sums may round a near tie the other way; that count is printed too.)
 
 Targets (issue 22): on the copying load, decode tokens/s at least 1.5x plain decode's with
 identical greedy output; on ShareGPT no slower (at least 0.98x: two per cent is about the
@@ -48,7 +51,7 @@ SHAREGPT_TARGET = 0.98
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="the engine's dtype (bfloat16, float32)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: a decode worker's share of 2 cores)")
-    p.add_argument("--batch", type=int, default=4, help="requests decoding together")
+    p.add_argument("--batches", default="1,4", help="requests decoding together, comma-separated: each measured")
     p.add_argument("--prompts", type=int, default=8, help="prompts per load")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (greedy, eos on)")
     p.add_argument("--repeats", type=int, default=3, help="repetitions, each running every mode back to back")
@@ -86,15 +89,16 @@ def run(args: argparse.Namespace) -> int:
     assert tok is not None
     out.print(
         f"machine: {machine(torch.device('cpu'))}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
-        f"model SmolLM2-135M-Instruct in {args.dtype}; greedy, up to {args.max_tokens} tokens, batch {args.batch}; "
+        f"model SmolLM2-135M-Instruct in {args.dtype}; greedy, up to {args.max_tokens} tokens; "
         f"--num-speculative-tokens {args.num_speculative_tokens}, --ngram-min 2 --ngram-max 4"
     )
     loads = {"copy": copy_prompts(tok, args.prompts), "sharegpt": sharegpt_prompts(tok, args.prompts)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     verdicts = []
-    for name, prompts in loads.items():
-        runs = _measure(engines, prompts, params, args.batch, args.repeats)
-        verdicts.append(_report(out, name, prompts, runs, modes))
+    for batch in (int(b) for b in args.batches.split(",")):
+        for name, prompts in loads.items():
+            runs = _measure(engines, prompts, params, batch, args.repeats)
+            verdicts.append(_report(out, f"{name}, batch {batch}", prompts, runs, modes))
     met = sum(ok for _, ok in verdicts)
     out.print(f"targets: {met} of {len(verdicts)} met" + "".join(f"; NOT met: {n}" for n, ok in verdicts if not ok))
     out.close()
@@ -150,32 +154,39 @@ def _report(out: _Tee, name: str, prompts: list[list[int]], runs: dict[str, list
     """Print one load's figures; (target name, met) for the first speculative mode (the default, auto)."""
     plain = runs["off"]
     spread = (max(r.tps for r in plain) - min(r.tps for r in plain)) / statistics.median(r.tps for r in plain)
+    steady = sum(_same(r, plain[0]) for r in plain[1:])
     out.print(
         f"\n{name}: {len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
         f"{plain[0].tokens + len(prompts)} output tokens"
     )
     out.print(
         f"  off    {statistics.median(r.tps for r in plain):7.1f} tok/s decode (per repetition: "
-        f"{' '.join(f'{r.tps:.1f}' for r in plain)}; spread {spread:.1%})"
+        f"{' '.join(f'{r.tps:.1f}' for r in plain)}; spread {spread:.1%}); its later repetitions' outputs equal "
+        f"its first's in {steady} of {len(prompts) * (len(plain) - 1)}"
     )
     verdict: tuple[str, bool] = (name, False)
     for m in modes[1:]:
         ratios = [s.tps / p.tps for s, p in zip(runs[m], plain, strict=True)]
-        same = sum(o == e for r in runs[m] for o, e in zip(r.outputs, plain[0].outputs, strict=True))
+        same = sum(_same(r, p) for r, p in zip(runs[m], plain, strict=True))
         total = len(prompts) * len(runs[m])
         drafted, accepted = sum(r.drafted for r in runs[m]), sum(r.accepted for r in runs[m])
         ratio = statistics.median(ratios)
         out.print(
             f"  {m:<6} {statistics.median(r.tps for r in runs[m]):7.1f} tok/s decode, {ratio:.2f}x off (per "
-            f"repetition: {' '.join(f'{x:.2f}' for x in ratios)}); greedy output identical to off in {same} of "
+            f"repetition: {' '.join(f'{x:.2f}' for x in ratios)}); greedy output identical to off's in {same} of "
             f"{total}; {drafted} draft tokens verified, {accepted} accepted ({accepted / max(drafted, 1):.0%})"
         )
         if m == modes[1]:
-            bound = COPY_TARGET if name == "copy" else SHAREGPT_TARGET
+            bound = COPY_TARGET if name.startswith("copy") else SHAREGPT_TARGET
             ok = ratio >= bound and same == total
             verdict = (f"{name} {m}", ok)
             out.print(f"  target: {m} >= {bound:.2f}x off with identical output: {'met' if ok else 'NOT met'}")
     return verdict
+
+
+def _same(run: Run, plain: Run) -> int:
+    """Requests of `run` whose tokens are `plain`'s (the same repetition's plain decode)."""
+    return sum(o == e for o, e in zip(run.outputs, plain.outputs, strict=True))
 
 
 def copy_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
