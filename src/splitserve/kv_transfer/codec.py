@@ -13,9 +13,15 @@ Codec ids (the layer header's `value`, frame.py):
   value sent, before the receiver rounds it to its own dtype. Bytes per element:
   `1 + 4 / head_dim`, 0.53x bfloat16 at head_dim 64, 0.52x at 128.
 
-No lossless stage: zlib at level 1 on bfloat16 values (normal random) keeps 80% of the
-bytes at 51 MB/s on one core here, slower than the 1 Gb/s link it would have to beat;
-it is not built.
+No lossless stage, measured on real KV (`splitserve bench transfer --codec --lossless`,
+bench/results/transfer-lossless.txt: SmolLM2's bfloat16 KV of a 2K-token prefill, one core):
+the best, zstd at level 1 on byte-shuffled values, keeps 0.68x the bytes at 233 MB/s in and
+2.4 GB/s out, so it would take 0.68x raw's time on a link of 1 Gb/s or slower and cost more
+than it saves from 10 Gb/s on (lz4 keeps 0.99x); int8 takes 0.53x on the same links, and
+zstd after int8 only 0.48x against its 0.53x. It would pay only for a sender that must stay
+exact (`raw`) on a slow link; not built (a compressed frame's length varies, which the
+receiver's length check against the reservation does not allow yet, and zstd is not a
+dependency).
 
 Which codec a stream uses: the sender offers what it may use in its handshake, the
 receiver's ack picks one it can decode into its cache (an old peer that knows no codecs
