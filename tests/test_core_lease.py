@@ -41,7 +41,9 @@ def test_a_neighbour_with_work_takes_its_core_back_at_the_next_step(lease_path):
     decode.release()
     assert prefill.acquire(borrows=True) == 2
     prefill.close()
+    assert os.path.exists(lease_path)  # the decode worker still holds its slot
     decode.close()
+    assert not os.path.exists(lease_path)  # the last one out leaves nothing behind
 
 
 def test_two_prefills_starting_at_once_do_not_both_take_every_core(lease_path):

@@ -79,6 +79,8 @@ class CoreLease:
             return
         with _locked(self._fd):
             self._write(self._slot, 0, 0)
+            if not any(pid and _alive(pid) for pid, _ in _SLOT.iter_unpack(self._map)):
+                _unlink(self.path)  # the last worker of the machine gone: leave nothing in /dev/shm
         self._map.close()
         os.close(self._fd)
         self._fd = -1
@@ -108,6 +110,13 @@ class CoreLease:
 
     def _write(self, slot: int, pid: int, cores: int) -> None:
         _SLOT.pack_into(self._map, slot * _SLOT.size, pid, cores)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _alive(pid: int) -> bool:
