@@ -36,6 +36,8 @@ TITLES = {
     "peer-cpu2-sweep": "Goodput against vLLM past its capacity: the Poisson rate sweep from 1 to 3 req/s (issue 10)",
     "peer-cpu3-burst-auto": "Mode auto on the burst load with long prompts always remote (issue 10)",
     "plan-check": "The plan simulator against measured runs: TTFT and ITL, simulated and measured (issue 12)",
+    "plan-check-loaded": "The plan simulator against measured runs with the serving overhead by workers busy, on the "
+    "shared machine while other runs loaded it (issue 22)",
     "tiers-cpu": "KV tiers behind the prefix cache: TTFT of a host-tier and a disk-tier hit against recomputing "
     "the prefix, in one run (issue 21)",
     "conversation-cpu": "KV tiers on the conversation load without think time: 20 sessions of 8 turns at once, the "
