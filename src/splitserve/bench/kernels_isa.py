@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.bench.peer.results_file import tee_results
+from splitserve.bench.results_file import with_results
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.kernels import decode as kd
 from splitserve.engine.kernels import linear as kl
@@ -47,10 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.results:
-        with tee_results(args.results):
-            return _run(args)
-    return _run(args)
+    return with_results(args.results, lambda: _run(args))
 
 
 def _ints(text: str, flag: str) -> list[int]:

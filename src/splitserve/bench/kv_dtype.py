@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.bench.peer.results_file import tee_results
+from splitserve.bench.results_file import with_results
 from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.config import EngineConfig
@@ -85,10 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.results:
-        with tee_results(args.results):
-            return _run(args)
-    return _run(args)
+    return with_results(args.results, lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

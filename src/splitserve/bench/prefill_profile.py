@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from splitserve.bench.peer.results_file import tee_results
+from splitserve.bench.results_file import with_results
 
 if TYPE_CHECKING:
     from splitserve.engine.config import ModelConfig
@@ -41,10 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.results:
-        with tee_results(args.results):
-            return _run(args)
-    return _run(args)
+    return with_results(args.results, lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -142,10 +142,9 @@ def _cost(stage: Stage, gbps: float) -> float:
 
 
 def run(a: argparse.Namespace) -> int:
-    from splitserve.bench.transfer_netns import _results_file
+    from splitserve.bench.results_file import with_results
 
-    with _results_file(a.out):
-        return _run(a)
+    return with_results(a.out, lambda: _run(a), header=False)  # it prints its own command line
 
 
 def _run(a: argparse.Namespace) -> int:

@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,8 +227,9 @@ def run(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    with _results_file(a.out):
-        return _run(a, rates)
+    from splitserve.bench.results_file import with_results
+
+    return with_results(a.out, lambda: _run(a, rates), header=False)  # _header prints its command line
 
 
 def _run(a: argparse.Namespace, rates: list[float]) -> int:
@@ -455,28 +455,3 @@ def _verdicts(results: Results, rates: list[float], raw: int, load: Any) -> int:
     )
     print(f"load average {load()} at the end")
     return 0
-
-
-@contextlib.contextmanager
-def _results_file(path: str) -> Iterator[None]:
-    """Everything printed also goes to `path` (the benchmark writes its own results file)."""
-    if not path:
-        yield
-        return
-    out, real = open(path, "w"), sys.stdout
-
-    class Tee:
-        def write(self, s: str) -> int:
-            out.write(s)
-            return real.write(s)
-
-        def flush(self) -> None:
-            out.flush()
-            real.flush()
-
-    sys.stdout = Tee()
-    try:
-        yield
-    finally:
-        sys.stdout = real
-        out.close()

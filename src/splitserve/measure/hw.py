@@ -62,8 +62,9 @@ def machine(device: torch.device) -> str:
     return f"{cpu_name()}, {os.cpu_count()} CPUs"
 
 
-def code_version() -> str:
-    """The commit the engine comes from, marked when engine/ has uncommitted changes: a figure belongs to a version."""
+def code_version(scope: str = "engine") -> str:
+    """The commit the code comes from, marked when `scope` (a folder of src/splitserve, "." for all of
+    it) has uncommitted changes: a figure belongs to a version."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/splitserve
 
     def git(*args: str) -> str:
@@ -80,7 +81,9 @@ def code_version() -> str:
         return f"{stated} (stated, not checked)"
     if not commit:
         return "-"
-    return commit + (" + uncommitted engine/ changes" if git("status", "--porcelain", "-uno", "--", "engine") else "")
+    dirty = git("status", "--porcelain", "-uno", "--", scope)
+    where = "src/splitserve/" if scope == "." else f"{scope}/"
+    return commit + (f" + uncommitted {where} changes" if dirty else "")
 
 
 def machine_line(device: torch.device | None = None) -> str:

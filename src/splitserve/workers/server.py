@@ -132,13 +132,7 @@ def _serve_decode(
     closers.append(receiver.close)
     connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
     engine.connect(connector)
-    loop = EngineLoop(
-        engine,
-        waiting_limit=cfg.waiting_limit,
-        on_iteration=metrics.record,
-        core_lease=lease,
-        prefill_aging_tokens_per_s=_aging(cfg),
-    )
+    loop = _engine_loop(cfg, engine, metrics, lease)
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
     return loop, receiver.endpoint
@@ -162,21 +156,22 @@ def _serve_prefill(
     tail_time = metrics.phase("kv_transfer_tail")
     connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
     engine.connect(connector)
-    loop = EngineLoop(
-        engine,
-        waiting_limit=cfg.waiting_limit,
-        on_iteration=metrics.record,
-        core_lease=lease,
-        prefill_aging_tokens_per_s=_aging(cfg),
-    )
+    loop = _engine_loop(cfg, engine, metrics, lease)
     connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
     wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, connector, metrics), server)
     return loop
 
 
-def _aging(cfg: WorkerConfig) -> float | None:
-    """The loop's prefill order: shortest first, aged at this rate; None: arrival order."""
-    return AGING_TOKENS_PER_S if cfg.prefill_order == "shortest" else None
+def _engine_loop(cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, lease: CoreLease | None) -> EngineLoop:
+    """The role's engine loop; the prefill order shortest first, aged, unless the flags ask for arrival order."""
+    aging = AGING_TOKENS_PER_S if cfg.prefill_order == "shortest" else None
+    return EngineLoop(
+        engine,
+        waiting_limit=cfg.waiting_limit,
+        on_iteration=metrics.record,
+        core_lease=lease,
+        prefill_aging_tokens_per_s=aging,
+    )
 
 
 def core_lease(cfg: WorkerConfig) -> CoreLease | None:

@@ -248,12 +248,9 @@ def parse_cores(value: str | None) -> tuple[int, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.results and not args.replot:
-        from splitserve.bench.peer.results_file import tee_results
+    from splitserve.bench.results_file import with_results
 
-        with tee_results(args.results):
-            return _run(args)
-    return _run(args)
+    return with_results(None if args.replot else args.results, lambda: _run(args))
 
 
 def _dtype(splitserve_flags: str) -> str:
