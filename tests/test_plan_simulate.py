@@ -124,11 +124,19 @@ def test_a_step_costs_less_overhead_while_the_other_worker_is_idle():
 
 
 def test_auto_prefills_short_prompts_locally_and_long_ones_remotely():
-    spec = ClusterSpec("auto", decode_workers=2, prefill_workers=1, routing=RoutingConfig(local_prefill_max_tokens=256))
+    # the length rule alone: the backlog rule (on by default since issue 22) is pushed out of reach
+    routing = RoutingConfig(local_prefill_max_tokens=256, prefill_backlog_tokens=10**9)
+    spec = ClusterSpec("auto", decode_workers=2, prefill_workers=1, routing=routing)
     short = simulate(poisson_requests(5.0, [(200, 4)] * 50, random.Random(0)), spec, Toy(), random.Random(0))
     long = simulate(poisson_requests(5.0, [(300, 4)] * 50, random.Random(0)), spec, Toy(), random.Random(0))
     assert short.remote_share == 0.0
     assert long.remote_share == 1.0
+
+
+def test_auto_with_the_default_backlog_takes_some_long_prompts_local_when_the_prefill_pool_backs_up():
+    spec = ClusterSpec("auto", decode_workers=2, prefill_workers=1, routing=RoutingConfig(local_prefill_max_tokens=256))
+    long = simulate(poisson_requests(5.0, [(300, 4)] * 50, random.Random(0)), spec, Toy(), random.Random(0))
+    assert 0.0 < long.remote_share < 1.0
 
 
 def test_a_decode_worker_without_a_seat_holds_back_the_remote_prefill():
