@@ -219,6 +219,7 @@ def test_table_gives_each_splitserve_figure_as_a_ratio_to_vllms() -> None:
     assert by_key[("sweep", "rate 0.5", "TTFT p50 ms")] == {"vllm": 100.0, "disaggregated": 50.0}
     assert by_key[("sweep", "rate 1", "req/s")] == {"vllm": 2.0, "disaggregated": 1.0}
     assert by_key[("burst", "rate inf", "burst/quiet ITL p99")] == {"vllm": 2.0}
+    assert by_key[("burst", "rate inf", "burst prompts TTFT p50 ms")] == {"vllm": 100.0}
     # 2,000 prompt tokens by the last first token (1.0 s, 0.5 s): 2,000 and 4,000 tok/s, on 2 cores
     assert by_key[("prefill2", "rate inf", "prefill tok/s")] == {"vllm": 2000.0, "disaggregated": 4000.0}
     assert by_key[("prefill2", "rate inf", "prefill tok/s/core")] == {"vllm": 1000.0, "disaggregated": 2000.0}

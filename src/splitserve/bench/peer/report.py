@@ -21,8 +21,12 @@ def _pct(key: str, q: str) -> Callable[[Run], float | None]:
     return lambda run: _num((run.get(key) or {}).get(q))
 
 
-def _burst(key: str) -> Callable[[Run], float | None]:
-    return lambda run: _num((run.get("burst") or {}).get(key))
+def _burst(key: str, q: str | None = None) -> Callable[[Run], float | None]:
+    def read(run: Run) -> float | None:
+        got = (run.get("burst") or {}).get(key)
+        return _num((got or {}).get(q) if q is not None else got)
+
+    return read
 
 
 def _field(key: str) -> Callable[[Run], float | None]:
@@ -57,6 +61,8 @@ SERVING_METRICS: tuple[tuple[str, Callable[[Run], float | None]], ...] = (
 BURST_METRICS: tuple[tuple[str, Callable[[Run], float | None]], ...] = (
     ("burst/quiet ITL p50", _burst("ratio_p50")),
     ("burst/quiet ITL p99", _burst("ratio_p99")),
+    ("burst prompts TTFT p50 ms", _burst("burst_ttft_ms", "p50")),
+    ("burst prompts TTFT p99 ms", _burst("burst_ttft_ms", "p99")),
 )
 
 
