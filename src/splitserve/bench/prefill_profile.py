@@ -10,7 +10,10 @@ run, and prints per thread count:
 - one profiled pass: the self time of each torch op (the matmuls, the CPU flash
   attention, the elementwise rest), its share of the pass and its call count;
 - the FLOP rate of the pass: the model's linear layers and the causal attention
-  over the prompt, counted from the shapes, against the time.
+  over the prompt, counted from the shapes, against the time;
+- the attention alone at the prompt's chunks, side by side: engine/kernels/prefill.py's
+  kernel (where the CPU has AVX-512 BF16) against torch's SDPA on the same q and cache,
+  one layer's heads, median of --repeats, and the kernel's speed-up.
 
     splitserve bench prefill-profile --threads 1,2 --results bench/results/prefill-profile-cpu.txt
 """
@@ -18,8 +21,10 @@ run, and prints per thread count:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from splitserve.bench.results_file import with_results
@@ -73,7 +78,47 @@ def _run(args: argparse.Namespace) -> int:
             f"{times[0][1]} steps, {base / ttft:.2f}x the first, {flops / ttft / 1e9:.0f} GFLOP/s"
         )
         _profile(engine, prompt, args.top)
+        _attention_side_by_side(engine.model_cfg, args.prompt_len, args.chunk, args.repeats)
     return 0
+
+
+def _attention_side_by_side(cfg: ModelConfig, prompt_len: int, chunk: int, repeats: int) -> None:
+    """One layer's attention for each chunk of the prompt: the kernel against SDPA, same inputs."""
+    import torch
+
+    from splitserve.engine.kernels.prefill import prefill_attention, prefill_kernel_available, sdpa_reference
+
+    if not prefill_kernel_available():
+        print("  attention: no prefill kernel on this CPU (no AVX-512 BF16): SDPA is the path")
+        return
+    gen = torch.Generator().manual_seed(0)
+    bs = 16
+    blocks = -(-prompt_len // bs)
+    cache = torch.randn(blocks, 2, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int64)
+    scale = cfg.head_dim**-0.5
+    for start in range(0, prompt_len, chunk):
+        ctx = min(prompt_len, start + chunk)
+        q = torch.randn(ctx - start, cfg.num_heads, cfg.head_dim, generator=gen).to(torch.bfloat16)
+        ours = _median_s(functools.partial(prefill_attention, q, cache, table, ctx, scale), repeats)
+        theirs = _median_s(functools.partial(sdpa_reference, q, cache, table, ctx, scale, torch.bfloat16), repeats)
+        pairs = (ctx - start) * (start + ctx + 1) / 2  # query-key pairs under the causal mask
+        gflop = 4 * cfg.num_heads * cfg.head_dim * pairs / 1e9
+        print(
+            f"  attention, one layer, queries {start}..{ctx - 1}: kernel {ours * 1e3:.2f} ms "
+            f"({gflop / ours:.0f} GFLOP/s), SDPA {theirs * 1e3:.2f} ms ({gflop / theirs:.0f} GFLOP/s): "
+            f"{theirs / ours:.2f}x"
+        )
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # untimed: first use
+    times = []
+    for _ in range(max(repeats, 3)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _prefill(engine: Engine, prompt: list[int]) -> tuple[float, int]:

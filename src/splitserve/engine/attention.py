@@ -8,9 +8,10 @@ sequence's whole context read back through its block table. Two paths:
 - decode (every sequence brings one token): one batched gather of the block
   tables and one masked SDPA call, shapes fixed by the padded block table, so
   that it can be captured in a CUDA graph;
-- mixed or prefill steps: per-sequence SDPA with a causal mask offset by the
-  cached prefix. Prefill is compute-bound, so the Python loop costs nothing that
-  shows.
+- mixed or prefill steps: per-sequence causal attention offset by the cached
+  prefix: engine/kernels/prefill.py's kernel for bf16 on a CPU with AVX-512 BF16
+  (it reads the cache through the block table), else SDPA with a causal mask.
+  Prefill is compute-bound, so the Python loop costs nothing that shows.
 
 A quantized cache (int8 or fp8 values with a scale per token and KV head, the format in
 engine/kv_cache.py) is written through `write_quantized` and read back dequantized, block
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kv_cache import gather_dequantized, quantized_block_size, quantized_kind, write_quantized
 
 
@@ -129,6 +131,12 @@ def _prefill_attention(
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
+        # bf16 on a CPU with AVX-512 BF16: our kernel, over the cache through the block table
+        got = prefill_attention(q[start : start + q_len], layer_cache, meta.block_tables[i], ctx_len, scale)
+        if got is not None:
+            out[start : start + q_len] = got
+            start += q_len
+            continue
         qi = q[start : start + q_len].transpose(0, 1)[None].to(work)  # [1, heads, q_len, dim]
         if ctx_len == q_len and same:  # nothing cached before this chunk: attend to the new tokens only
             ki = k_new[start : start + q_len].transpose(0, 1)[None]
