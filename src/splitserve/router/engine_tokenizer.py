@@ -22,6 +22,9 @@ class EngineTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
+        # The first render compiles the model's jinja chat template (about 30 ms for SmolLM2's):
+        # paid here, at start, rather than by the first client's time to first token.
+        self.encode_chat([("user", "warm-up")])
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
