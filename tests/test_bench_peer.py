@@ -134,7 +134,7 @@ def _run(rate: float | str, ttft_p50: float, tput: float, burst: dict[str, Any] 
         "burstiness": 1.0,
         "max_concurrency": 4,
         "num_prompts": 2,
-        "duration_s": 2.0,
+        "duration_s": max(0.5, ttft_p50 / 1000),  # the last first token: the run ends with it
         "completed": 2,
         "failed": 0,
         "request_throughput": tput,
@@ -273,7 +273,7 @@ def test_lent_cores_let_every_worker_run_anywhere_owning_an_equal_share() -> Non
     assert argv[argv.index("--core-lease") + 1] == "/dev/shm/lease" and argv[argv.index("--lease-cores") + 1] == "2"
     used = cores_used(spec, pair)
     assert used["lend"] and used["processes"]["prefill"] == {"cores": [0, 1], "threads": 1}
-    assert describe_cores("auto", used).endswith("a prefill borrows the idle cores (core lease)")
+    assert describe_cores("auto", used).endswith("a step borrows the idle cores (core lease)")
 
 
 def test_vllm_runs_as_a_module_with_its_omp_threads_bound() -> None:

@@ -91,9 +91,10 @@ def test_bfloat16_where_the_cpu_has_bf16_arithmetic_float32_where_it_has_not():
 
 def test_the_tuned_cpu_pair_owns_half_the_cores_each_and_lends_them():
     t = tuned_defaults(_machine({"avx2"}, cores=8))
-    assert (t.prefill_workers, t.decode_workers, t.threads, t.core_lease) == (1, 1, 4, True)
+    assert (t.prefill_workers, t.decode_workers, t.threads, t.core_lease, t.decode_borrows) == (1, 1, 4, True, True)
     assert (t.long_prefill_token_threshold, t.prefill_backlog_tokens, t.mode) == (256, 700, "auto")
-    assert not tuned_defaults(_machine({"avx2"}, cores=1)).core_lease  # nothing to lend
+    alone = tuned_defaults(_machine({"avx2"}, cores=1))
+    assert not alone.core_lease and not alone.decode_borrows  # nothing to lend
     assert "--dtype float32" in t.line() and "--prefill-backlog-tokens 700" in t.line()
 
 
@@ -137,3 +138,45 @@ def test_the_engine_loop_runs_each_prefill_step_on_the_threads_the_lease_gives(l
     finally:
         loop.stop()
         neighbour.close()
+
+
+@pytest.mark.timeout(60)
+def test_decode_steps_borrow_only_when_the_loop_is_told_to(lease_path):
+    import threading
+
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine, StepOutput
+    from splitserve.engine.loop import EngineLoop
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.engine.testing import random_weights, tiny_model_config
+
+    cfg = tiny_model_config()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def threads_per_step(decode_borrows: bool) -> list[int]:
+        engine = Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+        lease = CoreLease(lease_path, total_cores=2, own_cores=1)
+        seen: list[int] = []
+        loop = EngineLoop(
+            engine,
+            on_iteration=lambda _: seen.append(torch.get_num_threads()),
+            core_lease=lease,
+            decode_borrows=decode_borrows,
+        )
+        finished = threading.Event()
+
+        def sink(out: StepOutput) -> None:
+            if out.finished:
+                finished.set()
+
+        try:
+            loop.submit(Admit(f"r{decode_borrows}", list(range(1, 17)), params), sink)
+            assert finished.wait(30)
+        finally:
+            loop.stop()
+        return seen
+
+    assert threads_per_step(decode_borrows=False) == [2, 1, 1, 1]  # the prefill step borrows, decode does not
+    assert threads_per_step(decode_borrows=True) == [2, 2, 2, 2]

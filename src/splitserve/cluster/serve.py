@@ -202,6 +202,8 @@ def with_tuned(a: argparse.Namespace) -> tuple[argparse.Namespace, Tuned]:
     filled.dtype = a.dtype or tuned.dtype
     if a.long_prefill_token_threshold is None:
         filled.long_prefill_token_threshold = tuned.long_prefill_token_threshold
+    if a.decode_borrows is None:
+        filled.decode_borrows = "on" if tuned.decode_borrows else "off"
     if not a.threads and a.device == "cpu":
         filled.threads = tuned.threads
     if a.core_lease == "" and tuned.core_lease:
@@ -343,6 +345,7 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
             threads=a.threads,
             core_lease=a.core_lease,
             lease_cores=a.lease_cores,
+            decode_borrows=a.decode_borrows == "on",
             prefill_order=a.prefill_order,
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,

@@ -65,14 +65,17 @@ class EngineLoop:
         on_iteration: Callable[[IterationStats], None] | None = None,
         core_lease: CoreLease | None = None,
         prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S,
+        decode_borrows: bool = False,
     ) -> None:
         """`waiting_limit`: requests an `Admit` lets wait for a seat (None: no limit);
         `on_iteration` is called on the engine thread with what each step counted; it must not block;
         `core_lease`: the machine's cores shared with its other workers (None: torch's threads as set);
         `prefill_aging_tokens_per_s`: waiting prompts start shortest first, each second waited counting as
-        this many tokens fewer (None: in arrival order)."""
+        this many tokens fewer (None: in arrival order); `decode_borrows`: decode steps borrow idle cores
+        too (else only a step that prefills does)."""
         self.engine = engine
         self.core_lease = core_lease
+        self.decode_borrows = decode_borrows
         self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
@@ -172,7 +175,7 @@ class EngineLoop:
         because OpenMP keeps the thread count per calling thread."""
         if self.core_lease is None:
             return
-        threads = self.core_lease.acquire(borrows=prefills_next(self.engine.scheduler))
+        threads = self.core_lease.acquire(borrows=self.decode_borrows or prefills_next(self.engine.scheduler))
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 

@@ -171,6 +171,7 @@ def _engine_loop(cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, leas
         on_iteration=metrics.record,
         core_lease=lease,
         prefill_aging_tokens_per_s=aging,
+        decode_borrows=cfg.decode_borrows,
     )
 
 
@@ -264,6 +265,13 @@ def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
         default=0,
         help="the cores the --core-lease shares (0: the cores this process may run on)",
     )
+    p.add_argument(
+        "--decode-borrows",
+        default=None,
+        choices=["on", "off"],
+        help="decode steps borrow the cores no other worker claims too, and give them back at the next step "
+        "when a prefill wants them (default: the machine's tuned choice)",
+    )
 
 
 def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
@@ -275,6 +283,13 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
         help="requests a worker lets wait for a seat; beyond, new ones are refused at once "
         "(RESOURCE_EXHAUSTED, HTTP 429 at the router) (0: twice --max-num-seqs)",
     )
+
+
+def decode_borrows_from_args(a: argparse.Namespace) -> bool:
+    """--decode-borrows, or the machine's tuned choice where it is not given."""
+    if a.decode_borrows is not None:
+        return bool(a.decode_borrows == "on")
+    return tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda")).decode_borrows
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -365,6 +380,7 @@ def run(a: argparse.Namespace) -> int:
         threads=a.threads,
         core_lease=a.core_lease,
         lease_cores=a.lease_cores,
+        decode_borrows=decode_borrows_from_args(a),
         prefill_order=a.prefill_order,
         max_waiting_requests=a.max_waiting_requests,
     )

@@ -44,6 +44,10 @@ class Load:
     timeout_s: float
 
 
+# prompts per prefill probe and concurrency: each load sends this many rounds
+PREFILL_ROUNDS = 5
+
+
 def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> list[Load]:
     """The bench serve invocations of the named loads. Each load has its own seed: both systems
     cache prefixes, and a prompt seen in an earlier load would be a cache hit in a later one."""
@@ -123,7 +127,8 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
                 timeout_s,
             )
         ],
-        # one long prompt alone, then two at once, one output token: the prefill rate
+        # long prompts one at a time, then two in flight, one output token each: TTFT is the prefill.
+        # PREFILL_ROUNDS of each, since one request's TTFT moved by 20% from run to run here
         "prefill": [
             Load(
                 f"prefill{k}",
@@ -135,7 +140,7 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
                     "--random-output-len",
                     "1",
                     "--num-prompts",
-                    str(k),
+                    str(k * PREFILL_ROUNDS),
                     "--max-concurrency",
                     str(k),
                     "--ignore-eos",

@@ -34,14 +34,13 @@ def _field(key: str) -> Callable[[Run], float | None]:
 
 
 def prefill_tokens_per_s(run: Run) -> float | None:
-    """Prompt tokens over the time until the last of them had its first token out: with one output
-    token and every prompt sent at once, that is the prefill rate (queueing included)."""
-    ttfts = [r.get("ttft_s") for r in run.get("requests") or [] if not r.get("error")]
-    last = max((t for t in ttfts if isinstance(t, int | float)), default=None)
+    """Prompt tokens over the run's duration: with one output token per prompt and the server never
+    idle between them (a closed loop), that is the prefill rate, the serving path included."""
+    duration = _num(run.get("duration_s"))
     tokens = _num(run.get("total_input_tokens"))
-    if last is None or not last or tokens is None:
+    if not duration or tokens is None:
         return None
-    return tokens / last
+    return tokens / duration
 
 
 # (name, how to read it from a run); the name carries the unit and the direction

@@ -290,7 +290,7 @@ def describe_cores(name: str, used: Mapping[str, Any]) -> str:
         where = f"cores {core_list(tuple(p['cores']))}" if p["cores"] is not None else "unpinned"
         threads = f"{p['threads']} threads" if p["threads"] else "default threads"
         parts.append(f"{proc} {where} ({threads})")
-    lent = "; a prefill borrows the idle cores (core lease)" if used.get("lend") else ""
+    lent = "; a step borrows the idle cores (core lease)" if used.get("lend") else ""
     return f"{name}: {used['total']} cores: " + ", ".join(parts) + lent
 
 
