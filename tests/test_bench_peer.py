@@ -414,3 +414,16 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path: Pa
         wait_until(lambda: False, 30.0, [server], "bad")
     assert time.monotonic() - start < 30.0
     server.stop(grace_s=1.0)
+
+
+def test_a_system_starts_once_the_machine_is_quiet():
+    from splitserve.measure.hw import CpuTimes, busy_fraction, wait_until_quiet
+
+    assert busy_fraction(CpuTimes(0, 0), CpuTimes(50, 100)) == 0.5
+    readings = iter([CpuTimes(0, 0), CpuTimes(90, 100), CpuTimes(150, 200), CpuTimes(155, 300)])
+    slept: list[float] = []
+    waited, busy = wait_until_quiet(threshold=0.1, window_s=2.0, read=lambda: next(readings), sleep=slept.append)
+    assert (waited, busy, slept) == (6.0, 0.05, [2.0, 2.0, 2.0])  # 90% and 60% busy, then 5%
+    never = iter([CpuTimes(100 * i, 100 * i) for i in range(10)])
+    assert wait_until_quiet(window_s=2.0, limit_s=4.0, read=lambda: next(never), sleep=lambda s: None) == (4.0, 1.0)
+    assert wait_until_quiet(read=lambda: None, sleep=slept.append) == (0.0, 0.0)  # no /proc/stat: no wait

@@ -26,6 +26,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,53 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "?"
+
+
+class CpuTimes(NamedTuple):
+    busy: int  # jiffies the CPUs spent on anything but idle and iowait, since boot
+    total: int
+
+
+def cpu_times(path: str = "/proc/stat") -> CpuTimes | None:
+    """The machine's CPU time so far (None where /proc/stat is not there to read)."""
+    try:
+        with open(path) as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = sum(fields[3:5])  # idle, iowait
+    return CpuTimes(sum(fields) - idle, sum(fields))
+
+
+def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
+    """The share of the machine's CPU time that was busy between two readings."""
+    total = after.total - before.total
+    return (after.busy - before.busy) / total if total > 0 else 0.0
+
+
+def wait_until_quiet(
+    threshold: float = 0.1,
+    window_s: float = 2.0,
+    limit_s: float = 120.0,
+    read: Callable[[], CpuTimes | None] = cpu_times,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[float, float]:
+    """Wait until the machine's CPUs were busy under `threshold` of a `window_s` window (a system
+    just stopped may still be exiting and giving back memory), at most `limit_s`. Returns the
+    seconds waited and the last window's busy share (0.0 where the CPU time cannot be read)."""
+    waited = 0.0
+    before = read()
+    while before is not None:
+        sleep(window_s)
+        waited += window_s
+        after = read()
+        if after is None:
+            break
+        busy = busy_fraction(before, after)
+        if busy < threshold or waited >= limit_s:
+            return waited, busy
+        before = after
+    return waited, 0.0
 
 
 def machine(device: torch.device) -> str:

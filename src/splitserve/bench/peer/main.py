@@ -326,9 +326,12 @@ def run_system(spec: SystemSpec, ctx: LaunchContext, loads: list[Load], out: str
     """Start the system, run every load against it, stop it; errors are recorded, not raised,
     so that one system failing still leaves the others' figures."""
     from splitserve.bench.peer.servers import ServerError, start_system
+    from splitserve.measure.hw import wait_until_quiet
 
     res: dict[str, Any] = {"flags": list(spec.flags), "router_flags": list(spec.router_flags), "loads": {}}
-    print(f"[{spec.name}] starting", flush=True)
+    # the system before may still be exiting (vLLM frees GiBs): the next must not start beside it
+    waited, busy = wait_until_quiet()
+    print(f"[{spec.name}] starting (machine quiet after {waited:.0f}s: {busy:.0%} busy)", flush=True)
     try:
         system = start_system(spec, ctx)
     except ServerError as e:
