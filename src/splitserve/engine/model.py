@@ -140,12 +140,13 @@ class LlamaModel:
         if kernels is not None:
             return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
         cfg = self.cfg
+        rows = self._row_kernels()
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].to(self.dtype)
         sin = self.sin[positions].to(self.dtype)
         q_size, kv_size = cfg.q_size, cfg.kv_size
+        h, x = self._add_norm(rows, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             qkv = linear(x, lw.qkv, lw.qkv_bias)
             q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -159,17 +160,42 @@ class LlamaModel:
             attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
             o = linear(attn.reshape(-1, q_size), lw.o)
             self._all_reduce(o, i, on_layer_done)
-            h = h + o
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-            down = linear(F.silu(gate) * up, lw.down)
+            h, x = self._add_norm(rows, h, o, lw.post_norm)
+            gate_up = linear(x, lw.gate_up)
+            if rows is not None:
+                act = rows.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            down = linear(act, lw.down)
             if self.reduce is not None:
                 self.reduce(down)
-            h = h + down
+            if i + 1 < len(self.layers):  # the residual add, with the next layer's input norm
+                h, x = self._add_norm(rows, h, down, self.layers[i + 1].input_norm)
+            else:
+                h = h + down
         if logits_indices.numel() == 0:  # a chunk that ends no prompt, or a rank other than 0
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _row_kernels(self) -> DecodeKernels | None:
+        """The CPU kernels' RMSNorm and SiLU * up for a step's rows (a prefill's): one pass each over
+        the rows where torch takes five to eight (the casts, squares, mean and products), the same
+        arithmetic as the decode step's; None where the torch path runs (GPU, other dtypes, no build)."""
+        if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES:
+            return decode_kernels()
+        return None
+
+    def _add_norm(
+        self, rows: DecodeKernels | None, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h + residual (if any) and weight * RMSNorm of it; the kernel adds into h in place."""
+        if rows is not None and h.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return h, rows.rms_norm(h, weight, self.cfg.rms_norm_eps, residual)
+        if residual is not None:
+            h = h + residual
+        return h, rms_norm(h, weight, self.cfg.rms_norm_eps)
 
     def _all_reduce(self, o: torch.Tensor, layer: int, on_layer_done: LayerHook | None) -> None:
         """Complete the o projection's partial sums over the ranks (a no-op without them). Once

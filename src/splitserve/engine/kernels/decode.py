@@ -315,6 +315,50 @@ class DecodeKernels:
     def with_isa(self, isa: int) -> DecodeKernels:
         return DecodeKernels(self._ext, isa)
 
+    def rms_norm(self, h: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+        """weight * RMSNorm(h) over h's rows (any number: a prefill's), as the step's `norm`: with
+        `residual`, first h += residual, in place. h [T, hidden] and the others contiguous CPU, one dtype
+        (bf16 or fp32); ValueError otherwise."""
+        if not (h.dtype in (_BF16, _F32) and h.dim() == 2 and h.is_cpu and h.is_contiguous()):
+            raise ValueError("rms_norm takes h as a contiguous CPU bf16 or fp32 tensor [T, hidden]")
+        if not _fits(weight, h.dtype, (h.shape[1],)):
+            raise ValueError(f"rms_norm weight must be a contiguous CPU {h.dtype} tensor [{h.shape[1]}]")
+        if residual is not None and not _fits(residual, h.dtype, tuple(h.shape)):
+            raise ValueError(f"residual must be a contiguous CPU {h.dtype} tensor {list(h.shape)}")
+        out = torch.empty_like(h)
+        self._ext.rms_norm(
+            out.data_ptr(),
+            h.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            h.shape[0],
+            h.shape[1],
+            float(eps),
+            int(h.dtype is _BF16),
+            torch.get_num_threads(),
+            self.isa,
+        )
+        return out
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up over gate_up's rows [T, 2 intermediate] = [gate | up], as the step's `silu_mul`."""
+        if not (gate_up.dtype in (_BF16, _F32) and gate_up.dim() == 2 and gate_up.is_cpu and gate_up.is_contiguous()):
+            raise ValueError("silu_mul takes a contiguous CPU bf16 or fp32 tensor [T, 2 intermediate]")
+        if gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up's width {gate_up.shape[1]} is not even")
+        n = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], n)
+        self._ext.silu_mul(
+            out.data_ptr(),
+            gate_up.data_ptr(),
+            gate_up.shape[0],
+            n,
+            int(gate_up.dtype is _BF16),
+            torch.get_num_threads(),
+            self.isa,
+        )
+        return out
+
     def step(
         self,
         h: Tensor,
