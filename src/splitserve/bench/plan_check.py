@@ -121,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"profile: calibrated in {time.monotonic() - t0:.0f}s, saved to {path}")
     _print_profile(profile)
     model_dir = export_hf_dir(args.model, os.path.join(os.path.dirname(DEFAULT_OUT), "peer", "model"))
-    ctx = LaunchContext(model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores)
+    # Each worker pinned to its own core, as the profile was calibrated and as the simulator models a
+    # cluster: core lending (a step borrowing a neighbour's idle core) is outside the simulator's model.
+    ctx = LaunchContext(
+        model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores, lend_cores=False
+    )
     rows: list[Row] = []
     failed = False
     for mode in modes:
