@@ -180,3 +180,18 @@ def test_decode_steps_borrow_only_when_the_loop_is_told_to(lease_path):
 
     assert threads_per_step(decode_borrows=False) == [2, 1, 1, 1]  # the prefill step borrows, decode does not
     assert threads_per_step(decode_borrows=True) == [2, 2, 2, 2]
+
+
+def test_a_prefill_worker_steps_through_larger_chunks_unless_told():
+    import argparse
+
+    from splitserve.workers.server import add_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    prefill = p.parse_args(["--role", "prefill"])
+    decode = p.parse_args(["--role", "decode"])
+    given = p.parse_args(["--role", "prefill", "--max-num-batched-tokens", "256"])
+    assert engine_config_from_args(prefill, "prefill").max_num_batched_tokens == 2048
+    assert engine_config_from_args(decode, "decode").max_num_batched_tokens == 512
+    assert engine_config_from_args(given, "prefill").max_num_batched_tokens == 256

@@ -154,13 +154,15 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.plan.sim.sweep import requests_from_run
     from splitserve.router.engine_tokenizer import EngineTokenizer
 
-    spec = SystemSpec(mode, flags=("--dtype", args.dtype))
-    chat = EngineTokenizer(Tokenizer.from_hf_dir(ctx.model_dir))
-    cached = chat_prefix_cached_tokens(chat.encode_chat, EngineConfig().block_size)
     where = placement(mode, ctx.cores)
     decode, prefill = len(where.cores_of("decode")), len(where.cores_of("prefill"))
     sim_mode: Mode = "colocated" if mode == "colocated" else "disaggregated"
     cluster = ClusterSpec(sim_mode, decode_workers=decode, prefill_workers=prefill)
+    # every worker at the simulated chunk (a prefill worker's own default is larger: engine/tuned.py)
+    chunk = ("--max-num-batched-tokens", str(cluster.max_num_batched_tokens))
+    spec = SystemSpec(mode, flags=("--dtype", args.dtype, *chunk))
+    chat = EngineTokenizer(Tokenizer.from_hf_dir(ctx.model_dir))
+    cached = chat_prefix_cached_tokens(chat.encode_chat, EngineConfig().block_size)
     print(
         f"[{mode}] simulated as {decode} decode and {prefill} prefill worker(s), max_num_seqs "
         f"{cluster.max_num_seqs}, chunk {cluster.max_num_batched_tokens}, the first {cached} tokens of every "

@@ -330,13 +330,18 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
     """Each pool: its workers' config (the shared engine at the pool's tensor-parallel size), its
     size and scaling, and what each worker asks Ray for."""
     from splitserve.cluster.pool import PoolSpec
+    from splitserve.engine.tuned import chunk_tokens
     from splitserve.workers.common.config import WorkerConfig
 
     def worker(role: Role) -> WorkerConfig:
         return WorkerConfig(
             role=role,
             model=a.model,
-            engine=replace(cfg.engine, tensor_parallel_size=cfg.tp[role]),
+            engine=replace(
+                cfg.engine,
+                tensor_parallel_size=cfg.tp[role],
+                max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
+            ),
             host=a.worker_host,
             kv_transport=a.kv_transport,
             kv_wire_codec=a.kv_wire_codec,

@@ -25,7 +25,7 @@ from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
-from splitserve.engine.tuned import detect_machine, tuned_defaults
+from splitserve.engine.tuned import chunk_tokens, detect_machine, tuned_defaults
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
@@ -222,7 +222,13 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (the prefill chunk)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per step (the prefill chunk; default {chunk_tokens('prefill')} on a prefill worker, which has "
+        f"no decodes to interleave, {chunk_tokens(None)} elsewhere)",
+    )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
@@ -292,8 +298,9 @@ def decode_borrows_from_args(a: argparse.Namespace) -> bool:
     return tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda")).decode_borrows
 
 
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """The engine the flags describe; a flag not given takes the machine's tuned default (engine/tuned.py)."""
+def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> EngineConfig:
+    """The engine the flags describe for a worker of `role` (None: any); a flag not given takes the
+    machine's tuned default (engine/tuned.py)."""
     tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
     threshold = a.long_prefill_token_threshold
     return EngineConfig(
@@ -304,7 +311,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
         long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,
         tensor_parallel_size=a.tensor_parallel_size,
         **tier_fields(a),
@@ -354,7 +361,7 @@ def run(a: argparse.Namespace) -> int:
     from splitserve.engine.preflight import engine_problems
 
     try:  # the engine's flags, then the model's header against them: before any port or model load
-        engine = engine_config_from_args(a)
+        engine = engine_config_from_args(a, a.role)
     except ValueError as e:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return 2
