@@ -9,21 +9,21 @@
 // register-tiled loop:
 //
 //   for each (head, tile of R query rows), longest contexts first:
-//     for each tile of 16 keys up to the tile's last visible key:
-//       S[r]  = q_r . K_tile        (16 keys in one zmm; d/2 vdpbf16ps, q pairs broadcast)
+//     for each tile of 32 keys up to the tile's last visible key:
+//       S[r]  = q_r . K_tile        (32 keys in two zmm; d vdpbf16ps, q pairs broadcast)
 //       causal mask, running max, P = exp2(S * scale * log2 e - max), O *= alpha
-//       O[r] += P_r . V_tile        (d/16 zmm per row; 8 vdpbf16ps per zmm, P pairs broadcast)
+//       O[r] += P_r . V_tile        (d/16 zmm per row; 16 vdpbf16ps per zmm, P pairs broadcast)
 //     out_r = O[r] / l[r], rounded to bf16
 //
 // vdpbf16ps sums the products of adjacent pairs, so each operand is packed once per
-// call so that a pair sits in one 32-bit lane: K as [kv_head][key tile][d/2][16 keys]
+// call so that a pair sits in one 32-bit lane: K as [kv_head][key tile][d/2][32 keys]
 // (a lane holds k[key][2i], k[key][2i+1]) and V as [kv_head][key pair][d] (a lane holds
 // v[2m][d], v[2m+1][d]). Packing reads the cache through the block table once; it is
 // O(context * d), the attention O(context^2 * d).
 //
-// Rows of a tile: R = 16 / (d / 16) (d = 64: 4 rows, O is 16 zmm), so that O stays in
-// registers for the whole key loop. The scores of a row keep two accumulator chains (even and
-// odd pairs) so that the dependent vdpbf16ps latency is hidden.
+// Rows of a tile: R = 16 / (d / 16) (d = 64: 4 rows, O is 16 zmm; d = 32: 4), so that O stays in
+// registers for the whole key loop; the two halves of a row's scores are two accumulator chains
+// each, 2R in flight, which hides the dependent vdpbf16ps latency.
 //
 // Threads: an OpenMP team of the caller's size (torch's thread count; libgomp is
 // torch's copy), work items from an atomic counter, the most expensive (the last
@@ -59,7 +59,7 @@ int detect_isa() {
 
 const int g_isa = detect_isa();
 
-constexpr int kKeys = 16;  // keys per tile: one zmm of fp32 scores
+constexpr int kKeys = 32;  // keys per tile: two zmm of fp32 scores per query row
 
 struct Problem {
   uint16_t* out;          // [q_len, heads, dim] bf16
@@ -127,61 +127,74 @@ inline __m512 bcast(const uint32_t* lanes, int64_t i) {
   return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(lanes[i])));
 }
 
+// The causal mask of one row over one half (16 keys from key0) of a tile: keys past the row's own
+// position are out (the diagonal, and the pad past the context).
+inline __mmask16 visible_mask(int64_t pos, int64_t key0) {
+  const int64_t visible = std::min<int64_t>(pos - key0 + 1, 16);
+  return visible <= 0 ? static_cast<__mmask16>(0)
+                      : static_cast<__mmask16>(visible >= 16 ? 0xffffu : (1u << visible) - 1u);
+}
+
 // R query rows (positions pos0 .. pos0 + rows - 1 of one head) against keys 0 .. pos0 + rows - 1.
 // DCH: dim / 16, zmm chunks per row of O. Rows past `rows` repeat the last one and are not stored.
+// A tile is 32 keys, two zmm of scores per row: the running maximum, its rescale of O and the
+// bf16 rounding of P are paid once per 32 keys.
 template <int R, int DCH>
 void row_tile(const Problem& p, const uint32_t* k_packed, const uint32_t* v_packed, const uint16_t* q0,
               int64_t q_stride, uint16_t* out0, int64_t pos0, int rows) {
   constexpr int kHalf = DCH * 8;  // dim / 2 pairs
   const uint32_t* q[R];
-  for (int r = 0; r < R; ++r) q[r] = reinterpret_cast<const uint32_t*>(q0 + std::min(r, rows - 1) * q_stride);
+  int64_t pos[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = reinterpret_cast<const uint32_t*>(q0 + std::min(r, rows - 1) * q_stride);
+    pos[r] = pos0 + std::min(r, rows - 1);
+  }
   __m512 o[R][DCH];
-  float m[R], l[R];
+  float m[R];
   __m512 lsum[R];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < DCH; ++c) o[r][c] = _mm512_setzero_ps();
     m[r] = -INFINITY;
-    l[r] = 0.0f;
     lsum[r] = _mm512_setzero_ps();
   }
-  const float c2 = p.scale * 1.4426950408889634f;  // scores to base-2 exponents
-  const int64_t last_key = pos0 + rows - 1;
-  const int64_t tiles = last_key / kKeys + 1;
+  const __m512 c2 = _mm512_set1_ps(p.scale * 1.4426950408889634f);  // scores to base-2 exponents
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const int64_t tiles = (pos0 + rows - 1) / kKeys + 1;
   alignas(64) uint32_t pp[R][kKeys / 2];  // P of the tile in bf16, a key pair per lane
   for (int64_t t = 0; t < tiles; ++t) {
     const uint32_t* kt = k_packed + t * kHalf * kKeys;
-    __m512 sa[R], sb[R];
-    for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm512_setzero_ps();
-    for (int i = 0; i < kHalf; i += 2) {
+    __m512 lo[R], hi[R];  // scores of keys key0 .. key0 + 15 and key0 + 16 .. key0 + 31
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int i = 0; i < kHalf; ++i) {
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + i * kKeys);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (i + 1) * kKeys);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + i * kKeys + 16);
       for (int r = 0; r < R; ++r) {
-        sa[r] = _mm512_dpbf16_ps(sa[r], k0, (__m512bh)bcast(q[r], i));
-        sb[r] = _mm512_dpbf16_ps(sb[r], k1, (__m512bh)bcast(q[r], i + 1));
+        const __m512bh qv = (__m512bh)bcast(q[r], i);
+        lo[r] = _mm512_dpbf16_ps(lo[r], k0, qv);
+        hi[r] = _mm512_dpbf16_ps(hi[r], k1, qv);
       }
     }
     const int64_t key0 = t * kKeys;
     for (int r = 0; r < R; ++r) {
-      __m512 s = _mm512_mul_ps(_mm512_add_ps(sa[r], sb[r]), _mm512_set1_ps(c2));
-      // keys past the row's own position are masked (the causal diagonal and the pad)
-      const int64_t visible = std::min<int64_t>(pos0 + std::min(r, rows - 1) - key0 + 1, kKeys);
-      const __mmask16 keep = visible >= kKeys ? static_cast<__mmask16>(0xffff)
-                                              : static_cast<__mmask16>((1u << std::max<int64_t>(visible, 0)) - 1u);
-      s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s);
-      const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(keep, s));
-      const __m512 pr = _mm512_maskz_mov_ps(keep, exp2_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      const __mmask16 keep_lo = visible_mask(pos[r], key0), keep_hi = visible_mask(pos[r], key0 + 16);
+      const __m512 s_lo = _mm512_mask_blend_ps(keep_lo, neg_inf, _mm512_mul_ps(lo[r], c2));
+      const __m512 s_hi = _mm512_mask_blend_ps(keep_hi, neg_inf, _mm512_mul_ps(hi[r], c2));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi)));
       if (m_new != m[r]) {  // rescale what was summed under the old maximum
-        const float alpha = m[r] == -INFINITY ? 0.0f : std::exp2(m[r] - m_new);
-        const __m512 a = _mm512_set1_ps(alpha);
+        const __m512 a = _mm512_set1_ps(m[r] == -INFINITY ? 0.0f : std::exp2(m[r] - m_new));
         for (int c = 0; c < DCH; ++c) o[r][c] = _mm512_mul_ps(o[r][c], a);
         lsum[r] = _mm512_mul_ps(lsum[r], a);
         m[r] = m_new;
       }
-      // the sum takes P as the PV product sees it: rounded to bf16
-      const __m256bh pb = _mm512_cvtneps_pbh(pr);
-      lsum[r] = _mm512_add_ps(lsum[r], _mm512_castsi512_ps(_mm512_slli_epi32(
-                                           _mm512_cvtepu16_epi32((__m256i)pb), 16)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)pb);
+      const __m512 mv = _mm512_set1_ps(m_new);
+      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp2_neg(_mm512_sub_ps(s_lo, mv)));
+      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp2_neg(_mm512_sub_ps(s_hi, mv)));
+      // 32 bf16 in key order; the sum takes P as the PV product sees it: rounded to bf16
+      const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p_hi, p_lo);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pb, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      lsum[r] = _mm512_add_ps(lsum[r], _mm512_add_ps(even, odd));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(pp[r]), pb);
     }
     const uint32_t* vt = v_packed + (key0 / 2) * (DCH * 16);
     for (int j = 0; j < kKeys / 2; ++j) {
@@ -192,17 +205,17 @@ void row_tile(const Problem& p, const uint32_t* k_packed, const uint32_t* v_pack
     }
   }
   for (int r = 0; r < rows; ++r) {
-    l[r] = _mm512_reduce_add_ps(lsum[r]);
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[r]));
     uint16_t* dst = out0 + r * q_stride;
     for (int c = 0; c < DCH; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][c], inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][c], inv)));
   }
 }
 
 template <int DCH>
 void attend(const Problem& p, int64_t threads) {
-  constexpr int R = 16 / DCH;
+  constexpr int R = DCH >= 4 ? 16 / DCH : 4;  // O in 16 zmm at most, scores in 8
   const int64_t half = p.dim / 2;
   const int64_t tiles = (p.ctx_len + kKeys - 1) / kKeys;
   const int64_t k_lanes = tiles * half * kKeys;
