@@ -59,6 +59,9 @@ TITLES = {
     "output on a load that copies its prompt and on ShareGPT, in one run (issue 22)",
     "peer-cpu5-default": "The default configuration against vLLM again, with the router charging a remote prompt "
     "to the prefill pool when it is routed (issue 22)",
+    "peer-cpu6-default": "The default configuration against vLLM on a quiet machine, with the prefill attention "
+    "kernel, the prefill's fused norms, decode steps borrowing idle cores and 2,048-token prefill-worker steps: five "
+    "lone prompts and ten in pairs, ShareGPT at concurrency 4, the burst load (issue 22)",
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
@@ -84,6 +87,18 @@ NOTES = {
     "still went remote: the router had charged the first to the decode worker's queue and not yet to the prefill "
     "pool's, fixed after this run (router/request.py, `_charge`). The machine was shared (load average 3 to 5 "
     "from other engineers' tests) for both systems.",
+    "peer-cpu5-default": "A quiet machine (load 0.6) and no change to splitserve's prefill yet: vLLM's lone prompt "
+    "took 977 ms here against 1,855 under load in peer-cpu4-default, so the earlier ratios (0.84x, goodput 1.81x) "
+    "owed much to vLLM's two threads suffering more from the shared machine than splitserve's one each. The prefill "
+    "probes were one request each here; from peer-cpu6-default on, five rounds.",
+    "peer-cpu6-default": "Against the issue's targets: the lone prompt 1.10x vLLM's TTFT (target 0.8x), ShareGPT "
+    "goodput 1.23x (target 1.6x) and TTFT p99 1.18x (target 0.8x), the burst prompts' TTFT p50 1.77x vLLM's "
+    "(target 1x) with the steady streams' ITL p99 2.12x their quiet value (target 1.3x; 1.72x before decode steps "
+    "borrowed idle cores, which made the quiet spells faster, not the bursts slower: ITL p99 68 ms against vLLM's "
+    "93). vLLM's CPU prefill runs at 1,148 tok/s here (about 290 GFLOP/s, two-thirds of the two cores' bf16 peak); "
+    "splitserve's engine alone does a 1,000-token prompt in 782 ms (prefill-profile-cpu), and its served prefill "
+    "computes 10 to 16% slower than the engine alone: the KV stream, gRPC, the router and the client share the two "
+    "cores with its two threads.",
     "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
     "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
     "TTFT is that wait (14 to 90 s), tiers or not: no request meets a 2 s TTFT anywhere. Its returning turns did "
