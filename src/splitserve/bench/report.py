@@ -129,7 +129,12 @@ NOTES = {
     "a ratio fit over short prompts overcharged the long ones). The simulator routes with the router's own "
     "chooser (router/policy.py) over a prefix index fed by its simulated workers. The misses are colocated at "
     "low load, where one worker is mostly idle and lends its core to the router and the client, so the overhead "
-    "measured with both busy overstates it. Run to run on this shared VM the count has been 23 to 29 of 32.",
+    "measured with both busy overstates it. Run to run on this shared VM the count has been 23 to 29 of 32. "
+    "The run at 0a93cfd (23 of 32) pins each worker to its core at the simulated 512-token chunk, without the core "
+    "lending the defaults now use (outside the simulator's model); its misses are disaggregated at 1.5 req/s, past "
+    "the one decode core's capacity (measured ITL p50 68.6 ms against 46.6 simulated: the router and the client take "
+    "their cycles from the decode core there, and the fitted overhead came out at 0 ms with the decode worker alone "
+    "busy), and the burst load's TTFT p50s.",
     "transfer-codec": "The 1 Gb/s link is a TCP proxy inside the benchmark that paces the sender's bytes (a "
     "token bucket, 64 KiB chunks, a 256 KiB socket buffer): no root or tc needed, the same on CI. The prefill "
     "is a stand-in (a sleep per layer, as a GPU's): this CPU's real prefill of a 2K-token prompt takes seconds "
