@@ -9,8 +9,9 @@ sequence's whole context read back through its block table. Two paths:
   tables and one masked SDPA call, shapes fixed by the padded block table, so
   that it can be captured in a CUDA graph;
 - mixed or prefill steps: per-sequence causal attention offset by the cached
-  prefix: engine/kernels/prefill.py's kernel for bf16 on a CPU with AVX-512 BF16
-  (it reads the cache through the block table), else SDPA with a causal mask.
+  prefix: the caller's `prefill_kernel` where it takes the sequence (the model
+  passes engine/kernels/prefill.py's, bf16 on a CPU with AVX-512 BF16, which
+  reads the cache through the block table), else SDPA with a causal mask.
   Prefill is compute-bound, so the Python loop costs nothing that shows.
 
 A quantized cache (int8 or fp8 values with a scale per token and KV head, the format in
@@ -29,14 +30,18 @@ triton is installed: engine/kernels/triton_decode.py does the same there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from splitserve.engine.blocks import cdiv
-from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kv_cache import gather_dequantized, quantized_block_size, quantized_kind, write_quantized
+
+# (q [q_len, heads, dim], layer_cache, block_table row, ctx_len, scale) -> output, or None where it
+# does not take the call: engine/kernels/prefill.py's prefill_attention
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,13 @@ def paged_attention(
     layer_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, heads, head_dim]. The new K/V must already be written."""
+    """Attention output [T, heads, head_dim]. The new K/V must already be written. `prefill_kernel`
+    computes a prefill's sequences where it takes them (None: SDPA for all)."""
     if meta.is_decode:
         return _decode_attention(q, layer_cache, meta, scale, k_new.shape[1])
-    return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale)
+    return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale, prefill_kernel)
 
 
 def gather_blocks(
@@ -122,6 +129,7 @@ def _prefill_attention(
     layer_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_new.shape[1]
@@ -131,8 +139,11 @@ def _prefill_attention(
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
-        # bf16 on a CPU with AVX-512 BF16: our kernel, over the cache through the block table
-        got = prefill_attention(q[start : start + q_len], layer_cache, meta.block_tables[i], ctx_len, scale)
+        got = (
+            None
+            if kernel is None
+            else kernel(q[start : start + q_len], layer_cache, meta.block_tables[i], ctx_len, scale)
+        )
         if got is not None:
             out[start : start + q_len] = got
             start += q_len

@@ -37,6 +37,7 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.kernels.decode import KV_KINDS as QUANTIZED_KV_KINDS
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
 from splitserve.engine.kernels.linear import linear
+from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
 from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
@@ -112,6 +113,8 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
         self.cos, self.sin = rope_tables(cfg, device)
         self.scale = cfg.head_dim**-0.5
+        # a prefill's attention on our CPU kernel where it takes the call (bf16, AVX-512 BF16), else SDPA
+        self._prefill_kernel = prefill_attention if device.type == "cpu" else None
 
     @property
     def weight_bytes(self) -> int:
@@ -157,7 +160,7 @@ class LlamaModel:
             write_kv(layer_cache, k, v, meta)
             if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, self._prefill_kernel)
             o = linear(attn.reshape(-1, q_size), lw.o)
             self._all_reduce(o, i, on_layer_done)
             h, x = self._add_norm(rows, h, o, lw.post_norm)
