@@ -173,3 +173,22 @@ def test_attention_prefill_path_takes_the_kernel_and_agrees_with_sdpa(ext):
     assert calls == [True, True]
     sdpa = attention.paged_attention(q, k_new, v_new, cache, meta, 0.125)  # no kernel: SDPA
     assert (ours.float() - sdpa.float()).abs().max().item() < 2e-2
+
+
+def test_a_kernel_that_fails_its_self_test_is_not_used(ext, monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(14)
+    q, cache, table = _case(gen, 9, 3, 64, 8, 8)
+
+    def raises(_ext):
+        raise TypeError("prefill_attention() takes 13 integer arguments")
+
+    for broken in (lambda _ext: False, raises):
+        monkeypatch.setattr(kp._EXT, "done", False)
+        monkeypatch.setattr(kp._EXT, "value", None)
+        monkeypatch.setattr(kp, "_self_test", broken)
+        with caplog.at_level("WARNING"):
+            assert kp.prefill_attention(q, cache, table, 8, 0.125) is None  # the caller runs SDPA
+        assert "self-test" in caplog.text and "SDPA" in caplog.text
+        caplog.clear()
+        monkeypatch.undo()
+    assert kp.prefill_attention(q, cache, table, 8, 0.125) is not None  # the real one again

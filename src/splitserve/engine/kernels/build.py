@@ -21,6 +21,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -117,3 +118,17 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
     if elapsed > 2.0:
         log.info("built kernel %s in %.1f s (%s)", name, elapsed, folder)
     return module
+
+
+def passes_self_test(what: str, self_test: Callable[[], bool], fallback: str) -> bool:
+    """A freshly built binary's check against torch before it computes anything real: False, after one
+    warning naming `fallback`, when it disagrees or raises (a binary that does not even take our
+    arguments is no better than a wrong one)."""
+    try:
+        ok = self_test()
+    except Exception as e:
+        log.warning("%s failed its self-test (%s); using %s", what, e, fallback)
+        return False
+    if not ok:
+        log.warning("%s disagrees with torch on its self-test; using %s", what, fallback)
+    return ok

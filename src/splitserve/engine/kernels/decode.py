@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from splitserve.engine.kernels.build import load_extension
+from splitserve.engine.kernels.build import load_extension, passes_self_test
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled, linear
 from splitserve.engine.kernels.once import Once
 
@@ -427,16 +427,8 @@ def _load() -> DecodeKernels | None:
     ext = load_extension("splitserve_decode", "decode.cpp", fallback="torch for decode's small operations")
     if ext is None:
         return None
-    try:
-        k = DecodeKernels(ext)
-        ok = _self_test(k)
-    except Exception as e:  # a binary that does not even take our arguments is no better
-        log.warning("decode kernels failed their self-test (%s); decode runs on torch", e)
-        return None
-    if not ok:
-        log.warning("decode kernels disagree with torch on their self-test; decode runs on torch")
-        return None
-    return k
+    k = DecodeKernels(ext)
+    return k if passes_self_test("decode kernels", lambda: _self_test(k), "torch for decode") else None
 
 
 _KERNELS: Once[DecodeKernels | None] = Once(_load)

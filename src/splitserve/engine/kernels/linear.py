@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from splitserve.engine.kernels.build import load_extension
+from splitserve.engine.kernels.build import load_extension, passes_self_test
 from splitserve.engine.kernels.once import Once
 from splitserve.engine.tuned import cpu_flags
 
@@ -104,15 +104,7 @@ def _load() -> ModuleType | None:
         return None
     if ext is None:
         return None
-    try:
-        ok = _self_test(ext)
-    except Exception as e:  # a binary that does not even take our arguments is no better
-        log.warning("linear kernel failed its self-test (%s); using torch's F.linear", e)
-        return None
-    if not ok:
-        log.warning("linear kernel disagrees with torch on its self-test; using torch's F.linear")
-        return None
-    return ext
+    return ext if passes_self_test("linear kernel", lambda: _self_test(ext), "torch's F.linear") else None
 
 
 _EXT: Once[ModuleType | None] = Once(_load)  # the built kernel, or None: disabled, unbuildable or failed

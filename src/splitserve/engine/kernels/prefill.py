@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from splitserve.engine.kernels.build import load_extension
+from splitserve.engine.kernels.build import load_extension, passes_self_test
 from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
 from splitserve.engine.kernels.once import Once
 
@@ -109,15 +109,8 @@ def _load() -> ModuleType | None:
     ext = load_extension("splitserve_prefill", "prefill.cpp", fallback="torch's SDPA for prefill attention")
     if ext is None or ext.isa() == 0:
         return None  # no AVX-512 BF16: SDPA is this CPU's path, nothing to warn about
-    try:
-        ok = _self_test(ext)
-    except Exception as e:
-        log.warning("prefill attention kernel failed its self-test (%s); using torch's SDPA", e)
-        return None
-    if not ok:
-        log.warning("prefill attention kernel disagrees with torch on its self-test; using torch's SDPA")
-        return None
-    return ext
+    ok = passes_self_test("prefill attention kernel", lambda: _self_test(ext), "torch's SDPA")
+    return ext if ok else None
 
 
 _EXT: Once[ModuleType | None] = Once(_load)
