@@ -97,7 +97,7 @@ NOTES = {
     "borrowed idle cores, which made the quiet spells faster, not the bursts slower: ITL p99 68 ms against vLLM's "
     "93). vLLM's CPU prefill runs at 1,148 tok/s here (about 290 GFLOP/s, two-thirds of the two cores' bf16 peak); "
     "splitserve's engine alone does a 1,000-token prompt in 782 ms (prefill-profile-cpu), and its served prefill "
-    "computes 10 to 16% slower than the engine alone: the KV stream, gRPC, the router and the client share the two "
+    "computes 5 to 16% slower than the engine alone: the KV stream, gRPC, the router and the client share the two "
     "cores with its two threads.",
     "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
     "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
