@@ -190,3 +190,17 @@ def test_a_tiny_repetition_penalty_samples_a_token_instead_of_raising():
     g = torch.Generator().manual_seed(0)
     out = sample(LOGITS[None], [p], [[0, 1]], [[4]], [None], g).token_ids
     assert 0 <= out[0] < len(LOGITS)
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    from splitserve.engine.sampler import draw
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(5)
+    for _ in range(20000):
+        counts[draw(probs, gen)] += 1
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts / 20000, probs, atol=0.015)
+    one, two = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(probs, one) for _ in range(50)] == [draw(probs, two) for _ in range(50)]  # seeded: repeatable
