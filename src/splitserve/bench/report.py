@@ -62,6 +62,8 @@ TITLES = {
     "peer-cpu6-default": "The default configuration against vLLM on a quiet machine, with the prefill attention "
     "kernel, the prefill's fused norms, decode steps borrowing idle cores and 2,048-token prefill-worker steps: five "
     "lone prompts and ten in pairs, ShareGPT at concurrency 4, the burst load (issue 22)",
+    "peer-cpu7-default": "The default configuration against vLLM on a quiet machine once more, with the sampler "
+    "drawing from one uniform number (torch.multinomial had drawn one per vocabulary entry) (issue 22)",
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
