@@ -192,3 +192,35 @@ def test_a_kernel_that_fails_its_self_test_is_not_used(ext, monkeypatch, caplog)
         caplog.clear()
         monkeypatch.undo()
     assert kp.prefill_attention(q, cache, table, 8, 0.125) is not None  # the real one again
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_rows_norm_and_silu_mul_match_torch(dtype):
+    # the decode kernels' RMSNorm and SiLU * up over a prefill's rows (model.py's prefill path)
+    from splitserve.engine.kernels.decode import decode_kernels
+    from splitserve.engine.layers import rms_norm
+
+    k = decode_kernels()
+    if k is None:
+        pytest.skip("the decode kernels did not build here (see the warning in the log)")
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(37, 576, generator=gen).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    expected_h = h + residual
+    expected = rms_norm(expected_h, w, 1e-5)
+    mine = h.clone()
+    got = k.rms_norm(mine, w, 1e-5, residual)
+    assert torch.equal(mine, expected_h)  # the residual added in place, rounded as torch rounds it
+    tol = 1e-2 if dtype is torch.bfloat16 else 1e-5
+    assert (got.float() - expected.float()).abs().max().item() <= tol * expected.float().abs().max().item()
+    gate_up = torch.randn(37, 2 * 1536, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = k.silu_mul(gate_up)
+    ref = torch.nn.functional.silu(gate) * up
+    assert act.shape == (37, 1536)
+    assert (act.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+    with pytest.raises(ValueError, match="even"):
+        k.silu_mul(gate_up[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="residual"):
+        k.rms_norm(h.clone(), w, 1e-5, residual[:5].contiguous())
