@@ -40,29 +40,22 @@ def _run(ext: ModuleType, q: Tensor, layer_cache: Tensor, block_table: Tensor, c
     q_len, heads, dim = q.shape
     out = torch.empty_like(q)
     with torch.profiler.record_function("splitserve::prefill_attention"):  # named in a profile (a few us)
-        _call(ext, out, q, layer_cache, block_table, ctx_len, scale)
+        ext.prefill_attention(
+            out.data_ptr(),
+            q.data_ptr(),
+            layer_cache.data_ptr(),
+            block_table.data_ptr(),
+            layer_cache.shape[0],
+            layer_cache.shape[2],
+            q_len,
+            ctx_len,
+            heads,
+            layer_cache.shape[3],
+            dim,
+            _scale_bits(scale),
+            torch.get_num_threads(),
+        )
     return out
-
-
-def _call(
-    ext: ModuleType, out: Tensor, q: Tensor, layer_cache: Tensor, block_table: Tensor, ctx_len: int, scale: float
-) -> None:
-    q_len, heads, dim = q.shape
-    ext.prefill_attention(
-        out.data_ptr(),
-        q.data_ptr(),
-        layer_cache.data_ptr(),
-        block_table.data_ptr(),
-        layer_cache.shape[0],
-        layer_cache.shape[2],
-        q_len,
-        ctx_len,
-        heads,
-        layer_cache.shape[3],
-        dim,
-        _scale_bits(scale),
-        torch.get_num_threads(),
-    )
 
 
 def sdpa_reference(
