@@ -199,8 +199,69 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(5)
     for _ in range(20000):
-        counts[draw(probs, gen)] += 1
+        counts[draw(probs[None], [gen], probs[None])[0]] += 1
     assert counts[1] == 0 and counts[4] == 0
     assert torch.allclose(counts / 20000, probs, atol=0.015)
     one, two = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert [draw(probs, one) for _ in range(50)] == [draw(probs, two) for _ in range(50)]  # seeded: repeatable
+    first = [draw(probs[None], [one], probs[None])[0] for _ in range(50)]
+    assert first == [draw(probs[None], [two], probs[None])[0] for _ in range(50)]  # seeded: repeatable
+
+
+def test_draw_across_blocks_follows_each_row_and_skips_zero_blocks():
+    """A vocabulary of several blocks and a partial last one: whole blocks of zeros, zeros at a
+    block's edges, and mass in the tail, on rows drawn together."""
+    from splitserve.engine.sampler import _BLOCK, draw
+
+    vocab = 2 * _BLOCK + 300
+    probs = torch.zeros(2, vocab)
+    picks = {0: [5, _BLOCK - 1, _BLOCK + 0, 2 * _BLOCK + 299], 1: [_BLOCK - 2, 2 * _BLOCK]}  # row 1: block 1 all 0
+    for row, ids in picks.items():
+        probs[row, ids] = 1.0 / len(ids)
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    counts = [torch.zeros(vocab), torch.zeros(vocab)]
+    for _ in range(4000):
+        for row, token in enumerate(draw(probs, gens, probs)):
+            counts[row][token] += 1
+    for row, ids in picks.items():
+        assert set(torch.nonzero(counts[row]).flatten().tolist()) == set(ids)
+        assert torch.allclose(counts[row][ids] / 4000, torch.full((len(ids),), 1.0 / len(ids)), atol=0.04)
+
+
+def test_a_block_search_past_its_rounded_end_takes_a_token_of_nonzero_probability():
+    from splitserve.engine.sampler import _search_block
+
+    within = torch.tensor([0.0, 0.25, 0.25, 0.75, 0.75], dtype=torch.float64)  # tokens 1 and 3 only
+    assert _search_block(within, 0.75) == 3 and _search_block(within, 0.9) == 3
+    assert _search_block(within, -1e-17) == 1 and _search_block(within, 0.0) == 1
+    assert _search_block(within, 0.25) == 3 and _search_block(within, 0.1) == 1
+
+
+def test_an_unusable_row_takes_its_argmax_and_spares_the_others():
+    from splitserve.engine.sampler import draw
+
+    probs = torch.tensor([[float("nan")] * 4, [0.0, 0.0, 1.0, 0.0]])
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    assert draw(probs, [torch.Generator(), torch.Generator()], logits) == [1, 2]
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    """The temperature-only rows of a step are drawn together; a seeded request's token must not
+    depend on which other rows share its step (greedy, filtered, penalised, unseeded)."""
+    vocab = 3000
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 2
+    seeded = SamplingParams(temperature=0.8, seed=11)
+    others = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, repetition_penalty=1.2),
+    ]
+
+    def token(params: list[SamplingParams], rows: torch.Tensor, at: int) -> int:
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        n = len(params)
+        return sample(rows, params, [[1]] * n, [[2]] * n, gens, torch.Generator().manual_seed(5)).token_ids[at]
+
+    alone = token([seeded], logits[2:3], 0)
+    assert token([others[0], others[1], seeded, others[2], others[3]], logits, 2) == alone
+    assert token([others[2], seeded], logits[1:3], 1) == alone

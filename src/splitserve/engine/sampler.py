@@ -129,11 +129,29 @@ def sample(
     if all(p.greedy and not p.shapes_logits for p in params):
         tokens = logits.argmax(dim=-1).tolist()
     else:
-        tokens = [
-            _sample_row(logits[i], p, prompts[i], outputs[i], generators[i] or default_generator, stop_ids, i)
-            for i, p in enumerate(params)
-        ]
+        tokens = [-1] * len(params)
+        vocab = logits.shape[-1]
+        plain = [i for i, p in enumerate(params) if _plain_draw(p, vocab)]
+        if plain:  # the common case (a temperature, nothing else): one batched pass for them all
+            temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype, device=logits.device)
+            rows = logits if len(plain) == len(params) else logits[plain]
+            probs = torch.softmax(_finite(rows / temps[:, None]), dim=-1)
+            drawn = draw(probs, [generators[i] or default_generator for i in plain], rows)
+            for i, t in zip(plain, drawn, strict=True):
+                tokens[i] = t
+        for i, p in enumerate(params):
+            if tokens[i] < 0:
+                tokens[i] = _sample_row(
+                    logits[i], p, prompts[i], outputs[i], generators[i] or default_generator, stop_ids, i
+                )
     return SampleResult(tokens, _logprobs(raw_logits if raw_logits is not None else logits, params, tokens))
+
+
+def _plain_draw(p: SamplingParams, vocab: int) -> bool:
+    """A row whose token is a draw from softmax(logits / temperature) and nothing else (`_sample_row`
+    would apply no processor and no filter to it)."""
+    filtered = p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
+    return not (p.greedy or filtered or p.has_penalties or p.logit_bias or p.min_tokens)
 
 
 def _sample_row(
@@ -151,21 +169,53 @@ def _sample_row(
         row = apply_penalties(row, p, prompt, output)
     if p.greedy:
         return int(row.argmax())
-    probs = torch.softmax(filter_logits(row, p), dim=-1).cpu()
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        return int(row.argmax())  # unreachable after the clamps; a last guard for the batch
-    return draw(probs, generator)
+    probs = torch.softmax(filter_logits(row, p), dim=-1)
+    return draw(probs[None], [generator], row[None])[0]
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from `probs` [vocab] (CPU, summing to about 1): the inverse of its CDF at one uniform
-    draw. torch.multinomial draws a random number per vocabulary entry: about 1 ms for SmolLM2's 49K
-    on a CPU core, a fifth of a batch-4 decode step's engine time; this takes one, and 66 us. A token
-    of probability 0 is never drawn (its CDF step is flat)."""
-    cdf = probs.double().cumsum(0)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    at = torch.tensor([u * float(cdf[-1])], dtype=torch.float64)
-    return min(int(torch.searchsorted(cdf, at, right=True)), probs.shape[0] - 1)
+_BLOCK = 1024  # vocabulary entries per block of the two-level CDF search in `draw`
+
+
+def draw(probs: torch.Tensor, generators: Seq[torch.Generator], logits: torch.Tensor) -> list[int]:
+    """One token per row of `probs` [rows, vocab] (each summing to about 1), row r with a uniform draw
+    from `generators[r]`: the inverse of the row's CDF at it. torch.multinomial draws a random number
+    per vocabulary entry (about 1 ms for SmolLM2's 49K on a CPU core), and a full cumsum is a serial
+    scan (a fifth of that); this sums blocks of the vocabulary (one vectorised pass for every row),
+    finds the block on their CDF, and scans that block alone. A token of probability 0 is never drawn
+    (its CDF step is flat). A row whose probabilities are unusable takes its `logits`' argmax:
+    unreachable after the clamps, a last guard for the batch."""
+    rows, vocab = probs.shape
+    full = vocab - vocab % _BLOCK
+    sums = probs[:, :full].reshape(rows, -1, _BLOCK).sum(-1)
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
+    cdf = sums.double().cumsum(-1)
+    total = cdf[:, -1]
+    # The generators are the requests' own (CPU): the same draws whatever the rows' device.
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators])
+    at = u.to(cdf.device) * total
+    blocks = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].tolist()
+    usable = (torch.isfinite(total) & (total > 0.0)).tolist()
+    cdf_l, at_l = cdf.tolist(), at.tolist()
+    tokens = []
+    for r in range(rows):
+        if not usable[r]:
+            tokens.append(int(logits[r].argmax()))
+            continue
+        b = min(blocks[r], cdf.shape[1] - 1)
+        start = b * _BLOCK
+        within = probs[r, start : start + _BLOCK].double().cumsum(0)
+        tokens.append(start + _search_block(within, at_l[r] - (cdf_l[r][b - 1] if b else 0.0)))
+    return tokens
+
+
+def _search_block(within: torch.Tensor, target: float) -> int:
+    """The first entry whose CDF `within` (one block's, from 0) passes `target`. The block's sum was
+    rounded apart from this scan, so a target at or past the scan's end takes the block's last token
+    of nonzero probability, and one below 0 its first: never a token of probability 0."""
+    end = float(within[-1])
+    at = torch.tensor([min(max(target, 0.0), end)], dtype=within.dtype, device=within.device)
+    return int(torch.searchsorted(within, at, right=target < end))
 
 
 def _logprobs(raw: torch.Tensor, params: Seq[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
