@@ -380,12 +380,15 @@ def test_a_client_disconnect_cancels_the_request_at_once(stream, token_delay_s, 
                 await until(lambda: d.tokens_sent >= 5)
             writer.close()
             t0 = time.monotonic()
-            await until(lambda: router.generation.inflight == 0 and bool(d.cancelled) and not d.active, timeout_s=3.0)
+            await until(lambda: router.generation.inflight == 0 and bool(d.cancelled) and not d.active, timeout_s=15.0)
             return time.monotonic() - t0
 
     with caplog.at_level(logging.DEBUG):
         elapsed = asyncio.run(scenario())
-    assert elapsed < 2.0
+    # The next token is 30 s away (or the answer never ends): well under that, the disconnect itself
+    # ended the request, not a write that failed. A tighter bound would time the machine (a 2 s one
+    # failed once on a loaded CI machine).
+    assert elapsed < 15.0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
     # the disconnect is an ordinary event: said once, in one line, with no traceback
