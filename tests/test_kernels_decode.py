@@ -434,3 +434,83 @@ def test_smollm2_bf16_greedy_decode_close_to_torch(kernels, smollm2_path, monkey
     diff = (ours - theirs).abs()
     assert diff.mean() < 0.05 * theirs.abs().mean()
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
+
+
+# ----------------------------------------------------------------- sampling
+
+
+def _cdf_steps(row: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's CDF interval [lo, hi) under softmax(row / temperature), in fp64 (the reference)."""
+    info = torch.finfo(torch.float32)
+    y = torch.nan_to_num(row / temperature, nan=info.min, posinf=info.max, neginf=info.min).double()
+    p = torch.softmax(y, dim=-1)
+    hi = p.cumsum(0)
+    return hi - p, hi
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_draw_lands_in_the_drawn_tokens_cdf_step_on_every_isa(kernels, temperature):
+    """A vocabulary of several 1,024-token blocks and a partial one: for uniforms across [0, 1) each
+    token's CDF step holds its uniform (to fp32 rounding) and has mass."""
+    gen = torch.Generator().manual_seed(11)
+    logits = (3 * torch.randn(4, 2 * 1024 + 300, generator=gen)).contiguous()
+    logits[1, 1024:2048] = float("-inf")  # a block with no mass
+    logits[2, ::3] = float("-inf")
+    us = [0.0, 1e-9, 0.25, 0.5, 0.75, 0.999, 1 - 1e-12]
+    for k in isas(kernels):
+        for u in us:
+            tokens = k.draw(logits, [temperature] * 4, [u] * 4)
+            for row, token in zip(logits, tokens, strict=True):
+                lo, hi = _cdf_steps(row, temperature)
+                assert hi[token] > lo[token], (k.isa, u, token)  # never a token of probability 0
+                assert float(lo[token]) - 1e-5 <= u < float(hi[token]) + 1e-5, (k.isa, u, token)
+
+
+def test_draw_clamps_non_finite_logits_as_the_sampler_does(kernels):
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [
+            [0.0, inf, 1.0, nan],  # +inf: the largest float, all the mass
+            [nan, 2.0, nan, -inf],  # NaN and -inf: the lowest float, no mass
+            [-inf, -inf, -inf, -inf],  # nothing finite: all equal, so uniform (torch: the same)
+        ]
+    )
+    for k in isas(kernels):
+        assert k.draw(logits[:2].contiguous(), [1.0, 1.0], [0.999, 0.0]) == [1, 1]
+        assert [k.draw(logits[2:].contiguous(), [1.0], [u])[0] for u in (0.1, 0.3, 0.6, 0.9)] == [0, 1, 2, 3]
+
+
+def test_draw_refuses_what_it_cannot_read(kernels):
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="fp32"):
+        kernels.draw(x.to(BF16), [1.0, 1.0], [0.5, 0.5])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.draw(x.t(), [1.0] * 8, [0.5] * 8)
+    with pytest.raises(ValueError, match="one temperature and one uniform per row"):
+        kernels.draw(x, [1.0], [0.5, 0.5])
+
+
+def test_the_sampler_with_the_kernel_follows_the_softmax_and_keeps_seeds(kernels):
+    """sampler.sample with the kernel drawing its temperature-only rows: the same distribution as
+    torch's path, and a seeded row's token independent of the rows beside it."""
+    from splitserve.engine.sampler import sample
+    from splitserve.engine.sampling import SamplingParams
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]])
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(temperature=1.0)
+    tokens = [sample(logits, [p], [[]], [[]], [None], gen, draw_rows=kernels.draw).token_ids[0] for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).float()
+    expected = torch.softmax(logits[0], -1) * 4000
+    assert torch.all((counts - expected).abs() < 4 * expected.sqrt() + 5)
+
+    wide = torch.randn(3, 3000, generator=torch.Generator().manual_seed(1)) * 2
+    seeded, other = SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.2)
+
+    def token(params: list, rows: torch.Tensor, at: int) -> int:
+        gens = [torch.Generator().manual_seed(q.seed) if q.seed is not None else None for q in params]
+        n = len(params)
+        out = sample(rows, params, [[1]] * n, [[2]] * n, gens, torch.Generator(), draw_rows=kernels.draw)
+        return out.token_ids[at]
+
+    assert token([seeded], wide[1:2], 0) == token([other, seeded, other], wide, 1)

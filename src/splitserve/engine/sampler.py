@@ -21,6 +21,7 @@ and a row whose probabilities still come out unusable falls back to argmax.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -52,6 +53,10 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
     """Overflowed entries back into fp32's range (NaN to its lowest), so softmax stays defined."""
     info = torch.finfo(logits.dtype)
     return torch.nan_to_num(logits, nan=info.min, posinf=info.max, neginf=info.min)
+
+
+# (logits [rows, vocab] fp32 CPU, temperatures, uniform draws) -> tokens: DecodeKernels.draw
+DrawRows = Callable[[torch.Tensor, list[float], list[float]], list[int]]
 
 
 class SampleResult(NamedTuple):
@@ -125,6 +130,7 @@ def sample(
     default_generator: torch.Generator,
     raw_logits: torch.Tensor | None = None,  # before the masks, for the logprobs (None: `logits`)
     stop_ids: Seq[Seq[int]] | None = None,  # per row: what min_tokens holds back (eos, stop_token_ids)
+    draw_rows: DrawRows | None = None,  # the CPU kernel for the temperature-only rows (None: `draw`)
 ) -> SampleResult:
     if all(p.greedy and not p.shapes_logits for p in params):
         tokens = logits.argmax(dim=-1).tolist()
@@ -133,12 +139,16 @@ def sample(
         vocab = logits.shape[-1]
         plain = [i for i, p in enumerate(params) if _plain_draw(p, vocab)]
         if plain:  # the common case (a temperature, nothing else): one batched pass for them all
-            temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype, device=logits.device)
             rows = logits if len(plain) == len(params) else logits[plain]
-            probs = torch.softmax(_finite(rows / temps[:, None]), dim=-1)
-            drawn = draw(probs, [generators[i] or default_generator for i in plain], rows)
-            for i, t in zip(plain, drawn, strict=True):
-                tokens[i] = t
+            gens = [generators[i] or default_generator for i in plain]
+            temps = [params[i].temperature for i in plain]
+            if draw_rows is not None and rows.dtype is torch.float32 and rows.is_cpu and rows.is_contiguous():
+                drawn = draw_rows(rows, temps, uniforms(gens))
+            else:
+                by = torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+                drawn = draw(torch.softmax(_finite(rows / by), dim=-1), gens, rows)
+            for i, token in zip(plain, drawn, strict=True):
+                tokens[i] = token
         for i, p in enumerate(params):
             if tokens[i] < 0:
                 tokens[i] = _sample_row(
@@ -191,8 +201,7 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator], logits: torch.Te
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
     cdf = sums.double().cumsum(-1)
     total = cdf[:, -1]
-    # The generators are the requests' own (CPU): the same draws whatever the rows' device.
-    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators])
+    u = torch.tensor(uniforms(generators))
     at = u.to(cdf.device) * total
     blocks = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].tolist()
     usable = (torch.isfinite(total) & (total > 0.0)).tolist()
@@ -207,6 +216,12 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator], logits: torch.Te
         within = probs[r, start : start + _BLOCK].double().cumsum(0)
         tokens.append(start + _search_block(within, at_l[r] - (cdf_l[r][b - 1] if b else 0.0)))
     return tokens
+
+
+def uniforms(generators: Seq[torch.Generator]) -> list[float]:
+    """Each row's uniform draw in [0, 1), from its request's own generator (CPU): the same number
+    whichever device the row is on and whichever code draws its token."""
+    return [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
 
 
 def _search_block(within: torch.Tensor, target: float) -> int:

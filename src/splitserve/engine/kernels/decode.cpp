@@ -187,6 +187,46 @@ template <class T>
 using SiluMulRow = void (*)(T*, const T*, const T*, int64_t);
 SS_VARIANTS(silu_mul_row, (T * out, const T* gate, const T* up, int64_t n), (out, gate, up, n))
 
+// ----------------------------------------------------------------- sampling
+
+// sampler.py's draw for a row whose token depends on its temperature alone: y = x * (1 / t), with
+// NaN and -inf made the lowest float and +inf the largest (sampler._finite); p = softmax(y); the
+// first token where p's running sum passes u (in [0, 1)). One pass finds max(y), a second sums
+// exp(y - max) by blocks of kDrawBlock (in fp32 lanes, the blocks' sums in double), and only the
+// block where u * total falls is scanned, in order.
+constexpr int64_t kDrawBlock = 1024;
+
+SS_INLINE float finite_logit(float x, float inv_t) {
+  float y = x * inv_t;
+  y = y != y ? -3.4028234663852886e38f : y;  // NaN
+  y = y > 3.4028234663852886e38f ? 3.4028234663852886e38f : y;
+  return y < -3.4028234663852886e38f ? -3.4028234663852886e38f : y;
+}
+
+template <class T>
+SS_INLINE void logit_max_impl(const float* x, int64_t n, float inv_t, float* out) {
+  float m = -3.4028234663852886e38f;
+#pragma omp simd reduction(max : m)
+  for (int64_t v = 0; v < n; ++v) {
+    const float y = finite_logit(x[v], inv_t);
+    m = y > m ? y : m;
+  }
+  *out = m;
+}
+
+template <class T>
+SS_INLINE void exp_sum_impl(const float* x, int64_t n, float inv_t, float m, double* out) {
+  float s = 0.0f;  // a block's at most 1,024 terms in 16 lanes: each lane sums 64, in fp32
+#pragma omp simd reduction(+ : s)
+  for (int64_t v = 0; v < n; ++v) s += exp_f32(finite_logit(x[v], inv_t) - m);
+  *out = s;
+}
+
+using LogitMax = void (*)(const float*, int64_t, float, float*);
+using ExpSum = void (*)(const float*, int64_t, float, float, double*);
+SS_VARIANTS(logit_max, (const float* x, int64_t n, float inv_t, float* out), (x, n, inv_t, out))
+SS_VARIANTS(exp_sum, (const float* x, int64_t n, float inv_t, float m, double* out), (x, n, inv_t, m, out))
+
 // --------------------------------------------------------- decode attention
 
 constexpr int kMaxGroup = 64;  // query heads per kv head
@@ -967,6 +1007,47 @@ void silu_mul(T* out, const T* gu, int64_t rows, int64_t n, int isa, int64_t thr
   for_rows(rows, n, threads, [&](int64_t r) { row(out + r * n, gu + r * 2 * n, gu + r * 2 * n + n, n); });
 }
 
+// One row's token (see logit_max_impl). exp_f32 gives the same bits in the scan as in the vector
+// sums (no contraction, the same operations), so a token of probability 0 adds nothing to the
+// running sum and is never the one that passes the target; the block found holds mass, so the scan
+// returns inside it, and where rounding keeps the running sum just short, the block's last token
+// of nonzero probability is taken.
+int64_t draw_row(const float* x, int64_t n, float t, double u, LogitMax logit_max, ExpSum exp_sum) {
+  const float inv_t = 1.0f / t;  // a multiply per logit instead of a divide: a third of the pass
+  float m = 0.0f;
+  logit_max(x, n, inv_t, &m);
+  const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  std::vector<double> upto(static_cast<size_t>(blocks));  // running sum at each block's end
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    double s = 0.0;
+    exp_sum(x + b * kDrawBlock, std::min(kDrawBlock, n - b * kDrawBlock), inv_t, m, &s);
+    upto[b] = total += s;
+  }
+  const double target = u * total;
+  const int64_t b = std::min<int64_t>(std::upper_bound(upto.begin(), upto.end(), target) - upto.begin(), blocks - 1);
+  double run = b ? upto[b - 1] : 0.0;
+  int64_t last = -1;
+  for (int64_t v = b * kDrawBlock, end = std::min(n, (b + 1) * kDrawBlock); v < end; ++v) {
+    const float e = exp_f32(finite_logit(x[v], inv_t) - m);
+    if (e > 0.0f) {
+      last = v;
+      if ((run += e) > target) return v;
+    }
+  }
+  return last;
+}
+
+void draw(int64_t* out, const float* logits, const float* temps, const double* u, int64_t rows, int64_t n, int isa,
+          int64_t threads) {
+  const LogitMax logit_max = isa >= kIsaAvx512 ? logit_max_v4<float> : isa >= kIsaAvx2 ? logit_max_v3<float>
+                                                                                        : logit_max_v1<float>;
+  const ExpSum exp_sum = isa >= kIsaAvx512 ? exp_sum_v4<float> : isa >= kIsaAvx2 ? exp_sum_v3<float>
+                                                                                 : exp_sum_v1<float>;
+  for_rows(rows, n, threads,
+           [&](int64_t r) { out[r] = draw_row(logits + r * n, n, temps[r], u[r], logit_max, exp_sum); });
+}
+
 // ------------------------------------------------------------------ module
 
 // Reads `nargs` == `want` arguments: ints, except a float at index `float_at` (if >= 0).
@@ -1109,6 +1190,19 @@ PyObject* py_decode_attention(PyObject*, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
+PyObject* py_draw(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long long v[8];
+  int isa;
+  if (!parse("draw", args, nargs, 8, v) || !resolve_isa("draw", v[7], &isa)) return nullptr;
+  const int64_t rows = v[4], n = v[5], threads = v[6];
+  if (rows <= 0 || n <= 0) Py_RETURN_NONE;
+  Py_BEGIN_ALLOW_THREADS
+  draw(ptr<int64_t>(v[0]), ptr<const float>(v[1]), ptr<const float>(v[2]), ptr<const double>(v[3]), rows, n, isa,
+       threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 PyObject* py_isa(PyObject*, PyObject*) { return PyLong_FromLong(g_isa); }
 
 #define SS_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
@@ -1132,6 +1226,9 @@ PyMethodDef kMethods[] = {
      "2 fp8 e4m3: quantized, the cache in engine/kv_cache.py's format). If read: out[b] =\n"
      "attention of q[b] over its context. scale is a float. Indices are checked (IndexError);\n"
      "everything else is trusted."},
+    {"draw", SS_FASTCALL(py_draw), METH_FASTCALL,
+     "draw(out, logits, temps, u, rows, vocab, threads, isa): out[r] (int64) = the token where the CDF of\n"
+     "softmax(logits[r] / temps[r]) (fp32; NaN and infinities clamped to finite) passes u[r] (fp64, [0, 1))."},
     {"isa", py_isa, METH_NOARGS, "best ISA level of this CPU: 1 x86-64, 2 AVX2+FMA, 3 AVX-512"},
     {nullptr, nullptr, 0, nullptr}};
 

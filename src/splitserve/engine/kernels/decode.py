@@ -29,6 +29,7 @@ fails or the freshly built binary disagrees with torch on its self-test.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
@@ -359,6 +360,31 @@ class DecodeKernels:
         )
         return out
 
+    def draw(self, logits: Tensor, temperatures: Sequence[float], uniforms: Sequence[float]) -> list[int]:
+        """One token per row of logits [rows, vocab] (contiguous CPU fp32): where the CDF of
+        softmax(row / temperature) passes the row's uniform draw in [0, 1), non-finite logits clamped
+        as the sampler's `_finite` does; a token of probability 0 is never drawn. sampler.draw's
+        arithmetic in two passes over the row and one block, in one call for every row."""
+        if not (logits.dtype is _F32 and logits.dim() == 2 and logits.is_cpu and logits.is_contiguous()):
+            raise ValueError("draw takes logits as a contiguous CPU fp32 tensor [rows, vocab]")
+        rows = logits.shape[0]
+        if len(temperatures) != rows or len(uniforms) != rows:
+            raise ValueError(f"draw needs one temperature and one uniform per row ({rows})")
+        temps = torch.tensor(temperatures, dtype=_F32)
+        u = torch.tensor(uniforms, dtype=torch.float64)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._ext.draw(
+            out.data_ptr(),
+            logits.data_ptr(),
+            temps.data_ptr(),
+            u.data_ptr(),
+            rows,
+            logits.shape[1],
+            torch.get_num_threads(),
+            self.isa,
+        )
+        return out.tolist()
+
     def step(
         self,
         h: Tensor,
@@ -417,6 +443,9 @@ def _self_test(k: DecodeKernels) -> bool:
         v0 = qkv[0, (heads + kv_heads) * dim :].view(kv_heads, dim).repeat_interleave(heads // kv_heads, 0)
         ok &= bool(torch.allclose(out[0].float(), v0.flatten().float(), rtol=tol, atol=tol))
         ok &= bool(torch.equal(cache[0, 1, 1, 0], v0[:: heads // kv_heads]))
+    # probabilities 0.1, 0, 0.6, 0.3, 0 (at temperature 2): each draw lands in its token's CDF step
+    logits = (torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0]).log() * 2).repeat(4, 1).contiguous()
+    ok &= k.draw(logits, [2.0] * 4, [0.05, 0.2, 0.8, 0.999]) == [0, 2, 3, 3]
     return ok
 
 
