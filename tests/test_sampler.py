@@ -154,6 +154,14 @@ def extreme_params(draw) -> SamplingParams:
     )
 
 
+@pytest.fixture(scope="module", params=["torch", "kernel"])
+def draw_rows(request):
+    """How the temperature-only rows are drawn: sampler.py's torch path, or the CPU kernel."""
+    if request.param == "torch":
+        return None
+    return request.getfixturevalue("cpu_decode_kernels").draw
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     params=st.lists(extreme_params(), min_size=1, max_size=4),
@@ -166,11 +174,13 @@ def extreme_params(draw) -> SamplingParams:
     ),
     history=st.lists(st.integers(0, VOCAB - 1), max_size=6),
 )
-def test_sampler_never_fails_on_any_accepted_value(params, logits, history):
+def test_sampler_never_fails_on_any_accepted_value(params, logits, history, draw_rows):
     n = len(params)
     rows = torch.tensor(logits[:n], dtype=torch.float32)
     gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-    result = sample(rows, params, [history] * n, [history[::-1]] * n, gens, torch.Generator().manual_seed(0))
+    result = sample(
+        rows, params, [history] * n, [history[::-1]] * n, gens, torch.Generator().manual_seed(0), draw_rows=draw_rows
+    )
     assert len(result.token_ids) == n
     assert all(0 <= t < VOCAB for t in result.token_ids)
     for p, row, t in zip(params, rows, result.token_ids, strict=True):
