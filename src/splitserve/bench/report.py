@@ -66,6 +66,8 @@ TITLES = {
     "drawing from one uniform number (torch.multinomial had drawn one per vocabulary entry) (issue 22)",
     "peer-cpu8-default": "The default configuration against vLLM, with the temperature-only rows of a step sampled "
     "together and the CDF searched in two levels (issue 22)",
+    "peer-cpu9-default": "The default configuration against vLLM once more, with the CPU kernel drawing the "
+    "temperature-only rows (issue 22)",
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
@@ -112,6 +114,12 @@ NOTES = {
     "peer-cpu6-default's note. Runs of splitserve alone earlier the same hour (at 4e9b6d7, before this sampler) "
     "reached 1.58 to 1.70 req/s on ShareGPT and a side-by-side one 1.34: this machine's speed moves by that much "
     "between runs, which is why only side-by-side ratios count.",
+    "peer-cpu9-default": "The same command as peer-cpu8-default 70 minutes later, with the draw kernel: ShareGPT "
+    "goodput 1.18x (1.25 / 1.06 req/s) against 1.44x there, the lone prompt 0.97x against 1.14x, the burst "
+    "prompts' TTFT p50 2.18x against 1.64x. The kernel saves about 0.5 ms of a 13 ms engine step (sample() 310 "
+    "against 800 us inside the engine), less than these runs move: three pairs of ShareGPT runs of splitserve "
+    "alone right after this one, the kernel against the torch path (de0c231), gave 1.43/1.55, 1.39/1.33 and "
+    "1.47/1.26 req/s. Read the two runs together as the spread of this measurement on this machine.",
     "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
     "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
     "TTFT is that wait (14 to 90 s), tiers or not: no request meets a 2 s TTFT anywhere. Its returning turns did "
