@@ -863,6 +863,10 @@ struct Ops {
   Attend<T> attend[3];  // by kv_kind: the cache's own T, int8, e4m3
   QuantizeRow<T> quantize_i8_row;
   QuantizeRow<T> quantize_f8_row;
+  // draw's two passes read the fp32 logits whatever the model's T, so they are typed on float and
+  // filled with the float variants for every T.
+  LogitMax logit_max;
+  ExpSum exp_sum;
 };
 
 template <class T>
@@ -874,21 +878,27 @@ Ops<T> ops_for(int isa) {
               silu_mul_row_v4<T>,
               {attend_avx512<T, T>, attend_avx512<T, int8_t>, attend_avx512<T, uint8_t>},
               quantize_i8_row_v4<T>,
-              quantize_f8_row_v4<T>};
+              quantize_f8_row_v4<T>,
+              logit_max_v4<float>,
+              exp_sum_v4<float>};
     case kIsaAvx2:
       return {rms_norm_row_v3<T>,
               rope_row_v3<T>,
               silu_mul_row_v3<T>,
               {attend_v3<T, T>, attend_v3<T, int8_t>, attend_v3<T, uint8_t>},
               quantize_i8_row_v3<T>,
-              quantize_f8_row_v3<T>};
+              quantize_f8_row_v3<T>,
+              logit_max_v3<float>,
+              exp_sum_v3<float>};
     default:
       return {rms_norm_row_v1<T>,
               rope_row_v1<T>,
               silu_mul_row_v1<T>,
               {attend_v1<T, T>, attend_v1<T, int8_t>, attend_v1<T, uint8_t>},
               quantize_i8_row_v1<T>,
-              quantize_f8_row_v1<T>};
+              quantize_f8_row_v1<T>,
+              logit_max_v1<float>,
+              exp_sum_v1<float>};
   }
 }
 
@@ -1040,12 +1050,9 @@ int64_t draw_row(const float* x, int64_t n, float t, double u, LogitMax logit_ma
 
 void draw(int64_t* out, const float* logits, const float* temps, const double* u, int64_t rows, int64_t n, int isa,
           int64_t threads) {
-  const LogitMax logit_max = isa >= kIsaAvx512 ? logit_max_v4<float> : isa >= kIsaAvx2 ? logit_max_v3<float>
-                                                                                        : logit_max_v1<float>;
-  const ExpSum exp_sum = isa >= kIsaAvx512 ? exp_sum_v4<float> : isa >= kIsaAvx2 ? exp_sum_v3<float>
-                                                                                 : exp_sum_v1<float>;
+  const Ops<float> ops = ops_for<float>(isa);
   for_rows(rows, n, threads,
-           [&](int64_t r) { out[r] = draw_row(logits + r * n, n, temps[r], u[r], logit_max, exp_sum); });
+           [&](int64_t r) { out[r] = draw_row(logits + r * n, n, temps[r], u[r], ops.logit_max, ops.exp_sum); });
 }
 
 // ------------------------------------------------------------------ module
