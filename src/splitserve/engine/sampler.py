@@ -55,8 +55,8 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=info.min, posinf=info.max, neginf=info.min)
 
 
-# (logits [rows, vocab] fp32 CPU, temperatures, uniform draws) -> tokens: DecodeKernels.draw
-DrawRows = Callable[[torch.Tensor, list[float], list[float]], list[int]]
+# (logits [rows, vocab] fp32 CPU, temperatures, uniform draws [rows] fp64 CPU) -> tokens: DecodeKernels.draw
+DrawRows = Callable[[torch.Tensor, list[float], torch.Tensor], list[int]]
 
 
 class SampleResult(NamedTuple):
@@ -105,6 +105,8 @@ def apply_penalties(
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p on one row; filtered entries become -inf."""
     logits = _finite(logits / params.temperature)
+    if not params.truncates(logits.shape[-1]):  # nothing more: as `sample` draws its batched rows
+        return logits
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -137,7 +139,7 @@ def sample(
     else:
         tokens = [-1] * len(params)
         vocab = logits.shape[-1]
-        plain = [i for i, p in enumerate(params) if _plain_draw(p, vocab)]
+        plain = [i for i, p in enumerate(params) if p.temperature_only(vocab)]
         if plain:  # the common case (a temperature, nothing else): one batched pass for them all
             rows = logits if len(plain) == len(params) else logits[plain]
             gens = [generators[i] or default_generator for i in plain]
@@ -157,13 +159,6 @@ def sample(
     return SampleResult(tokens, _logprobs(raw_logits if raw_logits is not None else logits, params, tokens))
 
 
-def _plain_draw(p: SamplingParams, vocab: int) -> bool:
-    """A row whose token is a draw from softmax(logits / temperature) and nothing else (`_sample_row`
-    would apply no processor and no filter to it)."""
-    filtered = p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0
-    return not (p.greedy or filtered or p.has_penalties or p.logit_bias or p.min_tokens)
-
-
 def _sample_row(
     row: torch.Tensor,
     p: SamplingParams,
@@ -173,7 +168,9 @@ def _sample_row(
     stop_ids: Seq[Seq[int]] | None,
     i: int,
 ) -> int:
-    if p.logit_bias or p.min_tokens:
+    # each processor under a property that SamplingParams.temperature_only reads, so that a row
+    # drawn in `sample`'s batched path is one this would draw from softmax(row / temperature) alone
+    if p.biases_logits:
         row = apply_logit_bias(row, p, len(output), stop_ids[i] if stop_ids is not None else p.stop_token_ids)
     if p.has_penalties:
         row = apply_penalties(row, p, prompt, output)
@@ -201,7 +198,9 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator], logits: torch.Te
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
     cdf = sums.double().cumsum(-1)
     total = cdf[:, -1]
-    u = torch.tensor(uniforms(generators))
+    # rounded to fp32, as this path has always taken it (so a seed draws the tokens it drew); the
+    # kernel reads the fp64 draw
+    u = uniforms(generators).float()
     at = u.to(cdf.device) * total
     blocks = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].tolist()
     usable = (torch.isfinite(total) & (total > 0.0)).tolist()
@@ -218,10 +217,12 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator], logits: torch.Te
     return tokens
 
 
-def uniforms(generators: Seq[torch.Generator]) -> list[float]:
-    """Each row's uniform draw in [0, 1), from its request's own generator (CPU): the same number
-    whichever device the row is on and whichever code draws its token."""
-    return [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
+def uniforms(generators: Seq[torch.Generator]) -> torch.Tensor:
+    """Each row's uniform draw in [0, 1) (fp64, CPU), from its request's own generator (CPU): the
+    same number whichever device the row is on and whichever code draws its token."""
+    return torch.tensor(
+        [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators], dtype=torch.float64
+    )
 
 
 def _search_block(within: torch.Tensor, target: float) -> int:

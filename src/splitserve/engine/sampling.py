@@ -121,7 +121,23 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def biases_logits(self) -> bool:
+        """Whether logit_bias is added, or the end masked until min_tokens (sampler.apply_logit_bias)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
+
+    def truncates(self, vocab: int) -> bool:
+        """Whether min-p, top-k or top-p drops tokens from a distribution over `vocab` (a top_k of
+        the whole vocabulary or more keeps every token)."""
+        return self.min_p > 0.0 or 0 < self.top_k < vocab or self.top_p < 1.0
+
+    def temperature_only(self, vocab: int) -> bool:
+        """Whether the token is a draw from softmax(logits / temperature) and nothing else. The
+        sampler applies each of its processors under one of the properties read here, so a row for
+        which this holds takes its batched path with nothing skipped."""
+        return not (self.greedy or self.has_penalties or self.biases_logits or self.truncates(vocab))
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether anything but the plain distribution decides the token (so greedy rows cannot
         all share one argmax)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+        return self.has_penalties or self.biases_logits or self.grammar is not None

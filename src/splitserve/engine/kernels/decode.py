@@ -360,7 +360,7 @@ class DecodeKernels:
         )
         return out
 
-    def draw(self, logits: Tensor, temperatures: Sequence[float], uniforms: Sequence[float]) -> list[int]:
+    def draw(self, logits: Tensor, temperatures: Sequence[float], uniforms: Tensor | Sequence[float]) -> list[int]:
         """One token per row of logits [rows, vocab] (contiguous CPU fp32): where the CDF of
         softmax(row / temperature) passes the row's uniform draw in [0, 1), non-finite logits clamped
         as the sampler's `_finite` does; a token of probability 0 is never drawn. sampler.draw's
@@ -371,7 +371,7 @@ class DecodeKernels:
         if len(temperatures) != rows or len(uniforms) != rows:
             raise ValueError(f"draw needs one temperature and one uniform per row ({rows})")
         temps = torch.tensor(temperatures, dtype=_F32)
-        u = torch.tensor(uniforms, dtype=torch.float64)
+        u = torch.as_tensor(uniforms, dtype=torch.float64, device="cpu").contiguous()
         out = torch.empty(rows, dtype=torch.int64)
         self._ext.draw(
             out.data_ptr(),
