@@ -22,9 +22,11 @@ from splitserve.plan.profile import (
     least_squares,
     load_profile,
     save_profile,
+    serving_beside_prefill,
     serving_by_busy,
     with_serving,
     with_serving_alone,
+    with_serving_beside_prefill,
 )
 from splitserve.plan.sim.simulate import Percentiles
 
@@ -154,6 +156,37 @@ def test_a_profile_with_the_overhead_by_workers_busy_round_trips(tmp_path):
         del data[k]
     path.write_text(json.dumps(data))
     assert serving_by_busy(load_profile(str(path))) is None
+
+
+def test_the_serving_overhead_beside_busy_prefill_workers():
+    """Idle prefill workers: 1 ms + 2 ms/token over the engine. Beside busy ones the gaps are 4 ms more
+    at batch 1 and 8 ms more at batch 3: 2 ms + 2 ms/token more."""
+    p = with_serving(synthetic(), [(1, 0, 0.0, 0.003), (3, 0, 0.0, 0.007)], "disaggregated, 1 worker(s)")
+    assert serving_beside_prefill(p) is None  # not measured: nothing added
+    s = with_serving_beside_prefill(p, [(1, 40, 0.010, 0.017), (3, 120, 0.020, 0.035)])
+    assert (s.serve_prefill_step_s, s.serve_prefill_s_per_seq) == (pytest.approx(0.002), pytest.approx(0.002))
+    beside = serving_beside_prefill(s)
+    assert beside is not None and beside(4) == pytest.approx(0.010)
+    # gaps no longer than with the prefill idle: no term comes out negative, and nothing is added
+    same = with_serving_beside_prefill(p, [(1, 0, 0.010, 0.013), (3, 0, 0.020, 0.027)])
+    assert (same.serve_prefill_step_s, same.serve_prefill_s_per_seq) == (0.0, 0.0)
+    assert serving_beside_prefill(same) is None
+    with pytest.raises(ValueError):
+        with_serving_beside_prefill(p, [])
+
+
+def test_a_profile_with_the_overhead_beside_prefill_round_trips(tmp_path):
+    p = with_serving(synthetic(), [(1, 0, 0.0, 0.003), (3, 0, 0.0, 0.007)], "disaggregated, 1 worker(s)")
+    p = with_serving_beside_prefill(p, [(1, 40, 0.010, 0.017), (3, 120, 0.020, 0.035)])
+    path = tmp_path / "profile.json"
+    save_profile(p, str(path))
+    assert load_profile(str(path)) == p
+    data = json.loads(path.read_text())
+    data["version"] = 6  # before the overhead beside prefill: read as not measured
+    for k in ("serve_prefill_points", "serve_prefill_step_s", "serve_prefill_s_per_seq"):
+        del data[k]
+    path.write_text(json.dumps(data))
+    assert serving_beside_prefill(load_profile(str(path))) is None
 
 
 def _record(start: float, ttft: float, gaps: list[float], prompt: int = 70) -> RequestRecord:

@@ -123,6 +123,22 @@ def test_a_step_costs_less_overhead_while_the_other_worker_is_idle():
         assert o.tpot_s == pytest.approx(0.01)
 
 
+def test_a_decode_step_costs_more_while_the_prefill_worker_computes():
+    """A decodes its 10 steps while B's 1,000-token prompt keeps the prefill worker busy: each step
+    costs the model's 10 ms and the measured 4 ms beside a busy prefill worker; alone, 10 ms."""
+    spec = ClusterSpec("disaggregated", decode_workers=1, prefill_workers=1)
+    a, b = Request(0.0, 10, 11), Request(0.0, 1000, 2)
+    beside = {1: 0.004}.__getitem__  # what a batch-1 step costs more
+
+    def finish_of_a(reqs: list[Request]) -> float:
+        result = simulate(reqs, spec, Toy(), random.Random(0), serve_beside_prefill=beside)
+        return next(o.finish_s for o in result.outcomes if o.output_tokens == a.output_tokens)
+
+    first_step = 0.01 + 0.05  # A's prefill, then its KV's transfer
+    assert finish_of_a([a]) == pytest.approx(first_step + 10 * 0.01)
+    assert finish_of_a([a, b]) == pytest.approx(first_step + 10 * (0.01 + 0.004))
+
+
 def test_auto_prefills_short_prompts_locally_and_long_ones_remotely():
     # the length rule alone: the backlog rule (on by default since issue 22) is pushed out of reach
     routing = RoutingConfig(local_prefill_max_tokens=256, prefill_backlog_tokens=10**9)

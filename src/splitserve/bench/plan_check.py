@@ -149,7 +149,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
     from splitserve.measure.results import RunResult
-    from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_by_busy
+    from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_beside_prefill, serving_by_busy
     from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
     from splitserve.plan.sim.sweep import requests_from_run
     from splitserve.router.engine_tokenizer import EngineTokenizer
@@ -179,6 +179,8 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
         warmup(system.base_url, ctx.served_model_name)
         if not profile.serve_system.startswith(f"{mode},"):  # measured on this system: colocated here is 7x
             profile = _measure_serving(system, ctx, out, profile, decode, args)  # disaggregated's (see the note)
+        if prefill and not profile.serve_prefill_points:
+            profile = _measure_serving_beside_prefill(system, ctx, out, profile, decode, args)
         if prefill_slowdown(profile, mode) is None:
             profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
         loads = [
@@ -221,6 +223,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                 spread=profile.step_spread(),
                 prefill_slowdown=prefill_slowdown(profile, mode),
                 serve_by_busy=serving_by_busy(profile),
+                serve_beside_prefill=serving_beside_prefill(profile),
             )
             rows += compare(mode, load.name, measured, sim)
     return rows
@@ -312,6 +315,59 @@ def _measure_serving_alone(
     return with_serving_alone(profile, points, workers)
 
 
+def _measure_serving_beside_prefill(
+    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace
+) -> Any:
+    """The serving overhead while prompts keep the prefill workers computing (plan/calibrate.py's
+    `serving_point` again, beside bench/prefilling_prompts.py), fitted into the profile
+    (plan/profile.py's `with_serving_beside_prefill`), which is saved again."""
+    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.prefilling_prompts import PrefillingPrompts
+    from splitserve.measure.results import RunResult
+    from splitserve.plan.calibrate import SERVE_BATCHES, serving_load_flags, serving_point
+    from splitserve.plan.profile import save_profile, with_serving_beside_prefill
+
+    name = system.spec.name
+    points = []
+    for i, batch in enumerate(SERVE_BATCHES):
+        load = Load(
+            f"serving-beside-prefill-b{batch}",
+            serving_load_flags(batch, workers, args.seed + 300 + i),
+            args.load_timeout,
+        )
+        with PrefillingPrompts(system.base_url, ctx.served_model_name, seed=args.seed + 300 + 10 * i) as prompts:
+            prompts.wait_prefilling()
+            data = run_load(system, load, ctx, out, "openai-chat")
+        if "error" in data:
+            raise RuntimeError(f"{load.name}: {data['error']}")
+        try:
+            b, context, engine_s, served_s = serving_point(
+                RunResult.from_dict(data["runs"][0]).requests, workers, profile
+            )
+        except ValueError as e:
+            print(f"[{name}] serving beside prefill: batch {batch} not measured: {e}", flush=True)
+            continue
+        print(
+            f"[{name}] serving beside busy prefill workers: batch {b} per worker, context {context}: engine step "
+            f"{engine_s * 1e3:.1f} ms, served gap {served_s * 1e3:.1f} ms ({prompts.sent} prompts beside)",
+            flush=True,
+        )
+        points.append((b, context, engine_s, served_s))
+    if not points:
+        raise RuntimeError("the serving overhead beside busy prefill workers: no batch measured")
+    profile = with_serving_beside_prefill(profile, points)
+    save_profile(profile, os.path.join(out, f"profile-{name}.json"))
+    print(f"[{name}] {serving_beside_prefill_line(profile)}; saved to the profile", flush=True)
+    return profile
+
+
+def serving_beside_prefill_line(p: Any) -> str:
+    return (
+        f"beside busy prefill workers a decode step costs {p.serve_prefill_step_s * 1e3:.2f} ms/step + "
+        f"{p.serve_prefill_s_per_seq * 1e3:.3f} ms/token more"
+    )
+
+
 def _measure_prefill_load(
     system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int, args: argparse.Namespace
 ) -> Any:
@@ -394,6 +450,8 @@ def _print_profile(p: Any) -> None:
             f"{p.serve_s_per_seq * 1e3:.3f} ms/token"
             + (f", {p.serve_s_per_busy * 1e3:.2f} ms/step less per idle worker" if p.serve_s_per_busy else "")
         )
+    if p.serve_prefill_points:
+        print(f"  {serving_beside_prefill_line(p)}")
     print("  " + spread_line(p))
     for fit in p.prefill_load_fits:
         print(f"  {prefill_load_line(fit)}")

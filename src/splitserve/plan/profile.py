@@ -17,7 +17,14 @@ the fitted coefficients, so a reader can check the fit against its points:
                  taken with every worker of the system decoding; on a machine this small the router
                  and the client take their cycles from the workers' cores, so a step costs less
                  overhead while fewer workers are busy: a request decoding alone, measured too, gives
-                 what each idle worker takes off a step (`with_serving_alone`, `serving_by_busy`)
+                 what each idle worker takes off a step (`with_serving_alone`, `serving_by_busy`).
+                 A system with prefill workers has one more: the same gaps measured while prompts
+                 keep the prefill workers busy, whose excess over the overhead above (per step + per
+                 seq x batch again) is what a decode step costs more beside busy prefill workers
+                 (`with_serving_beside_prefill`, `serving_beside_prefill`): with every core computing,
+                 the router's and the client's cycles, and the KV arriving, come out of the decode
+                 step (disaggregated here: decode steps at batch 5 to 8 took 1.3 to 1.6x as long
+                 while a prompt was prefilling as while none was)
     spread       how single decode steps spread around those figures, per batch, as quantiles of
                  measured / modelled (`costs.StepSpread`): the engine's timed steps against the decode
                  model (`decode_spread`), and a client's gaps against the served model at each gap's
@@ -50,11 +57,12 @@ from typing import Any
 from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, spread_quantiles
 
 # 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load (a ratio fit);
-# 5: prefill under load as a multiplier and a cost per request; 6: the serving overhead by workers busy
-PROFILE_VERSION = 6
+# 5: prefill under load as a multiplier and a cost per request; 6: the serving overhead by workers busy;
+# 7: the serving overhead beside busy prefill workers
+PROFILE_VERSION = 7
 # a version 3 profile reads as one with prefill under load not measured; a version 4 one's ratio fit
 # as the multiplier alone (no cost per request)
-READS_VERSIONS = (3, 4, 5, 6)
+READS_VERSIONS = (3, 4, 5, 6, 7)
 
 # (system, scale, scale per decoding request, fixed s, fixed s per decoding request): see Profile
 PrefillLoadFit = tuple[str, float, float, float, float]
@@ -101,6 +109,12 @@ class Profile:
     serve_workers: int = 0
     serve_alone_points: tuple[tuple[int, int, float, float], ...] = ()
     serve_s_per_busy: float = 0.0
+    # the serving overhead with every prefill worker busy: serve_prefill_points (as serve_points)
+    # measured while prompts kept them computing; a decode step then costs serve_prefill_step_s +
+    # serve_prefill_s_per_seq x batch more than the overhead above (0 and () when not measured)
+    serve_prefill_points: tuple[tuple[int, int, float, float], ...] = ()
+    serve_prefill_step_s: float = 0.0
+    serve_prefill_s_per_seq: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -150,6 +164,11 @@ class Profile:
                 (int(b), int(c), float(e), float(s)) for b, c, e, s in d.get("serve_alone_points", ())
             ),
             serve_s_per_busy=float(d.get("serve_s_per_busy", 0.0)),
+            serve_prefill_points=tuple(
+                (int(b), int(c), float(e), float(s)) for b, c, e, s in d.get("serve_prefill_points", ())
+            ),
+            serve_prefill_step_s=float(d.get("serve_prefill_step_s", 0.0)),
+            serve_prefill_s_per_seq=float(d.get("serve_prefill_s_per_seq", 0.0)),
         )
 
     def step_spread(self) -> StepSpread | None:
@@ -355,6 +374,33 @@ def serving_by_busy(profile: Profile) -> Callable[[int], float] | None:
 
     def at(busy: int) -> float:
         return -per_busy * (workers - min(max(busy, 1), workers))
+
+    return at
+
+
+def with_serving_beside_prefill(profile: Profile, points: Sequence[tuple[int, int, float, float]]) -> Profile:
+    """The profile with the serving overhead beside busy prefill workers: `points` (as
+    `Profile.serve_points`) measured while prompts kept every prefill worker computing. Their excess
+    over the profile's overhead at the same batch is fitted as per step + per seq x batch (least
+    squares, no negative term: a decode step is not cheaper for a prefill beside it)."""
+    if not points:
+        raise ValueError("no serving points beside busy prefill workers")
+    excess = [s - e - (profile.serve_step_s + profile.serve_s_per_seq * b) for b, _, e, s in points]
+    step, per_seq = least_squares([[1.0, float(b)] for b, *_ in points], excess)
+    return replace(
+        profile, serve_prefill_points=tuple(points), serve_prefill_step_s=step, serve_prefill_s_per_seq=per_seq
+    )
+
+
+def serving_beside_prefill(profile: Profile) -> Callable[[int], float] | None:
+    """What a decode step of `batch` costs more with every prefill worker busy (see
+    `with_serving_beside_prefill`); None when not measured or nothing."""
+    step, per_seq = profile.serve_prefill_step_s, profile.serve_prefill_s_per_seq
+    if not profile.serve_prefill_points or (step <= 0 and per_seq <= 0):
+        return None
+
+    def at(batch: int) -> float:
+        return step + per_seq * batch
 
     return at
 

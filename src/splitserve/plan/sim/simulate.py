@@ -181,14 +181,19 @@ def simulate(
     spread: StepSpread | None = None,
     prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
     serve_by_busy: Callable[[int], float] | None = None,
+    serve_beside_prefill: Callable[[int], float] | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
     they differ from the decode workers (another tensor-parallel size); default `costs`.
     `spread`: the measured spread of decode steps around `costs`; `prefill_slowdown`: at N requests
     decoding in the cluster, a prefill step's multiplier and its seconds per prompt finished (see
     the module's note); `serve_by_busy`: at N decode workers stepping at once, the seconds a step's
-    serving overhead changes by from the cost model's (measured with all of them busy)."""
-    sim = _Cluster(cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown, serve_by_busy)
+    serving overhead changes by from the cost model's (measured with all of them busy);
+    `serve_beside_prefill`: what a decode step of batch B costs more with every prefill worker busy
+    (a share of it for a share of them)."""
+    sim = _Cluster(
+        cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown, serve_by_busy, serve_beside_prefill
+    )
     for r in requests:
         if cluster.kv_capacity_tokens is not None and r.prompt_tokens + r.output_tokens > cluster.kv_capacity_tokens:
             raise ValueError(f"a request of {r.prompt_tokens}+{r.output_tokens} tokens never fits a worker's KV room")
@@ -251,9 +256,11 @@ class _Cluster:
         spread: StepSpread | None = None,
         prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
         serve_by_busy: Callable[[int], float] | None = None,
+        serve_beside_prefill: Callable[[int], float] | None = None,
     ) -> None:
         self.spec = spec
         self.serve_by_busy = serve_by_busy
+        self.serve_beside_prefill = serve_beside_prefill
         self.prefill_costs = prefill_costs
         self.rng = rng
         self.chooser = decode_chooser(spec.routing)  # selected once, as the router's WorkerSet does
@@ -298,13 +305,7 @@ class _Cluster:
             def prefill_factor() -> tuple[float, float]:  # only steps with a prefill chunk ask: O(decode workers) each
                 return slowdown(sum(w.num_decoding for w in self.decode))
 
-        busy_overhead: Callable[[], float] | None = None
-        if self.serve_by_busy is not None and not prefill_only:
-            by_busy = self.serve_by_busy
-
-            def busy_overhead() -> float:  # O(decode workers) a step
-                return by_busy(sum(w.busy for w in self.decode))
-
+        busy_overhead = None if prefill_only else self._busy_overhead()
         return SimWorker(
             name,
             model,
@@ -321,6 +322,21 @@ class _Cluster:
             on_cached=None if prefill_only else self._cached,
             busy_overhead=busy_overhead,
         )
+
+    def _busy_overhead(self) -> Callable[[int], float] | None:
+        """A decode worker's step-time change by what else is busy: the decode workers stepping
+        (`serve_by_busy`) and the prefill workers computing (`serve_beside_prefill`). O(workers) a step."""
+        by_busy, beside = self.serve_by_busy, self.serve_beside_prefill
+        if by_busy is None and beside is None:
+            return None
+
+        def at(batch: int) -> float:
+            t = 0.0 if by_busy is None else by_busy(sum(w.busy for w in self.decode))
+            if beside is not None and self.prefill:
+                t += beside(batch) * sum(w.busy for w in self.prefill) / len(self.prefill)
+            return t
+
+        return at
 
     def warm_up(self, hashes: Sequence[BlockHash]) -> None:
         """Every worker holds the prefix that every prompt shares (its warm-up stored it)."""

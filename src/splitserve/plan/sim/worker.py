@@ -117,7 +117,7 @@ class SimWorker:
         prefill_factor: Callable[[], tuple[float, float]] | None = None,
         block_size: int = 16,
         on_cached: Callable[[SimWorker, SimRequest], None] | None = None,
-        busy_overhead: Callable[[], float] | None = None,
+        busy_overhead: Callable[[int], float] | None = None,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -133,7 +133,8 @@ class SimWorker:
         self.prefill_factor = prefill_factor
         self.block_size = block_size  # the router's, for the free and total blocks it reads
         self.on_cached = on_cached  # decode worker: a request's prompt KV is here (its blocks stored)
-        # seconds a step's serving overhead changes by with the workers busy now (this one included)
+        # seconds a step of this batch costs more or less than the model's with the workers busy now
+        # (this one included; the model's overhead was measured with every decode worker busy)
         self.busy_overhead = busy_overhead
         self.prefix_cache: set[BlockHash] = set()  # prefill_only: the blocks of the prompts it prefilled
         self.total_blocks = UNBOUNDED_BLOCKS if kv_capacity_tokens is None else kv_capacity_tokens // block_size
@@ -271,8 +272,8 @@ class SimWorker:
         self._chunks, self._batch, self._started = chunks, batch, now
         cached = weighted_cached // tokens if tokens else 0
         t = mixed_step_s(self.costs, tokens, cached, batch, self.context_tokens)
-        if self.busy_overhead is not None:  # the cost model's overhead was measured with every worker busy
-            t = max(0.0, t + self.busy_overhead())
+        if self.busy_overhead is not None:
+            t = max(0.0, t + self.busy_overhead(batch))
         if self.step_ratio is not None and not tokens:
             t *= self.step_ratio(batch)
         elif self.prefill_factor is not None and tokens:
