@@ -67,6 +67,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 from splitserve.engine.block_hash import ROOT_HASH, BlockHash, hash_block
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.measure.metrics import percentile
 from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim.worker import SimRequest, SimWorker
@@ -100,6 +101,9 @@ class ClusterSpec:
     max_num_batched_tokens: int = 512  # per step: the prefill chunk plus the decodes
     kv_capacity_tokens: int | None = None  # KV room per worker in tokens; None: never the limit
     gpus_per_worker: int = 1  # tensor parallelism: a worker is this many GPUs (for GPU counts and splits)
+    # the order waiting prompts start in on every worker, as the workers' --prefill-order: shortest
+    # remaining first, each second waited counting as this many tokens fewer (None: "arrival")
+    prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S
     # the router's own config section (block size, cost weights, the local-or-remote thresholds);
     # its mode is made this spec's `mode` at construction, the cluster's shape deciding it
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -109,6 +113,8 @@ class ClusterSpec:
             raise ValueError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
         if self.decode_workers < 1 or self.prefill_workers < 0 or self.gpus_per_worker < 1:
             raise ValueError("at least one decode worker; worker counts and GPUs per worker not negative")
+        if self.prefill_aging_tokens_per_s is not None and not self.prefill_aging_tokens_per_s >= 0:
+            raise ValueError("prefill_aging_tokens_per_s must be >= 0 (or None: arrival order)")
         if self.mode != "colocated" and self.prefill_workers < 1:
             raise ValueError(f"mode {self.mode} needs at least one prefill worker")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -321,6 +327,7 @@ class _Cluster:
             block_size=spec.routing.block_size,
             on_cached=None if prefill_only else self._cached,
             busy_overhead=busy_overhead,
+            prefill_aging_tokens_per_s=spec.prefill_aging_tokens_per_s,
         )
 
     def _busy_overhead(self) -> Callable[[int], float] | None:

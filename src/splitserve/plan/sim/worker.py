@@ -2,8 +2,10 @@
 
 A step is what the scheduler builds: one decode token for every running request
 that has its prompt done, then prefill chunks (running prefills first, then
-waiting requests in arrival order while the seats, the KV room and the token
-budget allow) up to `max_num_batched_tokens`. Its time is `mixed_step_s`; its
+waiting requests while the seats, the KV room and the token budget allow) up to
+`max_num_batched_tokens`. The waiting ones start in the order a real worker's
+engine loop puts them in before each step (engine/prefill_order.py: shortest
+remaining prefill first, aged; `prefill_aging_tokens_per_s` None: arrival order). Its time is `mixed_step_s`; its
 results land at its end, where a finished prompt gives its first token.
 
 Decoding requests are not visited each step: the worker keeps their count and
@@ -42,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 
 from splitserve.engine.block_hash import BlockHash
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, Waiting, admission_order
 from splitserve.plan.costs import CostModel, mixed_step_s
 from splitserve.router.policy import WorkerLoad
 
@@ -118,6 +121,7 @@ class SimWorker:
         block_size: int = 16,
         on_cached: Callable[[SimWorker, SimRequest], None] | None = None,
         busy_overhead: Callable[[int], float] | None = None,
+        prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -136,6 +140,7 @@ class SimWorker:
         # seconds a step of this batch costs more or less than the model's with the workers busy now
         # (this one included; the model's overhead was measured with every decode worker busy)
         self.busy_overhead = busy_overhead
+        self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s  # the waiting ones' order (None: arrival)
         self.prefix_cache: set[BlockHash] = set()  # prefill_only: the blocks of the prompts it prefilled
         self.total_blocks = UNBOUNDED_BLOCKS if kv_capacity_tokens is None else kv_capacity_tokens // block_size
         self.waiting: deque[SimRequest] = deque()
@@ -243,6 +248,7 @@ class SimWorker:
             self.running_tokens += 1
             self.finishing.setdefault(self.step_no + req.output_tokens - 2, []).append(req)
         self._fresh, self.joining = self.joining, []
+        self._order_waiting(now)
         batch = self.num_decoding
         budget = self.budget - batch
         chunks: list[tuple[SimRequest, int]] = []
@@ -284,6 +290,18 @@ class SimWorker:
             finishes = any(req.computed + n >= req.prompt_tokens for req, n in chunks)
             t = t * scale + (per_prompt if finishes else 0.0)
         push(now + t, self)
+
+    def _order_waiting(self, now: float) -> None:
+        """The waiting requests in the order the engine loop gives its queue before a step (it admits
+        from the head); a request's wait counts from its arrival, when the router sent it here."""
+        aging = self.prefill_aging_tokens_per_s
+        if aging is None or len(self.waiting) < 2:
+            return
+        waiting = self.waiting
+        order = admission_order(
+            [Waiting(r.prompt_tokens - r.computed, now - r.arrival_s, False) for r in waiting], aging
+        )
+        self.waiting = deque(waiting[i] for i in order)
 
     def end_step(self, now: float, push: Callable[[float, SimWorker], None]) -> None:
         """The step in flight is done: its tokens are out; then the next step starts."""
