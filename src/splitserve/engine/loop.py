@@ -10,6 +10,16 @@ ended (a decode worker's arriving KV, a prefill worker's confirmed send), so
 the KV plane's threads never touch the engine. Block events and a stats
 snapshot are published after every step for the router, and the step's
 `IterationStats` go to `on_iteration` (the worker's metrics) on this thread.
+
+The stats the router polls (`stats`) are never older than what it has sent:
+the snapshot is taken again as soon as commands ran (an admitted prompt shows
+at once, not after the step that follows, which may be a long prefill chunk),
+before a step's outputs are handed out (a request's last token never reaches
+the router ahead of a snapshot without it), and the prompts posted but not yet
+admitted (waiting in the inbox while a step runs) count as queued. The router
+drops its own record of a request it routed once a poll sent after it answers;
+a snapshot from before the request arrived made a worker busy with a long
+prefill look idle to the router until that step ended.
 With a core lease (engine/core_lease.py) each step's torch threads are sized at
 its boundary: a prefill borrows the machine's idle cores, and an idle loop lends
 its own. Between steps the loop also puts the waiting prompts in the order they
@@ -85,7 +95,10 @@ class EngineLoop:
         self._subscribers: list[BlockCallback] = []
         self._sub_lock = threading.Lock()
         self._stop = threading.Event()
-        self.stats = engine.stats()
+        self._snapshot = engine.stats()
+        self._posted_lock = threading.Lock()
+        self._posted_tokens = 0  # prompt tokens of Admits in the inbox, not yet run
+        self._posted_admits = 0
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -97,6 +110,17 @@ class EngineLoop:
         engine/commands.py). `sink` gets the outputs of the request an Admit or Reserve admits,
         from the admission on: it must not block."""
         return self._post(command, sink)
+
+    @property
+    def stats(self) -> Stats:
+        """What GetStats reports: the last snapshot, and the prompts posted since that the engine has
+        not admitted yet counted as waiting (see the module's note)."""
+        with self._posted_lock:
+            tokens, admits = self._posted_tokens, self._posted_admits
+        s = self._snapshot
+        if not admits:
+            return s
+        return s._replace(queued_tokens=s.queued_tokens + tokens, queue_length=s.queue_length + admits)
 
     def wake(self) -> None:
         """From any thread: end an idle wait now (the connector has news for the next poll)."""
@@ -127,8 +151,15 @@ class EngineLoop:
         if self._stop.is_set():
             fut.set_exception(RuntimeError("engine loop stopped"))
             return fut
+        if isinstance(command, Admit):
+            self._count_posted(command, 1)
         self._inbox.put(_Posted(command, sink, fut))
         return fut
+
+    def _count_posted(self, cmd: Admit, sign: int) -> None:
+        with self._posted_lock:
+            self._posted_tokens += sign * (len(cmd.prompt) + len(cmd.prior))
+            self._posted_admits += sign
 
     # ---- the engine thread ----
 
@@ -146,10 +177,12 @@ class EngineLoop:
                     log.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
                 self.steps += 1
+                self._publish()  # before the outputs: a finished request leaves the stats first
                 self._deliver(outputs)
-            elif self.core_lease is not None:
-                self.core_lease.release()
-            self._publish()
+            else:
+                if self.core_lease is not None:
+                    self.core_lease.release()
+                self._publish()
         self._fail_pending()
         if self.core_lease is not None:
             self.core_lease.close()
@@ -192,7 +225,10 @@ class EngineLoop:
             posted = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        admits: list[Admit] = []
         while True:
+            if isinstance(posted.command, Admit):
+                admits.append(posted.command)
             if posted.command is not None and posted.future.set_running_or_notify_cancel():
                 try:
                     posted.future.set_result(self._execute(posted.command, posted.sink))
@@ -201,7 +237,12 @@ class EngineLoop:
             try:
                 posted = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        # the admitted prompts in the snapshot before they leave the posted count (a reader between
+        # the two counts them twice, never not at all)
+        self._snapshot = self.engine.stats()
+        for cmd in admits:
+            self._count_posted(cmd, -1)
 
     def _execute(self, command: Command | _Subscribe, sink: Sink | None) -> Any:
         if isinstance(command, Admit):
@@ -255,7 +296,7 @@ class EngineLoop:
         return events
 
     def _publish(self) -> None:
-        self.stats = self.engine.stats()
+        self._snapshot = self.engine.stats()
         it = self.engine.drain_iteration_stats()
         if self.on_iteration is not None and not it.empty:
             self.on_iteration(it)
@@ -281,9 +322,12 @@ class EngineLoop:
     def _fail_pending(self) -> None:
         while True:
             try:
-                fut = self._inbox.get_nowait().future
+                posted = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(posted.command, Admit):
+                self._count_posted(posted.command, -1)
+            fut = posted.future
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("engine loop stopped"))
 
