@@ -57,7 +57,9 @@ SERVE_PROMPT_TOKENS = 64  # short: B of them prefill in one step, so all decode 
 # of ~104 tokens per worker prefill in two 512-token steps (~2.6 s here), the first of them decoding
 # meanwhile; at 48 tokens (~1.7 s at batch 8) the first could finish before the last began.
 SERVE_OUTPUT_TOKENS = 96
-PREFILL_LOAD_STREAMS = (0, 2, 6)  # requests decoding in the cluster while the prompts are sent
+# requests decoding in the cluster while the prompts are sent; the fit is not extrapolated past the
+# last, and ShareGPT at 1.5 req/s on one decode worker here runs 10 to 14 at once
+PREFILL_LOAD_STREAMS = (0, 2, 6, 12)
 PREFILL_LOAD_PROMPTS = 8  # prompts per count, one at a time, 38 to 474 tokens of random text
 
 # Prefill lengths timed (fresh prompts, one step each). A prefill's cost is not a straight line in
