@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from splitserve.bench.plan_check import Row, compare, format_table
+from splitserve.bench.plan_check import Row, Speed, compare, format_table
 from splitserve.measure.results import RequestRecord, RunResult, Stats
-from splitserve.plan.calibrate import serving_load_flags, serving_point
+from splitserve.plan.calibrate import at_calibration_speed, serving_load_flags, serving_point
 from splitserve.plan.costs import mixed_step_s
 from splitserve.plan.profile import (
     Profile,
@@ -272,3 +272,42 @@ def test_plan_check_puts_simulated_beside_measured():
     table = format_table(rows)
     assert "TTFT p90" in table and "NO" in table and table.count("yes") == 3
     assert Row("x", "burst", 1, "ITL p50", 0.0, 1.0).within is False  # nothing measured: not within
+    # a run while the machine took 1.5x the calibration's time: the simulated timeline stretched so
+    slow = compare("colocated", "sharegpt@1", run, Sim(), time_scale=1.5)
+    assert [r.simulated_ms for r in slow] == pytest.approx([165.0, 450.0, 31.5, 60.0])
+
+
+def test_records_at_the_calibration_speed_have_every_time_divided():
+    r = RequestRecord("plain", 70, 3, 2.0, 0.5, [0.04, 0.06], 0.6, None, 16)
+    (fast,) = at_calibration_speed([r], 2.0)
+    assert (fast.start_s, fast.ttft_s, fast.itl_s, fast.latency_s) == (1.0, 0.25, [0.02, 0.03], 0.3)
+    assert (fast.prompt_len, fast.output_len, fast.cached_len, fast.tag) == (70, 3, 16, "plain")
+    assert at_calibration_speed([r], 1.0) == [r]
+
+
+def test_the_speed_factor_is_the_probe_now_over_the_calibration(capsys):
+    class Probe:
+        def __init__(self) -> None:
+            self.readings = iter([0.3, 0.15])
+
+        def seconds(self) -> float:
+            return next(self.readings)
+
+    speed = Speed(Probe(), 0.2)
+    assert speed.factor("colocated burst") == pytest.approx(1.5)
+    assert speed.factor("colocated burst") == pytest.approx(0.75)
+    assert "1.50x the calibration's time" in capsys.readouterr().out
+    assert Speed(None, 0.0).factor("x") == 1.0  # a profile without a probe reading: taken as is
+
+
+def test_the_speed_probe_times_a_fixed_piece_of_work_and_leaves_the_engine_empty():
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.testing import random_weights, tiny_model_config
+    from splitserve.plan.calibrate import _Runner
+
+    cfg = tiny_model_config()
+    engine = Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=256, max_num_batched_tokens=512))
+    runner = _Runner(engine)
+    assert runner.speed_probe() > 0.0
+    assert not engine.has_work

@@ -103,7 +103,7 @@ def test_the_slowdown_survives_json_and_older_versions_read(tmp_path):
     path = str(tmp_path / "p.json")
     save_profile(p, path)
     back = load_profile(path)
-    assert back == p and json.load(open(path))["version"] == PROFILE_VERSION == 7
+    assert back == p and json.load(open(path))["version"] == PROFILE_VERSION == 8
     old = p.to_dict()
     old["version"] = 4  # a ratio fit: (system, base, per decoding request); no cost per request
     old["prefill_load_fits"] = [["disaggregated", 1.05, 0.05]]

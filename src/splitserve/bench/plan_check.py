@@ -30,6 +30,7 @@ against real runs on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import shlex
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.bench.peer.main import SERVED_MODEL_NAME, parse_cores
     from splitserve.bench.peer.servers import LaunchContext
     from splitserve.measure.hw import cpu_flags
-    from splitserve.plan.calibrate import CalibrationConfig, calibrate
+    from splitserve.plan.calibrate import CalibrationConfig, SpeedProbe, calibrate
     from splitserve.plan.profile import load_profile, save_profile
 
     now = datetime.datetime.now(datetime.UTC)
@@ -106,16 +107,13 @@ def run(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
+    cal = CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=cores[0] if cores else None)
     if args.profile:
         profile = load_profile(args.profile)
         print(f"profile: {args.profile}")
     else:
-        core = cores[0] if cores else None
         t0 = time.monotonic()
-        profile = calibrate(
-            CalibrationConfig(model=args.model, dtype=args.dtype, threads=1, core=core),
-            log=lambda s: print("  " + s, flush=True),
-        )
+        profile = calibrate(cal, log=lambda s: print("  " + s, flush=True))
         path = os.path.join(out, "profile.json")
         save_profile(profile, path)
         print(f"profile: calibrated in {time.monotonic() - t0:.0f}s, saved to {path}")
@@ -126,11 +124,12 @@ def run(args: argparse.Namespace) -> int:
     ctx = LaunchContext(
         model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores, lend_cores=False
     )
+    speed = Speed(SpeedProbe(cal), profile.probe_s) if profile.probe_s > 0 else Speed(None, 0.0)
     rows: list[Row] = []
     failed = False
     for mode in modes:
         try:
-            rows += _check_mode(mode, rates, args, ctx, out, profile)
+            rows += _check_mode(mode, rates, args, ctx, out, profile, speed)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"[{mode}] ERROR: {e}", flush=True)
             failed = True
@@ -141,7 +140,25 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed or not rows else 0
 
 
-def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str, profile: Any) -> list[Row]:
+class Speed:
+    """The machine's time now over the calibration's (plan/calibrate.py's SpeedProbe), taken before
+    each measurement: the measured figures are compared with a simulation of the machine as it was
+    while they were taken. 1.0 when the profile has no probe reading."""
+
+    def __init__(self, probe: Any, calibrated_s: float) -> None:
+        self.probe, self.calibrated_s = probe, calibrated_s
+
+    def factor(self, label: str) -> float:
+        if self.probe is None:
+            return 1.0
+        f: float = self.probe.seconds() / self.calibrated_s
+        print(f"[{label}] speed probe: the machine takes {f:.2f}x the calibration's time", flush=True)
+        return f
+
+
+def _check_mode(
+    mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str, profile: Any, speed: Speed
+) -> list[Row]:
     """The rows of one system, simulated with the profile's engine costs and this system's serving
     overhead and prefill slowdown (measured here unless the profile has them for it)."""
     from splitserve.bench.peer.main import Load, run_load, warmup
@@ -149,6 +166,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
     from splitserve.measure.results import RunResult
+    from splitserve.plan.calibrate import at_calibration_speed
     from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_beside_prefill, serving_by_busy
     from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
     from splitserve.plan.sim.sweep import requests_from_run
@@ -178,11 +196,14 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
         print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
         warmup(system.base_url, ctx.served_model_name)
         if not profile.serve_system.startswith(f"{mode},"):  # measured on this system: colocated here is 7x
-            profile = _measure_serving(system, ctx, out, profile, decode, args)  # disaggregated's (see the note)
+            f = speed.factor(f"{mode} serving")  # disaggregated's (see the note)
+            profile = _measure_serving(system, ctx, out, profile, decode, args, f)
         if prefill and not profile.serve_prefill_points:
-            profile = _measure_serving_beside_prefill(system, ctx, out, profile, decode, args)
+            f = speed.factor(f"{mode} serving beside prefill")
+            profile = _measure_serving_beside_prefill(system, ctx, out, profile, decode, args, f)
         if prefill_slowdown(profile, mode) is None:
-            profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args)
+            f = speed.factor(f"{mode} prefill under load")
+            profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args, f)
         loads = [
             Load(
                 f"sharegpt@{rate:g}",
@@ -210,13 +231,17 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                 Load("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates))), args.load_timeout)
             )
         for load in loads:
+            f = speed.factor(f"{mode} {load.name}")
             print(f"[{mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
             data = run_load(system, load, ctx, out, "openai-chat")
             if "error" in data:
                 raise RuntimeError(f"{load.name}: {data['error']}")
             measured = RunResult.from_dict(data["runs"][0])
+            # the simulated machine at the probed speed: every cost x f is the same timeline as the
+            # calibrated costs over arrivals / f, its times then x f
+            replayed = dataclasses.replace(measured, requests=at_calibration_speed(measured.requests, f))
             sim = simulate(
-                requests_from_run(measured, cached),
+                requests_from_run(replayed, cached),
                 cluster,
                 ProfileCosts(profile),
                 random.Random(args.seed),
@@ -225,7 +250,7 @@ def _check_mode(mode: str, rates: list[float], args: argparse.Namespace, ctx: An
                 serve_by_busy=serving_by_busy(profile),
                 serve_beside_prefill=serving_beside_prefill(profile),
             )
-            rows += compare(mode, load.name, measured, sim)
+            rows += compare(mode, load.name, measured, sim, f)
     return rows
 
 
@@ -241,13 +266,21 @@ def chat_prefix_cached_tokens(encode_chat: Callable[[Sequence[tuple[str, str]]],
     return n // block_size * block_size
 
 
-def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace) -> Any:
+def _measure_serving(
+    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace, speed: float = 1.0
+) -> Any:
     """The serving overhead on this running system (plan/calibrate.py's `serving_point`, one bench
     serve run per batch), fitted into the profile, which is saved again."""
     from splitserve.bench.peer.main import Load, run_load
     from splitserve.measure.metrics import percentile
     from splitserve.measure.results import RunResult
-    from splitserve.plan.calibrate import SERVE_BATCHES, serving_gap_ratios, serving_load_flags, serving_point
+    from splitserve.plan.calibrate import (
+        SERVE_BATCHES,
+        at_calibration_speed,
+        serving_gap_ratios,
+        serving_load_flags,
+        serving_point,
+    )
     from splitserve.plan.profile import save_profile, with_serving
 
     name = system.spec.name
@@ -257,7 +290,7 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
         data = run_load(system, load, ctx, out, "openai-chat")
         if "error" in data:
             raise RuntimeError(f"{load.name}: {data['error']}")
-        records = RunResult.from_dict(data["runs"][0]).requests
+        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
         try:
             b, context, engine_s, served_s = serving_point(records, workers, profile)
             gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
@@ -276,7 +309,7 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
         raise RuntimeError("the serving overhead: no batch measured")
     profile = with_serving(profile, points, f"{name}, {workers} worker(s)", ratios)
     if workers > 1:
-        profile = _measure_serving_alone(system, ctx, out, profile, workers, args)
+        profile = _measure_serving_alone(system, ctx, out, profile, workers, args, speed)
     save_profile(profile, os.path.join(out, f"profile-{name}.json"))
     print(
         f"[{name}] serving overhead = {profile.serve_step_s * 1e3:.2f} ms/step + "
@@ -288,14 +321,14 @@ def _measure_serving(system: Any, ctx: Any, out: str, profile: Any, workers: int
 
 
 def _measure_serving_alone(
-    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace
+    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace, speed: float
 ) -> Any:
     """The serving overhead with one worker of `workers` busy (one request decoding alone, the
     others idle), fitted into the profile as the overhead by workers busy (plan/profile.py's
     `with_serving_alone`)."""
     from splitserve.bench.peer.main import Load, run_load
     from splitserve.measure.results import RunResult
-    from splitserve.plan.calibrate import serving_load_flags, serving_point
+    from splitserve.plan.calibrate import at_calibration_speed, serving_load_flags, serving_point
     from splitserve.plan.profile import with_serving_alone
 
     name = system.spec.name
@@ -305,7 +338,8 @@ def _measure_serving_alone(
         data = run_load(system, load, ctx, out, "openai-chat")
         if "error" in data:
             raise RuntimeError(f"{load.name}: {data['error']}")
-        b, context, engine_s, served_s = serving_point(RunResult.from_dict(data["runs"][0]).requests, 1, profile)
+        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
+        b, context, engine_s, served_s = serving_point(records, 1, profile)
         print(
             f"[{name}] serving: one request alone, context {context}: engine step {engine_s * 1e3:.1f} ms, "
             f"served gap {served_s * 1e3:.1f} ms",
@@ -316,7 +350,7 @@ def _measure_serving_alone(
 
 
 def _measure_serving_beside_prefill(
-    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace
+    system: Any, ctx: Any, out: str, profile: Any, workers: int, args: argparse.Namespace, speed: float = 1.0
 ) -> Any:
     """The serving overhead while prompts keep the prefill workers computing (plan/calibrate.py's
     `serving_point` again, beside bench/prefilling_prompts.py), fitted into the profile
@@ -324,7 +358,7 @@ def _measure_serving_beside_prefill(
     from splitserve.bench.peer.main import Load, run_load
     from splitserve.bench.prefilling_prompts import PrefillingPrompts
     from splitserve.measure.results import RunResult
-    from splitserve.plan.calibrate import SERVE_BATCHES, serving_load_flags, serving_point
+    from splitserve.plan.calibrate import SERVE_BATCHES, at_calibration_speed, serving_load_flags, serving_point
     from splitserve.plan.profile import save_profile, with_serving_beside_prefill
 
     name = system.spec.name
@@ -342,7 +376,7 @@ def _measure_serving_beside_prefill(
             raise RuntimeError(f"{load.name}: {data['error']}")
         try:
             b, context, engine_s, served_s = serving_point(
-                RunResult.from_dict(data["runs"][0]).requests, workers, profile
+                at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed), workers, profile
             )
         except ValueError as e:
             print(f"[{name}] serving beside prefill: batch {batch} not measured: {e}", flush=True)
@@ -369,14 +403,27 @@ def serving_beside_prefill_line(p: Any) -> str:
 
 
 def _measure_prefill_load(
-    system: Any, ctx: Any, out: str, profile: Any, decode: int, prefill: int, cached: int, args: argparse.Namespace
+    system: Any,
+    ctx: Any,
+    out: str,
+    profile: Any,
+    decode: int,
+    prefill: int,
+    cached: int,
+    args: argparse.Namespace,
+    speed: float = 1.0,
 ) -> Any:
     """How a served prefill slows beside decoding requests, on this running system (plan/calibrate.py's
     `prefill_load_points`), fitted into the profile for it, which is saved again."""
     from splitserve.bench.decoding_streams import DecodingStreams
     from splitserve.bench.peer.main import Load, run_load
     from splitserve.measure.results import RunResult
-    from splitserve.plan.calibrate import PREFILL_LOAD_STREAMS, prefill_load_flags, prefill_load_points
+    from splitserve.plan.calibrate import (
+        PREFILL_LOAD_STREAMS,
+        at_calibration_speed,
+        prefill_load_flags,
+        prefill_load_points,
+    )
     from splitserve.plan.profile import save_profile, with_prefill_load
 
     name = system.spec.name
@@ -390,7 +437,8 @@ def _measure_prefill_load(
         if "error" in data:
             raise RuntimeError(f"{load.name}: {data['error']}")
         batch = 0 if prefill else -(-n // decode)  # on a prefill worker nothing else runs in its steps
-        got = prefill_load_points(RunResult.from_dict(data["runs"][0]).requests, n, batch, context, cached, profile)
+        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
+        got = prefill_load_points(records, n, batch, context, cached, profile)
         ratios = sorted(s / e for _, e, s in got)
         print(
             f"[{name}] prefill beside {n} decoding: {len(got)} prompts, measured / model median "
@@ -405,14 +453,15 @@ def _measure_prefill_load(
     return profile
 
 
-def compare(mode: str, load: str, measured: Any, sim: Any) -> list[Row]:
-    """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult, s)."""
-    n = measured.completed
+def compare(mode: str, load: str, measured: Any, sim: Any, time_scale: float = 1.0) -> list[Row]:
+    """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult,
+    s, on a timeline `time_scale` times shorter than the measured one: see `Speed`)."""
+    n, ms = measured.completed, 1e3 * time_scale
     return [
-        Row(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * 1e3),
-        Row(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * 1e3),
-        Row(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * 1e3),
-        Row(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * 1e3),
+        Row(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * ms),
+        Row(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * ms),
+        Row(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * ms),
+        Row(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * ms),
     ]
 
 

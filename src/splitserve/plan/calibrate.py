@@ -40,12 +40,14 @@ plus a cost per request, each linear in the decoding count.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.plan.costs import mixed_step_s
@@ -74,6 +76,12 @@ PREFILL_LOAD_PROMPTS = 8  # prompts per count, one at a time, 38 to 474 tokens o
 PREFILL_TOKENS: tuple[int, ...] = (8, 16, 24, 32, 33, *range(40, 129, 8), 160, 192, 256, 320, 384, 448, 512)
 
 
+# The speed probe's work (see `SpeedProbe`)
+PROBE_PREFILL_TOKENS = 128
+PROBE_BATCH = 4
+PROBE_PROMPT_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     model: str | None = None  # GGUF file or HF directory; None: the embedded SmolLM2
@@ -99,25 +107,14 @@ class CalibrationConfig:
             raise ValueError("a cached prefix is whole chunks, and the timed chunk fits one step")
 
 
-def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
-    import torch
+PROBE_DECODE = CalibrationConfig(decode_steps=6)
 
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.engine import Engine
+
+def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Profile:
     from splitserve.measure.hw import cpu_name
 
-    torch.set_num_threads(cfg.threads)
-    restore = os.sched_getaffinity(0) if cfg.core is not None else None
-    if cfg.core is not None:
-        os.sched_setaffinity(0, {cfg.core})
-    try:
-        ecfg = EngineConfig(
-            dtype=cfg.dtype,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            num_blocks=4096,
-            enable_prefix_caching=False,  # every timed prompt is computed, never found
-        )
-        engine, _ = Engine.from_path(cfg.model, ecfg, progress=False)
+    with _pinned(cfg.core):
+        engine = _open_engine(cfg)
         layout = engine.layout
         kv_per_token = layout.num_layers * layout.bytes_per_block // layout.block_size
         name = engine.model_cfg.name
@@ -127,6 +124,7 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Pro
         )
         runner = _Runner(engine)
         runner.prefill(64)  # warm-up: first-use costs stay out of the figures
+        probe_before = runner.speed_probe()
         prefill = [(n, statistics.median(runner.prefill(n) for _ in range(cfg.repeats))) for n in cfg.prefill_tokens]
         log("prefill: " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in prefill))
         cached = [
@@ -138,14 +136,79 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None] = print) -> Pro
         log("decode: " + ", ".join(f"b{b} ctx {c}: {s * 1e3:.1f} ms" for b, c, s in decode[:: cfg.decode_steps]))
         transfer = [(n * kv_per_token, _transfer_s(layout, n, cfg.repeats)) for n in cfg.transfer_tokens]
         log("transfer: " + ", ".join(f"{b / 2**20:.1f} MiB {s * 1e3:.1f} ms" for b, s in transfer))
+        probe_after = runner.speed_probe()
+        log(f"speed probe: {probe_before * 1e3:.1f} ms before the measurements, {probe_after * 1e3:.1f} ms after")
+    where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
+    description = f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} {cpu_name()}"
+    profile = fit_profile(
+        description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached, decode, transfer
+    )
+    return replace(profile, probe_s=(probe_before + probe_after) / 2)
+
+
+class SpeedProbe:
+    """How fast this machine runs the engine now, against when a profile was measured: the same
+    fixed piece of work (`_Runner.speed_probe`) on an engine of the calibration's config, on its
+    core. A shared VM's speed moves by 30 to 40% within minutes here (a colocated worker's served
+    gap at batch 4: 34 ms in one check, 50 ms in the next, 16 minutes later), so bench plan-check
+    takes it before each measurement and compares the simulator with the machine as it was then."""
+
+    def __init__(self, cfg: CalibrationConfig) -> None:
+        self.cfg = cfg
+        with _pinned(cfg.core):
+            self._runner = _Runner(_open_engine(cfg))
+            self._runner.prefill(64)  # warm-up
+
+    def seconds(self) -> float:
+        with _pinned(self.cfg.core):
+            return self._runner.speed_probe()
+
+
+def at_calibration_speed(records: Sequence[Any], factor: float) -> list[Any]:
+    """bench serve RequestRecords as the calibrated machine would have timed them: every time divided
+    by `factor`, the machine's time for the speed probe then over the calibration's."""
+    if factor == 1.0:
+        return list(records)
+    return [
+        dataclasses.replace(
+            r,
+            start_s=r.start_s / factor,
+            ttft_s=r.ttft_s / factor,
+            itl_s=[g / factor for g in r.itl_s],
+            latency_s=r.latency_s / factor,
+        )
+        for r in records
+    ]
+
+
+@contextlib.contextmanager
+def _pinned(core: int | None) -> Iterator[None]:
+    """This process on `core` (None: as it is) for the block."""
+    restore = os.sched_getaffinity(0) if core is not None else None
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    try:
+        yield
     finally:
         if restore is not None:
             os.sched_setaffinity(0, restore)
-    where = f"core {cfg.core}" if cfg.core is not None else "unpinned"
-    description = f"{name}, {cfg.dtype}, {cfg.threads} torch thread(s) {where}, on {platform.machine()} {cpu_name()}"
-    return fit_profile(
-        description, cfg.max_num_batched_tokens, layout.num_layers, kv_per_token, prefill, cached, decode, transfer
+
+
+def _open_engine(cfg: CalibrationConfig) -> Any:
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+
+    torch.set_num_threads(cfg.threads)
+    ecfg = EngineConfig(
+        dtype=cfg.dtype,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_blocks=4096,
+        enable_prefix_caching=False,  # every timed prompt is computed, never found
     )
+    engine, _ = Engine.from_path(cfg.model, ecfg, progress=False)
+    return engine
 
 
 class _Runner:
@@ -196,6 +259,17 @@ class _Runner:
         s = self._timed_step()
         self._drain()
         return s
+
+    def speed_probe(self) -> float:
+        """Seconds of a fixed piece of work, the median of three rounds: a 128-token prefill (compute
+        bound) and six batch-4 decode steps (bound by reading the weights)."""
+        rounds = []
+        for _ in range(3):
+            t = time.perf_counter()
+            self.prefill(PROBE_PREFILL_TOKENS)
+            self.decode(PROBE_BATCH, PROBE_PROMPT_TOKENS, PROBE_DECODE)
+            rounds.append(time.perf_counter() - t)
+        return statistics.median(rounds)
 
     def decode(self, batch: int, prompt: int, cfg: CalibrationConfig) -> list[tuple[int, int, float]]:
         """(batch, total context, seconds) for each timed step of `batch` requests decoding together."""

@@ -58,11 +58,11 @@ from splitserve.plan.costs import SPREAD_LEVELS, StepSpread, pipelined_tail_s, s
 
 # 2: the serving overhead; 3: the spread of decode steps; 4: prefill under load (a ratio fit);
 # 5: prefill under load as a multiplier and a cost per request; 6: the serving overhead by workers busy;
-# 7: the serving overhead beside busy prefill workers
-PROFILE_VERSION = 7
+# 7: the serving overhead beside busy prefill workers; 8: the speed probe
+PROFILE_VERSION = 8
 # a version 3 profile reads as one with prefill under load not measured; a version 4 one's ratio fit
 # as the multiplier alone (no cost per request)
-READS_VERSIONS = (3, 4, 5, 6, 7)
+READS_VERSIONS = (3, 4, 5, 6, 7, 8)
 
 # (system, scale, scale per decoding request, fixed s, fixed s per decoding request): see Profile
 PrefillLoadFit = tuple[str, float, float, float, float]
@@ -115,6 +115,9 @@ class Profile:
     serve_prefill_points: tuple[tuple[int, int, float, float], ...] = ()
     serve_prefill_step_s: float = 0.0
     serve_prefill_s_per_seq: float = 0.0
+    # seconds of plan/calibrate.py's speed probe (a fixed piece of engine work) while the engine
+    # figures above were measured; 0: not measured (the machine taken as it was then, whenever)
+    probe_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_points:
@@ -169,6 +172,7 @@ class Profile:
             ),
             serve_prefill_step_s=float(d.get("serve_prefill_step_s", 0.0)),
             serve_prefill_s_per_seq=float(d.get("serve_prefill_s_per_seq", 0.0)),
+            probe_s=float(d.get("probe_s", 0.0)),
         )
 
     def step_spread(self) -> StepSpread | None:
