@@ -311,3 +311,23 @@ def test_the_speed_probe_times_a_fixed_piece_of_work_and_leaves_the_engine_empty
     runner = _Runner(engine)
     assert runner.speed_probe() > 0.0
     assert not engine.has_work
+
+
+def test_calibration_is_taken_again_while_the_machine_s_speed_moves_under_it():
+    from splitserve.plan.calibrate import CalibrationConfig, _Measured, steadiest
+
+    def attempt(before: float, after: float) -> _Measured:
+        return _Measured([], [], [], [], before, after)
+
+    said: list[str] = []
+    cfg = CalibrationConfig(max_probe_drift=0.1, attempts=3)
+    attempts = iter([attempt(1.5, 1.2), attempt(1.2, 1.25), attempt(9.0, 9.0)])
+    got = steadiest(lambda: next(attempts), cfg, said.append)
+    assert (got.probe_before, got.probe_after) == (1.2, 1.25)  # the second: within 10%, no third
+    assert said == ["the machine's speed moved by 25% during attempt 1 of 3"]
+    # never steady: the steadiest of the attempts allowed, and said so
+    said.clear()
+    attempts = iter([attempt(1.0, 1.5), attempt(1.0, 1.2), attempt(2.0, 1.0)])
+    got = steadiest(lambda: next(attempts), cfg, said.append)
+    assert (got.probe_before, got.probe_after) == (1.0, 1.2)
+    assert said[-1] == "no attempt was steady: keeping the steadiest (its speed moved by 20%)"
