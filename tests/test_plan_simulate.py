@@ -139,6 +139,18 @@ def test_a_decode_step_costs_more_while_the_prefill_worker_computes():
     assert finish_of_a([a, b]) == pytest.approx(first_step + 10 * (0.01 + 0.004))
 
 
+@pytest.mark.parametrize(("threshold", "short_ttft"), [(256, 0.924), (0, 2.0)])
+def test_a_short_prompt_goes_before_a_long_prefill_in_progress(threshold, short_ttft):
+    """As the engine's scheduler with --long-prefill-token-threshold: a 2,000-token prompt prefills in
+    512-token chunks of 1 ms a token; a 100-token prompt arriving 0.1 s in takes the next step beside
+    the long one's 412 (threshold 256), or waits out its chunks and starts in the last one's leftover
+    48 tokens (0: off)."""
+    spec = ClusterSpec("colocated", decode_workers=1, long_prefill_token_threshold=threshold)
+    reqs = [Request(0.0, 2000, 1), Request(0.1, 100, 1)]
+    short = next(o for o in simulate(reqs, spec, Toy(), random.Random(0)).outcomes if o.arrival_s > 0)
+    assert short.ttft_s == pytest.approx(short_ttft)
+
+
 def test_auto_prefills_short_prompts_locally_and_long_ones_remotely():
     # the length rule alone: the backlog rule (on by default since issue 22) is pushed out of reach
     routing = RoutingConfig(local_prefill_max_tokens=256, prefill_backlog_tokens=10**9)

@@ -104,6 +104,9 @@ class ClusterSpec:
     # the order waiting prompts start in on every worker, as the workers' --prefill-order: shortest
     # remaining first, each second waited counting as this many tokens fewer (None: "arrival")
     prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S
+    # as the workers' --long-prefill-token-threshold (engine/tuned.py's default): a waiting prompt of
+    # this many tokens or fewer goes before the long prefills in progress (0: it waits them out)
+    long_prefill_token_threshold: int = 256
     # the router's own config section (block size, cost weights, the local-or-remote thresholds);
     # its mode is made this spec's `mode` at construction, the cluster's shape deciding it
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -113,6 +116,8 @@ class ClusterSpec:
             raise ValueError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
         if self.decode_workers < 1 or self.prefill_workers < 0 or self.gpus_per_worker < 1:
             raise ValueError("at least one decode worker; worker counts and GPUs per worker not negative")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
         if self.prefill_aging_tokens_per_s is not None and not self.prefill_aging_tokens_per_s >= 0:
             raise ValueError("prefill_aging_tokens_per_s must be >= 0 (or None: arrival order)")
         if self.mode != "colocated" and self.prefill_workers < 1:
@@ -328,6 +333,7 @@ class _Cluster:
             on_cached=None if prefill_only else self._cached,
             busy_overhead=busy_overhead,
             prefill_aging_tokens_per_s=spec.prefill_aging_tokens_per_s,
+            long_prefill_token_threshold=spec.long_prefill_token_threshold,
         )
 
     def _busy_overhead(self) -> Callable[[int], float] | None:

@@ -5,7 +5,9 @@ that has its prompt done, then prefill chunks (running prefills first, then
 waiting requests while the seats, the KV room and the token budget allow) up to
 `max_num_batched_tokens`. The waiting ones start in the order a real worker's
 engine loop puts them in before each step (engine/prefill_order.py: shortest
-remaining prefill first, aged; `prefill_aging_tokens_per_s` None: arrival order). Its time is `mixed_step_s`; its
+remaining prefill first, aged; `prefill_aging_tokens_per_s` None: arrival order),
+and with a `long_prefill_token_threshold` a short prompt at the head of the queue
+goes before the long prefills in progress, as the engine's scheduler lets it. Its time is `mixed_step_s`; its
 results land at its end, where a finished prompt gives its first token.
 
 Decoding requests are not visited each step: the worker keeps their count and
@@ -122,6 +124,7 @@ class SimWorker:
         on_cached: Callable[[SimWorker, SimRequest], None] | None = None,
         busy_overhead: Callable[[int], float] | None = None,
         prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.name = name
         self.costs = costs
@@ -141,6 +144,7 @@ class SimWorker:
         # (this one included; the model's overhead was measured with every decode worker busy)
         self.busy_overhead = busy_overhead
         self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s  # the waiting ones' order (None: arrival)
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # a prompt this short goes first (0: never)
         self.prefix_cache: set[BlockHash] = set()  # prefill_only: the blocks of the prompts it prefilled
         self.total_blocks = UNBOUNDED_BLOCKS if kv_capacity_tokens is None else kv_capacity_tokens // block_size
         self.waiting: deque[SimRequest] = deque()
@@ -251,26 +255,9 @@ class SimWorker:
         self._order_waiting(now)
         batch = self.num_decoding
         budget = self.budget - batch
-        chunks: list[tuple[SimRequest, int]] = []
-        tokens = weighted_cached = 0
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(req.prompt_tokens - req.computed, budget)
-            chunks.append((req, n))
-            tokens += n
-            weighted_cached += n * req.computed
-            budget -= n
-        while self.waiting and budget > 0 and self.has_seat() and self.fits(self.waiting[0]):
-            req = self.waiting.popleft()
-            self.prefilling.append(req)
-            self.kv_used += req.prompt_tokens + req.output_tokens
-            self.running_tokens += req.prompt_tokens
-            n = min(req.prompt_tokens - req.computed, budget)
-            chunks.append((req, n))
-            tokens += n
-            weighted_cached += n * req.computed
-            budget -= n
+        chunks = self._plan_chunks(budget)
+        tokens = sum(n for _, n in chunks)
+        weighted_cached = sum(n * req.computed for req, n in chunks)
         if not chunks and batch == 0:
             self.busy = False
             return
@@ -290,6 +277,50 @@ class SimWorker:
             finishes = any(req.computed + n >= req.prompt_tokens for req, n in chunks)
             t = t * scale + (per_prompt if finishes else 0.0)
         push(now + t, self)
+
+    def _plan_chunks(self, budget: int) -> list[tuple[SimRequest, int]]:
+        """This step's prefill chunks, taken as engine/scheduler.py's `schedule` takes them: the
+        prefills in progress, then waiting prompts while the budget, the seats and the KV room allow;
+        with a `long_prefill_token_threshold`, a short prompt waiting at the head goes before the long
+        prefills in progress, which take what the step has left."""
+        long_t = self.long_prefill_token_threshold
+        yields = bool(long_t and self.waiting and self.waiting[0].prompt_tokens <= long_t)
+        chunks: list[tuple[SimRequest, int]] = []
+        deferred: list[SimRequest] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            if yields and req.prompt_tokens - req.computed > long_t:
+                deferred.append(req)
+                continue
+            n = min(req.prompt_tokens - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        if deferred:  # the short prompts first, then the long prefills take what is left
+            budget = self._admit_waiting(chunks, budget, max_tokens=long_t)
+            for req in deferred:
+                if budget <= 0:
+                    break
+                n = min(req.prompt_tokens - req.computed, budget)
+                chunks.append((req, n))
+                budget -= n
+        self._admit_waiting(chunks, budget)
+        return chunks
+
+    def _admit_waiting(self, chunks: list[tuple[SimRequest, int]], budget: int, max_tokens: int = 0) -> int:
+        """Waiting prompts start (their first chunk into `chunks`) while the budget, a seat and the KV
+        room allow (with `max_tokens`, only while the next is that short); returns the budget left."""
+        while self.waiting and budget > 0 and self.has_seat() and self.fits(self.waiting[0]):
+            if max_tokens and self.waiting[0].prompt_tokens > max_tokens:
+                break
+            req = self.waiting.popleft()
+            self.prefilling.append(req)
+            self.kv_used += req.prompt_tokens + req.output_tokens
+            self.running_tokens += req.prompt_tokens
+            n = min(req.prompt_tokens - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        return budget
 
     def _order_waiting(self, now: float) -> None:
         """The waiting requests in the order the engine loop gives its queue before a step (it admits
