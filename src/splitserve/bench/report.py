@@ -68,6 +68,8 @@ TITLES = {
     "together and the CDF searched in two levels (issue 22)",
     "peer-cpu9-default": "The default configuration against vLLM once more, with the CPU kernel drawing the "
     "temperature-only rows (issue 22)",
+    "peer-cpu10-default": "The default configuration against vLLM once more, with the engine loop's stats never "
+    "older than what the router sent (issue 22)",
     "peer-cpu4-stall0": "Mode auto with --decode-stall-weight 0 (a backed-up prompt prefills on the busy decode "
     "worker regardless of its streams): the other side of the decode-stall weighing (issue 22)",
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
@@ -120,6 +122,18 @@ NOTES = {
     "against 800 us inside the engine), less than these runs move: three pairs of ShareGPT runs of splitserve "
     "alone right after this one, the kernel against the torch path (de0c231), gave 1.43/1.55, 1.39/1.33 and "
     "1.47/1.26 req/s. Read the two runs together as the spread of this measurement on this machine.",
+    "peer-cpu10-default": "The same command at c198dc1, the engine loop's stats now never older than what the "
+    "router sent (its local-or-remote decision reads the prefill worker's queue from them): ShareGPT goodput "
+    "1.40x vLLM's (1.62 / 1.16 req/s) with TTFT p99 1.30x, the lone prompt 1.00x (832 / 834 ms), the burst "
+    "prompts' TTFT p50 1.88x with the streams' burst/quiet ITL p99 2.34. Against peer-cpu8 and peer-cpu9 "
+    "(1.44x and 1.18x goodput, 1.14x and 0.97x the lone prompt) this is the same system on the same machine: "
+    "the spread of these runs is the machine's. What bounds the misses: the lone prompt's prefill runs at 311 "
+    "GFLOP/s on the two cores in the engine alone (prefill-profile-cpu: 77% of it oneDNN GEMM at about 200 "
+    "GFLOP/s a core, near this CPU's bf16 rate), so 0.8x vLLM's 834 ms would need the whole prefill faster than "
+    "its matrix products run; decode is at the memory roofline (peer-cpu8-default's note); the burst's long "
+    "prompts get one core while the steady streams keep the other (vLLM gives them both and stalls its "
+    "streams: its burst/quiet ITL p50 47.6), and the ratio of ITL p99 during bursts to quiet spells is high "
+    "because quiet decode borrows the idle core: during bursts splitserve's ITL p99 is 0.94x vLLM's.",
     "conversation-cpu": "Without think time every session is running at once: the running requests alone (about 7 "
     "sessions of ~2K tokens) outgrow pools a quarter of the working set, every system waits for free blocks, and "
     "TTFT is that wait (14 to 90 s), tiers or not: no request meets a 2 s TTFT anywhere. Its returning turns did "
@@ -142,20 +156,22 @@ NOTES = {
     "bf16 rounding in another order flips (Llama-3.2-1B agrees 32 of 32).",
     "tiers-cpu": "Each ratio is within one trial, its three second turns run back to back. The disk tier's files are "
     "read off the device: the page cache is dropped for them before each disk hit.",
-    "plan-check": "The profile times `Engine.step()` alone, on one core; in the measured runs the router and the "
-    "load generator run unpinned on the same two cores as the workers (colocated: one worker on each), and the "
-    "workers also stream every token over gRPC. What that costs is measured on each running system before its "
-    "loads: the served gap between tokens over the engine step, and a prefill beside 0, 2 and 6 decoding "
-    "streams, fitted on seconds as model x (scale + scale_per N) + (fixed + fixed_per N) (profile version 5; "
-    "a ratio fit over short prompts overcharged the long ones). The simulator routes with the router's own "
-    "chooser (router/policy.py) over a prefix index fed by its simulated workers. The misses are colocated at "
-    "low load, where one worker is mostly idle and lends its core to the router and the client, so the overhead "
-    "measured with both busy overstates it. Run to run on this shared VM the count has been 23 to 29 of 32. "
-    "The run at 0a93cfd (23 of 32) pins each worker to its core at the simulated 512-token chunk, without the core "
-    "lending the defaults now use (outside the simulator's model); its misses are disaggregated at 1.5 req/s, past "
-    "the one decode core's capacity (measured ITL p50 68.6 ms against 46.6 simulated: the router and the client take "
-    "their cycles from the decode core there, and the fitted overhead came out at 0 ms with the decode worker alone "
-    "busy), and the burst load's TTFT p50s.",
+    "plan-check": "The profile times `Engine.step()` alone, on one core, between two runs of a speed probe (a "
+    "fixed piece of engine work: a 128-token prefill and six batch-4 decode steps), taken again while the two "
+    "differ by more than 10%; the probe runs again before every later measurement, and each load is compared "
+    "with a simulation of the machine at the probed speed (the [... speed probe] lines: 1.00 to 1.19x here). "
+    "This VM's speed moved by 30 to 40% within minutes: before the probe, two checks 16 minutes apart gave 23 "
+    "and 10 of 32. In the measured runs the router and the load generator run unpinned on the workers' two "
+    "cores and every token is streamed over gRPC; what that costs is measured on each running system before "
+    "its loads: the served gap over the engine step with every worker busy and with one alone, the same gap "
+    "while background prompts keep the prefill worker computing (disaggregated: the router's and the client's "
+    "cycles then come out of the decode core), and a prefill beside 0, 2, 6 and 12 decoding streams, fitted on "
+    "seconds. The simulator routes with the router's own chooser over a prefix index fed by its simulated "
+    "workers, starts each worker's waiting prompts shortest first, aged, and lets a prompt of 256 tokens or "
+    "fewer go before a long prefill in progress, as the workers do. This session's runs gave 23, 10, 13, 28 "
+    "(at 1b0d380) and this 25 of 32; here the misses are disaggregated TTFTs the simulator puts too low, with "
+    "the prefill under load fitted at 0.81x the calibrated prefill (the same fit gave 1.02x in the run at "
+    "1b0d380): single runs of 32 requests on a machine whose speed the probe follows only between loads.",
     "transfer-codec": "The 1 Gb/s link is a TCP proxy inside the benchmark that paces the sender's bytes (a "
     "token bucket, 64 KiB chunks, a 256 KiB socket buffer): no root or tc needed, the same on CI. The prefill "
     "is a stand-in (a sleep per layer, as a GPU's): this CPU's real prefill of a 2K-token prompt takes seconds "
