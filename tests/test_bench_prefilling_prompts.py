@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from splitserve.bench.prefilling_prompts import PrefillingPrompts
+from tests.http_helpers import http_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,12 +49,8 @@ class _Chat(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Chat.bodies, _Chat.enough, _Chat.fail = [], threading.Event(), False
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Chat)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with http_server(_Chat) as url:
+        yield url
 
 
 def test_prompts_are_new_of_the_length_asked_and_stop_with_the_block(server):

@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -29,6 +29,7 @@ from splitserve.plan.profile import (
     with_prefill_load,
 )
 from splitserve.plan.sim.simulate import ClusterSpec, Request, simulate
+from tests.http_helpers import http_server
 from tests.test_plan_calibrate import synthetic
 
 pytestmark = pytest.mark.timeout(60)
@@ -214,12 +215,8 @@ class _SSE(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with http_server(_SSE) as url:
+        yield url
     _SSE.mode = "ok"
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from types import TracebackType
+
+from splitserve.bench.background import Background
 
 
-class DecodingStreams:
+class DecodingStreams(Background):
     def __init__(
         self,
         base_url: str,
@@ -36,26 +37,11 @@ class DecodingStreams:
                 "stream": True,
             }
         ).encode()
-        self.timeout_s = timeout_s
-        self._stop = threading.Event()
+        super().__init__(timeout_s)
         self._first = [threading.Event() for _ in range(n)]
         self.tokens = [0] * n
-        self.errors: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(i,), daemon=True, name=f"stream-{i}") for i in range(n)
-        ]
-
-    def __enter__(self) -> DecodingStreams:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.timeout_s)
+        for i in range(n):
+            self._start_later(self._read, (i,), f"stream-{i}")
 
     def wait_decoding(self) -> None:
         """Every stream has its first token; raises RuntimeError if one failed or none came in time."""

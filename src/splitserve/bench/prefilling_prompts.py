@@ -15,7 +15,8 @@ import json
 import random
 import threading
 import urllib.request
-from types import TracebackType
+
+from splitserve.bench.background import Background
 
 # Words the SmolLM2 tokenizer keeps whole, so `words` of them are about that many tokens.
 _WORDS = (
@@ -24,35 +25,19 @@ _WORDS = (
 )
 
 
-class PrefillingPrompts:
+class PrefillingPrompts(Background):
     def __init__(
         self, base_url: str, model: str, words: int = 500, seed: int = 0, threads: int = 2, timeout_s: float = 120.0
     ) -> None:
+        super().__init__(timeout_s)
         self.base_url = base_url
         self.model = model
         self.words = words
-        self.timeout_s = timeout_s
         self.sent = 0
-        self.errors: list[str] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._first = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(random.Random(seed + i),), daemon=True, name=f"prompts-{i}")
-            for i in range(threads)
-        ]
-
-    def __enter__(self) -> PrefillingPrompts:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.timeout_s)
+        for i in range(threads):
+            self._start_later(self._run, (random.Random(seed + i),), f"prompts-{i}")
 
     def wait_prefilling(self) -> None:
         """The first prompt was answered; raises RuntimeError if it failed or did not come in time."""
