@@ -161,11 +161,10 @@ def _check_mode(
 ) -> list[Row]:
     """The rows of one system, simulated with the profile's engine costs and this system's serving
     overhead and prefill slowdown (measured here unless the profile has them for it)."""
-    from splitserve.bench.peer.main import Load, run_load, warmup
+    from splitserve.bench.peer.main import Load, warmup
     from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
-    from splitserve.measure.results import RunResult
     from splitserve.plan.calibrate import at_calibration_speed
     from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_beside_prefill, serving_by_busy
     from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
@@ -233,10 +232,7 @@ def _check_mode(
         for load in loads:
             f = speed.factor(f"{mode} {load.name}")
             print(f"[{mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
-            data = run_load(system, load, ctx, out, "openai-chat")
-            if "error" in data:
-                raise RuntimeError(f"{load.name}: {data['error']}")
-            measured = RunResult.from_dict(data["runs"][0])
+            measured = _run(system, load, ctx, out)
             # the simulated machine at the probed speed: every cost x f is the same timeline as the
             # calibrated costs over arrivals / f, its times then x f
             replayed = dataclasses.replace(measured, requests=at_calibration_speed(measured.requests, f))
@@ -252,6 +248,17 @@ def _check_mode(
             )
             rows += compare(mode, load.name, measured, sim, f)
     return rows
+
+
+def _run(system: Any, load: Any, ctx: Any, out: str) -> Any:
+    """One bench serve run of `load` against the running system: its RunResult (RuntimeError if it failed)."""
+    from splitserve.bench.peer.main import run_load
+    from splitserve.measure.results import RunResult
+
+    data = run_load(system, load, ctx, out, "openai-chat")
+    if "error" in data:
+        raise RuntimeError(f"{load.name}: {data['error']}")
+    return RunResult.from_dict(data["runs"][0])
 
 
 def chat_prefix_cached_tokens(encode_chat: Callable[[Sequence[tuple[str, str]]], list[int]], block_size: int) -> int:
@@ -271,9 +278,8 @@ def _measure_serving(
 ) -> Any:
     """The serving overhead on this running system (plan/calibrate.py's `serving_point`, one bench
     serve run per batch), fitted into the profile, which is saved again."""
-    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.peer.main import Load
     from splitserve.measure.metrics import percentile
-    from splitserve.measure.results import RunResult
     from splitserve.plan.calibrate import (
         SERVE_BATCHES,
         at_calibration_speed,
@@ -287,10 +293,7 @@ def _measure_serving(
     points, ratios = [], []
     for i, batch in enumerate(SERVE_BATCHES):
         load = Load(f"serving-b{batch}", serving_load_flags(batch, workers, args.seed + 100 + i), args.load_timeout)
-        data = run_load(system, load, ctx, out, "openai-chat")
-        if "error" in data:
-            raise RuntimeError(f"{load.name}: {data['error']}")
-        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
+        records = at_calibration_speed(_run(system, load, ctx, out).requests, speed)
         try:
             b, context, engine_s, served_s = serving_point(records, workers, profile)
             gaps = [r for _, r in serving_gap_ratios(records, workers, profile)]
@@ -326,8 +329,7 @@ def _measure_serving_alone(
     """The serving overhead with one worker of `workers` busy (one request decoding alone, the
     others idle), fitted into the profile as the overhead by workers busy (plan/profile.py's
     `with_serving_alone`)."""
-    from splitserve.bench.peer.main import Load, run_load
-    from splitserve.measure.results import RunResult
+    from splitserve.bench.peer.main import Load
     from splitserve.plan.calibrate import at_calibration_speed, serving_load_flags, serving_point
     from splitserve.plan.profile import with_serving_alone
 
@@ -335,10 +337,7 @@ def _measure_serving_alone(
     points = []
     for i in range(SERVE_ALONE_RUNS):
         load = Load(f"serving-alone-{i}", serving_load_flags(1, 1, args.seed + 200 + i), args.load_timeout)
-        data = run_load(system, load, ctx, out, "openai-chat")
-        if "error" in data:
-            raise RuntimeError(f"{load.name}: {data['error']}")
-        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
+        records = at_calibration_speed(_run(system, load, ctx, out).requests, speed)
         b, context, engine_s, served_s = serving_point(records, 1, profile)
         print(
             f"[{name}] serving: one request alone, context {context}: engine step {engine_s * 1e3:.1f} ms, "
@@ -355,9 +354,8 @@ def _measure_serving_beside_prefill(
     """The serving overhead while prompts keep the prefill workers computing (plan/calibrate.py's
     `serving_point` again, beside bench/prefilling_prompts.py), fitted into the profile
     (plan/profile.py's `with_serving_beside_prefill`), which is saved again."""
-    from splitserve.bench.peer.main import Load, run_load
+    from splitserve.bench.peer.main import Load
     from splitserve.bench.prefilling_prompts import PrefillingPrompts
-    from splitserve.measure.results import RunResult
     from splitserve.plan.calibrate import SERVE_BATCHES, at_calibration_speed, serving_load_flags, serving_point
     from splitserve.plan.profile import save_profile, with_serving_beside_prefill
 
@@ -371,13 +369,9 @@ def _measure_serving_beside_prefill(
         )
         with PrefillingPrompts(system.base_url, ctx.served_model_name, seed=args.seed + 300 + 10 * i) as prompts:
             prompts.wait_prefilling()
-            data = run_load(system, load, ctx, out, "openai-chat")
-        if "error" in data:
-            raise RuntimeError(f"{load.name}: {data['error']}")
+            records = at_calibration_speed(_run(system, load, ctx, out).requests, speed)
         try:
-            b, context, engine_s, served_s = serving_point(
-                at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed), workers, profile
-            )
+            b, context, engine_s, served_s = serving_point(records, workers, profile)
         except ValueError as e:
             print(f"[{name}] serving beside prefill: batch {batch} not measured: {e}", flush=True)
             continue
@@ -416,8 +410,7 @@ def _measure_prefill_load(
     """How a served prefill slows beside decoding requests, on this running system (plan/calibrate.py's
     `prefill_load_points`), fitted into the profile for it, which is saved again."""
     from splitserve.bench.decoding_streams import DecodingStreams
-    from splitserve.bench.peer.main import Load, run_load
-    from splitserve.measure.results import RunResult
+    from splitserve.bench.peer.main import Load
     from splitserve.plan.calibrate import (
         PREFILL_LOAD_STREAMS,
         at_calibration_speed,
@@ -432,12 +425,9 @@ def _measure_prefill_load(
         load = Load(f"prefill-beside-{n}", prefill_load_flags(args.seed + 200 + i), args.load_timeout)
         with DecodingStreams(system.base_url, ctx.served_model_name, n, max_tokens=2000) as streams:
             streams.wait_decoding()
-            data = run_load(system, load, ctx, out, "openai-chat")
+            records = at_calibration_speed(_run(system, load, ctx, out).requests, speed)
             context = 40 + sum(streams.tokens) // max(n, 1) // 2  # the chat prompt, and about half what they made
-        if "error" in data:
-            raise RuntimeError(f"{load.name}: {data['error']}")
         batch = 0 if prefill else -(-n // decode)  # on a prefill worker nothing else runs in its steps
-        records = at_calibration_speed(RunResult.from_dict(data["runs"][0]).requests, speed)
         got = prefill_load_points(records, n, batch, context, cached, profile)
         ratios = sorted(s / e for _, e, s in got)
         print(
