@@ -10,6 +10,7 @@ import re
 import pytest
 
 from splitserve import cli
+from splitserve.engine.models.registry import param_count
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -73,9 +74,9 @@ def test_gpu_model_shapes_and_device_side_weights():
 
     for key, params in (("llama-3.2-1b", 1.24e9), ("llama-3-8b", 8.03e9)):
         cfg = bench._shape(key)
-        assert abs(cfg.num_params - params) / params < 0.01, (key, cfg.num_params)
+        assert abs(param_count(cfg) - params) / params < 0.01, (key, param_count(cfg))
         drawn = bench._random_weights(cfg, torch.bfloat16, torch.device("meta"))
-        assert sum(t.numel() for t in drawn.values()) == cfg.num_params
+        assert sum(t.numel() for t in drawn.values()) == param_count(cfg)
     for cfg in (tiny_model_config(), tiny_model_config(tie_embeddings=False, attention_bias=True)):
         want = {name: tuple(t.shape) for name, t in random_weights(cfg).items()}
         drawn = bench._random_weights(cfg, torch.float32, torch.device("meta"))

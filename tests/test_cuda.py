@@ -10,7 +10,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
@@ -72,5 +72,5 @@ def test_triton_decode_kernels_give_the_torch_tokens_under_graphs(monkeypatch, s
     monkeypatch.setattr(td.TritonDecodeKernels, "step", counted)
     ours = run("cuda", "float32", graphs=True)
     assert steps  # the captured decode steps ran on the kernels
-    monkeypatch.setattr(LlamaModel, "_decode_kernels", lambda self, kv_cache, meta: None)
+    monkeypatch.setattr(DecoderModel, "_decode_kernels", lambda self, kv_cache, meta: None)
     assert ours == run("cuda", "float32", graphs=True)

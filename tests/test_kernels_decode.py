@@ -27,7 +27,7 @@ import splitserve.engine.kernels.decode as kd
 import splitserve.engine.model as model_mod
 from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
 from splitserve.engine.layers import apply_rope, rms_norm
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tuned import cpu_flags
 from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
@@ -326,11 +326,11 @@ def test_cpu_decode_steps_take_the_kernels(kernels, smol_like, monkeypatch, dtyp
         return real(self, *a, **kw)
 
     monkeypatch.setattr(kd.DecodeKernels, "step", counted)
-    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
+    decode_logits(DecoderModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
     assert len(calls) == 10  # every decode step, and the prefill not
     calls.clear()
     torch_only(monkeypatch)
-    decode_logits(LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
+    decode_logits(DecoderModel(SMOL_LIKE, weights, torch.device("cpu"), dtype), tokens[:40], 30)
     assert calls == []  # a dtype outside FUSED_DECODE_DTYPES stays on torch
 
 
@@ -340,9 +340,9 @@ def test_fp32_logits_within_ulps_of_torchs(kernels, smol_like, monkeypatch):
     # ~1e-2), the argmax everywhere.
     weights, tokens = smol_like
     cpu = torch.device("cpu")
-    ours = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
+    ours = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
     torch_only(monkeypatch)
-    theirs = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
+    theirs = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=5e-5)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
@@ -353,24 +353,24 @@ def test_only_cpu_decode_steps_are_offered_the_kernels(kernels, smol_like):
     meta = AttentionMetadata(
         torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
     )
-    cpu = LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
+    cpu = DecoderModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), meta) is kernels
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=F32), meta) is None  # a cache of another dtype
     prefill = AttentionMetadata(
         meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.context_lens, [1], [1], False
     )
     assert cpu._decode_kernels(torch.zeros(cache_shape, dtype=BF16), prefill) is None
-    elsewhere = LlamaModel(SMOL_LIKE, weights, torch.device("meta"), BF16)  # stands in for CUDA: any non-CPU device
+    elsewhere = DecoderModel(SMOL_LIKE, weights, torch.device("meta"), BF16)  # stands in for CUDA: any non-CPU device
     assert elsewhere._decode_kernels(torch.zeros(cache_shape, dtype=BF16, device="meta"), meta) is None
 
 
 def test_bf16_logits_as_close_to_fp32_as_torchs(kernels, smol_like, monkeypatch):
     weights, tokens = smol_like
     cpu = torch.device("cpu")
-    ref = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)  # the same bf16 weights, fp32 math
-    ours = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
+    ref = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, F32), tokens, 20)  # the same bf16 weights, fp32 math
+    ours = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
     torch_only(monkeypatch)
-    theirs = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
+    theirs = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, BF16), tokens, 20)
     err_ours, err_theirs = (ours - ref).abs(), (theirs - ref).abs()
     assert err_ours.mean() <= 1.1 * err_theirs.mean()
     assert err_ours.max() <= 1.5 * err_theirs.max()
@@ -382,7 +382,7 @@ def test_bf16_logits_as_close_to_fp32_as_torchs(kernels, smol_like, monkeypatch)
 
 def test_layer_hook_sees_each_layers_kv_and_changes_nothing(kernels, smol_like):
     weights, tokens = smol_like
-    model = LlamaModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
+    model = DecoderModel(SMOL_LIKE, weights, torch.device("cpu"), BF16)
     plain = decode_logits(model, tokens[:40], 30)
     seen: list[int] = []
     hooked = decode_logits(model, tokens[:40], 30, on_layer_done=seen.append)
@@ -394,7 +394,7 @@ def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeyp
     weights, tokens = smol_like
     cpu = torch.device("cpu")
     torch_only(monkeypatch)
-    expected = decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25)
+    expected = decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25)
     monkeypatch.undo()
 
     def raises(k: kd.DecodeKernels) -> bool:
@@ -408,7 +408,7 @@ def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeyp
         else:
             monkeypatch.setattr(kd, "_self_test", (lambda k: False) if broken == "self-test" else raises)
         assert kd.decode_kernels() is None
-        assert torch.equal(decode_logits(LlamaModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25), expected)
+        assert torch.equal(decode_logits(DecoderModel(SMOL_LIKE, weights, cpu, BF16), tokens[:30], 25), expected)
         monkeypatch.undo()
     # the variable, in a fresh process (it is read once)
     script = textwrap.dedent("""
@@ -428,9 +428,9 @@ def test_smollm2_bf16_greedy_decode_close_to_torch(kernels, smollm2_path, monkey
     loaded = load_model(smollm2_path, BF16, progress=False)
     cpu = torch.device("cpu")
     tokens = torch.randint(0, loaded.config.vocab_size, (140,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = decode_logits(LlamaModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
+    ours = decode_logits(DecoderModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
     torch_only(monkeypatch)
-    theirs = decode_logits(LlamaModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
+    theirs = decode_logits(DecoderModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
     diff = (ours - theirs).abs()
     assert diff.mean() < 0.05 * theirs.abs().mean()
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8

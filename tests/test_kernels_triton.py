@@ -43,7 +43,7 @@ from splitserve.engine.attention import (  # noqa: E402
 )
 from splitserve.engine.kv_cache import quantized_views  # noqa: E402
 from splitserve.engine.layers import apply_rope, rms_norm  # noqa: E402
-from splitserve.engine.model import LlamaModel  # noqa: E402
+from splitserve.engine.model import DecoderModel  # noqa: E402
 from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
 from tests.kernel_helpers.decode_cases import (  # noqa: E402
     decode_batch,
@@ -438,12 +438,12 @@ def on_triton(monkeypatch, kernels: td.TritonDecodeKernels) -> list[int]:
         steps.append(1)
         return kernels
 
-    monkeypatch.setattr(LlamaModel, "_decode_kernels", pick)
+    monkeypatch.setattr(DecoderModel, "_decode_kernels", pick)
     return steps
 
 
 def on_torch(monkeypatch) -> None:
-    monkeypatch.setattr(LlamaModel, "_decode_kernels", lambda self, kv_cache, meta: None)
+    monkeypatch.setattr(DecoderModel, "_decode_kernels", lambda self, kv_cache, meta: None)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
@@ -453,10 +453,10 @@ def test_fp32_decode_logits_match_torch_and_greedy_tokens_are_equal(kernels, tin
     if split:
         split_everything(monkeypatch)  # a 48-token table: two splits
     steps = on_triton(monkeypatch, kernels)
-    ours = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)
+    ours = decode_logits(DecoderModel(TINY, weights, cpu, F32), tokens, 12)
     assert len(steps) == 12  # every decode step ran on the kernels, the prefill not
     on_torch(monkeypatch)
-    theirs = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)
+    theirs = decode_logits(DecoderModel(TINY, weights, cpu, F32), tokens, 12)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=5e-5)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
@@ -465,10 +465,10 @@ def test_bf16_decode_logits_as_close_to_fp32_as_torchs(kernels, tiny, monkeypatc
     weights, tokens = tiny
     cpu = torch.device("cpu")
     on_torch(monkeypatch)
-    ref = decode_logits(LlamaModel(TINY, weights, cpu, F32), tokens, 12)  # the same bf16 weights, fp32 math
-    theirs = decode_logits(LlamaModel(TINY, weights, cpu, BF16), tokens, 12)
+    ref = decode_logits(DecoderModel(TINY, weights, cpu, F32), tokens, 12)  # the same bf16 weights, fp32 math
+    theirs = decode_logits(DecoderModel(TINY, weights, cpu, BF16), tokens, 12)
     on_triton(monkeypatch, kernels)
-    ours = decode_logits(LlamaModel(TINY, weights, cpu, BF16), tokens, 12)
+    ours = decode_logits(DecoderModel(TINY, weights, cpu, BF16), tokens, 12)
     err_ours, err_theirs = (ours - ref).abs(), (theirs - ref).abs()
     assert err_ours.mean() <= 1.1 * err_theirs.mean()
     assert err_ours.max() <= 1.5 * err_theirs.max()
@@ -494,14 +494,14 @@ def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeyp
         # what _decode_kernels reads of a cache: no real tensor on this machine is on CUDA
         return SimpleNamespace(dtype=dtype, device=device, is_cpu=device.type == "cpu")  # type: ignore[return-value]
 
-    model = LlamaModel(TINY, weights, torch.device("meta"), BF16)
+    model = DecoderModel(TINY, weights, torch.device("meta"), BF16)
     model.device = cuda
     assert model._decode_kernels(cache(BF16, cuda), meta) is kernels
     assert model._decode_kernels(cache(BF16, cuda), prefill) is None
     assert model._decode_kernels(cache(F32, cuda), meta) is None  # a cache of another dtype
     for quantized in (torch.int8, torch.float8_e4m3fn):  # read in place by the kernels
         assert model._decode_kernels(cache(quantized, cuda), meta) is kernels
-    cpu = LlamaModel(TINY, weights, torch.device("cpu"), BF16)
+    cpu = DecoderModel(TINY, weights, torch.device("cpu"), BF16)
     assert cpu._decode_kernels(cache(BF16, torch.device("cpu")), meta) is not kernels  # C++ kernels or torch
     monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: None)  # no triton: torch
     assert model._decode_kernels(cache(BF16, cuda), meta) is None
@@ -567,7 +567,7 @@ def test_the_quantized_read_has_a_self_test_of_its_own(kernels, monkeypatch):
     monkeypatch.setattr(model_mod, "triton_decode_kernels", lambda: kernels)
     monkeypatch.setattr(kernels, "reads_quantized", False)
     weights = random_weights(TINY, seed=3, dtype=BF16)
-    model = LlamaModel(TINY, weights, torch.device("meta"), BF16)
+    model = DecoderModel(TINY, weights, torch.device("meta"), BF16)
     model.device = torch.device("cuda")
     meta = AttentionMetadata(
         torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True

@@ -103,6 +103,7 @@ def test_the_built_in_shapes_have_their_published_parameter_counts():
 @pytest.mark.timeout(120)
 def test_a_config_json_goes_through_the_engines_model_config(tmp_path):
     from splitserve.engine.config import ModelConfig
+    from splitserve.engine.models.registry import param_count
 
     hf = {
         "model_type": "llama",
@@ -117,7 +118,7 @@ def test_a_config_json_goes_through_the_engines_model_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     shape = load_shape(str(tmp_path))
     assert shape == dense("my-llama", 32, 4096, 32, 8, 128, 14336, 128256)
-    assert shape.total_params == ModelConfig.from_hf(hf).num_params
+    assert shape.total_params == param_count(ModelConfig.from_hf(hf))
     assert dense_params(32, 4096, 32, 8, 128, 14336, 128256, False) == BUILTIN["llama-3-8b"].total_params
 
 

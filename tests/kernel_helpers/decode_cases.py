@@ -12,7 +12,7 @@ import torch
 from splitserve.engine.attention import AttentionMetadata, write_kv
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 
 
 class Kernels(Protocol):  # engine.kernels.decode.DecodeKernels, engine.kernels.triton_decode.TritonDecodeKernels
@@ -98,7 +98,7 @@ def fp32_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
 
 
 def decode_logits(
-    model: LlamaModel, tokens: list[int], prompt_len: int, block_size: int = 16, on_layer_done=None
+    model: DecoderModel, tokens: list[int], prompt_len: int, block_size: int = 16, on_layer_done=None
 ) -> torch.Tensor:
     """Prefill `prompt_len` tokens of one sequence, then decode the rest one by one (teacher-forced):
     the logits of every decode step."""

@@ -96,7 +96,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder."""
+    """Shapes and constants of a decoder. `architecture` names its family's module
+    (engine/models/), which declares the tensors; the traits below are what the forward
+    pass reads of the family."""
 
     vocab_size: int
     hidden_size: int
@@ -111,9 +113,11 @@ class ModelConfig:
     max_position: int = 8192
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm of q and of k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    architecture: str = "llama"  # the family (engine/models/registry.py), which sets the traits above
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
@@ -134,21 +138,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def num_params(self) -> int:
-        per_layer = (
-            self.hidden_size * (self.q_size + 2 * self.kv_size)
-            + self.q_size * self.hidden_size
-            + 3 * self.hidden_size * self.intermediate_size
-            + 2 * self.hidden_size
-        )
-        emb = self.vocab_size * self.hidden_size
-        return self.num_layers * per_layer + emb * (1 if self.tie_embeddings else 2) + self.hidden_size
-
     @staticmethod
     def from_hf(d: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, SmolLM)."""
+        """The fields every family's `config.json` spells alike (the family's module adds its
+        traits: engine/models/declare.py's `Architecture.configure`). RoPE's base and scaling
+        come from transformers 5's `rope_parameters` or from the older top-level keys."""
         eos = d.get("eos_token_id")
+        rope = d.get("rope_parameters") or {}
+        scaling = rope if rope.get("rope_type", "default") != "default" else d.get("rope_scaling")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         try:
             return ModelConfig(
@@ -160,11 +157,11 @@ class ModelConfig:
                 intermediate_size=int(d["intermediate_size"]),
                 head_dim=int(d.get("head_dim") or 0),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
-                rope_scaling=RopeScaling.from_hf(d.get("rope_scaling")),
+                rope_theta=float(rope.get("rope_theta") or d.get("rope_theta", 10000.0)),
+                rope_scaling=RopeScaling.from_hf(scaling),
                 max_position=int(d.get("max_position_embeddings", 8192)),
                 tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
+                attention_bias=bool(d.get("attention_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,

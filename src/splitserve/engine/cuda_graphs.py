@@ -18,14 +18,14 @@ import torch
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.sequence import Sequence
 
 _FIELDS = 5  # input_ids, positions, slot_blocks, slot_offsets, context_lens: one row each per sequence
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, cfg: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, cfg: EngineConfig) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.scratch_block = kv_cache.shape[1] - 1

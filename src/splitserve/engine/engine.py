@@ -37,7 +37,7 @@ from splitserve.engine.connector import KVConnector, NullConnector, TransferOutc
 from splitserve.engine.handoff import Handoff, SampleState
 from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
 from splitserve.engine.kv_tiers import TierStore
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.process_group import rank_devices
@@ -94,7 +94,7 @@ class Engine:
         )
         self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
         try:
-            self.model = LlamaModel(
+            self.model = DecoderModel(
                 rank_config(model_cfg, tp),
                 shard_weights(model_cfg, weights, 0, tp),
                 cfg.torch_device,

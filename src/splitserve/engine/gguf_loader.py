@@ -1,10 +1,11 @@
 """GGUF files: metadata to ModelConfig, tensors to dequantized HF-named weights.
 
-llama.cpp's converter renames tensors (blk.N.attn_q, ...) and, for the llama
-architecture, permutes the rows of Q and K so that its rotary kernel can rotate
-adjacent pairs; HF's Llama rotates the two halves of each head instead. We undo
-that permutation, exactly as transformers' own GGUF loader does, so the weights
-here are interchangeable with a Hugging Face checkpoint's.
+llama.cpp's converter renames tensors (blk.N.attn_q, ...) and, for some architectures
+(llama, mistral), permutes the rows of Q and K so that its rotary kernel can rotate
+adjacent pairs; HF's Llama rotates the two halves of each head instead. Each family's
+module (engine/models/) declares both names of every tensor and which rows were
+permuted; we undo that permutation, exactly as transformers' own GGUF loader does, so
+the weights here are interchangeable with a Hugging Face checkpoint's.
 """
 
 from __future__ import annotations
@@ -23,32 +24,11 @@ from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
+from splitserve.engine.models import declare, registry
 from splitserve.engine.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 
-# architecture -> whether llama.cpp permuted the Q/K rows for its rotary layout
-_ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _REQUIRED_KEYS = (
     "context_length",
@@ -92,7 +72,7 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size} rows"
         )
     config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=tokenizer.bos_token_id)
-    weights = load_gguf_weights(reader, config, meta["general.architecture"], dtype, progress, path)
+    weights = load_gguf_weights(reader, config, dtype, progress, path)
     return LoadedModel(config, weights, tokenizer)
 
 
@@ -149,10 +129,10 @@ def read_metadata(reader: Any, path: str) -> dict[str, Any]:
 def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> ModelConfig:
     """ModelConfig from the `{arch}.*` metadata keys and the tensors' shapes."""
     arch = meta["general.architecture"]
-    if arch not in _ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
-        )
+    try:
+        family = registry.for_gguf_architecture(arch)
+    except registry.UnsupportedArchitecture as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -171,23 +151,25 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
             head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
         rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
         rotary_dim = head_dim or hidden // max(num_heads, 1)
-        return ModelConfig(
-            # GGUF shapes are innermost-first: token_embd is [hidden, vocab]. The embedding, not the
-            # token list, sets the logits' width (converters may pad one or the other).
-            vocab_size=int(tensors["token_embd.weight"].shape[-1]),
-            hidden_size=hidden,
-            num_layers=int(raw["block_count"]),
-            num_heads=num_heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
-            intermediate_size=int(raw["feed_forward_length"]),
-            head_dim=head_dim,
-            rms_norm_eps=float(raw["attention.layer_norm_rms_epsilon"]),
-            rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, rotary_dim, path),
-            max_position=int(raw["context_length"]),
-            tie_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            name=str(meta.get("general.name") or os.path.basename(path)),
+        return family.configure(
+            ModelConfig(
+                # GGUF shapes are innermost-first: token_embd is [hidden, vocab]. The embedding, not the
+                # token list, sets the logits' width (converters may pad one or the other).
+                vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+                hidden_size=hidden,
+                num_layers=int(raw["block_count"]),
+                num_heads=num_heads,
+                num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
+                intermediate_size=int(raw["feed_forward_length"]),
+                head_dim=head_dim,
+                rms_norm_eps=float(raw["attention.layer_norm_rms_epsilon"]),
+                rope_theta=rope_theta,
+                rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, rotary_dim, path),
+                max_position=int(raw["context_length"]),
+                tie_embeddings="output.weight" not in tensors,
+                attention_bias="blk.0.attn_q.bias" in tensors,
+                name=str(meta.get("general.name") or os.path.basename(path)),
+            )
         )
     except ModelLoadError:
         raise
@@ -238,16 +220,6 @@ def _llama3_scaling_from_freqs(
     return scaling
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF Llama name for a GGUF tensor name, or None if the name is not one we know."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
-
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (pairs interleaved -> halves per head)."""
     rows_per_half = w.shape[0] // n_heads // 2
@@ -255,18 +227,19 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf_weights(
-    reader: Any, cfg: ModelConfig, arch: str, dtype: torch.dtype, progress: bool, path: str
+    reader: Any, cfg: ModelConfig, dtype: torch.dtype, progress: bool, path: str
 ) -> dict[str, torch.Tensor]:
-    permuted = _ARCHITECTURES[arch]
+    """Every tensor under its HF name, as the family's module declares it (engine/models/)."""
+    names = declare.gguf_to_hf(registry.for_config(cfg), cfg)
     line = ProgressLine(os.path.basename(path), cfg.num_layers, progress)
     weights: dict[str, torch.Tensor] = {}
     layer_seen = -1
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
-        name = hf_name(t.name)
-        if name is None:
-            raise ModelLoadError(f"{path}: unsupported tensor {t.name} for architecture {arch!r}")
+        if t.name not in names:
+            raise ModelLoadError(f"{path}: unsupported tensor {t.name} for architecture {cfg.architecture!r}")
+        name, decl = names[t.name]
         m = _LAYER_TENSOR.fullmatch(t.name)
         if m and int(m.group(1)) != layer_seen:
             layer_seen = int(m.group(1))
@@ -282,10 +255,8 @@ def load_gguf_weights(
             raise ModelLoadError(
                 f"{path}: cannot dequantize tensor {t.name} of type {t.tensor_type.name}: {e}"
             ) from None
-        if permuted and ".attn_q." in t.name:
-            w = unpermute_rotary_rows(w, cfg.num_heads)
-        elif permuted and ".attn_k." in t.name:
-            w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        if decl.gguf_rotary:
+            w = unpermute_rotary_rows(w, cfg.num_heads if decl.gguf_rotary == "q" else cfg.num_kv_heads)
         weights[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
     line.update(cfg.num_layers, "layers")
     line.close()

@@ -17,9 +17,9 @@ import torch
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine, expected_shapes
+from splitserve.engine.models import registry
 from splitserve.engine.tokenizer import Tokenizer
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _INDEX = "model.safetensors.index.json"
 
 
@@ -47,14 +47,10 @@ def read_hf_config(directory: str) -> ModelConfig:
     """The model's shapes from config.json alone (no weights, no tokenizer): what a preflight reads."""
     config_path = os.path.join(directory, "config.json")
     raw = _read_json(config_path)
-    model_type = raw.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{config_path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(_SUPPORTED_MODEL_TYPES)})"
-        )
     try:
-        return ModelConfig.from_hf(raw, name=raw.get("_name_or_path") or os.path.basename(os.path.abspath(directory)))
+        arch = registry.for_hf_model_type(raw.get("model_type"))
+        name = raw.get("_name_or_path") or os.path.basename(os.path.abspath(directory))
+        return arch.configure(ModelConfig.from_hf(raw, name=name))
     except (ValueError, TypeError) as e:
         raise ModelLoadError(f"{config_path}: {e}") from None
 

@@ -1,6 +1,6 @@
 """What every weight-format loader shares: the result (`LoadedModel`), the error
-(`ModelLoadError`), the tensor names and shapes a config implies with their check, and
-the progress line.
+(`ModelLoadError`), the check of the tensor names and shapes a config implies (its
+family's declaration, engine/models/), and the progress line.
 
 The format loaders (`gguf_loader.py`, `hf_loader.py`) and the entry point that picks
 one (`weights.py`) all stand on this module, so none of them imports another to get it.
@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.models import declare, registry
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -24,32 +25,14 @@ class ModelLoadError(ValueError):
 
 class LoadedModel(NamedTuple):
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names, CPU, in the requested dtype
+    weights: dict[str, torch.Tensor]  # HF names, CPU, in the requested dtype
     tokenizer: Tokenizer
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama-family model of this config needs, by HF name, in HF's [out, in] orientation."""
-    h, q, kv, ff = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if cfg.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        shapes[p + "mlp.gate_proj.weight"] = (ff, h)
-        shapes[p + "mlp.up_proj.weight"] = (ff, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, ff)
-    return shapes
+    """Every tensor a model of this config needs, by HF name, in HF's [out, in] orientation, as
+    its family's module declares them (engine/models/)."""
+    return declare.expected_shapes(registry.for_config(cfg), cfg)
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str) -> None:

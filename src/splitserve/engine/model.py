@@ -1,12 +1,14 @@
-"""The Llama-family decoder: RMSNorm, RoPE (with linear or llama3 scaling),
-grouped-query attention over the paged KV cache, SwiGLU MLP, tied or untied
-embeddings. Covers Llama 2/3, Mistral, Qwen2-style (q/k/v bias) and SmolLM.
-RMSNorm and RoPE are pure functions in engine/layers.py, below both this model
-and the kernels that check themselves against them.
+"""The decoder every family in engine/models/ runs on: RMSNorm, RoPE (with linear or
+llama3 scaling), grouped-query attention over the paged KV cache (q/k/v bias and a
+per-head q/k RMSNorm where the family has them), SwiGLU MLP, tied or untied
+embeddings. Llama 2/3, Mistral, Qwen2 and Qwen3 (and SmolLM, a Llama). RMSNorm and
+RoPE are pure functions in engine/layers.py, below both this model and the kernels
+that check themselves against them.
 
-Weights arrive under Hugging Face names and are fused at load time (q, k and v
-into one matrix, gate and up into another) so a layer runs four matrix
-products: fewer, larger kernels, which is what decode on a CPU or a GPU wants.
+Weights arrive under Hugging Face names and are fused at load time into the slots
+the family's module declares (q, k and v into one matrix, gate and up into another)
+so a layer runs four matrix products: fewer, larger kernels, which is what decode on
+a CPU or a GPU wants.
 Matrix products go through engine/kernels' `linear`, which streams bf16 weights
 at memory speed for decode-sized batches on a CPU and is F.linear otherwise.
 A bf16 or fp32 decode step on a CPU runs everything else on engine/kernels' fused
@@ -41,6 +43,8 @@ from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
 from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
+from splitserve.engine.models import registry
+from splitserve.engine.models.declare import layer_slots
 
 # Model dtypes whose CPU decode steps take the fused kernels. fp32 too: the
 # kernels sum in another order than torch (RMSNorm's mean, attention's dot
@@ -52,13 +56,17 @@ FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float32)
 
 @dataclass
 class LayerWeights:
+    """One layer's slots (engine/models/declare.py's `TensorDecl.slot`), fused and on the device."""
+
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [q + 2 kv, hidden]
-    qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 intermediate, hidden]
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
+    k_norm: torch.Tensor | None = None
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
@@ -66,7 +74,7 @@ LayerHook = Callable[[int], None]  # called with the layer index once its KV is 
 AllReduce = Callable[[torch.Tensor], None]
 
 
-class LlamaModel:
+class DecoderModel:
     """Functional decoder over plain tensors; the runner owns the cache and metadata."""
 
     def __init__(
@@ -91,24 +99,9 @@ class LlamaModel:
                 raise ValueError(f"weights lack tensor {name!r}") from None
             return t.to(device=device, dtype=dtype).contiguous()
 
+        arch = registry.for_config(cfg)
         self.embed = w("model.embed_tokens.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            bias = None
-            if cfg.attention_bias:
-                bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-            self.layers.append(
-                LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                    qkv_bias=bias,
-                    o=w(p + "self_attn.o_proj.weight"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
-                )
-            )
+        self.layers = [LayerWeights(**layer_slots(arch, cfg, w, i)) for i in range(cfg.num_layers)]
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
         self.cos, self.sin = rope_tables(cfg, device)
@@ -119,11 +112,7 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding rows excluded: only B rows are read)."""
-        per_layer = sum(
-            t.numel() * t.element_size()
-            for lw in self.layers
-            for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)
-        )
+        per_layer = sum(t.numel() * t.element_size() for lw in self.layers for t in vars(lw).values() if t is not None)
         return (
             per_layer
             + self.norm.numel() * self.norm.element_size()
@@ -154,6 +143,9 @@ class LlamaModel:
             q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             layer_cache = kv_cache[i]
@@ -181,6 +173,17 @@ class LlamaModel:
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _norm_qk(self, qkv: torch.Tensor, lw: LayerWeights) -> None:
+        """The per-head RMSNorm of q and of k (Qwen3), in place in a decode step's fused qkv rows,
+        before the kernels' attention applies RoPE to them (a no-op for the families without it)."""
+        if lw.q_norm is None or lw.k_norm is None:
+            return
+        cfg = self.cfg
+        q = qkv[:, : cfg.q_size].view(-1, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q.copy_(rms_norm(q, lw.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, lw.k_norm, cfg.rms_norm_eps))
 
     def _row_kernels(self) -> DecodeKernels | None:
         """The CPU kernels' RMSNorm and SiLU * up for a step's rows (a prefill's): one pass each over
@@ -253,6 +256,7 @@ class LlamaModel:
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = step.linear(x, lw.qkv, lw.qkv_bias)
+            self._norm_qk(qkv, lw)
             if on_layer_done is None or self.reduce is not None:
                 attn = step.attention(i, qkv)  # RoPE on q and k, K/V into the cache, attention
             else:

@@ -26,7 +26,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.handoff import TokenLogprob
 from splitserve.engine.kernels.decode import decode_kernels
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.step import StepInputs, run_step
 from splitserve.engine.sampler import DrawRows, sample
@@ -40,7 +40,7 @@ BatchLayerHook = Callable[[int, Seq[Sequence], Seq[int]], None]
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv_cache: KVCache, cfg: EngineConfig, tp: TensorParallelGroup | None = None
+        self, model: DecoderModel, kv_cache: KVCache, cfg: EngineConfig, tp: TensorParallelGroup | None = None
     ) -> None:
         """`tp`: the other ranks, which run every step with this one (None: no tensor parallelism)."""
         self.model = model

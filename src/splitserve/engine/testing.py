@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.models import registry
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:
@@ -30,34 +31,19 @@ def tiny_model_config(**overrides: object) -> ModelConfig:
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face names, scaled so activations stay in range."""
+    """Random weights under Hugging Face names, every tensor its family's module declares
+    (engine/models/), scaled so that activations stay in range."""
     g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    def norm() -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(cfg.hidden_size, generator=g)).to(dtype)
-
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    w: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": randn(cfg.vocab_size, h, std=1.0),
-        "model.norm.weight": norm(),
-    }
-    if not cfg.tie_embeddings:
-        w["lm_head.weight"] = randn(cfg.vocab_size, h, std=h**-0.5)
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        w[p + "input_layernorm.weight"] = norm()
-        w[p + "post_attention_layernorm.weight"] = norm()
-        w[p + "self_attn.q_proj.weight"] = randn(cfg.q_size, h, std=h**-0.5)
-        w[p + "self_attn.k_proj.weight"] = randn(cfg.kv_size, h, std=h**-0.5)
-        w[p + "self_attn.v_proj.weight"] = randn(cfg.kv_size, h, std=h**-0.5)
-        w[p + "self_attn.o_proj.weight"] = randn(h, cfg.q_size, std=cfg.q_size**-0.5)
-        w[p + "mlp.gate_proj.weight"] = randn(i, h, std=h**-0.5)
-        w[p + "mlp.up_proj.weight"] = randn(i, h, std=h**-0.5)
-        w[p + "mlp.down_proj.weight"] = randn(h, i, std=i**-0.5)
-        if cfg.attention_bias:
-            for x, n in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)):
-                w[p + f"self_attn.{x}_proj.bias"] = randn(n, std=0.1)
+    w: dict[str, torch.Tensor] = {}
+    for name, decl in registry.for_config(cfg).tensors(cfg).items():
+        shape = decl.shape(cfg)
+        if decl.init == "norm":
+            t = 1.0 + 0.1 * torch.randn(*shape, generator=g)
+        elif decl.init == "bias":
+            t = 0.1 * torch.randn(*shape, generator=g)
+        elif decl.init == "embedding":
+            t = torch.randn(*shape, generator=g)
+        else:  # a matrix: its outputs of about the scale of its inputs
+            t = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+        w[name] = t.to(dtype)
     return w

@@ -102,7 +102,8 @@ def dense_params(
     tie_embeddings: bool,
     attention_bias: bool = False,
 ) -> int:
-    """A Llama-family decoder's parameters (the formula of engine/config.py's ModelConfig.num_params)."""
+    """A Llama-family decoder's parameters, for the built-in table (a loaded config counts its
+    family's declared tensors: engine/models/registry.py's param_count)."""
     q, kv = heads * head_dim, kv_heads * head_dim
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * intermediate + 2 * hidden
     if attention_bias:
@@ -128,7 +129,11 @@ def dense(
 
 
 def from_model_config(cfg: ModelConfig) -> ModelShape:
-    """The engine's own config (what `serve` would load) as a shape."""
+    """The engine's own config (what `serve` would load) as a shape, its parameters counted from
+    its family's declaration (engine/models/)."""
+    from splitserve.engine.models.registry import param_count
+
+    params = param_count(cfg)
     return ModelShape(
         name=cfg.name,
         layers=cfg.num_layers,
@@ -138,8 +143,8 @@ def from_model_config(cfg: ModelConfig) -> ModelShape:
         head_dim=cfg.head_dim,
         intermediate=cfg.intermediate_size,
         vocab=cfg.vocab_size,
-        total_params=cfg.num_params,
-        active_params=cfg.num_params,
+        total_params=params,
+        active_params=params,
         tie_embeddings=cfg.tie_embeddings,
     )
 
@@ -219,8 +224,12 @@ def from_hf_config(d: dict[str, Any], name: str) -> ModelShape:
     if "num_local_experts" in d:
         return mixtral_from_hf(d, name)
     from splitserve.engine.config import ModelConfig  # torch comes with it; only this path pays
+    from splitserve.engine.models import registry
 
-    return from_model_config(ModelConfig.from_hf(d, name=name))
+    cfg = ModelConfig.from_hf(d, name=name)
+    if "model_type" in d:  # a family the engine serves counts as its module declares it
+        cfg = registry.for_hf_model_type(d["model_type"]).configure(cfg)
+    return from_model_config(cfg)
 
 
 def from_gguf(path: str) -> ModelShape:

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the small operations of a CUDA decode step.
 
 The GPU counterpart of decode.py, behind the same per-step interface, so that
-LlamaModel._fused_decode runs either:
+DecoderModel._fused_decode runs either:
 
     step = triton_decode_kernels().step(h, kv_cache, meta, cos, sin, ...)
     x = step.norm(w_in)                       # x = RMSNorm(h)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.config import ModelConfig, parse_dtype
-from splitserve.engine.model import LlamaModel
+from splitserve.engine.model import DecoderModel
 from splitserve.engine.parallel.process_group import join_group, join_store, leave_group
 from splitserve.engine.parallel.step import StepInputs, run_step
 
@@ -58,7 +58,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        model = LlamaModel(spec.model_cfg, spec.weights, device, parse_dtype(spec.dtype), reduce=_all_reduce)
+        model = DecoderModel(spec.model_cfg, spec.weights, device, parse_dtype(spec.dtype), reduce=_all_reduce)
         # The process object keeps its arguments for life: let go of the tensors the model
         # copied (column slices made contiguous, anything moved to a GPU).
         spec.weights.clear()
@@ -77,7 +77,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         leave_group()
 
 
-def _serve(model: LlamaModel, kv_cache: torch.Tensor, conn: Connection) -> None:
+def _serve(model: DecoderModel, kv_cache: torch.Tensor, conn: Connection) -> None:
     parent = parent_process()
     if parent is None:
         raise RuntimeError("a tensor-parallel rank must be started by rank 0")

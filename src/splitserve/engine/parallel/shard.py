@@ -7,6 +7,7 @@ gate and up are column-parallel and down row-parallel over the intermediate
 size. The outputs of o and down are then partial sums over the ranks, which one
 all-reduce each completes. The embedding, the norms and lm_head stay whole on
 every rank: after the all-reduces every rank holds the same residual stream.
+Each family's module declares which of these each tensor is (`TensorDecl.split`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.models import registry
 
 
 def check_tp_size(cfg: ModelConfig, size: int) -> None:
@@ -60,25 +62,23 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
     if size == 1:
         return dict(weights)
     d = cfg.head_dim
-    q = _rows(rank, cfg.num_heads // size * d)
-    kv = _rows(rank, cfg.num_kv_heads // size * d)
-    ff = _rows(rank, cfg.intermediate_size // size)
+    per_rank = {
+        "q": _part(rank, cfg.num_heads // size * d),
+        "kv": _part(rank, cfg.num_kv_heads // size * d),
+        "ff": _part(rank, cfg.intermediate_size // size),
+    }
+    decls = registry.for_config(cfg).tensors(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if ".self_attn.q_proj." in name:
-            out[name] = t[q]
-        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            out[name] = t[kv]
-        elif ".self_attn.o_proj." in name:
-            out[name] = t[:, q]
-        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            out[name] = t[ff]
-        elif ".mlp.down_proj." in name:
-            out[name] = t[:, ff]
-        else:  # embedding, norms, lm_head: whole on every rank
+        split = decls[name].split if name in decls else "whole"
+        if split == "whole":  # embedding, norms, lm_head: whole on every rank
             out[name] = t
+        elif split.endswith("_rows"):
+            out[name] = t[per_rank[split.removesuffix("_rows")]]
+        else:
+            out[name] = t[:, per_rank[split.removesuffix("_cols")]]
     return out
 
 
-def _rows(rank: int, per_rank: int) -> slice:
+def _part(rank: int, per_rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)

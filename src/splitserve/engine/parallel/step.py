@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.model import LayerHook, LlamaModel
+from splitserve.engine.model import DecoderModel, LayerHook
 
 _HEADER = 4  # tokens, sequences, block-table width, is_decode
 
@@ -81,7 +81,7 @@ class StepInputs:
 
 
 def run_step(
-    model: LlamaModel, kv_cache: torch.Tensor, step: StepInputs, on_layer_done: LayerHook | None = None
+    model: DecoderModel, kv_cache: torch.Tensor, step: StepInputs, on_layer_done: LayerHook | None = None
 ) -> torch.Tensor:
     """Logits [len(step.logits_rows), vocab] (fp32); the step's K/V lands in `kv_cache`."""
     dev = model.device

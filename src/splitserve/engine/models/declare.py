@@ -1,0 +1,116 @@
+"""How a model module declares its decoder, and everything that reads the declaration.
+
+A family is one module under `engine/models/` with one `Architecture`: the names it goes
+by (HF `model_type`, GGUF `general.architecture`), the traits it fixes in `ModelConfig`
+(q/k norm, q/k/v bias), and its tensors, each declared once as a `TensorDecl`: its name in
+a Hugging Face checkpoint and in llama.cpp's GGUF spelling, the model's slot it lands in
+(parts of one slot are concatenated in declaration order: q, k and v into `qkv`), its
+shape, how tensor parallelism splits it, how the random-weight factory draws it.
+
+What reads it, and nothing else spells a layer out:
+
+- the loaders: `expected_shapes` (the shape check, which tensors a checkpoint must hold)
+  and `gguf_to_hf` (llama.cpp's names, and the rows it permuted for its rotary kernel);
+- the model (`engine/model.py`): `layer_slots` fuses a layer's tensors into its slots;
+- tensor parallelism (`engine/parallel/shard.py`): `TensorDecl.split`;
+- the test and benchmark factory (`engine/testing.py`): `TensorDecl.init`;
+- the planner (`plan/shapes.py`): `param_count`.
+
+Shapes are in HF's `[out, in]` orientation; GGUF lists its dimensions innermost first,
+and the GGUF loader reverses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from splitserve.engine.config import ModelConfig
+
+# How tensor parallelism splits a tensor (engine/parallel/shard.py): by rows (column-parallel:
+# the rank's heads or its slice of the MLP) or by columns (row-parallel: the input is the rank's
+# slice, the output a partial sum), or not at all.
+Split = Literal["whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols"]
+# How engine/testing.py draws it: a weight matrix (std fan_in ** -0.5), a norm's gain (1 + 0.1 n),
+# a bias (0.1 n), the embedding (n, so that its rows are of unit scale).
+Init = Literal["matrix", "norm", "bias", "embedding"]
+Shape = Callable[[ModelConfig], tuple[int, ...]]
+
+
+def _always(cfg: ModelConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    hf: str  # in a layer: the name after "model.layers.{i}."
+    gguf: str  # llama.cpp's; in a layer: the name after "blk.{i}."
+    slot: str  # the model's slot (engine/model.py's LayerWeights field, or a global's)
+    shape: Shape
+    split: Split = "whole"
+    init: Init = "matrix"
+    present: Callable[[ModelConfig], bool] = _always  # e.g. a bias only some configs have
+    # llama.cpp's converter permuted these rows ("q" or "k" heads) so that its rotary kernel
+    # rotates adjacent pairs; HF rotates the two halves of each head. The loader undoes it.
+    gguf_rotary: Literal["", "q", "k"] = ""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # ModelConfig.architecture
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    globals: tuple[TensorDecl, ...]  # the embedding, the final norm, lm_head
+    layer: tuple[TensorDecl, ...]  # one decoder layer's
+    # ModelConfig fields the family fixes whatever its config file says (Qwen2: q/k/v bias)
+    traits: Mapping[str, Any] = field(default_factory=dict)
+
+    def tensors(self, cfg: ModelConfig) -> dict[str, TensorDecl]:
+        """Every tensor a model of `cfg` has, by its full HF name."""
+        out = {d.hf: d for d in self.globals if d.present(cfg)}
+        for i in range(cfg.num_layers):
+            out.update({f"model.layers.{i}.{d.hf}": d for d in self.layer if d.present(cfg)})
+        return out
+
+    def configure(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` as this family's model: its name and its fixed traits."""
+        return replace(cfg, architecture=self.name, **self.traits)
+
+
+def expected_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of this config needs, by HF name, in HF's [out, in] orientation."""
+    return {name: d.shape(cfg) for name, d in arch.tensors(cfg).items()}
+
+
+def param_count(arch: Architecture, cfg: ModelConfig) -> int:
+    """The model's parameters, each tensor counted once (a tied lm_head is the embedding)."""
+    total = 0
+    for shape in expected_shapes(arch, cfg).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def gguf_to_hf(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[str, TensorDecl]]:
+    """llama.cpp's name of every tensor (with ".weight"/".bias" as GGUF writes them) -> (HF name, declaration)."""
+    out = {d.gguf: (d.hf, d) for d in arch.globals if d.present(cfg)}
+    for i in range(cfg.num_layers):
+        out.update({f"blk.{i}.{d.gguf}": (f"model.layers.{i}.{d.hf}", d) for d in arch.layer if d.present(cfg)})
+    return out
+
+
+def layer_slots(
+    arch: Architecture, cfg: ModelConfig, get: Callable[[str], torch.Tensor], layer: int
+) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s tensors, each read by HF name through `get`, fused into the model's slots:
+    each slot's parts concatenated in declaration order (q, k, v into `qkv`; gate, up into `gate_up`)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for d in arch.layer:
+        if d.present(cfg):
+            parts.setdefault(d.slot, []).append(get(f"model.layers.{layer}.{d.hf}"))
+    return {slot: ts[0] if len(ts) == 1 else torch.cat(ts) for slot, ts in parts.items()}

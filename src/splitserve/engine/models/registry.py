@@ -1,0 +1,56 @@
+"""Every model family splitserve serves, found by the checkpoint's own name: HF config.json's
+`model_type` or GGUF's `general.architecture`. A new family is its module and one line here."""
+
+from __future__ import annotations
+
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.models import declare, llama, mistral, qwen2, qwen3
+from splitserve.engine.models.declare import Architecture
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    llama.ARCH,
+    mistral.ARCH,
+    qwen2.ARCH,
+    qwen3.ARCH,
+)
+
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+_BY_HF = {t: a for a in ARCHITECTURES for t in a.hf_model_types}
+_BY_GGUF = {t: a for a in ARCHITECTURES for t in a.gguf_architectures}
+
+
+class UnsupportedArchitecture(ValueError):
+    """A checkpoint names a family that no module here declares."""
+
+
+def for_config(cfg: ModelConfig) -> Architecture:
+    """The family a ModelConfig was built for."""
+    try:
+        return _BY_NAME[cfg.architecture]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {cfg.architecture!r} is not supported (supported: {', '.join(sorted(_BY_NAME))})"
+        ) from None
+
+
+def for_hf_model_type(model_type: object) -> Architecture:
+    arch = _BY_HF.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_BY_HF))})"
+        )
+    return arch
+
+
+def for_gguf_architecture(name: str) -> Architecture:
+    arch = _BY_GGUF.get(name)
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {name!r} is not supported (supported: {', '.join(sorted(_BY_GGUF))})"
+        )
+    return arch
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """The parameters of a model of `cfg`, as its family declares its tensors."""
+    return declare.param_count(for_config(cfg), cfg)
