@@ -1,0 +1,181 @@
+"""Tiny seeded models of every family, built offline from transformers' own config and
+model classes, saved as a Hugging Face directory (safetensors, with the embedded model's
+tokenizer) and, where llama.cpp's gguf package names the architecture, as a GGUF file
+written the way its converter writes one: its own tensor-name map, its Q/K row permutation
+for the llama and mistral architectures, its metadata keys. Neither file is written from
+splitserve's declarations, so a wrong name or shape there fails the conformance suite.
+
+The weights are drawn so that nothing is trivially 1 or 0: transformers starts norms at 1
+and biases at 0, which would hide a missing norm or bias.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+# Shapes every tiny family shares: small, but GQA (4 heads over 2 KV heads), head_dim not
+# hidden / heads where the family allows it, a vocabulary as large as the embedded tokenizer's.
+VOCAB = 49152
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # splitserve's registry name
+    config: Callable[[], Any]  # a transformers config of the tiny model
+    model: Callable[[Any], Any]  # its transformers causal-LM class
+    gguf_arch: gguf.MODEL_ARCH | None  # llama.cpp's architecture; None where gguf cannot write it
+    permute_qk: bool = False  # llama.cpp's converter permutes q's and k's rows (llama, mistral)
+    gguf_kv: dict[str, Any] = field(default_factory=dict)  # metadata keys past the common ones
+
+
+def _families() -> dict[str, Family]:
+    import transformers as t
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return {
+        f.name: f
+        for f in (
+            Family(
+                "llama",
+                lambda: t.LlamaConfig(**COMMON, head_dim=32, rope_parameters=rope),
+                t.LlamaForCausalLM,
+                gguf.MODEL_ARCH.LLAMA,
+                permute_qk=True,
+            ),
+            Family(
+                "mistral",
+                lambda: t.MistralConfig(**COMMON, head_dim=16, sliding_window=None, rope_parameters=rope),
+                t.MistralForCausalLM,
+                gguf.MODEL_ARCH.LLAMA,  # llama.cpp converts Mistral checkpoints to its llama architecture
+                permute_qk=True,
+            ),
+            Family(
+                "qwen2",
+                lambda: t.Qwen2Config(**COMMON, rope_parameters=rope, use_sliding_window=False),
+                t.Qwen2ForCausalLM,
+                gguf.MODEL_ARCH.QWEN2,
+            ),
+            Family(
+                "qwen3",
+                lambda: t.Qwen3Config(**COMMON, head_dim=32, rope_parameters=rope, use_sliding_window=False),
+                t.Qwen3ForCausalLM,
+                gguf.MODEL_ARCH.QWEN3,
+            ),
+        )
+    }
+
+
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def family(name: str) -> Family:
+    return _families()[name]
+
+
+def build(name: str, seed: int = 0) -> Any:
+    """The family's tiny model in float32, eval mode, eager attention, every weight drawn from `seed`."""
+    fam = family(name)
+    cfg = fam.config()
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = fam.model(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:  # a norm's gain around 1, a bias around 0
+                p.copy_((1.0 if "norm" in pname else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed" in pname:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # outputs of about the scale of the inputs
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def save_hf_dir(model: Any, directory: str, tokenizer: Any) -> str:
+    """`model` as a Hugging Face directory (config.json, model.safetensors) with `tokenizer`
+    (splitserve's Tokenizer, saved as tokenizer.json and tokenizer_config.json)."""
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save(directory)
+    return directory
+
+
+def save_gguf(name: str, model: Any, path: str) -> str:
+    """`model` as an F32 GGUF file the way llama.cpp's converter writes one (a tiny
+    sentencepiece vocabulary stands in for the tokenizer: the logits are what is compared)."""
+    fam = family(name)
+    assert fam.gguf_arch is not None, f"gguf cannot write {name}"
+    cfg = model.config
+    arch_name = gguf.MODEL_ARCH_NAMES[fam.gguf_arch]
+    names = gguf.get_tensor_name_map(fam.gguf_arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(path, arch_name)
+    w.add_name(f"tiny-{name}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    _tiny_spm_tokenizer(w)
+    for key, value in fam.gguf_kv.items():
+        w.add_key_value(f"{arch_name}.{key}", *value)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, f"llama.cpp's name map has no {hf_name} for {arch_name}"
+        arr = t.detach().float().numpy()
+        if fam.permute_qk and hf_name.endswith("q_proj.weight"):
+            arr = _permute(arr, cfg.num_attention_heads)
+        elif fam.permute_qk and hf_name.endswith("k_proj.weight"):
+            arr = _permute(arr, cfg.num_key_value_heads)
+        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's Q/K permutation (HF halves -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tiny_spm_tokenizer(w: gguf.GGUFWriter) -> None:
+    pieces = ["▁", "e", "t", "a", "o", "▁t", "th", "he", "▁the"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
