@@ -34,11 +34,12 @@ def tokenizer(smollm2_path):
 
 def _saved(name: str, fmt: str, directory, tokenizer):
     hf = build(name, seed=11)
+    hf_dir = save_hf_dir(hf, str(directory / name), tokenizer)
     if fmt == "safetensors":
-        return hf, save_hf_dir(hf, str(directory / name), tokenizer)
+        return hf, hf_dir
     if family(name).gguf_arch is None:
         pytest.skip(f"the gguf package cannot write {name}")
-    return hf, save_gguf(name, hf, str(directory / f"{name}.gguf"))
+    return hf, save_gguf(name, hf, hf_dir, str(directory / f"{name}.gguf"))
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -152,3 +152,53 @@ def test_prefill_is_compute_bound_and_decode_at_batch_1_reads_the_weights():
     assert roofline.decode_step_seconds(shape, h100, 1, 0, tp=2, eff=eff) == pytest.approx(
         step / 2 + roofline.allreduce_seconds(shape, h100, 1, 2)
     )
+
+
+@pytest.mark.parametrize(
+    ("config", "total", "active"),
+    [
+        (  # Qwen3-30B-A3B's config.json: "30.5B in total and 3.3B activated"
+            dict(
+                model_type="qwen3_moe",
+                vocab_size=151936,
+                hidden_size=2048,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_experts=128,
+                num_experts_per_tok=8,
+            ),
+            30.5e9,
+            3.35e9,
+        ),
+        (  # Mixtral-8x7B's: 46.7B in total, 12.9B active
+            dict(
+                model_type="mixtral",
+                vocab_size=32000,
+                hidden_size=4096,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                intermediate_size=14336,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+            46.7e9,
+            12.9e9,
+        ),
+    ],
+)
+def test_a_mixture_of_experts_counts_total_and_active_parameters_from_its_declaration(config, total, active):
+    from splitserve.plan.shapes import from_hf_config
+
+    shape = from_hf_config(config, config["model_type"])
+    assert shape.total_params == pytest.approx(total, rel=0.005)
+    assert shape.active_params == pytest.approx(active, rel=0.005)
+    assert shape.is_moe and shape.active_experts == config["num_experts_per_tok"]
+    # a decode step at batch 1 reads the active experts' bytes, prefill multiplies by the active parameters
+    assert shape.prefill_flops(1) == pytest.approx(
+        2 * shape.matmul_params + 4 * shape.layers * shape.heads * shape.head_dim
+    )

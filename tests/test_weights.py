@@ -510,8 +510,8 @@ def test_wrong_shape_is_named(hf_dir, hf_cfg):
 
 
 def test_unsupported_model_type(hf_dir, hf_cfg):
-    (hf_dir / "config.json").write_text(json.dumps(dict(hf_cfg, model_type="mixtral")))
-    with pytest.raises(ModelLoadError, match="model_type 'mixtral' is not supported"):
+    (hf_dir / "config.json").write_text(json.dumps(dict(hf_cfg, model_type="mamba")))
+    with pytest.raises(ModelLoadError, match="model_type 'mamba' is not supported"):
         load_model(hf_dir)
 
 

@@ -12,6 +12,7 @@ and biases at 0, which would hide a missing norm or bias.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,12 @@ COMMON: dict[str, Any] = dict(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_id=2,
+)
+
+
+# head_dim is the config's own attribute, which its signature does not list
+QWEN3_MOE: dict[str, Any] = dict(
+    head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True
 )
 
 
@@ -81,11 +88,35 @@ def _families() -> dict[str, Family]:
                 t.Qwen3ForCausalLM,
                 gguf.MODEL_ARCH.QWEN3,
             ),
+            Family(
+                "qwen3_moe",
+                lambda: t.Qwen3MoeConfig(**COMMON, **QWEN3_MOE, rope_parameters=rope),
+                t.Qwen3MoeForCausalLM,
+                gguf.MODEL_ARCH.QWEN3MOE,
+                gguf_kv={
+                    "expert_count": (8, gguf.GGUFValueType.UINT32),
+                    "expert_used_count": (2, gguf.GGUFValueType.UINT32),
+                    "expert_feed_forward_length": (48, gguf.GGUFValueType.UINT32),
+                },
+            ),
+            Family(
+                "mixtral",
+                lambda: t.MixtralConfig(
+                    **COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rope_parameters=rope
+                ),
+                t.MixtralForCausalLM,
+                gguf.MODEL_ARCH.LLAMA,  # llama.cpp's llama architecture with expert tensors
+                permute_qk=True,
+                gguf_kv={
+                    "expert_count": (8, gguf.GGUFValueType.UINT32),
+                    "expert_used_count": (2, gguf.GGUFValueType.UINT32),
+                },
+            ),
         )
     }
 
 
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def family(name: str) -> Family:
@@ -122,9 +153,11 @@ def save_hf_dir(model: Any, directory: str, tokenizer: Any) -> str:
     return directory
 
 
-def save_gguf(name: str, model: Any, path: str) -> str:
-    """`model` as an F32 GGUF file the way llama.cpp's converter writes one (a tiny
-    sentencepiece vocabulary stands in for the tokenizer: the logits are what is compared)."""
+def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
+    """The checkpoint in `hf_dir` (`model`'s, saved by `save_hf_dir`) as an F32 GGUF file, the way
+    llama.cpp's converter writes one: from the checkpoint's own tensor names, each expert's
+    tensors stacked into one (a tiny sentencepiece vocabulary stands in for the tokenizer: the
+    logits are what is compared)."""
     fam = family(name)
     assert fam.gguf_arch is not None, f"gguf cannot write {name}"
     cfg = model.config
@@ -146,7 +179,7 @@ def save_gguf(name: str, model: Any, path: str) -> str:
     _tiny_spm_tokenizer(w)
     for key, value in fam.gguf_kv.items():
         w.add_key_value(f"{arch_name}.{key}", *value)
-    for hf_name, t in model.state_dict().items():
+    for hf_name, t in _checkpoint(hf_dir).items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -162,6 +195,24 @@ def save_gguf(name: str, model: Any, path: str) -> str:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _checkpoint(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The safetensors' tensors by name, each expert's (`experts.{e}.`) stacked as llama.cpp stacks them."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for n, t in sorted(tensors.items()):
+        m = re.search(r"\.experts\.(\d+)\.", n)
+        if m is None:
+            out[n] = t
+        else:
+            experts.setdefault(n[: m.start()] + ".experts." + n[m.end() :], {})[int(m.group(1))] = t
+    for n, by_index in experts.items():
+        out[n] = torch.stack([by_index[e] for e in sorted(by_index)])
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

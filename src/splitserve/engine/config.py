@@ -114,6 +114,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3: a per-head RMSNorm of q and of k before RoPE
+    # A mixture of experts in every layer's MLP (Mixtral, Qwen3-MoE); 0: a dense MLP. Each token
+    # runs through its router's top num_experts_per_tok experts of moe_intermediate_size each,
+    # weighted by their softmax probabilities (renormalized over the top k with norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -129,6 +136,17 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"a mixture of experts needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                f"({self.num_experts}) and a positive moe_intermediate_size ({self.moe_intermediate_size})"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -144,6 +162,11 @@ class ModelConfig:
         traits: engine/models/declare.py's `Architecture.configure`). RoPE's base and scaling
         come from transformers 5's `rope_parameters` or from the older top-level keys."""
         eos = d.get("eos_token_id")
+        if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step") or 1) != 1:
+            raise ValueError(
+                "dense MLP layers among mixture-of-experts ones (mlp_only_layers, decoder_sparse_step): unsupported"
+            )
+        experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
         rope = d.get("rope_parameters") or {}
         scaling = rope if rope.get("rope_type", "default") != "default" else d.get("rope_scaling")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -162,6 +185,10 @@ class ModelConfig:
                 max_position=int(d.get("max_position_embeddings", 8192)),
                 tie_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
+                num_experts=experts,
+                num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if experts else 0,
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
+                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,

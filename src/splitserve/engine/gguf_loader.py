@@ -130,7 +130,7 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
     """ModelConfig from the `{arch}.*` metadata keys and the tensors' shapes."""
     arch = meta["general.architecture"]
     try:
-        family = registry.for_gguf_architecture(arch)
+        family = registry.for_gguf(meta)
     except registry.UnsupportedArchitecture as e:
         raise ModelLoadError(f"{path}: {e}") from None
 
@@ -151,6 +151,7 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
             head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
         rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
         rotary_dim = head_dim or hidden // max(num_heads, 1)
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
         return family.configure(
             ModelConfig(
                 # GGUF shapes are innermost-first: token_embd is [hidden, vocab]. The embedding, not the
@@ -168,6 +169,12 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
                 max_position=int(raw["context_length"]),
                 tie_embeddings="output.weight" not in tensors,
                 attention_bias="blk.0.attn_q.bias" in tensors,
+                num_experts=experts,
+                num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0) if experts else 0,
+                # llama.cpp's llama architecture (Mixtral) gives the experts' width as feed_forward_length
+                moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length") or raw["feed_forward_length"])
+                if experts
+                else 0,
                 name=str(meta.get("general.name") or os.path.basename(path)),
             )
         )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine, expected_shapes
+from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import registry
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -59,7 +59,9 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
     """The tensors `cfg` needs, from whichever shard holds each; a tied lm_head in the files is dropped."""
     from safetensors import SafetensorError, safe_open
 
-    wanted = expected_shapes(cfg)
+    # the engine's name -> the checkpoint's (several for an expert stack, one tensor per expert)
+    sources = {name: decl.checkpoint_names(name, cfg) for name, decl in registry.for_config(cfg).tensors(cfg).items()}
+    wanted = [n for names in sources.values() for n in names]
     index_path = os.path.join(directory, _INDEX)
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
@@ -97,7 +99,15 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
     missing = [n for n in wanted if n not in weights]
     if missing:
         raise ModelLoadError(f"{directory}: missing tensor(s) {', '.join(missing[:3])} in the safetensors files")
-    return weights
+    return {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory) for name, n in sources.items()}
+
+
+def _stack(weights: dict[str, torch.Tensor], names: list[str], directory: str) -> torch.Tensor:
+    """The experts' tensors as one [num_experts, ...] stack (each expert's freed as it is copied)."""
+    shapes = {tuple(weights[n].shape) for n in names}
+    if len(shapes) != 1:
+        raise ModelLoadError(f"{directory}: the experts' tensors {names[0]}, ... differ in shape: {sorted(shapes)}")
+    return torch.stack([weights.pop(n) for n in names])
 
 
 def _read_json(path: str) -> dict[str, Any]:

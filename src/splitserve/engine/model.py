@@ -1,7 +1,8 @@
 """The decoder every family in engine/models/ runs on: RMSNorm, RoPE (with linear or
 llama3 scaling), grouped-query attention over the paged KV cache (q/k/v bias and a
-per-head q/k RMSNorm where the family has them), SwiGLU MLP, tied or untied
-embeddings. Llama 2/3, Mistral, Qwen2 and Qwen3 (and SmolLM, a Llama). RMSNorm and
+per-head q/k RMSNorm where the family has them), a SwiGLU MLP or a mixture of SwiGLU
+experts, tied or untied embeddings. Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3 and
+Qwen3-MoE (and SmolLM, a Llama). RMSNorm and
 RoPE are pure functions in engine/layers.py, below both this model and the kernels
 that check themselves against them.
 
@@ -62,11 +63,16 @@ class LayerWeights:
     qkv: torch.Tensor  # [q + 2 kv, hidden]
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None = None  # [2 intermediate, hidden]; None in a mixture of experts
+    down: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None
+    # a mixture of experts (ModelConfig.num_experts): the router [experts, hidden] and the
+    # experts' SwiGLU, stacked: [experts, 2 moe_intermediate, hidden] and [experts, hidden, moe_intermediate]
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
@@ -156,13 +162,7 @@ class DecoderModel:
             o = linear(attn.reshape(-1, q_size), lw.o)
             self._all_reduce(o, i, on_layer_done)
             h, x = self._add_norm(rows, h, o, lw.post_norm)
-            gate_up = linear(x, lw.gate_up)
-            if rows is not None:
-                act = rows.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            down = linear(act, lw.down)
+            down = self._mlp(rows, x, lw)
             if self.reduce is not None:
                 self.reduce(down)
             if i + 1 < len(self.layers):  # the residual add, with the next layer's input norm
@@ -173,6 +173,41 @@ class DecoderModel:
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()
+
+    def _mlp(self, rows: DecodeKernels | None, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """The layer's MLP on the normed rows `x`: SwiGLU, or a mixture of experts."""
+        if lw.gate_up is None or lw.down is None:
+            return self._experts(x, lw)
+        gate_up = linear(x, lw.gate_up)
+        if rows is not None:
+            act = rows.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return linear(act, lw.down)
+
+    def _experts(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """A mixture of experts: each row's top-k experts by the router's softmax (in fp32, as
+        transformers computes it), weighted by their probabilities (renormalized over the k with
+        norm_topk_prob). Grouped by expert: each expert runs once on all the rows routed to it,
+        and each row's outputs are summed in its expert order."""
+        assert lw.router is not None and lw.experts_gate_up is not None and lw.experts_down is not None
+        cfg = self.cfg
+        probs = torch.softmax(linear(x, lw.router).float(), dim=-1)
+        weights, chosen = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [rows, k]
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        routed = torch.bincount(chosen.flatten(), minlength=cfg.num_experts).tolist()
+        for e, count in enumerate(routed):
+            if not count:
+                continue
+            row, slot = torch.nonzero(chosen == e, as_tuple=True)
+            gate, up = linear(x[row], lw.experts_gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, lw.experts_down[e]) * weights[row, slot, None]
+            out.index_add_(0, row, y)
+        return out
 
     def _norm_qk(self, qkv: torch.Tensor, lw: LayerWeights) -> None:
         """The per-head RMSNorm of q and of k (Qwen3), in place in a decode step's fused qkv rows,
@@ -266,7 +301,10 @@ class DecoderModel:
             o = step.linear(attn, lw.o)
             self._all_reduce(o, i, on_layer_done)
             x = step.norm(lw.post_norm, residual=o)
-            down = step.silu_mul_linear(step.linear(x, lw.gate_up), lw.down)
+            if lw.gate_up is not None and lw.down is not None:
+                down = step.silu_mul_linear(step.linear(x, lw.gate_up), lw.down)
+            else:  # a mixture of experts: the torch path's, between the kernels' norms
+                down = self._mlp(None, x, lw)
             if self.reduce is not None:
                 self.reduce(down)
             # the next layer's input norm, or the final one, with this layer's residual add

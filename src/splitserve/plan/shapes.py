@@ -133,7 +133,6 @@ def from_model_config(cfg: ModelConfig) -> ModelShape:
     its family's declaration (engine/models/)."""
     from splitserve.engine.models.registry import param_count
 
-    params = param_count(cfg)
     return ModelShape(
         name=cfg.name,
         layers=cfg.num_layers,
@@ -141,10 +140,12 @@ def from_model_config(cfg: ModelConfig) -> ModelShape:
         heads=cfg.num_heads,
         kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        intermediate=cfg.intermediate_size,
+        intermediate=cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size,
         vocab=cfg.vocab_size,
-        total_params=params,
-        active_params=params,
+        total_params=param_count(cfg),
+        active_params=param_count(cfg, active=True),
+        experts=cfg.num_experts,
+        active_experts=cfg.num_experts_per_tok,
         tie_embeddings=cfg.tie_embeddings,
     )
 
@@ -184,52 +185,15 @@ def deepseek_from_hf(d: dict[str, Any], name: str) -> ModelShape:
     )
 
 
-def mixtral_from_hf(d: dict[str, Any], name: str) -> ModelShape:
-    """A Mixtral-style config.json: Llama attention, every MLP a set of routed experts."""
-    base = dense(
-        name,
-        int(d["num_hidden_layers"]),
-        int(d["hidden_size"]),
-        int(d["num_attention_heads"]),
-        int(d.get("num_key_value_heads") or d["num_attention_heads"]),
-        int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"])),
-        int(d["intermediate_size"]),
-        int(d["vocab_size"]),
-        bool(d.get("tie_word_embeddings", False)),
-    )
-    experts, k = int(d["num_local_experts"]), int(d["num_experts_per_tok"])
-    expert = 3 * base.hidden * base.intermediate
-    dense_part = base.total_params - base.layers * expert  # dense() counted one MLP per layer
-    router = base.layers * base.hidden * experts
-    return ModelShape(
-        name=name,
-        layers=base.layers,
-        hidden=base.hidden,
-        heads=base.heads,
-        kv_heads=base.kv_heads,
-        head_dim=base.head_dim,
-        intermediate=base.intermediate,
-        vocab=base.vocab,
-        total_params=dense_part + router + base.layers * experts * expert,
-        active_params=dense_part + router + base.layers * k * expert,
-        experts=experts,
-        active_experts=k,
-        tie_embeddings=base.tie_embeddings,
-    )
-
-
 def from_hf_config(d: dict[str, Any], name: str) -> ModelShape:
     if "kv_lora_rank" in d:
         return deepseek_from_hf(d, name)
-    if "num_local_experts" in d:
-        return mixtral_from_hf(d, name)
     from splitserve.engine.config import ModelConfig  # torch comes with it; only this path pays
     from splitserve.engine.models import registry
 
-    cfg = ModelConfig.from_hf(d, name=name)
-    if "model_type" in d:  # a family the engine serves counts as its module declares it
-        cfg = registry.for_hf_model_type(d["model_type"]).configure(cfg)
-    return from_model_config(cfg)
+    # a family the engine serves counts as its module declares it; a config without model_type as Llama
+    model_type = d.get("model_type") or ("mixtral" if "num_local_experts" in d else "llama")
+    return from_model_config(registry.for_hf_model_type(model_type).configure(ModelConfig.from_hf(d, name=name)))
 
 
 def from_gguf(path: str) -> ModelShape:

@@ -33,7 +33,8 @@ from splitserve.engine.config import ModelConfig
 # How tensor parallelism splits a tensor (engine/parallel/shard.py): by rows (column-parallel:
 # the rank's heads or its slice of the MLP) or by columns (row-parallel: the input is the rank's
 # slice, the output a partial sum), or not at all.
-Split = Literal["whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols"]
+# "eff": an expert's MLP width (moe_intermediate_size), split in every expert alike.
+Split = Literal["whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols", "eff_rows", "eff_cols"]
 # How engine/testing.py draws it: a weight matrix (std fan_in ** -0.5), a norm's gain (1 + 0.1 n),
 # a bias (0.1 n), the embedding (n, so that its rows are of unit scale).
 Init = Literal["matrix", "norm", "bias", "embedding"]
@@ -56,6 +57,21 @@ class TensorDecl:
     # llama.cpp's converter permuted these rows ("q" or "k" heads) so that its rotary kernel
     # rotates adjacent pairs; HF rotates the two halves of each head. The loader undoes it.
     gguf_rotary: Literal["", "q", "k"] = ""
+    # One tensor per expert in an HF checkpoint (`hf` holds "{e}."); the engine, like llama.cpp's
+    # GGUF, keeps them stacked, [num_experts, ...], under `hf` without the "{e}." (`stacked_name`).
+    experts: bool = False
+
+    @property
+    def name(self) -> str:
+        """The engine's name (in a layer: after "model.layers.{i}."): a stack for `experts`."""
+        return self.hf.replace("{e}.", "") if self.experts else self.hf
+
+    def checkpoint_names(self, full: str, cfg: ModelConfig) -> list[str]:
+        """The names an HF checkpoint holds the tensor `full` (the engine's full name) under."""
+        if not self.experts:
+            return [full]
+        prefix = full[: len(full) - len(self.name)]
+        return [prefix + self.hf.replace("{e}", str(e)) for e in range(cfg.num_experts)]
 
 
 @dataclass(frozen=True)
@@ -67,12 +83,15 @@ class Architecture:
     layer: tuple[TensorDecl, ...]  # one decoder layer's
     # ModelConfig fields the family fixes whatever its config file says (Qwen2: q/k/v bias)
     traits: Mapping[str, Any] = field(default_factory=dict)
+    # Which GGUF files of `gguf_architectures` are this family's (llama.cpp writes Mixtral as
+    # "llama" with expert tensors): a test of the file's metadata.
+    gguf_matches: Callable[[Mapping[str, Any]], bool] = lambda meta: True
 
     def tensors(self, cfg: ModelConfig) -> dict[str, TensorDecl]:
-        """Every tensor a model of `cfg` has, by its full HF name."""
-        out = {d.hf: d for d in self.globals if d.present(cfg)}
+        """Every tensor a model of `cfg` has, by its full name in the engine (HF's, experts stacked)."""
+        out = {d.name: d for d in self.globals if d.present(cfg)}
         for i in range(cfg.num_layers):
-            out.update({f"model.layers.{i}.{d.hf}": d for d in self.layer if d.present(cfg)})
+            out.update({f"model.layers.{i}.{d.name}": d for d in self.layer if d.present(cfg)})
         return out
 
     def configure(self, cfg: ModelConfig) -> ModelConfig:
@@ -85,32 +104,36 @@ def expected_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int
     return {name: d.shape(cfg) for name, d in arch.tensors(cfg).items()}
 
 
-def param_count(arch: Architecture, cfg: ModelConfig) -> int:
-    """The model's parameters, each tensor counted once (a tied lm_head is the embedding)."""
+def param_count(arch: Architecture, cfg: ModelConfig, active: bool = False) -> int:
+    """The model's parameters, each tensor counted once (a tied lm_head is the embedding); with
+    `active`, those one token runs through (num_experts_per_tok of each layer's experts)."""
     total = 0
-    for shape in expected_shapes(arch, cfg).values():
+    for d in arch.tensors(cfg).values():
         n = 1
-        for d in shape:
-            n *= d
+        for dim in d.shape(cfg):
+            n *= dim
+        if active and d.experts:
+            n = n // cfg.num_experts * cfg.num_experts_per_tok
         total += n
     return total
 
 
 def gguf_to_hf(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[str, TensorDecl]]:
     """llama.cpp's name of every tensor (with ".weight"/".bias" as GGUF writes them) -> (HF name, declaration)."""
-    out = {d.gguf: (d.hf, d) for d in arch.globals if d.present(cfg)}
+    out = {d.gguf: (d.name, d) for d in arch.globals if d.present(cfg)}
     for i in range(cfg.num_layers):
-        out.update({f"blk.{i}.{d.gguf}": (f"model.layers.{i}.{d.hf}", d) for d in arch.layer if d.present(cfg)})
+        out.update({f"blk.{i}.{d.gguf}": (f"model.layers.{i}.{d.name}", d) for d in arch.layer if d.present(cfg)})
     return out
 
 
 def layer_slots(
     arch: Architecture, cfg: ModelConfig, get: Callable[[str], torch.Tensor], layer: int
 ) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s tensors, each read by HF name through `get`, fused into the model's slots:
-    each slot's parts concatenated in declaration order (q, k, v into `qkv`; gate, up into `gate_up`)."""
+    """Layer `layer`'s tensors, each read by name through `get`, fused into the model's slots:
+    each slot's parts' rows concatenated in declaration order (q, k, v into `qkv`; gate, up into
+    `gate_up`, an expert stack's per expert)."""
     parts: dict[str, list[torch.Tensor]] = {}
     for d in arch.layer:
         if d.present(cfg):
-            parts.setdefault(d.slot, []).append(get(f"model.layers.{layer}.{d.hf}"))
-    return {slot: ts[0] if len(ts) == 1 else torch.cat(ts) for slot, ts in parts.items()}
+            parts.setdefault(d.slot, []).append(get(f"model.layers.{layer}.{d.name}"))
+    return {slot: ts[0] if len(ts) == 1 else torch.cat(ts, dim=max(0, ts[0].dim() - 2)) for slot, ts in parts.items()}

@@ -4,8 +4,16 @@ and a SwiGLU MLP, RoPE with linear or llama3 scaling, q/k/v bias where config.js
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from splitserve.engine.models.declare import Architecture
 from splitserve.engine.models.parts import attention, decoder_globals, pre_norms, swiglu_mlp
+
+
+def _dense(meta: Mapping[str, Any]) -> bool:
+    return not meta.get("llama.expert_count")  # with experts: Mixtral's (mixtral.py)
+
 
 ARCH = Architecture(
     name="llama",
@@ -13,4 +21,5 @@ ARCH = Architecture(
     gguf_architectures=("llama",),
     globals=decoder_globals(),
     layer=(*pre_norms(), *attention(rotary_permuted=True), *swiglu_mlp()),
+    gguf_matches=_dense,
 )

@@ -125,3 +125,28 @@ def swiglu_mlp() -> tuple[TensorDecl, ...]:
         TensorDecl("mlp.up_proj.weight", "ffn_up.weight", "gate_up", _ff, "ff_rows"),
         TensorDecl("mlp.down_proj.weight", "ffn_down.weight", "down", _ff_in, "ff_cols"),
     )
+
+
+def _router(c: ModelConfig) -> tuple[int, ...]:
+    return (c.num_experts, c.hidden_size)
+
+
+def _experts_ff(c: ModelConfig) -> tuple[int, ...]:
+    return (c.num_experts, c.moe_intermediate_size, c.hidden_size)
+
+
+def _experts_ff_in(c: ModelConfig) -> tuple[int, ...]:
+    return (c.num_experts, c.hidden_size, c.moe_intermediate_size)
+
+
+def moe_mlp(router: str, gate: str, up: str, down: str) -> tuple[TensorDecl, ...]:
+    """A mixture of experts: the router (whole on every rank) and each expert's SwiGLU, stacked,
+    gate and up into `experts_gate_up` (every expert split alike over the ranks), down into
+    `experts_down`. The names are the checkpoint's, after "model.layers.{i}.", with "{e}." for the
+    expert (Qwen3-MoE: "mlp.experts.{e}.gate_proj.weight"; Mixtral: "...experts.{e}.w1.weight")."""
+    return (
+        TensorDecl(router, "ffn_gate_inp.weight", "router", _router),
+        TensorDecl(gate, "ffn_gate_exps.weight", "experts_gate_up", _experts_ff, "eff_rows", experts=True),
+        TensorDecl(up, "ffn_up_exps.weight", "experts_gate_up", _experts_ff, "eff_rows", experts=True),
+        TensorDecl(down, "ffn_down_exps.weight", "experts_down", _experts_ff_in, "eff_cols", experts=True),
+    )

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.models import declare, llama, mistral, qwen2, qwen3
+from splitserve.engine.models import declare, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from splitserve.engine.models.declare import Architecture
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -12,11 +15,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     mistral.ARCH,
     qwen2.ARCH,
     qwen3.ARCH,
+    qwen3_moe.ARCH,
+    mixtral.ARCH,
 )
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_HF = {t: a for a in ARCHITECTURES for t in a.hf_model_types}
-_BY_GGUF = {t: a for a in ARCHITECTURES for t in a.gguf_architectures}
+_GGUF_NAMES = sorted({t for a in ARCHITECTURES for t in a.gguf_architectures})
 
 
 class UnsupportedArchitecture(ValueError):
@@ -42,15 +47,17 @@ def for_hf_model_type(model_type: object) -> Architecture:
     return arch
 
 
-def for_gguf_architecture(name: str) -> Architecture:
-    arch = _BY_GGUF.get(name)
-    if arch is None:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture {name!r} is not supported (supported: {', '.join(sorted(_BY_GGUF))})"
-        )
-    return arch
+def for_gguf(meta: Mapping[str, Any]) -> Architecture:
+    """The family of a GGUF file, from its metadata: `general.architecture`, and where two
+    families share that name, what each one's `gguf_matches` tests."""
+    name = meta["general.architecture"]
+    for arch in ARCHITECTURES:
+        if name in arch.gguf_architectures and arch.gguf_matches(meta):
+            return arch
+    raise UnsupportedArchitecture(f"GGUF architecture {name!r} is not supported (supported: {', '.join(_GGUF_NAMES)})")
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """The parameters of a model of `cfg`, as its family declares its tensors."""
-    return declare.param_count(for_config(cfg), cfg)
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """The parameters of a model of `cfg`, as its family declares its tensors (`active`: those one
+    token runs through, for a mixture of experts)."""
+    return declare.param_count(for_config(cfg), cfg, active)

@@ -28,6 +28,7 @@ def check_tp_size(cfg: ModelConfig, size: int) -> None:
         ("attention heads", cfg.num_heads),
         ("KV heads", cfg.num_kv_heads),
         ("intermediate size", cfg.intermediate_size),
+        ("experts' intermediate size", cfg.moe_intermediate_size or size),
     ):
         if n % size:
             raise ValueError(
@@ -48,6 +49,7 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
         num_heads=cfg.num_heads // size,
         num_kv_heads=cfg.num_kv_heads // size,
         intermediate_size=cfg.intermediate_size // size,
+        moe_intermediate_size=cfg.moe_intermediate_size // size,
     )
 
 
@@ -66,6 +68,7 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         "q": _part(rank, cfg.num_heads // size * d),
         "kv": _part(rank, cfg.num_kv_heads // size * d),
         "ff": _part(rank, cfg.intermediate_size // size),
+        "eff": _part(rank, cfg.moe_intermediate_size // size),
     }
     decls = registry.for_config(cfg).tensors(cfg)
     out: dict[str, torch.Tensor] = {}
@@ -73,10 +76,11 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         split = decls[name].split if name in decls else "whole"
         if split == "whole":  # embedding, norms, lm_head: whole on every rank
             out[name] = t
-        elif split.endswith("_rows"):
-            out[name] = t[per_rank[split.removesuffix("_rows")]]
-        else:
-            out[name] = t[:, per_rank[split.removesuffix("_cols")]]
+        elif split.endswith("_rows"):  # a matrix's rows (every expert's, in a stack), or a bias
+            part = per_rank[split.removesuffix("_rows")]
+            out[name] = t[..., part, :] if t.dim() > 1 else t[part]
+        else:  # a matrix's columns
+            out[name] = t[..., per_rank[split.removesuffix("_cols")]]
     return out
 
 
