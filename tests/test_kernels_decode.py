@@ -422,18 +422,26 @@ def test_no_kernels_env_and_a_failed_build_run_the_torch_code(smol_like, monkeyp
 
 
 def test_smollm2_bf16_greedy_decode_close_to_torch(kernels, smollm2_path, monkeypatch):
-    """The real model: teacher-forced decode logits with and without the kernels."""
+    """The real model: teacher-forced bf16 decode logits through the kernels are as close to the
+    fp32 model's as torch's own bf16 path is, and pick the fp32 model's token wherever its top two
+    are further apart than bf16's rounding can move them. (Comparing the two bf16 paths' argmaxes
+    with each other, as this test did, fails on near-ties over random tokens: 0.75 against 0.8 on
+    an AVX-512 BF16 + AMX machine, on the code before the model registry too.)"""
     from splitserve.engine.weights import load_model
 
     loaded = load_model(smollm2_path, BF16, progress=False)
     cpu = torch.device("cpu")
     tokens = torch.randint(0, loaded.config.vocab_size, (140,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = decode_logits(DecoderModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
+    f32 = load_model(smollm2_path, F32, progress=False)
+    ref = decode_logits(DecoderModel(f32.config, f32.weights, cpu, F32), tokens, 120)
     torch_only(monkeypatch)
     theirs = decode_logits(DecoderModel(loaded.config, loaded.weights, cpu, BF16), tokens, 120)
-    diff = (ours - theirs).abs()
-    assert diff.mean() < 0.05 * theirs.abs().mean()
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
+    assert (ours - ref).abs().mean() <= 1.25 * (theirs - ref).abs().mean()
+    top2 = ref.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.25  # bf16 moves these logits by about 0.05
+    assert clear.sum() >= 5
+    assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 # ----------------------------------------------------------------- sampling

@@ -45,6 +45,22 @@ QWEN3_MOE: dict[str, Any] = dict(
 )
 
 
+# Six layers: five windowed, then a global one (Gemma 3's pattern, which llama.cpp's GGUF leaves
+# unsaid); a window of 8 tokens, shorter than every test prompt; its own RoPE base per kind.
+GEMMA3: dict[str, Any] = dict(
+    COMMON,
+    num_hidden_layers=6,
+    head_dim=32,
+    query_pre_attn_scalar=32,
+    sliding_window=8,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # splitserve's registry name
@@ -53,6 +69,7 @@ class Family:
     gguf_arch: gguf.MODEL_ARCH | None  # llama.cpp's architecture; None where gguf cannot write it
     permute_qk: bool = False  # llama.cpp's converter permutes q's and k's rows (llama, mistral)
     gguf_kv: dict[str, Any] = field(default_factory=dict)  # metadata keys past the common ones
+    gguf_norm_shift: float = 0.0  # added to every norm's gain (llama.cpp's Gemma converter: 1 + w)
 
 
 def _families() -> dict[str, Family]:
@@ -112,11 +129,19 @@ def _families() -> dict[str, Family]:
                     "expert_used_count": (2, gguf.GGUFValueType.UINT32),
                 },
             ),
+            Family(
+                "gemma3",
+                lambda: t.Gemma3TextConfig(**GEMMA3),
+                t.Gemma3ForCausalLM,
+                gguf.MODEL_ARCH.GEMMA3,
+                gguf_kv={"attention.sliding_window": (GEMMA3["sliding_window"], gguf.GGUFValueType.UINT32)},
+                gguf_norm_shift=1.0,
+            ),
         )
     }
 
 
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3")
 
 
 def family(name: str) -> Family:
@@ -175,7 +200,8 @@ def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     _tiny_spm_tokenizer(w)
     for key, value in fam.gguf_kv.items():
         w.add_key_value(f"{arch_name}.{key}", *value)
@@ -185,6 +211,8 @@ def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"llama.cpp's name map has no {hf_name} for {arch_name}"
         arr = t.detach().float().numpy()
+        if hf_name.endswith("norm.weight"):
+            arr = arr + fam.gguf_norm_shift
         if fam.permute_qk and hf_name.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_attention_heads)
         elif fam.permute_qk and hf_name.endswith("k_proj.weight"):

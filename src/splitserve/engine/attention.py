@@ -79,12 +79,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     prefill_kernel: PrefillKernel | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention output [T, heads, head_dim]. The new K/V must already be written. `prefill_kernel`
-    computes a prefill's sequences where it takes them (None: SDPA for all)."""
+    computes a prefill's sequences where it takes them (None: SDPA for all); `window` > 0: the
+    query at position p sees the keys at p - window + 1 .. p only (a sliding-window layer)."""
     if meta.is_decode:
-        return _decode_attention(q, layer_cache, meta, scale, k_new.shape[1])
-    return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale, prefill_kernel)
+        return _decode_attention(q, layer_cache, meta, scale, k_new.shape[1], window)
+    return _prefill_attention(q, k_new, v_new, layer_cache, meta, scale, prefill_kernel, window)
 
 
 def gather_blocks(
@@ -98,7 +100,12 @@ def gather_blocks(
 
 
 def _decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_heads: int = 0
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_heads: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """`kv_heads`: needed for a quantized cache only (a block of it is bytes)."""
     bsz, heads, dim = q.shape
@@ -109,7 +116,10 @@ def _decode_attention(
     k = ctx[:, :, 0].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
     v = ctx[:, :, 1].reshape(bsz, max_len, kv_heads, dim).transpose(1, 2)
     positions = torch.arange(max_len, device=q.device)
-    mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    visible = positions[None, :] < meta.context_lens[:, None]
+    if window:  # the new token at position ctx - 1 sees ctx - window .. ctx - 1
+        visible &= positions[None, :] >= meta.context_lens[:, None] - window
+    mask = visible[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(work), k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
     )
@@ -130,6 +140,7 @@ def _prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     kernel: PrefillKernel | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_new.shape[1]
@@ -149,7 +160,8 @@ def _prefill_attention(
             start += q_len
             continue
         qi = q[start : start + q_len].transpose(0, 1)[None].to(work)  # [1, heads, q_len, dim]
-        if ctx_len == q_len and same:  # nothing cached before this chunk: attend to the new tokens only
+        if ctx_len == q_len and same and (not window or q_len <= window):
+            # nothing cached before this chunk (and no key out of the window): the new tokens only
             ki = k_new[start : start + q_len].transpose(0, 1)[None]
             vi = v_new[start : start + q_len].transpose(0, 1)[None]
             mask = None
@@ -163,6 +175,8 @@ def _prefill_attention(
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             kpos = torch.arange(ctx_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
             causal = False
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv_heads

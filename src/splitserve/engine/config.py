@@ -59,7 +59,10 @@ def kv_dtype_name(kv_cache_dtype: str, model_dtype: str | torch.dtype) -> str:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; expected one of {choices}") from None
 
 
-SPECULATIVE_MODES = ("ngram", "auto", "off")  # --speculative's choices (engine/spec/)
+SPECULATIVE_MODES = ("ngram", "auto", "off")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")  # --speculative's choices (engine/spec/)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,18 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
+    # Gemma 3: the attention's and the MLP's outputs are normed before their residual adds
+    # (post_attn_norm, post_mlp_norm), beside the norms before each (input_norm, post_norm)
+    sandwich_norms: bool = False
+    embedding_scale: float = 1.0  # Gemma: the embedding rows times sqrt(hidden_size), in the model's dtype
+    query_pre_attn_scalar: float = 0.0  # attention's scale is its -1/2 power (0: head_dim's, as most families)
+    # Sliding-window attention: a windowed layer's query at position p sees keys p - window + 1 .. p.
+    # layer_types names each layer's kind ("sliding_attention" or "full_attention", HF's words);
+    # empty with a window: every layer is windowed (Mistral's first release).
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE's base on the windowed layers (Gemma 3's 10,000; 0: rope_theta)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -143,10 +158,34 @@ class ModelConfig:
                 f"a mixture of experts needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
                 f"({self.num_experts}) and a positive moe_intermediate_size ({self.moe_intermediate_size})"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unknown layer type(s) {sorted(unknown)} (supported: {', '.join(LAYER_TYPES)})")
+        if self.sliding_window < 0:
+            raise ValueError("sliding_window must be >= 0 (0: no window)")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def window(self, layer: int) -> int:
+        """The sliding window of layer `layer` in tokens; 0: it attends to the whole context."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Every layer's `window`."""
+        return tuple(self.window(i) for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -168,7 +207,12 @@ class ModelConfig:
             )
         experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
         rope = d.get("rope_parameters") or {}
+        local_rope: dict[str, Any] = {}
+        if "full_attention" in rope:  # transformers 5: one set per layer type (Gemma 3)
+            rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
         scaling = rope if rope.get("rope_type", "default") != "default" else d.get("rope_scaling")
+        act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
+        window, layer_types = _sliding_window(d)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         try:
             return ModelConfig(
@@ -189,12 +233,33 @@ class ModelConfig:
                 num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if experts else 0,
                 moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
                 norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                hidden_act=_HF_ACTS.get(act, act),
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0),
+                sliding_window=window,
+                layer_types=layer_types,
+                rope_local_theta=float(local_rope.get("rope_theta") or d.get("rope_local_base_freq") or 0.0),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _sliding_window(d: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """config.json's window and the layers it applies to: every layer where it names no layer
+    types, none where `use_sliding_window` is false (Qwen2 writes a window it does not use)."""
+    window = int(d.get("sliding_window") or 0)
+    if not window or d.get("use_sliding_window") is False:
+        return 0, ()
+    types = tuple(d.get("layer_types") or ())
+    pattern = int(d.get("sliding_window_pattern") or 0)  # Gemma 3's older configs: every pattern-th layer is full
+    if not types and pattern:
+        n = int(d["num_hidden_layers"])
+        types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
+    if types and "sliding_attention" not in types:
+        return 0, ()
+    return window, types
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,9 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
             raise ModelLoadError(f"{path}: GGUF metadata lacks {full}")
         return meta[full]
 
+    def get(key: str) -> Any:  # the file's value, else what llama.cpp fixes for the family
+        return meta.get(f"{arch}.{key}", family.gguf_defaults.get(key))
+
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
@@ -166,6 +169,8 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
                 rms_norm_eps=float(raw["attention.layer_norm_rms_epsilon"]),
                 rope_theta=rope_theta,
                 rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, rotary_dim, path),
+                rope_local_theta=float(get("rope.freq_base_swa") or 0.0),
+                **_sliding_window(get("attention.sliding_window"), get("attention.sliding_window_pattern"), raw),
                 max_position=int(raw["context_length"]),
                 tie_embeddings="output.weight" not in tensors,
                 attention_bias="blk.0.attn_q.bias" in tensors,
@@ -182,6 +187,20 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
         raise
     except (TypeError, ValueError) as e:  # e.g. per-layer head counts (a list), or zero sizes
         raise ModelLoadError(f"{path}: unsupported or inconsistent GGUF metadata: {e}") from None
+
+
+def _sliding_window(window: Any, pattern: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's window and layer types: llama.cpp applies a window only with a pattern (every
+    pattern-th layer global, or one flag per layer, true where windowed)."""
+    if not window or pattern is None:
+        return {}
+    layers = int(raw["block_count"])
+    if isinstance(pattern, list):
+        windowed = [bool(p) for p in pattern]
+    else:
+        windowed = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    types = tuple("sliding_attention" if w else "full_attention" for w in windowed)
+    return {"sliding_window": int(window), "layer_types": types}
 
 
 def _rope_scaling(

@@ -99,7 +99,12 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
     missing = [n for n in wanted if n not in weights]
     if missing:
         raise ModelLoadError(f"{directory}: missing tensor(s) {', '.join(missing[:3])} in the safetensors files")
-    return {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory) for name, n in sources.items()}
+    decls = registry.for_config(cfg).tensors(cfg)
+    out = {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory) for name, n in sources.items()}
+    for name, decl in decls.items():
+        if decl.hf_add:  # in float32, then back: the sum as the family's own norm computes it
+            out[name] = (out[name].float() + decl.hf_add).to(dtype)
+    return out
 
 
 def _stack(weights: dict[str, torch.Tensor], names: list[str], directory: str) -> torch.Tensor:

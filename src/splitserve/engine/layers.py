@@ -33,9 +33,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_position, head_dim], in fp32 (cast per step, as HF does)."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+def rope_tables(cfg: ModelConfig, device: torch.device, local_theta: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_position, head_dim], in fp32 (cast per step, as HF does). `local_theta`:
+    the windowed layers' tables (Gemma 3: their own base, unscaled)."""
+    if local_theta:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, RopeScaling())
+    else:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     pos = torch.arange(cfg.max_position, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

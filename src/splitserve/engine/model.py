@@ -73,6 +73,9 @@ class LayerWeights:
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
+    # ModelConfig.sandwich_norms (Gemma 3): the attention's and the MLP's outputs normed before their adds
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
@@ -111,7 +114,14 @@ class DecoderModel:
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
         self.cos, self.sin = rope_tables(cfg, device)
-        self.scale = cfg.head_dim**-0.5
+        # the windowed layers' own RoPE base (Gemma 3), else the same tables
+        local = cfg.rope_local_theta and any(cfg.windows)
+        self.cos_local, self.sin_local = rope_tables(cfg, device, local_theta=True) if local else (self.cos, self.sin)
+        self.scale = cfg.attention_scale
+        # what the fused decode kernels compute: a SwiGLU layer of two norms, one RoPE table
+        self._kernels_fit = (
+            not cfg.sandwich_norms and cfg.hidden_act == "silu" and cfg.embedding_scale == 1.0 and not local
+        )
         # a prefill's attention on our CPU kernel where it takes the call (bf16, AVX-512 BF16), else SDPA
         self._prefill_kernel = prefill_attention if device.type == "cpu" else None
 
@@ -139,9 +149,11 @@ class DecoderModel:
             return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
         cfg = self.cfg
         rows = self._row_kernels()
-        h = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions].to(self.dtype)
-        sin = self.sin[positions].to(self.dtype)
+        h = self._embed(input_ids)
+        rope = {
+            False: (self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)),
+            True: (self.cos_local[positions].to(self.dtype), self.sin_local[positions].to(self.dtype)),
+        }
         q_size, kv_size = cfg.q_size, cfg.kv_size
         h, x = self._add_norm(rows, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
@@ -152,19 +164,26 @@ class DecoderModel:
             if lw.q_norm is not None and lw.k_norm is not None:
                 q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            window = cfg.window(i)
+            cos, sin = rope[window > 0]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             layer_cache = kv_cache[i]
             write_kv(layer_cache, k, v, meta)
             if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, self._prefill_kernel)
+            kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, kernel, window)
             o = linear(attn.reshape(-1, q_size), lw.o)
             self._all_reduce(o, i, on_layer_done)
+            if lw.post_attn_norm is not None:
+                o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
             h, x = self._add_norm(rows, h, o, lw.post_norm)
             down = self._mlp(rows, x, lw)
             if self.reduce is not None:
                 self.reduce(down)
+            if lw.post_mlp_norm is not None:
+                down = rms_norm(down, lw.post_mlp_norm, cfg.rms_norm_eps)
             if i + 1 < len(self.layers):  # the residual add, with the next layer's input norm
                 h, x = self._add_norm(rows, h, down, self.layers[i + 1].input_norm)
             else:
@@ -179,12 +198,19 @@ class DecoderModel:
         if lw.gate_up is None or lw.down is None:
             return self._experts(x, lw)
         gate_up = linear(x, lw.gate_up)
-        if rows is not None:
+        if rows is not None and self.cfg.hidden_act == "silu":
             act = rows.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = (F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")) * up
         return linear(act, lw.down)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input rows, scaled in the model's dtype where the family scales them (Gemma)."""
+        h = F.embedding(input_ids, self.embed)
+        if self.cfg.embedding_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embedding_scale, dtype=self.dtype)
+        return h
 
     def _experts(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """A mixture of experts: each row's top-k experts by the router's softmax (in fp32, as
@@ -253,7 +279,10 @@ class DecoderModel:
     ) -> DecodeKernels | TritonDecodeKernels | None:
         """The fused kernels when this step can take them, else None (the torch path)."""
         quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
-        if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized):
+        if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized) or not self._kernels_fit:
+            return None
+        windows = [w for w in self.cfg.windows if w]
+        if windows and max(meta.context_lens_list) > min(windows):  # the kernels attend to the whole context
             return None
         if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()

@@ -60,6 +60,9 @@ class TensorDecl:
     # One tensor per expert in an HF checkpoint (`hf` holds "{e}."); the engine, like llama.cpp's
     # GGUF, keeps them stacked, [num_experts, ...], under `hf` without the "{e}." (`stacked_name`).
     experts: bool = False
+    # Added to an HF checkpoint's values at load: Gemma stores a norm's gain as w for 1 + w, which
+    # llama.cpp's GGUF (and the engine) hold as 1 + w.
+    hf_add: float = 0.0
 
     @property
     def name(self) -> str:
@@ -86,6 +89,11 @@ class Architecture:
     # Which GGUF files of `gguf_architectures` are this family's (llama.cpp writes Mixtral as
     # "llama" with expert tensors): a test of the file's metadata.
     gguf_matches: Callable[[Mapping[str, Any]], bool] = lambda meta: True
+    # GGUF metadata (after "{arch}.") that llama.cpp fixes for the family instead of writing it
+    # (Gemma 3: every sixth layer global, a local RoPE base of 10,000)
+    gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # traits that follow from the shapes (Gemma: the embedding scale is sqrt(hidden_size))
+    derive: Callable[[ModelConfig], Mapping[str, Any]] = lambda cfg: {}
 
     def tensors(self, cfg: ModelConfig) -> dict[str, TensorDecl]:
         """Every tensor a model of `cfg` has, by its full name in the engine (HF's, experts stacked)."""
@@ -95,8 +103,9 @@ class Architecture:
         return out
 
     def configure(self, cfg: ModelConfig) -> ModelConfig:
-        """`cfg` as this family's model: its name and its fixed traits."""
-        return replace(cfg, architecture=self.name, **self.traits)
+        """`cfg` as this family's model: its name and its fixed and derived traits."""
+        cfg = replace(cfg, architecture=self.name, **self.traits)
+        return replace(cfg, **self.derive(cfg))
 
 
 def expected_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -150,3 +150,15 @@ def moe_mlp(router: str, gate: str, up: str, down: str) -> tuple[TensorDecl, ...
         TensorDecl(up, "ffn_up_exps.weight", "experts_gate_up", _experts_ff, "eff_rows", experts=True),
         TensorDecl(down, "ffn_down_exps.weight", "experts_down", _experts_ff_in, "eff_cols", experts=True),
     )
+
+
+def sandwich_norms() -> tuple[TensorDecl, ...]:
+    """Gemma's four norms a layer: before attention, on its output, before the MLP, on its output."""
+    return (
+        TensorDecl("input_layernorm.weight", "attn_norm.weight", "input_norm", _hidden, init="norm"),
+        TensorDecl(
+            "post_attention_layernorm.weight", "post_attention_norm.weight", "post_attn_norm", _hidden, init="norm"
+        ),
+        TensorDecl("pre_feedforward_layernorm.weight", "ffn_norm.weight", "post_norm", _hidden, init="norm"),
+        TensorDecl("post_feedforward_layernorm.weight", "post_ffw_norm.weight", "post_mlp_norm", _hidden, init="norm"),
+    )
