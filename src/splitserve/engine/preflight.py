@@ -45,10 +45,10 @@ class Problem(NamedTuple):
 def read_model_config(path: str | None) -> ModelConfig:
     """The model's shapes from its header alone (None: the default model). Every way it can
     fail is a ModelLoadError naming the file; the weights are not read."""
-    from splitserve.engine import gguf_loader, hf_loader
-    from splitserve.engine.weights import ModelLoadError, default_model_path
+    from splitserve.engine import embedded, gguf_loader, hf_loader
+    from splitserve.engine.weights import ModelLoadError
 
-    path = default_model_path() if path is None else os.fspath(path)
+    path = embedded.resolve(None if path is None else os.fspath(path))
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):

@@ -196,7 +196,10 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     from splitserve.engine.config import KV_CACHE_DTYPES
 
     p.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face directory, or an embedded model: smollm2-135m (the default, "
+        "SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3 270M pretrained, Q4_K_M)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(

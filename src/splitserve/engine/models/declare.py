@@ -92,6 +92,10 @@ class Architecture:
     # GGUF metadata (after "{arch}.") that llama.cpp fixes for the family instead of writing it
     # (Gemma 3: every sixth layer global, a local RoPE base of 10,000)
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # What the tokenizer takes from the family where the file leaves it out, as llama.cpp does:
+    # the chat template, and the token that ends an assistant's turn (Gemma's "<end_of_turn>")
+    chat_template: str | None = None
+    end_of_turn: str | None = None
     # traits that follow from the shapes (Gemma: the embedding scale is sqrt(hidden_size))
     derive: Callable[[ModelConfig], Mapping[str, Any]] = lambda cfg: {}
 

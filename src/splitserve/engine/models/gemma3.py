@@ -16,6 +16,30 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.models.declare import Architecture, TensorDecl
 from splitserve.engine.models.parts import attention, decoder_globals, sandwich_norms, swiglu_mlp
 
+# The instruction-tuned Gemma 3 checkpoints' template (tokenizer_config.json), for text: a system
+# message goes before the first user turn, the assistant's role is "model".
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
 
 def _gains_as_stored(decls: tuple[TensorDecl, ...]) -> tuple[TensorDecl, ...]:
     """Every norm's gain as Gemma's HF checkpoints store it: w, for a gain of 1 + w."""
@@ -37,4 +61,6 @@ ARCH = Architecture(
     traits={"attention_bias": False, "qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh"},
     derive=_derived,
     gguf_defaults={"attention.sliding_window_pattern": 6, "rope.freq_base_swa": 10000.0},
+    chat_template=CHAT_TEMPLATE,
+    end_of_turn="<end_of_turn>",
 )
