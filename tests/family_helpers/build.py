@@ -61,6 +61,40 @@ GEMMA3: dict[str, Any] = dict(
 )
 
 
+# Phi-4-mini's shape of RoPE: 3/4 of each head rotated, LongRoPE factors (one per rotated pair),
+# its attention factor from the context (1,024) over the original (128, past the test prompts).
+PHI3: dict[str, Any] = dict(
+    COMMON,
+    partial_rotary_factor=0.75,
+    original_max_position_embeddings=128,
+    sliding_window=None,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.15 * i for i in range(6)],
+        "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        "original_max_position_embeddings": 128,
+        "partial_rotary_factor": 0.75,
+    },
+)
+
+
+def _phi3_gguf(cfg: Any, w: gguf.GGUFWriter) -> None:
+    """convert_hf_to_gguf.py's Phi3MiniModel: the rotary width, LongRoPE's factors as tensors and
+    its attention factor (sqrt(1 + ln(scale) / ln(original)))."""
+    import math
+
+    rope = cfg.rope_parameters
+    head = cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(int(head * rope["partial_rotary_factor"]))
+    original = rope["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # splitserve's registry name
@@ -70,6 +104,7 @@ class Family:
     permute_qk: bool = False  # llama.cpp's converter permutes q's and k's rows (llama, mistral)
     gguf_kv: dict[str, Any] = field(default_factory=dict)  # metadata keys past the common ones
     gguf_norm_shift: float = 0.0  # added to every norm's gain (llama.cpp's Gemma converter: 1 + w)
+    gguf_extra: Callable[[Any, gguf.GGUFWriter], None] | None = None  # what else its converter writes
 
 
 def _families() -> dict[str, Family]:
@@ -130,6 +165,13 @@ def _families() -> dict[str, Family]:
                 },
             ),
             Family(
+                "phi3",
+                lambda: t.Phi3Config(**PHI3),
+                t.Phi3ForCausalLM,
+                gguf.MODEL_ARCH.PHI3,
+                gguf_extra=_phi3_gguf,
+            ),
+            Family(
                 "gemma3",
                 lambda: t.Gemma3TextConfig(**GEMMA3),
                 t.Gemma3ForCausalLM,
@@ -141,7 +183,7 @@ def _families() -> dict[str, Family]:
     }
 
 
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3")
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
 
 
 def family(name: str) -> Family:
@@ -196,9 +238,12 @@ def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if fam.gguf_extra is None:  # the families whose converter writes the head's width
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        fam.gguf_extra(cfg, w)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])

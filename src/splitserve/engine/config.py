@@ -8,6 +8,7 @@ properties.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,41 +60,69 @@ def kv_dtype_name(kv_cache_dtype: str, model_dtype: str | torch.dtype) -> str:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; expected one of {choices}") from None
 
 
-SPECULATIVE_MODES = ("ngram", "auto", "off")
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+SPECULATIVE_MODES = ("ngram", "auto", "off")  # --speculative's choices (engine/spec/)
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP gate's activation (ModelConfig.hidden_act)
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-LAYER_TYPES = ("full_attention", "sliding_attention")  # --speculative's choices (engine/spec/)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # a layer's attention kind, in HF's words
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling as in HF's `rope_scaling` (llama3 and linear kinds)."""
+    """RoPE frequency scaling as in HF's `rope_scaling` (linear, llama3 and longrope kinds).
 
-    kind: str = "none"  # "none" | "linear" | "llama3"
+    longrope (Phi-3/4): each frequency divided by its factor, `short_factor` at positions below
+    `original_max_position` and `long_factor` from there on, cos and sin times
+    `attention_factor`. Chosen per position, so a cached key is never re-rotated and a token's
+    rotation does not depend on its batch: transformers switches a whole forward pass to the
+    long factors once any position reaches the original context (the same rotations for every
+    decode step and for prompts below it, the only ones its own cache sees consistently)."""
+
+    kind: str = "none"  # "none" | "linear" | "llama3" | "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "linear", "llama3"):
+        if self.kind not in ("none", "linear", "llama3", "longrope"):
             raise ValueError(f"unsupported rope_scaling type {self.kind!r}")
         if self.factor <= 0:
             raise ValueError("rope_scaling.factor must be positive")
+        if self.kind == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("longrope needs short_factor and long_factor of one length (rotary_dim / 2)")
 
     @staticmethod
-    def from_hf(d: dict[str, Any] | None) -> RopeScaling:
+    def from_hf(d: dict[str, Any] | None, max_position: int = 0) -> RopeScaling:
+        """`max_position`: the model's context, which with longrope's original one sets its
+        attention factor where the config gives none (as transformers computes it)."""
         if not d:
             return RopeScaling()
         kind = d.get("rope_type", d.get("type", "none")) or "none"
         if kind == "default":
             return RopeScaling()
+        original = int(d.get("original_max_position_embeddings", 8192))
+        if kind == "longrope":
+            factor = float(d.get("factor") or (max_position / original if max_position else 1.0))
+            attention = d.get("attention_factor")
+            if attention is None:
+                attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            return RopeScaling(
+                kind=kind,
+                factor=factor,
+                original_max_position=original,
+                short_factor=tuple(float(x) for x in d["short_factor"]),
+                long_factor=tuple(float(x) for x in d["long_factor"]),
+                attention_factor=float(attention),
+            )
         return RopeScaling(
             kind=kind,
             factor=float(d.get("factor", 1.0)),
             low_freq_factor=float(d.get("low_freq_factor", 1.0)),
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position=int(d.get("original_max_position_embeddings", 8192)),
+            original_max_position=original,
         )
 
 
@@ -136,6 +165,7 @@ class ModelConfig:
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float = 0.0  # RoPE's base on the windowed layers (Gemma 3's 10,000; 0: rope_theta)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim of each head's dims (Phi-4-mini: 0.75)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -184,6 +214,10 @@ class ModelConfig:
         return tuple(self.window(i) for i in range(self.num_layers))
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -225,7 +259,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or 0),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(rope.get("rope_theta") or d.get("rope_theta", 10000.0)),
-                rope_scaling=RopeScaling.from_hf(scaling),
+                rope_scaling=RopeScaling.from_hf(scaling, int(d.get("max_position_embeddings", 8192))),
                 max_position=int(d.get("max_position_embeddings", 8192)),
                 tie_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
@@ -238,6 +272,7 @@ class ModelConfig:
                 sliding_window=window,
                 layer_types=layer_types,
                 rope_local_theta=float(local_rope.get("rope_theta") or d.get("rope_local_base_freq") or 0.0),
+                partial_rotary_factor=float(d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,

@@ -39,6 +39,7 @@ _REQUIRED_KEYS = (
     "attention.layer_norm_rms_epsilon",
 )
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
+_LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE factors
 
 
 class _Reader(gguf.GGUFReader):
@@ -165,11 +166,13 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
     raw = {key: need(key) for key in _REQUIRED_KEYS}
     try:
         hidden, num_heads = int(raw["embedding_length"]), int(raw["attention.head_count"])
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or 0)
+        rope_dims = int(meta.get(f"{arch}.rope.dimension_count") or 0)
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or (rope_dims if family.gguf_head_dim_from_rope else 0))
         if num_heads > 0 and head_dim == hidden // num_heads:
             head_dim = 0  # let ModelConfig derive it, as HF does when config.json has no head_dim
         rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-        rotary_dim = head_dim or hidden // max(num_heads, 1)
+        full_head = head_dim or hidden // max(num_heads, 1)
+        rotary_dim = rope_dims or full_head
         experts = int(meta.get(f"{arch}.expert_count") or 0)
         return family.configure(
             ModelConfig(
@@ -185,6 +188,7 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
                 rms_norm_eps=float(raw["attention.layer_norm_rms_epsilon"]),
                 rope_theta=rope_theta,
                 rope_scaling=_rope_scaling(meta, arch, tensors, rope_theta, rotary_dim, path),
+                partial_rotary_factor=rotary_dim / full_head,
                 rope_local_theta=float(get("rope.freq_base_swa") or 0.0),
                 **_sliding_window(get("attention.sliding_window"), get("attention.sliding_window_pattern"), raw),
                 max_position=int(raw["context_length"]),
@@ -224,6 +228,15 @@ def _rope_scaling(
 ) -> RopeScaling:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = float(meta.get(f"{arch}.rope.scaling.factor") or 1.0)
+    if _LONGROPE[0] in tensors and _LONGROPE[1] in tensors:  # Phi-3's factors, and its attention factor
+        short, long = (tuple(np.asarray(tensors[n].data, dtype=np.float64).reshape(-1).tolist()) for n in _LONGROPE)
+        return RopeScaling(
+            kind="longrope",
+            original_max_position=int(meta.get(f"{arch}.rope.scaling.original_context_length") or 4096),
+            short_factor=short,
+            long_factor=long,
+            attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
+        )
     if _ROPE_FREQS in tensors:
         return _llama3_scaling_from_freqs(tensors[_ROPE_FREQS], meta, arch, theta, head_dim, path)
     if kind in ("none", "") or factor == 1.0:
@@ -277,7 +290,7 @@ def load_gguf_weights(
     weights: dict[str, torch.Tensor] = {}
     layer_seen = -1
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name == _ROPE_FREQS or t.name in _LONGROPE:
             continue  # folded into config.rope_scaling
         if t.name not in names:
             raise ModelLoadError(f"{path}: unsupported tensor {t.name} for architecture {cfg.architecture!r}")

@@ -36,18 +36,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 def rope_tables(cfg: ModelConfig, device: torch.device, local_theta: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, [max_position, head_dim], in fp32 (cast per step, as HF does). `local_theta`:
     the windowed layers' tables (Gemma 3: their own base, unscaled)."""
-    if local_theta:
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, RopeScaling())
-    else:
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    dim, scaling = cfg.rotary_dim, cfg.rope_scaling
     pos = torch.arange(cfg.max_position, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]
+    if local_theta:
+        freqs = pos[:, None] * rope_inv_freq(dim, cfg.rope_local_theta, RopeScaling())[None, :]
+    elif scaling.kind == "longrope":  # per position: short factors below the original context, long from it
+        base = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        short = 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * base)
+        long = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32) * base)
+        inv = torch.where((pos < scaling.original_max_position)[:, None], short[None, :], long[None, :])
+        freqs = pos[:, None] * inv
+    else:
+        freqs = pos[:, None] * rope_inv_freq(dim, cfg.rope_theta, scaling)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling.kind == "longrope" and not local_theta:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos.to(device), sin.to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] in x's dtype. HF's rotate_half convention."""
+    """x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] in x's dtype. HF's rotate_half convention;
+    a partial rotary (rotary_dim < head_dim) rotates the first rotary_dim dims and passes the rest."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

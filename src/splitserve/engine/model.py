@@ -118,9 +118,13 @@ class DecoderModel:
         local = cfg.rope_local_theta and any(cfg.windows)
         self.cos_local, self.sin_local = rope_tables(cfg, device, local_theta=True) if local else (self.cos, self.sin)
         self.scale = cfg.attention_scale
-        # what the fused decode kernels compute: a SwiGLU layer of two norms, one RoPE table
+        # what the fused decode kernels compute: a SwiGLU layer of two norms, one RoPE table over whole heads
         self._kernels_fit = (
-            not cfg.sandwich_norms and cfg.hidden_act == "silu" and cfg.embedding_scale == 1.0 and not local
+            not cfg.sandwich_norms
+            and cfg.hidden_act == "silu"
+            and cfg.embedding_scale == 1.0
+            and not local
+            and cfg.rotary_dim == cfg.head_dim
         )
         # a prefill's attention on our CPU kernel where it takes the call (bf16, AVX-512 BF16), else SDPA
         self._prefill_kernel = prefill_attention if device.type == "cpu" else None

@@ -33,8 +33,11 @@ from splitserve.engine.config import ModelConfig
 # How tensor parallelism splits a tensor (engine/parallel/shard.py): by rows (column-parallel:
 # the rank's heads or its slice of the MLP) or by columns (row-parallel: the input is the rank's
 # slice, the output a partial sum), or not at all.
-# "eff": an expert's MLP width (moe_intermediate_size), split in every expert alike.
-Split = Literal["whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols", "eff_rows", "eff_cols"]
+# "eff": an expert's MLP width (moe_intermediate_size), split in every expert alike; "qkv" and
+# "gate_up": a checkpoint's own fusion of those (Phi-3), each part split as its own would be.
+Split = Literal[
+    "whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols", "eff_rows", "eff_cols", "qkv_rows", "gate_up_rows"
+]
 # How engine/testing.py draws it: a weight matrix (std fan_in ** -0.5), a norm's gain (1 + 0.1 n),
 # a bias (0.1 n), the embedding (n, so that its rows are of unit scale).
 Init = Literal["matrix", "norm", "bias", "embedding"]
@@ -92,6 +95,9 @@ class Architecture:
     # GGUF metadata (after "{arch}.") that llama.cpp fixes for the family instead of writing it
     # (Gemma 3: every sixth layer global, a local RoPE base of 10,000)
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Whether llama.cpp's rope.dimension_count is the head's width (where key_length is absent):
+    # not for a partial rotary (Phi-3's is the rotary width; its head is hidden / heads)
+    gguf_head_dim_from_rope: bool = True
     # What the tokenizer takes from the family where the file leaves it out, as llama.cpp does:
     # the chat template, and the token that ends an assistant's turn (Gemma's "<end_of_turn>")
     chat_template: str | None = None

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.models import declare, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from splitserve.engine.models import declare, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from splitserve.engine.models.declare import Architecture
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -18,6 +18,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen3_moe.ARCH,
     mixtral.ARCH,
     gemma3.ARCH,
+    phi3.ARCH,
 )
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}

@@ -56,7 +56,8 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
 def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s weights under the same Hugging Face names, shaped for `rank_config(cfg, size)`.
 
-    The shards are views of `weights`: nothing is copied here.
+    The shards are views of `weights` (nothing is copied here), but for a checkpoint's own fused
+    tensors (Phi-3's qkv_proj and gate_up_proj), whose parts' rows are joined anew.
     """
     check_tp_size(cfg, size)
     if not 0 <= rank < size:
@@ -76,12 +77,22 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         split = decls[name].split if name in decls else "whole"
         if split == "whole":  # embedding, norms, lm_head: whole on every rank
             out[name] = t
+        elif split == "qkv_rows":  # a checkpoint's fused q, k and v: the rank's rows of each part
+            q, kv = cfg.q_size, cfg.kv_size
+            parts = (per_rank["q"], _shift(per_rank["kv"], q), _shift(per_rank["kv"], q + kv))
+            out[name] = torch.cat([t[p] for p in parts])
+        elif split == "gate_up_rows":  # a checkpoint's fused gate and up
+            out[name] = torch.cat([t[per_rank["ff"]], t[_shift(per_rank["ff"], cfg.intermediate_size)]])
         elif split.endswith("_rows"):  # a matrix's rows (every expert's, in a stack), or a bias
             part = per_rank[split.removesuffix("_rows")]
             out[name] = t[..., part, :] if t.dim() > 1 else t[part]
         else:  # a matrix's columns
             out[name] = t[..., per_rank[split.removesuffix("_cols")]]
     return out
+
+
+def _shift(s: slice, by: int) -> slice:
+    return slice(s.start + by, s.stop + by)
 
 
 def _part(rank: int, per_rank: int) -> slice:
