@@ -34,6 +34,7 @@ import torch
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
+from splitserve.engine.fingerprint import model_fingerprint
 from splitserve.engine.handoff import Handoff, SampleState
 from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
 from splitserve.engine.kv_tiers import TierStore
@@ -83,6 +84,8 @@ class Engine:
             block_size=cfg.block_size,
             dtype=cfg.kv_dtype,
             tp_size=tp,
+            windows=model_cfg.windows if any(model_cfg.windows) else (),
+            model_fingerprint=model_fingerprint(model_cfg, weights),
         )
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))

@@ -63,6 +63,13 @@ class KVLayout:
     block_size: int
     dtype: str  # storage dtype, canonical: "float32" | "bfloat16" | "float16" | "int8" | "fp8_e4m3"
     tp_size: int = 1  # ranks the heads are split over; num_kv_heads is the model's, all ranks together
+    # The manifest beside the shapes: each layer's kind (its sliding window in tokens, 0 for a
+    # layer that attends to the whole context; () where every layer does), and the model's
+    # fingerprint (engine/fingerprint.py: its family, shapes and a sample of every weight; b""
+    # where unknown). KV of one model is never read as another's, nor a windowed layer's as a
+    # global one's: the handshake refuses the mismatch, naming the field, before any byte moves.
+    windows: tuple[int, ...] = ()
+    model_fingerprint: bytes = b""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", kv_dtype_name(self.dtype, "float32"))
@@ -73,6 +80,10 @@ class KVLayout:
             raise ValueError(
                 f"KVLayout: {self.num_kv_heads} KV heads do not split evenly over tensor-parallel size {self.tp_size}"
             )
+        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < 0):
+            raise ValueError(f"KVLayout: {len(self.windows)} windows for {self.num_layers} layers (each >= 0)")
+        if self.model_fingerprint and len(self.model_fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"KVLayout: a model fingerprint is {FINGERPRINT_BYTES} bytes")
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -124,13 +135,27 @@ class KVLayout:
     def mismatch(self, other: KVLayout) -> str | None:
         """The first field on which two layouts differ, as a message, or None. The
         tensor-parallel size is not among them: the KV transfer maps heads between sizes."""
-        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+        for f in LAYOUT_FIELDS:
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 if f == "dtype":
                     return f"KV layout mismatch on dtype: {a} KV here, {b} KV at the peer"
-                return f"KV layout mismatch on {f}: {a} here, {b} at the peer"
+                return f"KV layout mismatch on {f}: {describe_field(a)} here, {describe_field(b)} at the peer"
         return None
+
+
+# What two ends of a transfer must agree on (KVLayout.mismatch), whatever their tensor-parallel split.
+LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "windows", "model_fingerprint")
+FINGERPRINT_BYTES = 16
+
+
+def describe_field(value: object) -> str:
+    """A layout field's value as an error message shows it."""
+    if isinstance(value, bytes):  # the model fingerprint
+        return value.hex()[:12] if value else "none"
+    if isinstance(value, tuple):  # the windows
+        return "windows " + ",".join(str(w) for w in value) if value else "every layer global"
+    return str(value)
 
 
 def pool_blocks(layout: KVLayout, pool_bytes: int) -> int:

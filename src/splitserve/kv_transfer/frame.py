@@ -35,7 +35,11 @@ Header, little-endian, `HEADER_SIZE` = 136 bytes:
 Payloads by kind: handshake, the sender's `KVLayout` as `<IIIIBII` (layers,
 KV heads of the whole model, head dim, block size, dtype code, the sender's
 tensor-parallel size, and the receiver's as the sender read it from the
-reservation: the size its frames are cut for); ack and error, utf-8 text (an
+reservation: the size its frames are cut for), then its manifest as `<16sH` and
+`<I` each (the model's fingerprint, zeros for none; the count of layers' windows,
+0 where every layer is global; each layer's window in tokens, 0 for a global one:
+a receiver refuses KV of another model or of other layer kinds before any layer
+frame is read); ack and error, utf-8 text (an
 error's reason), except a handshake's ack that grants device copies, whose
 payload is the CUDA IPC mapping of the receiver's cache shards; layer, the K
 and V of `block count` blocks of one layer for the heads `first head ..
@@ -116,6 +120,8 @@ _BODY = struct.Struct("<4sBBBB16s64sIIIIQQqHH")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 _LAYOUT = struct.Struct("<IIIIBII")
+_MANIFEST = struct.Struct("<16sH")  # the model fingerprint (zeros: none), then the count of windows
+_WINDOW = struct.Struct("<I")
 
 LANE_BYTES = 4096
 
@@ -256,21 +262,33 @@ def encode_layout(
     dtype: str,
     tp_size: int = 1,
     receiver_tp_size: int = 1,
+    windows: tuple[int, ...] = (),
+    model_fingerprint: bytes = b"",
 ) -> bytes:
-    """The handshake's payload: the sender's layout (`tp_size` its own) and the
-    receiver's tensor-parallel size that its frames are cut for."""
-    return _LAYOUT.pack(num_layers, num_kv_heads, head_dim, block_size, DTYPE_CODES[dtype], tp_size, receiver_tp_size)
+    """The handshake's payload: the sender's layout (`tp_size` its own), the receiver's
+    tensor-parallel size that its frames are cut for, then the manifest: the model's
+    fingerprint (16 bytes, zeros for none), the count of per-layer windows (0: every layer
+    global) and each window in tokens."""
+    fixed = _LAYOUT.pack(num_layers, num_kv_heads, head_dim, block_size, DTYPE_CODES[dtype], tp_size, receiver_tp_size)
+    manifest = _MANIFEST.pack(model_fingerprint.ljust(16, b"\0"), len(windows))
+    return fixed + manifest + b"".join(_WINDOW.pack(w) for w in windows)
 
 
 def decode_layout(payload: bytes) -> tuple[KVLayout, int]:
     """The sender's layout and the receiver's tensor-parallel size it cut its frames for."""
-    if len(payload) != _LAYOUT.size:
-        raise FrameError(f"handshake layout is {len(payload)} bytes, expected {_LAYOUT.size}")
-    layers, heads, head_dim, block_size, code, tp_size, receiver_tp_size = _LAYOUT.unpack(payload)
+    head = _LAYOUT.size + _MANIFEST.size
+    if len(payload) < head:
+        raise FrameError(f"handshake layout is {len(payload)} bytes, expected at least {head}")
+    layers, heads, head_dim, block_size, code, tp_size, receiver_tp_size = _LAYOUT.unpack_from(payload)
+    fingerprint, count = _MANIFEST.unpack_from(payload, _LAYOUT.size)
+    if len(payload) != head + count * _WINDOW.size:
+        raise FrameError(f"handshake layout is {len(payload)} bytes, {count} windows make it {head + count * 4}")
+    windows = tuple(w for (w,) in _WINDOW.iter_unpack(payload[head:]))
     if code not in DTYPE_NAMES:
         raise FrameError(f"unknown dtype code {code} in handshake")
     try:
-        layout = KVLayout(layers, heads, head_dim, block_size, DTYPE_NAMES[code], tp_size)
+        fp = b"" if fingerprint == bytes(16) else fingerprint
+        layout = KVLayout(layers, heads, head_dim, block_size, DTYPE_NAMES[code], tp_size, windows, fp)
     except ValueError as e:
         raise FrameError(f"handshake layout: {e}") from None
     if receiver_tp_size < 1:

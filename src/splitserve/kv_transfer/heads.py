@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from splitserve.engine.kv_cache import KVLayout
+from splitserve.engine.kv_cache import LAYOUT_FIELDS, KVLayout, describe_field
 
 
 class Part(NamedTuple):
@@ -84,18 +84,15 @@ def mapping_error(prefill: KVLayout, decode: KVLayout, dtype: bool = True) -> st
         prefill = dataclasses.replace(prefill, dtype=decode.dtype)
     if prefill.mismatch(decode) is None:
         return None
-    f = next(f for f in _MODEL_FIELDS if getattr(prefill, f) != getattr(decode, f))
-    differs = f"KV layout mismatch on {f}: {getattr(prefill, f)} at prefill, {getattr(decode, f)} at decode"
+    f = next(f for f in LAYOUT_FIELDS if getattr(prefill, f) != getattr(decode, f))
+    a, b = describe_field(getattr(prefill, f)), describe_field(getattr(decode, f))
+    differs = f"KV layout mismatch on {f}: {a} at prefill, {b} at decode"
     if prefill.tp_size == decode.tp_size:
         return differs
     return (
         f"KV layout: prefill TP {prefill.tp_size} holds {_holds(prefill)}, cannot map to "
         f"decode TP {decode.tp_size} holding {_holds(decode)} ({differs})"
     )
-
-
-# What KVLayout.mismatch compares: the model's KV, whatever the split.
-_MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
 
 
 def _holds(lay: KVLayout) -> str:

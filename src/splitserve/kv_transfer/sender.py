@@ -235,7 +235,15 @@ class KVSender:
         wire codec it chose among `offer` (frame.py)."""
         lay = self.cache.layout
         body = frame.encode_layout(
-            lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype, lay.tp_size, r.layout.tp_size
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            lay.block_size,
+            lay.dtype,
+            lay.tp_size,
+            r.layout.tp_size,
+            lay.windows,
+            lay.model_fingerprint,
         )
         h = Header(frame.HANDSHAKE, r.ticket, r.request_id, block_count=offer, payload_length=len(body), value=ask)
         try:

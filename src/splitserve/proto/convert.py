@@ -141,6 +141,8 @@ def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
         block_size=layout.block_size,
         dtype=layout.dtype,
         tp_size=layout.tp_size,
+        windows=layout.windows,
+        model_fingerprint=layout.model_fingerprint,
     )
 
 
@@ -148,7 +150,16 @@ def layout_from_proto(m: wpb.KVLayout) -> KVLayout:
     from splitserve.engine.kv_cache import KVLayout
 
     try:
-        return KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.dtype, m.tp_size or 1)
+        return KVLayout(
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            m.block_size,
+            m.dtype,
+            m.tp_size or 1,
+            tuple(m.windows),
+            m.model_fingerprint,
+        )
     except ValueError as e:
         raise ValueError(f"reservation.layout: {e}") from None
 

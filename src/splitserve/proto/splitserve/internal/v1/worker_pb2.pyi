@@ -163,20 +163,24 @@ class Reservation(_message.Message):
     def __init__(self, kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., ticket: _Optional[bytes] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., kv_tcp_endpoint: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size", "windows", "model_fingerprint")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
     tp_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    windows: _containers.RepeatedScalarFieldContainer[int]
+    model_fingerprint: bytes
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., windows: _Optional[_Iterable[int]] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "index")
