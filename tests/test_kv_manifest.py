@@ -9,6 +9,7 @@ whose request ends with the failure's code and no token."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 FP = bytes(range(16))
 MANIFEST = dataclasses.replace(TP_LAYOUT, windows=(4, 0, 4), model_fingerprint=FP)
-MUTATIONS = {
+MUTATIONS: dict[str, dict[str, Any]] = {
     "num_layers": {"num_layers": 4, "windows": (4, 0, 4, 0)},
     "num_kv_heads": {"num_kv_heads": 2},
     "head_dim": {"head_dim": 16},
