@@ -294,12 +294,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _tiny_spm_tokenizer(w: gguf.GGUFWriter) -> None:
-    pieces = ["▁", "e", "t", "a", "o", "▁t", "th", "he", "▁the"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    from tests.test_weights import spm_vocab
+
+    tokens, scores, types = spm_vocab()
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_token_scores(scores)
+    w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
