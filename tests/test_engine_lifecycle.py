@@ -149,7 +149,7 @@ class _StuckConnector(NullConnector):
     def __init__(self) -> None:
         self.tickets = iter(bytes([i]) * 16 for i in range(1, 100))
 
-    def reserve(self, request_id, block_ids, lease_s):
+    def reserve(self, request_id, block_ids, lease_s, context_len=0, first_index=0):
         return type("T", (), {"ticket": next(self.tickets)})()
 
     def cancel(self, transfer_id: bytes) -> bool:

@@ -58,7 +58,9 @@ class KVConnector(Protocol):
 
     def on_layer_done(self, layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None: ...
     def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None: ...
-    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Transfer: ...
+    def reserve(
+        self, request_id: str, block_ids: list[int], lease_s: float, context_len: int = 0, first_index: int = 0
+    ) -> Transfer: ...  # context_len, first_index: the windows' geometry (KVReceiver.reserve)
     def cancel(self, transfer_id: bytes) -> bool: ...
     def poll(self) -> list[TransferOutcome]: ...
 
@@ -75,7 +77,9 @@ class NullConnector:
     def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None:
         pass
 
-    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Any:
+    def reserve(
+        self, request_id: str, block_ids: list[int], lease_s: float, context_len: int = 0, first_index: int = 0
+    ) -> Any:
         raise RuntimeError("this engine has no KV connector: remote prefill is not available")
 
     def cancel(self, transfer_id: bytes) -> bool:

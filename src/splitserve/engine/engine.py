@@ -249,8 +249,13 @@ class Engine:
         blocks = self.scheduler.reserve(seq)
         if blocks is None:
             return None
+        if any(self.layout.windows):
+            # its windowed layers receive only what their windows still see: its blocks are not a
+            # whole prefix for a later request to reuse
+            seq.prefix_cacheable = False
         try:
-            transfer = self.connector.reserve(request_id, blocks.block_ids, lease_s)
+            first = blocks.num_cached_tokens // self.cfg.block_size
+            transfer = self.connector.reserve(request_id, blocks.block_ids, lease_s, len(seq), first)
         except Exception as e:  # nothing can write blocks that were never handed out
             self.scheduler.abort(request_id, cancel_transfer=lambda _: True)
             raise RuntimeError(f"KV reservation failed: {e}") from None

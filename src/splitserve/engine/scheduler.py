@@ -159,6 +159,11 @@ class Scheduler:
         span = blocks_to_fill(len(seq), seq.num_cached_tokens, self.blocks.block_size)
         return RemoteBlocks([seq.block_table[i] for i in span], seq.num_cached_tokens)
 
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """`seq`'s full, computed blocks into the prefix cache, unless their KV is not whole."""
+        if seq.prefix_cacheable:
+            self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+
     def _check_id(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise DuplicateRequest(f"request_id {seq.request_id!r} is already in use")
@@ -292,7 +297,7 @@ class Scheduler:
         sequences (a fork draw becomes a new sequence first, while its parent's blocks are held)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self._cache_blocks(seq)
         for i, prompt_lp in sampled.prompt_logprobs:
             batch.seqs[i].prompt_logprobs.append(prompt_lp)
         own: list[tuple[Sequence, int, TokenLogprob | None]] = []
@@ -331,7 +336,7 @@ class Scheduler:
             outs.append(self._append(seq, t, lp))
             if outs[-1].finished:
                 return outs
-        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self._cache_blocks(seq)
         keep = self.blocks.blocks_needed(len(seq))  # what the next step writes into, too
         if len(seq.block_table) > keep:
             self.blocks.free_blocks(seq.block_table[keep:])
@@ -444,7 +449,7 @@ class Scheduler:
             raise ValueError(f"the handoff has no next token for sample {seq.sample_index}")
         del self.reserved[request_id]
         seq.num_computed_tokens = context
-        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self._cache_blocks(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)  # its seat was taken at reserve
         self.recorder.scheduled(seq)

@@ -45,6 +45,7 @@ class Sequence:
         "transfer_id",
         "times",
         "speculation",
+        "prefix_cacheable",
     )
 
     def __init__(
@@ -94,6 +95,9 @@ class Sequence:
         # engine/spec/speculator.py's record of this sequence's drafts (acceptance), made at its
         # first decode step; derived from its tokens and steps here, so never handed over
         self.speculation: Any = None
+        # whether its full blocks join the prefix cache: not a remote prefill's of a windowed model,
+        # whose windowed layers received only the blocks their windows still see
+        self.prefix_cacheable = True
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -126,6 +130,7 @@ class Sequence:
         child.group_id = self.group_id
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.prefix_cacheable = self.prefix_cacheable
         if self.matcher is not None:
             child.matcher = type(self.matcher)(self.matcher.compiled)
             child.matcher.replay(self.output_token_ids)

@@ -127,11 +127,16 @@ class KVReceiver:
         block_ids: list[int],
         lease_s: float,
         on_done: Callable[[Reservation, Outcome], None] | None = None,
+        context_len: int = 0,
+        first_index: int = 0,
     ) -> Reservation:
         """Accept KV for `block_ids` until `lease_s` from now; returns what the sender needs.
 
         `on_done(reservation, outcome)` runs on a receiver thread when it ends; it
-        must not block. Without it, collect the outcome with `wait`.
+        must not block. Without it, collect the outcome with `wait`. With the context's
+        length and the block-table index of `block_ids[0]`, a windowed layer (the layout's
+        `windows`) needs only the blocks its window still sees (engine/blocks.py's
+        `window_start`), and done asks for no more of it.
         """
         return self._book.reserve(
             request_id,
@@ -141,6 +146,8 @@ class KVReceiver:
             transport=self.transport,
             endpoint=self.endpoint,
             tcp_endpoint=self.tcp_endpoint,
+            context_len=context_len,
+            first_index=first_index,
         )
 
     def wait(self, ticket: bytes, timeout: float) -> Outcome:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from splitserve.engine.blocks import window_start
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import frame, metrics
 from splitserve.kv_transfer.reservation import Completed, Failed, FailureCode, Outcome, Reservation, TransportName
@@ -87,8 +88,11 @@ class Reservations:
         transport: TransportName,
         endpoint: str,
         tcp_endpoint: str,
+        context_len: int = 0,
+        first_index: int = 0,
     ) -> Reservation:
-        """A new reservation of `block_ids`; `transport` and the endpoints are the receiver's offer."""
+        """A new reservation of `block_ids`; `transport` and the endpoints are the receiver's offer;
+        `context_len` and `first_index`: see KVReceiver.reserve."""
         if not block_ids:
             raise ValueError("a reservation needs at least one block")
         if len(request_id.encode()) > frame.REQUEST_ID_BYTES:
@@ -109,6 +113,12 @@ class Reservations:
             lease_deadline_unix_ms=int((time.time() + lease_s) * 1000),
         )
         slot = Slot(r, time.monotonic() + lease_s, on_done)
+        if context_len:  # a windowed layer's blocks behind its window never travel: nothing to wait for
+            lay = self.cache.layout
+            for layer, window in enumerate(lay.windows):
+                skip = window_start(context_len, window, lay.block_size) - first_index
+                if skip > 0:
+                    slot.received[layer, :skip] = True
         with self._lock:
             if self._closed:
                 raise RuntimeError("receiver is closed")

@@ -49,8 +49,10 @@ class ReceiverConnector:
     def on_prefill_done(self, request_id: str, transfer_id: bytes, handoff: Handoff) -> None:
         pass  # a decode worker sends nothing
 
-    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> Reservation:
-        r = self.receiver.reserve(request_id, block_ids, lease_s, on_done=self._on_done)
+    def reserve(
+        self, request_id: str, block_ids: list[int], lease_s: float, context_len: int = 0, first_index: int = 0
+    ) -> Reservation:
+        r = self.receiver.reserve(request_id, block_ids, lease_s, self._on_done, context_len, first_index)
         self._blocks[r.ticket] = r.block_ids
         return r
 

@@ -4,7 +4,8 @@ stream to the decode worker's confirmation.
 `open` (a gRPC handler's thread) connects to the reservation and keeps the
 stream under the reservation's ticket, which is also the request's transfer id
 in the engine. As each layer of a step lands in the cache (`on_layer_done`,
-engine thread) it queues exactly the blocks the decode worker lacks, so the
+engine thread) it queues exactly the blocks the decode worker lacks (of a windowed
+layer, only those its window still sees: engine/blocks.py's `window_start`), so the
 transfer hides behind the remaining layers' compute. Once the engine has sampled
 the request's first token (`on_prefill_done`, engine thread; the request is
 HELD, its blocks kept for the sender) it sends Done and returns at once: the
@@ -36,7 +37,7 @@ import torch
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from splitserve.engine.blocks import cdiv
+from splitserve.engine.blocks import cdiv, window_start
 from splitserve.engine.connector import TransferOutcome
 from splitserve.engine.handoff import Handoff
 from splitserve.engine.sequence import Sequence
@@ -81,6 +82,7 @@ class SenderConnector:
         self.sender = sender
         self.block_size = sender.cache.layout.block_size
         self.last_layer = sender.cache.layout.num_layers - 1
+        self.windows = sender.cache.layout.windows  # each layer's sliding window (0: global); () for none
         self.cuda = sender.cache.tensor.is_cuda
         self.confirm_timeout_s = confirm_timeout_s
         self.tail_time = tail_time
@@ -142,6 +144,8 @@ class SenderConnector:
                 lo = max(ob.first_index, min(ob.sent_hi, start // self.block_size))
                 ob.chunk = (lo, cdiv(start + n, self.block_size))
             lo, hi = ob.chunk
+            # a windowed layer's blocks behind its window: the decode worker never reads them
+            lo = max(lo, window_start(len(seq), self.windows[layer], self.block_size)) if self.windows else lo
             if hi <= lo:
                 continue
             if self.cuda and not synced:
@@ -176,7 +180,9 @@ class SenderConnector:
             first, self.confirm_timeout_s, lambda error: self._ended(ob, first, error), handoff=payload
         )
 
-    def reserve(self, request_id: str, block_ids: list[int], lease_s: float) -> NoReturn:
+    def reserve(
+        self, request_id: str, block_ids: list[int], lease_s: float, context_len: int = 0, first_index: int = 0
+    ) -> NoReturn:
         raise RuntimeError("a prefill worker reserves nothing")
 
     def cancel(self, transfer_id: bytes) -> bool:
