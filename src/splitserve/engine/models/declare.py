@@ -61,7 +61,7 @@ class TensorDecl:
     # rotates adjacent pairs; HF rotates the two halves of each head. The loader undoes it.
     gguf_rotary: Literal["", "q", "k"] = ""
     # One tensor per expert in an HF checkpoint (`hf` holds "{e}."); the engine, like llama.cpp's
-    # GGUF, keeps them stacked, [num_experts, ...], under `hf` without the "{e}." (`stacked_name`).
+    # GGUF, keeps them stacked, [num_experts, ...], under `hf` without the "{e}." (`name`).
     experts: bool = False
     # Added to an HF checkpoint's values at load: Gemma stores a norm's gain as w for 1 + w, which
     # llama.cpp's GGUF (and the engine) hold as 1 + w.

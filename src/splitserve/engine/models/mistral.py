@@ -1,5 +1,6 @@
-"""Mistral: Llama's layer under its own name (no q/k/v bias). Its first release's
-4,096-token sliding window is not applied yet: prompts past the window attend to all of it."""
+"""Mistral: Llama's layer under its own name (no q/k/v bias). Its first release's 4,096-token
+sliding window over every layer comes from config.json's `sliding_window`; a GGUF file does not
+carry it (llama.cpp's llama architecture has no window), so from GGUF every layer is global."""
 
 from __future__ import annotations
 
