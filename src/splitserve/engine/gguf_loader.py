@@ -173,7 +173,6 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
         rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
         full_head = head_dim or hidden // max(num_heads, 1)
         rotary_dim = rope_dims or full_head
-        experts = int(meta.get(f"{arch}.expert_count") or 0)
         return family.configure(
             ModelConfig(
                 # GGUF shapes are innermost-first: token_embd is [hidden, vocab]. The embedding, not the
@@ -194,12 +193,7 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
                 max_position=int(raw["context_length"]),
                 tie_embeddings="output.weight" not in tensors,
                 attention_bias="blk.0.attn_q.bias" in tensors,
-                num_experts=experts,
-                num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0) if experts else 0,
-                # llama.cpp's llama architecture (Mixtral) gives the experts' width as feed_forward_length
-                moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length") or raw["feed_forward_length"])
-                if experts
-                else 0,
+                **_experts(meta, arch, raw),
                 name=str(meta.get("general.name") or os.path.basename(path)),
             )
         )
@@ -207,6 +201,19 @@ def model_config_from_gguf(meta: dict[str, Any], reader: Any, path: str) -> Mode
         raise
     except (TypeError, ValueError) as e:  # e.g. per-layer head counts (a list), or zero sizes
         raise ModelLoadError(f"{path}: unsupported or inconsistent GGUF metadata: {e}") from None
+
+
+def _experts(meta: dict[str, Any], arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture of experts, where the file has one."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.get(f"{arch}.expert_used_count") or 0),
+        # llama.cpp's llama architecture (Mixtral) gives the experts' width as feed_forward_length
+        "moe_intermediate_size": int(meta.get(f"{arch}.expert_feed_forward_length") or raw["feed_forward_length"]),
+    }
 
 
 def _sliding_window(window: Any, pattern: Any, raw: dict[str, Any]) -> dict[str, Any]:
