@@ -35,7 +35,7 @@ def _engine(chunk: int = 64) -> Engine:
     return Engine(CFG, random_weights(CFG, seed=0), cfg)
 
 
-def test_a_windowed_layer_sends_only_its_window_and_the_tokens_are_the_colocated_ones():
+def test_a_windowed_layer_sends_only_its_window_and_the_tokens_are_the_colocated_ones(monkeypatch):
     (want,) = _engine().generate([PROMPT], GREEDY)
     pair = EnginePair.of(_engine(chunk=8), _engine())
     assert pair.decode.layout.windows == (8, 0)
@@ -50,10 +50,10 @@ def test_a_windowed_layer_sends_only_its_window_and_the_tokens_are_the_colocated
             sent[layer] = sent.get(layer, 0) + len(block_ids)
             return send(layer, block_ids, **kw)
 
-        stream.send_layer = send_layer
+        monkeypatch.setattr(stream, "send_layer", send_layer)
         return stream
 
-    pair.sender.open = counting_open
+    monkeypatch.setattr(pair.sender, "open", counting_open)
     try:
         remote = pair.reserve("r", PROMPT, GREEDY)
         pair.start_prefill("r", PROMPT, GREEDY, remote)
