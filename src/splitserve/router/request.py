@@ -464,6 +464,14 @@ class RequestRun:
         try:
             async with asyncio.timeout(min(timeout_s, self._remaining_s())):
                 ev = await call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this request is being cancelled (its client went away)
+            # the call was, not this task: the worker was removed (its actor died, its pool shrank)
+            # and WorkerSet.remove closed its channel, which cancels the calls in flight. Another
+            # attempt goes on elsewhere, as for a worker that died mid-stream.
+            raise _Retry("Decode call cancelled: the worker was removed", fault=Fault.WORKER) from None
         except TimeoutError:
             self._check_deadline()
             raise _Retry(f"no event within {timeout_s:g}s" + (" of admission" if not admitted else "")) from None
