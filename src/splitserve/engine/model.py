@@ -118,6 +118,7 @@ class DecoderModel:
         local = cfg.rope_local_theta and any(cfg.windows)
         self.cos_local, self.sin_local = rope_tables(cfg, device, local_theta=True) if local else (self.cos, self.sin)
         self.scale = cfg.attention_scale
+        self._min_window = min((w for w in cfg.windows if w), default=0)
         # what the fused decode kernels compute: a SwiGLU layer of two norms, one RoPE table over whole heads
         self._kernels_fit = (
             not cfg.sandwich_norms
@@ -154,10 +155,10 @@ class DecoderModel:
         cfg = self.cfg
         rows = self._row_kernels()
         h = self._embed(input_ids)
-        rope = {
-            False: (self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)),
-            True: (self.cos_local[positions].to(self.dtype), self.sin_local[positions].to(self.dtype)),
-        }
+        glob = (self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype))
+        # the windowed layers' own tables where they have them (Gemma 3), else the same rows
+        local = glob if self.cos_local is self.cos else (self.cos_local[positions], self.sin_local[positions])
+        rope = {False: glob, True: (local[0].to(self.dtype), local[1].to(self.dtype))}
         q_size, kv_size = cfg.q_size, cfg.kv_size
         h, x = self._add_norm(rows, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
@@ -285,8 +286,7 @@ class DecoderModel:
         quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
         if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized) or not self._kernels_fit:
             return None
-        windows = [w for w in self.cfg.windows if w]
-        if windows and max(meta.context_lens_list) > min(windows):  # the kernels attend to the whole context
+        if self._min_window and max(meta.context_lens_list) > self._min_window:  # the kernels see every key
             return None
         if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
             return decode_kernels()
