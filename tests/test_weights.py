@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -102,8 +103,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, weights: dict[str, np.ndarray], cfg: dict, matrices=Q.F32, extra_kv=None, extra_tensors=None):
+def add_spm_tokenizer(w: Any) -> None:  # a gguf.GGUFWriter (gguf is imported by importorskip)
+    """`spm_vocab`'s tokenizer, as llama.cpp writes a sentencepiece one: <unk> 0, <s> 1, </s> 2."""
     tokens, scores, types = spm_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def write_tiny_gguf(path, weights: dict[str, np.ndarray], cfg: dict, matrices=Q.F32, extra_kv=None, extra_tensors=None):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny")
     w.add_context_length(cfg["max_position_embeddings"])
@@ -114,13 +126,7 @@ def write_tiny_gguf(path, weights: dict[str, np.ndarray], cfg: dict, matrices=Q.
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_spm_tokenizer(w)
     for key, (value, kind) in (extra_kv or {}).items():
         w.add_key_value(key, value, kind)
     for name, arr in weights.items():

@@ -247,7 +247,9 @@ def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    _tiny_spm_tokenizer(w)
+    from tests.test_weights import add_spm_tokenizer  # a stand-in: the logits are what is compared
+
+    add_spm_tokenizer(w)
     for key, value in fam.gguf_kv.items():
         w.add_key_value(f"{arch_name}.{key}", *value)
     for hf_name, t in _checkpoint(hf_dir).items():
@@ -291,16 +293,3 @@ def _checkpoint(hf_dir: str) -> dict[str, torch.Tensor]:
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's Q/K permutation (HF halves -> interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _tiny_spm_tokenizer(w: gguf.GGUFWriter) -> None:
-    from tests.test_weights import spm_vocab
-
-    tokens, scores, types = spm_vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
