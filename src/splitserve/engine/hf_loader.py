@@ -60,7 +60,8 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
     from safetensors import SafetensorError, safe_open
 
     # the engine's name -> the checkpoint's (several for an expert stack, one tensor per expert)
-    sources = {name: decl.checkpoint_names(name, cfg) for name, decl in registry.for_config(cfg).tensors(cfg).items()}
+    decls = registry.for_config(cfg).tensors(cfg)
+    sources = {name: decl.checkpoint_names(name, cfg) for name, decl in decls.items()}
     wanted = [n for names in sources.values() for n in names]
     index_path = os.path.join(directory, _INDEX)
     if os.path.isfile(index_path):
@@ -99,7 +100,6 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
     missing = [n for n in wanted if n not in weights]
     if missing:
         raise ModelLoadError(f"{directory}: missing tensor(s) {', '.join(missing[:3])} in the safetensors files")
-    decls = registry.for_config(cfg).tensors(cfg)
     out = {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory) for name, n in sources.items()}
     for name, decl in decls.items():
         if decl.hf_add:  # in float32, then back: the sum as the family's own norm computes it
