@@ -17,8 +17,8 @@ from splitserve.router.openai_tool_calls import (
     PlainText,
     ToolOutput,
     merge_calls,
-    tool_output,
 )
+from splitserve.router.openai_tool_formats import tool_output
 from splitserve.router.openai_tools import Tool, ToolChoice
 
 

@@ -190,7 +190,6 @@ def test_chat_template_default_system_prompt_only_without_one(tok):
 
 
 def test_chat_template_sandbox_and_helpers():
-    import jinja2
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import WordLevel
 
@@ -204,9 +203,10 @@ def test_chat_template_sandbox_and_helpers():
     # trim_blocks / lstrip_blocks, bos/eos in the context, tojson without HTML escaping
     template = "{{ bos_token }}\n  {% for m in messages %}\n{{ m | tojson }}{% endfor %}{{ eos_token }}"
     assert render(template) == '<s>\n{"role": "user", "content": "<b>&"}</s>'
-    with pytest.raises(jinja2.exceptions.TemplateError, match="no system"):
+    # what a template refuses is the conversation's fault: a ValueError naming the template's reason
+    with pytest.raises(ValueError, match="refused the conversation: TemplateError: no system"):
         render("{{ raise_exception('no system') }}")
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="SecurityError"):  # the sandbox holds
         render("{{ messages.append(1) }}")
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(backend).apply_chat_template([])

@@ -25,6 +25,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from splitserve.engine.tool_call_format import ToolCallFormat, template_tool_format
+
 log = logging.getLogger(__name__)
 
 # ---- pre-tokenizer regexes, by llama.cpp's `tokenizer.ggml.pre` name -----------------------------
@@ -105,6 +107,14 @@ class Tokenizer:
         for i in (bos_token_id, *self._eos_token_ids):
             if i is not None and not 0 <= i < vocab:
                 raise ValueError(f"special token id {i} is outside the vocabulary of {vocab}")
+        # The tool-call syntax the template teaches (None: it takes no tools). Where that syntax
+        # opens with a special token ([TOOL_CALLS]), decoding shows the token, or no reader could
+        # tell a call from content.
+        self.tool_format: ToolCallFormat | None = template_tool_format(chat_template)
+        specials = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = frozenset(specials)
+        marker = self.tool_format.marker if self.tool_format else None
+        self._shown_ids = frozenset(i for i, text in specials.items() if text == marker)
 
     # ---- construction ----
 
@@ -204,18 +214,36 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """`skip_special_tokens` skips every special token but the tool-call format's marker."""
+        if skip_special_tokens and self._shown_ids:
+            shown = [i for i in ids if i not in self._special_ids or i in self._shown_ids]
+            return self.backend.decode(shown, skip_special_tokens=False)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered as transformers renders it."""
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for a conversation, rendered as transformers renders it. `tools` (OpenAI's
+        list) go to a template that takes them, as do messages' `tool_calls` and `tool_call_id`."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        context: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools and self.tool_format is None:
+            raise ValueError("this model's chat template takes no tools")
+        context: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
+        if tools:
+            context["tools"] = tools
         if self.bos_token is not None:
             context["bos_token"] = self.bos_token
         if self._eos_token_ids:
             context["eos_token"] = self.id_to_token(self._eos_token_ids[0])
-        return _compile_chat_template(self.chat_template).render(**context)
+        template = _compile_chat_template(self.chat_template)
+        try:
+            return template.render(**context)
+        except Exception as e:  # its raise_exception, or a value it cannot handle: these messages'
+            raise ValueError(f"the chat template refused the conversation: {type(e).__name__}: {e}") from None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

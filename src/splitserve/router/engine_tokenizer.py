@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.router.tokenizer import ChatTurn, turn_dict
 
 
 class _Detokenizer:
@@ -22,6 +24,7 @@ class EngineTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
+        self.tool_format = tokenizer.tool_format
         # The first render compiles the model's jinja chat template (about 30 ms for SmolLM2's):
         # paid here, at start, rather than by the first client's time to first token.
         self.encode_chat([("user", "warm-up")])
@@ -29,8 +32,8 @@ class EngineTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+    def encode_chat(self, messages: Sequence[ChatTurn], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template([turn_dict(m) for m in messages], tools=tools)
         # the template already holds any BOS it wants
         return self.tokenizer.encode(text, add_special_tokens=False)
 

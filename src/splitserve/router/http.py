@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -41,14 +42,15 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from splitserve.engine.tool_call_format import ToolCallFormat
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.openai_choices import Answer, Piece, Shape, stream_choice, whole_choices
-from splitserve.router.openai_fields import BadRequest, boolean, bounded, integer, number, set_field, string
+from splitserve.router.openai_fields import BadRequest, boolean, bounded, integer, number, set_field, string, unicode
 from splitserve.router.openai_logprobs import TokenText
 from splitserve.router.openai_messages import chat_messages
 from splitserve.router.openai_response_format import CONSTRAINT_FIELDS, output_constraint
-from splitserve.router.openai_tools import TOOL_FIELDS, ToolChoice, parse_tool_choice, tool_grammar
+from splitserve.router.openai_tools import TOOL_FIELDS, ToolChoice, parse_tool_choice, template_tools, tool_grammar
 from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details
@@ -245,13 +247,18 @@ def _echo(req: pb.GenerateRequest, fields: dict[str, Any], decode: Callable[[lis
 
 
 def from_openai(
-    body: Any, chat: bool, vocab_size: int | None = None, decode: Callable[[list[int]], str] | None = None
+    body: Any,
+    chat: bool,
+    vocab_size: int | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    tool_format: ToolCallFormat | None = None,
 ) -> OpenAIRequest:
     """An OpenAI JSON body -> the request to run; BadRequest names the field that is wrong.
 
     Every value is checked before it goes into the protobuf, so what comes out
     serialises; `null` counts as absent, as in OpenAI's API. `decode` gives a token-id
-    prompt's text for echo.
+    prompt's text for echo; `tool_format`, the syntax the model's chat template teaches (None
+    where it takes no tools).
     """
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -266,9 +273,12 @@ def from_openai(
     req.request_id = string(fields["request_id"], "request_id") if "request_id" in fields else ""
     req.request_id = req.request_id or f"http-{uuid.uuid4().hex}"
     tools = parse_tool_choice(fields) if chat else None
+    if tools is not None and tool_format is not None:
+        tools = dataclasses.replace(tools, template_format=tool_format.name)
+        req.chat.tools_json = unicode(json.dumps(template_tools(tools), ensure_ascii=False), "tools")
     if chat:
-        for role, content in chat_messages(fields.get("messages"), tools):
-            req.chat.messages.add(role=role, content=content)
+        for message in chat_messages(fields.get("messages"), tools):
+            req.chat.messages.add(**message)
     else:
         _prompt(req, fields, vocab_size)
     _sampling(req.sampling, fields)
@@ -368,7 +378,8 @@ class OpenAIServer:
 
     def _translate(self, body: Any, chat: bool) -> OpenAIRequest:
         try:
-            return from_openai(body, chat, self.generation.tokenizer.vocab_size, self._decode)
+            tok = self.generation.tokenizer
+            return from_openai(body, chat, tok.vocab_size, self._decode, tok.tool_format)
         except BadRequest:
             raise
         except Exception as e:  # a check from_openai lacks; still the client's body, but worth a look

@@ -23,7 +23,8 @@ from splitserve.router.openai_logprobs import (
     empty_completion_logprobs,
     extend_completion_logprobs,
 )
-from splitserve.router.openai_tool_calls import CallDelta, merge_calls, tool_output
+from splitserve.router.openai_tool_calls import CallDelta, merge_calls
+from splitserve.router.openai_tool_formats import tool_output
 from splitserve.router.openai_tools import ToolChoice
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}

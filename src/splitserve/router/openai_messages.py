@@ -1,50 +1,75 @@
-"""OpenAI chat `messages` -> the (role, content) pairs the public request carries.
+"""OpenAI chat `messages` -> the chat messages the public request carries.
 
 Accepted as OpenAI's clients send them: content as a string, or a list of text parts (joined
 with newlines, as vLLM joins them); an assistant message with `tool_calls` (its content may be
-null); a "tool" message with `tool_call_id`. The gRPC ChatMessage has only a role and a
-content, so calls and results are rendered into the content in the Hermes format
-(router/openai_tools.py), and the tools of the request go into the system message (appended
-to the client's own, or a new first message). Keys OpenAI defines that change nothing here
+null); a "tool" message with `tool_call_id`. Keys OpenAI defines that change nothing here
 (`name`, `refusal`, ...) are ignored, as before.
+
+Tools reach the model one of two ways (`ToolChoice.template_format`):
+- the model's chat template takes tools: the tools, the earlier calls and the results travel as
+  structures (ChatMessages.tools_json, ChatMessage.tool_calls_json and tool_call_id) and the
+  template renders them as the model was trained to read them;
+- it does not: calls and results are rendered into the content in the Hermes format
+  (router/openai_tools.py), and the tools go into the system message (appended to the client's
+  own, or a new first message).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from splitserve.router.openai_fields import BadRequest, obj, string, unicode
-from splitserve.router.openai_tools import ToolChoice, render_tool_calls, render_tool_response, tools_prompt
+from splitserve.router.openai_tools import (
+    ToolChoice,
+    render_tool_calls,
+    render_tool_response,
+    template_calls,
+    tools_prompt,
+)
 
 
-def chat_messages(messages: Any, tools: ToolChoice | None) -> list[tuple[str, str]]:
-    """Every message checked and rendered; the tools' system prompt put in place."""
+def chat_messages(messages: Any, tools: ToolChoice | None) -> list[dict[str, str]]:
+    """Every message checked and rendered (ChatMessage's fields); the tools' prompt put in place."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: must be a non-empty list")
-    out = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    if tools is not None:
-        prompt = unicode(tools_prompt(tools), "tools")  # a client's schema may hold a lone surrogate
-        if out[0][0] == "system":
-            out[0] = ("system", f"{out[0][1]}\n\n{prompt}")
+    native = tools is not None and tools.template_format is not None
+    out = [_message(m, f"messages[{i}]", native) for i, m in enumerate(messages)]
+    prompt = None if tools is None else tools_prompt(tools)
+    if prompt:
+        prompt = unicode(prompt, "tools")  # a client's schema may hold a lone surrogate
+        if out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
         else:
-            out.insert(0, ("system", prompt))
+            out.insert(0, {"role": "system", "content": prompt})
     return out
 
 
-def _message(m: Any, field: str) -> tuple[str, str]:
+def _message(m: Any, field: str, native: bool) -> dict[str, str]:
     if not isinstance(m, dict):
         raise BadRequest(f"{field}: must be an object with string role and content")
     role = string(m.get("role"), f"{field}.role")
     content = _content(m.get("content"), f"{field}.content")
+    out: dict[str, str] = {"role": role}
     if role == "assistant" and m.get("tool_calls") is not None:
-        calls = render_tool_calls(_tool_calls(m["tool_calls"], f"{field}.tool_calls"))
-        content = f"{content}\n{calls}" if content else calls
+        calls = _tool_calls(m["tool_calls"], f"{field}.tool_calls")
+        if native:
+            text = json.dumps(template_calls(calls), ensure_ascii=False)
+            out["tool_calls_json"] = unicode(text, f"{field}.tool_calls")
+            content = content or ""
+        else:
+            rendered = render_tool_calls([(name, args) for _, name, args in calls])
+            content = f"{content}\n{rendered}" if content else rendered
     elif content is None:
         raise BadRequest(f"{field}.content: must be a string")
     if role == "tool":
-        string(m.get("tool_call_id"), f"{field}.tool_call_id")
-        content = render_tool_response(content)
-    return role, unicode(content, f"{field}.content")
+        call_id = string(m.get("tool_call_id"), f"{field}.tool_call_id")
+        if native:
+            out["tool_call_id"] = unicode(call_id, f"{field}.tool_call_id")
+        else:
+            content = render_tool_response(content)
+    out["content"] = unicode(content, f"{field}.content")
+    return out
 
 
 def _content(v: Any, field: str) -> str | None:
@@ -60,8 +85,8 @@ def _content(v: Any, field: str) -> str | None:
     return "\n".join(texts)
 
 
-def _tool_calls(v: Any, field: str) -> list[tuple[str, str]]:
-    """An assistant's earlier calls as (name, arguments)."""
+def _tool_calls(v: Any, field: str) -> list[tuple[str, str, str]]:
+    """An assistant's earlier calls as (id, name, arguments)."""
     if not isinstance(v, list):
         raise BadRequest(f"{field}: must be a list")
     calls = []
@@ -69,9 +94,8 @@ def _tool_calls(v: Any, field: str) -> list[tuple[str, str]]:
         call = obj(c, f"{field}[{k}]", {"id", "type", "function"}, required=("function",))
         if call.get("type", "function") != "function":
             raise BadRequest(f"{field}[{k}].type: must be 'function'")
-        if "id" in call:
-            string(call["id"], f"{field}[{k}].id")
+        call_id = string(call["id"], f"{field}[{k}].id") if "id" in call else ""
         fn = obj(call["function"], f"{field}[{k}].function", {"name", "arguments"}, required=("name", "arguments"))
         name = string(fn["name"], f"{field}[{k}].function.name")
-        calls.append((name, string(fn["arguments"], f"{field}[{k}].function.arguments")))
+        calls.append((call_id, name, string(fn["arguments"], f"{field}[{k}].function.arguments")))
     return calls

@@ -1,6 +1,8 @@
 """The model's text -> OpenAI tool calls, as the text arrives.
 
-One reader per tool_choice (router/openai_tools.py says what each asks of the model):
+One reader per tool_choice (router/openai_tools.py says what each asks of the model;
+router/openai_tool_formats.py's `tool_output` picks it, and holds the readers of the other
+families' syntaxes for "auto"):
 - "auto" (`HermesCalls`): <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks become
   calls, the text outside them stays content. Text that could be the start of "<tool_call>" is
   held back until it is known not to be, so a streamed answer never shows half a tag.
@@ -21,8 +23,6 @@ import json
 import re
 import secrets
 from typing import Any, NamedTuple, Protocol
-
-from splitserve.router.openai_tools import ToolChoice
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -62,17 +62,6 @@ class ToolOutput(Protocol):
     def feed(self, text: str) -> OutputDelta: ...
 
     def finish(self) -> OutputDelta: ...
-
-
-def tool_output(choice: ToolChoice | None) -> ToolOutput:
-    if choice is None:
-        return PlainText()
-    if choice.mode == "auto":
-        return HermesCalls()
-    if choice.mode == "required":
-        return ArrayCalls()
-    assert choice.function is not None
-    return NamedCall(choice.function)
 
 
 def merge_calls(calls: list[CallDelta]) -> list[CallDelta]:
@@ -180,7 +169,7 @@ def _parse_call(text: str) -> tuple[str, str] | None:
     return v["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-class _CallReader:
+class CallReader:
     """One call, {"name": N, "arguments" (or "parameters"): A}, as its text arrives: a delta with
     the call's id and name once its head has arrived, then A's text piece by piece. A string A
     (some models quote the arguments) is sent whole, unquoted, once it ends."""
@@ -239,7 +228,7 @@ class _CallReader:
         return [CallDelta(self.index, None, None, piece)] if piece else []
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is the start of `tag` (what to hold back)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -253,7 +242,7 @@ class HermesCalls:
 
     def __init__(self) -> None:
         self.pending = ""  # text not handled yet
-        self.reader: _CallReader | None = None  # inside a block
+        self.reader: CallReader | None = None  # inside a block
         self.calls = 0
         self.space = ""  # whitespace that ended the content so far
         self.before = ""  # the whitespace held before the block being read
@@ -288,7 +277,7 @@ class HermesCalls:
         """Handle what the pending text allows; True while there may be more to handle."""
         tag = TOOL_CALL_START if self.reader is None else TOOL_CALL_END
         i = self.pending.find(tag)
-        upto = i if i >= 0 else len(self.pending) - _partial_tag(self.pending, tag)
+        upto = i if i >= 0 else len(self.pending) - partial_tag(self.pending, tag)
         if self.reader is None:
             self._content(self.pending[:upto], content)
         else:
@@ -298,7 +287,7 @@ class HermesCalls:
             return False
         if self.reader is None:
             self.before, self.space = self.space, ""  # the whitespace before a call is no content
-            self.reader = _CallReader(self.calls)
+            self.reader = CallReader(self.calls)
         else:
             self._close(content, calls, closed=True)
         return True
@@ -329,7 +318,7 @@ class ArrayCalls:
         self.text = ""  # the whole output
         self.pending = ""
         self.state = "open"  # "open" (before "["), "items", "done"
-        self.reader: _CallReader | None = None
+        self.reader: CallReader | None = None
         self.calls = 0
 
     @property
@@ -368,7 +357,7 @@ class ArrayCalls:
         if self.state == "open":
             self.state = "items" if s[0] == "[" else "done"
         elif s[0] == "{":
-            self.reader = _CallReader(self.calls)
+            self.reader = CallReader(self.calls)
             return True
         elif s[0] != ",":
             self.state = "done"  # "]", or what no grammar would have allowed

@@ -1,13 +1,15 @@
 """OpenAI's `tools` and `tool_choice` on the request side: the checks, the constraint a forced
 call puts on the output, and the text that tells the model about its tools.
 
-The public gRPC request carries a chat as (role, content) pairs only, so the tools reach the
-model as text in a system message, in the Hermes format (Qwen2.5's and Hermes 2 Pro's chat
-templates render tools this very way): the signatures as JSON lines inside <tools></tools>,
-and the instruction to answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>.
-A conversation's earlier calls and their results are rendered the same way (the assistant's
-calls as <tool_call> blocks, a tool's result as a <tool_response> block), so the model reads
-back what it was taught to write.
+Where the model's chat template takes tools (engine/tool_call_format.py reads which syntax it
+teaches), the tools and a conversation's earlier calls go to the template as structures
+(`template_tools`, `template_calls`) and the model answers in its own syntax. Where it does not,
+the tools reach the model as text in a system message, in the Hermes format (Qwen2.5's and
+Hermes 2 Pro's chat templates render tools this very way): the signatures as JSON lines inside
+<tools></tools>, and the instruction to answer with <tool_call>{"name": ..., "arguments":
+...}</tool_call>. A conversation's earlier calls and their results are rendered the same way
+(the assistant's calls as <tool_call> blocks, a tool's result as a <tool_response> block), so
+the model reads back what it was taught to write.
 
 tool_choice, as vLLM implements it:
 - "none": no tools in the prompt, the output is plain text.
@@ -66,6 +68,9 @@ class ToolChoice:
     tools: tuple[Tool, ...]
     function: str | None = None  # the forced function's name (mode "function")
     parallel: bool = True  # parallel_tool_calls: false allows one call at most
+    # the syntax the model's chat template teaches (engine/tool_call_format.py's name), the tools
+    # then rendered by that template; None: the router teaches Hermes blocks in a system message
+    template_format: str | None = None
 
 
 def parse_tool_choice(fields: dict[str, Any]) -> ToolChoice | None:
@@ -162,18 +167,45 @@ def calls_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict[str, An
     return schema
 
 
-def tools_prompt(choice: ToolChoice) -> str:
-    """The system-prompt text that tells the model its tools and how to call them."""
-    lines = []
+def template_tools(choice: ToolChoice) -> list[dict[str, Any]]:
+    """The tools as OpenAI's list, what a chat template's `tools` holds (a missing description
+    left out, missing parameters an object of none)."""
+    out = []
     for t in choice.tools:
         fn: dict[str, Any] = {"name": t.name}
         if t.description is not None:
             fn["description"] = t.description
         fn["parameters"] = t.parameters or _ANY_OBJECT
-        lines.append(json.dumps({"type": "function", "function": fn}, ensure_ascii=False))
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def template_calls(calls: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, (id, name, arguments as JSON text), as a chat template reads
+    them: arguments that are JSON as the object (templates apply `tojson` to them, as vLLM hands
+    them over), others as the string they are."""
+    out = []
+    for call_id, name, arguments in calls:
+        try:
+            args: Any = json.loads(arguments)
+        except (ValueError, RecursionError):
+            args = arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if call_id:
+            call["id"] = call_id
+        out.append(call)
+    return out
+
+
+def tools_prompt(choice: ToolChoice) -> str:
+    """The system-prompt text that tells the model its tools and how to call them; with a template
+    that renders the tools itself, only what a forced call asks ("" for "auto")."""
     instruction = _INSTRUCTION[choice.mode]
     if choice.mode == "function":
         instruction = instruction.format(choice.function)
+    if choice.template_format is not None:
+        return "" if choice.mode == "auto" else instruction
+    lines = [json.dumps(t, ensure_ascii=False) for t in template_tools(choice)]
     return _TOOLS_HEADER + "\n".join(lines) + "\n</tools>\n\n" + instruction
 
 

@@ -11,8 +11,19 @@ detokenization has the real difficulty: a character split across tokens.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from splitserve.engine.tool_call_format import ToolCallFormat
+
+# One chat message: (role, content), or a mapping with OpenAI's keys where the message carries
+# an assistant's `tool_calls` or a tool result's `tool_call_id` for the model's template to render.
+ChatTurn = tuple[str, str] | Mapping[str, Any]
+
+
+def turn_dict(turn: ChatTurn) -> dict[str, Any]:
+    """A message as its template sees it."""
+    return {"role": turn[0], "content": turn[1]} if isinstance(turn, tuple) else dict(turn)
 
 
 class Detokenizer(Protocol):
@@ -27,13 +38,17 @@ class Detokenizer(Protocol):
 
 class RouterTokenizer(Protocol):
     vocab_size: int
+    # the tool-call syntax the chat template teaches; None where it takes no tools (the router
+    # then teaches Hermes blocks in a system message of its own)
+    tool_format: ToolCallFormat | None
 
     def encode(self, text: str) -> list[int]:
         """A raw text prompt, as the model should see it."""
         ...
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """(role, content) pairs rendered with the chat template, generation prompt added."""
+    def encode_chat(self, messages: Sequence[ChatTurn], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The messages rendered with the chat template, generation prompt added; `tools` (OpenAI's
+        list) handed to a template that takes them (ValueError for one that does not)."""
         ...
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
@@ -64,8 +79,13 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        rendered = "".join(f"<|{role}|>{content}\n" for role, content in messages) + "<|assistant|>"
+    tool_format = None
+
+    def encode_chat(self, messages: Sequence[ChatTurn], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if tools:
+            raise ValueError("this model's chat template takes no tools")
+        turns = [turn_dict(m) for m in messages]
+        rendered = "".join(f"<|{t['role']}|>{t['content']}\n" for t in turns) + "<|assistant|>"
         return [self.bos_token_id, *rendered.encode("utf-8")]
 
     def decode(self, token_ids: Sequence[int]) -> str:

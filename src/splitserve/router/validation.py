@@ -14,6 +14,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
@@ -27,7 +28,7 @@ from splitserve.engine.sampling import (
 )
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Limits
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import ChatTurn, RouterTokenizer
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's result, as the OpenAI surface sends it
@@ -245,26 +246,57 @@ def tokenize_prompt(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTo
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValidationError(f"token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})")
     else:
-        _reject_unknown(req.chat, "chat")
-        msgs = req.chat.messages
-        if not msgs:
-            raise ValidationError("chat.messages", "must not be empty")
-        if len(msgs) > limits.max_chat_messages:
-            raise ValidationError("chat.messages", f"more than {limits.max_chat_messages} messages")
-        total = 0
-        for i, m in enumerate(msgs):
-            _reject_unknown(m, f"chat.messages[{i}]")
-            if m.role not in CHAT_ROLES:
-                raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role[:32]!r}")
-            total += len(m.content)
-        if total > limits.max_prompt_chars:
-            raise ValidationError("chat.messages", f"longer than {limits.max_prompt_chars} characters in all")
-        ids = tokenizer.encode_chat([(m.role, m.content) for m in msgs])
+        ids = _tokenize_chat(req.chat, limits, tokenizer)
     if not ids:
         raise ValidationError(kind, "gives no tokens")
     if len(ids) > limits.max_prompt_tokens:
         raise ValidationError(kind, f"{len(ids)} tokens exceed the limit of {limits.max_prompt_tokens}")
     return ids
+
+
+def _tokenize_chat(chat: pb.ChatMessages, limits: Limits, tokenizer: RouterTokenizer) -> list[int]:
+    """The chat rendered by the model's template: tools and earlier calls as structures it renders."""
+    _reject_unknown(chat, "chat")
+    msgs = chat.messages
+    if not msgs:
+        raise ValidationError("chat.messages", "must not be empty")
+    if len(msgs) > limits.max_chat_messages:
+        raise ValidationError("chat.messages", f"more than {limits.max_chat_messages} messages")
+    total = len(chat.tools_json)
+    turns: list[ChatTurn] = []
+    for i, m in enumerate(msgs):
+        _reject_unknown(m, f"chat.messages[{i}]")
+        if m.role not in CHAT_ROLES:
+            raise ValidationError(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role[:32]!r}")
+        total += len(m.content) + len(m.tool_calls_json) + len(m.tool_call_id)
+        if total > limits.max_prompt_chars:
+            raise ValidationError("chat.messages", f"longer than {limits.max_prompt_chars} characters in all")
+        if not (m.tool_calls_json or m.tool_call_id):
+            turns.append((m.role, m.content))
+            continue
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            turn["tool_calls"] = _json_list(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
+        if m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        turns.append(turn)
+    tools = _json_list(chat.tools_json, "chat.tools_json") if chat.tools_json else None
+    if tools and tokenizer.tool_format is None:
+        raise ValidationError("chat.tools_json", "this model's chat template takes no tools")
+    try:
+        return tokenizer.encode_chat(turns, tools)
+    except ValueError as e:  # the template refused the conversation (its raise_exception)
+        raise ValidationError("chat", str(e)[:200]) from None
+
+
+def _json_list(text: str, field: str) -> list[Any]:
+    try:
+        v = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValidationError(field, "is not valid JSON") from None
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ValidationError(field, "must be a JSON list of objects")
+    return v
 
 
 def validate(req: pb.GenerateRequest, limits: Limits, tokenizer: RouterTokenizer) -> ValidRequest:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x34\n\x0estream_options\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.StreamOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xa5\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\r\x88\x01\x01\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.splitserve.v1.Grammar\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\r\n\x0b_ignore_eosB\x0f\n\r_top_logprobsB\r\n\x0b_min_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x8d\x01\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\")\n\rStreamOptions\x12\x18\n\x10\x63ontinuous_usage\x18\x01 \x01(\x08\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.splitserve.v1.PromptLogprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"l\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobsB\n\n\x08_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x34\n\x0estream_options\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.StreamOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"P\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\xa5\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\r\x88\x01\x01\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.splitserve.v1.Grammar\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\r\n\x0b_ignore_eosB\x0f\n\r_top_logprobsB\r\n\x0b_min_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x8d\x01\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\")\n\rStreamOptions\x12\x18\n\x10\x63ontinuous_usage\x18\x01 \x01(\x08\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.splitserve.v1.PromptLogprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"l\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobsB\n\n\x08_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2011
-  _globals['_FINISHREASON']._serialized_end=2106
+  _globals['_FINISHREASON']._serialized_start=2078
+  _globals['_FINISHREASON']._serialized_end=2173
   _globals['_GENERATEREQUEST']._serialized_start=48
   _globals['_GENERATEREQUEST']._serialized_end=305
   _globals['_TOKENIDS']._serialized_start=307
   _globals['_TOKENIDS']._serialized_end=330
   _globals['_CHATMESSAGE']._serialized_start=332
-  _globals['_CHATMESSAGE']._serialized_end=376
-  _globals['_CHATMESSAGES']._serialized_start=378
-  _globals['_CHATMESSAGES']._serialized_end=438
-  _globals['_SAMPLINGPARAMS']._serialized_start=441
-  _globals['_SAMPLINGPARAMS']._serialized_end=1246
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=976
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1024
-  _globals['_GRAMMAR']._serialized_start=1249
-  _globals['_GRAMMAR']._serialized_end=1390
-  _globals['_CHOICELIST']._serialized_start=1392
-  _globals['_CHOICELIST']._serialized_end=1421
-  _globals['_STREAMOPTIONS']._serialized_start=1423
-  _globals['_STREAMOPTIONS']._serialized_end=1464
-  _globals['_GENERATERESPONSE']._serialized_start=1467
-  _globals['_GENERATERESPONSE']._serialized_end=1765
-  _globals['_TOPLOGPROBS']._serialized_start=1767
-  _globals['_TOPLOGPROBS']._serialized_end=1817
-  _globals['_PROMPTLOGPROB']._serialized_start=1819
-  _globals['_PROMPTLOGPROB']._serialized_end=1927
-  _globals['_USAGE']._serialized_start=1929
-  _globals['_USAGE']._serialized_end=2009
-  _globals['_GENERATION']._serialized_start=2108
-  _globals['_GENERATION']._serialized_end=2199
+  _globals['_CHATMESSAGE']._serialized_end=423
+  _globals['_CHATMESSAGES']._serialized_start=425
+  _globals['_CHATMESSAGES']._serialized_end=505
+  _globals['_SAMPLINGPARAMS']._serialized_start=508
+  _globals['_SAMPLINGPARAMS']._serialized_end=1313
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1043
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1091
+  _globals['_GRAMMAR']._serialized_start=1316
+  _globals['_GRAMMAR']._serialized_end=1457
+  _globals['_CHOICELIST']._serialized_start=1459
+  _globals['_CHOICELIST']._serialized_end=1488
+  _globals['_STREAMOPTIONS']._serialized_start=1490
+  _globals['_STREAMOPTIONS']._serialized_end=1531
+  _globals['_GENERATERESPONSE']._serialized_start=1534
+  _globals['_GENERATERESPONSE']._serialized_end=1832
+  _globals['_TOPLOGPROBS']._serialized_start=1834
+  _globals['_TOPLOGPROBS']._serialized_end=1884
+  _globals['_PROMPTLOGPROB']._serialized_start=1886
+  _globals['_PROMPTLOGPROB']._serialized_end=1994
+  _globals['_USAGE']._serialized_start=1996
+  _globals['_USAGE']._serialized_end=2076
+  _globals['_GENERATION']._serialized_start=2175
+  _globals['_GENERATION']._serialized_end=2266
 # @@protoc_insertion_point(module_scope)
