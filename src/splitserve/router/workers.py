@@ -146,10 +146,14 @@ class WorkerSet:
 
     async def close(self) -> None:
         self._closed = True
+        tasks = [t for w in self._workers.values() for t in w.tasks]
+        for t in tasks:
+            t.cancel()
         for w in list(self._workers.values()):
-            for t in w.tasks:
-                t.cancel()
             await w.channel.close()
+        # Waited for, not only cancelled: a poll cancelled inside a gRPC call is still pending
+        # when close returns, and the loop's end would destroy it mid-cancel (asyncio logs that).
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._workers.clear()
 
     def _health_changed(self) -> None:
