@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -159,4 +160,40 @@ def test_tokens_routed_to_arrive_as_kv_count_as_the_decode_workers_context_not_i
             await workers.close()
             await fake.stop()
 
+    asyncio.run(scenario())
+
+
+def test_a_worker_of_another_model_is_never_routed_to(caplog: pytest.LogCaptureFixture):
+    """The first fingerprint reported is the cluster's model; a worker of another is not routable
+    (and so no stream migrates onto it), logged once, until it reports the cluster's."""
+
+    async def scenario() -> None:
+        kv = FakeKVPlane()
+        ours, stranger = FakePrefillWorker(kv), FakePrefillWorker(kv)
+        ours.model_fingerprint, stranger.model_fingerprint = b"a" * 16, b"b" * 16
+        for f in (ours, stranger):
+            await f.start()
+        workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=0.02)), PrefixIndex())
+        try:
+            workers.add(ours.address, "prefill")
+            await until(lambda: bool(workers.healthy("prefill")))
+            workers.add(stranger.address, "prefill")
+            w = workers.get(stranger.address)
+            assert w is not None
+            polled = stranger.stats_answered
+            await until(lambda: stranger.stats_answered >= polled + 5)
+            assert [x.address for x in workers.healthy("prefill")] == [ours.address] and w.stats is None
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert errors == [
+                f"worker {stranger.address} serves another model (fingerprint {'62' * 16}, the cluster's {'61' * 16}): "
+                "not routing to it"
+            ]
+            stranger.model_fingerprint = ours.model_fingerprint  # restarted with the cluster's model
+            await until(lambda: w.healthy)
+        finally:
+            await workers.close()
+            for f in (ours, stranger):
+                await f.stop()
+
+    caplog.set_level(logging.INFO, logger="splitserve.router.workers")
     asyncio.run(scenario())

@@ -225,7 +225,11 @@ def tier_name(tier: int) -> str:
 
 
 def stats_to_proto(
-    worker_id: str, s: SchedulerStats, block_size: int, speeds: TierSpeeds | None = None
+    worker_id: str,
+    s: SchedulerStats,
+    block_size: int,
+    speeds: TierSpeeds | None = None,
+    model_fingerprint: bytes = b"",
 ) -> wpb.WorkerStats:
     """`speeds`: the worker's measured prefill speed and tier bandwidths (engine/kv_tiers.py), if it has tiers."""
     out = wpb.WorkerStats(
@@ -239,6 +243,7 @@ def stats_to_proto(
         block_size=block_size,
         prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits,
+        model_fingerprint=model_fingerprint,
     )
     if speeds is not None:
         out.prefill_tokens_per_s = speeds.prefill_tokens_per_s

@@ -95,6 +95,7 @@ class _FakeBase:
         self.address = ""
         self.cancel_calls: list[str] = []  # request ids passed to Cancel
         self.sample_cancels: list[tuple[str, int]] = []  # (request id, sample index) of one-sample cancels
+        self.model_fingerprint = b""  # what its stats report (engine/fingerprint.py's 16 bytes)
 
     def token(self, index: int, i: int) -> int:
         """The i-th output token of sample `index` of every request."""
@@ -217,6 +218,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             total_blocks=self.total_blocks,
             running_requests=len(self.active),
             block_size=self.block_size,
+            model_fingerprint=self.model_fingerprint,
         )
 
     async def Decode(  # noqa: N802
@@ -370,6 +372,7 @@ class FakePrefillWorker(_FakeBase, wgrpc.PrefillWorkerServicer):
             free_blocks=self.total_blocks,
             total_blocks=self.total_blocks,
             block_size=self.block_size,
+            model_fingerprint=self.model_fingerprint,
         )
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext) -> wpb.PrefillResult:  # noqa: N802

@@ -57,7 +57,7 @@ class Worker:
     channel: grpc.aio.Channel
     stub: wgrpc.DecodeWorkerStub | wgrpc.PrefillWorkerStub
     stats: wpb.WorkerStats | None = None
-    healthy: bool = False  # routable: its last stats polls succeeded and its block size matches
+    healthy: bool = False  # routable: its last stats polls succeeded, its block size and model match
     failures: int = 0  # stats polls failed in a row
     # The router's view is the last stats plus what it knows happened since: tokens routed here
     # (so bursts spread) and tokens of its requests that ended here (so a worker that finished a
@@ -110,6 +110,8 @@ class WorkerSet:
         self._on_health_change = on_health_change or (lambda: None)
         self._changed = asyncio.Event()  # replaced, after being set, at every change of health
         self._closed = False
+        # the model every routable worker serves: the first fingerprint a worker reported
+        self.model_fingerprint: bytes | None = None
         # selected once, here, because the round-robin baseline counts its turns across requests
         self.decode_chooser: DecodeChooser = decode_chooser(cfg.routing)
 
@@ -295,12 +297,35 @@ class WorkerSet:
                 )
             w.healthy, w.failures = False, 1
             return
+        if not self._same_model(w, st.model_fingerprint):
+            return
         w.stats, w.failures, w.healthy = st, 0, True
         w.assigned_tokens = max(0, w.assigned_tokens - assigned_before[0])
         w.assigned_context = max(0, w.assigned_context - assigned_before[1])
         w.ended_tokens = max(0, w.ended_tokens - ended_before)
         if w.draining:
             w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
+
+    def _same_model(self, w: Worker, fingerprint: bytes) -> bool:
+        """Whether `w` serves the cluster's model: the one the first worker to report a fingerprint
+        serves. A worker of another model is never routed to, so no stream is prefilled by one
+        model and decoded by another, nor migrated onto another (a KV transfer between two would
+        be refused by its manifest; a migration recomputes the KV, so only this check stops it)."""
+        if not fingerprint:
+            return True  # a worker that does not say (an older one): its KV handshake still checks
+        if self.model_fingerprint is None:
+            self.model_fingerprint = fingerprint
+        if fingerprint == self.model_fingerprint:
+            return True
+        if w.healthy or w.failures == 0:
+            log.error(
+                "worker %s serves another model (fingerprint %s, the cluster's %s): not routing to it",
+                w.address,
+                fingerprint.hex(),
+                self.model_fingerprint.hex(),
+            )
+        w.healthy, w.failures = False, 1
+        return False
 
     async def _follow_blocks(self, w: Worker) -> None:
         deadlines = self.cfg.deadlines

@@ -201,7 +201,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_s", "host_tier_bytes_per_s", "disk_tier_bytes_per_s", "kv_block_bytes")
+    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_s", "host_tier_bytes_per_s", "disk_tier_bytes_per_s", "kv_block_bytes", "model_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class WorkerStats(_message.Message):
     HOST_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DISK_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_tokens: int
     running_tokens: int
@@ -230,7 +231,8 @@ class WorkerStats(_message.Message):
     host_tier_bytes_per_s: float
     disk_tier_bytes_per_s: float
     kv_block_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_tier_bytes_per_s: _Optional[float] = ..., disk_tier_bytes_per_s: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+    model_fingerprint: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_tier_bytes_per_s: _Optional[float] = ..., disk_tier_bytes_per_s: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()
