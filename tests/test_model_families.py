@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.models import registry
@@ -50,6 +50,19 @@ def test_every_family_is_registered_under_its_checkpoint_names():
     for name in FAMILY_NAMES:
         arch = registry.for_hf_model_type(family(name).config().model_type)
         assert arch.name == name
+
+
+def test_gemma3_query_scale_from_a_gguf_file_as_llama_cpp_takes_it():
+    """A GGUF file has no query_pre_attn_scalar: head_dim's, except the 27B's (62 layers), whose
+    is hidden / heads = 168, as llama.cpp fixes it; a config.json's own value is kept."""
+    arch = registry.for_hf_model_type("gemma3_text")
+    shapes = dict(vocab_size=262208, hidden_size=5376, num_heads=32, num_kv_heads=16, head_dim=128)
+    big = arch.configure(ModelConfig(num_layers=62, intermediate_size=21504, **shapes))
+    assert big.attention_scale == pytest.approx(168**-0.5)
+    small = arch.configure(ModelConfig(num_layers=34, intermediate_size=10240, **shapes))
+    assert small.attention_scale == pytest.approx(128**-0.5)
+    told = arch.configure(ModelConfig(num_layers=62, intermediate_size=21504, query_pre_attn_scalar=144.0, **shapes))
+    assert told.attention_scale == pytest.approx(144**-0.5)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])

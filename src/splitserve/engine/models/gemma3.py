@@ -47,7 +47,12 @@ def _gains_as_stored(decls: tuple[TensorDecl, ...]) -> tuple[TensorDecl, ...]:
 
 
 def _derived(cfg: ModelConfig) -> dict[str, float]:
-    return {"embedding_scale": cfg.hidden_size**0.5}
+    # The query scale: config.json says it (query_pre_attn_scalar); a GGUF file does not, and
+    # llama.cpp takes head_dim's except for the 27B (62 layers), whose is hidden_size / heads (168).
+    scalar = cfg.query_pre_attn_scalar
+    if not scalar and cfg.num_layers == 62:
+        scalar = cfg.hidden_size / cfg.num_heads
+    return {"embedding_scale": cfg.hidden_size**0.5, "query_pre_attn_scalar": scalar}
 
 
 ARCH = Architecture(
