@@ -56,13 +56,24 @@ def test_gemma3_query_scale_from_a_gguf_file_as_llama_cpp_takes_it():
     """A GGUF file has no query_pre_attn_scalar: head_dim's, except the 27B's (62 layers), whose
     is hidden / heads = 168, as llama.cpp fixes it; a config.json's own value is kept."""
     arch = registry.for_hf_model_type("gemma3_text")
-    shapes = dict(vocab_size=262208, hidden_size=5376, num_heads=32, num_kv_heads=16, head_dim=128)
-    big = arch.configure(ModelConfig(num_layers=62, intermediate_size=21504, **shapes))
-    assert big.attention_scale == pytest.approx(168**-0.5)
-    small = arch.configure(ModelConfig(num_layers=34, intermediate_size=10240, **shapes))
-    assert small.attention_scale == pytest.approx(128**-0.5)
-    told = arch.configure(ModelConfig(num_layers=62, intermediate_size=21504, query_pre_attn_scalar=144.0, **shapes))
-    assert told.attention_scale == pytest.approx(144**-0.5)
+
+    def gemma(layers: int, scalar: float = 0.0) -> ModelConfig:
+        return arch.configure(
+            ModelConfig(
+                vocab_size=262208,
+                hidden_size=5376,
+                intermediate_size=21504,
+                num_layers=layers,
+                num_heads=32,
+                num_kv_heads=16,
+                head_dim=128,
+                query_pre_attn_scalar=scalar,
+            )
+        )
+
+    assert gemma(62).attention_scale == pytest.approx(168**-0.5)
+    assert gemma(34).attention_scale == pytest.approx(128**-0.5)
+    assert gemma(62, 144.0).attention_scale == pytest.approx(144**-0.5)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
