@@ -55,6 +55,10 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] new tokens of each sequence
     context_lens_list: list[int]  # the same as context_lens, on the host
     is_decode: bool  # every query_len == 1
+    # a grouped cache (engine/kv_groups.py): the same step addressed to each group of windowed
+    # layers' pages, their block tables and slots translated (a block past the window: any page,
+    # never read, as the window masks it)
+    windowed: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -37,6 +37,7 @@ from splitserve.engine.connector import KVConnector, NullConnector, TransferOutc
 from splitserve.engine.fingerprint import model_fingerprint
 from splitserve.engine.handoff import Handoff, SampleState
 from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
+from splitserve.engine.kv_groups import CacheGroups
 from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.model_runner import ModelRunner
@@ -89,11 +90,20 @@ class Engine:
         )
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
+        # A model of windowed and global layers keeps its cache in pages (engine/kv_groups.py): as
+        # many as the blocks' memory holds, each of `rows` layers.
+        groups = CacheGroups.of(self.layout.windows)
+        pages = cfg.num_blocks if groups is None else cfg.num_blocks * model_cfg.num_layers // groups.rows
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         # Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU).
         devices = rank_devices(cfg.torch_device, tp)
         self.kv_cache = KVCache(
-            self.layout, cfg.num_blocks + 1, cfg.torch_device, list(devices), shared=tp > 1 and devices[0].type == "cpu"
+            self.layout,
+            pages + 1,
+            cfg.torch_device,
+            list(devices),
+            shared=tp > 1 and devices[0].type == "cpu",
+            groups=groups,
         )
         self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
         try:
@@ -107,7 +117,7 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(pages, cfg.block_size, cfg.enable_prefix_caching, groups, self.kv_cache.window_pages)
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
@@ -186,7 +196,7 @@ class Engine:
                 f"context of {self.model_cfg.max_position} tokens"
             )
         # A request that alone outgrows the whole cache would preempt itself for ever.
-        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+        if not self.blocks.fits_alone(len(prompt), total):
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens needs {self.blocks.blocks_needed(total)} KV blocks; "
                 f"the cache has {self.blocks.num_blocks}"

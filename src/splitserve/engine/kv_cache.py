@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import QUANTIZED_KV_DTYPES, kv_dtype_name
+from splitserve.engine.kv_groups import CacheGroups
 
 # The storage dtype of each quantized KV format's values, and the largest magnitude it holds.
 QUANTIZED_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -120,12 +121,14 @@ class KVLayout:
             return 2 * self.block_size * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
         return self.elements_per_block * torch.tensor([], dtype=self.torch_dtype).element_size()
 
-    def shard_shape(self, num_blocks: int) -> tuple[int, ...]:
+    def shard_shape(self, num_blocks: int, rows: int = 0) -> tuple[int, ...]:
         """One rank's cache tensor: `[layers, blocks, 2, block_size, kv_heads_per_rank, head_dim]`,
-        or `[layers, blocks, block_bytes]` when quantized."""
+        or `[layers, blocks, block_bytes]` when quantized (`rows` layers instead: a grouped
+        cache's pages, engine/kv_groups.py)."""
+        rows = rows or self.num_layers
         if self.quantized:
-            return (self.num_layers, num_blocks, self.shard_bytes_per_block)
-        return (self.num_layers, num_blocks, 2, self.block_size, self.kv_heads_per_rank, self.head_dim)
+            return (rows, num_blocks, self.shard_bytes_per_block)
+        return (rows, num_blocks, 2, self.block_size, self.kv_heads_per_rank, self.head_dim)
 
     @property
     def shard_bytes_per_block(self) -> int:
@@ -190,7 +193,12 @@ def check_shared_memory(nbytes: int, directory: str = SHM_DIR) -> None:
 
 
 class KVCache:
-    """Owns the cache tensor. Only block ids cross its interface."""
+    """Owns the cache tensor. Only block ids cross its interface.
+
+    A grouped cache (`groups`, engine/kv_groups.py: a model of windowed and global layers) is
+    `[rows, num_blocks, ...]` pages: block b is page b, and its windowed layers live in the pages
+    `window_pages[b]` while it holds them. The block manager writes `window_pages`; every reader
+    here translates a windowed layer's block ids to those pages."""
 
     def __init__(
         self,
@@ -199,17 +207,22 @@ class KVCache:
         device: torch.device | str = "cpu",
         shard_devices: list[torch.device | str] | None = None,
         shared: bool = False,
+        groups: CacheGroups | None = None,
     ) -> None:
         """`shard_devices`: each rank's device (default: `device` for every rank); `shared`: CPU
         shards in shared memory, for rank processes to map (torch.multiprocessing passes them)."""
         self.layout = layout
         self.num_blocks = num_blocks
+        self.groups = groups
+        self.rows = groups.rows if groups is not None else layout.num_layers
+        # a block's windowed layers' pages (grouped only): None where it holds none (released, or free)
+        self.window_pages: list[tuple[int, ...] | None] = [None] * num_blocks if groups is not None else []
         devices = shard_devices if shard_devices is not None else [device] * layout.tp_size
         if len(devices) != layout.tp_size:
             raise ValueError(f"{len(devices)} shard devices for tensor-parallel size {layout.tp_size}")
-        shape = layout.shard_shape(num_blocks)
+        shape = layout.shard_shape(num_blocks, self.rows)
         if shared:
-            check_shared_memory(num_blocks * layout.num_layers * layout.bytes_per_block)
+            check_shared_memory(num_blocks * self.rows * layout.bytes_per_block)
         self.shards = [torch.zeros(shape, dtype=layout.torch_dtype, device=d) for d in devices]
         if shared:
             for t in self.shards:
@@ -222,18 +235,56 @@ class KVCache:
 
     def layer(self, layer: int) -> torch.Tensor:
         """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of one layer (quantized:
-        `[num_blocks, block_bytes]`, which `quantized_views` splits)."""
-        return self.tensor[layer]
+        `[num_blocks, block_bytes]`, which `quantized_views` splits); of a grouped cache, the
+        layer's row, indexed by pages."""
+        return self.tensor[self.row(layer)]
+
+    def row(self, layer: int) -> int:
+        """The tensor's row that holds `layer`."""
+        return layer if self.groups is None else self.groups.layer_rows[layer][0]
+
+    def pages(self, layer: int, block_ids: list[int]) -> list[int]:
+        """Where `layer`'s K/V of these blocks is: the block ids themselves, but for a grouped
+        cache's windowed layer, the pages each block holds (KeyError: one holds none)."""
+        if self.groups is None or not self.groups.is_windowed(layer):
+            return block_ids
+        g = self.groups.layer_rows[layer][1]
+        out = []
+        for b in block_ids:
+            held = self.window_pages[b]
+            if held is None:
+                raise KeyError(f"block {b} holds no pages for the windowed layer {layer}")
+            out.append(held[g])
+        return out
 
     def blocks(self, layer: int, first_block: int, count: int, rank: int = 0) -> torch.Tensor:
         """Contiguous view of one layer's K and V for blocks `first_block .. first_block+count-1`
-        in rank `rank`'s shard (the whole cache's heads with tp_size 1)."""
+        in rank `rank`'s shard (the whole cache's heads with tp_size 1). A grouped cache's
+        windowed layer: as far as the blocks' pages are consecutive (one block always is)."""
         if first_block < 0 or count < 0 or first_block + count > self.num_blocks:
             raise IndexError(f"blocks {first_block}..{first_block + count - 1} outside 0..{self.num_blocks - 1}")
-        return self.shards[rank][layer, first_block : first_block + count]
+        pages = self.pages(layer, list(range(first_block, first_block + count)))
+        if pages and pages != list(range(pages[0], pages[0] + count)):
+            raise IndexError(f"the pages of layer {layer}'s blocks {first_block}..+{count} are not consecutive")
+        first = pages[0] if pages else first_block
+        return self.shards[rank][self.row(layer), first : first + count]
+
+    def block_pages(self, block_id: int) -> list[int]:
+        """The pages that hold a block's KV: its own, and its windowed layers' while it holds them.
+        The last block, scratch (CUDA graphs' padding rows, the tiers' probe), is all its own pages."""
+        if self.groups is None:
+            return [block_id]
+        if block_id == self.num_blocks - 1:
+            return [block_id] * self.groups.pages_per_block
+        return [block_id, *(self.window_pages[block_id] or ())]
+
+    def whole(self, block_id: int) -> bool:
+        """Whether the block holds every layer's KV (a grouped cache's block past every window does not)."""
+        return len(self.block_pages(block_id)) == (self.groups.pages_per_block if self.groups is not None else 1)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's KV, every layer, every rank's shard."""
+        pairs = [p for s, d in pairs for p in zip(self.block_pages(s), self.block_pages(d), strict=False)]
         src = torch.as_tensor([s for s, _ in pairs], device=self.tensor.device)
         dst = torch.as_tensor([d for _, d in pairs], device=self.tensor.device)
         for shard in self.shards:
@@ -242,6 +293,7 @@ class KVCache:
 
     def reset_blocks(self, block_ids: list[int]) -> None:
         """Zero the given blocks in every layer (after a failed or partial transfer)."""
+        block_ids = [p for b in block_ids for p in self.block_pages(b)]
         if block_ids:
             for t in self.shards:
                 raw = t.view(torch.uint8) if self.layout.quantized else t
@@ -249,21 +301,28 @@ class KVCache:
 
     def block_nbytes(self) -> int:
         """Bytes of one block's KV, every layer, every rank's shard (what `export_block` returns)."""
-        return sum(t[:, 0].numel() * t.element_size() for t in self.shards)
+        pages = self.groups.pages_per_block if self.groups is not None else 1
+        return pages * sum(t[:, 0].numel() * t.element_size() for t in self.shards)
 
     def export_block(self, block_id: int) -> torch.Tensor:
-        """One block's KV, every layer and shard, as a flat uint8 CPU tensor of its own (a tier's copy)."""
-        parts = [t[:, block_id].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self.shards]
+        """One whole block's KV, every layer and shard, as a flat uint8 CPU tensor of its own (a tier's copy)."""
+        if not self.whole(block_id):
+            raise ValueError(f"block {block_id} no longer holds its windowed layers' KV")
+        pages = torch.as_tensor(self.block_pages(block_id), dtype=torch.long)
+        parts = [t[:, pages.to(t.device)].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self.shards]
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
     def import_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Write what `export_block` returned into block `block_id`."""
+        """Write what `export_block` returned into block `block_id` (which holds every layer's pages)."""
+        if not self.whole(block_id):
+            raise ValueError(f"block {block_id} holds no pages for its windowed layers")
+        pages = self.block_pages(block_id)
         start = 0
         for t in self.shards:
-            view = t[:, block_id]
-            n = view.numel() * t.element_size()
-            src = data[start : start + n].view(t.dtype).reshape(view.shape)
-            view.copy_(src, non_blocking=False)
+            index = torch.as_tensor(pages, dtype=torch.long, device=t.device)
+            shape = t[:, index].shape
+            n = shape.numel() * t.element_size()
+            t[:, index] = data[start : start + n].to(t.device).view(t.dtype).reshape(shape)
             start += n
 
     @property

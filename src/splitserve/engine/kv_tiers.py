@@ -162,7 +162,10 @@ class TierStore:
     # ---- in: the pool evicted a cached block ----
 
     def evicted(self, block_id: int, h: BlockHash) -> None:
-        """The block manager is about to reuse `block_id`, which held `h`: keep a copy."""
+        """The block manager is about to reuse `block_id`, which held `h`: keep a copy (of a whole
+        block only: one whose windowed pages went back to the pool cannot be loaded again)."""
+        if not self.kv_cache.whole(block_id):
+            return
         if self.host is None:
             if self.disk is not None:
                 data = self.kv_cache.export_block(block_id)

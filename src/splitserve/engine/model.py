@@ -43,6 +43,7 @@ from splitserve.engine.kernels.linear import linear
 from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
+from splitserve.engine.kv_groups import OWN_PAGE, CacheGroups
 from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
 from splitserve.engine.models import registry
 from splitserve.engine.models.declare import layer_slots
@@ -119,6 +120,12 @@ class DecoderModel:
         self.cos_local, self.sin_local = rope_tables(cfg, device, local_theta=True) if local else (self.cos, self.sin)
         self.scale = cfg.attention_scale
         self._min_window = min((w for w in cfg.windows if w), default=0)
+        # where each layer's K/V is in a cache of pages (engine/kv_groups.py): its row of the tensor,
+        # and which group of windowed pages it reads through (OWN_PAGE: the block tables as they are);
+        # a cache of one row per layer is read as it is
+        groups = CacheGroups.of(cfg.windows)
+        self._plain_rows = tuple((i, OWN_PAGE) for i in range(cfg.num_layers))
+        self._paged_rows = groups.layer_rows if groups is not None else self._plain_rows
         # what the fused decode kernels compute: a SwiGLU layer of two norms, one RoPE table over whole heads
         self._kernels_fit = (
             not cfg.sandwich_norms
@@ -160,6 +167,7 @@ class DecoderModel:
         local = glob if self.cos_local is self.cos else (self.cos_local[positions], self.sin_local[positions])
         rope = {False: glob, True: (local[0].to(self.dtype), local[1].to(self.dtype))}
         q_size, kv_size = cfg.q_size, cfg.kv_size
+        cache_rows = self._plain_rows if kv_cache.shape[0] == cfg.num_layers else self._paged_rows
         h, x = self._add_norm(rows, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = linear(x, lw.qkv, lw.qkv_bias)
@@ -173,12 +181,14 @@ class DecoderModel:
             cos, sin = rope[window > 0]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            layer_cache = kv_cache[i]
-            write_kv(layer_cache, k, v, meta)
+            row, pages = cache_rows[i]
+            layer_cache = kv_cache[row]
+            layer_meta = meta if pages == OWN_PAGE else meta.windowed[pages]
+            write_kv(layer_cache, k, v, layer_meta)
             if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
             kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
-            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, kernel, window)
+            attn = paged_attention(q, k, v, layer_cache, layer_meta, self.scale, kernel, window)
             o = linear(attn.reshape(-1, q_size), lw.o)
             self._all_reduce(o, i, on_layer_done)
             if lw.post_attn_norm is not None:
@@ -285,6 +295,8 @@ class DecoderModel:
         """The fused kernels when this step can take them, else None (the torch path)."""
         quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
         if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized) or not self._kernels_fit:
+            return None
+        if kv_cache.shape[0] != self.cfg.num_layers:  # a cache of pages: the kernels index rows by layer
             return None
         if self._min_window and max(meta.context_lens_list) > self._min_window:  # the kernels see every key
             return None

@@ -50,7 +50,8 @@ class ModelRunner:
         self.device = model.device
         self.block_size = cfg.block_size
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.use_cuda_graphs and tp is None:
+        # (a grouped cache's windowed layers read translated tables, which the graphs do not stage)
+        if self.device.type == "cuda" and cfg.use_cuda_graphs and tp is None and kv_cache.groups is None:
             self.graphs = DecodeGraphs(model, kv_cache.tensor, cfg)
         self.generator = torch.Generator().manual_seed(cfg.seed)  # for requests without a seed of their own
         self.eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back, with stop_token_ids
@@ -228,6 +229,7 @@ class ModelRunner:
                 sampled.append(i)
             self._want_prompt_logits(i, seq, start, end, len(ids) - n - len(draft))
         logits_rows += [row for _, _, row in self.prompt_rows]  # after the sampling rows
+        window_slots, window_tables = self._window_pages(seqs, slot_blocks, tables)
         step = StepInputs(
             ids,
             positions,
@@ -238,8 +240,35 @@ class ModelRunner:
             query_lens,
             logits_rows,
             all(q == 1 for q in query_lens),
+            window_slots,
+            window_tables,
         )
         return step, sampled
+
+    def _window_pages(
+        self, seqs: Seq[Sequence], slot_blocks: list[int], tables: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """A grouped cache's step addressed to each group of windowed pages: the slots' and the block
+        tables' pages. A block past the sequence's windows reads the scratch page: the window masks it."""
+        groups = self.kv_cache.groups
+        if groups is None:
+            return [], []
+        held = self.kv_cache.window_pages
+        scratch = self.kv_cache.num_blocks - 1
+        held_from = {id(seq.block_table): seq.window_held_from for seq in seqs}
+        per_table: dict[int, list[tuple[int, ...]]] = {}
+        for t in tables:
+            if id(t) not in per_table:
+                start = held_from[id(t)]
+                rows = [(scratch,) * groups.window_pages] * start
+                per_table[id(t)] = rows + [held[b] or (scratch,) * groups.window_pages for b in t[start:]]
+        slot_pages = [held[b] for b in slot_blocks]
+        if any(p is None for p in slot_pages):
+            raise RuntimeError("a step writes into a block that holds no windowed pages")
+        return (
+            [[p[g] for p in slot_pages] for g in range(groups.window_pages)],  # type: ignore[index]
+            [[[p[g] for p in per_table[id(t)]] for t in tables] for g in range(groups.window_pages)],
+        )
 
 
 class Draw(NamedTuple):

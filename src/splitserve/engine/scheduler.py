@@ -156,8 +156,16 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.request_id] = seq
+        # its windowed layers receive only what their windows still see (the sender skips the rest)
+        self._release_windows(seq, len(seq))
         span = blocks_to_fill(len(seq), seq.num_cached_tokens, self.blocks.block_size)
         return RemoteBlocks([seq.block_table[i] for i in span], seq.num_cached_tokens)
+
+    def _release_windows(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the windowed pages of `seq`'s blocks past every window of a context of `num_tokens`
+        (a grouped cache's). Not a prefill role's: its KV sender may still be reading them."""
+        if not seq.prefill_only:
+            seq.window_held_from = self.blocks.release_behind(seq.block_table, seq.window_held_from, num_tokens)
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """`seq`'s full, computed blocks into the prefix cache, unless their KV is not whole."""
@@ -178,6 +186,7 @@ class Scheduler:
             return False
         fetched = self._fetch_from_tiers(seq, hashes, len(cached)) if self.tiers is not None and hashes else []
         seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        seq.window_held_from = self.blocks.held_from(seq.num_cached_tokens)
         pooled = seq.num_cached_tokens
         if fetched:
             seq.num_cached_tokens += self._install(seq, fetched)
@@ -298,6 +307,7 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self._cache_blocks(seq)
+            self._release_windows(seq, seq.num_computed_tokens)
         for i, prompt_lp in sampled.prompt_logprobs:
             batch.seqs[i].prompt_logprobs.append(prompt_lp)
         own: list[tuple[Sequence, int, TokenLogprob | None]] = []
@@ -357,7 +367,8 @@ class Scheduler:
         full = parent.num_computed_tokens // bs
         partial = parent.num_computed_tokens % bs
         if not partial or self.blocks.num_free_blocks:
-            child.block_table = self.blocks.share(parent.block_table[:full])
+            child.block_table = self.blocks.share(parent.block_table[:full], parent.window_held_from)
+            child.window_held_from = parent.window_held_from
             if partial:
                 child.block_table += self.blocks.take(1)
                 self.block_copies.append((parent.block_table[full], child.block_table[-1]))
@@ -372,7 +383,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
-        self.blocks.free_blocks(seq.block_table)
+        self.blocks.free_blocks(seq.block_table, seq.window_held_from)
+        seq.window_held_from = 0
         seq.num_computed_tokens = 0
         if not seq.num_output_tokens:
             seq.prompt_logprobs.clear()  # computed again from the start
@@ -424,7 +436,7 @@ class Scheduler:
         if seq.status is not SeqStatus.HELD:  # a held one was recorded when its prefill finished
             self.recorder.finished(seq, reason)
         del self.requests[seq.request_id]
-        self.blocks.free_blocks(seq.block_table)
+        self.blocks.free_blocks(seq.block_table, seq.window_held_from)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         group = self.groups.get(seq.group_id)
@@ -465,7 +477,7 @@ class Scheduler:
         one on a prefill worker). None if that transfer's request is gone already."""
         seq = self.aborting.pop(transfer_id, None)
         if seq is not None:  # aborted earlier; its blocks waited for this
-            self.blocks.free_blocks(seq.block_table)
+            self.blocks.free_blocks(seq.block_table, seq.window_held_from)
             return None
         seq = self.requests.get(request_id)
         if seq is None or seq.transfer_id != transfer_id:

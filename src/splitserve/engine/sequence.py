@@ -46,6 +46,7 @@ class Sequence:
         "times",
         "speculation",
         "prefix_cacheable",
+        "window_held_from",
     )
 
     def __init__(
@@ -98,6 +99,9 @@ class Sequence:
         # whether its full blocks join the prefix cache: not a remote prefill's of a windowed model,
         # whose windowed layers received only the blocks their windows still see
         self.prefix_cacheable = True
+        # a grouped cache (engine/kv_groups.py): the first block whose windowed pages it holds (the
+        # blocks before are past every windowed layer's window); BlockManager.release_behind moves it
+        self.window_held_from = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

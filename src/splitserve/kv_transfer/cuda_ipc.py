@@ -46,8 +46,9 @@ _EXPORTED: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueD
 
 
 def can_map(cache: KVCache) -> bool:
-    """Whether `cache` can take part in CUDA IPC (it lives on a CUDA device)."""
-    return cache.tensor.is_cuda
+    """Whether `cache` can take part in CUDA IPC (it lives on a CUDA device, in one row per layer:
+    the mapped peer writes at block offsets, which a grouped cache's windowed layers do not have)."""
+    return cache.tensor.is_cuda and cache.groups is None
 
 
 def _uuid(device: int) -> bytes:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_groups import CacheGroups
 from splitserve.kv_transfer import codec, frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
@@ -353,7 +354,13 @@ class KVStream:
             raise ValueError("blocks beyond the reservation")
         dst = r.block_ids[first_index : first_index + len(src_block_ids)]
         frames: _Frames = []
-        for dst_first, src_first, n in _paired_runs(dst, src_block_ids):
+        groups = CacheGroups.of(lay.windows)  # both ends' grouping, from the windows they agree on
+        if groups is not None and groups.is_windowed(layer):
+            # a windowed layer's pages are wherever each block's are, at both ends: a frame per block
+            runs = [(d, s, 1) for d, s in zip(dst, src_block_ids, strict=True)]
+        else:
+            runs = _paired_runs(dst, src_block_ids)
+        for dst_first, src_first, n in runs:
             for sf in self._plan:  # one frame per receiver shard; one in all at equal TP 1
                 parts: list[links.HeadsPart] = []
                 for p in sf.parts:

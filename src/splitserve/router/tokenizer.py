@@ -79,7 +79,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    tool_format = None
+    tool_format: ToolCallFormat | None = None
 
     def encode_chat(self, messages: Sequence[ChatTurn], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if tools:
