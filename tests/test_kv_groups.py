@@ -92,6 +92,22 @@ def test_cached_blocks_keep_their_window_pages_and_evicting_frees_them():
     assert bm.num_free_blocks == 4
 
 
+def test_a_prompt_takes_its_window_pages_as_its_prefill_reaches_them():
+    bm = manager()
+    table, _ = bm.allocate(32, [], window_blocks=2)  # 8 blocks, the first chunk's 2 with windows
+    assert [bm.window_pages[b] is not None for b in table] == [True] * 2 + [False] * 6
+    assert len(bm.free) == 40 - 8 - 4
+    assert bm.hold_windows(table, 2, 5) and [bm.window_pages[b] is not None for b in table].count(True) == 5
+    small = manager(pages=14)
+    other, _ = small.allocate(32, [], window_blocks=2)  # 12 of its 14 pages
+    assert not small.hold_windows(other, 2, 4)  # 4 more pages: nothing changes
+    assert [small.window_pages[b] is not None for b in other].count(True) == 2 and len(small.free) == 2
+    held = bm.release_behind(table, 0, 20)  # position 20 sees 13..20: blocks 3 on
+    assert held == 3
+    bm.free_blocks(table, held, 5)
+    assert bm.num_free_blocks == 40 // 3 and all(r == 0 for r in bm.window_refs)
+
+
 # ---- the engine: the same tokens as a cache of one row per layer, and nothing leaked ----
 
 HYBRID = tiny_model_config(
@@ -125,6 +141,20 @@ def test_paged_cache_tokens_equal_the_one_row_per_layer_cache():
         logits = chunked_logits(engine.model, prompt + tokens[:-1], n, chunk=16, block_size=4)
         assert logits[n - 1 :].argmax(-1).tolist() == tokens, f"prompt of {n}"
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_long_prompts_in_a_tight_pool_finish_without_preemption():
+    """Two long prompts, chunked, in a pool that holds their blocks but not both prefills' window
+    pages at their most: admission counts a prefill's pages at their most, so neither is preempted."""
+    # 36 pages: a prompt of 10 blocks takes 14 at admission and 20 at its prefill's most, so the
+    # second fits beside the first's admission (14 + 20) but not beside its prefill (20 + 20)
+    cfg = EngineConfig(num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine = Engine(HYBRID, WEIGHTS, cfg)
+    assert engine.blocks.num_pages == 36
+    prompts = [torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(i)).tolist() for i in (1, 2)]
+    out = greedy(engine, prompts, 8)
+    assert sorted(out) == ["r0", "r1"] and engine.scheduler.num_preemptions == 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 request = st.tuples(

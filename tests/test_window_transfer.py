@@ -1,13 +1,15 @@
 """A windowed layer's KV crosses the prefill/decode boundary only as far as its window still
 reaches (issue 30): the prefill worker sends a sliding-window layer only the blocks from
 engine/blocks.py's `window_start` on, the decode worker's reservation waits for no more, and
-the tokens are the colocated engine's. Those blocks are no whole prefix, so the decode worker
-keeps them out of its prefix cache (the prefill worker's, computed whole, holds them)."""
+the tokens are the colocated engine's. Those blocks are no whole prefix: the decode worker's cache
+of pages (engine/kv_groups.py) knows which lack their windowed layers' KV, and a prefix hit there
+needs the next token's window whole (the prefill worker's, computed whole, holds them all)."""
 
 from __future__ import annotations
 
 import pytest
 
+from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.blocks import window_start
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -64,8 +66,14 @@ def test_a_windowed_layer_sends_only_its_window_and_the_tokens_are_the_colocated
         # chunks of 8 tokens end on block boundaries: the global layer sends its 8 blocks once, the
         # windowed layer blocks 5, 6 and 7 (11 of 16 layer-blocks: 69% of the whole context's bytes)
         assert sent == {0: 3, 1: 8}, sent
-        assert not pair.decode.scheduler.cached_block_hashes()  # no whole prefix on the decode side
+        # the decode side caches the prompt's blocks, but blocks 0..4 never held the windowed layer's
+        # KV, and the window passed 5..7 as the decode went on: no prefix of them is a hit
+        decode_blocks = pair.decode.blocks
+        assert len(pair.decode.scheduler.cached_block_hashes()) >= 7
+        assert decode_blocks.cached_prefix(block_hashes(PROMPT, 4), len(PROMPT)) == []
+        prefill_blocks = pair.prefill.blocks
         assert len(pair.prefill.scheduler.cached_block_hashes()) == 7  # the prefill side's is whole
+        assert len(prefill_blocks.cached_prefix(block_hashes(PROMPT, 4), len(PROMPT))) == 7
         assert_engine_empty(pair.decode)
         assert_engine_empty(pair.prefill)
     finally:

@@ -37,6 +37,10 @@ BENCHMARKS = {
     ),
     "structured": ("splitserve.bench.structured", "decode step with and without a JSON schema; grammar compile time"),
     "kv-dtype": ("splitserve.bench.kv_dtype", "quantized KV (int8, fp8) against bfloat16: quality, capacity, speed"),
+    "windows": (
+        "splitserve.bench.windows",
+        "a windowed model's cache of pages against whole contexts: capacity, bytes",
+    ),
     "kernels-isa": ("splitserve.bench.kernels_isa", "the CPU kernels' ISA paths side by side: linear and attention"),
     "spec": ("splitserve.bench.spec", "speculative decoding against plain decode: copying load and ShareGPT"),
     "prefill-profile": (

@@ -129,17 +129,36 @@ class BlockManager:
             out.pop()
         return out
 
-    def can_allocate(self, num_tokens: int, cached: list[int]) -> bool:
-        """Whether `num_tokens` fit, reusing the `cached` prefix blocks."""
+    def can_allocate(
+        self, num_tokens: int, cached: list[int], window_blocks: int | None = None, spare: int = 0
+    ) -> bool:
+        """Whether `num_tokens` fit, reusing the `cached` prefix blocks (and giving the first
+        `window_blocks` their window pages; None: all), with `spare` pages left over."""
         # A cached block with no references sits on the free list: taking it uses up a free slot.
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
-        new = (self.blocks_needed(num_tokens) - len(cached)) * self.pages_per_block
-        return new + revived <= self._available()
+        need = self._pages_for(len(cached), self.blocks_needed(num_tokens), window_blocks) + revived
+        return need + spare <= self._available()
+
+    def window_span(self, chunk_tokens: int) -> int:
+        """The most blocks whose window pages a prefill in chunks of `chunk_tokens` holds at once:
+        the window behind a chunk, and the chunk (0 without windowed pages)."""
+        return cdiv(self.groups.window + chunk_tokens, self.block_size) + 1 if self.groups is not None else 0
+
+    def _pages_for(self, first: int, end: int, window_blocks: int | None) -> int:
+        """Pages for new blocks `first .. end - 1`, those before `window_blocks` with their window pages."""
+        if self.groups is None:
+            return end - first
+        windowed = max(0, min(end, end if window_blocks is None else window_blocks) - first)
+        return end - first + windowed * self.groups.window_pages
 
     # ---- commits ----
 
-    def allocate(self, num_tokens: int, hashes: list[BlockHash]) -> tuple[list[int], int]:
-        """Block table for `num_tokens` tokens, the cached prefix reused.
+    def allocate(
+        self, num_tokens: int, hashes: list[BlockHash], window_blocks: int | None = None
+    ) -> tuple[list[int], int]:
+        """Block table for `num_tokens` tokens, the cached prefix reused; of a grouped cache, the
+        new blocks before `window_blocks` (None: all) with their window pages (`hold_windows` gives
+        the others theirs as the prefill reaches them).
 
         Returns (block_table, number of tokens already in the cache).
         The caller has checked `can_allocate` with the same arguments.
@@ -160,9 +179,21 @@ class BlockManager:
             elif self.groups is not None and self.window_refs[b] == 0:
                 self._release_window(b)  # a cached block whose window nobody reads any more
             table.append(b)
-        for _ in range(self.blocks_needed(num_tokens) - len(cached)):
-            table.append(self._take_free())
+        for i in range(len(cached), self.blocks_needed(num_tokens)):
+            table.append(self._take_free(window=window_blocks is None or i < window_blocks))
         return table, len(cached) * self.block_size
+
+    def hold_windows(self, block_table: list[int], held_to: int, upto: int) -> bool:
+        """Give a sequence's blocks `held_to .. upto - 1` that have none their window pages (a
+        prompt's, as its prefill reaches them); False (nothing changed) if the pages do not suffice."""
+        if self.groups is None:
+            return True
+        bare = [b for b in block_table[held_to:upto] if self.window_pages[b] is None]
+        if len(bare) * self.groups.window_pages > self._available():
+            return False
+        for b in bare:
+            self._attach_window(b)
+        return True
 
     def append_slot(self, block_table: list[int], num_tokens: int) -> bool:
         """Grow `block_table` so it holds `num_tokens`; False (nothing changed) if no block is free."""
@@ -213,16 +244,17 @@ class BlockManager:
         if stored:
             self.events.append(BlockEvent("stored", tuple(stored)))
 
-    def free_blocks(self, block_table: list[int], held_from: int = 0) -> None:
-        """Drop one reference to each block (and its window hold, from `held_from` on); the tail
-        goes to the free list first so that a prefix's head, shared most widely, is evicted last.
-        A freed block keeps its window pages while it is cached and whole."""
+    def free_blocks(self, block_table: list[int], held_from: int = 0, held_to: int | None = None) -> None:
+        """Drop one reference to each block (and its window hold, from `held_from` to `held_to`);
+        the tail goes to the free list first so that a prefix's head, shared most widely, is
+        evicted last. A freed block keeps its window pages while it is cached and whole."""
+        held_to = len(block_table) if held_to is None else held_to
         for i in range(len(block_table) - 1, -1, -1):
             b = block_table[i]
             self.ref_counts[b] -= 1
             if self.ref_counts[b] < 0:
                 raise RuntimeError(f"block {b} freed more often than allocated")
-            if self.groups is not None and i >= held_from:
+            if self.groups is not None and held_from <= i < held_to:
                 self.window_refs[b] -= 1
                 if self.window_refs[b] == 0 and (self.ref_counts[b] > 0 or self.block_hash[b] is None):
                     self._release_window(b)
@@ -241,14 +273,18 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
-    def _take_free(self) -> int:
-        """A block for a sequence: one reference, and its window pages (which it holds)."""
+    def _take_free(self, window: bool = True) -> int:
+        """A block for a sequence: one reference, and (`window`) its window pages, which it holds."""
         b = self._take_page()
         self.ref_counts[b] = 1
-        if self.groups is not None:
-            self.window_pages[b] = tuple(self._take_page() for _ in range(self.groups.window_pages))
-            self.window_refs[b] = 1
+        if self.groups is not None and window:
+            self._attach_window(b)
         return b
+
+    def _attach_window(self, b: int) -> None:
+        assert self.groups is not None
+        self.window_pages[b] = tuple(self._take_page() for _ in range(self.groups.window_pages))
+        self.window_refs[b] = 1
 
     def _take_page(self) -> int:
         b, _ = self.free.popitem(last=False)  # least recently freed: evict it

@@ -312,6 +312,10 @@ class EngineConfig:
     # order, as vLLM by default). Bounds the TTFT of short prompts that arrive behind a long one.
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    # A model of windowed and global layers keeps its KV in pages whose windowed part goes back to
+    # the pool once every window has passed it (engine/kv_groups.py); False: one row per layer, the
+    # whole context held for every layer (what `splitserve bench windows` compares against).
+    hybrid_kv_cache: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     use_cuda_graphs: bool = True
     seed: int = 0

@@ -92,7 +92,7 @@ class Engine:
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
         # A model of windowed and global layers keeps its cache in pages (engine/kv_groups.py): as
         # many as the blocks' memory holds, each of `rows` layers.
-        groups = CacheGroups.of(self.layout.windows)
+        groups = CacheGroups.of(self.layout.windows) if cfg.hybrid_kv_cache else None
         pages = cfg.num_blocks if groups is None else cfg.num_blocks * model_cfg.num_layers // groups.rows
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         # Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU).
@@ -259,9 +259,10 @@ class Engine:
         blocks = self.scheduler.reserve(seq)
         if blocks is None:
             return None
-        if any(self.layout.windows):
+        if any(self.layout.windows) and self.kv_cache.groups is None:
             # its windowed layers receive only what their windows still see: its blocks are not a
-            # whole prefix for a later request to reuse
+            # whole prefix for a later request to reuse (a cache of pages knows which blocks lack
+            # their windowed pages, and its prefix hits ask for them: BlockManager.cached_prefix)
             seq.prefix_cacheable = False
         try:
             first = blocks.num_cached_tokens // self.cfg.block_size

@@ -151,7 +151,8 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> RemoteBlocks | None:
         """Admit a request whose context KV is written by someone else; None if no seat or blocks now."""
         self._check_id(seq)  # before any block is taken
-        if not self.free_seats() or not self._allocate(seq):
+        # the whole context arrives at once: every block in the window holds its window pages now
+        if not self.free_seats() or not self._allocate(seq, eager_windows=True):
             return None
         self.requests[seq.request_id] = seq
         seq.status = SeqStatus.RESERVED
@@ -176,17 +177,27 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise DuplicateRequest(f"request_id {seq.request_id!r} is already in use")
 
-    def _allocate(self, seq: Sequence) -> bool:
+    def _allocate(self, seq: Sequence, eager_windows: bool = False) -> bool:
         """Give `seq` a block table for all its tokens, its cached prefix reused; False (nothing
-        changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens."""
+        changed) when the free blocks do not suffice. Sets block_table and num_cached_tokens. A
+        grouped cache's blocks get their window pages as far as a first chunk reaches (or all of
+        them: `eager_windows`, and where tiers may load blocks); `_grow` gives the rest theirs."""
         # prompt logprobs need every prompt position's logits: nothing of the prompt comes from the cache
         hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size)
         cached = self.blocks.cached_prefix(hashes, len(seq))
-        if not self.blocks.can_allocate(len(seq), cached):
+        reach = len(cached) * self.blocks.block_size + self.cfg.max_num_batched_tokens
+        window_blocks = None if eager_windows or self.tiers is not None else self.blocks.blocks_needed(reach)
+        # admitted only where its prefill's window pages, at their most, fit beside what the running
+        # prefills will still take: else the newest prefill would be preempted, again and again
+        span = self.blocks.window_span(self.cfg.max_num_batched_tokens)
+        peak = None if window_blocks is None else len(cached) + span
+        if not self.blocks.can_allocate(len(seq), cached, peak, self._promised_window_pages()):
             return False
         fetched = self._fetch_from_tiers(seq, hashes, len(cached)) if self.tiers is not None and hashes else []
-        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes)
+        seq.block_table, seq.num_cached_tokens = self.blocks.allocate(len(seq), hashes, window_blocks)
         seq.window_held_from = self.blocks.held_from(seq.num_cached_tokens)
+        table_len = len(seq.block_table)
+        seq.window_held_to = table_len if window_blocks is None else min(window_blocks, table_len)
         pooled = seq.num_cached_tokens
         if fetched:
             seq.num_cached_tokens += self._install(seq, fetched)
@@ -272,7 +283,7 @@ class Scheduler:
         running requests; None when `seq` itself had to be preempted (or, without `may_preempt`,
         when its blocks do not fit)."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
-        while not self.blocks.append_slot(seq.block_table, seq.num_computed_tokens + n):
+        while not self._grow(seq, seq.num_computed_tokens + n):
             if not may_preempt:
                 return None
             victim = self.running[-1]
@@ -280,6 +291,34 @@ class Scheduler:
             if victim is seq:
                 break
         return n if seq.status is SeqStatus.RUNNING else None
+
+    def _promised_window_pages(self) -> int:
+        """Window pages the running prefills will still take before they are done (a grouped cache's)."""
+        groups = self.blocks.groups
+        if groups is None:
+            return 0
+        span = self.blocks.window_span(self.cfg.max_num_batched_tokens)
+        more = 0
+        for s in self.running:
+            if s.num_computed_tokens < len(s):
+                peak = min(span, len(s.block_table) - s.window_held_from)
+                more += max(0, peak - (s.window_held_to - s.window_held_from))
+        return more * groups.window_pages
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `seq`'s first `num_tokens` tokens, with the window pages of those a grouped
+        cache's windowed layers will read; False (nothing new held) if the pool lacks them."""
+        grew = len(seq.block_table)
+        if not self.blocks.append_slot(seq.block_table, num_tokens):  # new blocks come with their windows
+            return False
+        if seq.window_held_to >= grew:
+            seq.window_held_to = len(seq.block_table)
+        upto = min(self.blocks.blocks_needed(num_tokens), len(seq.block_table))
+        if upto > seq.window_held_to:  # a prompt's blocks, as its prefill reaches them
+            if not self.blocks.hold_windows(seq.block_table, seq.window_held_to, upto):
+                return False
+            seq.window_held_to = upto
+        return True
 
     def _admit_waiting(self, seqs: list[Sequence], counts: list[int], budget: int, max_tokens: int = 0) -> int:
         """Start waiting requests in arrival order while budget, seats and blocks allow (with
@@ -332,7 +371,7 @@ class Scheduler:
     def reserve_draft(self, seq: Sequence, num_draft: int) -> bool:
         """Blocks for `seq`'s next token and `num_draft` draft tokens after it, from the free blocks
         only (a draft never preempts anyone); False (nothing changed) if they do not suffice."""
-        return self.blocks.append_slot(seq.block_table, seq.num_computed_tokens + 1 + num_draft)
+        return self._grow(seq, seq.num_computed_tokens + 1 + num_draft)
 
     def _append_run(self, run: list[tuple[Sequence, int, TokenLogprob | None]]) -> list[StepOutput]:
         """A verified draft's tokens joining `seq` in order, up to the first that finishes it. Each
@@ -349,8 +388,9 @@ class Scheduler:
         self._cache_blocks(seq)
         keep = self.blocks.blocks_needed(len(seq))  # what the next step writes into, too
         if len(seq.block_table) > keep:
-            self.blocks.free_blocks(seq.block_table[keep:])
+            self.blocks.free_blocks(seq.block_table[keep:])  # the newest: each holds its window
             del seq.block_table[keep:]
+            seq.window_held_to = min(seq.window_held_to, keep)
         return outs
 
     def fork(self, parent: Sequence, sample_index: int, token: int, logprob: TokenLogprob | None) -> StepOutput:
@@ -369,6 +409,7 @@ class Scheduler:
         if not partial or self.blocks.num_free_blocks:
             child.block_table = self.blocks.share(parent.block_table[:full], parent.window_held_from)
             child.window_held_from = parent.window_held_from
+            child.window_held_to = full + bool(partial)
             if partial:
                 child.block_table += self.blocks.take(1)
                 self.block_copies.append((parent.block_table[full], child.block_table[-1]))
@@ -383,8 +424,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
-        self.blocks.free_blocks(seq.block_table, seq.window_held_from)
-        seq.window_held_from = 0
+        self.blocks.free_blocks(seq.block_table, seq.window_held_from, seq.window_held_to)
+        seq.window_held_from = seq.window_held_to = 0
         seq.num_computed_tokens = 0
         if not seq.num_output_tokens:
             seq.prompt_logprobs.clear()  # computed again from the start
@@ -436,7 +477,7 @@ class Scheduler:
         if seq.status is not SeqStatus.HELD:  # a held one was recorded when its prefill finished
             self.recorder.finished(seq, reason)
         del self.requests[seq.request_id]
-        self.blocks.free_blocks(seq.block_table, seq.window_held_from)
+        self.blocks.free_blocks(seq.block_table, seq.window_held_from, seq.window_held_to)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         group = self.groups.get(seq.group_id)
@@ -477,7 +518,7 @@ class Scheduler:
         one on a prefill worker). None if that transfer's request is gone already."""
         seq = self.aborting.pop(transfer_id, None)
         if seq is not None:  # aborted earlier; its blocks waited for this
-            self.blocks.free_blocks(seq.block_table, seq.window_held_from)
+            self.blocks.free_blocks(seq.block_table, seq.window_held_from, seq.window_held_to)
             return None
         seq = self.requests.get(request_id)
         if seq is None or seq.transfer_id != transfer_id:

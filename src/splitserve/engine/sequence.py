@@ -47,6 +47,7 @@ class Sequence:
         "speculation",
         "prefix_cacheable",
         "window_held_from",
+        "window_held_to",
     )
 
     def __init__(
@@ -99,9 +100,12 @@ class Sequence:
         # whether its full blocks join the prefix cache: not a remote prefill's of a windowed model,
         # whose windowed layers received only the blocks their windows still see
         self.prefix_cacheable = True
-        # a grouped cache (engine/kv_groups.py): the first block whose windowed pages it holds (the
-        # blocks before are past every windowed layer's window); BlockManager.release_behind moves it
+        # a grouped cache (engine/kv_groups.py): the blocks whose windowed pages it holds, from
+        # `window_held_from` (the blocks before are past every windowed layer's window;
+        # BlockManager.release_behind moves it) to `window_held_to` (those after come as its
+        # prefill reaches them)
         self.window_held_from = 0
+        self.window_held_to = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
