@@ -1,8 +1,8 @@
 """What a windowed model's cache of pages buys (engine/kv_groups.py), against holding the whole
 context for every layer, in one run.
 
-    splitserve bench windows [--model gemma3-270m] [--dtype bfloat16] [--pool-mib 48]
-                             [--requests 24] [--context 1536] [--tokens 32] [--chunk 512]
+    splitserve bench windows [--model gemma3-270m] [--dtype bfloat16] [--pool-mib 160]
+                             [--requests 8] [--context 4096] [--tokens 256] [--chunk 512]
                              [--results bench/results/windows-cpu.txt]
 
 On a model of windowed and global layers (the embedded Gemma 3 270M: 15 layers with a window of
@@ -14,8 +14,11 @@ On a model of windowed and global layers (the embedded Gemma 3 270M: 15 layers w
 
 --requests prompts of --context tokens, each asking for --tokens more, arrive together; each
 engine's figure is the most sequences running at once and the steps it took, and the ratio of
-the two. Then the bytes a KV transfer sends (every global layer's blocks, each windowed layer's
-from `window_start` on, as the prefill connector sends them) against the whole context's, for a
+the two. Each request decodes for longer than its prefill takes, so that memory, not the
+prefill's pace, decides how many run at once.
+
+Then the bytes a KV transfer sends (every global layer's blocks, each windowed layer's from
+`window_start` on, as the prefill connector sends them) against the whole context's, for a
 range of contexts: arithmetic from the same function, not a timed run.
 """
 
@@ -39,10 +42,10 @@ MODES = {"plain": False, "paged": True}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gemma3-270m", help="a model of windowed and global layers")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--pool-mib", type=float, default=48.0, help="the fixed KV pool, MiB (--kv-cache-bytes)")
-    p.add_argument("--requests", type=int, default=24, help="prompts arriving together")
-    p.add_argument("--context", type=int, default=1536, help="prompt tokens of each request")
-    p.add_argument("--tokens", type=int, default=32, help="tokens each request asks for")
+    p.add_argument("--pool-mib", type=float, default=160.0, help="the fixed KV pool, MiB (--kv-cache-bytes)")
+    p.add_argument("--requests", type=int, default=8, help="prompts arriving together")
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens of each request")
+    p.add_argument("--tokens", type=int, default=256, help="tokens each request asks for")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (--max-num-batched-tokens)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--results", default=None, help="also write the output here, under a header line")
@@ -79,7 +82,8 @@ def _run(args: argparse.Namespace) -> int:
             if name == "plain":
                 kinds = sorted({w for w in windows})
                 print(f"model: {len(windows)} layers, windows {kinds} (0: global); pool {pool} B")
-            prompt = tok.encode(TEXT.read_text())[: args.context - 1]
+            text = tok.encode(TEXT.read_text())
+            prompt = (text * (1 + args.context // max(1, len(text))))[: args.context - 1]  # the text, repeated
             params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             for i in range(args.requests):
                 engine.add_request(f"w{i}", [*prompt, 1 + i], params)

@@ -186,7 +186,9 @@ class Scheduler:
         hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size)
         cached = self.blocks.cached_prefix(hashes, len(seq))
         reach = len(cached) * self.blocks.block_size + self.cfg.max_num_batched_tokens
-        window_blocks = None if eager_windows or self.tiers is not None else self.blocks.blocks_needed(reach)
+        # a prefill role's sequence keeps every window page until its KV is sent: all of them at once
+        eager = eager_windows or seq.prefill_only or self.tiers is not None
+        window_blocks = None if eager else self.blocks.blocks_needed(reach)
         # admitted only where its prefill's window pages, at their most, fit beside what the running
         # prefills will still take: else the newest prefill would be preempted, again and again
         span = self.blocks.window_span(self.cfg.max_num_batched_tokens)
