@@ -79,6 +79,19 @@ def test_can_allocate_counts_revived_cached_blocks():
 
 # ---- property: any mix of finishes, aborts and preemptions frees every block ----
 
+
+def run_aborting(engine: Engine, aborts: dict[str, int], max_steps: int) -> None:
+    """Step `engine` until it is idle, aborting each request of `aborts` at its step."""
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        for rid, at in list(aborts.items()):
+            if steps >= at:
+                engine.abort(rid)
+                del aborts[rid]
+        assert steps < max_steps
+
 CFG = tiny_model_config(num_layers=1, vocab_size=64)
 WEIGHTS = random_weights(CFG, seed=1)
 
@@ -105,14 +118,6 @@ def test_free_blocks_return_to_start_after_any_mix(reqs, seed):
         engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i))
         if abort_at < 6:
             aborts[rid] = abort_at
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        for rid, at in list(aborts.items()):
-            if steps >= at:
-                engine.abort(rid)
-                del aborts[rid]
-        assert steps < 1000
+    run_aborting(engine, aborts, 1000)
     assert engine.blocks.num_free_blocks == start
     assert all(rc == 0 for rc in engine.blocks.ref_counts)

@@ -18,6 +18,7 @@ from splitserve.engine.kv_groups import OWN_PAGE, CacheGroups
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 from tests.family_helpers.logits import chunked_logits
+from tests.test_block_manager import run_aborting
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,15 +182,7 @@ def test_every_page_comes_back_after_any_mix(reqs, seed):
         engine.add_request(f"r{i}", prompt, params)
         if abort_at < 8:
             aborts[f"r{i}"] = abort_at
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        for rid, at in list(aborts.items()):
-            if steps >= at:
-                engine.abort(rid)
-                del aborts[rid]
-        assert steps < 2000
+    run_aborting(engine, aborts, 2000)
     bm = engine.blocks
     assert bm.num_free_blocks == start and all(rc == 0 for rc in bm.ref_counts)
     assert all(r == 0 for r in bm.window_refs)

@@ -17,6 +17,7 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 if TYPE_CHECKING:
     from splitserve.engine.block_manager import BlockEvent
     from splitserve.engine.kv_cache import KVLayout
+    from splitserve.engine.loop import EngineLoop
     from splitserve.engine.scheduler import SchedulerStats
     from splitserve.engine.tier_cost import TierSpeeds
     from splitserve.kv_transfer import Reservation as KVReservation
@@ -222,6 +223,14 @@ def block_events_to_proto(events: list[BlockEvent]) -> wpb.BlockEventBatch:
 def tier_name(tier: int) -> str:
     """A BlockEvent's tier as engine/kv_tiers.py names it ("pool" for values this side does not know)."""
     return KV_TIER_NAMES.get(tier, "pool")
+
+
+def loop_stats(worker_id: str, loop: EngineLoop) -> wpb.WorkerStats:
+    """A worker's stats as its engine loop sees them: load, block size, tiers' speeds, model."""
+    engine = loop.engine
+    return stats_to_proto(
+        worker_id, loop.stats, engine.cfg.block_size, loop.tier_speeds(), engine.layout.model_fingerprint
+    )
 
 
 def stats_to_proto(

@@ -248,13 +248,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return wpb.CancelResponse(found=events is not None)
 
     def GetStats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
-        return convert.stats_to_proto(
-            self.cfg.worker_id,
-            self.loop.stats,
-            self.block_size,
-            self.loop.tier_speeds(),
-            self.loop.engine.layout.model_fingerprint,
-        )
+        return convert.loop_stats(self.cfg.worker_id, self.loop)
 
     def BlockEvents(  # noqa: N802
         self, request: wpb.BlockEventsRequest, context: grpc.ServicerContext
