@@ -490,15 +490,17 @@ def test_cuda_decode_steps_are_offered_the_triton_kernels(kernels, tiny, monkeyp
     )
     cuda = torch.device("cuda")
 
-    def cache(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def cache(dtype: torch.dtype, device: torch.device, rows: int = TINY.num_layers) -> torch.Tensor:
         # what _decode_kernels reads of a cache: no real tensor on this machine is on CUDA
-        return SimpleNamespace(dtype=dtype, device=device, is_cpu=device.type == "cpu")  # type: ignore[return-value]
+        shape = (rows,)
+        return SimpleNamespace(dtype=dtype, device=device, is_cpu=device.type == "cpu", shape=shape)  # type: ignore[return-value]
 
     model = DecoderModel(TINY, weights, torch.device("meta"), BF16)
     model.device = cuda
     assert model._decode_kernels(cache(BF16, cuda), meta) is kernels
     assert model._decode_kernels(cache(BF16, cuda), prefill) is None
     assert model._decode_kernels(cache(F32, cuda), meta) is None  # a cache of another dtype
+    assert model._decode_kernels(cache(BF16, cuda, rows=1), meta) is None  # a cache of pages (engine/kv_groups.py)
     for quantized in (torch.int8, torch.float8_e4m3fn):  # read in place by the kernels
         assert model._decode_kernels(cache(quantized, cuda), meta) is kernels
     cpu = DecoderModel(TINY, weights, torch.device("cpu"), BF16)
@@ -573,5 +575,8 @@ def test_the_quantized_read_has_a_self_test_of_its_own(kernels, monkeypatch):
         torch.tensor([1]), torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), [1], [1], True
     )
     cuda = torch.device("cuda")
-    assert model._decode_kernels(SimpleNamespace(dtype=torch.int8, device=cuda, is_cpu=False), meta) is None  # type: ignore[arg-type]
-    assert model._decode_kernels(SimpleNamespace(dtype=BF16, device=cuda, is_cpu=False), meta) is kernels  # type: ignore[arg-type]
+    rows = (TINY.num_layers,)
+    int8 = SimpleNamespace(dtype=torch.int8, device=cuda, is_cpu=False, shape=rows)
+    bf16 = SimpleNamespace(dtype=BF16, device=cuda, is_cpu=False, shape=rows)
+    assert model._decode_kernels(int8, meta) is None  # type: ignore[arg-type]
+    assert model._decode_kernels(bf16, meta) is kernels  # type: ignore[arg-type]

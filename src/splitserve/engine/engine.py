@@ -90,21 +90,7 @@ class Engine:
         )
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
-        # A model of windowed and global layers keeps its cache in pages (engine/kv_groups.py): as
-        # many as the blocks' memory holds, each of `rows` layers.
-        groups = CacheGroups.of(self.layout.windows) if cfg.hybrid_kv_cache else None
-        pages = cfg.num_blocks if groups is None else cfg.num_blocks * model_cfg.num_layers // groups.rows
-        # One block more than the block manager hands out: padding rows of CUDA graphs write there.
-        # Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU).
-        devices = rank_devices(cfg.torch_device, tp)
-        self.kv_cache = KVCache(
-            self.layout,
-            pages + 1,
-            cfg.torch_device,
-            list(devices),
-            shared=tp > 1 and devices[0].type == "cpu",
-            groups=groups,
-        )
+        self.kv_cache = self._make_cache(model_cfg, cfg)
         self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
         try:
             self.model = DecoderModel(
@@ -117,7 +103,10 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.blocks = BlockManager(pages, cfg.block_size, cfg.enable_prefix_caching, groups, self.kv_cache.window_pages)
+        cache = self.kv_cache
+        self.blocks = BlockManager(
+            cache.num_blocks - 1, cfg.block_size, cfg.enable_prefix_caching, cache.groups, cache.window_pages
+        )
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
@@ -129,6 +118,17 @@ class Engine:
         self._arrivals = 0
         self.tokenizer = tokenizer
         self._grammars: Any = None  # engine/grammar.py's GrammarCompiler, made at the first grammar
+
+    def _make_cache(self, model_cfg: ModelConfig, cfg: EngineConfig) -> KVCache:
+        """The KV pool of `cfg.num_blocks` blocks' memory. A model of windowed and global layers keeps
+        it in pages (engine/kv_groups.py), as many as that memory holds, each of `rows` layers. One
+        block (page) more than the block manager hands out: padding rows of CUDA graphs write there.
+        Every rank's shard lives here; the other ranks map theirs (shared memory on a CPU)."""
+        groups = CacheGroups.of(self.layout.windows) if cfg.hybrid_kv_cache else None
+        pages = cfg.num_blocks if groups is None else cfg.num_blocks * model_cfg.num_layers // groups.rows
+        devices = rank_devices(cfg.torch_device, cfg.tensor_parallel_size)
+        shared = cfg.tensor_parallel_size > 1 and devices[0].type == "cpu"
+        return KVCache(self.layout, pages + 1, cfg.torch_device, list(devices), shared=shared, groups=groups)
 
     def _start_tiers(self, cfg: EngineConfig) -> TierStore | None:
         """The host and disk tiers behind the prefix cache (engine/kv_tiers.py), if the config asks for any."""
