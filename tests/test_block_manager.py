@@ -92,6 +92,7 @@ def run_aborting(engine: Engine, aborts: dict[str, int], max_steps: int) -> None
                 del aborts[rid]
         assert steps < max_steps
 
+
 CFG = tiny_model_config(num_layers=1, vocab_size=64)
 WEIGHTS = random_weights(CFG, seed=1)
 
