@@ -322,6 +322,8 @@ class KVStream:
         self._dialer, self._pool = sender._dialer, d.pool
         self._cache = sender.cache
         self._plan = heads.plan(sender.cache.layout, r.layout)  # checked to map by KVSender.open
+        # both ends' grouping of windowed layers (engine/kv_groups.py), from the windows they agree on
+        self._groups = CacheGroups.of(sender.cache.layout.windows)
         self._conn = d.conn
         self._payloads = payloads
         self._queue: queue.Queue[_Frames | _Done | None] = queue.Queue(maxsize=sender.queue_depth)
@@ -354,7 +356,7 @@ class KVStream:
             raise ValueError("blocks beyond the reservation")
         dst = r.block_ids[first_index : first_index + len(src_block_ids)]
         frames: _Frames = []
-        groups = CacheGroups.of(lay.windows)  # both ends' grouping, from the windows they agree on
+        groups = self._groups
         if groups is not None and groups.is_windowed(layer):
             # a windowed layer's pages are wherever each block's are, at both ends: a frame per block
             runs = [(d, s, 1) for d, s in zip(dst, src_block_ids, strict=True)]
