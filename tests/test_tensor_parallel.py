@@ -27,6 +27,7 @@ from splitserve.engine.connector import NullConnector
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVLayout
 from splitserve.engine.parallel.step import StepInputs
+from splitserve.engine.quant.weight import floats
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence as Seq
 from splitserve.engine.testing import random_weights, tiny_model_config
@@ -377,7 +378,7 @@ def test_worker_with_tp2_serves_and_leaves_no_rank_behind(tmp_path: Path, stop: 
     write_tiny_hf_dir(model_dir)
     loaded = load_model(str(model_dir), torch.float32, progress=False)
     prompt = list(range(100, 140))
-    with engine(loaded.config, loaded.weights, 1, num_blocks=64) as e:
+    with engine(loaded.config, floats(loaded.weights), 1, num_blocks=64) as e:
         want = e.generate([prompt], GREEDY)[0]
 
     worker = spawn_worker("decode", "--model", str(model_dir), "--tensor-parallel-size", "2", *FLAGS)
@@ -435,7 +436,7 @@ def test_disaggregated_between_tensor_parallel_sizes_gives_the_single_process_to
     loaded = load_model(str(model_dir), torch.float32, progress=False)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist() for n in (20, 75, 130)]
-    with engine(loaded.config, loaded.weights, 1, num_blocks=64) as e:
+    with engine(loaded.config, floats(loaded.weights), 1, num_blocks=64) as e:
         want = e.generate(prompts, GREEDY)
 
     prefill = spawn_worker("prefill", "--model", str(model_dir), "--tensor-parallel-size", str(prefill_tp), *FLAGS)

@@ -18,6 +18,7 @@ import torch
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, expected_shapes
+from splitserve.engine.quant.weight import floats
 from splitserve.engine.weights import load_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -228,8 +229,8 @@ def test_smollm2_bf16_is_fp32_rounded(smollm2_path, smollm2):
     bf16 = load_model(smollm2_path, torch.bfloat16, progress=False)
     assert bf16.config == smollm2.config
     for name, w in smollm2.weights.items():
-        assert bf16.weights[name].dtype == torch.bfloat16
-        assert torch.equal(bf16.weights[name], w.to(torch.bfloat16)), name
+        assert floats(bf16.weights)[name].dtype == torch.bfloat16
+        assert torch.equal(floats(bf16.weights)[name], w.to(torch.bfloat16)), name
 
 
 def test_default_model_path_names_the_install_command(monkeypatch):
@@ -257,7 +258,7 @@ def test_tiny_gguf_round_trip(tmp_path, tiny_cfg, tiny_weights, matrices):
     # Norms are stored as F32 and Q/K permuted and unpermuted: exact whatever the matrix type.
     tol = {Q.F32: 0.0, Q.F16: 2e-3, Q.Q8_0: 0.05, Q.Q4_0: 0.6}[matrices]
     for name, want in tiny_weights.items():
-        got = loaded.weights[name]
+        got = floats(loaded.weights)[name]
         assert got.shape == want.shape, name
         err = (got - torch.from_numpy(want)).abs().max().item()
         assert err <= (0.0 if want.ndim == 1 else tol), (name, err)
@@ -267,7 +268,7 @@ def test_tiny_gguf_equals_transformers(tmp_path, tiny_cfg, tiny_weights):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights, tiny_cfg, Q.Q8_0)
-    ours = load_model(tmp_path / "tiny.gguf", progress=False).weights
+    ours = floats(load_model(tmp_path / "tiny.gguf", progress=False).weights)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
     theirs = model.state_dict()
     assert set(theirs) == set(ours)
@@ -363,7 +364,7 @@ def test_hf_dir_round_trip(tmp_path, hf_cfg, hf_weights, smollm2_tokenizer, shar
     assert loaded.config == ModelConfig.from_hf(hf_cfg, name=tmp_path.name)
     assert set(loaded.weights) == set(hf_weights)
     for name, w in hf_weights.items():
-        assert torch.equal(loaded.weights[name], w), name
+        assert torch.equal(floats(loaded.weights)[name], w), name
     tok = loaded.tokenizer
     text = "<|im_start|>user\nHow many r's in 'strawberry'? 123 😀<|im_end|>\n"
     assert tok.encode(text) == smollm2_tokenizer.encode(text)
@@ -374,7 +375,7 @@ def test_hf_dir_round_trip(tmp_path, hf_cfg, hf_weights, smollm2_tokenizer, shar
 def test_hf_dir_equals_transformers(tmp_path, hf_cfg, hf_weights, smollm2_tokenizer):
     transformers = pytest.importorskip("transformers")
     write_hf_dir(tmp_path, hf_cfg, hf_weights, smollm2_tokenizer, shards=2)
-    ours = load_model(tmp_path, progress=False).weights
+    ours = floats(load_model(tmp_path, progress=False).weights)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
     assert set(theirs) == set(ours)
     for name in ours:
@@ -388,8 +389,8 @@ def test_hf_dir_tied_drops_lm_head_and_casts(tmp_path, hf_cfg, hf_weights, smoll
         json.dump({"eos_token_id": [2, 5]}, f)
     loaded = load_model(tmp_path, torch.bfloat16, progress=False)
     assert loaded.config.tie_embeddings and "lm_head.weight" not in loaded.weights
-    assert all(w.dtype == torch.bfloat16 for w in loaded.weights.values())
-    assert torch.equal(loaded.weights["model.norm.weight"], hf_weights["model.norm.weight"].to(torch.bfloat16))
+    assert all(w.dtype == torch.bfloat16 for w in floats(loaded.weights).values())
+    assert torch.equal(floats(loaded.weights)["model.norm.weight"], hf_weights["model.norm.weight"].to(torch.bfloat16))
     assert loaded.config.eos_token_ids == loaded.tokenizer.eos_token_ids == (2, 0, 5)
 
 

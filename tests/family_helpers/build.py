@@ -220,11 +220,12 @@ def save_hf_dir(model: Any, directory: str, tokenizer: Any) -> str:
     return directory
 
 
-def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
+def save_gguf(name: str, model: Any, hf_dir: str, path: str, block_format: str = "") -> str:
     """The checkpoint in `hf_dir` (`model`'s, saved by `save_hf_dir`) as an F32 GGUF file, the way
     llama.cpp's converter writes one: from the checkpoint's own tensor names, each expert's
     tensors stacked into one (a tiny sentencepiece vocabulary stands in for the tokenizer: the
-    logits are what is compared)."""
+    logits are what is compared). `block_format` ("Q8_0", "Q4_0", ...): every 2-D matrix
+    quantized to it by the gguf package, as llama-quantize would write it."""
     fam = family(name)
     assert fam.gguf_arch is not None, f"gguf cannot write {name}"
     cfg = model.config
@@ -264,7 +265,12 @@ def save_gguf(name: str, model: Any, hf_dir: str, path: str) -> str:
             arr = _permute(arr, cfg.num_attention_heads)
         elif fam.permute_qk and hf_name.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_key_value_heads)
-        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if block_format and arr.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[block_format]
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from splitserve.engine.blocks import cdiv
+from splitserve.engine.quant.weight import floats
 
 # torch, transformers and the engine are imported inside run(): the CLI lists this module's flags cheaply.
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ def _subject(key: str, device: torch.device) -> Subject:
 
     def load(dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         m = load_model(path, dtype, progress=False)
-        return m.config, m.weights
+        return m.config, floats(m.weights)
 
     return Subject(key, path, load, lambda c, dtype, w: _hf_from_file(path, dtype, device))
 

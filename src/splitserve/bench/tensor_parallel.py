@@ -19,6 +19,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.quant.weight import floats
 from splitserve.engine.sampling import SamplingParams
 from splitserve.measure.hw import machine_line
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.engine.weights import load_model
 
         loaded = load_model(None, torch.float32, progress=False)
-        cfg, weights = loaded.config, loaded.weights
+        cfg, weights = loaded.config, floats(loaded.weights)
     chunk = max(512, -(-a.prompt_len // 16) * 16)
     prefill: dict[int, list[float]] = {1: [], a.tp: []}
     decode: dict[int, list[float]] = {1: [], a.tp: []}

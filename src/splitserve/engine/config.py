@@ -42,6 +42,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # with scales beside the values (engine/kv_cache.py has the format).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")  # canonical names of the quantized storage dtypes
+# --quantization's choices (EngineConfig.quantization)
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_k")
 _KV_ALIASES = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
@@ -340,11 +342,17 @@ class EngineConfig:
     # longest of ngram_max down to ngram_min tokens.
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    # The weights' format (engine/quant/): "auto" computes a GGUF file's block-format matrices
+    # (Q4_0 .. Q8_0, Q4_K .. Q6_K) on their blocks where the CPU kernels run, "none" dequantizes
+    # them into `dtype`; "q8_0" and "q4_k" also quantize float matrices at load.
+    quantization: str = "none"
     ngram_min: int = 2
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         self._check_speculation()
         kv_dtype_name(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_bytes < 0:

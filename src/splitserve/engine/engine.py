@@ -26,10 +26,9 @@ The engine is not thread-safe: one thread owns it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
-
-import torch
 
 from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.config import EngineConfig, ModelConfig
@@ -44,6 +43,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.process_group import rank_devices
 from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_weights
+from splitserve.engine.quant.weight import Weight, dequantized, floats
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
@@ -65,7 +65,7 @@ class Engine:
     def __init__(
         self,
         model_cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         cfg: EngineConfig,
         eos_token_ids: tuple[int, ...] = (),
         connector: KVConnector | None = None,
@@ -91,7 +91,9 @@ class Engine:
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
         self.kv_cache = self._make_cache(model_cfg, cfg)
-        self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
+        if tp > 1:  # the ranks share float shards through shared memory: blocks are not handed over yet
+            weights = dequantized(weights, cfg.torch_dtype)
+        self.tp_group = TensorParallelGroup.start(model_cfg, floats(weights), cfg, self.kv_cache) if tp > 1 else None
         try:
             self.model = DecoderModel(
                 rank_config(model_cfg, tp),
@@ -153,11 +155,20 @@ class Engine:
         """Load weights and tokenizer from a GGUF file or a HF directory (None: the default model)."""
         from splitserve.engine.weights import load_model
 
-        loaded = load_model(path, cfg.torch_dtype, progress=progress)
+        loaded = load_model(path, cfg.torch_dtype, progress=progress, quantization=cfg.quantization)
         engine = Engine(
             loaded.config, loaded.weights, cfg, tuple(loaded.tokenizer.eos_token_ids), tokenizer=loaded.tokenizer
         )
         return engine, loaded.tokenizer
+
+    def weights_line(self) -> str:
+        """What the start line says of the weights: their formats, their bytes, the kernels they run on."""
+        from splitserve.engine.kernels import quant
+
+        formats = self.model.weight_formats
+        blocks = [f for f in formats if f.startswith("Q")]
+        kernel = f", blocks on the {quant.PATH_NAMES[quant.best_path()]} kernel" if blocks else ""
+        return f"{'+'.join(formats)}, {self.model.weight_bytes / 1e6:.0f} MB read a decode step{kernel}"
 
     # ---- requests ----
 

@@ -1,4 +1,6 @@
-"""GGUF files: metadata to ModelConfig, tensors to dequantized HF-named weights.
+"""GGUF files: metadata to ModelConfig, tensors to HF-named weights: a matrix in a block
+format the CPU kernels compute on (engine/quant/formats.py) stays in its blocks, mapped from
+the file, when the caller asks to keep them; anything else is dequantized.
 
 llama.cpp's converter renames tensors (blk.N.attn_q, ...) and, for some architectures
 (llama, mistral), permutes the rows of Q and K so that its rotary kernel can rotate
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -23,8 +26,10 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.kernels.quant import FORMATS
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import declare, registry
+from splitserve.engine.quant.weight import QuantizedWeight, Weight
 from splitserve.engine.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -60,7 +65,7 @@ def looks_like_gguf(path: str) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def load_gguf(path: str, dtype: torch.dtype, progress: bool, keep_blocks: bool = False) -> LoadedModel:
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
     config = model_config_from_gguf(meta, reader, path)
@@ -73,7 +78,7 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size} rows"
         )
     config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=tokenizer.bos_token_id)
-    weights = load_gguf_weights(reader, config, dtype, progress, path)
+    weights = load_gguf_weights(reader, config, dtype, progress, path, keep_blocks)
     return LoadedModel(config, weights, tokenizer)
 
 
@@ -288,13 +293,26 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows_per_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _kept_blocks(t: Any, shape: tuple[int, ...]) -> QuantizedWeight | None:
+    """A 2-D tensor in a block format the kernels compute on, as a QuantizedWeight over the file's
+    mapped bytes (nothing copied); None for any other tensor."""
+    fmt = FORMATS.get(int(t.tensor_type))
+    if fmt is None or len(shape) != 2 or shape[1] % fmt.block_elems:
+        return None
+    data = np.asarray(t.data).reshape(shape[0], fmt.row_bytes(shape[1]))
+    with warnings.catch_warnings():  # a read-only mapping: the kernels only ever read it
+        warnings.simplefilter("ignore", UserWarning)
+        return QuantizedWeight.of(fmt, torch.from_numpy(data), shape[1])
+
+
 def load_gguf_weights(
-    reader: Any, cfg: ModelConfig, dtype: torch.dtype, progress: bool, path: str
-) -> dict[str, torch.Tensor]:
-    """Every tensor under its HF name, as the family's module declares it (engine/models/)."""
+    reader: Any, cfg: ModelConfig, dtype: torch.dtype, progress: bool, path: str, keep_blocks: bool = False
+) -> dict[str, Weight]:
+    """Every tensor under its HF name, as the family's module declares it (engine/models/);
+    with `keep_blocks`, each matrix in a block format the kernels take as a QuantizedWeight."""
     names = declare.gguf_to_hf(registry.for_config(cfg), cfg)
     line = ProgressLine(os.path.basename(path), cfg.num_layers, progress)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     layer_seen = -1
     for t in reader.tensors:
         if t.name == _ROPE_FREQS or t.name in _LONGROPE:
@@ -307,6 +325,13 @@ def load_gguf_weights(
             layer_seen = int(m.group(1))
             line.update(layer_seen, "layers")
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        kept = _kept_blocks(t, shape) if keep_blocks and not decl.experts else None
+        if kept is not None:
+            if decl.gguf_rotary:  # whole rows move: the blocks are copied in HF's order
+                heads = cfg.num_heads if decl.gguf_rotary == "q" else cfg.num_kv_heads
+                kept = kept.take_rows(torch.from_numpy(unpermute_rotary_rows(np.arange(shape[0]), heads)))
+            weights[name] = kept
+            continue
         try:
             if t.tensor_type == GGMLQuantizationType.F32:
                 w = np.array(t.data, dtype=np.float32)

@@ -18,6 +18,7 @@ import torch
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import registry
+from splitserve.engine.quant.weight import Weight
 from splitserve.engine.tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -39,7 +40,7 @@ def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool) -> LoadedMod
     bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
     config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=bos)
 
-    weights = load_safetensors(directory, config, dtype, progress)
+    weights: dict[str, Weight] = dict(load_safetensors(directory, config, dtype, progress))
     return LoadedModel(config, weights, tokenizer)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import NamedTuple
-
-import torch
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.models import declare, registry
+from splitserve.engine.quant.weight import Weight
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -25,7 +25,8 @@ class ModelLoadError(ValueError):
 
 class LoadedModel(NamedTuple):
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, CPU, in the requested dtype
+    # HF names, CPU, in the requested dtype; a matrix kept in its GGUF blocks is a QuantizedWeight
+    weights: dict[str, Weight]
     tokenizer: Tokenizer
 
 
@@ -35,7 +36,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return declare.expected_shapes(registry.for_config(cfg), cfg)
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str) -> None:
+def check_weights(cfg: ModelConfig, weights: Mapping[str, Weight], path: str) -> None:
     """Raise ModelLoadError unless `weights` holds exactly the tensors `cfg` needs, with the right shapes."""
     want = expected_shapes(cfg)
     missing = [name for name in want if name not in weights]

@@ -29,7 +29,7 @@ is whole on every rank. Both paths, the fused kernels included, run per shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ from splitserve.engine.kv_groups import OWN_PAGE, CacheGroups
 from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
 from splitserve.engine.models import registry
 from splitserve.engine.models.declare import layer_slots
+from splitserve.engine.quant.weight import QuantizedWeight, Weight, nbytes
 
 # Model dtypes whose CPU decode steps take the fused kernels. fp32 too: the
 # kernels sum in another order than torch (RMSNorm's mean, attention's dot
@@ -61,17 +62,17 @@ class LayerWeights:
     """One layer's slots (engine/models/declare.py's `TensorDecl.slot`), fused and on the device."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]
-    o: torch.Tensor
+    qkv: Weight  # [q + 2 kv, hidden]; a matrix may be a QuantizedWeight (GGUF blocks, on a CPU)
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None = None  # [2 intermediate, hidden]; None in a mixture of experts
-    down: torch.Tensor | None = None
+    gate_up: Weight | None = None  # [2 intermediate, hidden]; None in a mixture of experts
+    down: Weight | None = None
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None
     # a mixture of experts (ModelConfig.num_experts): the router [experts, hidden] and the
     # experts' SwiGLU, stacked: [experts, 2 moe_intermediate, hidden] and [experts, hidden, moe_intermediate]
-    router: torch.Tensor | None = None
+    router: Weight | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
     # ModelConfig.sandwich_norms (Gemma 3): the attention's and the MLP's outputs normed before their adds
@@ -90,7 +91,7 @@ class DecoderModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         device: torch.device,
         dtype: torch.dtype,
         reduce: AllReduce | None = None,
@@ -102,17 +103,25 @@ class DecoderModel:
         self.dtype = dtype
         self.reduce = reduce
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> Weight:
             try:
                 t = weights[name]
             except KeyError:
                 raise ValueError(f"weights lack tensor {name!r}") from None
+            if isinstance(t, QuantizedWeight):  # computed on its blocks on a CPU; a GPU gets floats
+                return t if device.type == "cpu" else t.dequantize(dtype).to(device)
             return t.to(device=device, dtype=dtype).contiguous()
+
+        def dense(name: str) -> torch.Tensor:  # a norm's gain: never quantized
+            t = w(name)
+            assert isinstance(t, torch.Tensor), name
+            return t
 
         arch = registry.for_config(cfg)
         self.embed = w("model.embed_tokens.weight")
-        self.layers = [LayerWeights(**layer_slots(arch, cfg, w, i)) for i in range(cfg.num_layers)]
-        self.norm = w("model.norm.weight")
+        # a layer's norms and biases are tensors: only matrices are ever kept in blocks
+        self.layers = [LayerWeights(**layer_slots(arch, cfg, w, i)) for i in range(cfg.num_layers)]  # type: ignore[arg-type]
+        self.norm = dense("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
         self.cos, self.sin = rope_tables(cfg, device)
         # the windowed layers' own RoPE base (Gemma 3), else the same tables
@@ -140,12 +149,17 @@ class DecoderModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding rows excluded: only B rows are read)."""
-        per_layer = sum(t.numel() * t.element_size() for lw in self.layers for t in vars(lw).values() if t is not None)
-        return (
-            per_layer
-            + self.norm.numel() * self.norm.element_size()
-            + self.lm_head.numel() * self.lm_head.element_size()
-        )
+        per_layer = sum(nbytes(t) for lw in self.layers for t in vars(lw).values() if t is not None)
+        return per_layer + nbytes(self.norm) + nbytes(self.lm_head)
+
+    @property
+    def weight_formats(self) -> tuple[str, ...]:
+        """The formats the matrices are computed in: the dtype's name, and each GGUF block format kept."""
+        found = {str(self.dtype).removeprefix("torch.")}
+        for t in [self.embed, self.lm_head, *(t for lw in self.layers for t in vars(lw).values())]:
+            if isinstance(t, QuantizedWeight):
+                found.update(t.format_names)
+        return tuple(sorted(found))
 
     def forward(
         self,
@@ -222,10 +236,16 @@ class DecoderModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input rows, scaled in the model's dtype where the family scales them (Gemma)."""
-        h = F.embedding(input_ids, self.embed)
+        h = self._embedding(input_ids)
         if self.cfg.embedding_scale != 1.0:
             h = h * torch.tensor(self.cfg.embedding_scale, dtype=self.dtype)
         return h
+
+    def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for `input_ids`; a quantized embedding dequantizes only those."""
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.embedding(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def _experts(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """A mixture of experts: each row's top-k experts by the router's softmax (in fp32, as
@@ -320,7 +340,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """forward() for a decode step: the same computation, layer for layer, on the fused kernels."""
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place from here on
+        h = self._embedding(input_ids)  # the residual stream, updated in place from here on
         step = kernels.step(
             h,
             kv_cache,

@@ -30,15 +30,19 @@ def load_model(
     path: str | os.PathLike[str] | None,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a model from a `.gguf` file, a Hugging Face directory, or an embedded model's name
     (engine/embedded.py; None: the default model).
 
-    Quantized GGUF tensors are dequantized in float32 and then cast to `dtype`.
+    `quantization` (EngineConfig.quantization): "none" dequantizes a GGUF file's block-format
+    tensors in float32 and casts them to `dtype`; "auto" keeps every matrix the CPU kernels take
+    in its blocks (a QuantizedWeight, engine/quant/), where the kernels run here.
     `lm_head.weight` is absent when `config.tie_embeddings` is true.
     """
     # The format modules import gguf/safetensors; loaded only when a model is.
     from splitserve.engine import gguf_loader, hf_loader
+    from splitserve.engine.kernels import quant as quant_kernel
 
     path = embedded.resolve(None if path is None else os.fspath(path))
     if not os.path.exists(path):
@@ -46,7 +50,8 @@ def load_model(
     if os.path.isdir(path):
         loaded = hf_loader.load_hf_dir(path, dtype, progress)
     elif gguf_loader.looks_like_gguf(path):
-        loaded = gguf_loader.load_gguf(path, dtype, progress)
+        keep = quantization != "none" and quant_kernel.available()
+        loaded = gguf_loader.load_gguf(path, dtype, progress, keep_blocks=keep)
     else:
         raise ModelLoadError(
             f"{path}: not a GGUF file (bad magic) and not a directory; expected a .gguf file "

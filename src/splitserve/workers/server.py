@@ -107,7 +107,14 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
     server.start()
     address = f"{cfg.host}:{port}"
-    log.info("%s worker %s listening on %s (kv %s)", cfg.role, cfg.worker_id, address, kv_endpoint)
+    log.info(
+        "%s worker %s listening on %s (kv %s); weights %s",
+        cfg.role,
+        cfg.worker_id,
+        address,
+        kv_endpoint,
+        engine.weights_line(),
+    )
     return RunningWorker(cfg, address, kv_endpoint, loop, server, closers, metrics)
 
 
@@ -193,7 +200,7 @@ def serve_metrics(worker: RunningWorker, port: int) -> str:
 
 def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """Model and engine flags shared by every command that builds an engine."""
-    from splitserve.engine.config import KV_CACHE_DTYPES
+    from splitserve.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--model",
@@ -207,6 +214,13 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         default=None,
         help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
         "avx512_bf16 or amx_bf16; else float32)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype",
     )
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument(
@@ -313,6 +327,7 @@ def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> E
         num_blocks=a.num_blocks,
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_bytes=a.kv_cache_bytes,
+        quantization=a.quantization,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
         long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,

@@ -17,6 +17,7 @@ import shutil
 from typing import Any
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.quant.weight import floats
 
 MARKER = ".splitserve-export.json"
 # Bumped when what is written changes, so that an old directory is rewritten.
@@ -100,7 +101,7 @@ def export_hf_dir(gguf_path: str | None, out_dir: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     # safetensors refuses tensors that share memory; ours are separate, contiguous copies
-    weights = {name: t.contiguous() for name, t in loaded.weights.items()}
+    weights = {name: t.contiguous() for name, t in floats(loaded.weights).items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     _write_json(os.path.join(tmp, "config.json"), hf_config(loaded.config))
     _write_json(os.path.join(tmp, "generation_config.json"), generation_config(loaded.config))

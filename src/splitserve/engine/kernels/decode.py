@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension, passes_self_test
-from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled, linear
+from splitserve.engine.kernels.linear import DISABLE_ENV, PackedWeight, kernels_disabled, linear
 from splitserve.engine.kernels.once import Once
 
 log = logging.getLogger(__name__)
@@ -290,11 +290,11 @@ class DecodeStep:
         )
         return self._act
 
-    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    def linear(self, x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> Tensor:
         """x @ w.T (+ bias): linear.py's kernel (the Triton step's counterpart takes its own)."""
         return linear(x, w, bias)
 
-    def silu_mul_linear(self, gate_up: Tensor, w: Tensor) -> Tensor:
+    def silu_mul_linear(self, gate_up: Tensor, w: Tensor | PackedWeight) -> Tensor:
         """linear(silu_mul(gate_up), w): two calls here, one kernel on the Triton step."""
         return linear(self.silu_mul(gate_up), w)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,13 @@ DISABLE_ENV = "SPLITSERVE_NO_KERNELS"
 
 _BF16 = torch.bfloat16
 _F32 = torch.float32
+
+
+class PackedWeight(Protocol):
+    """A weight kept in a format of its own (engine/quant/'s QuantizedWeight: GGUF blocks) that
+    computes x @ W.T on its own kernel; `linear` hands it over."""
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
 # bf16 products in hardware (AVX512-BF16 or AMX); read once per process. Unknown (no
@@ -143,8 +151,10 @@ def kernel_available() -> bool:
     return _extension() is not None
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> Tensor:
     """y = x @ w.T (+ bias), in x's dtype. w is [N, K]; x is [..., K], bf16 or fp32.
+
+    A PackedWeight (GGUF blocks, engine/quant/) runs its own kernel, on the blocks.
 
     fp32 w with fp32 x runs the kernel's fp32 path: fp32 FMA, one fixed
     reduction order per row, so a row's result depends neither on the thread
@@ -154,6 +164,8 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     arithmetic on the widened weights) and bias may be bf16 or fp32; the
     F.linear fallback casts w and bias to x's dtype to give the same contract.
     """
+    if not isinstance(w, Tensor):
+        return w.linear(x, bias)
     ext = _EXT.value if _EXT.done else _EXT.get()
     # Checked in order of cost: this runs ~120 times per decode step, where
     # one small matrix takes ~30 us, so the front must stay around 1-2 us.

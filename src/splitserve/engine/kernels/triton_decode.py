@@ -45,7 +45,7 @@ from torch import Tensor
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.kernels.decode import KV_KINDS, StepMetadata, cache_shape
-from splitserve.engine.kernels.linear import DISABLE_ENV, kernels_disabled
+from splitserve.engine.kernels.linear import DISABLE_ENV, PackedWeight, kernels_disabled
 from splitserve.engine.kernels.once import Once
 from splitserve.engine.kv_cache import KVCache, KVLayout, write_quantized
 from splitserve.engine.layers import apply_rope, rms_norm
@@ -315,14 +315,19 @@ class TritonDecodeStep:
         if tuple(gate_up.shape) != self._gate_up_shape or gate_up.dtype != self.h.dtype or not gate_up.is_contiguous():
             raise ValueError(f"gate_up must be a contiguous {self.h.dtype} tensor {list(self._gate_up_shape)}")
 
-    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x @ w.T (+ bias), as F.linear: gemv_kernel for a few rows, cuBLAS past them (a new tensor)."""
+    def linear(self, x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias), as F.linear: gemv_kernel for a few rows, cuBLAS past them (a new tensor).
+        A GPU's weights are floats (a GGUF file's blocks are dequantized onto it)."""
+        if not isinstance(w, Tensor):
+            raise TypeError("the Triton decode step takes float weights; a GPU model dequantizes its blocks")
         if not self._gemv_fits(x, w, bias):
             return F.linear(x, w, bias)
         return self._gemv(x, w, bias, x.shape[1], silu_mul=False)
 
-    def silu_mul_linear(self, gate_up: Tensor, w: Tensor) -> Tensor:
+    def silu_mul_linear(self, gate_up: Tensor, w: Tensor | PackedWeight) -> Tensor:
         """linear(silu_mul(gate_up), w) in one kernel where gemv_kernel takes it (a new tensor)."""
+        if not isinstance(w, Tensor):
+            raise TypeError("the Triton decode step takes float weights; a GPU model dequantizes its blocks")
         self._check_gate_up(gate_up)
         rows = gate_up.shape[0]
         fused = rows <= GEMV_MAX_ROWS and self._intermediate <= FUSED_SILU_MAX_INTER

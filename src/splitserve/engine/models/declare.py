@@ -26,9 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import torch
-
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.quant.weight import Weight, cat_rows
 
 # How tensor parallelism splits a tensor (engine/parallel/shard.py): by rows (column-parallel:
 # the rank's heads or its slice of the MLP) or by columns (row-parallel: the input is the rank's
@@ -145,14 +144,12 @@ def gguf_to_hf(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[str, Ten
     return out
 
 
-def layer_slots(
-    arch: Architecture, cfg: ModelConfig, get: Callable[[str], torch.Tensor], layer: int
-) -> dict[str, torch.Tensor]:
+def layer_slots(arch: Architecture, cfg: ModelConfig, get: Callable[[str], Weight], layer: int) -> dict[str, Weight]:
     """Layer `layer`'s tensors, each read by name through `get`, fused into the model's slots:
     each slot's parts' rows concatenated in declaration order (q, k, v into `qkv`; gate, up into
     `gate_up`, an expert stack's per expert)."""
-    parts: dict[str, list[torch.Tensor]] = {}
+    parts: dict[str, list[Weight]] = {}
     for d in arch.layer:
         if d.present(cfg):
             parts.setdefault(d.slot, []).append(get(f"model.layers.{layer}.{d.name}"))
-    return {slot: ts[0] if len(ts) == 1 else torch.cat(ts, dim=max(0, ts[0].dim() - 2)) for slot, ts in parts.items()}
+    return {slot: ts[0] if len(ts) == 1 else cat_rows(ts) for slot, ts in parts.items()}

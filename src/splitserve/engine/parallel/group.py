@@ -28,6 +28,7 @@ from splitserve.engine.parallel.process_group import host_store, join_group, lea
 from splitserve.engine.parallel.rank import FAILED, LOADED, STOP, RankSpec, rank_main
 from splitserve.engine.parallel.shard import rank_config, shard_weights
 from splitserve.engine.parallel.step import StepInputs
+from splitserve.engine.quant.weight import floats
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class TensorParallelGroup:
         group._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            rank_weights = {r: _for_rank(shard_weights(model_cfg, weights, r, size)) for r in range(1, size)}
+            rank_weights = {r: _for_rank(floats(shard_weights(model_cfg, weights, r, size))) for r in range(1, size)}
             check_shared_memory(_bytes_to_share(rank_weights.values()))
             for r in range(1, size):
                 spec = RankSpec(

@@ -12,12 +12,14 @@ Each family's module declares which of these each tensor is (`TensorDecl.split`)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.models import registry
+from splitserve.engine.quant.weight import QuantizedWeight, Weight
 
 
 def check_tp_size(cfg: ModelConfig, size: int) -> None:
@@ -53,11 +55,13 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
     )
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+def shard_weights(cfg: ModelConfig, weights: Mapping[str, Weight], rank: int, size: int) -> dict[str, Weight]:
     """Rank `rank`'s weights under the same Hugging Face names, shaped for `rank_config(cfg, size)`.
 
     The shards are views of `weights` (nothing is copied here), but for a checkpoint's own fused
-    tensors (Phi-3's qkv_proj and gate_up_proj), whose parts' rows are joined anew.
+    tensors (Phi-3's qkv_proj and gate_up_proj), whose parts' rows are joined anew, and a
+    quantized matrix's columns (each row cut on a block boundary: ValueError where the rank's
+    slice is not whole blocks).
     """
     check_tp_size(cfg, size)
     if not 0 <= rank < size:
@@ -72,11 +76,13 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         "eff": _part(rank, cfg.moe_intermediate_size // size),
     }
     decls = registry.for_config(cfg).tensors(cfg)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     for name, t in weights.items():
         split = decls[name].split if name in decls else "whole"
         if split == "whole":  # embedding, norms, lm_head: whole on every rank
             out[name] = t
+        elif isinstance(t, QuantizedWeight):  # GGUF blocks: rows whole, columns on block boundaries
+            out[name] = _quantized_shard(cfg, t, split, per_rank)
         elif split == "qkv_rows":  # a checkpoint's fused q, k and v: the rank's rows of each part
             q, kv = cfg.q_size, cfg.kv_size
             parts = (per_rank["q"], _shift(per_rank["kv"], q), _shift(per_rank["kv"], q + kv))
@@ -89,6 +95,19 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         else:  # a matrix's columns
             out[name] = t[..., per_rank[split.removesuffix("_cols")]]
     return out
+
+
+def _quantized_shard(cfg: ModelConfig, t: QuantizedWeight, split: str, per_rank: dict[str, slice]) -> QuantizedWeight:
+    if split == "qkv_rows":
+        q, kv = cfg.q_size, cfg.kv_size
+        parts = (per_rank["q"], _shift(per_rank["kv"], q), _shift(per_rank["kv"], q + kv))
+        return QuantizedWeight.cat([t.rows(p) for p in parts])
+    if split == "gate_up_rows":
+        ff = per_rank["ff"]
+        return QuantizedWeight.cat([t.rows(ff), t.rows(_shift(ff, cfg.intermediate_size))])
+    if split.endswith("_rows"):
+        return t.rows(per_rank[split.removesuffix("_rows")])
+    return t.cols(per_rank[split.removesuffix("_cols")])
 
 
 def _shift(s: slice, by: int) -> slice:

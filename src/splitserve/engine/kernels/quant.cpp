@@ -1,0 +1,662 @@
+// y[B, N] = x[B, K] @ W[N, K]^T where W stays in a GGUF block format (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): the bytes the user's file holds, never a
+// dequantized copy. Decode on a CPU is bound by reading W, and a Q4 block is a
+// quarter of bf16's bytes and an eighth of fp32's.
+//
+// The method is llama.cpp's vec_dot: each row of x is quantized once per call to
+// int8 in blocks of 32 (one scale per block, and the integer sums of each half),
+// and every weight block is unpacked to 32 unsigned bytes q, with per-16 scales
+// d_lo/d_hi, an offset and a min, so that w = d * (q - off) + m. A block's dot is
+// then integer products (vpmaddubsw + vpmaddwd on AVX2, one vpdpbusd with
+// AVX-512 VNNI), scaled once:
+//     sum(w * x) = dx * (d_lo * I_lo + d_hi * I_hi) + (m - off * d) * dx * S
+// with I the int dot of each 16-byte half and S the half's sum of x's ints.
+// Per-16 scales exist for Q6_K; every other format has d_lo == d_hi. One block
+// of x (32) is the unit for all formats: a K-quant super-block of 256 is eight.
+// Widening W to fp32 and multiplying x as it is was tried: at one row it takes
+// twice the vector instructions a block (13 against 7), on AVX-512's two ports.
+//
+// Batched decode shares each weight block across the rows of x: a block is
+// unpacked once and used by up to four rows at a time, so W is read once per
+// call whatever B is.
+//
+// Determinism: x's rows are quantized each on its own, and a row's result is one
+// thread's sum over the blocks in order, in fixed lanes, whatever the thread count or the other rows of x, so a seed gives
+// the same tokens on a quiet and a busy machine and alone or in a batch.
+// Different paths (scalar, AVX2, AVX-512) round differently.
+//
+// Paths, picked by the CPU's flags at run time: 0 scalar (any x86-64; the
+// reference the SIMD paths are tested against), 1 AVX2+FMA+F16C, 2 AVX-512 VNNI
+// (the 256-bit vpdpbusd of AVX512VL). The two SIMD paths are one body compiled twice under
+// `#pragma GCC target` (this file includes itself), so the binary runs on every
+// x86-64 machine. AMX is not used: at decode's few rows its tiles are mostly
+// empty, and prefill dequantizes a matrix into oneDNN's GEMM instead.
+//
+// Plain CPython over raw pointers, as linear.cpp: the Python front (quant.py)
+// checks every dtype, shape and length before handing pointers over.
+
+#ifndef SPLITSERVE_QUANT_BODY
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// GGML's type numbers, as GGUF files write them
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+// (elements, bytes) per block of each format
+inline int block_elems(int fmt) { return fmt >= kQ4_K ? 256 : 32; }
+inline int block_bytes(int fmt) {
+  switch (fmt) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400u));
+      u = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float rd_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
+// A K-quant's 6-bit scale and min of sub-block j (0..7), ggml's get_scale_min_k4
+inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// What one 32-element block of a weight row means: w = d * (q - off) + m, with
+// d and m per 16-element half (d_lo for elements 0..15, d_hi for 16..31).
+struct BlockScale {
+  float d_lo, d_hi, m_lo, m_hi;
+  int off;
+};
+
+// The scales of 32-block `kb` of a row in format FMT (row: the row's first byte).
+template <int FMT>
+inline BlockScale block_scale(const uint8_t* row, int64_t kb) {
+  if constexpr (FMT == kQ4_0 || FMT == kQ5_0 || FMT == kQ8_0) {
+    float d = rd_half(row + kb * block_bytes(FMT));
+    return {d, d, 0.f, 0.f, FMT == kQ4_0 ? 8 : (FMT == kQ5_0 ? 16 : 0)};
+  } else if constexpr (FMT == kQ4_1 || FMT == kQ5_1) {
+    const uint8_t* b = row + kb * block_bytes(FMT);
+    float d = rd_half(b), m = rd_half(b + 2);
+    return {d, d, m, m, 0};
+  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int sc, mn;
+    scale_min_k4((int)(kb & 7), b + 4, &sc, &mn);
+    float d = rd_half(b) * (float)sc, m = -rd_half(b + 2) * (float)mn;
+    return {d, d, m, m, 0};
+  } else {  // Q6_K: ql[128] qh[64] scales[16] (int8) d
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    float d = rd_half(b + 208);
+    int c = (int)(kb & 7), half = c >> 2, cc = c & 3;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * cc;
+    return {d * (float)sc[0], d * (float)sc[1], 0.f, 0.f, 32};
+  }
+}
+
+// The 32 unsigned values q of block `kb` (Q8_0: the signed int8 values), scalar.
+template <int FMT>
+inline void block_values(const uint8_t* row, int64_t kb, uint8_t* q) {
+  if constexpr (FMT == kQ4_0 || FMT == kQ4_1) {
+    const uint8_t* qs = row + kb * block_bytes(FMT) + (FMT == kQ4_0 ? 2 : 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = qs[j] & 0xF;
+      q[j + 16] = qs[j] >> 4;
+    }
+  } else if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {
+    const uint8_t* b = row + kb * block_bytes(FMT) + (FMT == kQ5_0 ? 2 : 4);
+    uint32_t qh;
+    std::memcpy(&qh, b, 4);
+    const uint8_t* qs = b + 4;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1u) << 4));
+      q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
+    }
+  } else if constexpr (FMT == kQ8_0) {
+    std::memcpy(q, row + kb * block_bytes(FMT) + 2, 32);
+  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int c = (int)(kb & 7);
+    const uint8_t* ql = b + (FMT == kQ4_K ? 16 : 48) + 32 * (c >> 1);
+    int shift = (c & 1) * 4;
+    for (int l = 0; l < 32; ++l) {
+      uint8_t v = (uint8_t)((ql[l] >> shift) & 0xF);
+      if constexpr (FMT == kQ5_K) v |= (uint8_t)(((b[16 + l] >> c) & 1) << 4);
+      q[l] = v;
+    }
+  } else {  // Q6_K
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int c = (int)(kb & 7), half = c >> 2, cc = c & 3;
+    const uint8_t* ql = b + 64 * half + 32 * (cc & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+    int shift = (cc >> 1) * 4;
+    for (int l = 0; l < 32; ++l) q[l] = (uint8_t)(((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * cc)) & 3) << 4));
+  }
+}
+
+// One row of x quantized to int8 in blocks of 32: q = round(x / d), d = amax / 127,
+// with d times the integer sum of each half and of the whole (for offsets and mins).
+struct XBlock {
+  int8_t q[32];
+  float d, s_lo, s_hi, s;
+};
+
+void quantize_row_scalar(const float* x, int64_t k, XBlock* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    const float* v = x + kb * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    XBlock& xb = out[kb];
+    float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+    int s_lo = 0, s_hi = 0;
+    for (int j = 0; j < 32; ++j) {
+      int qv = (int)std::nearbyint(v[j] * inv);
+      xb.q[j] = (int8_t)qv;
+      (j < 16 ? s_lo : s_hi) += qv;
+    }
+    xb.d = d;
+    xb.s_lo = d * (float)s_lo;
+    xb.s_hi = d * (float)s_hi;
+    xb.s = d * (float)(s_lo + s_hi);
+  }
+}
+
+// The scalar reference: out[r] = dot(W row, x row r) for `rows` rows of x.
+template <int FMT>
+void row_dot_scalar(const uint8_t* row, int64_t nb, const XBlock* const* xs, int rows, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    float acc = 0.f;
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      uint8_t q[32];
+      block_values<FMT>(row, kb, q);
+      BlockScale s = block_scale<FMT>(row, kb);
+      const XBlock& xb = xs[r][kb];
+      int i_lo = 0, i_hi = 0;
+      for (int j = 0; j < 16; ++j) {
+        int w0 = FMT == kQ8_0 ? (int)(int8_t)q[j] : (int)q[j];
+        int w1 = FMT == kQ8_0 ? (int)(int8_t)q[j + 16] : (int)q[j + 16];
+        i_lo += w0 * xb.q[j];
+        i_hi += w1 * xb.q[j + 16];
+      }
+      acc += xb.d * (s.d_lo * (float)i_lo + s.d_hi * (float)i_hi) + (s.m_lo - (float)s.off * s.d_lo) * xb.s_lo +
+             (s.m_hi - (float)s.off * s.d_hi) * xb.s_hi;
+    }
+    out[r] = acc;
+  }
+}
+
+// w = d * (q - off) + m, exactly as ggml's dequantize_row computes it
+template <int FMT>
+void dequantize_row(const uint8_t* row, int64_t k, float* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    uint8_t q[32];
+    block_values<FMT>(row, kb, q);
+    BlockScale s = block_scale<FMT>(row, kb);
+    for (int j = 0; j < 32; ++j) {
+      int v = FMT == kQ8_0 ? (int)(int8_t)q[j] : (int)q[j] - s.off;
+      float d = j < 16 ? s.d_lo : s.d_hi, m = j < 16 ? s.m_lo : s.m_hi;
+      // a format without a min is d * q alone, as ggml computes it: + 0.0 would turn its -0.0 to +0.0
+      constexpr bool has_min = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K;
+      out[kb * 32 + j] = has_min ? d * (float)v + m : d * (float)v;
+    }
+  }
+}
+
+constexpr int kIsaScalar = 0, kIsaAvx2 = 1, kIsaVnni = 2;
+
+int detect_isa() {
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+    return kIsaVnni;
+  return avx2 ? kIsaAvx2 : kIsaScalar;
+}
+
+}  // namespace
+
+// The SIMD body, compiled once per target.
+#define SPLITSERVE_QUANT_BODY
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace path_avx2 {
+#define SPLITSERVE_VNNI 0
+#include __FILE__
+#undef SPLITSERVE_VNNI
+}  // namespace path_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace path_vnni {
+#define SPLITSERVE_VNNI 1
+#include __FILE__
+#undef SPLITSERVE_VNNI
+}  // namespace path_vnni
+#pragma GCC pop_options
+#undef SPLITSERVE_QUANT_BODY
+
+namespace {
+
+using RowDot = void (*)(const uint8_t*, int64_t, const XBlock* const*, int, float*);
+
+template <int FMT>
+RowDot pick(int isa) {
+  if (isa == kIsaVnni) return path_vnni::row_dot<FMT>;
+  if (isa == kIsaAvx2) return path_avx2::row_dot<FMT>;
+  return row_dot_scalar<FMT>;
+}
+
+RowDot row_dot_for(int fmt, int isa) {
+  switch (fmt) {
+    case kQ4_0: return pick<kQ4_0>(isa);
+    case kQ4_1: return pick<kQ4_1>(isa);
+    case kQ5_0: return pick<kQ5_0>(isa);
+    case kQ5_1: return pick<kQ5_1>(isa);
+    case kQ8_0: return pick<kQ8_0>(isa);
+    case kQ4_K: return pick<kQ4_K>(isa);
+    case kQ5_K: return pick<kQ5_K>(isa);
+    case kQ6_K: return pick<kQ6_K>(isa);
+    default: return nullptr;
+  }
+}
+
+using RowDequant = void (*)(const uint8_t*, int64_t, float*);
+
+RowDequant dequant_for(int fmt) {
+  switch (fmt) {
+    case kQ4_0: return dequantize_row<kQ4_0>;
+    case kQ4_1: return dequantize_row<kQ4_1>;
+    case kQ5_0: return dequantize_row<kQ5_0>;
+    case kQ5_1: return dequantize_row<kQ5_1>;
+    case kQ8_0: return dequantize_row<kQ8_0>;
+    case kQ4_K: return dequantize_row<kQ4_K>;
+    case kQ5_K: return dequantize_row<kQ5_K>;
+    case kQ6_K: return dequantize_row<kQ6_K>;
+    default: return nullptr;
+  }
+}
+
+const int g_isa = detect_isa();
+
+constexpr int kTile = 4;  // rows of x dotted with one unpacked weight block
+// Bytes of W a thread takes at a time: long enough that the hardware prefetchers lock on to the
+// stream (chunks of 8 rows, 3 KB, read the embedded model's blocks at a third of the bandwidth),
+// short enough that a thread whose core is busy takes fewer.
+constexpr int64_t kChunkBytes = 64 << 10;
+
+// y[b * ldy + n] for b < B, n < N; x fp32 or bf16 (then y bf16)
+void qlinear(void* y, const void* x, const uint8_t* w, int fmt, int64_t n, int64_t k, int64_t b, int64_t ldy,
+             bool x_bf16, int threads, int isa) {
+  const int64_t nb = k / 32, row_bytes = k / block_elems(fmt) * block_bytes(fmt);
+  std::vector<float> widened;  // bf16 x, widened once: it is B*K, W is N*K
+  const float* xf = static_cast<const float*>(x);
+  if (x_bf16) {
+    widened.resize((size_t)(b * k));
+    for (int64_t i = 0; i < b * k; ++i) widened[(size_t)i] = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    xf = widened.data();
+  }
+  std::vector<XBlock> xq((size_t)(b * nb));
+  for (int64_t r = 0; r < b; ++r) {
+    if (isa == kIsaScalar) {
+      quantize_row_scalar(xf + r * k, k, xq.data() + r * nb);
+    } else {  // the same rounding (to nearest even), vectorised
+      path_avx2::quantize_row(xf + r * k, k, xq.data() + r * nb);
+    }
+  }
+  RowDot dot = row_dot_for(fmt, isa);
+  const int64_t chunk_rows = std::max<int64_t>(8, kChunkBytes / row_bytes);
+  const int64_t chunks = (n + chunk_rows - 1) / chunk_rows;
+  auto work = [&](int64_t c) {
+    float out[kTile];
+    const XBlock* xs[kTile];
+    for (int64_t i = c * chunk_rows; i < std::min(n, (c + 1) * chunk_rows); ++i) {
+      const uint8_t* row = w + i * row_bytes;
+      for (int64_t r0 = 0; r0 < b; r0 += kTile) {
+        int rows = (int)std::min<int64_t>(kTile, b - r0);
+        for (int r = 0; r < rows; ++r) xs[r] = xq.data() + (r0 + r) * nb;
+        dot(row, nb, xs, rows, out);
+        for (int r = 0; r < rows; ++r) {
+          if (x_bf16) {
+            static_cast<uint16_t*>(y)[(r0 + r) * ldy + i] = float_to_bf16(out[r]);
+          } else {
+            static_cast<float*>(y)[(r0 + r) * ldy + i] = out[r];
+          }
+        }
+      }
+    }
+  };
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
+  if (threads == 1) {
+    for (int64_t c = 0; c < chunks; ++c) work(c);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) work(c);
+}
+
+// out[r] = W row idx[r] dequantized (fp32 or bf16), r < count; idx null: rows 0..count
+void dequantize(void* out, const uint8_t* w, int fmt, const int64_t* idx, int64_t count, int64_t k, bool out_bf16,
+                int threads) {
+  const int64_t row_bytes = k / block_elems(fmt) * block_bytes(fmt);
+  RowDequant deq = dequant_for(fmt);
+  auto one = [&](int64_t r) {
+    const uint8_t* row = w + (idx ? idx[r] : r) * row_bytes;
+    if (!out_bf16) {
+      deq(row, k, static_cast<float*>(out) + r * k);
+      return;
+    }
+    std::vector<float> tmp((size_t)k);
+    deq(row, k, tmp.data());
+    uint16_t* dst = static_cast<uint16_t*>(out) + r * k;
+    for (int64_t j = 0; j < k; ++j) dst[j] = float_to_bf16(tmp[j]);
+  };
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, count / 16));
+  if (threads == 1) {
+    for (int64_t r = 0; r < count; ++r) one(r);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < count; ++r) one(r);
+}
+
+bool int_args(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const char* name, long long* v) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s() takes %d integer arguments", name, (int)want);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < want; ++i) {
+    v[i] = PyLong_AsLongLong(args[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long long v[11];
+  if (!int_args(args, nargs, 11, "linear", v)) return nullptr;
+  int fmt = (int)v[3], isa = (int)v[10];
+  if (block_bytes(fmt) == 0 || v[5] % block_elems(fmt) != 0) {
+    PyErr_Format(PyExc_ValueError, "linear: format %d with k=%lld is not a block format here", fmt, v[5]);
+    return nullptr;
+  }
+  if (isa < 0 || isa > g_isa) {
+    PyErr_Format(PyExc_ValueError, "linear: path %d not available (this CPU: 0..%d)", isa, g_isa);
+    return nullptr;
+  }
+  if (v[4] <= 0 || v[6] <= 0) Py_RETURN_NONE;
+  Py_BEGIN_ALLOW_THREADS
+  qlinear(reinterpret_cast<void*>(v[0]), reinterpret_cast<const void*>(v[1]), reinterpret_cast<const uint8_t*>(v[2]),
+          fmt, v[4], v[5], v[6], v[7], v[8] != 0, (int)v[9], isa);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_dequantize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long long v[8];
+  if (!int_args(args, nargs, 8, "dequantize", v)) return nullptr;
+  int fmt = (int)v[2];
+  if (block_bytes(fmt) == 0 || v[5] % block_elems(fmt) != 0) {
+    PyErr_Format(PyExc_ValueError, "dequantize: format %d with k=%lld is not a block format here", fmt, v[5]);
+    return nullptr;
+  }
+  if (v[4] <= 0) Py_RETURN_NONE;
+  Py_BEGIN_ALLOW_THREADS
+  dequantize(reinterpret_cast<void*>(v[0]), reinterpret_cast<const uint8_t*>(v[1]), fmt,
+             reinterpret_cast<const int64_t*>(v[3]), v[4], v[5], v[6] != 0, (int)v[7]);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_isa(PyObject*, PyObject*) { return PyLong_FromLong(g_isa); }
+
+PyMethodDef kMethods[] = {
+    {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_linear)), METH_FASTCALL,
+     "linear(y, x, w, fmt, n, k, b, ldy, x_bf16, threads, isa): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W in GGML "
+     "format fmt; pointers as ints, nothing checked"},
+    {"dequantize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequantize)), METH_FASTCALL,
+     "dequantize(out, w, fmt, idx, count, k, out_bf16, threads): out[r] = W row idx[r] (idx 0: row r)"},
+    {"isa", py_isa, METH_NOARGS, "this CPU's best path: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "splitserve_quant",
+                       "GGUF block-format weights computed in place (splitserve.engine.kernels)", -1, kMethods};
+
+}  // namespace
+
+#define SPLITSERVE_CONCAT2(a, b) a##b
+#define SPLITSERVE_CONCAT(a, b) SPLITSERVE_CONCAT2(a, b)
+PyMODINIT_FUNC SPLITSERVE_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&kModule); }
+
+#else  // SPLITSERVE_QUANT_BODY: the SIMD row dot, once per target
+
+inline float half_fast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// block_scale with the hardware's fp16 conversion (the scalar one is most of a block's cost)
+template <int FMT>
+inline BlockScale scale_fast(const uint8_t* row, int64_t kb) {
+  if constexpr (FMT == kQ4_0 || FMT == kQ5_0 || FMT == kQ8_0) {
+    float d = half_fast(row + kb * block_bytes(FMT));
+    return {d, d, 0.f, 0.f, FMT == kQ4_0 ? 8 : (FMT == kQ5_0 ? 16 : 0)};
+  } else if constexpr (FMT == kQ4_1 || FMT == kQ5_1) {
+    const uint8_t* b = row + kb * block_bytes(FMT);
+    float d = half_fast(b), m = half_fast(b + 2);
+    return {d, d, m, m, 0};
+  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int sc, mn;
+    scale_min_k4((int)(kb & 7), b + 4, &sc, &mn);
+    float d = half_fast(b) * (float)sc, m = -half_fast(b + 2) * (float)mn;
+    return {d, d, m, m, 0};
+  } else {
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    float d = half_fast(b + 208);
+    int c = (int)(kb & 7), half = c >> 2, cc = c & 3;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * cc;
+    return {d * (float)sc[0], d * (float)sc[1], 0.f, 0.f, 32};
+  }
+}
+
+// 32 values of block kb as signed bytes q - off (every format's fit in int8)
+template <int FMT>
+inline __m256i block_vec(const uint8_t* row, int64_t kb, int off) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i q;
+  if constexpr (FMT == kQ4_0 || FMT == kQ4_1 || FMT == kQ5_0 || FMT == kQ5_1) {
+    constexpr int head = (FMT == kQ4_0) ? 2 : (FMT == kQ4_1 ? 4 : (FMT == kQ5_0 ? 6 : 8));
+    const uint8_t* b = row + kb * block_bytes(FMT);
+    __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head));
+    q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low4);
+    if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {  // the fifth bit of element j is bit j of qh
+      uint32_t qh;
+      std::memcpy(&qh, b + head - 4, 4);
+      const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+      bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+      __m256i set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+      q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+  } else if constexpr (FMT == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kb * block_bytes(FMT) + 2));
+  } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int c = (int)(kb & 7);
+    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (FMT == kQ4_K ? 16 : 48) + 32 * (c >> 1)));
+    q = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((c & 1) * 4)), low4);
+    if constexpr (FMT == kQ5_K) {
+      __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+  } else {  // Q6_K
+    const uint8_t* b = row + (kb >> 3) * block_bytes(FMT);
+    int c = (int)(kb & 7), half = c >> 2, cc = c & 3;
+    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (cc & 1)));
+    __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((cc >> 1) * 4)), low4);
+    __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * cc)), _mm256_set1_epi8(3));
+    q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+  return off ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)off)) : q;
+}
+
+// 8 int32 lanes of u8 q times s8 x: lanes 0..3 sum bytes 0..15, lanes 4..7 bytes 16..31
+inline __m256i dot_u8s8(__m256i q, __m256i x) {
+#if SPLITSERVE_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#else
+  // q <= 63 (Q8_0: |w| <= 128), so a pair's sum (<= 2 * 128 * 127) fits vpmaddubsw's int16
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// quantize_row_scalar, vectorised: the same d, the same rounding (to nearest even)
+inline void quantize_row(const float* x, int64_t k, XBlock* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + kb * 32 + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float am = _mm_cvtss_f32(m4);
+    float d = am / 127.f, inv = d > 0.f ? 127.f / am : 0.f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    int s_lo = hsum_i(_mm256_add_epi32(qi[0], qi[1])), s_hi = hsum_i(_mm256_add_epi32(qi[2], qi[3]));
+    __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    // the packs interleave 128-bit lanes: put the 32-bit groups back in order
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    XBlock& xb = out[kb];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.q), p8);
+    xb.d = d;
+    xb.s_lo = d * (float)s_lo;
+    xb.s_hi = d * (float)s_hi;
+    xb.s = d * (float)(s_lo + s_hi);
+  }
+}
+
+template <int FMT, int R>
+void row_dot_r(const uint8_t* row, int64_t nb, const XBlock* const* xs, float* out) {
+  __m256 acc[R];  // R a constant: the accumulators live in registers
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.f;
+  }
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    BlockScale s = scale_fast<FMT>(row, kb);
+    __m256i q = block_vec<FMT>(row, kb, 0);
+    __m256 dv = FMT == kQ6_K ? _mm256_set_m128(_mm_set1_ps(s.d_hi), _mm_set1_ps(s.d_lo)) : _mm256_set1_ps(s.d_lo);
+    float m_lo = s.m_lo - (float)s.off * s.d_lo, m_hi = s.m_hi - (float)s.off * s.d_hi;
+    __m256i qa = q;
+    if constexpr (FMT == kQ8_0) qa = _mm256_sign_epi8(q, q);  // |w|; x takes w's sign below
+    for (int r = 0; r < R; ++r) {
+      const XBlock& xb = xs[r][kb];
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+      if constexpr (FMT == kQ8_0) xv = _mm256_sign_epi8(xv, q);
+      __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(&xb.d));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qa, xv)), scale, acc[r]);
+      if constexpr (FMT == kQ6_K) {
+        macc[r] += m_lo * xb.s_lo + m_hi * xb.s_hi;
+      } else if constexpr (FMT != kQ8_0) {
+        macc[r] += m_lo * xb.s;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
+}
+
+template <int FMT>
+void row_dot(const uint8_t* row, int64_t nb, const XBlock* const* xs, int rows, float* out) {
+  switch (rows) {
+    case 1: return row_dot_r<FMT, 1>(row, nb, xs, out);
+    case 2: return row_dot_r<FMT, 2>(row, nb, xs, out);
+    case 3: return row_dot_r<FMT, 3>(row, nb, xs, out);
+    default: return row_dot_r<FMT, 4>(row, nb, xs, out);
+  }
+}
+
+#endif  // SPLITSERVE_QUANT_BODY

@@ -1,0 +1,202 @@
+"""The front of quant.cpp: x @ W.T and W's rows dequantized, W in a GGUF block format.
+
+`quant_linear` is what a linear layer on a quantized weight runs on a CPU: for decode-sized
+batches (up to MAX_ROWS rows) the integer-dot kernel over the packed blocks; past that, a
+prefill, the weight dequantized into a float matrix for oneDNN's GEMM, where arithmetic and
+not the weight's bytes bound the step. Each call checks every tensor it hands over as a
+pointer: the module trusts them.
+
+The formats (`FORMATS`, by GGML type number): every one's block is 32 elements, or a
+super-block of 256 (the K-quants) made of eight 32-element sub-blocks, which is what lets one
+int8 activation block serve them all.
+
+Paths (quant.cpp): 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI; `best_path()` is the CPU's widest,
+and `on_path` runs any of them so that tests and benchmarks compare each with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from splitserve.engine.kernels.build import load_extension, passes_self_test
+from splitserve.engine.kernels.once import Once
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str  # llama.cpp's: "Q4_K"
+    ggml_type: int  # GGMLQuantizationType's value, as GGUF files write it
+    block_elems: int
+    block_bytes: int
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of `k` elements (`k` a multiple of the block)."""
+        return k // self.block_elems * self.block_bytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.block_bytes / self.block_elems
+
+
+FORMATS: dict[int, BlockFormat] = {
+    f.ggml_type: f
+    for f in (
+        BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q5_0", 6, 32, 22),
+        BlockFormat("Q5_1", 7, 32, 24),
+        BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q5_K", 13, 256, 176),
+        BlockFormat("Q6_K", 14, 256, 210),
+    )
+}
+BY_NAME: dict[str, BlockFormat] = {f.name: f for f in FORMATS.values()}
+
+# Rows of x up to which the integer-dot kernel runs: each weight block is unpacked once and
+# dotted with every row, so its cost grows with the rows while the GEMM's per-row cost falls;
+# past this the dequantized GEMM is faster (splitserve bench kernels-quant).
+MAX_ROWS = 64
+
+PATH_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
+
+_F32, _BF16 = torch.float32, torch.bfloat16
+
+
+def _self_test(ext: ModuleType) -> bool:
+    """Every format's kernel against its own dequantized rows and a float matmul."""
+    gen = torch.Generator().manual_seed(0)
+    for fmt in FORMATS.values():
+        k = 2 * fmt.block_elems
+        w = random_blocks(fmt, 5, k, gen)
+        x = torch.randn(3, k, generator=gen)
+        ref = x.double() @ _dequantize(ext, fmt, w, k, _F32).double().T
+        got = _linear(ext, x, fmt, w, k, int(ext.isa())).double()
+        if not torch.allclose(got, ref, rtol=0.05, atol=0.05 * float(ref.abs().max()) + 1e-3):
+            return False
+    return True
+
+
+def random_blocks(fmt: BlockFormat, n: int, k: int, gen: torch.Generator) -> Tensor:
+    """n rows of k elements of valid `fmt` blocks: random bytes with every fp16 scale in the
+    range a checkpoint's are (a random scale's bits could be a NaN). For tests and self-tests."""
+    blocks = k // fmt.block_elems
+    data = torch.randint(0, 256, (n, blocks, fmt.block_bytes), dtype=torch.uint8, generator=gen)
+    scale_at = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+    for at in scale_at.get(fmt.name, (0,)):
+        half = (torch.rand(n, blocks, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        data[:, :, at : at + 2] = half.view(torch.uint8).reshape(n, blocks, 2)
+    if fmt.name == "Q6_K":  # int8 scales: keep them moderate
+        data[:, :, 192:208] = (data[:, :, 192:208] % 64).to(torch.uint8)
+    return data.reshape(n, blocks * fmt.block_bytes).contiguous()
+
+
+def _load() -> ModuleType | None:
+    ext = load_extension("splitserve_quant", "quant.cpp", fallback="dequantized weights")
+    if ext is None:
+        return None
+    return ext if passes_self_test("quantized linear kernel", lambda: _self_test(ext), "dequantized weights") else None
+
+
+_EXT: Once[ModuleType | None] = Once(_load)
+
+
+def available() -> bool:
+    """Whether quantized weights can be computed in place here (building the kernel if not yet built)."""
+    return _EXT.get() is not None
+
+
+def best_path() -> int:
+    ext = _EXT.get()
+    return -1 if ext is None else int(ext.isa())
+
+
+def _ext() -> ModuleType:
+    ext = _EXT.value if _EXT.done else _EXT.get()
+    if ext is None:
+        raise RuntimeError("the quantized linear kernel is not available on this machine")
+    return ext
+
+
+def _check(fmt: BlockFormat, w: Tensor, k: int) -> None:
+    if not (w.dtype is torch.uint8 and w.dim() == 2 and w.is_cpu and w.is_contiguous()):
+        raise ValueError("quantized blocks must be a contiguous CPU uint8 tensor [rows, row_bytes]")
+    if k % fmt.block_elems or w.shape[1] != fmt.row_bytes(k):
+        raise ValueError(f"{fmt.name}: rows of {w.shape[1]} bytes do not hold {k} elements")
+
+
+def _linear(
+    ext: ModuleType, x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int, out: Tensor | None = None
+) -> Tensor:
+    """x [B, k] (fp32 or bf16, contiguous) @ W.T into `out` (a [B, n] view with unit column stride:
+    a slice of a wider output), or a new tensor."""
+    b, n = x.shape[0], w.shape[0]
+    y = x.new_empty(b, n) if out is None else out
+    ext.linear(
+        y.data_ptr(), x.data_ptr(), w.data_ptr(), fmt.ggml_type, n, k, b, y.stride(0), x.dtype is _BF16,
+        torch.get_num_threads(), path,
+    )  # fmt: skip
+    return y
+
+
+def _dequantize(
+    ext: ModuleType, fmt: BlockFormat, w: Tensor, k: int, dtype: torch.dtype, rows: Tensor | None = None
+) -> Tensor:
+    count = w.shape[0] if rows is None else rows.numel()
+    out = torch.empty(count, k, dtype=_BF16 if dtype is _BF16 else _F32)
+    idx = 0 if rows is None else rows.data_ptr()
+    ext.dequantize(out.data_ptr(), w.data_ptr(), fmt.ggml_type, idx, count, k, dtype is _BF16, torch.get_num_threads())
+    return out if out.dtype is dtype else out.to(dtype)
+
+
+def dequantize(fmt: BlockFormat, w: Tensor, k: int, dtype: torch.dtype = _F32, rows: Tensor | None = None) -> Tensor:
+    """W's rows as floats: all of them, or those in `rows` (int64 indices: an embedding's lookup)."""
+    _check(fmt, w, k)
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= w.shape[0]):
+            raise IndexError(f"row index out of range for a weight of {w.shape[0]} rows")
+    return _dequantize(_ext(), fmt, w, k, dtype, rows)
+
+
+def _fits(x: Tensor, k: int) -> bool:
+    return x.dtype in (_F32, _BF16) and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
+
+
+def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+    """x [B, k] @ W.T on the blocks: the integer-dot kernel up to MAX_ROWS rows, else W dequantized
+    for a float GEMM. `out`: a [B, n] view to write into (a fused weight's slice of the output)."""
+    _check(fmt, w, k)
+    if not _fits(x, k):
+        raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
+    ext = _ext()
+    if x.shape[0] <= MAX_ROWS:
+        if out is not None and not (
+            out.dtype is x.dtype and out.stride(1) == 1 and out.shape == (x.shape[0], w.shape[0])
+        ):
+            raise ValueError("out must be a [B, n] view of x's dtype with unit column stride")
+        return _linear(ext, x, fmt, w, k, int(ext.isa()), out)
+    y = F.linear(x, _dequantize(ext, fmt, w, k, x.dtype))
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int) -> Tensor:
+    """x @ W.T on one path of the kernel (0 .. best_path()), whatever the rows: to compare paths."""
+    _check(fmt, w, k)
+    if not _fits(x, k):
+        raise ValueError("on_path takes a contiguous CPU fp32 or bf16 x [rows, k]")
+    ext = _ext()
+    if not 0 <= path <= int(ext.isa()):
+        raise ValueError(f"quantized kernel path {path} is not available here (paths 0..{int(ext.isa())})")
+    return _linear(ext, x, fmt, w, k, path)

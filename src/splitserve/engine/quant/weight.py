@@ -1,0 +1,196 @@
+"""A weight matrix kept in the format the user's file holds it in: GGUF blocks, not floats.
+
+`QuantizedWeight` is [n, k] as one or more parts of rows, each (format, packed blocks): a
+fused slot's q, k and v may come in different formats (a Q4_K_M file keeps some v in Q6_K).
+Every linear layer takes one where it takes a float tensor (engine/kernels/linear.py's
+`linear` hands it to `QuantizedWeight.linear`), and no dequantized copy is ever kept: a decode
+step reads the blocks' bytes, a prefill dequantizes one matrix at a time into its GEMM, and an
+embedding lookup dequantizes the rows it reads.
+
+The operations the loaders, the model and tensor parallelism need are rows' operations on the
+packed bytes: a row is whole blocks, so permuting rows (llama.cpp's q/k order), joining them
+(q, k and v into `qkv`) and taking a rank's rows are byte copies; taking a rank's columns
+(row-parallel o and down) cuts every row on a block boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from splitserve.engine.kernels import quant as kernel
+from splitserve.engine.kernels.quant import BlockFormat
+
+
+@dataclass(frozen=True)
+class Part:
+    fmt: BlockFormat
+    data: Tensor  # uint8 [rows, fmt.row_bytes(k)], contiguous, CPU
+
+
+class QuantizedWeight:
+    def __init__(self, parts: Sequence[Part], k: int) -> None:
+        if not parts:
+            raise ValueError("a quantized weight needs at least one part")
+        for p in parts:
+            if p.data.dtype is not torch.uint8 or p.data.dim() != 2 or p.data.shape[1] != p.fmt.row_bytes(k):
+                raise ValueError(f"{p.fmt.name} part of shape {tuple(p.data.shape)} does not hold rows of {k}")
+            if k % p.fmt.block_elems:
+                raise ValueError(f"{p.fmt.name} rows of {k} are not whole blocks of {p.fmt.block_elems}")
+        self.parts = tuple(Part(p.fmt, p.data.contiguous()) for p in parts)
+        self.k = k
+        self.shape = torch.Size((sum(p.data.shape[0] for p in self.parts), k))
+
+    @classmethod
+    def of(cls, fmt: BlockFormat, data: Tensor, k: int) -> QuantizedWeight:
+        return cls((Part(fmt, data),), k)
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        return tuple(sorted({p.fmt.name for p in self.parts}))
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({'+'.join(self.format_names)}, shape={tuple(self.shape)}, bytes={self.nbytes})"
+
+    # -- computing -------------------------------------------------------------------------
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [..., k] @ W.T (+ bias) in x's dtype (fp32 or bf16 on a CPU)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            y = kernel.quant_linear(x2, p.fmt, p.data, self.k)
+        else:
+            y = x2.new_empty(x2.shape[0], self.shape[0])
+            start = 0
+            for p in self.parts:
+                rows = p.data.shape[0]
+                kernel.quant_linear(x2, p.fmt, p.data, self.k, out=y[:, start : start + rows])
+                start += rows
+        if bias is not None:
+            y += bias.to(y.dtype)
+        return y.reshape(*lead, self.shape[0])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The whole matrix as floats (a GPU's copy, a test's reference): never kept by the CPU model."""
+        return torch.cat([kernel.dequantize(p.fmt, p.data, self.k, dtype) for p in self.parts])
+
+    def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """F.embedding on the blocks: the rows `ids` names, dequantized, [*ids.shape, k]."""
+        flat = ids.reshape(-1)
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            rows = kernel.dequantize(p.fmt, p.data, self.k, dtype, rows=flat)
+        else:
+            rows = self.dequantize(dtype)[flat]
+        return rows.reshape(*ids.shape, self.k)
+
+    def sample(self, stride: int, count: int) -> Tensor:
+        """flat[::stride][:count] of the dequantized matrix (fp32), reading only the rows it touches."""
+        flat_idx = torch.arange(0, self.shape[0] * self.k, stride, dtype=torch.int64)[:count]
+        row_ids, inverse = torch.unique(flat_idx // self.k, return_inverse=True)
+        rows = self.take_rows(row_ids).dequantize()
+        return rows[inverse, flat_idx % self.k]
+
+    # -- rows and columns ------------------------------------------------------------------
+
+    def take_rows(self, index: Tensor) -> QuantizedWeight:
+        """The rows `index` names, in its order (llama.cpp's q/k permutation undone, a sample)."""
+        index = index.to(torch.int64)
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return QuantizedWeight.of(p.fmt, p.data[index], self.k)
+        out: list[Part] = []
+        starts = [0]
+        for p in self.parts:
+            starts.append(starts[-1] + p.data.shape[0])
+        for r in index.tolist():  # mixed formats: part by part, joining runs of one part
+            i = max(j for j in range(len(self.parts)) if starts[j] <= r)
+            out.append(Part(self.parts[i].fmt, self.parts[i].data[r - starts[i] : r - starts[i] + 1]))
+        return QuantizedWeight(_merge(out), self.k)
+
+    def rows(self, sel: slice) -> QuantizedWeight:
+        """Rows sel.start..sel.stop (a column-parallel rank's)."""
+        out, start = [], 0
+        for p in self.parts:
+            n = p.data.shape[0]
+            lo, hi = max(sel.start, start), min(sel.stop, start + n)
+            if lo < hi:
+                out.append(Part(p.fmt, p.data[lo - start : hi - start]))
+            start += n
+        return QuantizedWeight(out, self.k)
+
+    def cols(self, sel: slice) -> QuantizedWeight:
+        """Columns sel.start..sel.stop of every row (a row-parallel rank's), on block boundaries."""
+        out = []
+        for p in self.parts:
+            e = p.fmt.block_elems
+            if sel.start % e or sel.stop % e:
+                raise ValueError(f"{p.fmt.name} weights split only on {e}-column blocks, not at {sel.start}:{sel.stop}")
+            b0, b1 = sel.start // e * p.fmt.block_bytes, sel.stop // e * p.fmt.block_bytes
+            out.append(Part(p.fmt, p.data[:, b0:b1].contiguous()))
+        return QuantizedWeight(out, sel.stop - sel.start)
+
+    @staticmethod
+    def cat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """Rows joined in order (q, k and v into `qkv`); the columns must agree."""
+        k = weights[0].k
+        if any(w.k != k for w in weights):
+            raise ValueError("joined quantized weights must have the same number of columns")
+        return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k)
+
+
+def _merge(parts: list[Part]) -> list[Part]:
+    """Adjacent parts of one format as one (fewer kernel calls)."""
+    out: list[Part] = []
+    for p in parts:
+        if out and out[-1].fmt is p.fmt:
+            out[-1] = Part(p.fmt, torch.cat([out[-1].data, p.data]))
+        else:
+            out.append(p)
+    return out
+
+
+Weight = Tensor | QuantizedWeight
+
+
+def cat_rows(parts: Sequence[Weight]) -> Weight:
+    """A fused slot's parts joined by rows: blocks where every part is quantized, else floats."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat([p for p in parts if isinstance(p, QuantizedWeight)])
+    floats = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    dtype = next(p.dtype for p in floats if not isinstance(p, QuantizedWeight))
+    return torch.cat([p.to(dtype) for p in floats], dim=max(0, floats[0].dim() - 2))
+
+
+def nbytes(w: Weight) -> int:
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+
+def floats(weights: Mapping[str, Weight]) -> dict[str, Tensor]:
+    """`weights` where every one is a float tensor (loaded with quantization "none", or from a
+    float checkpoint); TypeError naming the first kept in blocks."""
+    out: dict[str, Tensor] = {}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            raise TypeError(f"{name} is kept in {'+'.join(w.format_names)} blocks; float weights expected")
+        out[name] = w
+    return out
+
+
+def dequantized(weights: Mapping[str, Weight], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every weight as a float tensor: blocks dequantized into `dtype`, floats as they are."""
+    return {n: w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for n, w in weights.items()}

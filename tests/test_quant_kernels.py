@@ -1,0 +1,134 @@
+"""The quantized-weight kernels (engine/kernels/quant.cpp) on every GGUF block format and every
+path this CPU has: dequantization bit-exact against the gguf package's, x @ W.T against a float
+matmul on those weights, and a row's result the same alone or in a batch and at 1 or 2 threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from splitserve.engine.kernels import quant as qk
+from splitserve.engine.kernels.quant import BY_NAME, FORMATS
+from splitserve.engine.quant.weight import QuantizedWeight, cat_rows
+
+pytestmark = pytest.mark.skipif(not qk.available(), reason="the quantized kernel does not build on this platform")
+
+NAMES = sorted(BY_NAME)
+
+
+def _weights(name: str, n: int = 24, blocks: int = 3, seed: int = 0) -> tuple[torch.Tensor, int]:
+    fmt = BY_NAME[name]
+    k = blocks * fmt.block_elems
+    return qk.random_blocks(fmt, n, k, torch.Generator().manual_seed(seed)), k
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_is_the_gguf_packages_bit_for_bit(name):
+    w, k = _weights(name)
+    ref = gguf_dequantize(w.numpy(), GGMLQuantizationType[name]).reshape(w.shape[0], k)
+    got = qk.dequantize(BY_NAME[name], w, k)
+    want = torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: a -0.0 stays -0.0
+    rows = torch.tensor([5, 0, 5, 23])
+    assert torch.equal(qk.dequantize(BY_NAME[name], w, k, rows=rows), got[rows])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_path_matches_a_float_matmul(name, rows):
+    w, k = _weights(name, seed=rows)
+    fmt = BY_NAME[name]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ qk.dequantize(fmt, w, k).double().T
+    outs = [qk.on_path(x, fmt, w, k, path).double() for path in range(qk.best_path() + 1)]
+    for path, y in enumerate(outs):
+        # x is rounded to int8 per block of 32 (llama.cpp's vec_dot): ~0.5% of the norm
+        rel = float((y - exact).norm() / exact.norm())
+        assert rel < 0.02, (qk.PATH_NAMES[path], rel)
+    for y in outs[1:]:  # the SIMD paths compute the scalar reference's integers
+        assert torch.allclose(y, outs[0], rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_a_rows_result_is_the_same_alone_in_a_batch_and_at_any_thread_count(name):
+    w, k = _weights(name, n=200)
+    fmt = BY_NAME[name]
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = qk.quant_linear(x[3:4].contiguous(), fmt, w, k)
+        torch.set_num_threads(2)
+        batch = qk.quant_linear(x, fmt, w, k)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone[0], batch[3])
+
+
+def test_bf16_activations_give_bf16_results_close_to_fp32():
+    w, k = _weights("Q4_0")
+    fmt = BY_NAME["Q4_0"]
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3))
+    y32 = qk.quant_linear(x, fmt, w, k)
+    y16 = qk.quant_linear(x.to(torch.bfloat16), fmt, w, k)
+    assert y16.dtype is torch.bfloat16
+    assert torch.allclose(y16.float(), y32, rtol=0.05, atol=0.05 * float(y32.abs().max()))
+
+
+def test_prefill_sized_batches_take_the_dequantized_gemm_and_agree():
+    w, k = _weights("Q5_1")
+    fmt = BY_NAME["Q5_1"]
+    x = torch.randn(qk.MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4))
+    exact = x @ qk.dequantize(fmt, w, k).T
+    assert torch.allclose(qk.quant_linear(x, fmt, w, k), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_arguments_are_refused_before_any_pointer_is_handed_over():
+    w, k = _weights("Q8_0")
+    fmt = BY_NAME["Q8_0"]
+    with pytest.raises(ValueError, match="do not hold"):
+        qk.quant_linear(torch.randn(1, k + 32), fmt, w, k + 32)
+    with pytest.raises(ValueError, match="contiguous CPU fp32 or bf16"):
+        qk.quant_linear(torch.randn(k, 2).T, fmt, w, k)
+    with pytest.raises(ValueError, match="not available"):
+        qk.on_path(torch.randn(1, k), fmt, w, k, qk.best_path() + 1)
+    with pytest.raises(IndexError):
+        qk.dequantize(fmt, w, k, rows=torch.tensor([w.shape[0]]))
+
+
+def test_a_quantized_weights_rows_and_columns():
+    """What the loaders, the model and tensor parallelism do with a weight, on its blocks."""
+    q4, k = _weights("Q4_0", n=6, blocks=4)
+    q8, _ = _weights("Q8_0", n=4, blocks=4)
+    a = QuantizedWeight.of(BY_NAME["Q4_0"], q4, k)
+    b = QuantizedWeight.of(BY_NAME["Q8_0"], q8, k)
+    fused = cat_rows([a, b, a])
+    assert isinstance(fused, QuantizedWeight) and fused.shape == (16, k)
+    assert fused.format_names == ("Q4_0", "Q8_0") and fused.nbytes == 2 * q4.numel() + q8.numel()
+    dense = fused.dequantize()
+    assert torch.equal(dense, torch.cat([a.dequantize(), b.dequantize(), a.dequantize()]))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(fused.linear(x), x @ dense.T, rtol=0.02, atol=0.02 * float((x @ dense.T).abs().max()))
+    idx = torch.tensor([15, 2, 7, 7, 0])
+    assert torch.equal(fused.take_rows(idx).dequantize(), dense[idx])
+    assert torch.equal(fused.rows(slice(4, 9)).dequantize(), dense[4:9])
+    assert torch.equal(fused.cols(slice(32, 96)).dequantize(), dense[:, 32:96])
+    with pytest.raises(ValueError, match="blocks"):
+        fused.cols(slice(0, 48))
+    ids = torch.tensor([[1, 14], [9, 0]])
+    assert torch.equal(fused.embedding(ids, torch.float32), dense[ids])
+    assert torch.equal(fused.sample(7, 50), dense.reshape(-1)[::7][:50])
+    mixed = cat_rows([a, torch.ones(2, k)])  # a float part: the slot is floats
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed[:6], a.dequantize())
+
+
+def test_the_format_table_is_ggmls():
+    for fmt in FORMATS.values():
+        t = GGMLQuantizationType(fmt.ggml_type)
+        assert t.name == fmt.name
+        from gguf.constants import GGML_QUANT_SIZES
+
+        assert GGML_QUANT_SIZES[t] == (fmt.block_elems, fmt.block_bytes)

@@ -1,0 +1,113 @@
+"""A GGUF file's block-format weights computed in place (EngineConfig.quantization "auto"):
+tiny seeded models written in Q8_0 and Q4_0 by the gguf package load as QuantizedWeights (no
+float copy), compute the same logits as the file dequantized to float32 within the int8
+rounding of the activations, agree on the teacher-forced top-1 token, count their real bytes,
+and serve through the engine; "none" keeps the dequantized path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.fingerprint import model_fingerprint
+from splitserve.engine.kernels import quant as qk
+from splitserve.engine.model import DecoderModel
+from splitserve.engine.quant.weight import QuantizedWeight, floats
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.weights import load_model
+from tests.family_helpers.build import build, save_gguf, save_hf_dir
+from tests.family_helpers.logits import chunked_logits
+
+pytest.importorskip("transformers")
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not qk.available(), reason="the quantized kernel does not build on this platform"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from splitserve.engine import gguf_loader
+    from splitserve.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_metadata(gguf_loader.read_metadata(gguf_loader.open_gguf(smollm2_path), smollm2_path))
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_0"])
+def quantized_file(request, tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp(f"quant-{request.param}")
+    hf = build("llama", seed=5)
+    hf_dir = save_hf_dir(hf, str(directory / "hf"), tokenizer)
+    return request.param, save_gguf("llama", hf, hf_dir, str(directory / "tiny.gguf"), block_format=request.param)
+
+
+def test_matrices_stay_in_their_blocks_and_compute_the_dequantized_models_logits(quantized_file):
+    fmt, path = quantized_file
+    kept = load_model(path, progress=False, quantization="auto")
+    dense = load_model(path, progress=False, quantization="none")
+    matrices = [n for n, t in dense.weights.items() if t.dim() == 2]
+    assert all(isinstance(kept.weights[n], QuantizedWeight) for n in matrices)
+    assert all(not isinstance(t, QuantizedWeight) for t in dense.weights.values())
+    for n in matrices:  # llama.cpp's q/k row order undone on the blocks as on the floats
+        q = kept.weights[n]
+        assert isinstance(q, QuantizedWeight)
+        assert torch.equal(q.dequantize(), floats(dense.weights)[n])
+    # one model: the handshake's fingerprint does not see how the weights are held
+    assert model_fingerprint(dense.config, kept.weights) == model_fingerprint(dense.config, dense.weights)
+
+    cpu = torch.device("cpu")
+    mq = DecoderModel(kept.config, kept.weights, cpu, torch.float32)
+    md = DecoderModel(dense.config, dense.weights, cpu, torch.float32)
+    assert fmt in mq.weight_formats
+    assert mq.weight_bytes < md.weight_bytes / 3  # the blocks' bytes, not float32's
+    tokens = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
+    got = chunked_logits(mq, tokens, prompt_len=24, chunk=16)
+    want = chunked_logits(md, tokens, prompt_len=24, chunk=16)
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 0.03, rel  # x rounded to int8 per 32 values (llama.cpp's vec_dot)
+    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    assert agree >= 0.9, agree
+
+
+def test_the_engine_serves_a_quantized_file(quantized_file):
+    _, path = quantized_file
+    outs = {}
+    for mode in ("auto", "none"):
+        engine, _ = Engine.from_path(path, EngineConfig(quantization=mode, num_blocks=64), progress=False)
+        try:
+            outs[mode] = engine.generate([[5, 9, 200, 31]] * 3, SamplingParams(max_tokens=12, temperature=0.0))
+        finally:
+            engine.close()
+    assert all(len(o) == 12 for o in outs["auto"])
+    assert outs["auto"][0] == outs["auto"][1] == outs["auto"][2]  # one row's arithmetic, whatever the batch
+
+
+def test_quantization_names_are_checked():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+
+
+def test_tensor_parallel_shards_of_a_quantized_file_are_its_blocks(quantized_file):
+    """A rank's shard of each quantized matrix keeps its blocks (rows whole, columns cut on block
+    boundaries) and dequantizes to the shard of the dequantized file; a split inside a block is
+    refused by name (the tiny MLP's 96 columns over two ranks are 48: not whole blocks of 32)."""
+    from splitserve.engine.parallel.shard import _quantized_shard, shard_weights
+
+    _, path = quantized_file
+    kept = load_model(path, progress=False, quantization="auto")
+    dense = load_model(path, progress=False, quantization="none")
+    with pytest.raises(ValueError, match="split only on 32-column blocks"):
+        shard_weights(kept.config, kept.weights, 0, 2)
+    for rank in (0, 1):
+        ds = shard_weights(dense.config, dense.weights, rank, 2)
+        head = kept.config.head_dim * kept.config.num_heads // 2
+        kv = kept.config.head_dim * kept.config.num_kv_heads // 2
+        per_rank = {"q": slice(rank * head, (rank + 1) * head), "kv": slice(rank * kv, (rank + 1) * kv)}
+        for name, split in (("self_attn.q_proj.weight", "q_rows"), ("self_attn.o_proj.weight", "q_cols")):
+            full = f"model.layers.1.{name}"
+            t = kept.weights[full]
+            assert isinstance(t, QuantizedWeight)
+            shard = _quantized_shard(kept.config, t, split, per_rank)
+            assert torch.equal(shard.dequantize(), floats(ds)[full]), name
