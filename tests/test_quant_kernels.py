@@ -132,3 +132,16 @@ def test_the_format_table_is_ggmls():
         from gguf.constants import GGML_QUANT_SIZES
 
         assert GGML_QUANT_SIZES[t] == (fmt.block_elems, fmt.block_bytes)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_quantizing_floats_at_load_reads_back_through_the_gguf_packages_dequantize(name):
+    from splitserve.engine.quant.quantize import quantize_q4_k, quantize_q8_0
+
+    w = torch.randn(6, 512, generator=torch.Generator().manual_seed(7)) * 0.05
+    blocks = (quantize_q8_0 if name == "Q8_0" else quantize_q4_k)(w)
+    assert blocks.shape == (6, BY_NAME[name].row_bytes(512))
+    back = torch.from_numpy(gguf_dequantize(blocks.numpy(), GGMLQuantizationType[name]).reshape(6, 512).copy())
+    rel = float((back - w).norm() / w.norm())
+    assert rel < (0.01 if name == "Q8_0" else 0.12), rel  # 8 bits, or 4 bits with 6-bit scales and mins
+    assert torch.equal(qk.dequantize(BY_NAME[name], blocks, 512), back)

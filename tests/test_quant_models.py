@@ -59,6 +59,14 @@ def test_matrices_stay_in_their_blocks_and_compute_the_dequantized_models_logits
 
     cpu = torch.device("cpu")
     mq = DecoderModel(kept.config, kept.weights, cpu, torch.float32)
+    # nothing copied but llama.cpp's permuted q and k: v and o are the file's own bytes, in the model
+    v = kept.weights["model.layers.1.self_attn.v_proj.weight"]
+    o = kept.weights["model.layers.1.self_attn.o_proj.weight"]
+    assert isinstance(v, QuantizedWeight) and isinstance(o, QuantizedWeight)
+    qkv, o_slot = mq.layers[1].qkv, mq.layers[1].o
+    assert isinstance(qkv, QuantizedWeight) and isinstance(o_slot, QuantizedWeight)
+    assert qkv.parts[-1].data.data_ptr() == v.parts[0].data.data_ptr()
+    assert o_slot.parts[0].data.data_ptr() == o.parts[0].data.data_ptr()
     md = DecoderModel(dense.config, dense.weights, cpu, torch.float32)
     assert fmt in mq.weight_formats
     assert mq.weight_bytes < md.weight_bytes / 3  # the blocks' bytes, not float32's
@@ -111,3 +119,30 @@ def test_tensor_parallel_shards_of_a_quantized_file_are_its_blocks(quantized_fil
             assert isinstance(t, QuantizedWeight)
             shard = _quantized_shard(kept.config, t, split, per_rank)
             assert torch.equal(shard.dequantize(), floats(ds)[full]), name
+
+
+@pytest.mark.parametrize("choice", ["q8_0", "q4_k"])
+def test_float_checkpoints_are_quantized_at_load_and_cached_beside_them(choice, tmp_path, tokenizer):
+    """A Hugging Face directory with --quantization q8_0 / q4_k: its whole-block matrices (all of
+    them for Q8_0; for Q4_K the tiny model's 64-wide rows are not whole 256-blocks and stay floats)
+    come back as blocks; the second load reads the cache the first wrote."""
+    hf = build("llama", seed=6)
+    hf_dir = save_hf_dir(hf, str(tmp_path / "hf"), tokenizer)
+    first = load_model(hf_dir, progress=False, quantization=choice)
+    dense = floats(load_model(hf_dir, progress=False, quantization="none").weights)
+    cached = sorted((tmp_path / "hf" / ".splitserve-quantized").glob("splitserve-*.safetensors"))
+    kept = {n for n, w in first.weights.items() if isinstance(w, QuantizedWeight)}
+    if choice == "q8_0":
+        assert kept == {n for n, t in dense.items() if t.dim() == 2}
+        assert len(cached) == 1
+        stamp = cached[0].stat().st_mtime_ns
+        second = load_model(hf_dir, progress=False, quantization=choice)
+        assert cached[0].stat().st_mtime_ns == stamp  # read, not written again
+        for n in kept:
+            a, b = first.weights[n], second.weights[n]
+            assert isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+            assert torch.equal(a.parts[0].data, b.parts[0].data)
+            rel = float((a.dequantize() - dense[n]).norm() / dense[n].norm())
+            assert rel < 0.01, (n, rel)
+    else:
+        assert kept == set()

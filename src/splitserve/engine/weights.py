@@ -18,6 +18,7 @@ import torch
 
 from splitserve.engine import embedded
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, check_weights
+from splitserve.engine.quant.quantize import AT_LOAD, quantize_weights
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -37,7 +38,8 @@ def load_model(
 
     `quantization` (EngineConfig.quantization): "none" dequantizes a GGUF file's block-format
     tensors in float32 and casts them to `dtype`; "auto" keeps every matrix the CPU kernels take
-    in its blocks (a QuantizedWeight, engine/quant/), where the kernels run here.
+    in its blocks (a QuantizedWeight, engine/quant/), where the kernels run here; "q8_0" and
+    "q4_k" also quantize every float matrix at load (engine/quant/quantize.py, cached).
     `lm_head.weight` is absent when `config.tie_embeddings` is true.
     """
     # The format modules import gguf/safetensors; loaded only when a model is.
@@ -58,6 +60,8 @@ def load_model(
             "or a Hugging Face model directory with config.json and *.safetensors"
         )
     check_weights(loaded.config, loaded.weights, path)
+    if quantization in AT_LOAD and quant_kernel.available():
+        loaded = loaded._replace(weights=quantize_weights(loaded.weights, quantization, path))
     return loaded
 
 

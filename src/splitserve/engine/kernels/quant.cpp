@@ -344,10 +344,23 @@ constexpr int kTile = 4;  // rows of x dotted with one unpacked weight block
 // short enough that a thread whose core is busy takes fewer.
 constexpr int64_t kChunkBytes = 64 << 10;
 
-// y[b * ldy + n] for b < B, n < N; x fp32 or bf16 (then y bf16)
-void qlinear(void* y, const void* x, const uint8_t* w, int fmt, int64_t n, int64_t k, int64_t b, int64_t ldy,
-             bool x_bf16, int threads, int isa) {
-  const int64_t nb = k / 32, row_bytes = k / block_elems(fmt) * block_bytes(fmt);
+// One run of a weight's rows in one format: a fused slot (q, k and v; gate and up) is several,
+// each where the file holds it, and one call covers them all (one parallel region, not three).
+struct Segment {
+  int fmt;
+  const uint8_t* w;
+  int64_t rows;
+  int64_t first;  // the segment's first row in y
+  int64_t row_bytes;
+  int64_t chunk_rows;
+  int64_t first_chunk;
+  RowDot dot;
+};
+
+// y[b * ldy + n] for b < B and every row n of every segment; x fp32 or bf16 (then y bf16)
+void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int64_t b, int64_t ldy, bool x_bf16,
+             int threads, int isa) {
+  const int64_t nb = k / 32;
   std::vector<float> widened;  // bf16 x, widened once: it is B*K, W is N*K
   const float* xf = static_cast<const float*>(x);
   if (x_bf16) {
@@ -363,23 +376,33 @@ void qlinear(void* y, const void* x, const uint8_t* w, int fmt, int64_t n, int64
       path_avx2::quantize_row(xf + r * k, k, xq.data() + r * nb);
     }
   }
-  RowDot dot = row_dot_for(fmt, isa);
-  const int64_t chunk_rows = std::max<int64_t>(8, kChunkBytes / row_bytes);
-  const int64_t chunks = (n + chunk_rows - 1) / chunk_rows;
+  int64_t n = 0, chunks = 0;
+  for (const Segment& sg : segs) n += sg.rows;
+  // at least four chunks a thread, so that a small matrix (k: 192 rows) still keeps every thread busy
+  const int64_t per_thread = (n + 4 * threads - 1) / (4 * threads);
+  for (Segment& sg : segs) {
+    sg.chunk_rows = std::max<int64_t>(8, std::min(kChunkBytes / sg.row_bytes, per_thread));
+    sg.first_chunk = chunks;
+    chunks += (sg.rows + sg.chunk_rows - 1) / sg.chunk_rows;
+  }
   auto work = [&](int64_t c) {
+    size_t si = 0;
+    while (si + 1 < segs.size() && segs[si + 1].first_chunk <= c) ++si;
+    const Segment& sg = segs[si];
+    const int64_t lo = (c - sg.first_chunk) * sg.chunk_rows, hi = std::min(sg.rows, lo + sg.chunk_rows);
     float out[kTile];
     const XBlock* xs[kTile];
-    for (int64_t i = c * chunk_rows; i < std::min(n, (c + 1) * chunk_rows); ++i) {
-      const uint8_t* row = w + i * row_bytes;
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* row = sg.w + i * sg.row_bytes;
       for (int64_t r0 = 0; r0 < b; r0 += kTile) {
         int rows = (int)std::min<int64_t>(kTile, b - r0);
         for (int r = 0; r < rows; ++r) xs[r] = xq.data() + (r0 + r) * nb;
-        dot(row, nb, xs, rows, out);
+        sg.dot(row, nb, xs, rows, out);
         for (int r = 0; r < rows; ++r) {
           if (x_bf16) {
-            static_cast<uint16_t*>(y)[(r0 + r) * ldy + i] = float_to_bf16(out[r]);
+            static_cast<uint16_t*>(y)[(r0 + r) * ldy + sg.first + i] = float_to_bf16(out[r]);
           } else {
-            static_cast<float*>(y)[(r0 + r) * ldy + i] = out[r];
+            static_cast<float*>(y)[(r0 + r) * ldy + sg.first + i] = out[r];
           }
         }
       }
@@ -431,22 +454,50 @@ bool int_args(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const ch
   return true;
 }
 
+// linear(y, x, parts, k, b, ldy, x_bf16, threads, isa); parts: a tuple of (fmt, address, rows) * m
 PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  long long v[11];
-  if (!int_args(args, nargs, 11, "linear", v)) return nullptr;
-  int fmt = (int)v[3], isa = (int)v[10];
-  if (block_bytes(fmt) == 0 || v[5] % block_elems(fmt) != 0) {
-    PyErr_Format(PyExc_ValueError, "linear: format %d with k=%lld is not a block format here", fmt, v[5]);
+  if (nargs != 9 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) % 3 != 0) {
+    PyErr_SetString(PyExc_TypeError, "linear() takes y, x, a tuple of (fmt, address, rows) triples, and 6 ints");
     return nullptr;
   }
+  long long v[9];
+  for (int i = 0; i < 9; ++i) {
+    if (i == 2) continue;
+    v[i] = PyLong_AsLongLong(args[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  const int64_t k = v[3];
+  const int isa = (int)v[8];
   if (isa < 0 || isa > g_isa) {
     PyErr_Format(PyExc_ValueError, "linear: path %d not available (this CPU: 0..%d)", isa, g_isa);
     return nullptr;
   }
-  if (v[4] <= 0 || v[6] <= 0) Py_RETURN_NONE;
+  std::vector<Segment> segs;
+  int64_t first = 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[2]); i += 3) {
+    long long fmt = PyLong_AsLongLong(PyTuple_GET_ITEM(args[2], i));
+    long long ptr = PyLong_AsLongLong(PyTuple_GET_ITEM(args[2], i + 1));
+    long long rows = PyLong_AsLongLong(PyTuple_GET_ITEM(args[2], i + 2));
+    if (PyErr_Occurred()) return nullptr;
+    if (block_bytes((int)fmt) == 0 || k % block_elems((int)fmt) != 0) {
+      PyErr_Format(PyExc_ValueError, "linear: format %lld with k=%lld is not a block format here", fmt, (long long)k);
+      return nullptr;
+    }
+    if (rows <= 0) continue;
+    Segment sg{};
+    sg.fmt = (int)fmt;
+    sg.w = reinterpret_cast<const uint8_t*>(ptr);
+    sg.rows = rows;
+    sg.first = first;
+    sg.row_bytes = k / block_elems((int)fmt) * block_bytes((int)fmt);
+    sg.dot = row_dot_for((int)fmt, isa);
+    segs.push_back(sg);
+    first += rows;
+  }
+  if (segs.empty() || v[4] <= 0) Py_RETURN_NONE;
   Py_BEGIN_ALLOW_THREADS
-  qlinear(reinterpret_cast<void*>(v[0]), reinterpret_cast<const void*>(v[1]), reinterpret_cast<const uint8_t*>(v[2]),
-          fmt, v[4], v[5], v[6], v[7], v[8] != 0, (int)v[9], isa);
+  qlinear(reinterpret_cast<void*>(v[0]), reinterpret_cast<const void*>(v[1]), segs, k, v[4], v[5], v[6] != 0,
+          (int)v[7], isa);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -471,8 +522,8 @@ PyObject* py_isa(PyObject*, PyObject*) { return PyLong_FromLong(g_isa); }
 
 PyMethodDef kMethods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_linear)), METH_FASTCALL,
-     "linear(y, x, w, fmt, n, k, b, ldy, x_bf16, threads, isa): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W in GGML "
-     "format fmt; pointers as ints, nothing checked"},
+     "linear(y, x, parts, k, b, ldy, x_bf16, threads, isa): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W's rows the "
+     "parts' (fmt, address, rows) in order, each in GGML format fmt; pointers as ints, nothing checked"},
     {"dequantize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequantize)), METH_FASTCALL,
      "dequantize(out, w, fmt, idx, count, k, out_bf16, threads): out[r] = W row idx[r] (idx 0: row r)"},
     {"isa", py_isa, METH_NOARGS, "this CPU's best path: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI"},
@@ -627,6 +678,8 @@ void row_dot_r(const uint8_t* row, int64_t nb, const XBlock* const* xs, float* o
     macc[r] = 0.f;
   }
   for (int64_t kb = 0; kb < nb; ++kb) {
+    // a few blocks ahead: the next rows follow this one, so this runs ahead of the row too
+    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024, _MM_HINT_T0);
     BlockScale s = scale_fast<FMT>(row, kb);
     __m256i q = block_vec<FMT>(row, kb, 0);
     __m256 dv = FMT == kQ6_K ? _mm256_set_m128(_mm_set1_ps(s.d_hi), _mm_set1_ps(s.d_lo)) : _mm256_set1_ps(s.d_lo);

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from splitserve.engine.kernels.build import load_extension, passes_self_test
 from splitserve.engine.kernels.once import Once
+from splitserve.engine.tuned import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _self_test(ext: ModuleType) -> bool:
         w = random_blocks(fmt, 5, k, gen)
         x = torch.randn(3, k, generator=gen)
         ref = x.double() @ _dequantize(ext, fmt, w, k, _F32).double().T
-        got = _linear(ext, x, fmt, w, k, int(ext.isa())).double()
+        got = _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), 5, k, int(ext.isa())).double()
         if not torch.allclose(got, ref, rtol=0.05, atol=0.05 * float(ref.abs().max()) + 1e-3):
             return False
     return True
@@ -133,17 +134,12 @@ def _check(fmt: BlockFormat, w: Tensor, k: int) -> None:
         raise ValueError(f"{fmt.name}: rows of {w.shape[1]} bytes do not hold {k} elements")
 
 
-def _linear(
-    ext: ModuleType, x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int, out: Tensor | None = None
-) -> Tensor:
-    """x [B, k] (fp32 or bf16, contiguous) @ W.T into `out` (a [B, n] view with unit column stride:
-    a slice of a wider output), or a new tensor."""
-    b, n = x.shape[0], w.shape[0]
-    y = x.new_empty(b, n) if out is None else out
-    ext.linear(
-        y.data_ptr(), x.data_ptr(), w.data_ptr(), fmt.ggml_type, n, k, b, y.stride(0), x.dtype is _BF16,
-        torch.get_num_threads(), path,
-    )  # fmt: skip
+def _linear(ext: ModuleType, x: Tensor, parts: Parts, n: int, k: int, path: int) -> Tensor:
+    """x [B, k] (fp32 or bf16, contiguous) @ W.T, W's rows the checked `parts` (n in all)."""
+    b = x.shape[0]
+    y = x.new_empty(b, n)
+    flat = tuple(v for part in parts for v in part)
+    ext.linear(y.data_ptr(), x.data_ptr(), flat, k, b, n, x.dtype is _BF16, torch.get_num_threads(), path)
     return y
 
 
@@ -171,24 +167,43 @@ def _fits(x: Tensor, k: int) -> bool:
     return x.dtype in (_F32, _BF16) and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
 
 
-def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int) -> Tensor:
     """x [B, k] @ W.T on the blocks: the integer-dot kernel up to MAX_ROWS rows, else W dequantized
-    for a float GEMM. `out`: a [B, n] view to write into (a fused weight's slice of the output)."""
+    for a float GEMM."""
     _check(fmt, w, k)
     if not _fits(x, k):
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
     if x.shape[0] <= MAX_ROWS:
-        if out is not None and not (
-            out.dtype is x.dtype and out.stride(1) == 1 and out.shape == (x.shape[0], w.shape[0])
-        ):
-            raise ValueError("out must be a [B, n] view of x's dtype with unit column stride")
-        return _linear(ext, x, fmt, w, k, int(ext.isa()), out)
-    y = F.linear(x, _dequantize(ext, fmt, w, k, x.dtype))
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+        return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, int(ext.isa()))
+    return F.linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
+
+
+def gemm_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a prefill's GEMM runs in: x's, but fp32 for bf16 x on a CPU without bf16 arithmetic,
+    where oneDNN's bf16 GEMM is several times slower than its fp32 one."""
+    return x.dtype if x.dtype is _F32 or cpu_flags() & {"avx512_bf16", "amx_bf16"} else _F32
+
+
+# A weight's parts as the kernel takes them: (GGML type, address of the blocks, rows), checked once
+# by `check_blocks` when the weight is made, so that a decode step's ~120 calls check only x.
+Parts = tuple[tuple[int, int, int], ...]
+
+
+def check_blocks(fmt: BlockFormat, w: Tensor, k: int) -> tuple[int, int, int]:
+    """`w`'s blocks checked as every call would check them, and its entry in a weight's Parts
+    (the caller keeps `w` alive as long as the entry)."""
+    _check(fmt, w, k)
+    return fmt.ggml_type, w.data_ptr(), w.shape[0]
+
+
+def decode_linear(x: Tensor, parts: Parts, n: int, k: int) -> Tensor | None:
+    """x @ W.T on the integer-dot kernel for W's checked `parts` ([n, k] in all), or None where x
+    does not take it (more than MAX_ROWS rows, another dtype or layout, not built)."""
+    ext = _EXT.value if _EXT.done else None
+    if ext is None or not (x.dim() == 2 and x.shape[0] <= MAX_ROWS and _fits(x, k)):
+        return None
+    return _linear(ext, x, parts, n, k, int(ext.isa()))
 
 
 def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int) -> Tensor:
@@ -199,4 +214,4 @@ def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int) -> Tensor
     ext = _ext()
     if not 0 <= path <= int(ext.isa()):
         raise ValueError(f"quantized kernel path {path} is not available here (paths 0..{int(ext.isa())})")
-    return _linear(ext, x, fmt, w, k, path)
+    return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, path)

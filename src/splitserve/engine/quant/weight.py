@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from splitserve.engine.kernels import quant as kernel
@@ -43,6 +44,8 @@ class QuantizedWeight:
         self.parts = tuple(Part(p.fmt, p.data.contiguous()) for p in parts)
         self.k = k
         self.shape = torch.Size((sum(p.data.shape[0] for p in self.parts), k))
+        # what a decode step's call hands the kernel, checked here once
+        self._checked = tuple(kernel.check_blocks(p.fmt, p.data, k) for p in self.parts)
 
     @classmethod
     def of(cls, fmt: BlockFormat, data: Tensor, k: int) -> QuantizedWeight:
@@ -70,19 +73,12 @@ class QuantizedWeight:
         x2 = x.reshape(-1, self.k)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if len(self.parts) == 1:
-            p = self.parts[0]
-            y = kernel.quant_linear(x2, p.fmt, p.data, self.k)
-        else:
-            y = x2.new_empty(x2.shape[0], self.shape[0])
-            start = 0
-            for p in self.parts:
-                rows = p.data.shape[0]
-                kernel.quant_linear(x2, p.fmt, p.data, self.k, out=y[:, start : start + rows])
-                start += rows
+        y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k)
+        if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized
+            y = F.linear(x2, self.dequantize(kernel.gemm_dtype(x2))).to(x2.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
-        return y.reshape(*lead, self.shape[0])
+        return y if x.dim() == 2 else y.reshape(*lead, self.shape[0])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The whole matrix as floats (a GPU's copy, a test's reference): never kept by the CPU model."""
@@ -113,14 +109,18 @@ class QuantizedWeight:
         if len(self.parts) == 1:
             p = self.parts[0]
             return QuantizedWeight.of(p.fmt, p.data[index], self.k)
-        out: list[Part] = []
         starts = [0]
         for p in self.parts:
             starts.append(starts[-1] + p.data.shape[0])
-        for r in index.tolist():  # mixed formats: part by part, joining runs of one part
-            i = max(j for j in range(len(self.parts)) if starts[j] <= r)
-            out.append(Part(self.parts[i].fmt, self.parts[i].data[r - starts[i] : r - starts[i] + 1]))
-        return QuantizedWeight(_merge(out), self.k)
+        owner = torch.bucketize(index, torch.tensor(starts[1:]), right=True)  # each row's part
+        out: list[Part] = []
+        begin = 0
+        for end in range(1, len(index) + 1):  # runs of rows from one part, each gathered at once
+            if end == len(index) or owner[end] != owner[begin]:
+                i = int(owner[begin])
+                out.append(Part(self.parts[i].fmt, self.parts[i].data[index[begin:end] - starts[i]]))
+                begin = end
+        return QuantizedWeight(out, self.k)
 
     def rows(self, sel: slice) -> QuantizedWeight:
         """Rows sel.start..sel.stop (a column-parallel rank's)."""
@@ -154,11 +154,26 @@ class QuantizedWeight:
 
 
 def _merge(parts: list[Part]) -> list[Part]:
-    """Adjacent parts of one format as one (fewer kernel calls)."""
+    """Adjacent parts that are consecutive rows of one tensor as one view; anything else stays a
+    part of its own, where it lies (a view of the mapped file): joining q, k and v copies nothing,
+    and one kernel call covers all the parts."""
     out: list[Part] = []
     for p in parts:
-        if out and out[-1].fmt is p.fmt:
-            out[-1] = Part(p.fmt, torch.cat([out[-1].data, p.data]))
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.fmt is p.fmt
+            and last.data.untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr()
+            and last.data.data_ptr() + last.data.numel() == p.data.data_ptr()
+        ):
+            whole = last.data.untyped_storage()
+            rows = last.data.shape[0] + p.data.shape[0]
+            out[-1] = Part(
+                p.fmt,
+                torch.empty(0, dtype=torch.uint8).set_(
+                    whole, last.data.storage_offset(), (rows, p.data.shape[1]), (p.data.shape[1], 1)
+                ),
+            )
         else:
             out.append(p)
     return out
