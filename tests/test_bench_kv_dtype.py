@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.bench import kv_dtype
+from splitserve.bench import kv_dtype, teacher_forcing
 from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, StepOutput
@@ -28,12 +28,12 @@ def test_prefill_against_decode_over_the_prefill_kv(kv: str, tol: float) -> None
     tokens = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
     eng = _engine(kv)
     try:
-        forced = kv_dtype._teacher_forced(eng, tokens, 16)  # three chunks, the later ones reading the pool
+        forced = teacher_forcing.teacher_forced(eng, tokens, 16)  # three chunks, the later ones reading the pool
         assert forced.shape == (47,)
-        assert torch.allclose(forced, kv_dtype._teacher_forced(eng, tokens, 48), atol=tol)
-        over = kv_dtype._step_by_step(eng, tokens, over_prefill=True)
+        assert torch.allclose(forced, teacher_forcing.teacher_forced(eng, tokens, 48), atol=tol)
+        over = teacher_forcing.step_by_step(eng, tokens, over_prefill=True)
         assert (forced - over).abs().max().item() <= tol
-        scratch = kv_dtype._step_by_step(eng, tokens)
+        scratch = teacher_forcing.step_by_step(eng, tokens)
         assert (forced - scratch).abs().max().item() <= (1e-4 if kv == "auto" else 1.0)
     finally:
         eng.close()

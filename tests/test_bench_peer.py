@@ -32,6 +32,7 @@ from splitserve.bench.peer.servers import (
     describe_cores,
     free_port,
     http_ok,
+    llamacpp_argv,
     placement,
     router_argv,
     vllm_argv,
@@ -288,6 +289,37 @@ def test_vllm_runs_as_a_module_with_its_omp_threads_bound() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env({}, _ctx(), None)
+
+
+def test_llama_server_runs_on_the_gguf_with_a_thread_per_core_and_four_slots() -> None:
+    spec = SystemSpec("llamacpp", flags=("--batch-size", "512"))
+    ctx = _ctx(gguf="/g/model.gguf", llama_server="/b/llama-server")
+    argv = llamacpp_argv(spec, ctx, 8124, (0, 1))
+    assert argv[:4] == ["taskset", "-c", "0,1", "/b/llama-server"]
+    assert argv[argv.index("--model") + 1] == "/g/model.gguf" and argv[argv.index("--alias") + 1] == "smol"
+    assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--parallel") + 1] == "4"
+    assert argv[argv.index("--ctx-size") + 1] == str(4 * ctx.max_model_len)  # each slot splitserve's context
+    assert argv[-2:] == ["--batch-size", "512"]
+    assert llamacpp_argv(spec, ctx, 8124, None)[0] == "/b/llama-server"
+    assert placement("llamacpp", (0, 1)) == Placement(server=(0, 1))
+    # splitserve on the same GGUF: its workers and router load the file, not the HF export
+    on_gguf = _ctx(splitserve_model="/g/model.gguf")
+    worker = worker_argv("decode", SystemSpec("auto"), on_gguf, None, "/w/d.ready")
+    assert worker[worker.index("--model") + 1] == "/g/model.gguf"
+    router = router_argv(SystemSpec("auto"), on_gguf, ["d:1"], ["p:2"], 9000)
+    assert router[router.index("--model") + 1] == "/g/model.gguf"
+
+
+def test_the_table_is_against_llama_cpp_where_vllm_is_not_in_the_run() -> None:
+    from splitserve.bench.peer import main
+
+    specs = system_specs(["llamacpp", "auto"], "--quantization auto", "", "", [], "--parallel 4")
+    assert [s.flags for s in specs] == [("--parallel", "4"), ("--quantization", "auto")]
+    assert specs[0].is_peer and not specs[1].is_peer
+    runnable = main._runnable([SystemSpec("vllm"), *specs])
+    from splitserve.measure.hw import cpu_flags
+
+    assert [s.name for s in runnable] == (["vllm"] if "avx512f" in cpu_flags().split() else []) + ["llamacpp", "auto"]
 
 
 def test_a_worker_is_pinned_with_one_thread_per_core_and_takes_the_systems_flags() -> None:

@@ -45,11 +45,14 @@ def test_every_path_matches_a_float_matmul(name, rows):
     exact = x.double() @ qk.dequantize(fmt, w, k).double().T
     outs = [qk.on_path(x, fmt, w, k, path).double() for path in range(qk.best_path() + 1)]
     for path, y in enumerate(outs):
-        # x is rounded to int8 per block of 32 (llama.cpp's vec_dot): ~0.5% of the norm
+        # x rounded to int8 per block of 32 (the int8 mode, llama.cpp's vec_dot): ~0.5% of the norm
         rel = float((y - exact).norm() / exact.norm())
         assert rel < 0.02, (qk.PATH_NAMES[path], rel)
     for y in outs[1:]:  # the SIMD paths compute the scalar reference's integers
         assert torch.allclose(y, outs[0], rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    for path in range(qk.best_path() + 1):  # the exact mode: the float matmul, to fp32 rounding
+        y = qk.on_path(x, fmt, w, k, path, exact=True).double()
+        assert float((y - exact).norm() / exact.norm()) < 1e-5, qk.PATH_NAMES[path]
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
@@ -58,14 +61,15 @@ def test_a_rows_result_is_the_same_alone_in_a_batch_and_at_any_thread_count(name
     fmt = BY_NAME[name]
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(2))
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = qk.quant_linear(x[3:4].contiguous(), fmt, w, k)
-        torch.set_num_threads(2)
-        batch = qk.quant_linear(x, fmt, w, k)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(alone[0], batch[3])
+    for exact in (False, True):
+        try:
+            torch.set_num_threads(1)
+            alone = qk.quant_linear(x[3:4].contiguous(), fmt, w, k, exact)
+            torch.set_num_threads(2)
+            batch = qk.quant_linear(x, fmt, w, k, exact)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(alone[0], batch[3])
 
 
 def test_bf16_activations_give_bf16_results_close_to_fp32():

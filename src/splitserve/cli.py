@@ -41,6 +41,10 @@ BENCHMARKS = {
         "splitserve.bench.windows",
         "a windowed model's cache of pages against whole contexts: capacity, bytes",
     ),
+    "quant": (
+        "splitserve.bench.quant",
+        "a GGUF file's blocks computed in place against the file dequantized: bytes, speed, accuracy",
+    ),
     "kernels-isa": ("splitserve.bench.kernels_isa", "the CPU kernels' ISA paths side by side: linear and attention"),
     "spec": ("splitserve.bench.spec", "speculative decoding against plain decode: copying load and ShareGPT"),
     "prefill-profile": (

@@ -40,7 +40,7 @@ import torch
 
 from splitserve.bench.results_file import with_results
 from splitserve.bench.step_timer import decode_step_ms
-from splitserve.engine.attention import AttentionMetadata
+from splitserve.bench.teacher_forcing import step_by_step, teacher_forced
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
@@ -129,7 +129,7 @@ def _quality(args: argparse.Namespace, kv: str) -> Quality:
     engine, tok = _engine(args, kv)
     try:
         text = tok.encode(TEXT.read_text())
-        lp = _teacher_forced(engine, text, args.chunk)
+        lp = teacher_forced(engine, text, args.chunk)
         nll = -float(lp.mean())
         greedy = engine.generate(
             [tok.encode(p) for p in PROMPTS], SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
@@ -137,67 +137,6 @@ def _quality(args: argparse.Namespace, kv: str) -> Quality:
         return Quality(len(text), math.exp(nll), greedy)
     finally:
         engine.close()
-
-
-def _meta(table: torch.Tensor, positions: torch.Tensor, context: int, decode: bool, bs: int) -> AttentionMetadata:
-    n = positions.numel()
-    return AttentionMetadata(
-        slot_blocks=table[0, positions // bs].contiguous(),
-        slot_offsets=positions % bs,
-        block_tables=table,
-        context_lens=torch.tensor([context]),
-        query_lens=[n],
-        context_lens_list=[context],
-        is_decode=decode,
-    )
-
-
-def _table(engine: Engine, n: int) -> torch.Tensor:
-    """Blocks 1.. of the (idle) engine's pool for one sequence of n tokens."""
-    bs = engine.cfg.block_size
-    nb = (n + bs - 1) // bs
-    if nb >= engine.kv_cache.num_blocks:
-        raise ValueError(f"{n} tokens need {nb} blocks; the pool has {engine.kv_cache.num_blocks}")
-    return torch.arange(1, nb + 1)[None]
-
-
-@torch.inference_mode()
-def _teacher_forced(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor:
-    """log p(tokens[i+1] | tokens[:i+1]) for every i, by prefill in chunks through the engine's pool."""
-    model, cache = engine.model, engine.kv_cache.tensor
-    ids = torch.tensor(tokens)
-    table = _table(engine, len(tokens))
-    rows = []
-    for start in range(0, len(tokens), chunk):
-        pos = torch.arange(start, min(start + chunk, len(tokens)))
-        meta = _meta(table, pos, int(pos[-1]) + 1, False, engine.cfg.block_size)
-        rows.append(model.forward(ids[pos], pos, cache, meta, torch.arange(pos.numel())))
-    logits = torch.cat(rows)[:-1]
-    return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
-
-
-@torch.inference_mode()
-def _step_by_step(engine: Engine, tokens: list[int], over_prefill: bool = False) -> torch.Tensor:
-    """The same log-probabilities by one decode step per token (the fused kernel on a CPU). With
-    `over_prefill`, each step reads the earlier tokens' KV as a prefill of the whole text wrote it
-    (the step's own write is undone after it), as a decode worker continues a prefill worker's KV."""
-    model, cache = engine.model, engine.kv_cache.tensor
-    ids = torch.tensor(tokens)
-    table = _table(engine, len(tokens))
-    if over_prefill:
-        _teacher_forced(engine, tokens, len(tokens))
-    prefilled = cache.clone() if over_prefill else None
-    rows = []
-    bs = engine.cfg.block_size
-    for i in range(len(tokens) - 1):
-        pos = torch.tensor([i])
-        meta = _meta(table, pos, i + 1, True, bs)
-        rows.append(model.forward(ids[i : i + 1], pos, cache, meta, torch.zeros(1, dtype=torch.long)))
-        if prefilled is not None:
-            blk = table[0, i // bs]
-            cache[:, blk] = prefilled[:, blk]
-    logits = torch.cat(rows)
-    return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens) - 1), ids[1:]]
 
 
 def _print_quality(args: argparse.Namespace, q: dict[str, Quality], kvs: list[str]) -> list[tuple[str, bool]]:
@@ -274,13 +213,13 @@ def _prefill_against_decode(
     engine, tok = _engine(argparse.Namespace(**{**vars(args), "dtype": dtype}), kv)
     try:
         text = tok.encode(TEXT.read_text())[:n]
-        forced = _teacher_forced(engine, text, n)
-        over = (forced - _step_by_step(engine, text, over_prefill=True)).abs()
-        scratch = (forced - _step_by_step(engine, text)).abs()
+        forced = teacher_forced(engine, text, n)
+        over = (forced - step_by_step(engine, text, over_prefill=True)).abs()
+        scratch = (forced - step_by_step(engine, text)).abs()
         embed = engine.model.embed
         assert isinstance(embed, torch.Tensor), "the bench loads float weights"
         _move_by_an_ulp(embed, torch.Generator().manual_seed(0))  # last: the engine is spent after
-        floor = (forced - _teacher_forced(engine, text, n)).abs()
+        floor = (forced - teacher_forced(engine, text, n)).abs()
     finally:
         engine.close()
     return over, scratch, floor

@@ -346,6 +346,11 @@ class EngineConfig:
     # (Q4_0 .. Q8_0, Q4_K .. Q6_K) on their blocks where the CPU kernels run, "none" dequantizes
     # them into `dtype`; "q8_0" and "q4_k" also quantize float matrices at load.
     quantization: str = "none"
+    # Quantized matrices compute a prefill's rows on the same integer-dot kernel as a decode's, so
+    # that no row's result depends on the rows that share its step (a prompt prefilled alone or
+    # beside others gives the same KV), at the kernel's pace rather than a GEMM's (vLLM's
+    # VLLM_BATCH_INVARIANT). Without it, decode rows are invariant and a prefill chunk is not.
+    batch_invariant: bool = False
     ngram_min: int = 2
     ngram_max: int = 4
 

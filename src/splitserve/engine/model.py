@@ -95,9 +95,12 @@ class DecoderModel:
         device: torch.device,
         dtype: torch.dtype,
         reduce: AllReduce | None = None,
+        batch_invariant: bool = False,
     ):
         """`cfg`: the shapes this process computes (a rank's, under tensor parallelism);
-        `reduce`: the all-reduce over the ranks, None without tensor parallelism."""
+        `reduce`: the all-reduce over the ranks, None without tensor parallelism;
+        `batch_invariant` (EngineConfig.batch_invariant): quantized matrices compute every row alike,
+        whatever rows share its step."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -109,7 +112,9 @@ class DecoderModel:
             except KeyError:
                 raise ValueError(f"weights lack tensor {name!r}") from None
             if isinstance(t, QuantizedWeight):  # computed on its blocks on a CPU; a GPU gets floats
-                return t if device.type == "cpu" else t.dequantize(dtype).to(device)
+                if device.type != "cpu":
+                    return t.dequantize(dtype).to(device)
+                return t.invariant() if batch_invariant else t
             return t.to(device=device, dtype=dtype).contiguous()
 
         def dense(name: str) -> torch.Tensor:  # a norm's gain: never quantized

@@ -222,6 +222,12 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
         "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="quantized weights compute a prefill's rows on the decode kernel, so that a seeded request gives the "
+        "same tokens whatever shares its steps (prefill runs slower)",
+    )
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument(
         "--kv-cache-dtype",
@@ -328,6 +334,7 @@ def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> E
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_bytes=a.kv_cache_bytes,
         quantization=a.quantization,
+        batch_invariant=a.batch_invariant,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
         long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,

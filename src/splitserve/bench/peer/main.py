@@ -1,12 +1,18 @@
-"""`splitserve bench peer`: vLLM's CPU build against splitserve on this machine, the
-same model (the GGUF's weights exported as one HF directory both load), the same
-loads (`splitserve bench serve`, same seeds), one system at a time:
+"""`splitserve bench peer`: vLLM's CPU build and llama.cpp's llama-server against splitserve
+on this machine, the same model (the GGUF's weights exported as one HF directory that vLLM
+and splitserve load; llama-server loads the GGUF itself, and so does splitserve with
+--splitserve-on-gguf), the same loads (`splitserve bench serve`, same seeds), one system at
+a time:
 
     for each system in --systems: start it, warm it up, run every load, stop it
 
-then one table in which every splitserve figure is also a ratio to vLLM's, a
-line per system with the cores it computed on, the combined JSON, and the sweep
-plot where bench serve provides one.
+then one table in which every figure is also a ratio to the first peer's (vLLM's where it
+runs, else llama.cpp's), a line per system with the cores it computed on, the combined
+JSON, and the sweep plot where bench serve provides one. vLLM's CPU wheel needs AVX-512:
+on a CPU without it the run says so and goes on with llama.cpp.
+
+    splitserve bench peer --systems llamacpp,auto --splitserve-on-gguf \
+        --splitserve-flags "--quantization auto" --loads sharegpt
 
     splitserve bench peer --quick --vllm-venv /work/peer/vllm --skip-install
     splitserve bench peer --splitserve-flags "--dtype bfloat16" --system-flags "auto=--max-num-batched-tokens 256"
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.peer import report
-from splitserve.bench.peer.servers import SYSTEMS, LaunchContext, RunningSystem, SystemSpec, describe_cores
+from splitserve.bench.peer.servers import PEERS, SYSTEMS, LaunchContext, RunningSystem, SystemSpec, describe_cores
 
 LOADS = ("sharegpt", "sweep", "burst", "prefill")
 DEFAULT_OUT = os.path.join("bench", "results", "peer")
@@ -185,10 +191,16 @@ def bench_serve_argv(
 
 
 def system_specs(
-    systems: list[str], splitserve_flags: str, vllm_flags: str, router_flags: str, per_system: list[str]
+    systems: list[str],
+    splitserve_flags: str,
+    vllm_flags: str,
+    router_flags: str,
+    per_system: list[str],
+    llamacpp_flags: str = "",
 ) -> list[SystemSpec]:
-    """--splitserve-flags for every splitserve system, --vllm-flags for vLLM, then each
-    `SYSTEM=FLAGS` of --system-flags appended to that system's (later flags win)."""
+    """--splitserve-flags for every splitserve system, --vllm-flags for vLLM, --llamacpp-flags for
+    llama-server, then each `SYSTEM=FLAGS` of --system-flags appended to that system's (later
+    flags win)."""
     extra: dict[str, list[str]] = {}
     for item in per_system:
         name, sep, flags = item.partition("=")
@@ -196,9 +208,10 @@ def system_specs(
             raise ValueError(f"--system-flags {item!r}: expected SYSTEM=FLAGS with SYSTEM one of {', '.join(SYSTEMS)}")
         extra.setdefault(name, []).extend(shlex.split(flags))
     specs = []
+    peer_flags = {"vllm": vllm_flags, "llamacpp": llamacpp_flags}
     for name in systems:
-        base = shlex.split(vllm_flags if name == "vllm" else splitserve_flags)
-        router = () if name == "vllm" else tuple(shlex.split(router_flags))
+        base = shlex.split(peer_flags.get(name, splitserve_flags))
+        router = () if name in PEERS else tuple(shlex.split(router_flags))
         specs.append(SystemSpec(name, tuple(base + extra.get(name, [])), router))
     return specs
 
@@ -219,6 +232,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--router-flags", default="", help="flags for every splitserve router")
     p.add_argument("--vllm-flags", default="", help="flags appended to vLLM's API server")
+    p.add_argument("--llamacpp-flags", default="", help="flags appended to llama-server's")
+    p.add_argument(
+        "--splitserve-on-gguf",
+        action="store_true",
+        help="splitserve loads the GGUF file itself (as llama-server does) instead of the HF export",
+    )
+    p.add_argument("--llamacpp-slots", type=int, default=4, help="llama-server's parallel sequences (--parallel)")
     p.add_argument(
         "--system-flags",
         action="append",
@@ -276,7 +296,12 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         specs = system_specs(
-            _split(args.systems), args.splitserve_flags, args.vllm_flags, args.router_flags, args.system_flags
+            _split(args.systems),
+            args.splitserve_flags,
+            args.vllm_flags,
+            args.router_flags,
+            args.system_flags,
+            args.llamacpp_flags,
         )
         loads = loads_for(_split(args.loads), args.quick, args.rates, args.load_timeout)
     except ValueError as e:
@@ -288,6 +313,12 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = os.path.abspath(args.model_dir or os.path.join(DEFAULT_CACHE, "model"))
     print(f"model: exporting to {model_dir} (reused when current)", flush=True)
     export_hf_dir(args.model, model_dir)
+    specs = _runnable(specs)
+    try:
+        llama = _llama_server(specs)
+    except RuntimeError as e:
+        print(f"splitserve bench peer: llama.cpp: {e}", file=sys.stderr)
+        return 1
     vllm_python = ""
     if any(s.is_vllm for s in specs):
         try:
@@ -315,11 +346,49 @@ def _run(args: argparse.Namespace) -> int:
         cores=parse_cores(args.cores),
         kv_cache_gib=args.kv_cache_gib,
         start_timeout_s=args.start_timeout,
+        gguf=_gguf_path(args.model),
+        llama_server=llama or "",
+        llamacpp_slots=args.llamacpp_slots,
+        splitserve_model=_gguf_path(args.model) if args.splitserve_on_gguf else "",
     )
     for load in loads:  # what each row of the table measured, before any figure
         print(f"load {load.name}: bench serve {' '.join(load.flags)} --backend {args.backend}", flush=True)
     results = {spec.name: run_system(spec, ctx, loads, out, args.backend) for spec in specs}
     return finish(results, [s.name for s in specs], [load.name for load in loads], out, ctx)
+
+
+def _gguf_path(model: str | None) -> str:
+    from splitserve.engine import embedded
+
+    return os.path.realpath(embedded.resolve(model))
+
+
+def _runnable(specs: list[SystemSpec]) -> list[SystemSpec]:
+    """The systems that can run on this CPU: vLLM's CPU wheel needs AVX-512 (on AVX2 it dies with
+    "Illegal instruction"), so there it is left out, said so, and the run goes on with the rest."""
+    from splitserve.measure.hw import cpu_flags
+
+    if "avx512f" in cpu_flags().split():
+        return specs
+    if any(s.is_vllm for s in specs):
+        print("vllm: left out: its CPU wheel needs AVX-512 and this CPU has not (Illegal instruction)", flush=True)
+    return [s for s in specs if not s.is_vllm]
+
+
+def _llama_server(specs: list[SystemSpec]) -> str | None:
+    """llama-server's binary where a system needs it (built once, cached), None where none does;
+    RuntimeError (llama_cpp.BuildError) when it cannot be built."""
+    if not any(s.name == "llamacpp" for s in specs):
+        return None
+    from splitserve.bench.peer.llama_cpp import ensure_llama_server
+
+    print("llamacpp: building llama-server from llama-cpp-python's sources (cached after the first run)", flush=True)
+    try:
+        info = ensure_llama_server()
+    except OSError as e:
+        raise RuntimeError(str(e)) from e
+    print(f"llamacpp: {info.line()}", flush=True)
+    return info.binary
 
 
 def run_system(spec: SystemSpec, ctx: LaunchContext, loads: list[Load], out: str, backend: str) -> dict[str, Any]:
@@ -393,8 +462,9 @@ def finish(
     results: dict[str, dict[str, Any]], systems: list[str], loads: list[str], out: str, ctx: LaunchContext
 ) -> int:
     rows = report.table_rows(results, loads)
+    baseline = next((s for s in systems if s in PEERS), report.BASELINE)
     print()
-    print(report.format_table(rows, systems))
+    print(report.format_table(rows, systems, baseline))
     print()
     for name in systems:
         res = results[name]
@@ -410,7 +480,8 @@ def finish(
         "model_dir": ctx.model_dir,
         "served_model_name": ctx.served_model_name,
         "systems": results,
-        "table": report.ratios(rows, systems),
+        "baseline": baseline,
+        "table": report.ratios(rows, systems, baseline),
     }
     path = os.path.join(out, "peer.json")
     with open(path, "w", encoding="utf-8") as f:

@@ -7,6 +7,8 @@ deadline; `stop` sends TERM to the group, then KILL.
 
 - `vllm`: vLLM's OpenAI API server from its own venv, its OpenMP threads bound
   to the cores given (VLLM_CPU_OMP_THREADS_BIND).
+- `llamacpp`: llama.cpp's llama-server (llama_cpp.py builds it) on the GGUF file itself,
+  a thread per core given (taskset), four slots with continuous batching.
 - `colocated`: one splitserve worker per core, each doing prefill and decode,
   behind one router in mode colocated.
 - `disaggregated`, `auto`: a prefill and a decode worker, each owning half of
@@ -41,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPLITSERVE_SYSTEMS = ("colocated", "disaggregated", "auto")
-SYSTEMS = ("vllm", *SPLITSERVE_SYSTEMS)
+PEERS = ("vllm", "llamacpp")
+SYSTEMS = (*PEERS, *SPLITSERVE_SYSTEMS)
 
 
 class ServerError(RuntimeError):
@@ -65,6 +68,11 @@ class SystemSpec:
     def is_vllm(self) -> bool:
         return self.name == "vllm"
 
+    @property
+    def is_peer(self) -> bool:
+        """Not splitserve: one server process given every core."""
+        return self.name in PEERS
+
 
 @dataclass(frozen=True)
 class LaunchContext:
@@ -80,6 +88,12 @@ class LaunchContext:
     kv_cache_gib: int = 4  # vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 4096
     host: str = "127.0.0.1"
+    gguf: str = ""  # the GGUF file llama-server loads
+    llama_server: str = ""  # its binary (llama_cpp.ensure_llama_server)
+    llamacpp_slots: int = 4  # llama-server's parallel sequences (-np), its context shared among them
+    # what splitserve's workers and router load ("": model_dir, the HF export vLLM loads; the GGUF
+    # file for a comparison with llama.cpp on its own file, its blocks computed in place)
+    splitserve_model: str = ""
     start_timeout_s: float = 600.0  # vLLM takes ~2.5 min to start on a 2-core machine
     stop_grace_s: float = 15.0
 
@@ -112,10 +126,10 @@ def placement(system: str, cores: tuple[int, ...] | None, lend: bool = False) ->
     and owning an equal share of them, a prefill borrowing the idle ones (splitserve serve's way)."""
     pair = system in ("disaggregated", "auto")
     if cores is None or not cores or (pair and len(cores) < 2):
-        if system == "vllm":
+        if system in PEERS:
             return Placement()
         return Placement(workers=(("decode", None), ("prefill", None)) if pair else (("decode", None),))
-    if system == "vllm":
+    if system in PEERS:
         return Placement(server=cores)
     if lend:
         roles = ("decode",) * len(cores) if system == "colocated" else ("decode", "prefill")
@@ -167,6 +181,33 @@ def vllm_argv(spec: SystemSpec, ctx: LaunchContext, port: int) -> list[str]:
     ]
 
 
+def llamacpp_argv(spec: SystemSpec, ctx: LaunchContext, port: int, cores: tuple[int, ...] | None) -> list[str]:
+    """llama-server in its defaults but for what a comparison must fix: the file, every core given
+    as a thread, --llamacpp-slots sequences at once, each with the context splitserve allows."""
+    threads = len(cores) if cores is not None else len(os.sched_getaffinity(0))
+    cmd = [
+        ctx.llama_server,
+        "--model",
+        ctx.gguf,
+        "--alias",
+        ctx.served_model_name,
+        "--host",
+        ctx.host,
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--parallel",
+        str(ctx.llamacpp_slots),
+        "--ctx-size",
+        str(ctx.llamacpp_slots * ctx.max_model_len),
+        *spec.flags,
+    ]
+    return ["taskset", "-c", core_list(cores), *cmd] if cores is not None else cmd
+
+
 def vllm_env(base: Mapping[str, str], ctx: LaunchContext, cores: tuple[int, ...] | None) -> dict[str, str]:
     env = dict(base)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(ctx.kv_cache_gib)
@@ -204,7 +245,7 @@ def worker_argv(
         "--ready-file",
         ready_file,
         "--model",
-        ctx.model_dir,
+        ctx.splitserve_model or ctx.model_dir,
         "--threads",
         threads,
         *lending,
@@ -222,7 +263,7 @@ def router_argv(
         "splitserve.cli",
         "router",
         "--model",
-        ctx.model_dir,
+        ctx.splitserve_model or ctx.model_dir,
         "--mode",
         spec.name,
         "--host",
@@ -252,7 +293,7 @@ def splitserve_env(base: Mapping[str, str], cluster_token: str) -> dict[str, str
 def cores_used(spec: SystemSpec, where: Placement) -> dict[str, Any]:
     """What the system computed on: per process its pinned cores (None: unpinned) and threads."""
     procs: dict[str, dict[str, Any]] = {}
-    if spec.is_vllm:
+    if spec.is_peer:
         threads = len(where.server) if where.server is not None else None
         procs = {"server": {"cores": _listed(where.server), "threads": threads}}
     else:
@@ -430,6 +471,8 @@ def start_system(spec: SystemSpec, ctx: LaunchContext) -> RunningSystem:
     try:
         if spec.is_vllm:
             base_url = _start_vllm(spec, ctx, where, started)
+        elif spec.is_peer:
+            base_url = _start_llamacpp(spec, ctx, where, started)
         else:
             base_url = _start_splitserve(spec, ctx, where, started)
     except BaseException:
@@ -448,6 +491,18 @@ def _start_vllm(spec: SystemSpec, ctx: LaunchContext, where: Placement, started:
     started.append(server)
     base_url = f"http://{ctx.host}:{port}"
     wait_until(lambda: http_ok(base_url + "/health"), ctx.start_timeout_s, started, "vllm")
+    return base_url
+
+
+def _start_llamacpp(spec: SystemSpec, ctx: LaunchContext, where: Placement, started: list[ServerProcess]) -> str:
+    if not (ctx.llama_server and ctx.gguf):
+        raise ServerError("llamacpp needs the llama-server binary and a GGUF file (LaunchContext.llama_server, .gguf)")
+    port = free_port(ctx.host)
+    argv = llamacpp_argv(spec, ctx, port, where.server)
+    server = ServerProcess("llamacpp", argv, dict(os.environ), _log(ctx, "llamacpp"))
+    started.append(server)
+    base_url = f"http://{ctx.host}:{port}"
+    wait_until(lambda: http_ok(base_url + "/health"), ctx.start_timeout_s, started, "llamacpp")
     return base_url
 
 

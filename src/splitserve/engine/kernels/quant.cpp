@@ -3,31 +3,36 @@
 // dequantized copy. Decode on a CPU is bound by reading W, and a Q4 block is a
 // quarter of bf16's bytes and an eighth of fp32's.
 //
-// The method is llama.cpp's vec_dot: each row of x is quantized once per call to
-// int8 in blocks of 32 (one scale per block, and the integer sums of each half),
-// and every weight block is unpacked to 32 unsigned bytes q, with per-16 scales
-// d_lo/d_hi, an offset and a min, so that w = d * (q - off) + m. A block's dot is
-// then integer products (vpmaddubsw + vpmaddwd on AVX2, one vpdpbusd with
-// AVX-512 VNNI), scaled once:
-//     sum(w * x) = dx * (d_lo * I_lo + d_hi * I_hi) + (m - off * d) * dx * S
-// with I the int dot of each 16-byte half and S the half's sum of x's ints.
-// Per-16 scales exist for Q6_K; every other format has d_lo == d_hi. One block
-// of x (32) is the unit for all formats: a K-quant super-block of 256 is eight.
-// Widening W to fp32 and multiplying x as it is was tried: at one row it takes
-// twice the vector instructions a block (13 against 7), on AVX-512's two ports.
+// Two ways to multiply, chosen per call (`exact`):
+//
+// - exact (what the engine runs): each weight block is unpacked in registers to 32 small
+//   integers, w = d * (q - off) + m in fp32, and multiplied into x as it is with FMAs. The
+//   result is the float matmul's on the dequantized weights, to fp32 rounding.
+// - int8 (llama.cpp's vec_dot): each row of x is quantized once per call to int8 in blocks of 32
+//   (one scale per block, and d times the integer sum of each half), and a block's dot is
+//   integer products (vpmaddubsw + vpmaddwd on AVX2, one vpdpbusd with AVX-512 VNNI), scaled once:
+//       sum(w * x) = dx * (d_lo * I_lo + d_hi * I_hi) + (m - off * d) * dx * S
+//   with I the int dot of each 16-byte half and S the half's sum of x's ints.
+//   Side by side on the embedded model (AVX-512 VNNI, 2 cores), it was no faster at batch 1
+//   (15.9 against 15.8 ms a token), slower at 4 and 8 (each further row costs ~6 vector
+//   instructions a block here against exact's 2 FMAs), and rounding x cost a few points of
+//   teacher-forced top-1 agreement with the float model. It stays, tested, for the comparison.
+//
+// Every format's block is a unit of 32 (a K-quant super-block of 256 is eight), with per-16
+// scales d_lo/d_hi (Q6_K's; every other format has d_lo == d_hi), an offset and a min.
 //
 // Batched decode shares each weight block across the rows of x: a block is
 // unpacked once and used by up to four rows at a time, so W is read once per
 // call whatever B is.
 //
-// Determinism: x's rows are quantized each on its own, and a row's result is one
-// thread's sum over the blocks in order, in fixed lanes, whatever the thread count or the other rows of x, so a seed gives
+// Determinism: a row's result is one thread's sum over the blocks in order, in fixed lanes
+// (int8: x's rows quantized each on its own), whatever the thread count or the other rows of x, so a seed gives
 // the same tokens on a quiet and a busy machine and alone or in a batch.
 // Different paths (scalar, AVX2, AVX-512) round differently.
 //
 // Paths, picked by the CPU's flags at run time: 0 scalar (any x86-64; the
-// reference the SIMD paths are tested against), 1 AVX2+FMA+F16C, 2 AVX-512 VNNI
-// (the 256-bit vpdpbusd of AVX512VL). The two SIMD paths are one body compiled twice under
+// reference the SIMD paths are tested against), 1 AVX2+FMA+F16C (8 lanes), 2 AVX-512 with
+// VNNI (16 lanes in the exact mode; the 256-bit vpdpbusd of AVX512VL in the int8 mode). The two SIMD paths are one body compiled twice under
 // `#pragma GCC target` (this file includes itself), so the binary runs on every
 // x86-64 machine. AMX is not used: at decode's few rows its tiles are mostly
 // empty, and prefill dequantizes a matrix into oneDNN's GEMM instead.
@@ -244,6 +249,27 @@ void row_dot_scalar(const uint8_t* row, int64_t nb, const XBlock* const* xs, int
   }
 }
 
+// The scalar reference of the exact mode: x as it is, each block dequantized and multiplied in fp32.
+template <int FMT>
+void row_dot_f32_scalar(const uint8_t* row, int64_t nb, const float* const* xs, int rows, float* out) {
+  for (int r = 0; r < rows; ++r) out[r] = 0.f;
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    uint8_t q[32];
+    block_values<FMT>(row, kb, q);
+    BlockScale s = block_scale<FMT>(row, kb);
+    float w[32];
+    for (int j = 0; j < 32; ++j) {
+      int v = FMT == kQ8_0 ? (int)(int8_t)q[j] : (int)q[j] - s.off;
+      w[j] = (j < 16 ? s.d_lo : s.d_hi) * (float)v + (j < 16 ? s.m_lo : s.m_hi);
+    }
+    for (int r = 0; r < rows; ++r) {
+      float acc = 0.f;
+      for (int j = 0; j < 32; ++j) acc += w[j] * xs[r][kb * 32 + j];
+      out[r] += acc;
+    }
+  }
+}
+
 // w = d * (q - off) + m, exactly as ggml's dequantize_row computes it
 template <int FMT>
 void dequantize_row(const uint8_t* row, int64_t k, float* out) {
@@ -298,6 +324,28 @@ namespace path_vnni {
 namespace {
 
 using RowDot = void (*)(const uint8_t*, int64_t, const XBlock* const*, int, float*);
+using RowDotF32 = void (*)(const uint8_t*, int64_t, const float* const*, int, float*);
+
+template <int FMT>
+RowDotF32 pick_f32(int isa) {
+  if (isa == kIsaVnni) return path_vnni::row_dot_f32<FMT>;
+  if (isa == kIsaAvx2) return path_avx2::row_dot_f32<FMT>;
+  return row_dot_f32_scalar<FMT>;
+}
+
+RowDotF32 row_dot_f32_for(int fmt, int isa) {
+  switch (fmt) {
+    case kQ4_0: return pick_f32<kQ4_0>(isa);
+    case kQ4_1: return pick_f32<kQ4_1>(isa);
+    case kQ5_0: return pick_f32<kQ5_0>(isa);
+    case kQ5_1: return pick_f32<kQ5_1>(isa);
+    case kQ8_0: return pick_f32<kQ8_0>(isa);
+    case kQ4_K: return pick_f32<kQ4_K>(isa);
+    case kQ5_K: return pick_f32<kQ5_K>(isa);
+    case kQ6_K: return pick_f32<kQ6_K>(isa);
+    default: return nullptr;
+  }
+}
 
 template <int FMT>
 RowDot pick(int isa) {
@@ -322,23 +370,12 @@ RowDot row_dot_for(int fmt, int isa) {
 
 using RowDequant = void (*)(const uint8_t*, int64_t, float*);
 
-RowDequant dequant_for(int fmt) {
-  switch (fmt) {
-    case kQ4_0: return dequantize_row<kQ4_0>;
-    case kQ4_1: return dequantize_row<kQ4_1>;
-    case kQ5_0: return dequantize_row<kQ5_0>;
-    case kQ5_1: return dequantize_row<kQ5_1>;
-    case kQ8_0: return dequantize_row<kQ8_0>;
-    case kQ4_K: return dequantize_row<kQ4_K>;
-    case kQ5_K: return dequantize_row<kQ5_K>;
-    case kQ6_K: return dequantize_row<kQ6_K>;
-    default: return nullptr;
-  }
-}
 
 const int g_isa = detect_isa();
 
-constexpr int kTile = 4;  // rows of x dotted with one unpacked weight block
+// Rows of x dotted with one unpacked weight block: 8 on AVX-512 in the exact mode (16 zmm
+// accumulators of 32), else 4 (AVX2 has 16 registers; the int8 mode keeps two per row).
+constexpr int kTile = 8;
 // Bytes of W a thread takes at a time: long enough that the hardware prefetchers lock on to the
 // stream (chunks of 8 rows, 3 KB, read the embedded model's blocks at a third of the bandwidth),
 // short enough that a thread whose core is busy takes fewer.
@@ -355,11 +392,13 @@ struct Segment {
   int64_t chunk_rows;
   int64_t first_chunk;
   RowDot dot;
+  RowDotF32 dot_f32;
 };
 
 // y[b * ldy + n] for b < B and every row n of every segment; x fp32 or bf16 (then y bf16)
+// `exact`: x as it is (fp32 products of the dequantized blocks), else x rounded to int8 blocks
 void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int64_t b, int64_t ldy, bool x_bf16,
-             int threads, int isa) {
+             int threads, int isa, bool exact) {
   const int64_t nb = k / 32;
   std::vector<float> widened;  // bf16 x, widened once: it is B*K, W is N*K
   const float* xf = static_cast<const float*>(x);
@@ -368,8 +407,8 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
     for (int64_t i = 0; i < b * k; ++i) widened[(size_t)i] = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
     xf = widened.data();
   }
-  std::vector<XBlock> xq((size_t)(b * nb));
-  for (int64_t r = 0; r < b; ++r) {
+  std::vector<XBlock> xq((size_t)(exact ? 0 : b * nb));
+  for (int64_t r = 0; r < b && !exact; ++r) {
     if (isa == kIsaScalar) {
       quantize_row_scalar(xf + r * k, k, xq.data() + r * nb);
     } else {  // the same rounding (to nearest even), vectorised
@@ -392,12 +431,19 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
     const int64_t lo = (c - sg.first_chunk) * sg.chunk_rows, hi = std::min(sg.rows, lo + sg.chunk_rows);
     float out[kTile];
     const XBlock* xs[kTile];
+    const float* xr[kTile];
+    const int64_t tile = exact && isa == kIsaVnni ? 8 : 4;
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t* row = sg.w + i * sg.row_bytes;
-      for (int64_t r0 = 0; r0 < b; r0 += kTile) {
-        int rows = (int)std::min<int64_t>(kTile, b - r0);
-        for (int r = 0; r < rows; ++r) xs[r] = xq.data() + (r0 + r) * nb;
-        sg.dot(row, nb, xs, rows, out);
+      for (int64_t r0 = 0; r0 < b; r0 += tile) {
+        int rows = (int)std::min<int64_t>(tile, b - r0);
+        if (exact) {
+          for (int r = 0; r < rows; ++r) xr[r] = xf + (r0 + r) * k;
+          sg.dot_f32(row, nb, xr, rows, out);
+        } else {
+          for (int r = 0; r < rows; ++r) xs[r] = xq.data() + (r0 + r) * nb;
+          sg.dot(row, nb, xs, rows, out);
+        }
         for (int r = 0; r < rows; ++r) {
           if (x_bf16) {
             static_cast<uint16_t*>(y)[(r0 + r) * ldy + sg.first + i] = float_to_bf16(out[r]);
@@ -418,19 +464,53 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
 }
 
 // out[r] = W row idx[r] dequantized (fp32 or bf16), r < count; idx null: rows 0..count
+using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
+
+// The AVX-512 rows where the CPU has them (a prefill dequantizes every matrix it multiplies: the
+// scalar loop cost a 1,000-token prompt a third more than the dense model's), else the scalar ones;
+// both compute ggml's expression, so the values are the same bits.
+struct Dequant {
+  RowDequant f32;
+  RowDequantBf16 bf16;
+};
+
+template <int FMT>
+Dequant dequant_pick(int isa) {
+  if (isa == kIsaVnni) return {path_vnni::dequantize_row_simd<FMT>, path_vnni::dequantize_row_simd_bf16<FMT>};
+  return {dequantize_row<FMT>, nullptr};
+}
+
+Dequant dequant_simd_for(int fmt, int isa) {
+  switch (fmt) {
+    case kQ4_0: return dequant_pick<kQ4_0>(isa);
+    case kQ4_1: return dequant_pick<kQ4_1>(isa);
+    case kQ5_0: return dequant_pick<kQ5_0>(isa);
+    case kQ5_1: return dequant_pick<kQ5_1>(isa);
+    case kQ8_0: return dequant_pick<kQ8_0>(isa);
+    case kQ4_K: return dequant_pick<kQ4_K>(isa);
+    case kQ5_K: return dequant_pick<kQ5_K>(isa);
+    case kQ6_K: return dequant_pick<kQ6_K>(isa);
+    default: return {nullptr, nullptr};
+  }
+}
+
 void dequantize(void* out, const uint8_t* w, int fmt, const int64_t* idx, int64_t count, int64_t k, bool out_bf16,
                 int threads) {
   const int64_t row_bytes = k / block_elems(fmt) * block_bytes(fmt);
-  RowDequant deq = dequant_for(fmt);
+  const Dequant deq = dequant_simd_for(fmt, g_isa);
   auto one = [&](int64_t r) {
     const uint8_t* row = w + (idx ? idx[r] : r) * row_bytes;
     if (!out_bf16) {
-      deq(row, k, static_cast<float*>(out) + r * k);
+      deq.f32(row, k, static_cast<float*>(out) + r * k);
+      return;
+    }
+    uint16_t* dst = static_cast<uint16_t*>(out) + r * k;
+    if (deq.bf16 != nullptr) {
+      deq.bf16(row, k, dst);
       return;
     }
     std::vector<float> tmp((size_t)k);
-    deq(row, k, tmp.data());
-    uint16_t* dst = static_cast<uint16_t*>(out) + r * k;
+    deq.f32(row, k, tmp.data());
     for (int64_t j = 0; j < k; ++j) dst[j] = float_to_bf16(tmp[j]);
   };
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, count / 16));
@@ -454,14 +534,14 @@ bool int_args(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const ch
   return true;
 }
 
-// linear(y, x, parts, k, b, ldy, x_bf16, threads, isa); parts: a tuple of (fmt, address, rows) * m
+// linear(y, x, parts, k, b, ldy, x_bf16, threads, isa, exact); parts: a tuple of (fmt, address, rows) * m
 PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 9 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) % 3 != 0) {
-    PyErr_SetString(PyExc_TypeError, "linear() takes y, x, a tuple of (fmt, address, rows) triples, and 6 ints");
+  if (nargs != 10 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) % 3 != 0) {
+    PyErr_SetString(PyExc_TypeError, "linear() takes y, x, a tuple of (fmt, address, rows) triples, and 7 ints");
     return nullptr;
   }
-  long long v[9];
-  for (int i = 0; i < 9; ++i) {
+  long long v[10];
+  for (int i = 0; i < 10; ++i) {
     if (i == 2) continue;
     v[i] = PyLong_AsLongLong(args[i]);
     if (v[i] == -1 && PyErr_Occurred()) return nullptr;
@@ -491,13 +571,14 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     sg.first = first;
     sg.row_bytes = k / block_elems((int)fmt) * block_bytes((int)fmt);
     sg.dot = row_dot_for((int)fmt, isa);
+    sg.dot_f32 = row_dot_f32_for((int)fmt, isa);
     segs.push_back(sg);
     first += rows;
   }
   if (segs.empty() || v[4] <= 0) Py_RETURN_NONE;
   Py_BEGIN_ALLOW_THREADS
   qlinear(reinterpret_cast<void*>(v[0]), reinterpret_cast<const void*>(v[1]), segs, k, v[4], v[5], v[6] != 0,
-          (int)v[7], isa);
+          (int)v[7], isa, v[9] != 0);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -522,8 +603,9 @@ PyObject* py_isa(PyObject*, PyObject*) { return PyLong_FromLong(g_isa); }
 
 PyMethodDef kMethods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_linear)), METH_FASTCALL,
-     "linear(y, x, parts, k, b, ldy, x_bf16, threads, isa): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W's rows the "
-     "parts' (fmt, address, rows) in order, each in GGML format fmt; pointers as ints, nothing checked"},
+     "linear(y, x, parts, k, b, ldy, x_bf16, threads, isa, exact): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W's rows "
+     "the parts' (fmt, address, rows) in order, each in GGML format fmt; exact: x in fp32, else rounded to int8 "
+     "blocks; pointers as ints, nothing checked"},
     {"dequantize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequantize)), METH_FASTCALL,
      "dequantize(out, w, fmt, idx, count, k, out_bf16, threads): out[r] = W row idx[r] (idx 0: row r)"},
     {"isa", py_isa, METH_NOARGS, "this CPU's best path: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI"},
@@ -671,35 +753,43 @@ inline void quantize_row(const float* x, int64_t k, XBlock* out) {
 
 template <int FMT, int R>
 void row_dot_r(const uint8_t* row, int64_t nb, const XBlock* const* xs, float* out) {
-  __m256 acc[R];  // R a constant: the accumulators live in registers
-  float macc[R];
+  // R a constant and every loop over it unrolled, so that the accumulators live in registers; the
+  // mins' products go to vector accumulators too (a float array is packed into general registers)
+  __m256 acc[R], macc[R];
+  const XBlock* x[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
+    acc[r] = macc[r] = _mm256_setzero_ps();
+    x[r] = xs[r];
   }
   for (int64_t kb = 0; kb < nb; ++kb) {
     // a few blocks ahead: the next rows follow this one, so this runs ahead of the row too
-    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
+                 _MM_HINT_T0);
     BlockScale s = scale_fast<FMT>(row, kb);
     __m256i q = block_vec<FMT>(row, kb, 0);
     __m256 dv = FMT == kQ6_K ? _mm256_set_m128(_mm_set1_ps(s.d_hi), _mm_set1_ps(s.d_lo)) : _mm256_set1_ps(s.d_lo);
-    float m_lo = s.m_lo - (float)s.off * s.d_lo, m_hi = s.m_hi - (float)s.off * s.d_hi;
+    const __m256 m_lo = _mm256_set1_ps(s.m_lo - (float)s.off * s.d_lo);
+    const __m256 m_hi = _mm256_set1_ps(s.m_hi - (float)s.off * s.d_hi);
     __m256i qa = q;
     if constexpr (FMT == kQ8_0) qa = _mm256_sign_epi8(q, q);  // |w|; x takes w's sign below
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const XBlock& xb = xs[r][kb];
+      const XBlock& xb = x[r][kb];
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
       if constexpr (FMT == kQ8_0) xv = _mm256_sign_epi8(xv, q);
       __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(&xb.d));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qa, xv)), scale, acc[r]);
       if constexpr (FMT == kQ6_K) {
-        macc[r] += m_lo * xb.s_lo + m_hi * xb.s_hi;
+        macc[r] = _mm256_fmadd_ps(m_lo, _mm256_broadcast_ss(&xb.s_lo), macc[r]);
+        macc[r] = _mm256_fmadd_ps(m_hi, _mm256_broadcast_ss(&xb.s_hi), macc[r]);
       } else if constexpr (FMT != kQ8_0) {
-        macc[r] += m_lo * xb.s;
+        macc[r] = _mm256_fmadd_ps(m_lo, _mm256_broadcast_ss(&xb.s), macc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + _mm256_cvtss_f32(macc[r]);
 }
 
 template <int FMT>
@@ -709,6 +799,182 @@ void row_dot(const uint8_t* row, int64_t nb, const XBlock* const* xs, int rows, 
     case 2: return row_dot_r<FMT, 2>(row, nb, xs, out);
     case 3: return row_dot_r<FMT, 3>(row, nb, xs, out);
     default: return row_dot_r<FMT, 4>(row, nb, xs, out);
+  }
+}
+
+// ---- the exact mode: each block dequantized to fp32 in registers, FMAs with x as it is
+
+#if SPLITSERVE_VNNI  // the AVX-512 target: 16 lanes
+
+inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+inline __m128 halves(const uint8_t* p) {  // the fp16 pair at p (d, then m) as floats
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+}
+
+// Block kb's 32 weights as floats: w0 elements 0..15 (the d_lo half), w1 16..31. The 32-element
+// formats go straight to int32 lanes (one load-and-widen, a mask, a shift), their scales with one
+// fp16 conversion; the K-quants through block_vec's bytes.
+template <int FMT>
+inline void block_w(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
+  if constexpr (FMT == kQ4_0 || FMT == kQ4_1 || FMT == kQ5_0 || FMT == kQ5_1) {
+    constexpr int head = (FMT == kQ4_0) ? 2 : (FMT == kQ4_1 ? 4 : (FMT == kQ5_0 ? 6 : 8));
+    const uint8_t* b = row + kb * block_bytes(FMT);
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head)));
+    __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(bytes, 4);
+    if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {  // element j's fifth bit is bit j of qh
+      uint32_t qh;
+      std::memcpy(&qh, b + head - 4, 4);
+      const __m512i bit4 = _mm512_set1_epi32(0x10);
+      lo = _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFF), lo, bit4);
+      hi = _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, bit4);
+    }
+    __m128 dm = halves(b);
+    __m512 d = _mm512_broadcastss_ps(dm);
+    __m512 m;
+    if constexpr (FMT == kQ4_1 || FMT == kQ5_1) {
+      m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    } else {  // d * (q - off) as d * q - off * d: exact in one fma (off * d is exact)
+      m = _mm512_mul_ps(d, _mm512_set1_ps(FMT == kQ4_0 ? -8.f : -16.f));
+    }
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+  } else if constexpr (FMT == kQ8_0) {
+    const uint8_t* b = row + kb * block_bytes(FMT);
+    __m512 d = _mm512_broadcastss_ps(halves(b));
+    const __m128i* qs = reinterpret_cast<const __m128i*>(b + 2);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), d);
+  } else {
+    BlockScale s = scale_fast<FMT>(row, kb);
+    __m256i q = block_vec<FMT>(row, kb, s.off);
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(s.d_lo), _mm512_set1_ps(s.m_lo));
+    w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(s.d_hi), _mm512_set1_ps(s.m_hi));
+  }
+}
+
+template <int FMT, int R>
+void row_dot_f32_r(const uint8_t* row, int64_t nb, const float* const* xs, float* out) {
+  __m512 lo[R], hi[R];
+  const float* x[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = hi[r] = _mm512_setzero_ps();
+    x[r] = xs[r];
+  }
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
+                 _MM_HINT_T0);
+    __m512 w0, w1;
+    block_w<FMT>(row, kb, w0, w1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + kb * 32), lo[r]);
+      hi[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + kb * 32 + 16), hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = hsum512(_mm512_add_ps(lo[r], hi[r]));
+}
+
+// A row dequantized with ggml's expression (d * (q - off), or d * q + m where the format has a
+// min: the same roundings as the scalar dequantize_row, so the same bits), 32 values at a time.
+template <int FMT>
+inline void dequant_block(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
+  BlockScale s = scale_fast<FMT>(row, kb);
+  __m256i q = block_vec<FMT>(row, kb, s.off);
+  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_set1_ps(s.d_lo));
+  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_set1_ps(s.d_hi));
+  if constexpr (FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K) {
+    w0 = _mm512_add_ps(w0, _mm512_set1_ps(s.m_lo));
+    w1 = _mm512_add_ps(w1, _mm512_set1_ps(s.m_hi));
+  }
+}
+
+template <int FMT>
+void dequantize_row_simd(const uint8_t* row, int64_t k, float* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    __m512 w0, w1;
+    dequant_block<FMT>(row, kb, w0, w1);
+    _mm512_storeu_ps(out + kb * 32, w0);
+    _mm512_storeu_ps(out + kb * 32 + 16, w1);
+  }
+}
+
+inline __m256i to_bf16(__m512 v) {  // round to nearest even (weights are finite)
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_cvtepi32_epi16(u);
+}
+
+template <int FMT>
+void dequantize_row_simd_bf16(const uint8_t* row, int64_t k, uint16_t* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    __m512 w0, w1;
+    dequant_block<FMT>(row, kb, w0, w1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kb * 32), to_bf16(w0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kb * 32 + 16), to_bf16(w1));
+  }
+}
+
+#else  // AVX2: 8 lanes, four ymm a block
+
+template <int FMT, int R>
+void row_dot_f32_r(const uint8_t* row, int64_t nb, const float* const* xs, float* out) {
+  __m256 lo[R], hi[R];
+  const float* x[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = hi[r] = _mm256_setzero_ps();
+    x[r] = xs[r];
+  }
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
+                 _MM_HINT_T0);
+    BlockScale s = scale_fast<FMT>(row, kb);
+    __m256i q = block_vec<FMT>(row, kb, s.off);
+    __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    __m256 dl = _mm256_set1_ps(s.d_lo), ml = _mm256_set1_ps(s.m_lo);
+    __m256 dh = _mm256_set1_ps(s.d_hi), mh = _mm256_set1_ps(s.m_hi);
+    __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), dl, ml);
+    __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), dl, ml);
+    __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dh, mh);
+    __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dh, mh);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x[r] + kb * 32;
+      lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), lo[r]);
+      hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), hi[r]);
+      lo[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), lo[r]);
+      hi[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(lo[r], hi[r]));
+}
+
+#endif  // SPLITSERVE_VNNI
+
+template <int FMT>
+void row_dot_f32(const uint8_t* row, int64_t nb, const float* const* xs, int rows, float* out) {
+  switch (rows) {
+    case 1: return row_dot_f32_r<FMT, 1>(row, nb, xs, out);
+    case 2: return row_dot_f32_r<FMT, 2>(row, nb, xs, out);
+    case 3: return row_dot_f32_r<FMT, 3>(row, nb, xs, out);
+#if SPLITSERVE_VNNI
+    case 4: return row_dot_f32_r<FMT, 4>(row, nb, xs, out);
+    case 5: return row_dot_f32_r<FMT, 5>(row, nb, xs, out);
+    case 6: return row_dot_f32_r<FMT, 6>(row, nb, xs, out);
+    case 7: return row_dot_f32_r<FMT, 7>(row, nb, xs, out);
+    default: return row_dot_f32_r<FMT, 8>(row, nb, xs, out);
+#else
+    default: return row_dot_f32_r<FMT, 4>(row, nb, xs, out);
+#endif
   }
 }
 

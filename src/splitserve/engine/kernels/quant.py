@@ -1,14 +1,15 @@
 """The front of quant.cpp: x @ W.T and W's rows dequantized, W in a GGUF block format.
 
 `quant_linear` is what a linear layer on a quantized weight runs on a CPU: for decode-sized
-batches (up to MAX_ROWS rows) the integer-dot kernel over the packed blocks; past that, a
-prefill, the weight dequantized into a float matrix for oneDNN's GEMM, where arithmetic and
-not the weight's bytes bound the step. Each call checks every tensor it hands over as a
-pointer: the module trusts them.
+batches (up to MAX_ROWS rows) the kernel over the packed blocks (`exact`: the blocks dequantized
+in registers against x as it is, what the engine runs; else llama.cpp's int8 vec_dot, kept for
+comparison: quant.cpp's header has the figures); past that, a prefill, the weight dequantized
+into a float matrix for oneDNN's GEMM, where arithmetic and not the weight's bytes bound the
+step. Each call checks every tensor it hands over as a pointer: the module trusts them.
 
 The formats (`FORMATS`, by GGML type number): every one's block is 32 elements, or a
-super-block of 256 (the K-quants) made of eight 32-element sub-blocks, which is what lets one
-int8 activation block serve them all.
+super-block of 256 (the K-quants) made of eight 32-element sub-blocks, so that one loop over
+blocks of 32 serves them all.
 
 Paths (quant.cpp): 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI; `best_path()` is the CPU's widest,
 and `on_path` runs any of them so that tests and benchmarks compare each with the others.
@@ -80,9 +81,10 @@ def _self_test(ext: ModuleType) -> bool:
         w = random_blocks(fmt, 5, k, gen)
         x = torch.randn(3, k, generator=gen)
         ref = x.double() @ _dequantize(ext, fmt, w, k, _F32).double().T
-        got = _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), 5, k, int(ext.isa())).double()
-        if not torch.allclose(got, ref, rtol=0.05, atol=0.05 * float(ref.abs().max()) + 1e-3):
-            return False
+        for exact in (False, True):
+            got = _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), 5, k, int(ext.isa()), exact)
+            if not torch.allclose(got.double(), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()) + 1e-3):
+                return False
     return True
 
 
@@ -134,12 +136,13 @@ def _check(fmt: BlockFormat, w: Tensor, k: int) -> None:
         raise ValueError(f"{fmt.name}: rows of {w.shape[1]} bytes do not hold {k} elements")
 
 
-def _linear(ext: ModuleType, x: Tensor, parts: Parts, n: int, k: int, path: int) -> Tensor:
-    """x [B, k] (fp32 or bf16, contiguous) @ W.T, W's rows the checked `parts` (n in all)."""
+def _linear(ext: ModuleType, x: Tensor, parts: Parts, n: int, k: int, path: int, exact: bool = False) -> Tensor:
+    """x [B, k] (fp32 or bf16, contiguous) @ W.T, W's rows the checked `parts` (n in all); `exact`:
+    x as it is against the blocks dequantized in fp32, else x rounded to int8 blocks."""
     b = x.shape[0]
     y = x.new_empty(b, n)
     flat = tuple(v for part in parts for v in part)
-    ext.linear(y.data_ptr(), x.data_ptr(), flat, k, b, n, x.dtype is _BF16, torch.get_num_threads(), path)
+    ext.linear(y.data_ptr(), x.data_ptr(), flat, k, b, n, x.dtype is _BF16, torch.get_num_threads(), path, exact)
     return y
 
 
@@ -167,7 +170,7 @@ def _fits(x: Tensor, k: int) -> bool:
     return x.dtype in (_F32, _BF16) and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
 
 
-def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int) -> Tensor:
+def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = False) -> Tensor:
     """x [B, k] @ W.T on the blocks: the integer-dot kernel up to MAX_ROWS rows, else W dequantized
     for a float GEMM."""
     _check(fmt, w, k)
@@ -175,7 +178,7 @@ def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int) -> Tensor:
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
     if x.shape[0] <= MAX_ROWS:
-        return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, int(ext.isa()))
+        return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, int(ext.isa()), exact)
     return F.linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
 
@@ -197,16 +200,18 @@ def check_blocks(fmt: BlockFormat, w: Tensor, k: int) -> tuple[int, int, int]:
     return fmt.ggml_type, w.data_ptr(), w.shape[0]
 
 
-def decode_linear(x: Tensor, parts: Parts, n: int, k: int) -> Tensor | None:
+def decode_linear(
+    x: Tensor, parts: Parts, n: int, k: int, max_rows: int = MAX_ROWS, exact: bool = False
+) -> Tensor | None:
     """x @ W.T on the integer-dot kernel for W's checked `parts` ([n, k] in all), or None where x
-    does not take it (more than MAX_ROWS rows, another dtype or layout, not built)."""
+    does not take it (more than `max_rows` rows, another dtype or layout, not built)."""
     ext = _EXT.value if _EXT.done else None
-    if ext is None or not (x.dim() == 2 and x.shape[0] <= MAX_ROWS and _fits(x, k)):
+    if ext is None or not (x.dim() == 2 and x.shape[0] <= max_rows and _fits(x, k)):
         return None
-    return _linear(ext, x, parts, n, k, int(ext.isa()))
+    return _linear(ext, x, parts, n, k, int(ext.isa()), exact)
 
 
-def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int) -> Tensor:
+def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int, exact: bool = False) -> Tensor:
     """x @ W.T on one path of the kernel (0 .. best_path()), whatever the rows: to compare paths."""
     _check(fmt, w, k)
     if not _fits(x, k):
@@ -214,4 +219,4 @@ def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int) -> Tensor
     ext = _ext()
     if not 0 <= path <= int(ext.isa()):
         raise ValueError(f"quantized kernel path {path} is not available here (paths 0..{int(ext.isa())})")
-    return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, path)
+    return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, path, exact)

@@ -33,7 +33,11 @@ class Part:
 
 
 class QuantizedWeight:
-    def __init__(self, parts: Sequence[Part], k: int) -> None:
+    """`batch_invariant`: every call runs the integer-dot kernel, whatever its rows, so that a
+    row's result never depends on the rows beside it (a prefill's too, at the kernel's pace);
+    else a call of more than kernel.MAX_ROWS rows (a prefill chunk) runs the dequantized GEMM."""
+
+    def __init__(self, parts: Sequence[Part], k: int, batch_invariant: bool = False) -> None:
         if not parts:
             raise ValueError("a quantized weight needs at least one part")
         for p in parts:
@@ -43,6 +47,7 @@ class QuantizedWeight:
                 raise ValueError(f"{p.fmt.name} rows of {k} are not whole blocks of {p.fmt.block_elems}")
         self.parts = tuple(Part(p.fmt, p.data.contiguous()) for p in parts)
         self.k = k
+        self.batch_invariant = batch_invariant
         self.shape = torch.Size((sum(p.data.shape[0] for p in self.parts), k))
         # what a decode step's call hands the kernel, checked here once
         self._checked = tuple(kernel.check_blocks(p.fmt, p.data, k) for p in self.parts)
@@ -73,12 +78,17 @@ class QuantizedWeight:
         x2 = x.reshape(-1, self.k)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k)
+        max_rows = x2.shape[0] if self.batch_invariant else kernel.MAX_ROWS
+        y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, max_rows, exact=True)
         if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized
             y = F.linear(x2, self.dequantize(kernel.gemm_dtype(x2))).to(x2.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*lead, self.shape[0])
+
+    def invariant(self) -> QuantizedWeight:
+        """The same blocks (not copied), every call on the integer-dot kernel."""
+        return QuantizedWeight(self.parts, self.k, batch_invariant=True)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The whole matrix as floats (a GPU's copy, a test's reference): never kept by the CPU model."""
@@ -108,7 +118,7 @@ class QuantizedWeight:
         index = index.to(torch.int64)
         if len(self.parts) == 1:
             p = self.parts[0]
-            return QuantizedWeight.of(p.fmt, p.data[index], self.k)
+            return QuantizedWeight((Part(p.fmt, p.data[index]),), self.k, self.batch_invariant)
         starts = [0]
         for p in self.parts:
             starts.append(starts[-1] + p.data.shape[0])
@@ -120,7 +130,7 @@ class QuantizedWeight:
                 i = int(owner[begin])
                 out.append(Part(self.parts[i].fmt, self.parts[i].data[index[begin:end] - starts[i]]))
                 begin = end
-        return QuantizedWeight(out, self.k)
+        return QuantizedWeight(out, self.k, self.batch_invariant)
 
     def rows(self, sel: slice) -> QuantizedWeight:
         """Rows sel.start..sel.stop (a column-parallel rank's)."""
@@ -131,7 +141,7 @@ class QuantizedWeight:
             if lo < hi:
                 out.append(Part(p.fmt, p.data[lo - start : hi - start]))
             start += n
-        return QuantizedWeight(out, self.k)
+        return QuantizedWeight(out, self.k, self.batch_invariant)
 
     def cols(self, sel: slice) -> QuantizedWeight:
         """Columns sel.start..sel.stop of every row (a row-parallel rank's), on block boundaries."""
@@ -142,7 +152,7 @@ class QuantizedWeight:
                 raise ValueError(f"{p.fmt.name} weights split only on {e}-column blocks, not at {sel.start}:{sel.stop}")
             b0, b1 = sel.start // e * p.fmt.block_bytes, sel.stop // e * p.fmt.block_bytes
             out.append(Part(p.fmt, p.data[:, b0:b1].contiguous()))
-        return QuantizedWeight(out, sel.stop - sel.start)
+        return QuantizedWeight(out, sel.stop - sel.start, self.batch_invariant)
 
     @staticmethod
     def cat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
@@ -150,7 +160,8 @@ class QuantizedWeight:
         k = weights[0].k
         if any(w.k != k for w in weights):
             raise ValueError("joined quantized weights must have the same number of columns")
-        return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k)
+        invariant = all(w.batch_invariant for w in weights)
+        return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k, batch_invariant=invariant)
 
 
 def _merge(parts: list[Part]) -> list[Part]:

@@ -1,0 +1,298 @@
+"""What computing a GGUF file's blocks in place buys (EngineConfig.quantization "auto",
+engine/kernels/quant.cpp), against the same file dequantized, in one run.
+
+    splitserve bench quant [--model smollm2-135m] [--tokens 96] [--rounds 5] [--batch 8]
+                           [--ppl-tokens 384] [--budget-mib 1024] [--results bench/results/quant-cpu.txt]
+
+Three engines on one file: "blocks" (the file's formats, the quantized kernel), "dense" (the
+file dequantized into the machine's tuned dtype: splitserve's path before), and "fp32" (the
+file dequantized to float32, the accuracy reference).
+
+- weights: the file's tensor bytes; each engine's bytes read by a decode step; the resident
+  memory a worker process gains by loading the model and running a step (measured in child
+  processes, file-backed and anonymous apart), and two such workers' proportional share of the
+  file's pages (one copy between them: the page cache's).
+- decode: ms a token at batch 1 (no speculation) and ms a step at --batch, the engines
+  alternating round by round on the same prompt; the medians and their ratio.
+- accuracy: a text's perplexity by one decode step per token (the path a decode worker's steps
+  take) against fp32's, and the teacher-forced top-1 agreement.
+- capacity: the KV blocks left in --budget-mib once each engine's resident weights are in.
+- determinism: one seeded request (temperature 0.8, seed 3) alone at one and at two threads
+  and in a batch of eight: its tokens in all three, by default (decode rows invariant, a
+  prefill chunk of more than 64 rows on the GEMM) and with --batch-invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.bench.results_file import with_results
+from splitserve.bench.teacher_forcing import decode_logits, logprobs_of
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kernels import quant
+from splitserve.engine.kv_cache import pool_blocks
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.tuned import detect_machine, tuned_defaults
+from splitserve.measure.hw import machine_line
+
+TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="a GGUF file or an embedded model's name")
+    p.add_argument("--tokens", type=int, default=96, help="tokens each timed generation decodes")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine, alternating")
+    p.add_argument("--batch", type=int, default=8, help="the batched decode's sequences")
+    p.add_argument("--ppl-tokens", type=int, default=384, help="tokens of the text for perplexity and top-1")
+    p.add_argument("--budget-mib", type=float, default=1024.0, help="a worker's memory for weights and KV")
+    p.add_argument("--results", default=None, help="also write the output here, under a header line")
+
+
+def run(args: argparse.Namespace) -> int:
+    return with_results(args.results, lambda: _run(args))
+
+
+def _modes() -> dict[str, tuple[str, str]]:
+    """Each engine's (dtype, quantization)."""
+    dtype = tuned_defaults(detect_machine("cpu")).dtype
+    return {"blocks": (dtype, "auto"), "dense": (dtype, "none"), "fp32": ("float32", "none")}
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not quant.available():
+        print("the quantized kernel is not available on this machine; nothing to compare")
+        return 1
+    modes = _modes()
+    print(f"# splitserve bench quant --model {args.model}")
+    print(f"# {machine_line()}")
+    print(f"# quantized kernel path: {quant.PATH_NAMES[quant.best_path()]}; engines: {modes}")
+    engines: dict[str, Engine] = {}
+    tok: Tokenizer | None = None
+    for name, (dtype, q) in modes.items():
+        cfg = EngineConfig(dtype=dtype, quantization=q, num_blocks=1024, max_num_seqs=args.batch)
+        engines[name], tok = Engine.from_path(args.model, cfg, progress=False)
+    assert tok is not None
+    try:
+        resident = _weights(args, engines)
+        _decode(args, engines, tok)
+        _accuracy(args, engines, tok)
+        _capacity(args, engines, resident)
+        print("\n## determinism: a seeded request (temperature 0.8, seed 3, 48 tokens) on the blocks engine")
+        _determinism(engines["blocks"], tok, "default")
+        dtype, q = modes["blocks"]
+        invariant, _ = Engine.from_path(
+            args.model, EngineConfig(dtype=dtype, quantization=q, batch_invariant=True), progress=False
+        )
+        try:
+            _determinism(invariant, tok, "--batch-invariant")
+        finally:
+            invariant.close()
+    finally:
+        for e in engines.values():
+            e.close()
+    return 0
+
+
+# ---------------------------------------------------------------- weights
+
+
+_CHILD = """
+import json, os, sys, torch
+from splitserve.engine.kernels import quant
+quant.available()  # the kernel built and loaded before the baseline
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.sampling import SamplingParams
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+torch.set_num_threads(1)
+before = status()
+engine, _ = Engine.from_path(sys.argv[1], EngineConfig(dtype=sys.argv[2], quantization=sys.argv[3], num_blocks=16),
+                             progress=False)
+engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+after = status()
+print(json.dumps({k: after[k] - before[k] for k in after}), flush=True)
+sys.stdin.readline()  # held until the parent has read its memory
+"""
+
+
+def _file_pss(pid: int, path: str) -> tuple[int, int]:
+    """(Rss, Pss) of the mappings of `path` in process `pid`, bytes."""
+    rss = pss = 0
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                rss += int(fields[1]) * 1024
+            elif inside and fields[0] == "Pss:":
+                pss += int(fields[1]) * 1024
+    return rss, pss
+
+
+def _children(model: str, dtype: str, q: str, count: int) -> tuple[list[dict[str, int]], list[tuple[int, int]]]:
+    """`count` worker-like processes holding the model at once: each one's memory growth, and each
+    one's (Rss, Pss) of the model file's pages."""
+    from splitserve.engine import embedded
+
+    path = os.path.realpath(embedded.resolve(model))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, path, dtype, q], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(count)
+    ]
+    try:
+        grown = [json.loads(p.stdout.readline()) for p in procs if p.stdout is not None]
+        mapped = [_file_pss(p.pid, path) for p in procs]
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(timeout=60)
+    return grown, mapped
+
+
+def _file_tensor_bytes(model: str) -> int:
+    from splitserve.engine import embedded, gguf_loader
+
+    reader = gguf_loader.open_gguf(embedded.resolve(model))
+    return sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def _weights(args: argparse.Namespace, engines: dict[str, Engine]) -> dict[str, int]:
+    """Prints the weight figures; returns each engine's resident weight bytes (one worker)."""
+    mib = 1 << 20
+    file_bytes = _file_tensor_bytes(args.model)
+    print(f"\n## weights: the file's tensors hold {file_bytes / mib:.1f} MiB")
+    print(
+        f"{'engine':8} {'formats':22} {'read/step MiB':>13} {'resident MiB':>12} {'anon':>8} {'file':>8} {'/file':>6}"
+    )
+    resident: dict[str, int] = {}
+    for name, (dtype, q) in _modes().items():
+        grown, _ = _children(args.model, dtype, q, 1)
+        rss = grown[0]["VmRSS"]
+        resident[name] = rss
+        e = engines[name]
+        print(
+            f"{name:8} {'+'.join(e.model.weight_formats):22} {e.model.weight_bytes / mib:13.1f} {rss / mib:12.1f} "
+            f"{grown[0]['RssAnon'] / mib:8.1f} {grown[0]['RssFile'] / mib:8.1f} {rss / file_bytes:6.2f}"
+        )
+    dtype, q = _modes()["blocks"]
+    _, mapped = _children(args.model, dtype, q, 2)
+    rss_sum = sum(r for r, _ in mapped)
+    pss_sum = sum(p for _, p in mapped)
+    print(
+        f"two 'blocks' workers at once: the file's pages resident {rss_sum / mib:.1f} MiB counted per process, "
+        f"{pss_sum / mib:.1f} MiB proportionally (one copy: {pss_sum / max(1, mapped[0][0]):.2f} of one worker's)"
+    )
+    return resident
+
+
+# ----------------------------------------------------------------- decode
+
+
+def _timed(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return (time.perf_counter() - start) * 1e3 / tokens
+
+
+def _decode(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer) -> None:
+    prompt = tok.encode(PROMPT)
+    print(f"\n## decode: {args.tokens} greedy tokens after a {len(prompt)}-token prompt, no speculation, ")
+    print(f"## {args.rounds} rounds, engines alternating; median ms per token (batch 1) or per step (batch n)")
+    for batch in (1, args.batch):
+        prompts = [prompt] * batch
+        times: dict[str, list[float]] = {n: [] for n in engines}
+        for e in engines.values():
+            _timed(e, prompts, 8)  # warm: kernels built, buffers sized
+        for _ in range(args.rounds):
+            for name, e in engines.items():
+                times[name].append(_timed(e, prompts, args.tokens))
+        med = {n: statistics.median(t) for n, t in times.items()}
+        cells = "  ".join(f"{n} {m:.2f} ms" for n, m in med.items())
+        print(f"batch {batch:2}: {cells}  ->  blocks is {med['dense'] / med['blocks']:.2f}x dense, "
+              f"{med['fp32'] / med['blocks']:.2f}x fp32")  # fmt: skip
+
+
+# --------------------------------------------------------------- accuracy
+
+
+def _accuracy(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer) -> None:
+    text = tok.encode(TEXT.read_text())[: args.ppl_tokens]
+    print(f"\n## accuracy: {len(text)} tokens of {TEXT.name}, one decode step per token, against fp32")
+    ref = decode_logits(engines["fp32"], text)
+    ref_ppl = math.exp(-float(logprobs_of(ref, text).mean()))
+    for name in ("blocks", "dense"):
+        logits = decode_logits(engines[name], text)
+        ppl = math.exp(-float(logprobs_of(logits, text).mean()))
+        top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(
+            f"{name:7} perplexity {ppl:.4f} against fp32's {ref_ppl:.4f} ({(ppl / ref_ppl - 1) * 100:+.2f}%), "
+            f"top-1 agreement {top1 * 100:.2f}%"
+        )
+
+
+# --------------------------------------------------------------- capacity
+
+
+def _capacity(args: argparse.Namespace, engines: dict[str, Engine], resident: dict[str, int]) -> None:
+    budget = int(args.budget_mib * (1 << 20))
+    print(f"\n## capacity: KV blocks in a {args.budget_mib:g} MiB worker once its resident weights are in")
+    blocks = {}
+    for name in ("blocks", "dense"):
+        left = budget - resident[name]
+        layout = engines[name].layout
+        blocks[name] = pool_blocks(layout, left) if left > 0 else 0
+        tokens = blocks[name] * layout.block_size
+        print(
+            f"{name:7} {left / (1 << 20):8.1f} MiB left: {blocks[name]} blocks ({tokens} tokens of {layout.dtype} KV)"
+        )
+    print(f"blocks holds {blocks['blocks'] / max(1, blocks['dense']):.2f}x the dense engine's KV")
+
+
+# ------------------------------------------------------------ determinism
+
+
+def _determinism(engine: Engine, tok: Tokenizer, label: str) -> None:
+    prompt = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=3)
+    others = [tok.encode(f"Question {i}: what is {i} times {i + 3}?") for i in range(7)]
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        torch.set_num_threads(1)
+        runs["alone, 1 thread"] = engine.generate([prompt], params)[0]
+        torch.set_num_threads(2)
+        runs["alone, 2 threads"] = engine.generate([prompt], params)[0]
+        batch = [prompt, *others]
+        runs["in a batch of 8, 2 threads"] = engine.generate(batch, [params] + [SamplingParams(max_tokens=48)] * 7)[0]
+    finally:
+        torch.set_num_threads(before)
+    first = next(iter(runs.values()))
+    for how, toks in runs.items():
+        print(f"{label:18} {how:28} {len(toks)} tokens, {'identical' if toks == first else 'DIFFERENT'}")
