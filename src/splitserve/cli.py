@@ -45,6 +45,10 @@ BENCHMARKS = {
         "splitserve.bench.quant",
         "a GGUF file's blocks computed in place against the file dequantized: bytes, speed, accuracy",
     ),
+    "synthetic-gguf": (
+        "splitserve.bench.synthetic_gguf",
+        "write a large model's shape (Llama 3 8B) as a GGUF of random blocks with the embedded tokenizer",
+    ),
     "kernels-isa": ("splitserve.bench.kernels_isa", "the CPU kernels' ISA paths side by side: linear and attention"),
     "spec": ("splitserve.bench.spec", "speculative decoding against plain decode: copying load and ShareGPT"),
     "prefill-profile": (

@@ -2,10 +2,13 @@
 package vendors (pip downloads it from PyPI, the only registry this machine reaches), with cmake,
 once per version, cached under ~/.cache/splitserve/peer/llama.cpp/<version>; a later run reuses it.
 
-The build is llama.cpp's own Release build for the CPU it runs on (GGML_NATIVE: the compiler's
--march=native, so its kernels take every instruction set the CPU has, as a user's build does);
-`BuildInfo.line()` states the version, the compiler, the flags and the CPU's flags for a report's
-header. On two cores the build takes twenty to thirty minutes.
+The build is llama.cpp's own Release build for the CPU it runs on: each of its instruction-set
+options (AVX2, FMA, F16C, AVX-512 and its VNNI, VBMI and BF16 extensions) on where the CPU's flags
+list it, as -march=native would, but AMX off: a virtual machine may list amx_* and still trap the
+tile instructions (this project's 2-core VM: llama-server died with SIGILL in its AMX Q4_1 kernel),
+and splitserve's own kernels do not use AMX either. `BuildInfo.line()` states the version, the
+compiler, the flags and the CPU's flags for a report's header. On two cores the build takes twenty
+to thirty minutes.
 """
 
 from __future__ import annotations
@@ -22,15 +25,35 @@ from pathlib import Path
 
 PACKAGE = "llama-cpp-python"
 DEFAULT_ROOT = Path.home() / ".cache" / "splitserve" / "peer" / "llama.cpp"
-CMAKE_FLAGS = (
+BASE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
 )
+# llama.cpp's option for each CPU flag it can use
+ISA_OPTIONS = (
+    ("avx", "GGML_AVX"),
+    ("avx2", "GGML_AVX2"),
+    ("fma", "GGML_FMA"),
+    ("f16c", "GGML_F16C"),
+    ("bmi2", "GGML_BMI2"),
+    ("avx512f", "GGML_AVX512"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"),
+    ("avx512_vnni", "GGML_AVX512_VNNI"),
+    ("avx512_bf16", "GGML_AVX512_BF16"),
+)
+
+
+def cmake_flags(cpu_flags: set[str]) -> tuple[str, ...]:
+    """The build's cmake options on a CPU with `cpu_flags` (/proc/cpuinfo's names)."""
+    return BASE_FLAGS + tuple(f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in ISA_OPTIONS)
 
 
 class BuildError(RuntimeError):
@@ -72,17 +95,20 @@ def _compiler() -> str:
 
 def ensure_llama_server(root: Path = DEFAULT_ROOT, version: str = "", jobs: int = 0) -> BuildInfo:
     """llama-server built from the newest (or `version`'s) llama-cpp-python sdist; cached by version."""
+    from splitserve.engine.tuned import cpu_flags as flag_set
     from splitserve.measure.hw import cpu_flags
 
+    flags = cmake_flags(set(flag_set()))
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
     spec = f"{PACKAGE}=={version}" if version else PACKAGE
     cached = sorted(root.glob("*/build-info.json"))
     if version:
         cached = [p for p in cached if p.parent.name == version]
-    if cached:
-        info = BuildInfo(**{**json.loads(cached[-1].read_text()), "cmake_flags": CMAKE_FLAGS})
-        if os.path.exists(info.binary):
+    for path in reversed(cached):  # a build for this CPU's options, still there
+        info = BuildInfo(**{**json.loads(path.read_text())})
+        info = BuildInfo(info.binary, info.version, info.compiler, tuple(info.cmake_flags), info.cpu_flags)
+        if info.cmake_flags == flags and os.path.exists(info.binary):
             return info
     downloads = root / "sdist"
     downloads.mkdir(exist_ok=True)
@@ -100,11 +126,11 @@ def ensure_llama_server(root: Path = DEFAULT_ROOT, version: str = "", jobs: int 
         with tarfile.open(tar) as t:
             t.extractall(where, filter="data")
     build = src / "build"
-    _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], log)
+    _run(["cmake", "-S", str(src), "-B", str(build), *flags], log)
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)], log)
     binary = build / "bin" / "llama-server"
     if not binary.exists():
         raise BuildError(f"the build left no {binary}; see {log}")
-    info = BuildInfo(str(binary), got, _compiler(), CMAKE_FLAGS, cpu_flags())
-    (where / "build-info.json").write_text(json.dumps({k: v for k, v in asdict(info).items() if k != "cmake_flags"}))
+    info = BuildInfo(str(binary), got, _compiler(), flags, cpu_flags())
+    (where / "build-info.json").write_text(json.dumps(asdict(info)))
     return info

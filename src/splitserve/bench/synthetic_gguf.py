@@ -1,0 +1,125 @@
+"""A model of a large shape that nothing here can download, written as a GGUF file: random
+weights in a block format (Q4_0, Q8_0, ...) with the embedded SmolLM2's tokenizer, for the
+benchmarks that need the bytes of an 8B model rather than its answers.
+
+    splitserve bench synthetic-gguf --out /tmp/llama8b-q4_0.gguf [--format Q4_0] [--shape llama3-8b]
+
+Written the way llama.cpp's tools write one, by the `gguf` package (its writer, its names), so
+that llama-server and splitserve load the same file. Each block holds random quants and an fp16
+scale of 1 / (std(q) * sqrt(fan_in)), so every matrix keeps a unit-scale input at unit scale
+and the forward pass stays finite for any length; the text it writes means nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+from splitserve.engine import embedded
+from splitserve.engine.kernels.quant import BY_NAME, BlockFormat
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    context: int = 8192
+    rope_theta: float = 500000.0
+
+
+SHAPES = {
+    "llama3-8b": Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8),
+    "tiny": Shape(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, context=2048),
+}
+# the spread of a block's quants once the format's offset is taken off (uniform random bytes)
+_QUANT_STD = {"Q4_0": 4.61, "Q8_0": 73.9}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the GGUF file to write")
+    p.add_argument("--format", default="Q4_0", choices=sorted(_QUANT_STD), help="every matrix's block format")
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    size = write(args.out, BY_NAME[args.format], SHAPES[args.shape], args.seed)
+    print(f"wrote {args.out}: {size / 1e9:.2f} GB, {args.shape} in {args.format}, the embedded tokenizer")
+    return 0
+
+
+def _blocks(rng: np.random.Generator, fmt: BlockFormat, rows: int, cols: int) -> np.ndarray:
+    """rows x cols weights as random `fmt` blocks, each scaled so that a unit input stays unit."""
+    blocks = cols // fmt.block_elems
+    data = rng.integers(0, 256, size=(rows, blocks, fmt.block_bytes), dtype=np.uint8)
+    d = np.float16(1.0 / (_QUANT_STD[fmt.name] * np.sqrt(cols)))
+    data[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    return data.reshape(rows, blocks * fmt.block_bytes)
+
+
+def _tokenizer_fields(writer: gguf.GGUFWriter) -> int:
+    """The embedded SmolLM2's tokenizer and chat template, copied; returns its vocabulary size."""
+    reader = gguf.GGUFReader(embedded.model_path(embedded.DEFAULT))
+    vocab = 0
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        main = field.types[0]
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), main, sub)
+        if field.name == "tokenizer.ggml.tokens":
+            vocab = len(field.data)
+    return vocab
+
+
+def write(path: str, fmt: BlockFormat, shape: Shape, seed: int = 0) -> int:
+    """Writes the file; returns its size in bytes."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    vocab = _tokenizer_fields(w)
+    head_dim = shape.hidden // shape.heads
+    w.add_name(f"synthetic-{shape.hidden}x{shape.layers}-{fmt.name}")
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    qtype = gguf.GGMLQuantizationType(fmt.ggml_type)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, _blocks(rng, fmt, rows, cols), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
+
+    kv = shape.kv_heads * head_dim
+    matrix("token_embd.weight", vocab, shape.hidden)
+    norm("output_norm.weight")
+    matrix("output.weight", vocab, shape.hidden)
+    for i in range(shape.layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", shape.hidden, shape.hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv, shape.hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv, shape.hidden)
+        matrix(f"blk.{i}.attn_output.weight", shape.hidden, shape.hidden)
+        matrix(f"blk.{i}.ffn_gate.weight", shape.ffn, shape.hidden)
+        matrix(f"blk.{i}.ffn_up.weight", shape.ffn, shape.hidden)
+        matrix(f"blk.{i}.ffn_down.weight", shape.hidden, shape.ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.path.getsize(path)
