@@ -80,6 +80,13 @@ def test_bf16_activations_give_bf16_results_close_to_fp32():
     y16 = qk.quant_linear(x.to(torch.bfloat16), fmt, w, k)
     assert y16.dtype is torch.bfloat16
     assert torch.allclose(y16.float(), y32, rtol=0.05, atol=0.05 * float(y32.abs().max()))
+    # the exact mode on bf16 x: the dense bf16 model's products (vdpbf16ps where the CPU has it)
+    xb = x.to(torch.bfloat16)
+    dense = (xb.float() @ qk.dequantize(fmt, w, k, torch.bfloat16).float().T).to(torch.bfloat16)
+    for path in range(qk.best_path() + 1):
+        got = qk.on_path(xb, fmt, w, k, path, exact=True)
+        assert got.dtype is torch.bfloat16
+        assert torch.allclose(got.float(), dense.float(), rtol=2e-2, atol=2e-2 * float(dense.float().abs().max()))
 
 
 def test_prefill_sized_batches_take_the_dequantized_gemm_and_agree():
