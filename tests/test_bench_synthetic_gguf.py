@@ -9,6 +9,7 @@ import torch
 from splitserve.bench.synthetic_gguf import SHAPES, write
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.gguf_formats import BY_NAME
 from splitserve.engine.kernels import quant as qk
 from splitserve.engine.quant.weight import QuantizedWeight
 from splitserve.engine.sampling import SamplingParams
@@ -22,7 +23,7 @@ pytestmark = [
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
 def test_a_synthetic_file_loads_in_its_blocks_and_generates(fmt, tmp_path):
     path = str(tmp_path / f"tiny-{fmt}.gguf")
-    size = write(path, qk.BY_NAME[fmt], SHAPES["tiny"])
+    size = write(path, BY_NAME[fmt], SHAPES["tiny"])
     shape = SHAPES["tiny"]
     engine, tok = Engine.from_path(path, EngineConfig(quantization="auto", num_blocks=64), progress=False)
     try:

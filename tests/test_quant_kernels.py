@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from splitserve.engine.gguf_formats import BY_NAME, FORMATS
 from splitserve.engine.kernels import quant as qk
-from splitserve.engine.kernels.quant import BY_NAME, FORMATS
 from splitserve.engine.quant.weight import QuantizedWeight, cat_rows
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason="the quantized kernel does not build on this platform")

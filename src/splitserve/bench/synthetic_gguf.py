@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 from splitserve.engine import embedded
-from splitserve.engine.kernels.quant import BY_NAME, BlockFormat
+from splitserve.engine.gguf_formats import BY_NAME, BlockFormat
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
-from splitserve.engine.kernels.quant import FORMATS
+from splitserve.engine.gguf_formats import FORMATS
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import declare, registry
 from splitserve.engine.quant.weight import QuantizedWeight, Weight

@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel size of one replica (default: the smallest power of two, up to --gpus and dividing "
         "the heads, at which the weights and one request's KV fit; the plan says which it took)",
     )
-    g.add_argument("--weight-dtype", default="bf16", help="bf16, fp8, int4, ...")
+    g.add_argument(
+        "--weight-dtype", default="bf16", help="bf16, fp8, int4, or a GGUF block format: q4_0, q4_k, q8_0, ..."
+    )
     g.add_argument("--kv-dtype", default="bf16", help="bf16, fp8, ...")
     g.add_argument("--reserve", type=float, default=0.10, help="share of GPU memory kept for activations")
     g.add_argument("--max-num-seqs", type=int, default=256, help="the engine's cap on a decode batch")

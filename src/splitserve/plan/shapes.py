@@ -13,11 +13,22 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.gguf_formats import FORMATS
+
 if TYPE_CHECKING:
     from splitserve.engine.config import ModelConfig
 
 # Bytes per element of a weight or KV dtype name.
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+DTYPE_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    # the GGUF block formats splitserve computes in place, their scales counted (Q4_0: 18 bytes a 32)
+    **{f.name.lower(): f.block_bytes / f.block_elems for f in FORMATS.values()},
+}
 
 
 def dtype_bytes(name: str) -> float:

@@ -157,10 +157,33 @@ def loads_for(names: list[str], quick: bool, rates: str, timeout_s: float) -> li
             )
             for k in (1, 2)
         ],
+        # one ~1,000-token prompt at a time asking for 32 tokens: a lone prompt's TTFT and batch-1
+        # decode (TPOT), two rounds; not in the default set (--loads lone)
+        "lone": [
+            Load(
+                "lone",
+                (
+                    "--dataset",
+                    "random",
+                    "--random-input-len",
+                    prompt_len,
+                    "--random-output-len",
+                    n(32, 8),
+                    "--num-prompts",
+                    "2",
+                    "--max-concurrency",
+                    "1",
+                    "--ignore-eos",
+                    "--seed",
+                    "9",
+                ),
+                timeout_s,
+            )
+        ],
     }
     unknown = [x for x in names if x not in table]
     if unknown:
-        raise ValueError(f"unknown load(s) {', '.join(unknown)}; expected some of {', '.join(LOADS)}")
+        raise ValueError(f"unknown load(s) {', '.join(unknown)}; expected some of {', '.join(table)}")
     return [load for x in names for load in table[x]]
 
 
@@ -310,10 +333,13 @@ def _run(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    model_dir = os.path.abspath(args.model_dir or os.path.join(DEFAULT_CACHE, "model"))
-    print(f"model: exporting to {model_dir} (reused when current)", flush=True)
-    export_hf_dir(args.model, model_dir)
     specs = _runnable(specs)
+    if any(s.is_vllm for s in specs) or not args.splitserve_on_gguf:
+        model_dir = os.path.abspath(args.model_dir or os.path.join(DEFAULT_CACHE, "model"))
+        print(f"model: exporting to {model_dir} (reused when current)", flush=True)
+        export_hf_dir(args.model, model_dir)
+    else:  # every system loads the GGUF itself (and bench serve reads its tokenizer from it)
+        model_dir = _gguf_path(args.model)
     try:
         llama = _llama_server(specs)
     except RuntimeError as e:

@@ -7,10 +7,6 @@ comparison: quant.cpp's header has the figures); past that, a prefill, the weigh
 into a float matrix for oneDNN's GEMM, where arithmetic and not the weight's bytes bound the
 step. Each call checks every tensor it hands over as a pointer: the module trusts them.
 
-The formats (`FORMATS`, by GGML type number): every one's block is 32 elements, or a
-super-block of 256 (the K-quants) made of eight 32-element sub-blocks, so that one loop over
-blocks of 32 serves them all.
-
 Paths (quant.cpp): 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI; `best_path()` is the CPU's widest,
 and `on_path` runs any of them so that tests and benchmarks compare each with the others.
 """
@@ -18,50 +14,19 @@ and `on_path` runs any of them so that tests and benchmarks compare each with th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from splitserve.engine.gguf_formats import FORMATS, BlockFormat
 from splitserve.engine.kernels.build import load_extension, passes_self_test
 from splitserve.engine.kernels.once import Once
 from splitserve.engine.tuned import cpu_flags
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class BlockFormat:
-    name: str  # llama.cpp's: "Q4_K"
-    ggml_type: int  # GGMLQuantizationType's value, as GGUF files write it
-    block_elems: int
-    block_bytes: int
-
-    def row_bytes(self, k: int) -> int:
-        """Bytes of one row of `k` elements (`k` a multiple of the block)."""
-        return k // self.block_elems * self.block_bytes
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.block_bytes / self.block_elems
-
-
-FORMATS: dict[int, BlockFormat] = {
-    f.ggml_type: f
-    for f in (
-        BlockFormat("Q4_0", 2, 32, 18),
-        BlockFormat("Q4_1", 3, 32, 20),
-        BlockFormat("Q5_0", 6, 32, 22),
-        BlockFormat("Q5_1", 7, 32, 24),
-        BlockFormat("Q8_0", 8, 32, 34),
-        BlockFormat("Q4_K", 12, 256, 144),
-        BlockFormat("Q5_K", 13, 256, 176),
-        BlockFormat("Q6_K", 14, 256, 210),
-    )
-}
-BY_NAME: dict[str, BlockFormat] = {f.name: f for f in FORMATS.values()}
 
 # Rows of x up to which the integer-dot kernel runs: each weight block is unpacked once and
 # dotted with every row, so its cost grows with the rows while the GEMM's per-row cost falls;

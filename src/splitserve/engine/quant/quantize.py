@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from splitserve.engine.kernels.quant import BY_NAME, BlockFormat
+from splitserve.engine.gguf_formats import BY_NAME, BlockFormat
 from splitserve.engine.quant.weight import QuantizedWeight, Weight
 
 log = logging.getLogger(__name__)

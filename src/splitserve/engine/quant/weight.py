@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from splitserve.engine.gguf_formats import BlockFormat
 from splitserve.engine.kernels import quant as kernel
-from splitserve.engine.kernels.quant import BlockFormat
 
 
 @dataclass(frozen=True)
