@@ -75,6 +75,15 @@ TITLES = {
     "kv-dtype-cpu": "KV cache dtypes: int8 and fp8 KV against bfloat16 KV, perplexity, greedy agreement, prefill "
     "against decode log-probabilities beside their noise floor, sequences at a fixed pool and the batch-8 decode "
     "step at 256 to 2048 tokens of context (issue 21)",
+    "quant-cpu": "A GGUF file's blocks computed in place against the file dequantized (bfloat16, float32): bytes "
+    "read, resident memory and shared pages, decode at batch 1 and 8, perplexity and top-1 agreement, KV capacity, "
+    "a seeded request's tokens (issue 31)",
+    "peer-llamacpp-cpu": "Against llama.cpp's llama-server on the same Q4_1 GGUF, both in their defaults on the "
+    "whole machine, splitserve with --quantization auto: ShareGPT at concurrency 4, a lone ~1,000-token prompt "
+    "(issue 31)",
+    "peer-llamacpp-8b": "An 8B-shape model (random Q4_0 blocks, the embedded tokenizer) served by a prefill and a "
+    "decode worker on this 24 GB machine against llama-server on the same file: a lone ~1,000-token prompt's TTFT "
+    "and batch-1 decode (issue 31)",
     "kernels-isa-cpu": "The CPU kernels' paths side by side: linear's AVX2, AVX-512 and AVX-512 BF16 (vdpbf16ps), "
     "decode attention's x86-64, AVX2 and AVX-512 over bfloat16, int8 and fp8 KV (issue 22)",
 }
