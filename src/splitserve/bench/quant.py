@@ -8,10 +8,10 @@ Three engines on one file: "blocks" (the file's formats, the quantized kernel), 
 file dequantized into the machine's tuned dtype: splitserve's path before), and "fp32" (the
 file dequantized to float32, the accuracy reference).
 
-- weights: the file's tensor bytes; each engine's bytes read by a decode step; the resident
-  memory a worker process gains by loading the model and running a step (measured in child
-  processes, file-backed and anonymous apart), and two such workers' proportional share of the
-  file's pages (one copy between them: the page cache's).
+- weights: the file's tensor bytes; each engine's bytes read by a decode step; in a child process
+  that loads the model and runs a step, the file's pages resident in it (smaps) and the weights'
+  bytes outside them (copies, dequantized floats), their sum against the file's, and the process's
+  growth; two such workers' proportional share of the file's pages (one copy: the page cache's).
 - decode: ms a token at batch 1 (no speculation) and ms a step at --batch, the engines
   alternating round by round on the same prompt; the medians and their ratio.
 - accuracy: a text's perplexity by one decode step per token (the path a decode worker's steps
@@ -125,13 +125,45 @@ def status():
             out[key] = int(value.split()[0]) * 1024
     return out
 
+def mapped(path):  # [(start, end)] of this process's mappings of path, and their resident bytes
+
+    ranges, rss, inside = [], 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:
+            inside = len(fields) >= 6 and fields[5] == path
+            if inside:
+                lo, hi = fields[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+        elif inside and fields[0] == "Rss:":
+            rss += int(fields[1]) * 1024
+    return ranges, rss
+
+def tensors(model):
+    from splitserve.engine.quant.weight import QuantizedWeight
+    held = [model.embed, model.lm_head, model.norm] + [t for lw in model.layers for t in vars(lw).values()]
+    seen = set()
+    for t in held:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        if isinstance(t, QuantizedWeight):
+            yield from (p.data for p in t.parts)
+        else:
+            yield t
+
 torch.set_num_threads(1)
 before = status()
 engine, _ = Engine.from_path(sys.argv[1], EngineConfig(dtype=sys.argv[2], quantization=sys.argv[3], num_blocks=16),
                              progress=False)
 engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
 after = status()
-print(json.dumps({k: after[k] - before[k] for k in after}), flush=True)
+ranges, file_rss = mapped(os.path.realpath(sys.argv[1]))
+# the weights' bytes outside the file's mapping: copies (q and k, reordered) and dequantized floats
+copies = sum(t.numel() * t.element_size() for t in tensors(engine.model)
+             if not any(lo <= t.data_ptr() < hi for lo, hi in ranges))
+out = {k: after[k] - before[k] for k in after} | {"file_rss": file_rss, "copies": copies}
+print(json.dumps(out), flush=True)
 sys.stdin.readline()  # held until the parent has read its memory
 """
 
@@ -187,26 +219,31 @@ def _weights(args: argparse.Namespace, engines: dict[str, Engine]) -> dict[str, 
     mib = 1 << 20
     file_bytes = _file_tensor_bytes(args.model)
     print(f"\n## weights: the file's tensors hold {file_bytes / mib:.1f} MiB")
+    print("## a worker-like process loading the model and running a step: the file's pages resident in it (smaps),")
+    print("## the weights' bytes outside them (copies, floats), their sum against the file's, and the process's growth")
     print(
-        f"{'engine':8} {'formats':22} {'read/step MiB':>13} {'resident MiB':>12} {'anon':>8} {'file':>8} {'/file':>6}"
+        f"{'engine':8} {'formats':22} {'read/step':>9} {'file pages':>10} {'copies':>8} {'weights':>8} {'/file':>6} "
+        f"{'process':>8} (MiB)"
     )
     resident: dict[str, int] = {}
     for name, (dtype, q) in _modes().items():
         grown, _ = _children(args.model, dtype, q, 1)
-        rss = grown[0]["VmRSS"]
-        resident[name] = rss
+        g = grown[0]
+        weights = g["file_rss"] + g["copies"]
+        resident[name] = weights
         e = engines[name]
         print(
-            f"{name:8} {'+'.join(e.model.weight_formats):22} {e.model.weight_bytes / mib:13.1f} {rss / mib:12.1f} "
-            f"{grown[0]['RssAnon'] / mib:8.1f} {grown[0]['RssFile'] / mib:8.1f} {rss / file_bytes:6.2f}"
+            f"{name:8} {'+'.join(e.model.weight_formats):22} {e.model.weight_bytes / mib:9.1f} "
+            f"{g['file_rss'] / mib:10.1f} {g['copies'] / mib:8.1f} {weights / mib:8.1f} {weights / file_bytes:6.2f} "
+            f"{g['VmRSS'] / mib:8.1f}"
         )
     dtype, q = _modes()["blocks"]
     _, mapped = _children(args.model, dtype, q, 2)
-    rss_sum = sum(r for r, _ in mapped)
-    pss_sum = sum(p for _, p in mapped)
+    (rss_a, pss_a), (rss_b, pss_b) = mapped
     print(
-        f"two 'blocks' workers at once: the file's pages resident {rss_sum / mib:.1f} MiB counted per process, "
-        f"{pss_sum / mib:.1f} MiB proportionally (one copy: {pss_sum / max(1, mapped[0][0]):.2f} of one worker's)"
+        f"two 'blocks' workers at once: the file's pages resident {rss_a / mib:.1f} and {rss_b / mib:.1f} MiB in "
+        f"each, {pss_a / mib:.1f} and {pss_b / mib:.1f} MiB proportionally: one copy in the page cache, shared by "
+        f"{rss_a / max(1, pss_a):.1f} processes (the two and this bench's own engine)"
     )
     return resident
 

@@ -47,7 +47,7 @@ def _self_test(ext: ModuleType) -> bool:
         x = torch.randn(3, k, generator=gen)
         ref = x.double() @ _dequantize(ext, fmt, w, k, _F32).double().T
         for exact in (False, True):
-            got = _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), 5, k, int(ext.isa()), exact)
+            got = _linear(ext, x, (fmt.ggml_type, w.data_ptr(), w.shape[0]), 5, k, int(ext.isa()), exact)
             if not torch.allclose(got.double(), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()) + 1e-3):
                 return False
     return True
@@ -106,8 +106,7 @@ def _linear(ext: ModuleType, x: Tensor, parts: Parts, n: int, k: int, path: int,
     x as it is against the blocks dequantized in fp32, else x rounded to int8 blocks."""
     b = x.shape[0]
     y = x.new_empty(b, n)
-    flat = tuple(v for part in parts for v in part)
-    ext.linear(y.data_ptr(), x.data_ptr(), flat, k, b, n, x.dtype is _BF16, torch.get_num_threads(), path, exact)
+    ext.linear(y.data_ptr(), x.data_ptr(), parts, k, b, n, x.dtype is _BF16, torch.get_num_threads(), path, exact)
     return y
 
 
@@ -143,7 +142,7 @@ def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = F
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
     if x.shape[0] <= MAX_ROWS:
-        return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, int(ext.isa()), exact)
+        return _linear(ext, x, (fmt.ggml_type, w.data_ptr(), w.shape[0]), w.shape[0], k, int(ext.isa()), exact)
     return F.linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
 
@@ -153,9 +152,10 @@ def gemm_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.dtype is _F32 or cpu_flags() & {"avx512_bf16", "amx_bf16"} else _F32
 
 
-# A weight's parts as the kernel takes them: (GGML type, address of the blocks, rows), checked once
-# by `check_blocks` when the weight is made, so that a decode step's ~120 calls check only x.
-Parts = tuple[tuple[int, int, int], ...]
+# A weight's parts as the kernel takes them: (GGML type, address of the blocks, rows) one after the
+# other in one flat tuple, checked once by `check_blocks` when the weight is made, so that a decode
+# step's ~120 calls check only x.
+Parts = tuple[int, ...]
 
 
 def check_blocks(fmt: BlockFormat, w: Tensor, k: int) -> tuple[int, int, int]:
@@ -184,4 +184,4 @@ def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int, exact: bo
     ext = _ext()
     if not 0 <= path <= int(ext.isa()):
         raise ValueError(f"quantized kernel path {path} is not available here (paths 0..{int(ext.isa())})")
-    return _linear(ext, x, ((fmt.ggml_type, w.data_ptr(), w.shape[0]),), w.shape[0], k, path, exact)
+    return _linear(ext, x, (fmt.ggml_type, w.data_ptr(), w.shape[0]), w.shape[0], k, path, exact)

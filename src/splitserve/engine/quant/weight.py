@@ -50,7 +50,7 @@ class QuantizedWeight:
         self.batch_invariant = batch_invariant
         self.shape = torch.Size((sum(p.data.shape[0] for p in self.parts), k))
         # what a decode step's call hands the kernel, checked here once
-        self._checked = tuple(kernel.check_blocks(p.fmt, p.data, k) for p in self.parts)
+        self._checked = tuple(v for p in self.parts for v in kernel.check_blocks(p.fmt, p.data, k))
 
     @classmethod
     def of(cls, fmt: BlockFormat, data: Tensor, k: int) -> QuantizedWeight:
