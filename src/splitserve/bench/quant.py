@@ -284,12 +284,22 @@ def _accuracy(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokeniz
     print(f"\n## accuracy: {len(text)} tokens of {TEXT.name}, one decode step per token, against fp32")
     ref = decode_logits(engines["fp32"], text)
     ref_ppl = math.exp(-float(logprobs_of(ref, text).mean()))
-    for name in ("blocks", "dense"):
-        logits = decode_logits(engines[name], text)
+    # the blocks in a float32 engine too: x in fp32 against the blocks dequantized in registers
+    blocks_fp32, _ = Engine.from_path(args.model, EngineConfig(dtype="float32", quantization="auto"), progress=False)
+    try:
+        variants = {**{n: engines[n] for n in ("blocks", "dense")}, "blocks in float32": blocks_fp32}
+        _print_accuracy(variants, text, ref, ref_ppl)
+    finally:
+        blocks_fp32.close()
+
+
+def _print_accuracy(variants: dict[str, Engine], text: list[int], ref: torch.Tensor, ref_ppl: float) -> None:
+    for name, engine in variants.items():
+        logits = decode_logits(engine, text)
         ppl = math.exp(-float(logprobs_of(logits, text).mean()))
         top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
         print(
-            f"{name:7} perplexity {ppl:.4f} against fp32's {ref_ppl:.4f} ({(ppl / ref_ppl - 1) * 100:+.2f}%), "
+            f"{name:17} perplexity {ppl:.4f} against fp32's {ref_ppl:.4f} ({(ppl / ref_ppl - 1) * 100:+.2f}%), "
             f"top-1 agreement {top1 * 100:.2f}%"
         )
 
