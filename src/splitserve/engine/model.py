@@ -80,6 +80,16 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None
 
 
+def _placed(t: Weight, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> Weight:
+    """A weight as the model holds it: a QuantizedWeight on its blocks on a CPU (every row on the
+    kernel with `batch_invariant`), dequantized on a GPU; a float tensor in `dtype` on `device`."""
+    if isinstance(t, QuantizedWeight):
+        if device.type != "cpu":
+            return t.dequantize(dtype).to(device)
+        return t.invariant() if batch_invariant else t
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
 # Sums a tensor over the tensor-parallel ranks, in place (torch.distributed's all-reduce).
 AllReduce = Callable[[torch.Tensor], None]
@@ -107,15 +117,9 @@ class DecoderModel:
         self.reduce = reduce
 
         def w(name: str) -> Weight:
-            try:
-                t = weights[name]
-            except KeyError:
-                raise ValueError(f"weights lack tensor {name!r}") from None
-            if isinstance(t, QuantizedWeight):  # computed on its blocks on a CPU; a GPU gets floats
-                if device.type != "cpu":
-                    return t.dequantize(dtype).to(device)
-                return t.invariant() if batch_invariant else t
-            return t.to(device=device, dtype=dtype).contiguous()
+            if name not in weights:
+                raise ValueError(f"weights lack tensor {name!r}")
+            return _placed(weights[name], device, dtype, batch_invariant)
 
         def dense(name: str) -> torch.Tensor:  # a norm's gain: never quantized
             t = w(name)

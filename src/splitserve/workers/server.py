@@ -200,7 +200,7 @@ def serve_metrics(worker: RunningWorker, port: int) -> str:
 
 def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """Model and engine flags shared by every command that builds an engine."""
-    from splitserve.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+    from splitserve.engine.config import KV_CACHE_DTYPES
 
     p.add_argument(
         "--model",
@@ -215,19 +215,7 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
         "avx512_bf16 or amx_bf16; else float32)",
     )
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=list(QUANTIZATIONS),
-        help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="quantized weights compute a prefill's rows on the decode kernel, so that a seeded request gives the "
-        "same tokens whatever shares its steps (prefill runs slower)",
-    )
+    add_weight_arguments(p)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument(
         "--kv-cache-dtype",
@@ -311,6 +299,26 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
         default=0,
         help="requests a worker lets wait for a seat; beyond, new ones are refused at once "
         "(RESOURCE_EXHAUSTED, HTTP 429 at the router) (0: twice --max-num-seqs)",
+    )
+
+
+def add_weight_arguments(p: argparse._ActionsContainer) -> None:
+    """How the engine holds and multiplies the weights (engine/quant/)."""
+    from splitserve.engine.config import QUANTIZATIONS
+
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype; "
+        "q8_0 and q4_k also quantize a float checkpoint's matrices at load",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="quantized weights compute a prefill's rows on the decode kernel, so that a seeded request gives the "
+        "same tokens whatever shares its steps (prefill runs slower)",
     )
 
 

@@ -152,17 +152,13 @@ def kernel_available() -> bool:
 
 
 def linear(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> Tensor:
-    """y = x @ w.T (+ bias), in x's dtype. w is [N, K]; x is [..., K], bf16 or fp32.
+    """y = x @ w.T (+ bias), in x's dtype. w is [N, K] (a PackedWeight, GGUF blocks, runs its own
+    kernel); x is [..., K], bf16 or fp32. fp32 w with fp32 x runs the kernel's fp32 path: one fixed
+    reduction order per row, whatever the thread count or the other rows of x.
 
-    A PackedWeight (GGUF blocks, engine/quant/) runs its own kernel, on the blocks.
-
-    fp32 w with fp32 x runs the kernel's fp32 path: fp32 FMA, one fixed
-    reduction order per row, so a row's result depends neither on the thread
-    count nor on the other rows of x.
-
-    Unlike F.linear, a bf16 w may meet fp32 x (the product is then exact fp32
-    arithmetic on the widened weights) and bias may be bf16 or fp32; the
-    F.linear fallback casts w and bias to x's dtype to give the same contract.
+    Unlike F.linear, a bf16 w may meet fp32 x (the product is then exact fp32 arithmetic on the
+    widened weights) and bias may be bf16 or fp32; the F.linear fallback casts w and bias to x's
+    dtype to give the same contract.
     """
     if not isinstance(w, Tensor):
         return w.linear(x, bias)
