@@ -17,13 +17,12 @@ import logging
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from splitserve.engine.gguf_formats import FORMATS, BlockFormat
 from splitserve.engine.kernels.build import load_extension, passes_self_test
+from splitserve.engine.kernels.linear import linear, native_bf16
 from splitserve.engine.kernels.once import Once
-from splitserve.engine.tuned import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +136,19 @@ def _fits(x: Tensor, k: int) -> bool:
 def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = False) -> Tensor:
     """x [B, k] @ W.T on the blocks: the integer-dot kernel up to MAX_ROWS rows, else W dequantized
     for a float GEMM."""
-    _check(fmt, w, k)
+    parts = check_blocks(fmt, w, k)
     if not _fits(x, k):
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
     if x.shape[0] <= MAX_ROWS:
-        return _linear(ext, x, (fmt.ggml_type, w.data_ptr(), w.shape[0]), w.shape[0], k, int(ext.isa()), exact)
-    return F.linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
+        return _linear(ext, x, parts, w.shape[0], k, int(ext.isa()), exact)
+    return linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
 
 def gemm_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a prefill's GEMM runs in: x's, but fp32 for bf16 x on a CPU without bf16 arithmetic,
-    where oneDNN's bf16 GEMM is several times slower than its fp32 one."""
-    return x.dtype if x.dtype is _F32 or cpu_flags() & {"avx512_bf16", "amx_bf16"} else _F32
+    """What a prefill's matrix is dequantized into for linear.py's `linear`: x's dtype, but fp32 for
+    bf16 x on a CPU without bf16 arithmetic (which `linear` widens to fp32 anyway)."""
+    return x.dtype if x.dtype is _F32 or native_bf16() else _F32
 
 
 # A weight's parts as the kernel takes them: (GGML type, address of the blocks, rows) one after the
@@ -178,10 +177,9 @@ def decode_linear(
 
 def on_path(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, path: int, exact: bool = False) -> Tensor:
     """x @ W.T on one path of the kernel (0 .. best_path()), whatever the rows: to compare paths."""
-    _check(fmt, w, k)
     if not _fits(x, k):
         raise ValueError("on_path takes a contiguous CPU fp32 or bf16 x [rows, k]")
     ext = _ext()
     if not 0 <= path <= int(ext.isa()):
         raise ValueError(f"quantized kernel path {path} is not available here (paths 0..{int(ext.isa())})")
-    return _linear(ext, x, (fmt.ggml_type, w.data_ptr(), w.shape[0]), w.shape[0], k, path, exact)
+    return _linear(ext, x, check_blocks(fmt, w, k), w.shape[0], k, path, exact)

@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from splitserve.engine.gguf_formats import BlockFormat
 from splitserve.engine.kernels import quant as kernel
+from splitserve.engine.kernels.linear import linear
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,6 @@ class QuantizedWeight:
     def __init__(self, parts: Sequence[Part], k: int, batch_invariant: bool = False) -> None:
         if not parts:
             raise ValueError("a quantized weight needs at least one part")
-        for p in parts:
-            if p.data.dtype is not torch.uint8 or p.data.dim() != 2 or p.data.shape[1] != p.fmt.row_bytes(k):
-                raise ValueError(f"{p.fmt.name} part of shape {tuple(p.data.shape)} does not hold rows of {k}")
-            if k % p.fmt.block_elems:
-                raise ValueError(f"{p.fmt.name} rows of {k} are not whole blocks of {p.fmt.block_elems}")
         self.parts = tuple(Part(p.fmt, p.data.contiguous()) for p in parts)
         self.k = k
         self.batch_invariant = batch_invariant
@@ -81,7 +76,7 @@ class QuantizedWeight:
         max_rows = x2.shape[0] if self.batch_invariant else kernel.MAX_ROWS
         y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, max_rows, exact=True)
         if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized
-            y = F.linear(x2, self.dequantize(kernel.gemm_dtype(x2))).to(x2.dtype)
+            y = linear(x2, self.dequantize(kernel.gemm_dtype(x2)))
         if bias is not None:
             y += bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*lead, self.shape[0])
