@@ -384,64 +384,8 @@ using RowDot = void (*)(const uint8_t*, int64_t, const XBlock* const*, int, floa
 using RowDotF32 = void (*)(const uint8_t*, int64_t, const float* const*, int, float*);
 using RowDotBf16 = void (*)(const uint8_t*, int64_t, const uint16_t* const*, int, float*);
 
-RowDotBf16 row_dot_bf16_for(int fmt) {
-  switch (fmt) {
-    case kQ4_0: return path_bf16::row_dot<kQ4_0>;
-    case kQ4_1: return path_bf16::row_dot<kQ4_1>;
-    case kQ5_0: return path_bf16::row_dot<kQ5_0>;
-    case kQ5_1: return path_bf16::row_dot<kQ5_1>;
-    case kQ8_0: return path_bf16::row_dot<kQ8_0>;
-    case kQ4_K: return path_bf16::row_dot<kQ4_K>;
-    case kQ5_K: return path_bf16::row_dot<kQ5_K>;
-    case kQ6_K: return path_bf16::row_dot<kQ6_K>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-RowDotF32 pick_f32(int isa) {
-  if (isa == kIsaVnni) return path_vnni::row_dot_f32<FMT>;
-  if (isa == kIsaAvx2) return path_avx2::row_dot_f32<FMT>;
-  return row_dot_f32_scalar<FMT>;
-}
-
-RowDotF32 row_dot_f32_for(int fmt, int isa) {
-  switch (fmt) {
-    case kQ4_0: return pick_f32<kQ4_0>(isa);
-    case kQ4_1: return pick_f32<kQ4_1>(isa);
-    case kQ5_0: return pick_f32<kQ5_0>(isa);
-    case kQ5_1: return pick_f32<kQ5_1>(isa);
-    case kQ8_0: return pick_f32<kQ8_0>(isa);
-    case kQ4_K: return pick_f32<kQ4_K>(isa);
-    case kQ5_K: return pick_f32<kQ5_K>(isa);
-    case kQ6_K: return pick_f32<kQ6_K>(isa);
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-RowDot pick(int isa) {
-  if (isa == kIsaVnni) return path_vnni::row_dot<FMT>;
-  if (isa == kIsaAvx2) return path_avx2::row_dot<FMT>;
-  return row_dot_scalar<FMT>;
-}
-
-RowDot row_dot_for(int fmt, int isa) {
-  switch (fmt) {
-    case kQ4_0: return pick<kQ4_0>(isa);
-    case kQ4_1: return pick<kQ4_1>(isa);
-    case kQ5_0: return pick<kQ5_0>(isa);
-    case kQ5_1: return pick<kQ5_1>(isa);
-    case kQ8_0: return pick<kQ8_0>(isa);
-    case kQ4_K: return pick<kQ4_K>(isa);
-    case kQ5_K: return pick<kQ5_K>(isa);
-    case kQ6_K: return pick<kQ6_K>(isa);
-    default: return nullptr;
-  }
-}
-
 using RowDequant = void (*)(const uint8_t*, int64_t, float*);
-
+using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
 
 const int g_isa = detect_isa();
 const bool g_bf16 = g_isa == kIsaVnni && __builtin_cpu_supports("avx512bf16");
@@ -544,54 +488,61 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
   for (int64_t c = 0; c < chunks; ++c) work(c);
 }
 
-// out[r] = W row idx[r] dequantized (fp32 or bf16), r < count; idx null: rows 0..count
-using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
-
-// The AVX-512 rows where the CPU has them (a prefill dequantizes every matrix it multiplies: the
-// scalar loop cost a 1,000-token prompt a third more than the dense model's), else the scalar ones;
-// both compute ggml's expression, so the values are the same bits.
-struct Dequant {
-  RowDequant f32;
-  RowDequantBf16 bf16;
+// A format's functions on one path, picked once per call from the format's number. Dequantizing
+// takes the AVX-512 rows where the CPU has them (a prefill dequantizes every matrix it multiplies:
+// the scalar loop cost a 1,000-token prompt a third more than the dense model's), else the scalar
+// ones; both compute ggml's expression, so the values are the same bits. `dot_bf16` runs only
+// where the CPU has AVX-512 BF16 (g_bf16).
+struct FormatKernels {
+  RowDot dot;  // the int8 mode
+  RowDotF32 dot_f32;
+  RowDotBf16 dot_bf16;
+  RowDequant dequant_f32;
+  RowDequantBf16 dequant_bf16;  // null: dequantize to fp32 and round
 };
 
 template <int FMT>
-Dequant dequant_pick(int isa) {
-  if (isa == kIsaVnni) return {path_vnni::dequantize_row_simd<FMT>, path_vnni::dequantize_row_simd_bf16<FMT>};
-  return {dequantize_row<FMT>, nullptr};
+FormatKernels kernels_of(int isa) {
+  if (isa == kIsaVnni)
+    return {path_vnni::row_dot<FMT>, path_vnni::row_dot_f32<FMT>, path_bf16::row_dot<FMT>,
+            path_vnni::dequantize_row_simd<FMT>, path_vnni::dequantize_row_simd_bf16<FMT>};
+  if (isa == kIsaAvx2)
+    return {path_avx2::row_dot<FMT>, path_avx2::row_dot_f32<FMT>, nullptr, dequantize_row<FMT>, nullptr};
+  return {row_dot_scalar<FMT>, row_dot_f32_scalar<FMT>, nullptr, dequantize_row<FMT>, nullptr};
 }
 
-Dequant dequant_simd_for(int fmt, int isa) {
+FormatKernels kernels_for(int fmt, int isa) {
   switch (fmt) {
-    case kQ4_0: return dequant_pick<kQ4_0>(isa);
-    case kQ4_1: return dequant_pick<kQ4_1>(isa);
-    case kQ5_0: return dequant_pick<kQ5_0>(isa);
-    case kQ5_1: return dequant_pick<kQ5_1>(isa);
-    case kQ8_0: return dequant_pick<kQ8_0>(isa);
-    case kQ4_K: return dequant_pick<kQ4_K>(isa);
-    case kQ5_K: return dequant_pick<kQ5_K>(isa);
-    case kQ6_K: return dequant_pick<kQ6_K>(isa);
-    default: return {nullptr, nullptr};
+    case kQ4_0: return kernels_of<kQ4_0>(isa);
+    case kQ4_1: return kernels_of<kQ4_1>(isa);
+    case kQ5_0: return kernels_of<kQ5_0>(isa);
+    case kQ5_1: return kernels_of<kQ5_1>(isa);
+    case kQ8_0: return kernels_of<kQ8_0>(isa);
+    case kQ4_K: return kernels_of<kQ4_K>(isa);
+    case kQ5_K: return kernels_of<kQ5_K>(isa);
+    case kQ6_K: return kernels_of<kQ6_K>(isa);
+    default: return {};
   }
 }
 
+// out[r] = W row idx[r] dequantized (fp32 or bf16), r < count; idx null: rows 0..count
 void dequantize(void* out, const uint8_t* w, int fmt, const int64_t* idx, int64_t count, int64_t k, bool out_bf16,
                 int threads) {
   const int64_t row_bytes = k / block_elems(fmt) * block_bytes(fmt);
-  const Dequant deq = dequant_simd_for(fmt, g_isa);
+  const FormatKernels deq = kernels_for(fmt, g_isa);
   auto one = [&](int64_t r) {
     const uint8_t* row = w + (idx ? idx[r] : r) * row_bytes;
     if (!out_bf16) {
-      deq.f32(row, k, static_cast<float*>(out) + r * k);
+      deq.dequant_f32(row, k, static_cast<float*>(out) + r * k);
       return;
     }
     uint16_t* dst = static_cast<uint16_t*>(out) + r * k;
-    if (deq.bf16 != nullptr) {
-      deq.bf16(row, k, dst);
+    if (deq.dequant_bf16 != nullptr) {
+      deq.dequant_bf16(row, k, dst);
       return;
     }
     std::vector<float> tmp((size_t)k);
-    deq.f32(row, k, tmp.data());
+    deq.dequant_f32(row, k, tmp.data());
     for (int64_t j = 0; j < k; ++j) dst[j] = float_to_bf16(tmp[j]);
   };
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, count / 16));
@@ -651,9 +602,10 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     sg.rows = rows;
     sg.first = first;
     sg.row_bytes = k / block_elems((int)fmt) * block_bytes((int)fmt);
-    sg.dot = row_dot_for((int)fmt, isa);
-    sg.dot_f32 = row_dot_f32_for((int)fmt, isa);
-    sg.dot_bf16 = g_bf16 ? row_dot_bf16_for((int)fmt) : nullptr;
+    const FormatKernels kern = kernels_for((int)fmt, isa);
+    sg.dot = kern.dot;
+    sg.dot_f32 = kern.dot_f32;
+    sg.dot_bf16 = g_bf16 ? kern.dot_bf16 : nullptr;
     segs.push_back(sg);
     first += rows;
   }
