@@ -116,6 +116,7 @@ quant.available()  # the kernel built and loaded before the baseline
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.bench.quant import file_mapping
 
 def status():
     out = {}
@@ -124,20 +125,6 @@ def status():
         if key in ("VmRSS", "RssAnon", "RssFile"):
             out[key] = int(value.split()[0]) * 1024
     return out
-
-def mapped(path):  # [(start, end)] of this process's mappings of path, and their resident bytes
-
-    ranges, rss, inside = [], 0, False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if fields and "-" in fields[0] and len(fields) >= 5:
-            inside = len(fields) >= 6 and fields[5] == path
-            if inside:
-                lo, hi = fields[0].split("-")
-                ranges.append((int(lo, 16), int(hi, 16)))
-        elif inside and fields[0] == "Rss:":
-            rss += int(fields[1]) * 1024
-    return ranges, rss
 
 def tensors(model):
     from splitserve.engine.quant.weight import QuantizedWeight
@@ -158,7 +145,7 @@ engine, _ = Engine.from_path(sys.argv[1], EngineConfig(dtype=sys.argv[2], quanti
                              progress=False)
 engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
 after = status()
-ranges, file_rss = mapped(os.path.realpath(sys.argv[1]))
+ranges, file_rss, _ = file_mapping("self", os.path.realpath(sys.argv[1]))
 # the weights' bytes outside the file's mapping: copies (q and k, reordered) and dequantized floats
 copies = sum(t.numel() * t.element_size() for t in tensors(engine.model)
              if not any(lo <= t.data_ptr() < hi for lo, hi in ranges))
@@ -168,8 +155,10 @@ sys.stdin.readline()  # held until the parent has read its memory
 """
 
 
-def _file_pss(pid: int, path: str) -> tuple[int, int]:
-    """(Rss, Pss) of the mappings of `path` in process `pid`, bytes."""
+def file_mapping(pid: int | str, path: str) -> tuple[list[tuple[int, int]], int, int]:
+    """Process `pid`'s ("self": this one's) mappings of `path`: their address ranges, and their
+    resident and proportional bytes (smaps' Rss and Pss)."""
+    ranges: list[tuple[int, int]] = []
     rss = pss = 0
     inside = False
     with open(f"/proc/{pid}/smaps") as f:
@@ -177,11 +166,14 @@ def _file_pss(pid: int, path: str) -> tuple[int, int]:
             fields = line.split()
             if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
                 inside = len(fields) >= 6 and fields[5] == path
+                if inside:
+                    lo, hi = fields[0].split("-")
+                    ranges.append((int(lo, 16), int(hi, 16)))
             elif inside and fields[0] == "Rss:":
                 rss += int(fields[1]) * 1024
             elif inside and fields[0] == "Pss:":
                 pss += int(fields[1]) * 1024
-    return rss, pss
+    return ranges, rss, pss
 
 
 def _children(model: str, dtype: str, q: str, count: int) -> tuple[list[dict[str, int]], list[tuple[int, int]]]:
@@ -198,7 +190,7 @@ def _children(model: str, dtype: str, q: str, count: int) -> tuple[list[dict[str
     ]
     try:
         grown = [json.loads(p.stdout.readline()) for p in procs if p.stdout is not None]
-        mapped = [_file_pss(p.pid, path) for p in procs]
+        mapped = [file_mapping(p.pid, path)[1:] for p in procs]
     finally:
         for p in procs:
             if p.stdin is not None:
