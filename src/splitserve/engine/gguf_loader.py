@@ -1,5 +1,5 @@
 """GGUF files: metadata to ModelConfig, tensors to HF-named weights: a matrix in a block
-format the CPU kernels compute on (engine/quant/formats.py) stays in its blocks, mapped from
+format the CPU kernels compute on (engine/gguf_formats.py) stays in its blocks, mapped from
 the file, when the caller asks to keep them; anything else is dequantized.
 
 llama.cpp's converter renames tensors (blk.N.attn_q, ...) and, for some architectures
