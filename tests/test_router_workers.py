@@ -104,6 +104,36 @@ def test_tokens_routed_while_a_stats_poll_is_in_flight_survive_its_answer():
     asyncio.run(scenario())
 
 
+def test_a_worker_marked_failed_while_a_poll_is_in_flight_is_announced_healthy_when_it_answers():
+    # The poll compared health before its call with health after its answer: a request that
+    # marked the worker failed in between went unannounced when the answer restored it, and a
+    # request waiting for a healthy decode worker slept out its whole wait (60 s).
+    async def scenario() -> None:
+        fake = FakePrefillWorker(FakeKVPlane())
+        await fake.start()
+        changes: list[int] = []
+        cfg = RouterConfig(deadlines=Deadlines(stats_interval_s=0.05))
+        workers = WorkerSet(cfg, PrefixIndex(), on_health_change=lambda: changes.append(1))
+        try:
+            workers.add(fake.address, "prefill")
+            w = workers.get(fake.address)
+            assert w is not None
+            await until(lambda: w.healthy)
+            fake.stats_open.clear()
+            await until(lambda: fake.stats_held == 1)  # a poll is out, its answer held
+            before = len(changes)
+            workers.mark_failed(fake.address)
+            assert not w.healthy and len(changes) == before + 1
+            fake.stats_open.set()  # the held poll answers: the worker is healthy again
+            await until(lambda: w.healthy)
+            assert len(changes) == before + 2
+        finally:
+            await workers.close()
+            await fake.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_prefill_that_ended_leaves_the_workers_queue_at_once_not_a_poll_later():
     # Issue 22: counted only by the next poll, a worker that had just finished a long prompt looked
     # busy for a stats interval, and the next prompt went to the busier worker.

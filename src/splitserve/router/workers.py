@@ -240,17 +240,22 @@ class WorkerSet:
     async def _poll_stats(self, w: Worker) -> None:
         deadlines = self.cfg.deadlines
         while not self._closed:
-            was = w.healthy
             # Tokens routed before this poll went out will show in its stats; the ones
             # routed while it is in flight may not, so they stay counted (clearing them
             # all made a burst's load vanish for a poll and fooled the pool scaler).
             assigned_before, ended_before = (w.assigned_tokens, w.assigned_context), w.ended_tokens
+            st: wpb.WorkerStats | grpc.aio.AioRpcError
             try:
                 st = await w.stub.GetStats(
                     wpb.StatsRequest(), timeout=deadlines.stats_timeout_s, metadata=self.cfg.listeners.auth_metadata
                 )
             except grpc.aio.AioRpcError as e:
-                self._poll_failed(w, e)
+                st = e
+            # read after the call: a failed request can mark the worker unhealthy while the poll is in
+            # flight, and the poll that then finds it healthy must still wake whoever waits for one
+            was = w.healthy
+            if isinstance(st, grpc.aio.AioRpcError):
+                self._poll_failed(w, st)
             else:
                 self._poll_answered(w, st, assigned_before, ended_before)
             if w.healthy != was:
