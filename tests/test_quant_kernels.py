@@ -136,6 +136,40 @@ def test_a_quantized_weights_rows_and_columns():
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed[:6], a.dequantize())
 
 
+def test_a_weight_in_another_row_order_is_a_view_whose_products_are_gathered():
+    """llama.cpp's q/k rows stay where the file holds them: every operation sees HF's order."""
+    q4, k = _weights("Q4_0", n=6, blocks=4)
+    q8, _ = _weights("Q8_0", n=4, blocks=4)
+    a = QuantizedWeight.of(BY_NAME["Q4_0"], q4, k)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    p = a.in_row_order(perm)
+    assert p.parts[0].data.data_ptr() == a.parts[0].data.data_ptr() and p.nbytes == a.nbytes  # nothing copied
+    fused = cat_rows([p, QuantizedWeight.of(BY_NAME["Q8_0"], q8, k), p])
+    assert isinstance(fused, QuantizedWeight)
+    dense = torch.cat(
+        [a.dequantize()[perm], QuantizedWeight.of(BY_NAME["Q8_0"], q8, k).dequantize(), a.dequantize()[perm]]
+    )
+    assert torch.equal(fused.dequantize(), dense)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    ref = x @ dense.T
+    for w in (fused, fused.invariant()):
+        assert torch.allclose(w.linear(x), ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+    prefill = torch.randn(qk.MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(6))
+    assert torch.allclose(fused.linear(prefill), prefill @ dense.T, rtol=1e-4, atol=1e-4)
+    idx = torch.tensor([15, 2, 7, 7, 0])
+    assert torch.equal(fused.take_rows(idx).dequantize(), dense[idx])
+    again = torch.randperm(16, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(fused.in_row_order(again).dequantize(), dense[again])
+    assert torch.equal(fused.rows(slice(4, 9)).dequantize(), dense[4:9])
+    assert torch.equal(fused.cols(slice(32, 96)).dequantize(), dense[:, 32:96])
+    ids = torch.tensor([[1, 14], [9, 0]])
+    assert torch.equal(p.embedding(ids % 6, torch.float32), a.dequantize()[perm][ids % 6])
+    assert torch.equal(fused.embedding(ids, torch.float32), dense[ids])
+    assert torch.equal(fused.sample(7, 50), dense.reshape(-1)[::7][:50])
+    with pytest.raises(ValueError, match="row order"):
+        QuantizedWeight(a.parts, k, order=torch.arange(5))
+
+
 def test_the_format_table_is_ggmls():
     for fmt in FORMATS.values():
         t = GGMLQuantizationType(fmt.ggml_type)

@@ -38,6 +38,7 @@ import torch
 
 from splitserve.bench.results_file import with_results
 from splitserve.bench.teacher_forcing import decode_logits, logprobs_of
+from splitserve.engine import embedded
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kernels import quant
@@ -53,6 +54,13 @@ PROMPT = "The history of the printing press begins in the fifteenth century, whe
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="a GGUF file or an embedded model's name")
+    p.add_argument(
+        "--requantize",
+        default="",
+        metavar="FORMAT",
+        help="first rewrite the model with llama.cpp's llama-quantize in this format (Q8_0, Q4_K_M, ...; "
+        "built as the llama.cpp peer is) and measure that file",
+    )
     p.add_argument("--tokens", type=int, default=96, help="tokens each timed generation decodes")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine, alternating")
     p.add_argument("--batch", type=int, default=8, help="the batched decode's sequences")
@@ -76,7 +84,11 @@ def _run(args: argparse.Namespace) -> int:
         print("the quantized kernel is not available on this machine; nothing to compare")
         return 1
     modes = _modes()
-    print(f"# splitserve bench quant --model {args.model}")
+    again = f" --requantize {args.requantize}" if args.requantize else ""
+    print(f"# splitserve bench quant --model {args.model}{again}")
+    if args.requantize:
+        args.model = str(_requantized(args.model, args.requantize))
+        print(f"# the file: {args.model}")
     print(f"# {machine_line()}")
     print(f"# quantized kernel path: {quant.PATH_NAMES[quant.best_path()]}; engines: {modes}")
     engines: dict[str, Engine] = {}
@@ -106,6 +118,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _requantized(model: str, fmt: str) -> Path:
+    from splitserve.bench.peer.llama_cpp import ensure_llama_server, requantize
+
+    info = ensure_llama_server()
+    print(f"# written by llama-quantize of {info.line()}")
+    source = embedded.resolve(model)
+    out = Path(embedded.cache_dir()) / "requantized" / f"{Path(source).stem}.{fmt}.gguf"
+    return requantize(source, fmt, out, info)
+
+
 # ---------------------------------------------------------------- weights
 
 
@@ -113,6 +135,7 @@ _CHILD = """
 import json, os, sys, torch
 from splitserve.engine.kernels import quant
 quant.available()  # the kernel built and loaded before the baseline
+from splitserve.engine import embedded
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling import SamplingParams
@@ -179,8 +202,6 @@ def file_mapping(pid: int | str, path: str) -> tuple[list[tuple[int, int]], int,
 def _children(model: str, dtype: str, q: str, count: int) -> tuple[list[dict[str, int]], list[tuple[int, int]]]:
     """`count` worker-like processes holding the model at once: each one's memory growth, and each
     one's (Rss, Pss) of the model file's pages."""
-    from splitserve.engine import embedded
-
     path = os.path.realpath(embedded.resolve(model))
     procs = [
         subprocess.Popen(

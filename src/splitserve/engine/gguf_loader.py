@@ -327,9 +327,9 @@ def load_gguf_weights(
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         kept = _kept_blocks(t, shape) if keep_blocks and not decl.experts else None
         if kept is not None:
-            if decl.gguf_rotary:  # whole rows move: the blocks are copied in HF's order
+            if decl.gguf_rotary:  # the rows stay in the file; each product's columns are reordered
                 heads = cfg.num_heads if decl.gguf_rotary == "q" else cfg.num_kv_heads
-                kept = kept.take_rows(torch.from_numpy(unpermute_rotary_rows(np.arange(shape[0]), heads)))
+                kept = kept.in_row_order(torch.from_numpy(unpermute_rotary_rows(np.arange(shape[0]), heads)))
             weights[name] = kept
             continue
         try:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PACKAGE = "llama-cpp-python"
+TARGETS = ("llama-server", "llama-quantize")  # the peer, and the tool that writes its quantized files
 DEFAULT_ROOT = Path.home() / ".cache" / "splitserve" / "peer" / "llama.cpp"
 BASE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -108,7 +109,7 @@ def ensure_llama_server(root: Path = DEFAULT_ROOT, version: str = "", jobs: int 
     for path in reversed(cached):  # a build for this CPU's options, still there
         info = BuildInfo(**{**json.loads(path.read_text())})
         info = BuildInfo(info.binary, info.version, info.compiler, tuple(info.cmake_flags), info.cpu_flags)
-        if info.cmake_flags == flags and os.path.exists(info.binary):
+        if info.cmake_flags == flags and all(os.path.exists(_tool(info, t)) for t in TARGETS):
             return info
     downloads = root / "sdist"
     downloads.mkdir(exist_ok=True)
@@ -127,10 +128,28 @@ def ensure_llama_server(root: Path = DEFAULT_ROOT, version: str = "", jobs: int 
             t.extractall(where, filter="data")
     build = src / "build"
     _run(["cmake", "-S", str(src), "-B", str(build), *flags], log)
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)], log)
+    _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)], log)
     binary = build / "bin" / "llama-server"
     if not binary.exists():
         raise BuildError(f"the build left no {binary}; see {log}")
     info = BuildInfo(str(binary), got, _compiler(), flags, cpu_flags())
     (where / "build-info.json").write_text(json.dumps(asdict(info)))
     return info
+
+
+def _tool(info: BuildInfo, name: str) -> str:
+    """One of the build's programs (TARGETS), beside its llama-server."""
+    return os.path.join(os.path.dirname(info.binary), name)
+
+
+def requantize(source: str, fmt: str, out: Path, info: BuildInfo) -> Path:
+    """`source` (a GGUF file) rewritten by llama.cpp's own llama-quantize in `fmt` (Q8_0, Q4_K_M,
+    ...): the file a llama.cpp user would make, with its fallbacks (a K-quant needs rows of 256
+    columns; SmolLM2's 576 fall back to Q5_0 and Q8_0). Kept at `out`; a later call reuses it."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_suffix(".part")
+    _run([_tool(info, "llama-quantize"), "--allow-requantize", source, str(part), fmt], out.with_suffix(".log"))
+    part.rename(out)
+    return out

@@ -35,15 +35,25 @@ class Part:
 class QuantizedWeight:
     """`batch_invariant`: every call runs the integer-dot kernel, whatever its rows, so that a
     row's result never depends on the rows beside it (a prefill's too, at the kernel's pace);
-    else a call of more than kernel.MAX_ROWS rows (a prefill chunk) runs the dequantized GEMM."""
+    else a call of more than kernel.MAX_ROWS rows (a prefill chunk) runs the dequantized GEMM.
 
-    def __init__(self, parts: Sequence[Part], k: int, batch_invariant: bool = False) -> None:
+    `order`: row i of the weight is stored row order[i] (None: stored in order). The rows of a
+    file's q and k stay where llama.cpp put them, in the mapped file, and each product's columns
+    are put back in HF's order instead: copying those rows cost a tenth of a model's resident
+    bytes, the gather costs one index of a few thousand floats per layer."""
+
+    def __init__(
+        self, parts: Sequence[Part], k: int, batch_invariant: bool = False, order: Tensor | None = None
+    ) -> None:
         if not parts:
             raise ValueError("a quantized weight needs at least one part")
         self.parts = tuple(Part(p.fmt, p.data.contiguous()) for p in parts)
         self.k = k
         self.batch_invariant = batch_invariant
         self.shape = torch.Size((sum(p.data.shape[0] for p in self.parts), k))
+        if order is not None and order.shape != (self.shape[0],):
+            raise ValueError(f"a row order of {tuple(order.shape)} for {self.shape[0]} rows")
+        self.order = None if order is None else order.to(torch.int64)
         # what a decode step's call hands the kernel, checked here once
         self._checked = tuple(v for p in self.parts for v in kernel.check_blocks(p.fmt, p.data, k))
 
@@ -76,27 +86,36 @@ class QuantizedWeight:
         max_rows = x2.shape[0] if self.batch_invariant else kernel.MAX_ROWS
         y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, max_rows, exact=True)
         if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized
-            y = linear(x2, self.dequantize(kernel.gemm_dtype(x2)))
+            y = linear(x2, self._stored(kernel.gemm_dtype(x2)))
+        if self.order is not None:
+            y = y.index_select(1, self.order)
         if bias is not None:
             y += bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*lead, self.shape[0])
 
     def invariant(self) -> QuantizedWeight:
         """The same blocks (not copied), every call on the integer-dot kernel."""
-        return QuantizedWeight(self.parts, self.k, batch_invariant=True)
+        return QuantizedWeight(self.parts, self.k, batch_invariant=True, order=self.order)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The whole matrix as floats (a GPU's copy, a test's reference): never kept by the CPU model."""
+        w = self._stored(dtype)
+        return w if self.order is None else w[self.order]
+
+    def _stored(self, dtype: torch.dtype) -> Tensor:
+        """The matrix dequantized in its stored row order."""
         return torch.cat([kernel.dequantize(p.fmt, p.data, self.k, dtype) for p in self.parts])
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """F.embedding on the blocks: the rows `ids` names, dequantized, [*ids.shape, k]."""
         flat = ids.reshape(-1)
+        if self.order is not None:
+            flat = self.order[flat]
         if len(self.parts) == 1:
             p = self.parts[0]
             rows = kernel.dequantize(p.fmt, p.data, self.k, dtype, rows=flat)
         else:
-            rows = self.dequantize(dtype)[flat]
+            rows = self._stored(dtype)[flat]
         return rows.reshape(*ids.shape, self.k)
 
     def sample(self, stride: int, count: int) -> Tensor:
@@ -108,9 +127,18 @@ class QuantizedWeight:
 
     # -- rows and columns ------------------------------------------------------------------
 
-    def take_rows(self, index: Tensor) -> QuantizedWeight:
-        """The rows `index` names, in its order (llama.cpp's q/k permutation undone, a sample)."""
+    def in_row_order(self, index: Tensor) -> QuantizedWeight:
+        """The rows in the order `index` (a permutation) gives, as a view: the blocks stay where
+        they are and each product's columns are gathered (llama.cpp's q/k permutation undone)."""
         index = index.to(torch.int64)
+        order = index if self.order is None else self.order[index]
+        return QuantizedWeight(self.parts, self.k, self.batch_invariant, order=order)
+
+    def take_rows(self, index: Tensor) -> QuantizedWeight:
+        """The rows `index` names, in its order, copied (a sample; a rank's rows of a permuted weight)."""
+        index = index.to(torch.int64)
+        if self.order is not None:
+            index = self.order[index]
         if len(self.parts) == 1:
             p = self.parts[0]
             return QuantizedWeight((Part(p.fmt, p.data[index]),), self.k, self.batch_invariant)
@@ -129,6 +157,8 @@ class QuantizedWeight:
 
     def rows(self, sel: slice) -> QuantizedWeight:
         """Rows sel.start..sel.stop (a column-parallel rank's)."""
+        if self.order is not None:
+            return self.take_rows(torch.arange(sel.start, sel.stop))
         out, start = [], 0
         for p in self.parts:
             n = p.data.shape[0]
@@ -147,7 +177,7 @@ class QuantizedWeight:
                 raise ValueError(f"{p.fmt.name} weights split only on {e}-column blocks, not at {sel.start}:{sel.stop}")
             b0, b1 = sel.start // e * p.fmt.block_bytes, sel.stop // e * p.fmt.block_bytes
             out.append(Part(p.fmt, p.data[:, b0:b1].contiguous()))
-        return QuantizedWeight(out, sel.stop - sel.start, self.batch_invariant)
+        return QuantizedWeight(out, sel.stop - sel.start, self.batch_invariant, order=self.order)
 
     @staticmethod
     def cat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
@@ -156,7 +186,15 @@ class QuantizedWeight:
         if any(w.k != k for w in weights):
             raise ValueError("joined quantized weights must have the same number of columns")
         invariant = all(w.batch_invariant for w in weights)
-        return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k, batch_invariant=invariant)
+        order = None
+        if any(w.order is not None for w in weights):
+            offsets = [0]
+            for w in weights:
+                offsets.append(offsets[-1] + w.shape[0])
+            order = torch.cat(
+                [(torch.arange(w.shape[0]) if w.order is None else w.order) + o for w, o in zip(weights, offsets)]
+            )
+        return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k, invariant, order)
 
 
 def _merge(parts: list[Part]) -> list[Part]:
