@@ -59,13 +59,16 @@ def test_matrices_stay_in_their_blocks_and_compute_the_dequantized_models_logits
 
     cpu = torch.device("cpu")
     mq = DecoderModel(kept.config, kept.weights, cpu, torch.float32)
-    # nothing copied but llama.cpp's permuted q and k: v and o are the file's own bytes, in the model
+    # nothing copied, llama.cpp's permuted q and k neither: the model computes on the file's own bytes
+    q = kept.weights["model.layers.1.self_attn.q_proj.weight"]
     v = kept.weights["model.layers.1.self_attn.v_proj.weight"]
     o = kept.weights["model.layers.1.self_attn.o_proj.weight"]
-    assert isinstance(v, QuantizedWeight) and isinstance(o, QuantizedWeight)
+    assert isinstance(q, QuantizedWeight) and isinstance(v, QuantizedWeight) and isinstance(o, QuantizedWeight)
+    assert q.order is not None  # its product's columns are put back in HF's order
     qkv, o_slot = mq.layers[1].qkv, mq.layers[1].o
     assert isinstance(qkv, QuantizedWeight) and isinstance(o_slot, QuantizedWeight)
-    assert qkv.parts[-1].data.data_ptr() == v.parts[0].data.data_ptr()
+    assert qkv.parts[0].data.data_ptr() == q.parts[0].data.data_ptr()
+    assert qkv.parts[-1].data.data_ptr() + qkv.parts[-1].data.numel() == v.parts[0].data.data_ptr() + v.nbytes
     assert o_slot.parts[0].data.data_ptr() == o.parts[0].data.data_ptr()
     md = DecoderModel(dense.config, dense.weights, cpu, torch.float32)
     assert fmt in mq.weight_formats
@@ -118,6 +121,25 @@ def test_tensor_parallel_shards_of_a_quantized_file_are_its_blocks(quantized_fil
             assert isinstance(t, QuantizedWeight)
             shard = _quantized_shard(kept.config, t, split, per_rank)
             assert torch.equal(shard.dequantize(), floats(ds)[full]), name
+
+
+def test_tensor_parallel_ranks_compute_on_their_shards_of_the_blocks(quantized_file):
+    """Every rank holds its rows and columns of the file's blocks (handed over pickled, the bytes
+    shared), but a matrix whose ranks' columns would cut a block (the MLP's down: 96 columns over
+    two ranks), which is dequantized; the tokens are the single process's."""
+    fmt, path = quantized_file
+    outs = {}
+    for tp in (1, 2):
+        cfg = EngineConfig(quantization="auto", num_blocks=64, tensor_parallel_size=tp)
+        engine, _ = Engine.from_path(path, cfg, progress=False)
+        try:
+            layer = engine.model.layers[1]
+            assert isinstance(layer.qkv, QuantizedWeight) and isinstance(layer.o, QuantizedWeight)
+            assert isinstance(layer.down, QuantizedWeight) == (tp == 1)
+            outs[tp] = engine.generate([[5, 9, 200, 31], [7, 7, 1]], SamplingParams(max_tokens=10, temperature=0.0))
+        finally:
+            engine.close()
+    assert outs[2] == outs[1]
 
 
 @pytest.mark.parametrize("choice", ["q8_0", "q4_k"])

@@ -78,6 +78,9 @@ TITLES = {
     "quant-cpu": "A GGUF file's blocks computed in place against the file dequantized (bfloat16, float32): bytes "
     "read, resident memory and shared pages, decode at batch 1 and 8, perplexity and top-1 agreement, KV capacity, "
     "a seeded request's tokens (issue 31)",
+    "quant-cpu-q8_0": "The same on the embedded model rewritten as Q8_0 by llama.cpp's llama-quantize (issue 31)",
+    "quant-cpu-q4_k_m": "The same on the embedded model rewritten as Q4_K_M by llama.cpp's llama-quantize: its "
+    "Q4_K, Q6_K, Q5_0 and Q8_0 tensors, as llama.cpp writes them for rows of 576 columns (issue 31)",
     "peer-llamacpp-cpu": "Against llama.cpp's llama-server on the same Q4_1 GGUF, both in their defaults on the "
     "whole machine, splitserve with --quantization auto: ShareGPT at concurrency 4, a lone ~1,000-token prompt "
     "(issue 31)",

@@ -42,8 +42,8 @@ from splitserve.engine.model import DecoderModel
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.process_group import rank_devices
-from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_weights
-from splitserve.engine.quant.weight import Weight, dequantized, floats
+from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_weights, split_on_blocks
+from splitserve.engine.quant.weight import Weight
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerStats, StepOutput
 from splitserve.engine.sequence import Sequence
@@ -91,9 +91,9 @@ class Engine:
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
         self.kv_cache = self._make_cache(model_cfg, cfg)
-        if tp > 1:  # the ranks share float shards through shared memory: blocks are not handed over yet
-            weights = dequantized(weights, cfg.torch_dtype)
-        self.tp_group = TensorParallelGroup.start(model_cfg, floats(weights), cfg, self.kv_cache) if tp > 1 else None
+        if tp > 1:  # blocks where every rank's columns are whole blocks, floats where they are not
+            weights = split_on_blocks(model_cfg, weights, tp, cfg.torch_dtype)
+        self.tp_group = TensorParallelGroup.start(model_cfg, weights, cfg, self.kv_cache) if tp > 1 else None
         try:
             self.model = DecoderModel(
                 rank_config(model_cfg, tp),

@@ -18,13 +18,16 @@ import torch
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import registry
-from splitserve.engine.quant.weight import Weight
+from splitserve.engine.quant.checkpoint import Scheme, scheme_of
+from splitserve.engine.quant.weight import QuantizedWeight, Weight, dequantized
 from splitserve.engine.tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
 
 
-def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool, keep_blocks: bool = False) -> LoadedModel:
+    """`keep_blocks`: a quantized checkpoint's linear layers stay in their blocks (QuantizedWeight);
+    else they are dequantized into `dtype`."""
     config = read_hf_config(directory)
 
     # Generation stops on every id generation_config.json lists, not only config.json's.
@@ -40,8 +43,20 @@ def load_hf_dir(directory: str, dtype: torch.dtype, progress: bool) -> LoadedMod
     bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
     config = replace(config, eos_token_ids=tokenizer.eos_token_ids, bos_token_id=bos)
 
-    weights: dict[str, Weight] = dict(load_safetensors(directory, config, dtype, progress))
+    scheme = read_scheme(directory)
+    weights = load_safetensors(directory, config, dtype, progress, scheme)
+    if not keep_blocks:
+        weights = dict(dequantized(weights, dtype))
     return LoadedModel(config, weights, tokenizer)
+
+
+def read_scheme(directory: str) -> Scheme | None:
+    """A quantized checkpoint's scheme (config.json's quantization_config), None for a float one."""
+    config_path = os.path.join(directory, "config.json")
+    try:
+        return scheme_of(_read_json(config_path).get("quantization_config"))
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
 
 
 def read_hf_config(directory: str) -> ModelConfig:
@@ -56,33 +71,84 @@ def read_hf_config(directory: str) -> ModelConfig:
         raise ModelLoadError(f"{config_path}: {e}") from None
 
 
-def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:
-    """The tensors `cfg` needs, from whichever shard holds each; a tied lm_head in the files is dropped."""
-    from safetensors import SafetensorError, safe_open
-
+def load_safetensors(
+    directory: str, cfg: ModelConfig, dtype: torch.dtype, progress: bool, scheme: Scheme | None = None
+) -> dict[str, Weight]:
+    """The tensors `cfg` needs, from whichever shard holds each; a tied lm_head in the files is dropped.
+    With a quantized checkpoint's `scheme`, each quantized linear layer is read as its packed tensors
+    and comes back as a QuantizedWeight (engine/quant/checkpoint.py)."""
     # the engine's name -> the checkpoint's (several for an expert stack, one tensor per expert)
     decls = registry.for_config(cfg).tensors(cfg)
     sources = {name: decl.checkpoint_names(name, cfg) for name, decl in decls.items()}
-    wanted = [n for names in sources.values() for n in names]
+    located = _locate(directory)
+    # a quantized linear's ".weight" -> its packed tensors (the checkpoint's names)
+    packed: dict[str, list[str]] = {}
+    if scheme is not None:
+        for n in (n for names in sources.values() for n in names if n.endswith(".weight")):
+            parts = scheme.tensor_names(n.removesuffix(".weight"), lambda t: t in located)
+            if parts is not None:
+                packed[n] = parts
+    wanted = [p for names in sources.values() for n in names for p in packed.get(n, [n])]
+    keep = frozenset(p for v in packed.values() for p in v)
+    raw = _read_tensors(directory, located, wanted, dtype, keep, progress)
+    weights: dict[str, Weight] = {n: raw[n] for n in wanted if n in raw}
+    for n in packed:
+        try:
+            weights[n] = scheme.repack(n.removesuffix(".weight"), raw) if scheme else raw[n]
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ModelLoadError(f"{directory}: tensor {n} as {scheme.describe if scheme else ''}: {e}") from None
+    out = {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory, dtype) for name, n in sources.items()}
+    for name, decl in decls.items():
+        if decl.hf_add:  # in float32, then back: the sum as the family's own norm computes it
+            w = out[name]
+            assert isinstance(w, torch.Tensor)  # a norm: never quantized
+            out[name] = (w.float() + decl.hf_add).to(dtype)
+    return out
+
+
+def _locate(directory: str) -> dict[str, str]:
+    """Every tensor name -> the file that holds it (the index's weight_map, or each file's header)."""
+    from safetensors import SafetensorError, safe_open
+
     index_path = os.path.join(directory, _INDEX)
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index_path}: no weight_map")
-        missing = [n for n in wanted if n not in weight_map]
-        if missing:
-            raise ModelLoadError(f"{index_path}: weight_map lacks tensor(s) {', '.join(missing[:3])}")
-        shards: dict[str, list[str]] = {}
-        for name in wanted:
-            shards.setdefault(os.path.join(directory, weight_map[name]), []).append(name)
-    else:
-        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-        if not files:
-            raise ModelLoadError(f"{directory}: no *.safetensors files (and no {_INDEX})")
-        shards = {f: [] for f in files}  # names resolved per file below
+        return {n: os.path.join(directory, f) for n, f in weight_map.items()}
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors files (and no {_INDEX})")
+    where: dict[str, str] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                where.update((n, path) for n in f.keys())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
+    return where
 
+
+def _read_tensors(
+    directory: str,
+    located: dict[str, str],
+    wanted: list[str],
+    dtype: torch.dtype,
+    keep_dtype: frozenset[str],
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors, each cast to `dtype` but those in `keep_dtype` (packed integers, scales)."""
+    from safetensors import SafetensorError, safe_open
+
+    missing = [n for n in wanted if n not in located]
+    if missing:
+        where = _INDEX + "'s weight_map" if os.path.isfile(os.path.join(directory, _INDEX)) else "the safetensors files"
+        raise ModelLoadError(f"{directory}: {where} lacks tensor(s) {', '.join(missing[:3])}")
+    shards: dict[str, list[str]] = {}
+    for name in wanted:
+        shards.setdefault(located[name], []).append(name)
     line = ProgressLine(os.path.basename(os.path.abspath(directory)), len(shards), progress)
-    weights: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for done, (path, names) in enumerate(shards.items()):
         line.update(done, "files")
         if not os.path.isfile(path):
@@ -90,30 +156,28 @@ def load_safetensors(directory: str, cfg: ModelConfig, dtype: torch.dtype, progr
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 present = set(f.keys())
-                for name in names or [n for n in wanted if n in present]:
+                for name in names:
                     if name not in present:
                         raise ModelLoadError(f"{path}: missing tensor {name} (the index says it is here)")
-                    weights[name] = f.get_tensor(name).to(dtype)
+                    t = f.get_tensor(name)
+                    out[name] = t if name in keep_dtype else t.to(dtype)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
     line.update(len(shards), "files")
     line.close()
-    missing = [n for n in wanted if n not in weights]
-    if missing:
-        raise ModelLoadError(f"{directory}: missing tensor(s) {', '.join(missing[:3])} in the safetensors files")
-    out = {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory) for name, n in sources.items()}
-    for name, decl in decls.items():
-        if decl.hf_add:  # in float32, then back: the sum as the family's own norm computes it
-            out[name] = (out[name].float() + decl.hf_add).to(dtype)
     return out
 
 
-def _stack(weights: dict[str, torch.Tensor], names: list[str], directory: str) -> torch.Tensor:
-    """The experts' tensors as one [num_experts, ...] stack (each expert's freed as it is copied)."""
-    shapes = {tuple(weights[n].shape) for n in names}
+def _stack(weights: dict[str, Weight], names: list[str], directory: str, dtype: torch.dtype) -> torch.Tensor:
+    """The experts' tensors as one [num_experts, ...] stack (each expert's freed as it is copied;
+    a quantized expert dequantized: the kernels take 2-D matrices)."""
+    floats = {n: w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for n in names for w in [weights[n]]}
+    shapes = {tuple(floats[n].shape) for n in names}
     if len(shapes) != 1:
         raise ModelLoadError(f"{directory}: the experts' tensors {names[0]}, ... differ in shape: {sorted(shapes)}")
-    return torch.stack([weights.pop(n) for n in names])
+    for n in names:
+        weights.pop(n)
+    return torch.stack([floats.pop(n) for n in names])
 
 
 def _read_json(path: str) -> dict[str, Any]:

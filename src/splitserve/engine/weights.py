@@ -37,7 +37,8 @@ def load_model(
     (engine/embedded.py; None: the default model).
 
     `quantization` (EngineConfig.quantization): "none" dequantizes a GGUF file's block-format
-    tensors in float32 and casts them to `dtype`; "auto" keeps every matrix the CPU kernels take
+    tensors (and a quantized checkpoint's: GPTQ, AWQ, compressed-tensors, FP8) in float32 and
+    casts them to `dtype`; "auto" keeps every matrix the CPU kernels take
     in its blocks (a QuantizedWeight, engine/quant/), where the kernels run here; "q8_0" and
     "q4_k" also quantize every float matrix at load (engine/quant/quantize.py, cached).
     `lm_head.weight` is absent when `config.tie_embeddings` is true.
@@ -49,10 +50,10 @@ def load_model(
     path = embedded.resolve(None if path is None else os.fspath(path))
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
+    keep = quantization != "none" and quant_kernel.available()
     if os.path.isdir(path):
-        loaded = hf_loader.load_hf_dir(path, dtype, progress)
+        loaded = hf_loader.load_hf_dir(path, dtype, progress, keep_blocks=keep)
     elif gguf_loader.looks_like_gguf(path):
-        keep = quantization != "none" and quant_kernel.available()
         loaded = gguf_loader.load_gguf(path, dtype, progress, keep_blocks=keep)
     else:
         raise ModelLoadError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -28,7 +28,7 @@ from splitserve.engine.parallel.process_group import host_store, join_group, lea
 from splitserve.engine.parallel.rank import FAILED, LOADED, STOP, RankSpec, rank_main
 from splitserve.engine.parallel.shard import rank_config, shard_weights
 from splitserve.engine.parallel.step import StepInputs
-from splitserve.engine.quant.weight import floats
+from splitserve.engine.quant.weight import QuantizedWeight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TensorParallelGroup:
     @staticmethod
     def start(
         model_cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         cfg: EngineConfig,
         kv_cache: KVCache,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
@@ -94,7 +94,7 @@ class TensorParallelGroup:
         group._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            rank_weights = {r: _for_rank(floats(shard_weights(model_cfg, weights, r, size))) for r in range(1, size)}
+            rank_weights = {r: _for_rank(shard_weights(model_cfg, weights, r, size)) for r in range(1, size)}
             check_shared_memory(_bytes_to_share(rank_weights.values()))
             for r in range(1, size):
                 spec = RankSpec(
@@ -192,21 +192,29 @@ class TensorParallelGroup:
         self.broken = self.broken or "closed"
 
 
-def _for_rank(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _for_rank(shard: dict[str, Weight]) -> dict[str, Weight]:
     """A rank's weights as it will map them: a slice cloned (handing over a view would move the
-    whole tensor into shared memory), a whole tensor as it is (one shared copy for every rank)."""
-    return {
-        name: t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-        for name, t in shard.items()
-    }
+    whole tensor, or the whole mapped file, into shared memory), a whole tensor as it is (one
+    shared copy for every rank)."""
+    out: dict[str, Weight] = {}
+    for name, t in shard.items():
+        if isinstance(t, QuantizedWeight):
+            out[name] = t.own_parts()
+        else:
+            out[name] = t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+    return out
 
 
-def _bytes_to_share(shards: Iterable[dict[str, torch.Tensor]]) -> int:
+def _bytes_to_share(shards: Iterable[dict[str, Weight]]) -> int:
     """Bytes that handing these tensors to other processes moves into shared memory."""
+    tensors = [
+        p for shard in shards for w in shard.values() for p in (_tensors(w) if isinstance(w, QuantizedWeight) else [w])
+    ]
     storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for shard in shards
-        for t in shard.values()
-        if t.is_cpu and not t.is_shared()
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cpu and not t.is_shared()
     }
     return sum(storages.values())
+
+
+def _tensors(w: QuantizedWeight) -> list[torch.Tensor]:
+    return [p.data for p in w.parts] + ([w.order] if w.order is not None else [])

@@ -23,6 +23,7 @@ from splitserve.engine.config import ModelConfig, parse_dtype
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.parallel.process_group import join_group, join_store, leave_group
 from splitserve.engine.parallel.step import StepInputs, run_step
+from splitserve.engine.quant.weight import Weight
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class RankSpec:
     device: str
     dtype: str
     model_cfg: ModelConfig  # the rank's shapes (shard.rank_config)
-    weights: dict[str, torch.Tensor]  # the rank's shard (shard.shard_weights)
+    weights: dict[str, Weight]  # the rank's shard (shard.shard_weights): floats and quantized blocks
     kv_cache: torch.Tensor  # the rank's KV shard, held by rank 0 too
     threads: int  # torch threads of this process
     timeout_s: float  # every collective's, and the group's start

@@ -12,6 +12,7 @@ Each family's module declares which of these each tensor is (`TensorDecl.split`)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -20,6 +21,8 @@ import torch
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.models import registry
 from splitserve.engine.quant.weight import QuantizedWeight, Weight
+
+log = logging.getLogger(__name__)
 
 
 def check_tp_size(cfg: ModelConfig, size: int) -> None:
@@ -68,13 +71,7 @@ def shard_weights(cfg: ModelConfig, weights: Mapping[str, Weight], rank: int, si
         raise IndexError(f"rank {rank} outside 0..{size - 1}")
     if size == 1:
         return dict(weights)
-    d = cfg.head_dim
-    per_rank = {
-        "q": _part(rank, cfg.num_heads // size * d),
-        "kv": _part(rank, cfg.num_kv_heads // size * d),
-        "ff": _part(rank, cfg.intermediate_size // size),
-        "eff": _part(rank, cfg.moe_intermediate_size // size),
-    }
+    per_rank = _per_rank(cfg, rank, size)
     decls = registry.for_config(cfg).tensors(cfg)
     out: dict[str, Weight] = {}
     for name, t in weights.items():
@@ -94,6 +91,37 @@ def shard_weights(cfg: ModelConfig, weights: Mapping[str, Weight], rank: int, si
             out[name] = t[..., part, :] if t.dim() > 1 else t[part]
         else:  # a matrix's columns
             out[name] = t[..., per_rank[split.removesuffix("_cols")]]
+    return out
+
+
+def _per_rank(cfg: ModelConfig, rank: int, size: int) -> dict[str, slice]:
+    """Rank `rank`'s rows (or columns) of q's heads, k's and v's, the MLP and an expert's MLP."""
+    d = cfg.head_dim
+    return {
+        "q": _part(rank, cfg.num_heads // size * d),
+        "kv": _part(rank, cfg.num_kv_heads // size * d),
+        "ff": _part(rank, cfg.intermediate_size // size),
+        "eff": _part(rank, cfg.moe_intermediate_size // size),
+    }
+
+
+def split_on_blocks(
+    cfg: ModelConfig, weights: Mapping[str, Weight], size: int, dtype: torch.dtype
+) -> dict[str, Weight]:
+    """`weights` as `size` ranks can take them: every quantized matrix in its blocks where each
+    rank's columns are whole blocks, and dequantized into `dtype` where a rank's would cut one (the
+    tiny test models' 96-column MLP over two ranks: 48 columns, a block and a half of 32). Each
+    matrix so dequantized is logged by name."""
+    decls = registry.for_config(cfg).tensors(cfg)
+    out = dict(weights)
+    for name, w in weights.items():
+        split = decls[name].split if name in decls else "whole"
+        if not isinstance(w, QuantizedWeight) or not split.endswith("_cols"):
+            continue  # rows and whole matrices split anywhere: a row is whole blocks
+        cut = [_per_rank(cfg, r, size)[split.removesuffix("_cols")] for r in range(size)]
+        if any(s.start % p.fmt.block_elems or s.stop % p.fmt.block_elems for s in cut for p in w.parts):
+            log.warning("%s: %d ranks' columns would cut its %s blocks; dequantized", name, size, w.format_names)
+            out[name] = w.dequantize(dtype)
     return out
 
 

@@ -61,6 +61,21 @@ class QuantizedWeight:
     def of(cls, fmt: BlockFormat, data: Tensor, k: int) -> QuantizedWeight:
         return cls((Part(fmt, data),), k)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickled as its parts (a tensor-parallel rank's shard: torch.multiprocessing shares the
+        bytes); the kernel's entries, which hold addresses, are made again where it is unpickled."""
+        parts = tuple((p.fmt.name, p.data) for p in self.parts)
+        return (_rebuilt, (parts, self.k, self.batch_invariant, self.order))
+
+    def own_parts(self) -> QuantizedWeight:
+        """The same weight with each part in a storage of its own (a view of a mapped file or of a
+        larger tensor copied): what is handed to another process, which shares whole storages."""
+        own = [
+            p if p.data.untyped_storage().nbytes() == p.data.numel() else Part(p.fmt, p.data.clone())
+            for p in self.parts
+        ]
+        return QuantizedWeight(own, self.k, self.batch_invariant, self.order)
+
     def dim(self) -> int:
         return 2
 
@@ -188,13 +203,20 @@ class QuantizedWeight:
         invariant = all(w.batch_invariant for w in weights)
         order = None
         if any(w.order is not None for w in weights):
-            offsets = [0]
+            orders, offset = [], 0
             for w in weights:
-                offsets.append(offsets[-1] + w.shape[0])
-            order = torch.cat(
-                [(torch.arange(w.shape[0]) if w.order is None else w.order) + o for w, o in zip(weights, offsets)]
-            )
+                orders.append((torch.arange(w.shape[0]) if w.order is None else w.order) + offset)
+                offset += w.shape[0]
+            order = torch.cat(orders)
         return QuantizedWeight(_merge([p for w in weights for p in w.parts]), k, invariant, order)
+
+
+def _rebuilt(
+    parts: tuple[tuple[str, Tensor], ...], k: int, batch_invariant: bool, order: Tensor | None
+) -> QuantizedWeight:
+    from splitserve.engine.gguf_formats import BY_NAME
+
+    return QuantizedWeight([Part(BY_NAME[name], data) for name, data in parts], k, batch_invariant, order)
 
 
 def _merge(parts: list[Part]) -> list[Part]:
