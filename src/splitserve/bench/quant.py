@@ -14,6 +14,9 @@ file dequantized to float32, the accuracy reference).
   growth; two such workers' proportional share of the file's pages (one copy: the page cache's).
 - decode: ms a token at batch 1 (no speculation) and ms a step at --batch, the engines
   alternating round by round on the same prompt; the medians and their ratio.
+- prefill: a prompt of 12, 48 and 400 tokens and its first token, alternating (what a decode
+  worker's streams wait for while it prefills locally); the crossover of one matrix, the kernel
+  against dequantize + GEMM, at 1 to 64 rows (the engine switches at kernel.MAX_ROWS).
 - accuracy: a text's perplexity by one decode step per token (the path a decode worker's steps
   take) against fp32's, and the teacher-forced top-1 agreement.
 - capacity: the KV blocks left in --budget-mib once each engine's resident weights are in.
@@ -100,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         resident = _weights(args, engines)
         _decode(args, engines, tok)
+        _prefill(args, engines, tok)
+        _crossover(engines["blocks"])
         _accuracy(args, engines, tok)
         _capacity(args, engines, resident)
         print("\n## determinism: a seeded request (temperature 0.8, seed 3, 48 tokens) on the blocks engine")
@@ -287,6 +292,52 @@ def _decode(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer
         cells = "  ".join(f"{n} {m:.2f} ms" for n, m in med.items())
         print(f"batch {batch:2}: {cells}  ->  blocks is {med['dense'] / med['blocks']:.2f}x dense, "
               f"{med['fp32'] / med['blocks']:.2f}x fp32")  # fmt: skip
+
+
+def _prefill(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer) -> None:
+    """A prompt's prefill alone (max_tokens 1): what a decode worker's running streams wait for
+    when it prefills locally, the blocks dequantized into the GEMM past kernel.MAX_ROWS rows."""
+    text = tok.encode(TEXT.read_text())
+    print(f"\n## prefill: a prompt of n tokens and its first token, {args.rounds} rounds, engines alternating")
+    print("## (each round a prompt of its own: no prefix-cache hit); median ms")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for n in (12, 48, 400):
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for r in range(args.rounds + 1):
+            for name, e in engines.items():
+                prompt = text[r * 7 + len(name) : r * 7 + len(name) + n]
+                start = time.perf_counter()
+                e.generate([prompt], params)
+                if r:  # the first round warms
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        cells = "  ".join(f"{name} {m:.1f} ms" for name, m in med.items())
+        print(f"{n:4} tokens: {cells}  ->  blocks takes {med['blocks'] / med['dense']:.2f}x dense's time")
+
+
+def _crossover(engine: Engine, rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> None:
+    """One layer's MLP down matrix of the blocks engine: x @ W.T on the kernel against the matrix
+    dequantized into the GEMM, at each number of rows (kernel.MAX_ROWS is where the second wins)."""
+    from splitserve.engine.kernels.linear import linear
+    from splitserve.engine.quant.weight import QuantizedWeight
+
+    w = engine.model.layers[1].down
+    if not isinstance(w, QuantizedWeight):
+        return
+    dtype = engine.model.dtype
+    print(f"\n## crossover: {'+'.join(w.format_names)} {tuple(w.shape)}, the kernel against dequantize + GEMM")
+    print(f"## (the engine takes the GEMM past {quant.MAX_ROWS} rows); {torch.get_num_threads()} threads, best of 5")
+    for rows in rows_list:
+        x = torch.randn(rows, w.k).to(dtype)
+        kernel_us, gemm_us = math.inf, math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            quant.decode_linear(x, w._checked, w.shape[0], w.k, rows, exact=True)
+            mid = time.perf_counter()
+            linear(x, w.dequantize(quant.gemm_dtype(x)))
+            end = time.perf_counter()
+            kernel_us, gemm_us = min(kernel_us, (mid - start) * 1e6), min(gemm_us, (end - mid) * 1e6)
+        print(f"{rows:3} rows: kernel {kernel_us:7.0f} us  dequantize + GEMM {gemm_us:7.0f} us")
 
 
 # --------------------------------------------------------------- accuracy

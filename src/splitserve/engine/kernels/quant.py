@@ -27,10 +27,13 @@ from splitserve.engine.kernels.once import Once
 log = logging.getLogger(__name__)
 
 
-# Rows of x up to which the integer-dot kernel runs: each weight block is unpacked once and
-# dotted with every row, so its cost grows with the rows while the GEMM's per-row cost falls;
-# past this the dequantized GEMM is faster (splitserve bench kernels-quant).
-MAX_ROWS = 64
+# Rows of x up to which the kernel runs: each weight block is unpacked once and dotted with every
+# row, so its cost grows with the rows while the dequantized GEMM's per-row cost falls. Measured
+# on a Q4_1 576x1536 matrix, one thread (AVX-512 VNNI, bf16 x): 565 against 884 us at 8 rows, 919
+# against 877 at 16, 2,655 against 1,067 at 48 (`splitserve bench quant`'s crossover section
+# measures it on each run). At 64, a 48-token prompt prefilled on the kernel stalled every decode
+# stream of its worker three times as long as the dense model's prefill.
+MAX_ROWS = 16
 
 PATH_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
 
@@ -110,23 +113,41 @@ def _linear(ext: ModuleType, x: Tensor, parts: Parts, n: int, k: int, path: int,
 
 
 def _dequantize(
-    ext: ModuleType, fmt: BlockFormat, w: Tensor, k: int, dtype: torch.dtype, rows: Tensor | None = None
+    ext: ModuleType,
+    fmt: BlockFormat,
+    w: Tensor,
+    k: int,
+    dtype: torch.dtype,
+    rows: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     count = w.shape[0] if rows is None else rows.numel()
-    out = torch.empty(count, k, dtype=_BF16 if dtype is _BF16 else _F32)
+    into = _BF16 if dtype is _BF16 else _F32
+    if out is None or out.dtype is not into:
+        out = torch.empty(count, k, dtype=into)
+    elif out.shape != (count, k) or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be a contiguous [{count}, {k}] tensor, got {tuple(out.shape)}")
     idx = 0 if rows is None else rows.data_ptr()
     ext.dequantize(out.data_ptr(), w.data_ptr(), fmt.ggml_type, idx, count, k, dtype is _BF16, torch.get_num_threads())
     return out if out.dtype is dtype else out.to(dtype)
 
 
-def dequantize(fmt: BlockFormat, w: Tensor, k: int, dtype: torch.dtype = _F32, rows: Tensor | None = None) -> Tensor:
-    """W's rows as floats: all of them, or those in `rows` (int64 indices: an embedding's lookup)."""
+def dequantize(
+    fmt: BlockFormat,
+    w: Tensor,
+    k: int,
+    dtype: torch.dtype = _F32,
+    rows: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """W's rows as floats: all of them, or those in `rows` (int64 indices: an embedding's lookup);
+    written into `out` where it is given in fp32 or bf16 (a slice of a fused slot's matrix)."""
     _check(fmt, w, k)
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= w.shape[0]):
             raise IndexError(f"row index out of range for a weight of {w.shape[0]} rows")
-    return _dequantize(_ext(), fmt, w, k, dtype, rows)
+    return _dequantize(_ext(), fmt, w, k, dtype, rows, out)
 
 
 def _fits(x: Tensor, k: int) -> bool:

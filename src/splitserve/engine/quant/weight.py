@@ -100,9 +100,9 @@ class QuantizedWeight:
             x2 = x2.contiguous()
         max_rows = x2.shape[0] if self.batch_invariant else kernel.MAX_ROWS
         y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, max_rows, exact=True)
-        if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized
-            y = linear(x2, self._stored(kernel.gemm_dtype(x2)))
-        if self.order is not None:
+        if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized, its rows in order
+            y = linear(x2, self.dequantize(kernel.gemm_dtype(x2)))
+        elif self.order is not None:  # a decode step's few rows: their columns put in order
             y = y.index_select(1, self.order)
         if bias is not None:
             y += bias.to(y.dtype)
@@ -115,11 +115,21 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The whole matrix as floats (a GPU's copy, a test's reference): never kept by the CPU model."""
         w = self._stored(dtype)
-        return w if self.order is None else w[self.order]
+        return w if self.order is None else w.index_select(0, self.order)
 
     def _stored(self, dtype: torch.dtype) -> Tensor:
-        """The matrix dequantized in its stored row order."""
-        return torch.cat([kernel.dequantize(p.fmt, p.data, self.k, dtype) for p in self.parts])
+        """The matrix dequantized in its stored row order, each part straight into its rows (a
+        prefill dequantizes every matrix it multiplies: a torch.cat would write it twice)."""
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return kernel.dequantize(p.fmt, p.data, self.k, dtype)
+        out = torch.empty(self.shape[0], self.k, dtype=dtype)
+        start = 0
+        for p in self.parts:
+            rows = p.data.shape[0]
+            kernel.dequantize(p.fmt, p.data, self.k, dtype, out=out[start : start + rows])
+            start += rows
+        return out
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """F.embedding on the blocks: the rows `ids` names, dequantized, [*ids.shape, k]."""
