@@ -84,6 +84,9 @@ TITLES = {
     "peer-llamacpp-cpu": "Against llama.cpp's llama-server on the same Q4_1 GGUF, both in their defaults on the "
     "whole machine, splitserve with --quantization auto: ShareGPT at concurrency 4, a lone ~1,000-token prompt "
     "(issue 31)",
+    "peer-vllm-llamacpp-cpu": "Against vLLM's CPU build (its defaults, on the HF export of the same weights in "
+    "bfloat16) and llama-server (the same Q4_1 GGUF), splitserve with --quantization auto on the GGUF: ShareGPT at "
+    "concurrency 4, in one run (issue 31)",
     "peer-llamacpp-8b": "An 8B-shape model (random Q4_0 blocks, the embedded tokenizer) served by a prefill and a "
     "decode worker on this 24 GB machine against llama-server on the same file: a lone ~1,000-token prompt's TTFT "
     "and batch-1 decode (issue 31)",
