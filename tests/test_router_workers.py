@@ -12,7 +12,7 @@ import pytest
 from splitserve.router.config import Deadlines, RouterConfig
 from splitserve.router.fakes import FakeKVPlane, FakePrefillWorker
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.workers import WorkerSet
+from splitserve.router.workers import Worker, WorkerSet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,6 +22,18 @@ async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < end, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def with_a_poll_held(workers: WorkerSet, fake: FakePrefillWorker) -> Worker:
+    """`fake` added and healthy, then a stats poll to it out with its answer held (until
+    fake.stats_open is set): the worker's record."""
+    workers.add(fake.address, "prefill")
+    w = workers.get(fake.address)
+    assert w is not None
+    await until(lambda: w.healthy)
+    fake.stats_open.clear()
+    await until(lambda: fake.stats_held == 1)
+    return w
 
 
 def test_a_draining_worker_leaves_routing_and_is_drained_after_two_idle_polls():
@@ -78,12 +90,7 @@ def test_tokens_routed_while_a_stats_poll_is_in_flight_survive_its_answer():
         await fake.start()
         workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=0.05)), PrefixIndex())
         try:
-            workers.add(fake.address, "prefill")
-            w = workers.get(fake.address)
-            assert w is not None
-            await until(lambda: w.healthy)
-            fake.stats_open.clear()
-            await until(lambda: fake.stats_held == 1)  # a poll is out, its answer held
+            w = await with_a_poll_held(workers, fake)
             workers.assigned(fake.address, 500)
             assert workers.prefill_queued_tokens() == {fake.address: 600}
             answered = w.stats
@@ -115,12 +122,7 @@ def test_a_worker_marked_failed_while_a_poll_is_in_flight_is_announced_healthy_w
         cfg = RouterConfig(deadlines=Deadlines(stats_interval_s=0.05))
         workers = WorkerSet(cfg, PrefixIndex(), on_health_change=lambda: changes.append(1))
         try:
-            workers.add(fake.address, "prefill")
-            w = workers.get(fake.address)
-            assert w is not None
-            await until(lambda: w.healthy)
-            fake.stats_open.clear()
-            await until(lambda: fake.stats_held == 1)  # a poll is out, its answer held
+            w = await with_a_poll_held(workers, fake)
             before = len(changes)
             workers.mark_failed(fake.address)
             assert not w.healthy and len(changes) == before + 1
