@@ -103,7 +103,7 @@ def test_tensor_parallel_shards_of_a_quantized_file_are_its_blocks(quantized_fil
     """A rank's shard of each quantized matrix keeps its blocks (rows whole, columns cut on block
     boundaries) and dequantizes to the shard of the dequantized file; a split inside a block is
     refused by name (the tiny MLP's 96 columns over two ranks are 48: not whole blocks of 32)."""
-    from splitserve.engine.parallel.shard import _quantized_shard, shard_weights
+    from splitserve.engine.parallel.shard import shard_weights
 
     _, path = quantized_file
     kept = load_model(path, progress=False, quantization="auto")
@@ -112,14 +112,12 @@ def test_tensor_parallel_shards_of_a_quantized_file_are_its_blocks(quantized_fil
         shard_weights(kept.config, kept.weights, 0, 2)
     for rank in (0, 1):
         ds = shard_weights(dense.config, dense.weights, rank, 2)
-        head = kept.config.head_dim * kept.config.num_heads // 2
-        kv = kept.config.head_dim * kept.config.num_kv_heads // 2
-        per_rank = {"q": slice(rank * head, (rank + 1) * head), "kv": slice(rank * kv, (rank + 1) * kv)}
-        for name, split in (("self_attn.q_proj.weight", "q_rows"), ("self_attn.o_proj.weight", "q_cols")):
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight"):
             full = f"model.layers.1.{name}"
             t = kept.weights[full]
             assert isinstance(t, QuantizedWeight)
-            shard = _quantized_shard(kept.config, t, split, per_rank)
+            shard = shard_weights(kept.config, {full: t}, rank, 2)[full]
+            assert isinstance(shard, QuantizedWeight)
             assert torch.equal(shard.dequantize(), floats(ds)[full]), name
 
 

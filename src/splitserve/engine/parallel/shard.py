@@ -78,20 +78,38 @@ def shard_weights(cfg: ModelConfig, weights: Mapping[str, Weight], rank: int, si
         split = decls[name].split if name in decls else "whole"
         if split == "whole":  # embedding, norms, lm_head: whole on every rank
             out[name] = t
-        elif isinstance(t, QuantizedWeight):  # GGUF blocks: rows whole, columns on block boundaries
-            out[name] = _quantized_shard(cfg, t, split, per_rank)
-        elif split == "qkv_rows":  # a checkpoint's fused q, k and v: the rank's rows of each part
+        elif split == "qkv_rows":  # a fused q, k and v: the rank's rows of each part
             q, kv = cfg.q_size, cfg.kv_size
             parts = (per_rank["q"], _shift(per_rank["kv"], q), _shift(per_rank["kv"], q + kv))
-            out[name] = torch.cat([t[p] for p in parts])
-        elif split == "gate_up_rows":  # a checkpoint's fused gate and up
-            out[name] = torch.cat([t[per_rank["ff"]], t[_shift(per_rank["ff"], cfg.intermediate_size)]])
+            out[name] = _cat([_rows(t, p) for p in parts])
+        elif split == "gate_up_rows":  # a fused gate and up
+            ff = per_rank["ff"]
+            out[name] = _cat([_rows(t, ff), _rows(t, _shift(ff, cfg.intermediate_size))])
         elif split.endswith("_rows"):  # a matrix's rows (every expert's, in a stack), or a bias
-            part = per_rank[split.removesuffix("_rows")]
-            out[name] = t[..., part, :] if t.dim() > 1 else t[part]
+            out[name] = _rows(t, per_rank[split.removesuffix("_rows")])
         else:  # a matrix's columns
-            out[name] = t[..., per_rank[split.removesuffix("_cols")]]
+            out[name] = _cols(t, per_rank[split.removesuffix("_cols")])
     return out
+
+
+def _rows(t: Weight, s: slice) -> Weight:
+    """Rows `s` of a matrix (of each expert's, in a stack) or of a bias; a quantized matrix's are
+    whole blocks."""
+    if isinstance(t, QuantizedWeight):
+        return t.rows(s)
+    return t[..., s, :] if t.dim() > 1 else t[s]
+
+
+def _cols(t: Weight, s: slice) -> Weight:
+    """Columns `s` of every row: a quantized matrix's cut on block boundaries (ValueError elsewhere)."""
+    return t.cols(s) if isinstance(t, QuantizedWeight) else t[..., s]
+
+
+def _cat(parts: list[Weight]) -> Weight:
+    """Rows joined: blocks stay blocks (the parts of one matrix are all quantized or all floats)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat([p for p in parts if isinstance(p, QuantizedWeight)])
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
 
 
 def _per_rank(cfg: ModelConfig, rank: int, size: int) -> dict[str, slice]:
@@ -123,19 +141,6 @@ def split_on_blocks(
             log.warning("%s: %d ranks' columns would cut its %s blocks; dequantized", name, size, w.format_names)
             out[name] = w.dequantize(dtype)
     return out
-
-
-def _quantized_shard(cfg: ModelConfig, t: QuantizedWeight, split: str, per_rank: dict[str, slice]) -> QuantizedWeight:
-    if split == "qkv_rows":
-        q, kv = cfg.q_size, cfg.kv_size
-        parts = (per_rank["q"], _shift(per_rank["kv"], q), _shift(per_rank["kv"], q + kv))
-        return QuantizedWeight.cat([t.rows(p) for p in parts])
-    if split == "gate_up_rows":
-        ff = per_rank["ff"]
-        return QuantizedWeight.cat([t.rows(ff), t.rows(_shift(ff, cfg.intermediate_size))])
-    if split.endswith("_rows"):
-        return t.rows(per_rank[split.removesuffix("_rows")])
-    return t.cols(per_rank[split.removesuffix("_cols")])
 
 
 def _shift(s: slice, by: int) -> slice:
