@@ -90,6 +90,8 @@ TITLES = {
     "peer-llamacpp-8b": "An 8B-shape model (random Q4_0 blocks, the embedded tokenizer) served by a prefill and a "
     "decode worker on this 24 GB machine against llama-server on the same file: a lone ~1,000-token prompt's TTFT "
     "and batch-1 decode (issue 31)",
+    "peer-llamacpp-8b-q8_0": "The same 8B shape written as Q8_0 blocks (8.5 GB), against llama-server on the same "
+    "file (issue 31)",
     "kernels-isa-cpu": "The CPU kernels' paths side by side: linear's AVX2, AVX-512 and AVX-512 BF16 (vdpbf16ps), "
     "decode attention's x86-64, AVX2 and AVX-512 over bfloat16, int8 and fp8 KV (issue 22)",
 }
