@@ -121,6 +121,8 @@ def test_a_quantized_weights_rows_and_columns():
     assert fused.format_names == ("Q4_0", "Q8_0") and fused.nbytes == 2 * q4.numel() + q8.numel()
     dense = fused.dequantize()
     assert torch.equal(dense, torch.cat([a.dequantize(), b.dequantize(), a.dequantize()]))
+    # a dtype the kernel does not write (a GPU's float16 copy): each part converted into its rows
+    assert torch.equal(fused.dequantize(torch.float16), dense.half())
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     assert torch.allclose(fused.linear(x), x @ dense.T, rtol=0.02, atol=0.02 * float((x @ dense.T).abs().max()))
     idx = torch.tensor([15, 2, 7, 7, 0])

@@ -122,14 +122,19 @@ def _dequantize(
     out: Tensor | None = None,
 ) -> Tensor:
     count = w.shape[0] if rows is None else rows.numel()
-    into = _BF16 if dtype is _BF16 else _F32
-    if out is None or out.dtype is not into:
-        out = torch.empty(count, k, dtype=into)
-    elif out.shape != (count, k) or not out.is_contiguous():
-        raise ValueError(f"dequantize: out must be a contiguous [{count}, {k}] tensor, got {tuple(out.shape)}")
+    if out is not None and (out.shape != (count, k) or not out.is_contiguous() or out.dtype is not dtype):
+        raise ValueError(
+            f"dequantize: out must be a contiguous [{count}, {k}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}"
+        )
+    into = _BF16 if dtype is _BF16 else _F32  # what the kernel writes; any other dtype is converted
+    buf = out if out is not None and out.dtype is into else torch.empty(count, k, dtype=into)
     idx = 0 if rows is None else rows.data_ptr()
-    ext.dequantize(out.data_ptr(), w.data_ptr(), fmt.ggml_type, idx, count, k, dtype is _BF16, torch.get_num_threads())
-    return out if out.dtype is dtype else out.to(dtype)
+    ext.dequantize(buf.data_ptr(), w.data_ptr(), fmt.ggml_type, idx, count, k, dtype is _BF16, torch.get_num_threads())
+    if out is None:
+        return buf if buf.dtype is dtype else buf.to(dtype)
+    if buf is not out:
+        out.copy_(buf)
+    return out
 
 
 def dequantize(
@@ -141,7 +146,7 @@ def dequantize(
     out: Tensor | None = None,
 ) -> Tensor:
     """W's rows as floats: all of them, or those in `rows` (int64 indices: an embedding's lookup);
-    written into `out` where it is given in fp32 or bf16 (a slice of a fused slot's matrix)."""
+    written into `out` where it is given (a slice of a fused slot's matrix, in `dtype`)."""
     _check(fmt, w, k)
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
