@@ -83,20 +83,20 @@ def load_safetensors(
     located = _locate(directory)
     # a quantized linear's ".weight" -> its packed tensors (the checkpoint's names)
     packed: dict[str, list[str]] = {}
-    if scheme is not None:
-        for n in (n for names in sources.values() for n in names if n.endswith(".weight")):
-            parts = scheme.tensor_names(n.removesuffix(".weight"), lambda t: t in located)
-            if parts is not None:
-                packed[n] = parts
+    for n in (n for names in sources.values() for n in names if n.endswith(".weight")):
+        parts = scheme.tensor_names(n.removesuffix(".weight"), lambda t: t in located) if scheme else None
+        if parts is not None:
+            packed[n] = parts
     wanted = [p for names in sources.values() for n in names for p in packed.get(n, [n])]
     keep = frozenset(p for v in packed.values() for p in v)
     raw = _read_tensors(directory, located, wanted, dtype, keep, progress)
     weights: dict[str, Weight] = {n: raw[n] for n in wanted if n in raw}
-    for n in packed:
-        try:
-            weights[n] = scheme.repack(n.removesuffix(".weight"), raw) if scheme else raw[n]
-        except (ValueError, RuntimeError, KeyError) as e:
-            raise ModelLoadError(f"{directory}: tensor {n} as {scheme.describe if scheme else ''}: {e}") from None
+    if scheme is not None:
+        for n in packed:
+            try:
+                weights[n] = scheme.repack(n.removesuffix(".weight"), raw)
+            except (ValueError, RuntimeError, KeyError) as e:
+                raise ModelLoadError(f"{directory}: tensor {n} as {scheme.describe}: {e}") from None
     out = {name: weights[n[0]] if len(n) == 1 else _stack(weights, n, directory, dtype) for name, n in sources.items()}
     for name, decl in decls.items():
         if decl.hf_add:  # in float32, then back: the sum as the family's own norm computes it

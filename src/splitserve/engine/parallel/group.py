@@ -28,7 +28,7 @@ from splitserve.engine.parallel.process_group import host_store, join_group, lea
 from splitserve.engine.parallel.rank import FAILED, LOADED, STOP, RankSpec, rank_main
 from splitserve.engine.parallel.shard import rank_config, shard_weights
 from splitserve.engine.parallel.step import StepInputs
-from splitserve.engine.quant.weight import QuantizedWeight, Weight
+from splitserve.engine.quant.weight import QuantizedWeight, Weight, owns_storage
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def _for_rank(shard: dict[str, Weight]) -> dict[str, Weight]:
         if isinstance(t, QuantizedWeight):
             out[name] = t.own_parts()
         else:
-            out[name] = t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+            out[name] = t if owns_storage(t) else t.clone()
     return out
 
 

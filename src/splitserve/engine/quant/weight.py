@@ -70,10 +70,7 @@ class QuantizedWeight:
     def own_parts(self) -> QuantizedWeight:
         """The same weight with each part in a storage of its own (a view of a mapped file or of a
         larger tensor copied): what is handed to another process, which shares whole storages."""
-        own = [
-            p if p.data.untyped_storage().nbytes() == p.data.numel() else Part(p.fmt, p.data.clone())
-            for p in self.parts
-        ]
+        own = [p if owns_storage(p.data) else Part(p.fmt, p.data.clone()) for p in self.parts]
         return QuantizedWeight(own, self.k, self.batch_invariant, self.order)
 
     def dim(self) -> int:
@@ -256,6 +253,12 @@ def _merge(parts: list[Part]) -> list[Part]:
 
 
 Weight = Tensor | QuantizedWeight
+
+
+def owns_storage(t: Tensor) -> bool:
+    """Whether `t` is its whole storage: handing a view to another process would share (and move
+    into shared memory) all of the storage under it."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
