@@ -325,6 +325,7 @@ def _crossover(engine: Engine, rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64
     if not isinstance(w, QuantizedWeight):
         return
     dtype = engine.model.dtype
+    on_kernel = w.invariant()  # the same blocks, every call on the kernel whatever its rows
     print(f"\n## crossover: {'+'.join(w.format_names)} {tuple(w.shape)}, the kernel against dequantize + GEMM")
     print(f"## (the engine takes the GEMM past {quant.MAX_ROWS} rows); {torch.get_num_threads()} threads, best of 5")
     for rows in rows_list:
@@ -332,7 +333,7 @@ def _crossover(engine: Engine, rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64
         kernel_us, gemm_us = math.inf, math.inf
         for _ in range(5):
             start = time.perf_counter()
-            quant.decode_linear(x, w._checked, w.shape[0], w.k, rows, exact=True)
+            on_kernel.linear(x)
             mid = time.perf_counter()
             linear(x, w.dequantize(quant.gemm_dtype(x)))
             end = time.perf_counter()
