@@ -341,3 +341,61 @@ def test_bad_fields_are_400_naming_the_field(cluster):
         assert field in error, error
     model, d, _ = cluster
     assert stats(d).running_requests == 0
+
+
+SLOW_LARK = "start: s\ns: " + " | ".join(f's "w{i}"' for i in range(3000)) + ' | "x"\n'  # 13 s to build here
+
+
+def test_slow_grammars_cost_their_own_request_only(cluster):
+    """The 15-character regex that stalled every stream for two seconds, and a grammar whose
+    lexer takes 13 s to build, sent while another stream runs: the first compiles within the
+    budget and ends its own answer early, the second is refused 400 naming the grammar and the
+    budget, and the running stream gets every token, its gaps printed beside their median."""
+
+    async def body(client: openai.AsyncOpenAI) -> tuple[list[float], list[Any]]:
+        gaps: list[float] = []
+        started = asyncio.Event()
+
+        async def running() -> int:
+            stream = await client.completions.create(
+                model="splitserve",
+                prompt="Once upon a time",
+                max_tokens=60,
+                extra_body={"ignore_eos": True},
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            n, tokens, last = 0, 0, time.monotonic()
+            async for chunk in stream:
+                now = time.monotonic()
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].text:
+                    n += 1
+                    if n > 1:
+                        gaps.append(now - last)
+                    if n == 5:
+                        started.set()
+                last = now
+            return tokens
+
+        async def slow(extra: dict[str, Any]) -> Any:
+            await started.wait()
+            try:
+                r = await client.completions.create(model="splitserve", prompt="a", max_tokens=8, extra_body=extra)
+                return r.choices[0].finish_reason
+            except openai.BadRequestError as e:
+                return e
+
+        count, regex, lark = await asyncio.gather(
+            running(), slow({"guided_regex": "(a{1000}){1000}"}), slow({"guided_grammar": SLOW_LARK})
+        )
+        assert count == 60
+        return gaps, [regex, lark]
+
+    gaps, (regex, lark) = _with_router(cluster, "colocated", body)
+    assert regex in ("stop", "length"), regex
+    assert isinstance(lark, openai.BadRequestError) and lark.status_code == 400
+    assert "grammar did not compile within the budget" in str(lark), lark
+    median = sorted(gaps)[len(gaps) // 2]
+    print(f"inter-token gaps: median {median * 1e3:.0f} ms, max {max(gaps) * 1e3:.0f} ms ({max(gaps) / median:.2f}x)")

@@ -339,3 +339,66 @@ def test_a_bitmask_of_the_wrong_shape_is_refused_before_llguidance_writes_to_it(
 def test_logits_narrower_than_the_tokenizer_are_refused(tokenizer):
     with pytest.raises(ValueError, match="more than the"):
         GrammarCompiler(tokenizer, tokenizer.vocab_size - 1, tokenizer.eos_token_ids)
+
+
+def _many_literals(n: int) -> GrammarSpec:
+    """A grammar whose lexer build grows with alternatives x vocabulary (no llguidance fuel bounds
+    it): 3,000 alternatives took 13 s on SmolLM2's vocabulary."""
+    return GrammarSpec("lark", "start: s\ns: " + " | ".join(f's "w{i}"' for i in range(n)) + ' | "x"\n')
+
+
+def test_a_compile_past_its_budget_is_refused_and_refused_again_without_compiling(tokenizer):
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    slow = _many_literals(1500)
+    with pytest.raises(InvalidSamplingParam, match=r"grammar did not compile within the budget of 0.01 s \(lark\)"):
+        compiler.compile_within(slow, budget_s=0.01)
+    misses = compiler.cache_misses
+    for _ in range(2):  # at once, from memory: the slow compile is not started again
+        with pytest.raises(InvalidSamplingParam, match="budget"):
+            compiler.compile_within(slow, budget_s=60)
+        with pytest.raises(InvalidSamplingParam, match="budget"):
+            compiler.compile(slow)  # the engine thread's own call refuses it too
+    assert compiler.cache_misses == misses
+    # a grammar within its budget compiles, once
+    quick = GrammarSpec("regex", "[0-9]{3}")
+    assert compiler.compile_within(quick) is compiler.compile_within(quick)
+
+
+def test_a_grammar_that_does_not_compile_is_refused_within_the_budget_and_remembered(tokenizer):
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    bad = GrammarSpec("lark", "start: undefined_rule\n")
+    for _ in range(2):
+        with pytest.raises(InvalidSamplingParam, match=r"does not compile \(lark\)"):
+            compiler.compile_within(bad)
+    assert compiler.cache_misses == 1
+
+
+def test_a_pattern_that_explodes_the_lexer_compiles_quickly_and_fails_only_its_own_matcher(compiler, tokenizer):
+    """`(a{1000}){1000}` cost 1.8 s of the engine thread at its first mask under llguidance's
+    default limits; under ours it compiles (the first mask built on the compiling thread) and its
+    matcher ends in its error state when the lexer runs out of room, not the process."""
+    spec = GrammarSpec("regex", "(a{1000}){1000}")
+    m = Matcher(compiler.compile_within(spec))
+    (a,) = tokenizer.encode("a")
+    bitmask = allocate_bitmask(1, compiler.vocab_size)
+    for _ in range(4):
+        m.fill_mask(bitmask, 0)
+        if not m.accept(a):
+            break
+    assert m.error is not None and "too many expressions" in m.error
+    other = Matcher(compiler.compile(GrammarSpec("regex", "b+")))  # the compiler goes on serving others
+    (b,) = tokenizer.encode("b")
+    assert other.accept(b) and other.error is None
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("json_schema", json.dumps(PERSON)), GrammarSpec("regex", "(a{1000}){1000}")])
+def test_a_fresh_matchers_mask_is_the_start_mask_computed_once(compiler, spec):
+    """A sequence's first mask is copied from its compiled grammar (computed on the compiling
+    thread), and is exactly what llguidance computes for the fresh state."""
+    compiled = compiler.compile(spec)
+    fresh = Matcher(compiled)
+    bitmask = allocate_bitmask(2, compiler.vocab_size)
+    fill_masks([(fresh, 0)], bitmask)
+    computed = torch.empty_like(bitmask[1])
+    fresh._matcher.unsafe_compute_mask_ptr(computed.data_ptr(), computed.numel() * 4)
+    assert torch.equal(bitmask[0], computed) and torch.equal(bitmask[0], compiled.start_mask)

@@ -25,6 +25,7 @@ The engine is not thread-safe: one thread owns it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -121,6 +122,7 @@ class Engine:
         self._arrivals = 0
         self.tokenizer = tokenizer
         self._grammars: Any = None  # engine/grammar.py's GrammarCompiler, made at the first grammar
+        self._grammars_made = threading.Lock()  # by whichever call handler's thread asks first
 
     def _make_cache(self, model_cfg: ModelConfig, cfg: EngineConfig) -> KVCache:
         """The KV pool of `cfg.num_blocks` blocks' memory. A model of windowed and global layers keeps
@@ -216,13 +218,16 @@ class Engine:
 
     def grammars(self) -> Any:
         """The grammar compiler (engine/grammar.py), made at the first request with a grammar."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("grammar: this engine was built without a tokenizer, so it cannot compile grammars")
-            from splitserve.engine.grammar import GrammarCompiler
+        with self._grammars_made:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "grammar: this engine was built without a tokenizer, so it cannot compile grammars"
+                    )
+                from splitserve.engine.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.runner.eos_token_ids)
-        return self._grammars
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.runner.eos_token_ids)
+            return self._grammars
 
     def add_request(
         self,

@@ -17,19 +17,32 @@ else can follow.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
 
 import llguidance
 import torch
 
-from splitserve.engine.grammar_source import grammar_text
+from splitserve.engine.grammar_source import grammar_text, parser_limits
 from splitserve.engine.sampling import GrammarSpec, InvalidSamplingParam
 from splitserve.engine.tokenizer import Tokenizer
 
 _BITS = 32  # token ids per bitmask word
+_WORD_BYTES = 4
+
+
+# What no fuel bounds, the wall clock does: building the lexer for a grammar of many literal
+# alternatives grows with alternatives x vocabulary (1,000 took 0.5 s on SmolLM2's vocabulary, 3,000
+# took 13 s). A compile still running after this long is refused, and so is every later request for
+# the same grammar, at once.
+COMPILE_BUDGET_S = 2.0
+_COMPILE_THREADS = 2  # a compile holds no GIL: two at once cost two cores, not the process
+_COMPILE_NICE = 10
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -38,14 +51,19 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class CompiledGrammar:
-    """A spec compiled against one vocabulary: its start state, which every `Matcher` copies."""
+    """A spec compiled against one vocabulary: its start state, which every `Matcher` copies, and
+    that state's mask, computed once here (on the compiling thread) for every sequence's first
+    step: it is the costly one (the lexer's first states; 24 ms a sequence for `(a{1000}){1000}`,
+    paid by the whole batch's step), and it is the same for every sequence."""
 
-    __slots__ = ("_start", "spec", "vocab_size")
+    __slots__ = ("_start", "spec", "start_mask", "vocab_size")
 
     def __init__(self, spec: GrammarSpec, start: llguidance.LLMatcher, vocab_size: int) -> None:
         self.spec = spec
         self.vocab_size = vocab_size
         self._start = start
+        self.start_mask = torch.empty(bitmask_words(vocab_size), dtype=torch.int32)
+        start.unsafe_compute_mask_ptr(self.start_mask.data_ptr(), self.start_mask.numel() * _WORD_BYTES)
 
 
 class GrammarCompiler:
@@ -74,12 +92,52 @@ class GrammarCompiler:
         self.cache_hits = 0
         self.cache_misses = 0
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._refused: OrderedDict[GrammarSpec, str] = OrderedDict()  # spec -> why: asked again, refused at once
         self._lock = threading.Lock()  # compile() may run on a compile thread beside the engine's
+        self._threads: ThreadPoolExecutor | None = None  # compile_within's, made at its first call
+
+    def compile_within(self, spec: GrammarSpec, budget_s: float = COMPILE_BUDGET_S) -> CompiledGrammar:
+        """`compile`, on the compiler's own threads, waited for at most `budget_s`: the caller (a
+        worker's call handler, the router's check) never holds the engine thread or an event loop
+        while a grammar builds. InvalidSamplingParam("grammar", ...) when it does not compile or
+        runs past the budget; a grammar refused once is refused again without a second compile
+        (the compile that ran long finishes on its thread, and its result is dropped)."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            reason = self._refused.get(spec)
+            if compiled is None and reason is None and self._threads is None:
+                self._threads = ThreadPoolExecutor(
+                    _COMPILE_THREADS, thread_name_prefix="grammar-compile", initializer=_yield_to_the_engine
+                )
+        if compiled is not None:
+            return self.compile(spec)  # counted as a hit, moved to the cache's fresh end
+        if reason is not None:
+            raise InvalidSamplingParam("grammar", reason)
+        assert self._threads is not None
+        future = self._threads.submit(self.compile, spec)
+        try:
+            return future.result(timeout=budget_s)
+        except FutureTimeout:
+            reason = f"did not compile within the budget of {budget_s:g} s ({spec.kind}): simplify it"
+            self._refuse(spec, reason)
+            raise InvalidSamplingParam("grammar", reason) from None
+        except InvalidSamplingParam as e:
+            self._refuse(spec, str(e).removeprefix(f"{e.field} "))
+            raise
+
+    def _refuse(self, spec: GrammarSpec, reason: str) -> None:
+        with self._lock:
+            self._refused[spec] = reason
+            self._cache.pop(spec, None)  # a compile that finished after the budget ran out
+            while len(self._refused) > self.cache_size:
+                self._refused.popitem(last=False)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """`spec` compiled (from the cache when seen lately); InvalidSamplingParam("grammar", reason)
-        when it does not compile. A failure is not cached: the router turns those away first."""
+        when it does not compile, or was refused by `compile_within` before."""
         with self._lock:
+            if spec in self._refused:
+                raise InvalidSamplingParam("grammar", self._refused[spec])
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
@@ -88,11 +146,15 @@ class GrammarCompiler:
             self.cache_misses += 1
         # Outside the lock: llguidance builds the grammar with the GIL released (up to a second
         # for a huge schema), and two threads compiling one spec at once only waste the second.
-        start = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0)
+        start = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0, limits=parser_limits())
+        # The start state's mask builds most of the lexer (1.8 s of `(a{1000}){1000}`'s cost
+        # under llguidance's default limits): computed by CompiledGrammar, on this thread.
+        compiled = CompiledGrammar(spec, start, self.vocab_size)
         if start.is_error():
             raise InvalidSamplingParam("grammar", f"does not compile ({spec.kind}): {start.get_error().strip()}")
-        compiled = CompiledGrammar(spec, start, self.vocab_size)
         with self._lock:
+            if spec in self._refused:  # it ran past its budget: refused, however it ended
+                raise InvalidSamplingParam("grammar", self._refused[spec])
             self._cache[spec] = compiled
             self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_size:
@@ -103,15 +165,17 @@ class GrammarCompiler:
 class Matcher:
     """One sequence's place in its grammar: advanced by each token the sequence samples."""
 
-    __slots__ = ("_matcher", "compiled")
+    __slots__ = ("_at_start", "_matcher", "compiled")
 
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
         self._matcher = compiled._start.deep_copy()  # shares the compiled grammar; about 1 us
+        self._at_start = True  # no token taken yet: the mask is the compiled grammar's start_mask
 
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`. False when the grammar does not allow it: the matcher is then in
         its error state for good (`error` says why) and its mask allows only end-of-sequence."""
+        self._at_start = False
         return self._matcher.consume_token(token_id)
 
     def fork(self) -> Matcher:
@@ -120,6 +184,7 @@ class Matcher:
         copy = Matcher.__new__(Matcher)
         copy.compiled = self.compiled
         copy._matcher = self._matcher.deep_copy()
+        copy._at_start = self._at_start
         return copy
 
     def allowed_prefix(self, token_ids: list[int]) -> int:
@@ -132,6 +197,7 @@ class Matcher:
         first token the grammar does not allow (the matcher is then of no further use)."""
         ids = [int(t) for t in token_ids]
         self._matcher = self.compiled._start.deep_copy()
+        self._at_start = not ids
         accepted = self._matcher.try_consume_tokens(ids)
         # try_consume_tokens stops at an end-of-sequence id even where the grammar may end;
         # consume_token takes it there (and nothing may follow it)
@@ -149,6 +215,9 @@ class Matcher:
         if not 0 <= row < bitmask.shape[0]:
             raise IndexError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
         words = bitmask[row]
+        if self._at_start:
+            words.copy_(self.compiled.start_mask)
+            return
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     @property
@@ -184,6 +253,10 @@ def fill_masks(matchers: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -
     """Fill `bitmask[row]` for each (matcher, row), all in one call on llguidance's threads with
     the GIL released, so a thread can run it while the forward pass runs. The matchers are the
     call's until it returns: accept() on one of them meanwhile would race with its mask."""
+    for matcher, row in matchers:
+        if matcher._at_start:  # copied from its compiled grammar, not computed
+            matcher.fill_mask(bitmask, row)
+    matchers = [(m, row) for m, row in matchers if not m._at_start]
     if not matchers:
         return
     if len(matchers) == 1:  # the thread pool's hand-off costs more than one mask
@@ -240,6 +313,16 @@ def _check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
             f"a bitmask over {vocab_size} ids is contiguous with {bitmask_words(vocab_size)} words a row, "
             f"got shape {tuple(bitmask.shape)}"
         )
+
+
+def _yield_to_the_engine() -> None:
+    """A compile thread runs at a lower priority than the process's others (on Linux a thread is
+    a task of its own, and has its own nice value): a grammar that builds for seconds on a
+    machine with few cores then takes the cores the engine's step leaves, not the step's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
+    except (OSError, AttributeError):  # not Linux, or not allowed: the compile runs at the process's priority
+        pass
 
 
 @lru_cache(maxsize=1)

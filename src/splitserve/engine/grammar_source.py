@@ -37,6 +37,17 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "whitespace_pat
 _CACHE_SIZE = 1024
 
 
+# llguidance's own bounds on the work one grammar may cost, tighter than its defaults where a short
+# pattern could cost seconds: `(a{1000}){1000}` (15 characters) took 1.8 s for its first mask under
+# the defaults, on the engine thread, while every other stream in the batch waited; with a tenth of
+# the initial lexer fuel it takes about 60 ms and then ends its own request with "too many
+# expressions constructed". The step bounds keep each later mask to a few milliseconds (llguidance
+# documents ~14k fuel and ~20k items a millisecond).
+def parser_limits() -> llguidance.LLParserLimits:
+    """The bounds every grammar is compiled and checked under, here and in the engine."""
+    return llguidance.LLParserLimits(initial_lexer_fuel=100_000, step_lexer_fuel=50_000, step_max_items=20_000)
+
+
 @lru_cache(maxsize=_CACHE_SIZE)
 def grammar_text(spec: GrammarSpec) -> str:
     """`spec` as the grammar text llguidance's matcher takes. InvalidSamplingParam("grammar", ...)
@@ -68,7 +79,7 @@ def _compile_error(spec: GrammarSpec) -> str:
         text = grammar_text(spec)
     except InvalidSamplingParam as e:
         return str(e).removeprefix(f"{e.field} ")
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=parser_limits())
     if is_error:
         return f"does not compile ({spec.kind}): {messages[0].strip()}"
     return ""

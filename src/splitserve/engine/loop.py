@@ -108,7 +108,14 @@ class EngineLoop:
     def submit(self, command: Command, sink: Sink | None = None) -> Future[Any]:
         """Run `command` on the engine thread before the next step; the Future answers it (see
         engine/commands.py). `sink` gets the outputs of the request an Admit or Reserve admits,
-        from the admission on: it must not block."""
+        from the admission on: it must not block.
+
+        A request's grammar is compiled here, on the caller's thread and within its budget
+        (engine/grammar.py), so the engine thread finds it compiled: a grammar that takes seconds
+        holds its own call, never the batch. InvalidSamplingParam (a ValueError) when it does not
+        compile or runs past the budget, raised here rather than through the Future."""
+        if isinstance(command, Admit | Reserve) and command.params.grammar is not None:
+            self.engine.grammars().compile_within(command.params.grammar)
         return self._post(command, sink)
 
     @property

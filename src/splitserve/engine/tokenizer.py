@@ -70,6 +70,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+_LONG_TEXT = 16_384  # characters: beyond, `encode` lets other threads run (about 10 ms of tokenizing)
 
 
 @lru_cache(maxsize=1)
@@ -210,7 +211,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are
-        always recognised; `add_special_tokens` adds what the model adds itself (e.g. BOS)."""
+        always recognised; `add_special_tokens` adds what the model adds itself (e.g. BOS).
+
+        A long text goes through the batch call, which runs with the GIL released (the single
+        call holds it: a 5 MB prompt held every other thread of the process for 3.4 s, against
+        0.18 s this way), so a router or worker thread tokenizing it stalls no one else."""
+        if len(text) > _LONG_TEXT:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -392,7 +392,7 @@ class OpenAIServer:
             self.generation.check_key(authorization)  # before reading: a stranger's body is not parsed
             oreq = self._translate(await self._read(request), chat)
             trace_parent = tracing.extract(request.headers)  # the client's traceparent, if it sent one
-            run = self.generation.admit(oreq.generate, authorization, None, trace_parent, front_door="http")
+            run = await self.generation.admit(oreq.generate, authorization, None, trace_parent, front_door="http")
         except BodyError as e:
             resp = _error(e.status, str(e))
             if e.close:

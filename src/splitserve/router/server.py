@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -34,7 +35,7 @@ from splitserve.router.readiness import Readiness, readiness
 from splitserve.router.request import RequestFailed, RequestRun
 from splitserve.router.status import status_details
 from splitserve.router.tokenizer import RouterTokenizer
-from splitserve.router.validation import ValidationError, validate
+from splitserve.router.validation import ValidationError, ValidRequest, validate
 from splitserve.router.workers import WorkerSet
 from splitserve.runtime import tracing
 
@@ -44,6 +45,9 @@ if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads onl
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Generation"
+# a request this large (its prompt, mostly) is validated on a thread: tokenizing it takes milliseconds
+_HEAVY_REQUEST_BYTES = 16_384
+_CHECK_THREADS = 2
 HEALTH_DETAILS_KEY = "splitserve-health-details"  # a health Check's trailer: readiness's details, for people
 
 
@@ -76,6 +80,7 @@ class GenerationService:
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
         self._active: set[str] = set()  # request ids in flight
+        self._checks = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="router-checks")  # see `admit`
         api_key = cfg.listeners.api_key
         self._bearer = f"Bearer {api_key}".encode() if api_key else None
 
@@ -88,7 +93,7 @@ class GenerationService:
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
             )
 
-    def admit(
+    async def admit(
         self,
         request: pb.GenerateRequest,
         authorization: str | None,
@@ -104,6 +109,10 @@ class GenerationService:
 
         The request's trace starts here: its span (router.generate, under the client's
         `trace_parent` when it sent a traceparent) ends with `stream`, or here if it is refused.
+
+        A request with a grammar or a long prompt is validated on a thread of the router's own:
+        checking the grammar and tokenizing the prompt run with the GIL released there, so the
+        event loop goes on sending every other stream's tokens meanwhile.
         """
         self.check_key(authorization)
         span = tracing.start_span(
@@ -113,13 +122,29 @@ class GenerationService:
             kind=SpanKind.SERVER,
         )
         try:
-            return self._admit(request, time_remaining, span)
+            heavy = request.sampling.HasField("grammar") or request.ByteSize() > _HEAVY_REQUEST_BYTES
+            if heavy:
+                valid = await asyncio.get_running_loop().run_in_executor(self._checks, self._validate, request)
+            else:
+                valid = self._validate(request)
+            return self._admit(valid, time_remaining, span)
         except RequestFailed as e:
             span.set_attribute("rpc.grpc.status_code", e.code.value[0])
             tracing.end_span(span, status_details(str(e)))
             raise
 
-    def _admit(self, request: pb.GenerateRequest, time_remaining: float | None, span: Span) -> RequestRun:
+    def _validate(self, request: pb.GenerateRequest) -> ValidRequest:
+        self._check_room()
+        try:
+            return validate(request, self.cfg.limits, self.tokenizer)
+        except ValidationError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Exception:  # validation must name a field for every bad request; this is its bug, not the client's
+            log.exception("validating request %r failed", request.request_id[:128])
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
+
+    def _check_room(self) -> None:
+        """Refusals that cost nothing to find, before the request's own checks."""
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down: retry on another replica")
         max_inflight = self.cfg.limits.max_inflight
@@ -127,13 +152,9 @@ class GenerationService:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {max_inflight} requests in flight"
             )
-        try:
-            req = validate(request, self.cfg.limits, self.tokenizer)
-        except ValidationError as e:
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except Exception:  # validation must name a field for every bad request; this is its bug, not the client's
-            log.exception("validating request %r failed", request.request_id[:128])
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router") from None
+
+    def _admit(self, req: ValidRequest, time_remaining: float | None, span: Span) -> RequestRun:
+        self._check_room()  # again, after a validation on the thread: others may have come in meanwhile
         if req.request_id in self._active:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
         timeout = self.cfg.deadlines.request_timeout_s
@@ -190,6 +211,10 @@ class GenerationService:
             self.metrics.inflight.dec()
             self._active.discard(rid)
 
+    def close(self) -> None:
+        """Stop the validation threads (a check still running finishes on its own)."""
+        self._checks.shutdown(wait=False, cancel_futures=True)
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Whether nothing is in flight within `timeout_s` (for a graceful stop)."""
         try:
@@ -209,7 +234,7 @@ class GenerationService:
                 authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
                 self.check_key(authorization)
                 trace_parent = tracing.extract(context.invocation_metadata())
-                run = self.admit(parse_request(request), authorization, context.time_remaining(), trace_parent)
+                run = await self.admit(parse_request(request), authorization, context.time_remaining(), trace_parent)
                 async for resp in self.stream(run):
                     yield resp
             except RequestFailed as e:
@@ -381,3 +406,4 @@ class Router:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.workers.close()
+        self.generation.close()

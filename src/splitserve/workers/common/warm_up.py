@@ -9,6 +9,10 @@ lands on a client's first token.
 
 The prompt is shorter than one KV block, so nothing enters the prefix cache,
 and every block goes back to the free list when it finishes.
+
+The grammar compiler is built here too: llguidance reads the vocabulary holding
+the GIL (half a second for SmolLM2's 49k tokens), which, left to the first
+request with a grammar, stalled every stream of the batch for that long.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def warm_up(engine: Engine) -> float:
     params = SamplingParams(max_tokens=WARM_UP_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     free = engine.blocks.num_free_blocks
     engine.generate([[0] * prompt_len], params)
+    if engine.tokenizer is not None:
+        engine.grammars()
     if engine.blocks.num_free_blocks != free:  # a warm-up that kept a block would cost a client one
         raise RuntimeError(f"warm-up left {free - engine.blocks.num_free_blocks} KV block(s) allocated")
     took = time.monotonic() - t
