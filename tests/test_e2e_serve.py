@@ -5,6 +5,7 @@ start as well as after it."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -47,6 +48,21 @@ class Serve:
         line = self.wait_for("splitserve: listening on", 240)
         return int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
+    def session_pids(self) -> list[int]:
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def listening(self) -> list[tuple[str, int, int]]:
+        """Every TCP socket a process of serve's session listens on, as (address, port, pid)."""
+        return listening_sockets(self.session_pids())
+
     def left_behind(self) -> list[str]:
         """Processes still in serve's session (Ray's included), as 'pid command'."""
         found = []
@@ -69,6 +85,39 @@ class Serve:
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
+    """What `ss -ltnp` lists for these processes, read from /proc (no tool needed): (address, port, pid)."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:  # gone, or not ours to read
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in owner:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = local.split(":")
+            raw = bytes.fromhex(hexaddr)
+            # the kernel writes each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hexport, 16), owner[inode]))
+    return found
+
+
+def is_loopback_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 @pytest.fixture
@@ -103,6 +152,15 @@ def test_serve_answers_generate_and_stops_on_sigterm(serve):
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout, out.stdout
+    # a default serve: nothing of it, Ray's processes included, listens beyond this machine
+    sockets = serve.listening()
+    assert sockets and {pid for _, _, pid in sockets} != {serve.proc.pid}, sockets  # Ray's and the workers' too
+    exposed = [s for s in sockets if not is_loopback_address(s[0])]
+    assert not exposed, exposed
+    assert (
+        "splitserve: the router's ports are on loopback (127.0.0.1): reachable from this machine only" in serve.text()
+    )
+    assert "Ray (local): its ports on loopback" in serve.text()
     assert serve.terminate() == 0, serve.text()[-3000:]
     assert "splitserve: stopping" in serve.text()
     assert "SIGTERM received" not in serve.text()  # Ray's own handler, which dies loudly

@@ -391,7 +391,9 @@ def test_a_pattern_that_explodes_the_lexer_compiles_quickly_and_fails_only_its_o
     assert other.accept(b) and other.error is None
 
 
-@pytest.mark.parametrize("spec", [GrammarSpec("json_schema", json.dumps(PERSON)), GrammarSpec("regex", "(a{1000}){1000}")])
+@pytest.mark.parametrize(
+    "spec", [GrammarSpec("json_schema", json.dumps(PERSON)), GrammarSpec("regex", "(a{1000}){1000}")]
+)
 def test_a_fresh_matchers_mask_is_the_start_mask_computed_once(compiler, spec):
     """A sequence's first mask is copied from its compiled grammar (computed on the compiling
     thread), and is exactly what llguidance computes for the fresh state."""

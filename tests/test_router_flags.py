@@ -59,7 +59,7 @@ def test_the_flags_defaults_are_the_configs() -> None:
     cfg = router_config_from_args(parse("router", "--decode", "d:1", "--api-key", ""), None)
     assert cfg.routing == RoutingConfig()
     lis = cfg.listeners
-    assert (lis.host, lis.grpc_port, lis.metrics_port, lis.http_port) == ("0.0.0.0", 50051, 0, 8000)
+    assert (lis.host, lis.grpc_port, lis.metrics_port, lis.http_port) == ("127.0.0.1", 50051, 0, 8000)
     assert cfg.limits == RouterConfig().limits
 
 

@@ -317,6 +317,11 @@ def _start_ray(a: argparse.Namespace) -> Any:
     if not a.ray_address and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
         # a local cluster gets a fresh token of its own, handed to Ray's processes by environment
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    if not a.ray_address:
+        # Ray's single-machine mode (its default on macOS and Windows): the node's address is
+        # 127.0.0.1, and then the GCS, the raylet and every core worker listen on loopback only.
+        # Otherwise each of them listens on all interfaces, the token their only guard.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if a.ray_address:
@@ -412,9 +417,32 @@ async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, spec
             "/v1/completions)",
             flush=True,
         )
+    for line in exposure_lines(a, router.generation.keys.required):
+        print(f"splitserve: {line}", flush=True)
     for role in ROLES:
         for g, kv in pools.addresses(role):
             print(f"  {role} worker  grpc {g}" + (f"  kv {kv}" if kv else ""), flush=True)
+
+
+def exposure_lines(a: argparse.Namespace, keyed: bool) -> list[str]:
+    """What of this cluster another machine can reach, said at start."""
+    from splitserve.workers.common.auth import is_loopback
+
+    if is_loopback(a.host):
+        front = f"the router's ports are on loopback ({a.host}): reachable from this machine only"
+    elif keyed:
+        front = f"the router's ports are open to the network on {a.host}: every route but /health needs an API key"
+    else:
+        front = (
+            f"the router's ports are open to the network on {a.host} WITHOUT an API key: anyone who reaches them may"
+        )
+    workers = "on loopback" if is_loopback(a.worker_host) else f"on {a.worker_host}, open to the network"
+    if a.ray_address:
+        auth = os.environ.get("RAY_AUTH_MODE", "off")
+        ray = f"Ray cluster {a.ray_address}: its ports on its nodes' addresses, token authentication {auth}"
+    else:
+        ray = "Ray (local): its ports on loopback, token authentication on"
+    return [front, f"workers' control and KV ports {workers}, the control calls behind the cluster token", ray]
 
 
 async def _run_until_stopped(

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, get_args
 
+from splitserve.router.tenants import Tenant
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -108,7 +110,10 @@ class Limits:
     # prompt, so one request must not take a worker's whole batch
     max_n: int = 16
     max_request_id_chars: int = 128
-    max_inflight: int = 1024  # requests in flight at once; beyond: RESOURCE_EXHAUSTED at once (no queue)
+    max_inflight: int = 1024  # requests in flight at once, waiting for a seat or running; beyond: refused at once
+    # requests running on the workers at once; beyond, they wait in the router for a seat, in the
+    # tenants' fair order (router/seats.py). None: every admitted request runs at once
+    max_running: int | None = None
 
     def __post_init__(self) -> None:
         _check_numbers(
@@ -122,6 +127,8 @@ class Limits:
                 "max_n",
             ),
         )
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"Limits.max_running must be >= 1 (or None), got {self.max_running}")
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("Limits.max_prompt_tokens must be below max_model_len")
         if self.default_max_tokens > self.max_tokens_cap:
@@ -171,12 +178,15 @@ class Listeners:
     """Where the router listens, and the credentials on both sides of it: the key clients send,
     the token the router sends to its workers."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback: another machine reaches the router only when --host says so
     grpc_port: int = 50051
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
     http_port: int | None = None  # the OpenAI-compatible HTTP front door; None: off, 0: any free port
     model_name: str = "splitserve"  # what /v1/models reports
     api_key: str | None = None  # clients send "authorization: Bearer <key>"
+    # /metrics (on the HTTP port and --metrics-port) answers this key too, with no tenant's rights;
+    # "" opens /metrics to anyone who reaches the port (a scraper on a private network)
+    metrics_key: str | None = None
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
 
     def __post_init__(self) -> None:
@@ -198,9 +208,19 @@ class RouterConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     retries: Retries = field(default_factory=Retries)
     listeners: Listeners = field(default_factory=Listeners)
+    # the API keys and what each may do (router/tenants.py); listeners.api_key is one more, "default"
+    tenants: tuple[Tenant, ...] = ()
     # readiness: health is NOT_SERVING until each of these pools has a ready worker
     required_pools: tuple[str, ...] = ("decode",)
 
+    def all_tenants(self) -> tuple[Tenant, ...]:
+        """The tenants file's and --api-key's, together."""
+        key = self.listeners.api_key
+        return self.tenants + ((Tenant("default", (key,)),) if key else ())
+
     def __post_init__(self) -> None:
+        names = [t.name for t in self.all_tenants()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"RouterConfig.tenants: a name given twice in {names} (--api-key is tenant 'default')")
         if not set(self.required_pools) <= {"decode", "prefill"}:
             raise ValueError(f"RouterConfig.required_pools must name decode and/or prefill, got {self.required_pools}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
+from splitserve.router.tenants import Tenant, load_tenants
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tracing import add_tracing_argument
 
@@ -19,7 +20,12 @@ _DEFAULTS = RouterConfig()
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The router's flags; the parser must also have --block-size."""
-    p.add_argument("--host", default=_DEFAULTS.listeners.host, help="router address to bind")
+    p.add_argument(
+        "--host",
+        default=_DEFAULTS.listeners.host,
+        help="address the router's ports listen on: loopback by default, reachable from this machine only; "
+        "0.0.0.0 (or an interface's address) opens them to the network, so give --api-key or --tenants-file too",
+    )
     p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
     p.add_argument(
@@ -68,6 +74,27 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
     p.add_argument(
+        "--tenants-file",
+        type=_tenants_file,
+        default=(),
+        metavar="PATH",
+        help="API keys by tenant, each with its own limits, share and priority (TOML; router/tenants.py)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=_DEFAULTS.limits.max_running,
+        help="requests running on the workers at once; beyond, they wait in the router and the seats go to the "
+        "tenants in fair shares by token cost, higher priority first (default: no limit, no waiting)",
+    )
+    add_secret_argument(
+        p,
+        "--metrics-key",
+        "SPLITSERVE_METRICS_KEY",
+        "a key /metrics accepts besides the API keys, for a scraper that should have no tenant's rights "
+        "('' opens /metrics to anyone who reaches the port)",
+    )
+    p.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=30.0,
@@ -94,6 +121,15 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         metrics_port=a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         api_key=a.api_key,
+        metrics_key=a.metrics_key,
         cluster_token=cluster_token,
     )
-    return RouterConfig(routing=routing, limits=Limits(max_inflight=a.max_inflight), listeners=listeners)
+    limits = Limits(max_inflight=a.max_inflight, max_running=a.max_running_requests)
+    return RouterConfig(routing=routing, limits=limits, listeners=listeners, tenants=a.tenants_file)
+
+
+def _tenants_file(path: str) -> tuple[Tenant, ...]:
+    try:
+        return load_tenants(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -33,10 +33,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import grpc
 from aiohttp import web
@@ -44,6 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.engine.tool_call_format import ToolCallFormat
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED
 from splitserve.router.json_body import BodyError, parse_json_body
 from splitserve.router.openai_choices import Answer, Piece, Shape, stream_choice, whole_choices
 from splitserve.router.openai_fields import BadRequest, boolean, bounded, integer, number, set_field, string, unicode
@@ -54,6 +56,7 @@ from splitserve.router.openai_tools import TOOL_FIELDS, ToolChoice, parse_tool_c
 from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details
+from splitserve.router.tenants import PRIORITY_KEY
 from splitserve.runtime import tracing
 
 log = logging.getLogger(__name__)
@@ -113,11 +116,18 @@ class OpenAIRequest(NamedTuple):
     continuous_usage: bool = False  # usage on every chunk too (vLLM's continuous_usage_stats)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", retry_after_s: float | None = None
+) -> web.Response:
     # json.dumps escapes non-ASCII, so a client's lone surrogate quoted back cannot break the encoding;
     # the length is bounded as gRPC's is, the same message either way
     body = {"error": {"message": status_details(message), "type": kind, "code": status}}
-    return web.json_response(body, status=status)
+    headers = {"Retry-After": str(math.ceil(retry_after_s))} if retry_after_s is not None else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _failed(e: RequestFailed, kind: str = "invalid_request_error") -> web.Response:
+    return _error(_HTTP_STATUS.get(e.code, 500), str(e), kind, e.retry_after_s)
 
 
 def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
@@ -295,13 +305,20 @@ def from_openai(
 
 class OpenAIServer:
     def __init__(
-        self, generation: Any, model_name: str, ready: Callable[[], Readiness], registry: CollectorRegistry
+        self,
+        generation: Any,
+        model_name: str,
+        ready: Callable[[], Readiness],
+        registry: CollectorRegistry,
+        may_read_metrics: Callable[[str | None], bool] | None = None,
     ) -> None:
         self.generation = generation  # router.server.GenerationService
         self.model_name = model_name
         self.ready = ready  # Router.readiness
         self.registry = registry  # the router's metrics
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        # Router.may_read_metrics: a tenant's key or --metrics-key (None: the API keys alone)
+        self.may_read_metrics = may_read_metrics or (lambda a: generation.keys.tenant(a) is not None)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._require_key])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.chat_completions),
@@ -313,6 +330,22 @@ class OpenAIServer:
         )
         self._runner: web.AppRunner | None = None
         self._token_text: TokenText | None = None
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every route behind the key but /health (router/auth.py), an unknown path too: without
+        the key, 401 is all a stranger learns. /metrics also answers --metrics-key
+        (`may_read_metrics`)."""
+        if request.path in OPEN_HTTP_PATHS or not self.generation.keys.required:
+            return cast(web.StreamResponse, await handler(request))
+        authorization = request.headers.get("Authorization")
+        if request.path == "/metrics":
+            allowed = self.may_read_metrics(authorization)
+        else:
+            allowed = self.generation.keys.tenant(authorization) is not None
+        if not allowed:
+            return _error(401, UNAUTHENTICATED, "authentication_error")
+        return cast(web.StreamResponse, await handler(request))
 
     async def start(self, host: str, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler at once, wherever it
@@ -392,7 +425,10 @@ class OpenAIServer:
             self.generation.check_key(authorization)  # before reading: a stranger's body is not parsed
             oreq = self._translate(await self._read(request), chat)
             trace_parent = tracing.extract(request.headers)  # the client's traceparent, if it sent one
-            run = await self.generation.admit(oreq.generate, authorization, None, trace_parent, front_door="http")
+            priority = request.headers.get(PRIORITY_KEY)
+            admitted = await self.generation.admit(
+                oreq.generate, authorization, None, trace_parent, front_door="http", priority=priority
+            )
         except BodyError as e:
             resp = _error(e.status, str(e))
             if e.close:
@@ -401,10 +437,13 @@ class OpenAIServer:
         except BadRequest as e:
             return _error(400, str(e))
         except RequestFailed as e:  # a grammar that does not compile too: "sampling.grammar: ...", 400
-            return _error(_HTTP_STATUS.get(e.code, 500), str(e))
-        if oreq.stream:
-            return await self._stream(request, run, oreq)
-        return await self._whole(run, oreq)
+            return _failed(e)
+        try:
+            if oreq.stream:
+                return await self._stream(request, admitted, oreq)
+            return await self._whole(admitted, oreq)
+        finally:  # (the stream gives it back itself; this is for an answer that never started one)
+            self.generation.release(admitted)
 
     async def _whole(self, run: Any, oreq: OpenAIRequest) -> web.Response:
         created = int(time.time())
@@ -416,7 +455,7 @@ class OpenAIServer:
                 async for r in responses:
                     pieces.append(answer.update(r))
         except RequestFailed as e:
-            return _error(_HTTP_STATUS.get(e.code, 500), str(e), "server_error")
+            return _failed(e, "server_error")
         except asyncio.CancelledError:  # the client went away while the answer was being made
             log.info("request %s: the client disconnected before its answer; request cancelled", rid)
             raise

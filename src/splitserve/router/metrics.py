@@ -30,8 +30,34 @@ class RouterMetrics:
         self.client = ClientMetrics(self.registry, cfg.listeners.model_name, f"router-{cfg.listeners.grpc_port}")
         self._add_routing_metrics(self.registry, cfg)
         self._add_pool_metrics(self.registry)
+        self._add_tenant_metrics(self.registry)
         self._blocks = 0
         self._hits = 0
+
+    def _add_tenant_metrics(self, r: CollectorRegistry) -> None:
+        """Per tenant (router/tenants.py; "anonymous" without keys): one series each, as many as the
+        tenants file names, never a value a client chooses."""
+        self.tenant_requests = Counter(
+            "splitserve_router_tenant_requests",
+            "Requests run, by tenant and final status",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "splitserve_router_tenant_refusals",
+            "Requests refused for the tenant's own limits (in flight, tokens per minute)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "splitserve_router_tenant_tokens", "Tokens served, by tenant and kind", ["tenant", "kind"], registry=r
+        )
+        self.tenant_waiting = Gauge(
+            "splitserve_router_tenant_waiting_requests",
+            "Requests waiting in the router for a seat (--max-running-requests), by tenant",
+            ["tenant"],
+            registry=r,
+        )
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(

@@ -75,12 +75,17 @@ _FINISH: dict[wpb.FinishReason, pb.FinishReason] = {
 }
 
 
-class RequestFailed(Exception):
-    """The request cannot go on; the server answers with this gRPC status."""
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata of a refusal that may succeed later: whole seconds
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+
+class RequestFailed(Exception):
+    """The request cannot go on; the server answers with this gRPC status (and, where a retry
+    may succeed after a known time, `retry_after_s`: HTTP's Retry-After, gRPC's retry-after)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 class Fault(Enum):

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,12 +30,16 @@ from opentelemetry.trace import Span, SpanKind
 
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.auth import KeyInterceptor
 from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.readiness import Readiness, readiness
-from splitserve.router.request import RequestFailed, RequestRun
+from splitserve.router.request import RETRY_AFTER_KEY, RequestFailed, RequestRun
+from splitserve.router.seats import Seats
 from splitserve.router.status import status_details
+from splitserve.router.tenant_limits import TenantLimits
+from splitserve.router.tenants import PRIORITY_KEY, KeyRing, Tenant, priority_band
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidationError, ValidRequest, validate
 from splitserve.router.workers import WorkerSet
@@ -61,6 +67,17 @@ def parse_request(raw: bytes) -> pb.GenerateRequest:
         ) from None
 
 
+@dataclass
+class Admitted:
+    """A request past admission: its run, and what it holds of its tenant's until it ends."""
+
+    run: RequestRun
+    tenant: Tenant
+    band: int
+    tokens: int  # taken from the tenant's tokens per minute: prompt + n x max_tokens
+    released: bool = False
+
+
 class GenerationService:
     def __init__(
         self,
@@ -81,17 +98,20 @@ class GenerationService:
         self._idle.set()
         self._active: set[str] = set()  # request ids in flight
         self._checks = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="router-checks")  # see `admit`
-        api_key = cfg.listeners.api_key
-        self._bearer = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = KeyRing(cfg.all_tenants())
+        self.tenant_limits = TenantLimits(time.monotonic)
+        self.seats = Seats(cfg.limits.max_running)
 
-    def check_key(self, authorization: str | None) -> None:
-        """RequestFailed(UNAUTHENTICATED) unless the API key is off or matches; the first check of a call."""
-        # in constant time: a comparison that stops at the first wrong byte lets a client find the
-        # key byte by byte from response times (the workers' token check does the same)
-        if self._bearer is not None and not hmac.compare_digest((authorization or "").encode(), self._bearer):
+    def check_key(self, authorization: str | None) -> Tenant:
+        """The tenant whose key the call carries; RequestFailed(UNAUTHENTICATED) when it carries
+        none that is known (keys are compared in constant time: router/tenants.py). The first
+        check of a call."""
+        tenant = self.keys.tenant(authorization)
+        if tenant is None:
             raise RequestFailed(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer <key>)"
             )
+        return tenant
 
     async def admit(
         self,
@@ -100,12 +120,15 @@ class GenerationService:
         time_remaining: float | None,
         trace_parent: Context | None = None,
         front_door: str = "grpc",
-    ) -> RequestRun:
+        priority: str | None = None,
+    ) -> Admitted:
         """Everything a request must pass before it runs, for both front doors (gRPC and HTTP).
 
-        Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED,
+        Raises RequestFailed with the status to answer: UNAUTHENTICATED, RESOURCE_EXHAUSTED
+        (the router's or the tenant's limits; with a retry-after where one is known),
         INVALID_ARGUMENT (naming the field) or ALREADY_EXISTS; INTERNAL (logged) if validation
-        itself fails.
+        itself fails. What the request holds of its tenant's limits is given back by `stream`
+        when it ends, or by `release` if it never runs.
 
         The request's trace starts here: its span (router.generate, under the client's
         `trace_parent` when it sent a traceparent) ends with `stream`, or here if it is refused.
@@ -114,7 +137,7 @@ class GenerationService:
         checking the grammar and tokenizing the prompt run with the GIL released there, so the
         event loop goes on sending every other stream's tokens meanwhile.
         """
-        self.check_key(authorization)
+        tenant = self.check_key(authorization)
         span = tracing.start_span(
             "router.generate",
             trace_parent or Context(),
@@ -127,7 +150,18 @@ class GenerationService:
                 valid = await asyncio.get_running_loop().run_in_executor(self._checks, self._validate, request)
             else:
                 valid = self._validate(request)
-            return self._admit(valid, time_remaining, span)
+            try:
+                band = priority_band(tenant, priority)
+            except ValueError as e:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            run = self._admit(valid, time_remaining, span)
+            tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
+            refusal = self.tenant_limits.admit(tenant, tokens)
+            if refusal is not None:
+                self.metrics.tenant_refusals.labels(tenant.name).inc()
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if refusal.retry_after_s is not None else None
+                raise RequestFailed(code or grpc.StatusCode.INVALID_ARGUMENT, refusal.message, refusal.retry_after_s)
+            return Admitted(run, tenant, band, tokens)
         except RequestFailed as e:
             span.set_attribute("rpc.grpc.status_code", e.code.value[0])
             tracing.end_span(span, status_details(str(e)))
@@ -171,9 +205,22 @@ class GenerationService:
             span=span,
         )
 
-    async def stream(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]:
-        """Run an admitted request, counted in flight; failures come out as RequestFailed. Ends
-        the request's span."""
+    def release(self, admitted: Admitted) -> None:
+        """Give back what the request holds of its tenant's limits (once; `stream` does it at its end)."""
+        if admitted.released:
+            return
+        admitted.released = True
+        run = admitted.run
+        used = len(run.req.prompt_token_ids) + run.response.completion_tokens
+        self.tenant_limits.release(admitted.tenant, admitted.tokens - used)
+        self.metrics.tenant_tokens.labels(admitted.tenant.name, "prompt").inc(len(run.req.prompt_token_ids))
+        self.metrics.tenant_tokens.labels(admitted.tenant.name, "completion").inc(run.response.completion_tokens)
+
+    async def stream(self, admitted: Admitted) -> AsyncIterator[pb.GenerateResponse]:
+        """Run an admitted request, counted in flight, once a seat is its (router/seats.py);
+        failures come out as RequestFailed. Ends the request's span, and gives back its seat and
+        its tenant's share."""
+        run = admitted.run
         rid = run.req.request_id
         error: str | None = None
         code = grpc.StatusCode.OK
@@ -181,7 +228,10 @@ class GenerationService:
         self._idle.clear()
         self.metrics.inflight.inc()
         self._active.add(rid)
+        seated = False
         try:
+            await self._take_seat(admitted)
+            seated = True
             async for resp in run.run():
                 yield resp
         except RequestFailed as e:
@@ -205,11 +255,23 @@ class GenerationService:
                     }
                 )
             tracing.end_span(run.span, error)
+            if seated:
+                self.seats.give_back(admitted.tenant)
+            self.release(admitted)
+            self.metrics.tenant_requests.labels(admitted.tenant.name, code.name).inc()
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
             self.metrics.inflight.dec()
             self._active.discard(rid)
+
+    async def _take_seat(self, admitted: Admitted) -> None:
+        waiting = self.metrics.tenant_waiting.labels(admitted.tenant.name)
+        waiting.inc()
+        try:
+            await self.seats.take(admitted.tenant, admitted.tokens, admitted.band)
+        finally:
+            waiting.dec()
 
     def close(self) -> None:
         """Stop the validation threads (a check still running finishes on its own)."""
@@ -230,15 +292,28 @@ class GenerationService:
         code = grpc.StatusCode.OK
         try:
             try:
-                value = dict(context.invocation_metadata() or ()).get("authorization")
+                metadata = dict(context.invocation_metadata() or ())
+                value = metadata.get("authorization")
                 authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
                 self.check_key(authorization)
                 trace_parent = tracing.extract(context.invocation_metadata())
-                run = await self.admit(parse_request(request), authorization, context.time_remaining(), trace_parent)
-                async for resp in self.stream(run):
-                    yield resp
+                priority = metadata.get(PRIORITY_KEY)
+                admitted = await self.admit(
+                    parse_request(request),
+                    authorization,
+                    context.time_remaining(),
+                    trace_parent,
+                    priority=priority if isinstance(priority, str) else None,
+                )
+                try:
+                    async for resp in self.stream(admitted):
+                        yield resp
+                finally:
+                    self.release(admitted)
             except RequestFailed as e:
                 code = e.code
+                if e.retry_after_s is not None:
+                    context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(e.retry_after_s))),))
                 await context.abort(e.code, status_details(str(e)))
             except Exception:  # the router's own fault: logged, and INTERNAL rather than grpc's bare UNKNOWN
                 log.exception("Generate failed")
@@ -338,6 +413,16 @@ class Router:
         self.http_port = 0
         self._stop_metrics: Callable[[], None] | None = None  # the --metrics-port server, when there is one
 
+    def may_read_metrics(self, authorization: str | None) -> bool:
+        """Whether a scrape with this Authorization header reads /metrics: any tenant's key, or
+        --metrics-key ("" opens them); anyone where the router has no keys."""
+        key = self.cfg.listeners.metrics_key
+        if key == "" or not self.generation.keys.required:
+            return True
+        if key is not None and hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode()):
+            return True
+        return self.generation.keys.tenant(authorization) is not None
+
     def _health_changed(self) -> None:
         self.health.notify()
 
@@ -367,7 +452,9 @@ class Router:
     async def start(self, port: int | None = None) -> int:
         """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
         lis = self.cfg.listeners
-        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        self.server = grpc.aio.server(
+            interceptors=(KeyInterceptor(self.generation.keys),), options=(("grpc.so_reuseport", 0),)
+        )
         handlers = generation_handler(self.generation)  # as add_GenerationServicer_to_server registers them
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -377,7 +464,9 @@ class Router:
         if lis.http_port is not None:
             from splitserve.router.http import OpenAIServer
 
-            self.http = OpenAIServer(self.generation, lis.model_name, self.readiness, self.metrics.registry)
+            self.http = OpenAIServer(
+                self.generation, lis.model_name, self.readiness, self.metrics.registry, self.may_read_metrics
+            )
             self.http_port = await self.http.start(lis.host, lis.http_port)
             log.info("OpenAI-compatible HTTP on %s:%d", lis.host, self.http_port)
         decode, prefill = self._initial
@@ -386,7 +475,9 @@ class Router:
         if lis.metrics_port:
             from splitserve.runtime.metrics_http import serve_metrics_http
 
-            _, self._stop_metrics = serve_metrics_http(lis.host, lis.metrics_port, self.metrics.registry)
+            _, self._stop_metrics = serve_metrics_http(
+                lis.host, lis.metrics_port, self.metrics.registry, authorize=self.may_read_metrics
+            )
         log.info("router listening on %s:%d", lis.host, self.port)
         return self.port
 

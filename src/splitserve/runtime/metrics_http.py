@@ -26,14 +26,23 @@ class _Union(Collector):
             yield from r.collect()
 
 
-def serve_metrics_http(host: str, port: int, *registries: CollectorRegistry) -> tuple[str, Callable[[], None]]:
+def serve_metrics_http(
+    host: str,
+    port: int,
+    *registries: CollectorRegistry,
+    authorize: Callable[[str | None], bool] | None = None,
+) -> tuple[str, Callable[[], None]]:
     """Serve the registries' metrics together at http://host:port/metrics (port 0: a free one).
-    Returns the bound "host:port" and a function that stops the server."""
+    `authorize`: whether a scrape's Authorization header may read them (None: anyone who reaches
+    the port). Returns the bound "host:port" and a function that stops the server."""
     served = CollectorRegistry()
     served.register(_Union(*registries))
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if authorize is not None and not authorize(self.headers.get("Authorization")):
+                self.send_error(401, "missing or wrong key (authorization: Bearer <key>)")
+                return
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "only /metrics here")
                 return
