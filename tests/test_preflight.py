@@ -196,3 +196,30 @@ def test_serve_without_flags_runs_the_tuned_configuration_and_a_flag_overrides_i
     ]
     given, _ = with_tuned(build_parser(argv).parse_args(argv))
     assert (given.dtype, given.threads, given.core_lease, given.long_prefill_token_threshold) == ("float32", 3, "", 0)
+
+
+def test_a_disk_tier_directory_that_cannot_be_made_is_a_problem_before_anything_loads(tmp_path) -> None:
+    from splitserve.engine.preflight import tier_problems
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (problem,) = tier_problems(1 << 20, str(blocker / "tiers"))
+    assert problem.check is Check.KV_TIERS and "--kv-disk-tier-dir" in problem.line()
+    assert tier_problems(1 << 20, str(tmp_path / "made" / "here")) == [] and (tmp_path / "made" / "here").is_dir()
+    assert tier_problems(0, str(blocker / "tiers")) == []  # the tier is off
+
+
+def test_a_worker_with_a_disk_tier_it_cannot_have_exits_at_once_naming_the_flag(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    t = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "worker", "--role", "decode", "--insecure-no-cluster-token"]
+        + ["--kv-disk-tier-mib", "16", "--kv-disk-tier-dir", str(blocker / "tiers")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--kv-disk-tier-dir" in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - t < 60  # before the model loads

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from splitserve.cli import build_parser
 from splitserve.router.config import Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.flags import router_config_from_args
@@ -87,3 +89,18 @@ def test_the_worker_flags_build_the_engine_config() -> None:
     flags = ("--speculative", "ngram", "--num-speculative-tokens", "6", "--ngram-min", "1", "--ngram-max", "3")
     spec = engine_config_from_args(parse("worker", "--role", "decode", *flags))
     assert (spec.speculative, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == ("ngram", 6, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (("--ssl-keyfile", "k.pem"), "--ssl-certfile and --ssl-keyfile go together"),
+        (("--ssl-ca-certs", "ca.pem"), "--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile"),
+        (("--ssl-certfile", "/no/such.pem", "--ssl-keyfile", "/no/such-key.pem"), "cannot read it"),
+    ],
+)
+def test_tls_flags_that_do_not_go_together_are_refused_by_name(flags: tuple[str, ...], error: str) -> None:
+    from splitserve.router.flags import tls_from_args
+
+    with pytest.raises(ValueError, match=error):
+        tls_from_args(parse("router", "--decode", "d:1", *flags))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster.placement import CPU
-from splitserve.engine.preflight import Check, Problem, engine_problems
+from splitserve.engine.preflight import Check, Problem, engine_problems, tier_problems
 
 if TYPE_CHECKING:
     from splitserve.cluster.pool import PoolManager, PoolSpec
@@ -234,6 +234,9 @@ def configure(a: argparse.Namespace) -> ServeConfig:
     tp = {role: pool_tp_size(a, role) for role in ROLES}
     for role in ROLES:
         check_pool_tp(role, tp[role], a.device, a.gpus_per_worker)
+    from splitserve.router.flags import tls_from_args
+
+    tls_from_args(a)  # the front door's TLS flags go together, and their files can be read
     return ServeConfig(
         engine=engine_config_from_args(a),
         workers={role: getattr(a, f"{role}_workers") for role in ROLES},
@@ -259,6 +262,7 @@ def preflight(a: argparse.Namespace, cfg: ServeConfig) -> tuple[float, list[Prob
     )
 
     problems = engine_problems(a.model, cfg.tp_flags)
+    problems += tier_problems(cfg.engine.kv_disk_tier_bytes, cfg.engine.kv_disk_tier_dir)
     if a.ray_address:
         return worker_cpus(a.cpus_per_worker, cfg.workers, None), problems
     machine = machine_resources()
@@ -413,7 +417,8 @@ async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, spec
     print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
     if router.http is not None:
         print(
-            f"splitserve: OpenAI-compatible HTTP on {a.host}:{router.http_port} (/v1/chat/completions, "
+            f"splitserve: OpenAI-compatible {'HTTPS' if a.ssl_certfile else 'HTTP'} on {a.host}:{router.http_port} "
+            "(/v1/chat/completions, "
             "/v1/completions)",
             flush=True,
         )
@@ -436,6 +441,8 @@ def exposure_lines(a: argparse.Namespace, keyed: bool) -> list[str]:
         front = (
             f"the router's ports are open to the network on {a.host} WITHOUT an API key: anyone who reaches them may"
         )
+    if a.ssl_certfile:
+        front += "; over TLS" + (", clients need a certificate of --ssl-ca-certs" if a.ssl_ca_certs else "")
     workers = "on loopback" if is_loopback(a.worker_host) else f"on {a.worker_host}, open to the network"
     if a.ray_address:
         auth = os.environ.get("RAY_AUTH_MODE", "off")

@@ -29,6 +29,7 @@ class Check(StrEnum):
     MODEL = "model"  # the model file is missing, unreadable or of a kind the engine does not run
     TENSOR_PARALLEL = "tensor_parallel"  # a tensor-parallel size the model's shapes do not split by
     PLACEMENT = "placement"  # workers the machine (or the Ray cluster's node types) cannot hold
+    KV_TIERS = "kv_tiers"  # a disk tier whose directory cannot be made or written
 
 
 class Problem(NamedTuple):
@@ -117,3 +118,26 @@ def engine_problems(model_path: str | None, tp_sizes: Mapping[str, int]) -> list
     if model is None:
         return problems
     return tp_problems(model, tp_sizes)
+
+
+def tier_problems(disk_tier_bytes: int, disk_tier_dir: str) -> list[Problem]:
+    """The disk tier's directory, made if missing and written to once, before anything loads: a
+    directory that cannot be had stopped a worker only after its model had loaded (58 s and a
+    142-line traceback)."""
+    if not disk_tier_bytes or not disk_tier_dir:  # off, or a fresh temporary directory
+        return []
+    probe = os.path.join(disk_tier_dir, f".splitserve-probe-{os.getpid()}")
+    try:
+        os.makedirs(disk_tier_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+        os.remove(probe)
+    except OSError as e:
+        return [
+            Problem(
+                Check.KV_TIERS,
+                f"--kv-disk-tier-dir {disk_tier_dir!r} cannot be used ({e.strerror or e})",
+                "give a directory this user can create and write, or --kv-disk-tier-mib 0",
+            )
+        ]
+    return []

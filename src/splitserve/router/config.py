@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, get_args
 
 from splitserve.router.tenants import Tenant
+from splitserve.runtime.tls import TLSFiles
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -188,6 +189,7 @@ class Listeners:
     # "" opens /metrics to anyone who reaches the port (a scraper on a private network)
     metrics_key: str | None = None
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
+    tls: TLSFiles | None = None  # both doors over TLS (HTTPS, gRPC over TLS); mutual with tls.ca_certs
 
     def __post_init__(self) -> None:
         _check_numbers(self)

@@ -13,6 +13,7 @@ import argparse
 from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.tenants import Tenant, load_tenants
 from splitserve.runtime.credentials import add_secret_argument
+from splitserve.runtime.tls import TLSFiles
 from splitserve.runtime.tracing import add_tracing_argument
 
 _DEFAULTS = RouterConfig()
@@ -101,7 +102,36 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
         "run on for up to this long before the router stops (a second signal cuts it short)",
     )
+    _add_tls_arguments(p)
     add_tracing_argument(p)
+
+
+def _add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PATH",
+        help="serve both doors over TLS with this certificate chain (PEM; HTTPS and gRPC over TLS); read again "
+        "when it changes, so a rotated certificate reaches new connections and drops no stream",
+    )
+    p.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the private key of --ssl-certfile (PEM)")
+    p.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="PATH",
+        help="require every client to present a certificate this CA signed (mutual TLS)",
+    )
+
+
+def tls_from_args(a: argparse.Namespace) -> TLSFiles | None:
+    """The front door's TLS files, or None; ValueError naming the flag when they do not go together."""
+    if a.ssl_certfile is None and a.ssl_keyfile is None:
+        if a.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if a.ssl_certfile is None or a.ssl_keyfile is None:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    return TLSFiles(a.ssl_certfile, a.ssl_keyfile, a.ssl_ca_certs)
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
@@ -123,6 +153,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         api_key=a.api_key,
         metrics_key=a.metrics_key,
         cluster_token=cluster_token,
+        tls=tls_from_args(a),
     )
     limits = Limits(max_inflight=a.max_inflight, max_running=a.max_running_requests)
     return RouterConfig(routing=routing, limits=limits, listeners=listeners, tenants=a.tenants_file)

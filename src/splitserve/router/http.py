@@ -58,6 +58,7 @@ from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details
 from splitserve.router.tenants import PRIORITY_KEY
 from splitserve.runtime import tracing
+from splitserve.runtime.tls import RELOAD_CHECK_S, ReloadingSSLContext
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +330,7 @@ class OpenAIServer:
             ]
         )
         self._runner: web.AppRunner | None = None
+        self._reload: asyncio.Task[None] | None = None  # follows a TLS certificate's files
         self._token_text: TokenText | None = None
 
     @web.middleware
@@ -347,16 +349,21 @@ class OpenAIServer:
             return _error(401, UNAUTHENTICATED, "authentication_error")
         return cast(web.StreamResponse, await handler(request))
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, tls: ReloadingSSLContext | None = None) -> int:
+        """Listen (HTTPS with `tls`, its certificate followed as it rotates); the bound port."""
         # handler_cancellation: a client that disconnects cancels its handler at once, wherever it
         # waits (for the next token, or for a whole answer), which cancels the worker calls
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls.context if tls is not None else None)
         await site.start()
+        if tls is not None:
+            self._reload = asyncio.create_task(_follow_certificate(tls))
         return int(self._runner.addresses[0][1])  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:
+        if self._reload is not None:
+            self._reload.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -508,6 +515,15 @@ class OpenAIServer:
             error = {"message": status_details(str(e)), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}
             await events.send({"error": error})
         return answer.usage
+
+
+async def _follow_certificate(tls: ReloadingSSLContext) -> None:
+    """Load a rotated certificate into the listening context: the next handshake serves it, and
+    the connections already open (their streams) keep theirs."""
+    while True:
+        await asyncio.sleep(RELOAD_CHECK_S)
+        if tls.maybe_reload():
+            log.info("TLS certificate %s reloaded", tls.files.certfile)
 
 
 class _EventStream(NamedTuple):

@@ -50,6 +50,13 @@ def run(a: argparse.Namespace) -> int:
     except BadAddress as e:  # a usage error: one line, no traceback, before anything starts
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2
+    from splitserve.router.flags import tls_from_args
+
+    try:
+        tls_from_args(a)
+    except ValueError as e:
+        print(f"splitserve router: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from splitserve.router.event_loop import run as run_loop
 

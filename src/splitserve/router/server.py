@@ -44,6 +44,7 @@ from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.validation import ValidationError, ValidRequest, validate
 from splitserve.router.workers import WorkerSet
 from splitserve.runtime import tracing
+from splitserve.runtime.tls import ReloadingSSLContext, grpc_server_credentials
 
 if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads only then
     from splitserve.router.http import OpenAIServer
@@ -459,7 +460,11 @@ class Router:
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{lis.host}:{lis.grpc_port if port is None else port}")
+        address = f"{lis.host}:{lis.grpc_port if port is None else port}"
+        if lis.tls is not None:
+            self.port = self.server.add_secure_port(address, grpc_server_credentials(lis.tls))
+        else:
+            self.port = self.server.add_insecure_port(address)
         await self.server.start()
         if lis.http_port is not None:
             from splitserve.router.http import OpenAIServer
@@ -467,8 +472,9 @@ class Router:
             self.http = OpenAIServer(
                 self.generation, lis.model_name, self.readiness, self.metrics.registry, self.may_read_metrics
             )
-            self.http_port = await self.http.start(lis.host, lis.http_port)
-            log.info("OpenAI-compatible HTTP on %s:%d", lis.host, self.http_port)
+            tls = ReloadingSSLContext(lis.tls) if lis.tls is not None else None
+            self.http_port = await self.http.start(lis.host, lis.http_port, tls)
+            log.info("OpenAI-compatible HTTP%s on %s:%d", "S" if tls else "", lis.host, self.http_port)
         decode, prefill = self._initial
         self.workers.add_all(decode, "decode")
         self.workers.add_all(prefill, "prefill")

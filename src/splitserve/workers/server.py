@@ -391,7 +391,7 @@ def run(a: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"splitserve worker: {refusal}", file=sys.stderr)
         return 2
-    from splitserve.engine.preflight import engine_problems
+    from splitserve.engine.preflight import engine_problems, tier_problems
 
     try:  # the engine's flags, then the model's header against them: before any port or model load
         engine = engine_config_from_args(a, a.role)
@@ -399,6 +399,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return 2
     problems = engine_problems(a.model, {"--tensor-parallel-size": engine.tensor_parallel_size})
+    problems += tier_problems(engine.kv_disk_tier_bytes, engine.kv_disk_tier_dir)
     for problem in problems:
         print(f"splitserve worker: {problem.line()}", file=sys.stderr)
     if problems:
