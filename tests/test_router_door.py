@@ -33,12 +33,16 @@ ALICE = Tenant("alice", ("sk-alice",))
 BOB = Tenant("bob", ("sk-bob-1", "sk-bob-2"), max_concurrent=1, tokens_per_minute=600)
 
 
-async def with_router(body: Any, *, token_delay_s: float = 0.0, **sections: Any) -> Any:
+async def with_router(
+    body: Any, *, token_delay_s: float = 0.0, on_decode: Any = None, decode_kw: Any = None, **sections: Any
+) -> Any:
     kv = FakeKVPlane()
-    d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s)
+    d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s, **(decode_kw or {}))
     p = FakePrefillWorker(kv, SCRIPT, worker_id="p0")
     await d.start()
     await p.start()
+    if on_decode is not None:
+        on_decode(d.die)
     cfg = RouterConfig(**{"deadlines": Deadlines(stats_interval_s=0.05), "listeners": LOCAL, **sections})
     router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
     await router.start()
@@ -285,3 +289,46 @@ def test_waiting_requests_take_the_seats_in_fair_order_and_a_cancelled_one_frees
     )
     assert order[0] == "a0" and order.index("b0") <= 2, order
     assert "gone" not in order
+
+
+# ---- a request the router gives up on is told so
+
+
+def test_a_request_the_router_gives_up_on_before_its_first_token_gets_its_status() -> None:
+    """The only decode worker dies before any request's first token and no replacement comes:
+    streamed or whole, the answer is a 503 with a Retry-After, never a 200 with empty content."""
+
+    async def body(router: Router) -> list[Any]:
+        (worker,) = [w for w in router.workers.all() if w.role == "decode"]
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
+            payload = {"prompt": "hi", "max_tokens": 8}
+            calls = [
+                asyncio.create_task(s.post("/v1/completions", json=payload | {"stream": st})) for st in (True, False)
+            ]
+            while router.generation.inflight < 2:
+                await asyncio.sleep(0.005)
+            router.workers.mark_failed(worker.address)
+            kill[0]()  # the decode worker goes away mid-call
+            return [(r.status, dict(r.headers), await r.json()) for r in [await c for c in calls]]
+
+    kill: list[Any] = []
+    answers = run(
+        body, deadlines=Deadlines(stats_interval_s=0.05, no_decode_wait_s=1.0), token_delay_s=5.0, on_decode=kill.append
+    )
+    for status, headers, error in answers:
+        assert status == 503 and headers["Retry-After"] == "5", (status, headers, error)
+        assert "no healthy decode worker" in error["error"]["message"]
+
+
+def test_a_stream_the_router_gives_up_on_midway_ends_with_an_error_event_and_no_done() -> None:
+    async def body(router: Router) -> tuple[int, str]:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
+            async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True}) as r:
+                return r.status, await r.text()
+
+    status, events = run(
+        body, deadlines=Deadlines(stats_interval_s=0.05, no_decode_wait_s=1.0), decode_kw={"die_after_tokens": 3}
+    )
+    assert status == 200 and events.count('"text"') >= 3, events  # the tokens it had
+    assert '"error"' in events and '"code": 503' in events, events
+    assert "[DONE]" not in events  # a client that waits for [DONE] sees a stream that did not finish

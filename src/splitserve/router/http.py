@@ -36,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, NamedTuple, cast
 
 import grpc
@@ -479,42 +479,84 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, run: Any, oreq: OpenAIRequest) -> web.StreamResponse:
         rid = oreq.generate.request_id
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        kind = "chat.completion.chunk" if oreq.shape.chat else "text_completion"
-        events = _EventStream(resp, rid, kind, int(time.time()), self.model_name)
-        try:
-            await resp.prepare(request)
-            usage = await self._send_chunks(events, run, oreq)
-            if oreq.include_usage:  # after every choice's last chunk
-                await events.chunk([], usage=_usage(usage))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-        except ConnectionResetError:
-            # The client went away between two writes, before its disconnect cancelled this
-            # handler: leaving the `async with` closed the stream (and so the worker calls).
-            # An ordinary event, not a fault: one line, no traceback.
-            log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
-        except asyncio.CancelledError:  # the disconnect noticed while waiting (handler cancellation)
-            log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
-            raise
+        async with contextlib.aclosing(self.generation.stream(run)) as responses:
+            # Nothing is sent before a decode worker has taken the request: one that fails before
+            # (no decode worker came back, a worker refused it) is answered with its own status (503
+            # with a Retry-After, 400 ...), not with a 200 whose stream holds nothing but an error.
+            first = asyncio.ensure_future(anext(responses, None))
+            try:
+                await _first_of(first, run.run.admitted.wait())
+            except BaseException:
+                await _settle(first)
+                raise
+            if first.done() and isinstance(first.exception(), RequestFailed):
+                return _failed(cast(RequestFailed, first.exception()), "server_error")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            kind = "chat.completion.chunk" if oreq.shape.chat else "text_completion"
+            events = _EventStream(resp, rid, kind, int(time.time()), self.model_name)
+            try:
+                await resp.prepare(request)
+                usage, failed = await self._send_chunks(events, responses, first, oreq)
+                if not failed:  # a stream that failed ends after its error event: no [DONE] says it finished
+                    if oreq.include_usage:  # after every choice's last chunk
+                        await events.chunk([], usage=_usage(usage))
+                    await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionResetError:
+                # The client went away between two writes, before its disconnect cancelled this
+                # handler: leaving the `async with` closes the stream (and so the worker calls).
+                # An ordinary event, not a fault: one line, no traceback.
+                log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
+            except asyncio.CancelledError:  # the disconnect noticed while waiting (handler cancellation)
+                log.info("request %s: the client disconnected mid-stream; request cancelled", rid)
+                raise
         return resp
 
-    async def _send_chunks(self, events: _EventStream, run: Any, oreq: OpenAIRequest) -> pb.Usage | None:
+    async def _send_chunks(
+        self,
+        events: _EventStream,
+        responses: AsyncIterator[pb.GenerateResponse],
+        first: asyncio.Future[pb.GenerateResponse | None],
+        oreq: OpenAIRequest,
+    ) -> tuple[pb.Usage | None, bool]:
         """A chunk per response that adds something to its choice (and each choice's first, which
-        names the role); a failure as an error event. Returns the last usage the stream reported."""
+        names the role); a failure as an error event with its code. Returns the last usage the
+        stream reported, and whether it failed."""
         answer = Answer(oreq.shape, self.token_text)
         try:
-            async with contextlib.aclosing(self.generation.stream(run)) as responses:
-                async for r in responses:
-                    choice = stream_choice(answer.update(r), oreq.shape.chat)
-                    if choice is None:
-                        continue
+            try:
+                r = await first
+            except BaseException:
+                await _settle(first)
+                raise
+            while r is not None:
+                choice = stream_choice(answer.update(r), oreq.shape.chat)
+                if choice is not None:
                     extra = {"usage": _usage(r.usage)} if oreq.continuous_usage and r.HasField("usage") else {}
                     await events.chunk([choice], **extra)
+                r = await anext(responses, None)
         except RequestFailed as e:
             error = {"message": status_details(str(e)), "type": "server_error", "code": _HTTP_STATUS.get(e.code, 500)}
             await events.send({"error": error})
-        return answer.usage
+            return answer.usage, True
+        return answer.usage, False
+
+
+async def _first_of(first: asyncio.Future[Any], admitted: Coroutine[Any, Any, Any]) -> None:
+    """Until the stream's first response is in (or its failure), or the request is admitted."""
+    waiting = asyncio.ensure_future(admitted)
+    try:
+        await asyncio.wait({first, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+
+
+async def _settle(first: asyncio.Future[Any]) -> None:
+    """Cancel a pending first response and wait for it to give the stream back (the stream can
+    then be closed; closing it while its first step still runs raises)."""
+    first.cancel()
+    with contextlib.suppress(BaseException):
+        await first
 
 
 async def _follow_certificate(tls: ReloadingSSLContext) -> None:

@@ -76,6 +76,9 @@ _FINISH: dict[wpb.FinishReason, pb.FinishReason] = {
 
 
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of a refusal that may succeed later: whole seconds
+# what a request the router gave up on for want of a worker is told to wait before trying again:
+# long enough for a health poll to find a replacement, short against a client's patience
+RETRY_UNAVAILABLE_S = 5.0
 
 
 class RequestFailed(Exception):
@@ -166,6 +169,9 @@ class RequestRun:
         self.trace = tracing.child(self.span)  # what this request's spans and worker calls hang under
         self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
+        # set once a decode worker has taken the request: from here a failure is one the request
+        # may migrate past, and the HTTP door sends a stream's headers (router/http.py)
+        self.admitted = asyncio.Event()
         self._cancels: set[asyncio.Future[Any]] = set()  # one-sample cancels in flight (a reference keeps each)
         # a remote prefill's prompt, charged to the least-queued prefill worker's queue when it was
         # routed, until its Prefill call charges its own: (worker, tokens), or None
@@ -208,7 +214,7 @@ class RequestRun:
             self._count_unclear_failure(e)
         if moves > self.cfg.retries.max_migrations:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if all_busy else grpc.StatusCode.UNAVAILABLE
-            raise RequestFailed(code, f"gave up after {moves} attempts: {e}") from None
+            raise RequestFailed(code, f"gave up after {moves} attempts: {e}", RETRY_UNAVAILABLE_S) from None
         if self.response.completion_tokens:
             self.metrics.migrations.inc()
 
@@ -247,10 +253,12 @@ class RequestRun:
         if not loads:
             if busy:
                 raise RequestFailed(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"every decode worker is full; retry later ({last_error})"
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"every decode worker is full; retry later ({last_error})",
+                    RETRY_UNAVAILABLE_S,
                 )
             why = f" (last attempt: {last_error})" if last_error else ""
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}")
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}", RETRY_UNAVAILABLE_S)
         # a worker caches the prompt's blocks, and one sample's output after them: the output is part of
         # the context only when exactly one sample continues (several diverge right after the prompt)
         samples = self.response.handoff_samples()
@@ -410,6 +418,7 @@ class RequestRun:
         kind = first.WhichOneof("event")
         if kind in ("reservation", "local_prefill"):
             self.response.on_admitted()
+            self.admitted.set()
         if kind == "reservation":
             result = await self._prefill(rid, first.reservation, handoff, trace)
             self.response.set_cached(result.num_cached_tokens)
