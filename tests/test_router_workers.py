@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from splitserve.router.config import Deadlines, RouterConfig
-from splitserve.router.fakes import FakeKVPlane, FakePrefillWorker
+from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.workers import Worker, WorkerSet
 
@@ -229,3 +229,47 @@ def test_a_worker_of_another_model_is_never_routed_to(caplog: pytest.LogCaptureF
 
     caplog.set_level(logging.INFO, logger="splitserve.router.workers")
     asyncio.run(scenario())
+
+
+def test_a_request_waits_for_a_starting_decode_worker_past_the_no_decode_wait_and_not_for_none():
+    """With a replacement starting (the pool manager's word), the wait outlasts no_decode_wait_s
+    and ends when the replacement is healthy; with none coming, it ends at no_decode_wait_s; and
+    a replacement that fails to start (the word goes back to 0) ends the wait then."""
+
+    async def scenario() -> tuple[bool, float, bool, float, bool, float]:
+        kv = FakeKVPlane()
+        d = FakeDecodeWorker(kv, [1, 2, 3], worker_id="d0")
+        workers = WorkerSet(RouterConfig(deadlines=Deadlines(stats_interval_s=0.02)), PrefixIndex())
+        loop = asyncio.get_running_loop()
+        try:
+            t = loop.time()
+            alone = await workers.wait_for_decode(0.1, 30.0)  # nothing healthy, nothing starting
+            alone_s = loop.time() - t
+
+            workers.expect("decode", 1)
+            t = loop.time()
+            waiting = asyncio.create_task(workers.wait_for_decode(0.1, 30.0))
+            await asyncio.sleep(0.5)  # five times no_decode_wait_s: still waiting for the replacement
+            assert not waiting.done()
+            await d.start()
+            workers.add(d.address, "decode")
+            replaced = await waiting
+            replaced_s = loop.time() - t
+
+            workers.remove(d.address)
+            workers.expect("decode", 1)
+            t = loop.time()
+            waiting = asyncio.create_task(workers.wait_for_decode(0.3, 30.0))
+            await asyncio.sleep(0.05)
+            workers.expect("decode", 0)  # its start failed
+            failed = await waiting
+            failed_s = loop.time() - t
+            return alone, alone_s, replaced, replaced_s, failed, failed_s
+        finally:
+            await workers.close()
+            await d.stop()
+
+    alone, alone_s, replaced, replaced_s, failed, failed_s = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert not alone and alone_s < 5
+    assert replaced and replaced_s >= 0.5
+    assert not failed and failed_s < 5

@@ -203,6 +203,7 @@ class PoolManager:
             g.labels(role, "serving").set(len(members) - draining)
             g.labels(role, "draining").set(draining)
             g.labels(role, "starting").set(self.pending[role])
+            self.workers.expect(role, self.pending[role])  # a request waiting for one waits for these
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(job)

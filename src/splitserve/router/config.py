@@ -152,7 +152,9 @@ class Deadlines:
     block_events_timeout_s: float = 3600.0  # a subscription is re-opened after this (fresh snapshot)
     reconnect_backoff_s: float = 0.5  # before re-opening a BlockEvents subscription that ended
     # With no decode worker healthy at all (the last one died, the pool is starting), a request waits
-    # this long, within its own deadline, for one (the pool manager's replacement) and goes on there.
+    # for one and goes on there: while the pool manager says one is starting (WorkerSet.expect: a
+    # replacement may load for a minute or more on a CPU), up to the request's own deadline; while
+    # none is coming, this long (a worker run by hand may come back).
     no_decode_wait_s: float = 60.0
 
     def __post_init__(self) -> None:

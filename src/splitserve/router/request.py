@@ -190,7 +190,8 @@ class RequestRun:
             if not busy and not self.workers.healthy("decode"):
                 # the whole decode pool is down (its last worker died, or it is still starting):
                 # wait for the replacement within the deadline instead of failing every stream
-                await self.workers.wait_for_decode(min(self.cfg.deadlines.no_decode_wait_s, self._remaining_s()))
+                remaining = self._remaining_s()
+                await self.workers.wait_for_decode(min(self.cfg.deadlines.no_decode_wait_s, remaining), remaining)
             worker, mode = self._route(excluded, force_local, last_error, busy=busy)
             try:
                 async for resp in self._attempt(worker, mode):
@@ -258,6 +259,8 @@ class RequestRun:
                     RETRY_UNAVAILABLE_S,
                 )
             why = f" (last attempt: {last_error})" if last_error else ""
+            if self.workers.starting("decode"):
+                why += f"; {self.workers.starting('decode')} starting"
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker{why}", RETRY_UNAVAILABLE_S)
         # a worker caches the prompt's blocks, and one sample's output after them: the output is part of
         # the context only when exactly one sample continues (several diverge right after the prompt)

@@ -22,6 +22,7 @@ named by the router's health (router/readiness.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class WorkerSet:
         self._workers: dict[str, Worker] = {}
         self._on_health_change = on_health_change or (lambda: None)
         self._changed = asyncio.Event()  # replaced, after being set, at every change of health
+        self._starting: dict[str, int] = {}  # role -> workers the pool manager is starting (`expect`)
         self._closed = False
         # the model every routable worker serves: the first fingerprint a worker reported
         self.model_fingerprint: bytes | None = None
@@ -163,18 +165,31 @@ class WorkerSet:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def wait_for_decode(self, timeout_s: float) -> bool:
+    def expect(self, role: str, starting: int) -> None:
+        """The pool manager's word: this many workers of `role` are on their way (starting,
+        loading the model, warming up). A request waiting for a decode worker waits for them."""
+        if self._starting.get(role, 0) != starting:
+            self._starting[role] = starting
+            self._health_changed()
+
+    def starting(self, role: str) -> int:
+        return self._starting.get(role, 0)
+
+    async def wait_for_decode(self, timeout_s: float, deadline_s: float | None = None) -> bool:
         """Until some decode worker is healthy (a replacement for a dead one, the first one at
-        start), up to `timeout_s`; whether one is. Woken by health changes, not by polling."""
-        end = asyncio.get_running_loop().time() + timeout_s
+        start); whether one is. While the pool manager says a decode worker is starting, up to
+        `deadline_s` (the request's own: a replacement on a CPU may load for a minute); while
+        none is, up to `timeout_s` (one set up by hand may come back). Woken by health changes
+        and by the pool's word, not by polling."""
+        now = asyncio.get_running_loop().time
+        start = now()
         while not self.healthy("decode"):
-            left = end - asyncio.get_running_loop().time()
+            limit = deadline_s if deadline_s is not None and self.starting("decode") else timeout_s
+            left = start + limit - now()
             if left <= 0:
                 return False
-            try:
+            with contextlib.suppress(TimeoutError):  # then looked at again: the pool's word may have changed
                 await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return False
         return True
 
     # ---- what routing reads
