@@ -125,7 +125,8 @@ def serve(tmp_path):
     # float32: the tuned default is bfloat16 where the CPU computes in it, and there SmolLM2's
     # greedy answer to the question below depends on the kernels' rounding ("L'Étoile, la Mar"
     # on an AVX-512 BF16 + AMX machine, at 14aaa41 too); in float32 it is "...is Paris."
-    s = Serve(tmp_path, "--dtype", "float32")
+    # disaggregated: every answer's KV crosses the KV plane, under the cluster's mutual TLS (the default)
+    s = Serve(tmp_path, "--dtype", "float32", "--mode", "disaggregated")
     yield s
     if s.proc.poll() is None:
         os.killpg(s.proc.pid, signal.SIGKILL)

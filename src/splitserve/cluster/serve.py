@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from splitserve.engine.tuned import Tuned
     from splitserve.router.server import Router
     from splitserve.router.workers import Role
+    from splitserve.runtime.tls import ClusterTLS
 
 log = logging.getLogger("splitserve.cluster.serve")
 
@@ -44,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
+        "--insecure-internal",
+        action="store_true",
+        help="the cluster's own planes (router to workers, the KV plane) in plaintext: by default serve makes a "
+        "certificate authority at start and every internal connection is mutual TLS",
+    )
     p.add_argument(
         "--worker-host",
         default="127.0.0.1",
@@ -237,6 +244,12 @@ def configure(a: argparse.Namespace) -> ServeConfig:
     from splitserve.router.flags import tls_from_args
 
     tls_from_args(a)  # the front door's TLS flags go together, and their files can be read
+    if a.kv_transport != "tcp" and not a.insecure_internal:
+        raise ValueError(
+            f"--kv-transport {a.kv_transport} carries KV outside the cluster's TLS: use tcp or --insecure-internal"
+        )
+    if a.internal_tls_dir and a.insecure_internal:
+        raise ValueError("--internal-tls-dir and --insecure-internal: one or the other")
     return ServeConfig(
         engine=engine_config_from_args(a),
         workers={role: getattr(a, f"{role}_workers") for role in ROLES},
@@ -298,8 +311,9 @@ async def _serve(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
-    specs = _pool_specs(a, cfg, cpus_per_worker, cluster_token)
-    router = _router(a, specs, cluster_token)
+    internal = _internal_tls(a)
+    specs = _pool_specs(a, cfg, cpus_per_worker, cluster_token, internal)
+    router = _router(a, specs, cluster_token, internal)
     from splitserve.cluster.pool import PoolManager
 
     pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=cfg.node_types)
@@ -335,7 +349,18 @@ def _start_ray(a: argparse.Namespace) -> Any:
     return ray
 
 
-def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float, cluster_token: str) -> list[PoolSpec]:
+def _internal_tls(a: argparse.Namespace) -> ClusterTLS | None:
+    """The cluster's mutual TLS: the operator's (--internal-tls-dir), a CA made now, or none."""
+    from splitserve.runtime.tls import load_cluster_tls, make_cluster_tls
+
+    if a.insecure_internal:
+        return None
+    return load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else make_cluster_tls()
+
+
+def _pool_specs(
+    a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float, cluster_token: str, internal: ClusterTLS | None
+) -> list[PoolSpec]:
     """Each pool: its workers' config (the shared engine at the pool's tensor-parallel size), its
     size and scaling, and what each worker asks Ray for."""
     from splitserve.cluster.pool import PoolSpec
@@ -356,6 +381,7 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
             kv_wire_codec=a.kv_wire_codec,
             kv_link_gbps=a.kv_link_gbps,
             cluster_token=cluster_token,
+            internal_tls=internal,
             threads=a.threads,
             core_lease=a.core_lease,
             lease_cores=a.lease_cores,
@@ -379,7 +405,7 @@ def _pool_specs(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float,
     ]
 
 
-def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str) -> Router:
+def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str, internal: ClusterTLS | None) -> Router:
     """The router, with the model's tokenizer and tracing, ready (health SERVING) once every pool
     that will serve requests has a worker up."""
     from splitserve.engine.weights import load_tokenizer
@@ -397,7 +423,8 @@ def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str) ->
         for spec in specs
         if spec.replicas and (spec.role == "decode" or router_cfg.routing.mode != "colocated")
     )
-    return Router(replace(router_cfg, required_pools=required), tokenizer)
+    listeners = replace(router_cfg.listeners, internal_tls=internal)
+    return Router(replace(router_cfg, required_pools=required, listeners=listeners), tokenizer)
 
 
 async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, specs: list[PoolSpec]) -> None:
@@ -449,7 +476,8 @@ def exposure_lines(a: argparse.Namespace, keyed: bool) -> list[str]:
         ray = f"Ray cluster {a.ray_address}: its ports on its nodes' addresses, token authentication {auth}"
     else:
         ray = "Ray (local): its ports on loopback, token authentication on"
-    return [front, f"workers' control and KV ports {workers}, the control calls behind the cluster token", ray]
+    inside = "in plaintext (--insecure-internal)" if a.insecure_internal else "under mutual TLS of the cluster's CA"
+    return [front, f"workers' control and KV ports {workers}, behind the cluster token and {inside}", ray]
 
 
 async def _run_until_stopped(

@@ -27,6 +27,7 @@ import heapq
 import itertools
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +35,11 @@ from typing import Protocol
 
 import torch
 
+from splitserve.runtime.tls import CLUSTER_NAME
+
 log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake on an accepted connection
 
 Buffer = bytes | bytearray | memoryview | torch.Tensor
 
@@ -89,6 +94,13 @@ class TCPConnection:
 
     def send(self, buffers: Sequence[Buffer]) -> None:
         views = [v for v in (host_view(b) for b in buffers) if v.nbytes]
+        if isinstance(self._sock, ssl.SSLSocket):  # no scatter-gather through TLS: a record per buffer
+            try:
+                for v in views:
+                    self._sock.sendall(v)
+            except OSError as e:
+                raise ConnectionClosed(f"send to {self.peer} failed: {e}") from None
+            return
         try:
             while views:
                 sent = self._sock.sendmsg(views[:64])
@@ -126,7 +138,13 @@ class TCPConnection:
 
 
 class TCPListener:
-    def __init__(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        on_connection: Callable[[Connection], None],
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # set before listen so accepted sockets start with the large window
@@ -135,6 +153,7 @@ class TCPListener:
         self._sock.listen(128)
         self.host, self.port = self._sock.getsockname()[:2]
         self._on_connection = on_connection
+        self._tls = tls
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{self.port}", daemon=True)
         self._thread.start()
@@ -145,8 +164,20 @@ class TCPListener:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
-            conn = TCPConnection(sock, f"{addr[0]}:{addr[1]}")
-            threading.Thread(target=self._on_connection, args=(conn,), name=f"kv-conn-{addr[1]}", daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock, addr), name=f"kv-conn-{addr[1]}", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        if self._tls is not None:  # the handshake on the connection's thread: a slow peer holds no other
+            try:
+                sock.settimeout(HANDSHAKE_TIMEOUT_S)
+                sock = self._tls.wrap_socket(sock, server_side=True)
+                sock.settimeout(None)
+            except (OSError, ssl.SSLError) as e:
+                log.warning("KV connection from %s refused: TLS handshake failed (%s)", peer, e)
+                sock.close()
+                return
+        self._on_connection(TCPConnection(sock, peer))
 
     def close(self) -> None:
         self._closed = True
@@ -159,13 +190,22 @@ class TCPListener:
 
 
 class TCPTransport:
+    """TCP, or TCP under mutual TLS with the cluster's contexts (runtime/tls.py ClusterTLS): every
+    frame then travels encrypted and each side has proved it holds a certificate of the cluster's CA."""
+
+    def __init__(self, server_tls: ssl.SSLContext | None = None, client_tls: ssl.SSLContext | None = None) -> None:
+        self.server_tls = server_tls
+        self.client_tls = client_tls
+
     def listen(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> Listener:
-        return TCPListener(host, port, on_connection)
+        return TCPListener(host, port, on_connection, self.server_tls)
 
     def connect(self, host: str, port: int, timeout: float) -> Connection:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
+            if self.client_tls is not None:
+                sock = self.client_tls.wrap_socket(sock, server_hostname=CLUSTER_NAME)
+        except (OSError, ssl.SSLError) as e:
             raise ConnectionClosed(f"cannot connect to {host}:{port}: {e}") from None
         sock.settimeout(None)
         return TCPConnection(sock, f"{host}:{port}")

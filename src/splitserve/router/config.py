@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, get_args
 
 from splitserve.router.tenants import Tenant
-from splitserve.runtime.tls import TLSFiles
+from splitserve.runtime.tls import ClusterTLS, TLSFiles
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -192,6 +192,7 @@ class Listeners:
     metrics_key: str | None = None
     cluster_token: str | None = None  # sent to workers as "x-splitserve-token"
     tls: TLSFiles | None = None  # both doors over TLS (HTTPS, gRPC over TLS); mutual with tls.ca_certs
+    internal_tls: ClusterTLS | None = None  # the calls to the workers under the cluster's mutual TLS
 
     def __post_init__(self) -> None:
         _check_numbers(self)

@@ -13,7 +13,7 @@ import argparse
 from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.tenants import Tenant, load_tenants
 from splitserve.runtime.credentials import add_secret_argument
-from splitserve.runtime.tls import TLSFiles
+from splitserve.runtime.tls import TLSFiles, add_internal_tls_argument, load_cluster_tls
 from splitserve.runtime.tracing import add_tracing_argument
 
 _DEFAULTS = RouterConfig()
@@ -103,6 +103,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "run on for up to this long before the router stops (a second signal cuts it short)",
     )
     _add_tls_arguments(p)
+    add_internal_tls_argument(p)
     add_tracing_argument(p)
 
 
@@ -154,6 +155,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         metrics_key=a.metrics_key,
         cluster_token=cluster_token,
         tls=tls_from_args(a),
+        internal_tls=load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None,
     )
     limits = Limits(max_inflight=a.max_inflight, max_running=a.max_running_requests)
     return RouterConfig(routing=routing, limits=limits, listeners=listeners, tenants=a.tenants_file)

@@ -51,9 +51,12 @@ def run(a: argparse.Namespace) -> int:
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2
     from splitserve.router.flags import tls_from_args
+    from splitserve.runtime.tls import load_cluster_tls
 
     try:
         tls_from_args(a)
+        if a.internal_tls_dir:
+            load_cluster_tls(a.internal_tls_dir)
     except ValueError as e:
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2

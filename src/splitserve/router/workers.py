@@ -124,7 +124,13 @@ class WorkerSet:
             raise ValueError(f"role must be 'decode' or 'prefill', got {role!r}")
         if address in self._workers:
             return
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        tls = self.cfg.listeners.internal_tls
+        if tls is not None:  # mutual TLS: the worker must hold a certificate of the cluster's CA, and so must we
+            channel = grpc.aio.secure_channel(
+                address, tls.grpc_channel_credentials(), options=CHANNEL_OPTIONS + tls.CHANNEL_OPTIONS
+            )
+        else:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub = wgrpc.DecodeWorkerStub(channel) if role == "decode" else wgrpc.PrefillWorkerStub(channel)
         w = Worker(address, role, channel, stub)
         self._workers[address] = w

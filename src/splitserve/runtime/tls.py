@@ -10,13 +10,15 @@ certificate that CA signed (mutual TLS).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import os
 import ssl
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -211,3 +213,83 @@ def _write(directory: Path, stem: str, cert: object, key: object) -> TLSFiles:
             f.write(data)
         os.replace(tmp, path)
     return TLSFiles(str(certfile), str(keyfile))
+
+
+# ---- the cluster's own planes: router to worker, prefill worker to decode worker
+
+CLUSTER_NAME = "splitserve-cluster"  # the one name every member's certificate holds and every peer checks
+
+
+@dataclass(frozen=True)
+class ClusterTLS:
+    """Mutual TLS inside a cluster: its CA, and the certificate and key every member presents
+    (PEM bytes, so that they travel in a worker's config to a Ray actor on any node). A peer is
+    one that holds a certificate of the CA; its name is checked as CLUSTER_NAME, whatever address
+    it is reached at (a worker's address is known only once it listens)."""
+
+    ca_pem: bytes = field(repr=False)
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)
+
+    def grpc_server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem, require_client_auth=True
+        )
+
+    def grpc_channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca_pem, self.key_pem, self.cert_pem)
+
+    CHANNEL_OPTIONS = (("grpc.ssl_target_name_override", CLUSTER_NAME),)
+
+    def ssl_context(self, server_side: bool) -> ssl.SSLContext:
+        """A context for the KV plane's sockets: either side presents the cluster certificate and
+        requires the other's."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_verify_locations(cadata=self.ca_pem.decode())
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        _load_chain(ctx, self.cert_pem, self.key_pem)
+        return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
+    """ssl reads a certificate and key from files only: a private directory for the instant."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-tls-") as d:  # made 0700
+        cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        for path, data in ((cert, cert_pem), (key, key_pem)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(cert, key)
+
+
+def make_cluster_tls(days: int = 30) -> ClusterTLS:
+    """A fresh CA and the cluster certificate it signs, for one `serve` (nothing written to disk)."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-ca-") as d:
+        ca = make_ca(d, "splitserve cluster CA", days=days)
+        member = issue_cert(ca, d, "cluster", hosts=(CLUSTER_NAME,), days=days)
+        return ClusterTLS(
+            Path(ca.certfile).read_bytes(), Path(member.certfile).read_bytes(), Path(member.keyfile).read_bytes()
+        )
+
+
+def load_cluster_tls(directory: str) -> ClusterTLS:
+    """An operator's cluster credentials: ca.pem, cluster.pem and cluster-key.pem in `directory`
+    (the cluster certificate naming CLUSTER_NAME); ValueError naming what is missing."""
+    files = {name: os.path.join(directory, name) for name in ("ca.pem", "cluster.pem", "cluster-key.pem")}
+    missing = [name for name, path in files.items() if not os.access(path, os.R_OK)]
+    if missing:
+        raise ValueError(f"--internal-tls-dir {directory!r}: cannot read {', '.join(missing)}")
+    read = {name: Path(path).read_bytes() for name, path in files.items()}
+    return ClusterTLS(read["ca.pem"], read["cluster.pem"], read["cluster-key.pem"])
+
+
+def add_internal_tls_argument(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
+        "--internal-tls-dir",
+        default=None,
+        metavar="DIR",
+        help="mutual TLS inside the cluster (router to workers, the KV plane) with the CA and certificate in DIR: "
+        "ca.pem, and cluster.pem / cluster-key.pem naming 'splitserve-cluster' (serve makes its own unless given "
+        "this or --insecure-internal)",
+    )

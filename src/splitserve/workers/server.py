@@ -27,6 +27,7 @@ from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.engine.tuned import chunk_tokens, detect_machine, tuned_defaults
 from splitserve.runtime.credentials import add_secret_argument
+from splitserve.runtime.tls import add_internal_tls_argument, load_cluster_tls
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
 from splitserve.workers.common.config import (
@@ -101,7 +102,11 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     metrics.watch(lambda: loop.stats)
     if engine.tiers is not None:
         metrics.watch_tiers(engine.tiers.stats)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    address = f"{cfg.host}:{cfg.grpc_port}"
+    if cfg.internal_tls is not None:
+        port = server.add_secure_port(address, cfg.internal_tls.grpc_server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         loop.stop()
         raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
@@ -131,11 +136,16 @@ def _serve_decode(
     lease: CoreLease | None = None,
 ) -> tuple[EngineLoop, str]:
     from splitserve.kv_transfer import KVReceiver
+    from splitserve.kv_transfer.links import TransportName
+    from splitserve.kv_transfer.transport import TCPTransport
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
     from splitserve.workers.decode.service import DecodeService
 
-    receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=cfg.kv_transport)
+    transport: TransportName | TCPTransport = cfg.kv_transport
+    if cfg.internal_tls is not None:  # TCP under mutual TLS, offered to senders as "tcp"
+        transport = TCPTransport(server_tls=cfg.internal_tls.ssl_context(server_side=True))
+    receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=transport)
     closers.append(receiver.close)
     connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
     engine.connect(connector)
@@ -154,11 +164,18 @@ def _serve_prefill(
     lease: CoreLease | None = None,
 ) -> EngineLoop:
     from splitserve.kv_transfer import KVSender
+    from splitserve.kv_transfer.transport import TCPTransport
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.prefill.connector import SenderConnector
     from splitserve.workers.prefill.service import PrefillService
 
-    sender = KVSender(engine.kv_cache, wire_codec=cfg.kv_wire_codec, link_gbps=cfg.kv_link_gbps or None)
+    tls = cfg.internal_tls
+    sender = KVSender(
+        engine.kv_cache,
+        wire_codec=cfg.kv_wire_codec,
+        link_gbps=cfg.kv_link_gbps or None,
+        transport=TCPTransport(client_tls=tls.ssl_context(server_side=False)) if tls is not None else None,
+    )
     closers.append(sender.close)
     tail_time = metrics.phase("kv_transfer_tail")
     connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
@@ -368,6 +385,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start without a cluster token, every control call accepted; only with a loopback --host",
     )
+    add_internal_tls_argument(p)
     p.add_argument("--ready-file", default=None, help="write 'grpc_address kv_endpoint' here once listening")
     p.add_argument(
         "--metrics-port",
@@ -395,6 +413,7 @@ def run(a: argparse.Namespace) -> int:
 
     try:  # the engine's flags, then the model's header against them: before any port or model load
         engine = engine_config_from_args(a, a.role)
+        internal = load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None
     except ValueError as e:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return 2
@@ -418,6 +437,7 @@ def run(a: argparse.Namespace) -> int:
         kv_wire_codec=a.kv_wire_codec,
         kv_link_gbps=a.kv_link_gbps,
         cluster_token=a.cluster_token,
+        internal_tls=internal,
         threads=a.threads,
         core_lease=a.core_lease,
         lease_cores=a.lease_cores,

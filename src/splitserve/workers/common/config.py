@@ -9,6 +9,7 @@ from typing import Any
 from splitserve.engine.config import EngineConfig
 from splitserve.kv_transfer.codec import WIRE_CODEC_MODES, WireCodecMode
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
+from splitserve.runtime.tls import ClusterTLS
 
 ROLES = ("prefill", "decode")
 TRANSPORTS: tuple[TransportName, ...] = TRANSPORT_NAMES
@@ -32,6 +33,9 @@ class WorkerConfig:
     kv_wire_codec: WireCodecMode = "auto"
     kv_link_gbps: float = 0.0  # prefill role: the link to the decode workers, Gb/s, for that model (0: measured)
     cluster_token: str | None = None  # required in "x-splitserve-token" when set
+    # mutual TLS on the control port (router -> worker) and the KV plane (prefill -> decode): every
+    # peer holds a certificate of the cluster's CA (runtime/tls.py). None: both in plaintext
+    internal_tls: ClusterTLS | None = None
     lease_ms: int = 300_000  # default lease of a REMOTE reservation (the router normally sends its own)
     admit_timeout_s: float = 30.0  # an engine call from a gRPC handler (waits for the current step)
     request_timeout_s: float = 600.0  # the longest one Decode stream may live
@@ -58,6 +62,11 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+        if self.internal_tls is not None and self.kv_transport != "tcp":
+            raise ValueError(
+                f"--kv-transport {self.kv_transport} carries KV outside TLS: use tcp with internal TLS, "
+                "or give --insecure-internal"
+            )
         if self.kv_wire_codec not in WIRE_CODEC_MODES:
             raise ValueError(f"kv_wire_codec must be one of {WIRE_CODEC_MODES}, got {self.kv_wire_codec!r}")
         if self.kv_link_gbps < 0:
