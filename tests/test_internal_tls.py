@@ -88,7 +88,8 @@ def test_a_capture_of_the_kv_plane_holds_no_kv_and_no_request_id_under_tls(clust
         tap = Tap(r.tcp_endpoint)
         tapped = dataclasses.replace(r, endpoint=tap.endpoint, tcp_endpoint=tap.endpoint)
         client = TCPTransport(client_tls=cluster.ssl_context(server_side=False)) if tls else None
-        sender = KVSender(src, transport=client, wire_codec="raw")
+        # as the workers run: under TLS without the frame checksum (GCM's tag checks every byte)
+        sender = KVSender(src, transport=client, wire_codec="raw", checksum="none" if tls else "lanesum")
         try:
             send_all(sender, tapped, src_ids)
             assert rx.wait(r.ticket, 10) == Completed(7)
@@ -172,3 +173,16 @@ def test_an_operators_cluster_credentials_are_read_from_a_directory(tmp_path: Pa
     (tmp_path / "cluster-key.pem").write_bytes(cluster.key_pem)
     assert load_cluster_tls(str(tmp_path)) == cluster
     assert CLUSTER_NAME == "splitserve-cluster"
+
+
+def test_a_frame_without_a_checksum_is_refused_on_a_connection_that_checks_nothing() -> None:
+    src, dst = random_cache(seed=5), KVCache(LAYOUT, 64)
+    with KVReceiver(dst, transport="tcp") as rx:
+        r = rx.reserve("req-unchecked", [1, 2], lease_s=30)
+        sender = KVSender(src, wire_codec="raw", checksum="none")
+        try:
+            with pytest.raises(TransferError, match="without a checksum"):
+                send_all(sender, r, [5, 6])
+        finally:
+            sender.close()
+    assert not dst.tensor[:, [1, 2]].any()

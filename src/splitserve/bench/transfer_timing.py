@@ -9,16 +9,20 @@ import time
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import Completed, KVReceiver, KVSender
 from splitserve.kv_transfer.reservation import TransportName
+from splitserve.kv_transfer.transport import TCPTransport
 
 
-def whole_cache_seconds(kind: TransportName, src: KVCache, dst: KVCache, checksum: str) -> float:
+def whole_cache_seconds(
+    kind: TransportName, src: KVCache, dst: KVCache, checksum: str, tcp: tuple[TCPTransport, TCPTransport] | None = None
+) -> float:
     """Every block of every layer of `src` through kv_transfer into `dst` (its shards at whatever
-    TP sizes the two have); the seconds to the receiver's confirmation."""
+    TP sizes the two have); the seconds to the receiver's confirmation. `tcp`: the receiver's and
+    the sender's TCP in place of plain TCP (the cluster's TLS: bench/internal_tls.py)."""
     ids = list(range(src.num_blocks))
-    with KVReceiver(dst, transport=kind) as rx:
+    with KVReceiver(dst, transport=tcp[0] if tcp else kind) as rx:
         assert rx.transport == kind, f"receiver fell back to {rx.transport}"
         r = rx.reserve("bench", ids, lease_s=600)
-        sender = KVSender(src, checksum=checksum)
+        sender = KVSender(src, checksum=checksum, transport=tcp[1] if tcp else None)
         stream = sender.open(r)
         assert stream.transport == kind, f"sender fell back to {stream.transport}"
         t = time.perf_counter()

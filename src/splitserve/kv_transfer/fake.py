@@ -23,6 +23,7 @@ class FakeConnection:
     def __init__(self, inbox: _Pipe, outbox: _Pipe, peer: str) -> None:
         self._in, self._out, self.peer = inbox, outbox, peer
         self.stream = True
+        self.authenticated = False
 
     def send(self, buffers: Sequence[Buffer]) -> None:
         with self._out.cv:

@@ -55,6 +55,8 @@ class ConnectionClosed(Exception):
 class Connection(Protocol):
     peer: str
     stream: bool  # a byte stream (a payload may be read in pieces), not messages
+    # every byte authenticated by the connection itself (TLS's AEAD): a frame then needs no checksum
+    authenticated: bool
 
     def send(self, buffers: Sequence[Buffer]) -> None: ...
     def recv_into(self, buffer: Buffer) -> None: ...
@@ -87,6 +89,7 @@ class TCPConnection:
         self._sock = sock
         self.peer = peer
         self.stream = True
+        self.authenticated = isinstance(sock, ssl.SSLSocket)
         self._closed = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)

@@ -64,6 +64,7 @@ class UCXConnection:
         self._ep = ep
         self.peer = peer
         self.stream = False  # tagged messages: receives match the sender's sizes
+        self.authenticated = False
         self._on_close = on_close
         self._closed = False
 
