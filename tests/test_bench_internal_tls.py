@@ -18,4 +18,4 @@ def test_the_kv_figure_moves_the_cache_both_ways_and_prints_the_ratio(capsys: py
     m = re.search(r"plain ([\d.]+) GB/s, TLS ([\d.]+) GB/s: TLS / plain ([\d.]+)", out)
     assert m is not None, out
     plain, tls, ratio = (float(x) for x in m.groups())
-    assert plain > 0 and tls > 0 and ratio == pytest.approx(tls / plain, abs=0.01)
+    assert plain > 0 and tls > 0 and ratio == pytest.approx(tls / plain, rel=0.05)  # each printed to 2 places
