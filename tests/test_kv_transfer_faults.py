@@ -502,6 +502,7 @@ class _Conn:
 
     peer = "watched"
     stream = True
+    authenticated = False
 
     def __init__(self) -> None:
         self.closed = threading.Event()
