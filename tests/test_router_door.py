@@ -332,3 +332,26 @@ def test_a_stream_the_router_gives_up_on_midway_ends_with_an_error_event_and_no_
     assert status == 200 and events.count('"text"') >= 3, events  # the tokens it had
     assert '"error"' in events and '"code": 503' in events, events
     assert "[DONE]" not in events  # a client that waits for [DONE] sees a stream that did not finish
+
+
+def test_a_grpc_refusal_for_the_tenants_tokens_carries_retry_after_in_its_trailers() -> None:
+    async def body(router: Router) -> tuple[grpc.StatusCode, str, str | None]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            stub = gpb_grpc.GenerationStub(ch)
+            md = (("authorization", "Bearer sk-bob-1"),)
+            req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=400))
+            held = stub.Generate(req, metadata=md)  # holds 402 of bob's 600 tokens while it runs
+            await held.read()
+            call = stub.Generate(req, metadata=md)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                trailers = dict(e.trailing_metadata() or ())
+                held.cancel()
+                return e.code(), e.details() or "", trailers.get("retry-after")
+        raise AssertionError("not refused")
+
+    code, details, retry_after = run(body, tenants=(replace(BOB, max_concurrent=None),), token_delay_s=0.2)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "600 tokens per minute" in details
+    assert retry_after is not None and int(retry_after) >= 1
