@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,35 +49,29 @@ class Serve:
         line = self.wait_for("splitserve: listening on", 240)
         return int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
-    def session_pids(self) -> list[int]:
-        pids = []
+    def _session(self) -> Iterator[tuple[Path, list[str]]]:
+        """Each process in serve's session (Ray's included): its /proc folder and its stat fields."""
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == self.proc.pid:
-                pids.append(int(stat.parent.name))
-        return pids
+            if int(fields[3]) == self.proc.pid:  # fields[3]: the session id (6th field of /proc/PID/stat)
+                yield stat.parent, fields
 
     def listening(self) -> list[tuple[str, int, int]]:
         """Every TCP socket a process of serve's session listens on, as (address, port, pid)."""
-        return listening_sockets(self.session_pids())
+        return listening_sockets([int(folder.name) for folder, _ in self._session()])
 
     def left_behind(self) -> list[str]:
-        """Processes still in serve's session (Ray's included), as 'pid command'."""
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            # fields[3] is the session id (6th field of /proc/PID/stat). A zombie (Z, or X as it goes) has
-            # exited and holds nothing but its exit status until its new parent reaps it; seen once in a
-            # full CI run as a process with no command line still listed just after serve exited.
-            if int(fields[3]) == self.proc.pid and fields[0] not in ("Z", "X"):
-                found.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:120]!r}")
-        return found
+        """Processes still in serve's session, as 'pid command'. A zombie (Z, or X as it goes) has
+        exited and holds nothing but its exit status until its new parent reaps it; seen once in a
+        full CI run as a process with no command line still listed just after serve exited."""
+        return [
+            f"{folder.name} {(folder / 'cmdline').read_bytes()[:120]!r}"
+            for folder, fields in self._session()
+            if fields[0] not in ("Z", "X")
+        ]
 
     def terminate(self, timeout_s: float = 90.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,6 @@ request may only lower."""
 from __future__ import annotations
 
 import asyncio
-import random
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -19,44 +18,20 @@ import pytest
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as gpb_grpc
-from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+from splitserve.router.config import Deadlines, Limits
 from splitserve.router.server import Router
 from splitserve.router.tenants import Tenant
-from splitserve.router.tokenizer import ByteTokenizer
+from tests.router_helpers import LOCAL, with_fake_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = list(b"Hello, world!")
-LOCAL = Listeners(host="127.0.0.1", grpc_port=0, http_port=0)
 ALICE = Tenant("alice", ("sk-alice",))
 BOB = Tenant("bob", ("sk-bob-1", "sk-bob-2"), max_concurrent=1, tokens_per_minute=600)
 
 
-async def with_router(
-    body: Any, *, token_delay_s: float = 0.0, on_decode: Any = None, decode_kw: Any = None, **sections: Any
-) -> Any:
-    kv = FakeKVPlane()
-    d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s, **(decode_kw or {}))
-    p = FakePrefillWorker(kv, SCRIPT, worker_id="p0")
-    await d.start()
-    await p.start()
-    if on_decode is not None:
-        on_decode(d.die)
-    cfg = RouterConfig(**{"deadlines": Deadlines(stats_interval_s=0.05), "listeners": LOCAL, **sections})
-    router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
-    await router.start()
-    await router.wait_for_workers()
-    try:
-        return await body(router)
-    finally:
-        await router.stop(0)
-        await d.stop()
-        await p.stop()
-
-
 def run(body: Any, **kw: Any) -> Any:
-    return asyncio.run(with_router(body, **kw))
+    return asyncio.run(with_fake_cluster(body, SCRIPT, **kw))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -295,8 +270,9 @@ def test_waiting_requests_take_the_seats_in_fair_order_and_a_cancelled_one_frees
 
 
 def test_a_request_the_router_gives_up_on_before_its_first_token_gets_its_status() -> None:
-    """The only decode worker dies before any request's first token and no replacement comes:
-    streamed or whole, the answer is a 503 with a Retry-After, never a 200 with empty content."""
+    """The only decode worker dies before it has taken either request (it takes 5 s to admit one)
+    and no replacement comes: streamed or whole, the answer is a 503 with a Retry-After, never a
+    200 with empty content."""
 
     async def body(router: Router) -> list[Any]:
         (worker,) = [w for w in router.workers.all() if w.role == "decode"]
@@ -313,7 +289,10 @@ def test_a_request_the_router_gives_up_on_before_its_first_token_gets_its_status
 
     kill: list[Any] = []
     answers = run(
-        body, deadlines=Deadlines(stats_interval_s=0.05, no_decode_wait_s=1.0), token_delay_s=5.0, on_decode=kill.append
+        body,
+        deadlines=Deadlines(stats_interval_s=0.05, no_decode_wait_s=1.0),
+        decode_kw={"admit_delay_s": 5.0},
+        on_decode=kill.append,
     )
     for status, headers, error in answers:
         assert status == 503 and headers["Retry-After"] == "5", (status, headers, error)

@@ -6,7 +6,6 @@ connection gets the new certificate."""
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import ssl
 from pathlib import Path
@@ -20,11 +19,10 @@ from cryptography import x509
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as gpb_grpc
-from splitserve.router.config import Deadlines, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+from splitserve.router.config import Listeners
 from splitserve.router.server import Router
-from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.runtime.tls import TLSFiles, issue_cert, make_ca
+from tests.router_helpers import with_fake_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,22 +42,8 @@ def pki(tmp_path: Path) -> dict[str, TLSFiles]:
 
 
 async def with_router(tls: TLSFiles, body: Any, token_delay_s: float = 0.0) -> Any:
-    kv = FakeKVPlane()
-    d = FakeDecodeWorker(kv, SCRIPT, worker_id="d0", token_delay_s=token_delay_s)
-    p = FakePrefillWorker(kv, SCRIPT, worker_id="p0")
-    await d.start()
-    await p.start()
     listeners = Listeners(host="127.0.0.1", grpc_port=0, http_port=0, api_key="k", tls=tls)
-    cfg = RouterConfig(deadlines=Deadlines(stats_interval_s=0.05), listeners=listeners)
-    router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
-    await router.start()
-    await router.wait_for_workers()
-    try:
-        return await body(router)
-    finally:
-        await router.stop(0)
-        await d.stop()
-        await p.stop()
+    return await with_fake_cluster(body, SCRIPT, token_delay_s=token_delay_s, listeners=listeners)
 
 
 def client_context(ca: TLSFiles, cert: TLSFiles | None = None) -> ssl.SSLContext:

@@ -1,0 +1,44 @@
+"""A router in this process in front of fake workers on real sockets (router/fakes.py), for the
+tests of the door: keys, tenants, TLS, faults."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from splitserve.router.config import Deadlines, Listeners, RouterConfig
+from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+from splitserve.router.server import Router
+from splitserve.router.tokenizer import ByteTokenizer
+
+LOCAL = Listeners(host="127.0.0.1", grpc_port=0, http_port=0)
+
+
+async def with_fake_cluster(
+    body: Any,
+    script: list[int],
+    *,
+    token_delay_s: float = 0.0,
+    on_decode: Any = None,
+    decode_kw: Any = None,
+    **sections: Any,
+) -> Any:
+    """`body(router)` against a router over one fake decode and one fake prefill worker that
+    answer `script`; `on_decode` is handed the decode worker's `die`; `sections`: RouterConfig's."""
+    kv = FakeKVPlane()
+    d = FakeDecodeWorker(kv, script, worker_id="d0", token_delay_s=token_delay_s, **(decode_kw or {}))
+    p = FakePrefillWorker(kv, script, worker_id="p0")
+    await d.start()
+    await p.start()
+    if on_decode is not None:
+        on_decode(d.die)
+    cfg = RouterConfig(**{"deadlines": Deadlines(stats_interval_s=0.05), "listeners": LOCAL, **sections})
+    router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
+    await router.start()
+    await router.wait_for_workers()
+    try:
+        return await body(router)
+    finally:
+        await router.stop(0)
+        await d.stop()
+        await p.stop()
