@@ -27,14 +27,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="address the router's ports listen on: loopback by default, reachable from this machine only; "
         "0.0.0.0 (or an interface's address) opens them to the network, so give --api-key or --tenants-file too",
     )
-    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=_DEFAULTS.listeners.metrics_port,
-        help="Prometheus endpoint of the router (0: off)",
-    )
+    _add_port_arguments(p)
     p.add_argument(
         "--mode",
         default=_DEFAULTS.routing.mode,
@@ -73,6 +66,32 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.limits.max_inflight,
         help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
     )
+    _add_key_arguments(p)
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
+        "run on for up to this long before the router stops (a second signal cuts it short)",
+    )
+    _add_tls_arguments(p)
+    add_internal_tls_argument(p)
+    add_tracing_argument(p)
+
+
+def _add_port_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_DEFAULTS.listeners.metrics_port,
+        help="Prometheus endpoint of the router (0: off)",
+    )
+
+
+def _add_key_arguments(p: argparse.ArgumentParser) -> None:
+    """Who may use the router, and how much: the keys, the tenants, the seats, /metrics' key."""
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
     p.add_argument(
         "--tenants-file",
@@ -95,16 +114,6 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "a key /metrics accepts besides the API keys, for a scraper that should have no tenant's rights "
         "('' opens /metrics to anyone who reaches the port)",
     )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
-        "run on for up to this long before the router stops (a second signal cuts it short)",
-    )
-    _add_tls_arguments(p)
-    add_internal_tls_argument(p)
-    add_tracing_argument(p)
 
 
 def _add_tls_arguments(p: argparse.ArgumentParser) -> None:
