@@ -5,14 +5,14 @@ without a certificate of the cluster's CA."""
 from __future__ import annotations
 
 import dataclasses
-import socket
-import threading
+import math
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from splitserve.bench.transfer_codec import PacedProxy
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.links import TransportName
 from splitserve.kv_transfer.receiver import KVReceiver
@@ -32,48 +32,6 @@ def cluster() -> ClusterTLS:
     return make_cluster_tls()
 
 
-class Tap:
-    """A TCP relay that keeps a copy of every byte the sender sends: what a reader on the path sees."""
-
-    def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self.seen = bytearray()
-        self._lock = threading.Lock()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if record:
-                    with self._lock:
-                        self.seen += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.mark.parametrize("tls", [False, True])
 def test_a_capture_of_the_kv_plane_holds_no_kv_and_no_request_id_under_tls(cluster: ClusterTLS, tls: bool) -> None:
     """In plaintext the capture holds the blocks' bytes and the request id (the probe can see
@@ -85,8 +43,11 @@ def test_a_capture_of_the_kv_plane_holds_no_kv_and_no_request_id_under_tls(clust
     )
     with KVReceiver(dst, transport=rx_transport) as rx:
         r = rx.reserve("req-secret-7f3a", dst_ids, lease_s=30)
-        tap = Tap(r.tcp_endpoint)
-        tapped = dataclasses.replace(r, endpoint=tap.endpoint, tcp_endpoint=tap.endpoint)
+        host, _, port = r.tcp_endpoint.rpartition(":")
+        seen = bytearray()  # what a reader on the path between the two sees
+        tap = PacedProxy((host, int(port)), gbps=math.inf, tap=seen)
+        endpoint = f"127.0.0.1:{tap.port}"
+        tapped = dataclasses.replace(r, endpoint=endpoint, tcp_endpoint=endpoint)
         client = TCPTransport(client_tls=cluster.ssl_context(server_side=False)) if tls else None
         # as the workers run: under TLS without the frame checksum (GCM's tag checks every byte)
         sender = KVSender(src, transport=client, wire_codec="raw", checksum="none" if tls else "lanesum")
@@ -97,7 +58,7 @@ def test_a_capture_of_the_kv_plane_holds_no_kv_and_no_request_id_under_tls(clust
             sender.close()
             tap.close()
         assert_arrived(dst, src, dst_ids, src_ids)
-    captured = bytes(tap.seen)
+    captured = bytes(seen)
     # 64 values of one block of layer 0, as they lie in the cache (and so on the wire, raw codec)
     probe = src.tensor[0, src_ids[1]].contiguous().view(-1)[:64].view(torch.int16).numpy().tobytes()
     assert len(captured) > 4_000  # 3 blocks x 4 layers of KV, and the frames

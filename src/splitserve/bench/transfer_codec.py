@@ -40,11 +40,14 @@ PROXY_RCVBUF = 256 << 10  # the proxy's socket buffer: a NIC's queue, not a seco
 
 class PacedProxy:
     """A TCP proxy on 127.0.0.1 to `upstream`, pacing the client-to-upstream direction to
-    `gbps` (a token bucket with no credit beyond one chunk); the other direction unpaced."""
+    `gbps` (a token bucket with no credit beyond one chunk; inf: no pacing); the other direction
+    unpaced. `tap`: where to keep a copy of every byte of the paced direction (what a reader on
+    the path sees)."""
 
-    def __init__(self, upstream: tuple[str, int], gbps: float) -> None:
+    def __init__(self, upstream: tuple[str, int], gbps: float, tap: bytearray | None = None) -> None:
         self.rate = gbps * 1e9 / 8
         self.upstream = upstream
+        self.tap = tap
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._socks: list[socket.socket] = []
@@ -79,6 +82,8 @@ class PacedProxy:
                     if ready > now:
                         time.sleep(ready - now)
                     ready += n / self.rate
+                    if self.tap is not None:
+                        self.tap += buf[:n]
                 dst.sendall(memoryview(buf)[:n])
         except OSError:
             pass
