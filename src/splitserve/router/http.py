@@ -311,14 +311,13 @@ class OpenAIServer:
         model_name: str,
         ready: Callable[[], Readiness],
         registry: CollectorRegistry,
-        may_read_metrics: Callable[[str | None], bool] | None = None,
+        may_read_metrics: Callable[[str | None], bool],
     ) -> None:
         self.generation = generation  # router.server.GenerationService
         self.model_name = model_name
         self.ready = ready  # Router.readiness
         self.registry = registry  # the router's metrics
-        # Router.may_read_metrics: a tenant's key or --metrics-key (None: the API keys alone)
-        self.may_read_metrics = may_read_metrics or (lambda a: generation.keys.tenant(a) is not None)
+        self.may_read_metrics = may_read_metrics  # Router.may_read_metrics: a tenant's key or --metrics-key
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._require_key])
         self.app.add_routes(
             [
@@ -427,9 +426,10 @@ class OpenAIServer:
             raise BadRequest(f"request: not a valid request ({type(e).__name__})") from None
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        # a stranger's body is never read: `_require_key` answered 401 before this; the key is
+        # read again here for its tenant (GenerationService.admit)
         authorization = request.headers.get("Authorization")
         try:
-            self.generation.check_key(authorization)  # before reading: a stranger's body is not parsed
             oreq = self._translate(await self._read(request), chat)
             trace_parent = tracing.extract(request.headers)  # the client's traceparent, if it sent one
             priority = request.headers.get(PRIORITY_KEY)

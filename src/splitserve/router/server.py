@@ -2,11 +2,13 @@
 
 `Router` owns the server, the worker set, the prefix index and the metrics;
 `GenerationService.Generate` admits a call (API key, in-flight bound,
-validation) and hands it to a `RequestRun`. Overload is answered at once with
-RESOURCE_EXHAUSTED: there is no queue in the router.
+validation, the tenant's limits) and hands it to a `RequestRun`. Overload is
+answered at once with RESOURCE_EXHAUSTED; beyond --max-running-requests a
+request waits for a seat (router/seats.py).
 
 Generate is registered to receive the request's raw bytes: the API key is
-checked before anything of the body is looked at, and bytes that are not a
+checked (router/auth.py's interceptor) before anything of the body is looked
+at, and bytes that are not a
 GenerateRequest (or carry invalid UTF-8 in a string field) are answered with
 INVALID_ARGUMENT, not with the UNKNOWN and traceback of a failing deserializer.
 """
@@ -296,7 +298,6 @@ class GenerationService:
                 metadata = dict(context.invocation_metadata() or ())
                 value = metadata.get("authorization")
                 authorization = value if isinstance(value, str) else None  # only "-bin" keys carry bytes
-                self.check_key(authorization)
                 trace_parent = tracing.extract(context.invocation_metadata())
                 priority = metadata.get(PRIORITY_KEY)
                 admitted = await self.admit(
