@@ -18,7 +18,8 @@ from splitserve.kv_transfer.links import TransportName
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.reservation import Completed
 from splitserve.kv_transfer.sender import KVSender, TransferError
-from splitserve.kv_transfer.transport import TCPTransport, Transport
+from splitserve.kv_transfer.tcp import TCPTransport
+from splitserve.kv_transfer.transport import Transport
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.runtime.tls import CLUSTER_NAME, ClusterTLS, load_cluster_tls, make_cluster_tls

@@ -27,7 +27,7 @@ import torch
 from splitserve.bench.results_file import with_results
 from splitserve.bench.transfer_timing import whole_cache_seconds
 from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.kv_transfer.transport import TCPTransport
+from splitserve.kv_transfer.tcp import TCPTransport
 from splitserve.measure.hw import machine_line
 from splitserve.runtime.tls import ClusterTLS, make_cluster_tls
 

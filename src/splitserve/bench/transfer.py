@@ -35,7 +35,7 @@ from splitserve.bench.transfer_timing import whole_cache_seconds
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import KVReceiver, KVSender, frame
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
-from splitserve.kv_transfer.transport import SOCKET_BUFFER_BYTES
+from splitserve.kv_transfer.tcp import SOCKET_BUFFER_BYTES
 from splitserve.measure.hw import machine_line
 
 TARGETS: dict[TransportName, float] = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}

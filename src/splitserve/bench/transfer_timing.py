@@ -9,7 +9,7 @@ import time
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer import Completed, KVReceiver, KVSender
 from splitserve.kv_transfer.reservation import TransportName
-from splitserve.kv_transfer.transport import TCPTransport
+from splitserve.kv_transfer.tcp import TCPTransport
 
 
 def whole_cache_seconds(

@@ -44,7 +44,8 @@ from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import codec as codec_mod
 from splitserve.kv_transfer import cuda_ipc, frame, metrics
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, Reservation, TransportName
-from splitserve.kv_transfer.transport import Connection, Listener, TCPTransport, Transport
+from splitserve.kv_transfer.tcp import TCPTransport
+from splitserve.kv_transfer.transport import Connection, Listener, Transport
 
 log = logging.getLogger(__name__)
 

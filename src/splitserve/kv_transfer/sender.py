@@ -39,14 +39,8 @@ from splitserve.engine.kv_groups import CacheGroups
 from splitserve.kv_transfer import codec, frame, heads, links, metrics
 from splitserve.kv_transfer.frame import FrameError, Header
 from splitserve.kv_transfer.reservation import FailureCode, Reservation, TransportName
-from splitserve.kv_transfer.transport import (
-    Connection,
-    ConnectionClosed,
-    TCPTransport,
-    Transport,
-    Watchdog,
-    Watched,
-)
+from splitserve.kv_transfer.tcp import TCPTransport
+from splitserve.kv_transfer.transport import Connection, ConnectionClosed, Transport, Watchdog, Watched
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ def _serve_decode(
 ) -> tuple[EngineLoop, str]:
     from splitserve.kv_transfer import KVReceiver
     from splitserve.kv_transfer.links import TransportName
-    from splitserve.kv_transfer.transport import TCPTransport
+    from splitserve.kv_transfer.tcp import TCPTransport
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
     from splitserve.workers.decode.service import DecodeService
@@ -164,7 +164,7 @@ def _serve_prefill(
     lease: CoreLease | None = None,
 ) -> EngineLoop:
     from splitserve.kv_transfer import KVSender
-    from splitserve.kv_transfer.transport import TCPTransport
+    from splitserve.kv_transfer.tcp import TCPTransport
     from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.prefill.connector import SenderConnector
     from splitserve.workers.prefill.service import PrefillService
