@@ -1,7 +1,7 @@
 """What the cluster's mutual TLS costs (runtime/tls.py ClusterTLS): plain and TLS side by side in
 one run, on this machine's loopback.
 
-    splitserve bench internal-tls [--size 256M] [--rounds 5] [--prompt-tokens 512] [--requests 6]
+    splitserve bench internal-tls [--size 256M] [--rounds 5] [--prompt-tokens 512] [--requests 20]
                                   [--results bench/results/internal-tls-cpu.txt]
 
 - KV plane: a whole KV cache of the 8B shape (32 layers, 8 KV heads of 128, blocks of 16, bf16)
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=lambda s: int(s.rstrip("M")) << 20, default=256 << 20, help="KV bytes (e.g. 256M)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the KV figure")
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--requests", type=int, default=6, help="requests to each cluster, alternating")
+    p.add_argument("--requests", type=int, default=20, help="requests to each cluster, alternating")
     p.add_argument("--results", default=None, help="also write the output here")
 
 
