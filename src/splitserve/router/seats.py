@@ -2,12 +2,18 @@
 
 Beyond that many, a request waits in the router for a seat. A free seat goes to a waiting request
 in the order router/fair_share.py gives (priority bands, then each tenant's weighted share in
-tokens), and only to a tenant that may take it: one at or over its share of the seats (capacity x
-its weight / the weights of the tenants active now) takes one more only while that leaves a free
-seat for each other active tenant below its share. So a tenant sending ten times the others'
-tokens fills the seats the others leave idle, but cannot hold the seat a quiet tenant's next
-request needs. "Active": running or waiting now, or seen within the last `recent_s` (a quiet
-tenant between two requests still counts).
+tokens), and only to a tenant that may take it (fair_share.may_sit). A tenant's share is the
+capacity x its weight / the weights of the tenants active now ("active": running or waiting now,
+or seen within the last `recent_s`, so a quiet tenant between two requests still counts), and a
+tenant is within it when the seats it held over the last seconds are fewer (SeatUsage).
+
+- A tenant over its share takes a free seat only while a free seat stays for each other tenant
+  within its share: a tenant sending ten times the others' tokens fills the seats the others
+  leave idle, but cannot hold the seat a quiet tenant's next request needs.
+- A tenant within its share is never made to wait for a seat lent to one over it: with all seats
+  taken it runs beyond the limit, by at most the seats lent, and the lenders get no new seat
+  until the count is back under it (seats are not preempted: a lent seat may be held for a
+  noisy tenant's whole long request).
 
 Without the limit every admitted request runs at once, and the workers' own queues order them.
 A request that takes a seat gives it back when its stream ends; a waiting one whose client goes
@@ -20,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from splitserve.router.fair_share import FairShare, within_share
+from splitserve.router.fair_share import FairShare, SeatUsage, may_sit
 from splitserve.router.tenants import Tenant
 
 RECENT_S = 5.0
@@ -44,6 +50,7 @@ class Seats:
         q = () if quantum_tokens is None else (quantum_tokens,)
         self.share: FairShare[tuple[asyncio.Future[None], str]] = FairShare(*q)
         self._retry: asyncio.TimerHandle | None = None
+        self.usage = SeatUsage()
 
     async def take(self, tenant: Tenant, cost: int, band: int) -> None:
         """A seat for a request of `tenant` that costs `cost` tokens, once its turn comes."""
@@ -68,14 +75,16 @@ class Seats:
         self.taken -= 1
         self.running[tenant.name] -= 1
         self._seen[tenant.name] = self.clock()
+        self.usage.set(tenant.name, self.running[tenant.name], self._seen[tenant.name])
         self._dispatch()
 
     def _dispatch(self) -> None:
         assert self.capacity is not None
-        while self.taken < self.capacity:
+        while True:
             turn = self.share.pop(self._eligible())
             if turn is None:
-                if len(self.share):  # all who wait are over their share: look again once the others go quiet
+                if len(self.share) and self.taken < self.capacity:
+                    # all who wait are over their share: look again once the others go quiet
                     self._look_again_later()
                 return
             future, name = turn
@@ -83,13 +92,15 @@ class Seats:
                 continue
             self.taken += 1
             self.running[name] = self.running.get(name, 0) + 1
+            self.usage.set(name, self.running[name], self.clock())
             future.set_result(None)
 
     def _eligible(self) -> Callable[[str], bool]:
         assert self.capacity is not None
         now = self.clock()
         recent = {t for t, seen in self._seen.items() if now - seen < self.recent_s}
-        return within_share(self.capacity, self.running, self._weights, self.share.waiting(), recent)
+        held = self.usage.averages(now)
+        return may_sit(self.capacity, self.running, self._weights, self.share.waiting(), recent, held)
 
     def _look_again_later(self) -> None:
         if self._retry is None or self._retry.cancelled():
