@@ -21,10 +21,12 @@ async def with_fake_cluster(
     token_delay_s: float = 0.0,
     on_decode: Any = None,
     decode_kw: Any = None,
+    workers: list[Any] | None = None,
     **sections: Any,
 ) -> Any:
     """`body(router)` against a router over one fake decode and one fake prefill worker that
-    answer `script`; `on_decode` is handed the decode worker's `die`; `sections`: RouterConfig's."""
+    answer `script`; `on_decode` is handed the decode worker's `die`; `workers`, given, gets the two
+    fakes (decode, prefill); `sections`: RouterConfig's."""
     kv = FakeKVPlane()
     d = FakeDecodeWorker(kv, script, worker_id="d0", token_delay_s=token_delay_s, **(decode_kw or {}))
     p = FakePrefillWorker(kv, script, worker_id="p0")
@@ -32,6 +34,8 @@ async def with_fake_cluster(
     await p.start()
     if on_decode is not None:
         on_decode(d.die)
+    if workers is not None:
+        workers += [d, p]
     cfg = RouterConfig(**{"deadlines": Deadlines(stats_interval_s=0.05), "listeners": LOCAL, **sections})
     router = Router(cfg, ByteTokenizer(), decode=[d.address], prefill=[p.address], rng=random.Random(0))
     await router.start()

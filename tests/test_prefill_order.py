@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
-from splitserve.engine.prefill_order import Waiting, admission_order, prefill_rank
+from splitserve.engine.prefill_order import PrefillShares, Share, Waiting, admission_order, prefill_rank
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
@@ -34,6 +35,47 @@ def test_a_long_prompt_that_has_waited_long_enough_goes_before_a_fresh_short_one
 def test_a_preempted_request_keeps_its_place_at_the_head():
     waiting = [Waiting(900, 0.0, True), Waiting(10, 0.0, False), Waiting(800, 0.0, True)]
     assert admission_order(waiting) == [0, 2, 1]
+
+
+NOISY, QUIET = Share("noisy"), Share("quiet")
+
+
+def test_a_tenant_behind_on_prefill_tokens_goes_before_an_older_backlog():
+    """The noisy tenant's five prompts waited longer (their age ranks them first), but it has had
+    its tokens lately and the quiet tenant none: the quiet prompt starts first, then the noisy
+    backlog in its own order."""
+    waiting = [Waiting(256, 2.0 - i * 0.1, False, NOISY) for i in range(5)] + [Waiting(256, 0.0, False, QUIET)]
+    assert admission_order(waiting, served={"noisy": 5000.0})[0] == 5
+    assert admission_order(waiting, served={"noisy": 5000.0})[1:] == [0, 1, 2, 3, 4]
+    # with no tenants the age decides: first come, first served
+    anonymous = [w._replace(share=Share()) for w in waiting]
+    assert admission_order(anonymous, served={"noisy": 5000.0}) == [0, 1, 2, 3, 4, 5]
+
+
+def test_tenants_even_on_tokens_take_turns_by_token_cost_and_weight():
+    # even at first: b's shorter prompt (100), then a's 300 (a is behind), then b's two (b
+    # catches up to 300), then a's
+    waiting = [Waiting(300, 0.0, False, Share("a")), Waiting(300, 0.0, False, Share("a"))]
+    waiting += [Waiting(100, 0.0, False, Share("b")) for _ in range(3)]
+    assert admission_order(waiting) == [2, 0, 3, 4, 1]
+    # a at twice b's weight: its 300-token prompts count as 150, so its second comes sooner
+    heavy = [w._replace(share=Share("a", 2.0)) if w.share.tenant == "a" else w for w in waiting]
+    assert admission_order(heavy) == [2, 0, 3, 1, 4]
+
+
+def test_a_higher_band_goes_first_whatever_the_tokens():
+    waiting = [Waiting(10, 5.0, False, Share("a", band=1)), Waiting(900, 0.0, False, Share("b", band=0))]
+    assert admission_order(waiting, served={"b": 1e6}) == [1, 0]
+
+
+def test_prefill_shares_decay_by_e_every_window():
+    shares = PrefillShares(window_s=10.0)
+    shares.started("a", 1000, now=0.0)
+    shares.started("a", 1000, now=10.0)
+    assert shares.served(10.0)["a"] == pytest.approx(1000 * math.exp(-1) + 1000)
+    assert shares.served(20.0)["a"] == pytest.approx((1000 * math.exp(-1) + 1000) * math.exp(-1))
+    assert "a" not in shares.served(200.0) or shares.served(200.0) == {}  # forgotten once under a token
+    assert shares.served(300.0) == {}
 
 
 def _engine() -> Engine:

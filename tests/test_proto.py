@@ -64,3 +64,20 @@ def test_decode_events_are_a_oneof() -> None:
     assert ev.WhichOneof("event") == "reservation"
     ev.tokens.token_ids.append(5)
     assert ev.WhichOneof("event") == "tokens"
+
+
+def test_whose_request_it_is_crosses_in_the_handoff_and_a_bad_one_is_refused() -> None:
+    from splitserve.engine.handoff import Handoff
+    from splitserve.engine.prefill_order import Share
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.proto import convert
+
+    h = Handoff([1, 2, 3], SamplingParams(max_tokens=4), share=Share("search", 2.0, 0))
+    assert convert.handoff_from_proto(convert.handoff_to_proto(h)).share == Share("search", 2.0, 0)
+    unset = convert.handoff_to_proto(h)
+    unset.ClearField("share")  # a router that sends none: no tenant
+    assert convert.handoff_from_proto(unset).share == Share()
+    bad = convert.handoff_to_proto(h)
+    bad.share.band = 7
+    with pytest.raises(ValueError, match="handoff.share: band 7"):
+        convert.handoff_from_proto(bad)

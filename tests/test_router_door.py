@@ -20,7 +20,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as gpb_grpc
 from splitserve.router.config import Deadlines, Limits
 from splitserve.router.server import Router
-from splitserve.router.tenants import Tenant
+from splitserve.router.tenants import PRIORITY_KEY, Tenant
 from tests.router_helpers import LOCAL, with_fake_cluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -264,6 +264,26 @@ def test_waiting_requests_take_the_seats_in_fair_order_and_a_cancelled_one_frees
     )
     assert order[0] == "a0" and order.index("b0") <= 2, order
     assert "gone" not in order
+
+
+def test_the_workers_are_told_whose_request_it_is_from_the_key_not_the_request() -> None:
+    """The decode worker's handoff carries the tenant of the key, its weight and the band the
+    request asked (lower than its key's): what the workers share their prefill tokens by. A
+    request's own `user` field names no tenant."""
+
+    async def body(router: Router) -> None:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
+            headers = bearer("sk-bob-2") | {PRIORITY_KEY: "low"}
+            payload = {"prompt": "hi", "max_tokens": 4, "user": "alice"}
+            async with s.post("/v1/completions", json=payload, headers=headers) as r:
+                assert r.status == 200, await r.text()
+
+    fakes: list[Any] = []
+    run(body, tenants=(ALICE, replace(BOB, weight=3.0, tokens_per_minute=None)), workers=fakes)
+    decode = fakes[0]
+    (request,) = decode.requests
+    share = request.handoff.share
+    assert (share.tenant, share.weight, share.band) == ("bob", 3.0, 2)
 
 
 # ---- a request the router gives up on is told so

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "engine": ("splitserve.bench.engine", "engine decode throughput against transformers and the hardware limits"),
     "transfer": ("splitserve.bench.transfer", "KV transfer GB/s per transport against the raw link"),
     "internal-tls": ("splitserve.bench.internal_tls", "the cluster's mutual TLS against plaintext: KV GB/s and TTFT"),
+    "tenants": ("splitserve.bench.tenants", "a noisy tenant against three quiet ones: their TTFT beside alone, Jain"),
     "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from splitserve.engine.handoff import SampleState
+from splitserve.engine.prefill_order import NO_TENANT, Share
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
 
@@ -45,6 +46,7 @@ class Admit:
     # a request of several samples handed over (n > 1 migrated): each one's output so far
     samples: list[SampleState] = field(default_factory=list)
     transfer_id: bytes = b""  # prefill role: the ticket of the reservation its KV goes to
+    share: Share = NO_TENANT  # whose it is: the prefill order shares prefill tokens across tenants
 
 
 @dataclass(frozen=True)

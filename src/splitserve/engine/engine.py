@@ -389,7 +389,9 @@ class Engine:
         samples = [SampleState(seq.sample_index, seq.output_token_ids, [out.logprob] if out.logprob else [])]
         samples += [SampleState(k, [*prior, t], [lp] if lp else []) for k, t, lp in seq.first_draws]
         samples.sort(key=lambda s: s.index)
-        return Handoff(seq.token_ids[: seq.num_prompt_tokens], seq.params, samples, list(seq.prompt_logprobs))
+        return Handoff(
+            seq.token_ids[: seq.num_prompt_tokens], seq.params, samples, list(seq.prompt_logprobs), seq.share
+        )
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.prefill_order import NO_TENANT, Share
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Handoff:
     params: SamplingParams  # max_tokens counts each sample's output in all, handed-over tokens included
     samples: list[SampleState] = field(default_factory=list)  # empty: fresh, every one of n to start
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first
+    share: Share = NO_TENANT  # whose request it is, for the workers' prefill order
 
     def sample_states(self) -> list[SampleState]:
         """The samples to run: those handed over, or all n fresh."""

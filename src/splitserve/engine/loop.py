@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -42,8 +42,9 @@ from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, Waiting, admission_order
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, PrefillShares, Waiting, admission_order
 from splitserve.engine.scheduler import Scheduler, SchedulerStats
+from splitserve.engine.sequence import Sequence
 from splitserve.engine.stats import IterationStats
 from splitserve.engine.tier_cost import TierSpeeds
 
@@ -87,6 +88,8 @@ class EngineLoop:
         self.core_lease = core_lease
         self.decode_borrows = decode_borrows
         self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s
+        self._prefill_shares = PrefillShares()  # the engine thread's alone
+        self._queued: dict[int, Sequence] = {}  # the queue at the last look, by id()
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
@@ -197,18 +200,28 @@ class EngineLoop:
     def _order_waiting(self) -> None:
         """The scheduler's queue in the order its prompts should start (it admits from the head)."""
         waiting = self.engine.scheduler.waiting
+        now = self.engine.clock()
+        self._count_started(waiting, now)
         if self.prefill_aging_tokens_per_s is None or len(waiting) < 2:
             return
-        now = self.engine.clock()
         seen = [
-            Waiting(len(s) - s.num_computed_tokens, now - s.times.arrival, len(s) > s.num_prompt_tokens)
+            Waiting(len(s) - s.num_computed_tokens, now - s.times.arrival, len(s) > s.num_prompt_tokens, s.share)
             for s in waiting
         ]
-        order = admission_order(seen, self.prefill_aging_tokens_per_s)
+        order = admission_order(seen, self.prefill_aging_tokens_per_s, self._prefill_shares.served(now))
         if order != sorted(order):
             ordered = [waiting[i] for i in order]
             waiting.clear()
             waiting.extend(ordered)
+
+    def _count_started(self, waiting: Iterable[Sequence], now: float) -> None:
+        """Prompt tokens of the requests that left the queue since the last look, to their tenants
+        (a request aborted while it waited counts too: rare, and it cost its admission)."""
+        queued = {id(s): s for s in waiting}
+        for key, seq in self._queued.items():
+            if key not in queued and seq.share.tenant:
+                self._prefill_shares.started(seq.share.tenant, len(seq) - seq.num_computed_tokens, now)
+        self._queued = queued
 
     def _size_step(self) -> None:
         """The next step's threads, from the lease: set here, on the thread that runs the step,
@@ -269,6 +282,7 @@ class EngineLoop:
             )
         seq = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior, cmd.samples)
         seq.transfer_id = cmd.transfer_id
+        seq.share = cmd.share
         if sink is not None:
             self._sinks[cmd.request_id] = sink
         # a prefill-only request's cached prefix is found when it runs, and told in its output

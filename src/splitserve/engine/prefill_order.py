@@ -1,4 +1,5 @@
-"""The order in which waiting prompts start: shortest remaining prefill first, aged.
+"""The order in which waiting prompts start: by priority band, fairly across tenants, and within
+a tenant shortest remaining prefill first, aged.
 
 Arrival order lets one long prompt hold every short one behind it for all of its
 chunks, and the short ones are most of the requests and so most of the TTFT
@@ -11,12 +12,26 @@ passed over by shorter ones for at most L / aging_tokens_per_s seconds.
 Requests that already ran (a preempted one, whose recompute goes first so that
 its stream resumes) keep their place at the head, in the order they are in.
 
-`prefill_rank` and `admission_order` are pure (the clock is passed in); the
-engine loop applies the order to the scheduler's queue between steps.
+Tenants (the router's, carried to the worker in each request's `Share`): a
+higher band goes first, wholly. Within a band, prefill tokens are shared by
+weight: each tenant's prompt tokens started lately (`PrefillShares`, decayed
+over seconds) over its weight is its virtual time, and the next prompt is the
+best-ranked one of the tenant furthest behind, its tokens then added to that
+tenant's time (weighted fair queueing by token cost). So a tenant sending ten
+times the others' prompts queues behind its own backlog, not theirs, without
+the worker knowing any tenant's rate in advance. With one tenant the order is
+the rank order above.
+
+`prefill_rank`, `admission_order` and `PrefillShares` are pure (the clock is
+passed in); the engine loop applies the order to the scheduler's queue between
+steps.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -25,12 +40,25 @@ from typing import NamedTuple
 AGING_TOKENS_PER_S = 500.0
 
 
+class Share(NamedTuple):
+    """Whose request it is: the tenant the router found from its key, the tenant's weight, and the
+    request's priority band (0 high, 1 normal, 2 low: router/tenants.py)."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    band: int = 1
+
+
+NO_TENANT = Share()
+
+
 class Waiting(NamedTuple):
     """What the order reads of one waiting request."""
 
     remaining_tokens: int  # prompt tokens still to compute
     waited_s: float  # since it was admitted to the queue
     resumed: bool  # it ran before (preempted): it keeps its place at the head
+    share: Share = NO_TENANT
 
 
 def prefill_rank(w: Waiting, aging_tokens_per_s: float = AGING_TOKENS_PER_S) -> float:
@@ -38,10 +66,54 @@ def prefill_rank(w: Waiting, aging_tokens_per_s: float = AGING_TOKENS_PER_S) -> 
     return w.remaining_tokens - aging_tokens_per_s * w.waited_s
 
 
-def admission_order(waiting: Seq[Waiting], aging_tokens_per_s: float = AGING_TOKENS_PER_S) -> list[int]:
+def admission_order(
+    waiting: Seq[Waiting], aging_tokens_per_s: float = AGING_TOKENS_PER_S, served: Mapping[str, float] | None = None
+) -> list[int]:
     """Indices into `waiting` in the order they should start: the resumed ones first as they are,
-    then the rest by rank (ties in arrival order, so equal prompts stay first come, first served)."""
+    then the rest by band, fairly across tenants (`served`: each tenant's prompt tokens started
+    lately, PrefillShares), each tenant's by rank (ties in arrival order, so equal prompts stay
+    first come, first served)."""
     resumed = [i for i, w in enumerate(waiting) if w.resumed]
     fresh = [i for i, w in enumerate(waiting) if not w.resumed]
     fresh.sort(key=lambda i: (prefill_rank(waiting[i], aging_tokens_per_s), i))
-    return resumed + fresh
+    if len({(waiting[i].share.tenant, waiting[i].share.band) for i in fresh}) <= 1:
+        return resumed + fresh
+    order: list[int] = []
+    for band in sorted({waiting[i].share.band for i in fresh}):
+        queues: dict[str, deque[int]] = {}
+        for i in fresh:
+            if waiting[i].share.band == band:
+                queues.setdefault(waiting[i].share.tenant, deque()).append(i)
+        weight = {t: max(waiting[q[0]].share.weight, 1e-3) for t, q in queues.items()}
+        virtual = {t: (served or {}).get(t, 0.0) / weight[t] for t in queues}
+        rank = {i: prefill_rank(waiting[i], aging_tokens_per_s) for i in fresh}
+        while queues:  # the tenant furthest behind; even ones by their next prompt's rank
+            tenant = min(queues, key=lambda t: (virtual[t], rank[queues[t][0]], queues[t][0]))
+            i = queues[tenant].popleft()
+            order.append(i)
+            virtual[tenant] += waiting[i].remaining_tokens / weight[tenant]
+            if not queues[tenant]:
+                del queues[tenant]
+    return resumed + order
+
+
+class PrefillShares:
+    """Each tenant's prompt tokens started lately: a count that decays by e every `window_s`, so
+    that the order weighs a tenant's next prompt against what it had of the last seconds, and a
+    tenant idle for a while starts even again."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._count: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, as of)
+
+    def started(self, tenant: str, tokens: int, now: float) -> None:
+        self._count[tenant] = (self._at(tenant, now) + tokens, now)
+
+    def served(self, now: float) -> dict[str, float]:
+        out = {t: self._at(t, now) for t in self._count}
+        self._count = {t: (v, now) for t, v in out.items() if v >= 1.0}  # the long idle are forgotten
+        return out
+
+    def _at(self, tenant: str, now: float) -> float:
+        tokens, at = self._count.get(tenant, (0.0, now))
+        return tokens * math.exp(-max(0.0, now - at) / self.window_s)

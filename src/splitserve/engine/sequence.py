@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.prefill_order import Share
 from splitserve.engine.sampler import draw_seed
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
@@ -43,6 +44,7 @@ class Sequence:
         "prefill_only",
         "max_output_tokens",
         "transfer_id",
+        "share",
         "times",
         "speculation",
         "prefix_cacheable",
@@ -93,6 +95,7 @@ class Sequence:
         self.arrival = arrival  # admission order: preemption takes the newest first
         self.prefill_only = prefill_only  # prefill role: finish after the first token
         self.transfer_id = b""  # decode role, RESERVED: the KV connector's id of the transfer filling it
+        self.share = Share()  # whose it is, for the prefill order (engine/prefill_order.py)
         self.times = RequestTimes(arrival_time)  # for metrics (engine/stats.py), on the engine's clock
         # engine/spec/speculator.py's record of this sequence's drafts (acceptance), made at its
         # first decode step; derived from its tokens and steps here, so never handed over
@@ -139,6 +142,7 @@ class Sequence:
         child.max_output_tokens = self.max_output_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.prefix_cacheable = self.prefix_cacheable
+        child.share = self.share
         if self.matcher is not None:
             child.matcher = type(self.matcher)(self.matcher.compiled)
             child.matcher.replay(self.output_token_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from splitserve.engine.handoff import Handoff, SampleState, TokenLogprob
+from splitserve.engine.prefill_order import Share
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 
@@ -118,6 +119,7 @@ def handoff_to_proto(h: Handoff) -> wpb.Handoff:
             for s in h.samples
         ],
         prompt_logprobs=[logprob_to_proto(lp) for lp in h.prompt_logprobs],
+        share=wpb.Share(tenant=h.share.tenant, weight=h.share.weight, band=h.share.band),
     )
 
 
@@ -131,7 +133,13 @@ def handoff_from_proto(m: wpb.Handoff) -> Handoff:
     indices = [s.index for s in samples]
     if len(set(indices)) != len(indices) or any(i >= params.n for i in indices):
         raise ValueError(f"handoff.samples: indices {indices} are not distinct sample indices below n={params.n}")
-    return Handoff(list(m.prompt_token_ids), params, samples, [logprob_from_proto(lp) for lp in m.prompt_logprobs])
+    share = Share()
+    if m.HasField("share"):
+        if m.share.band > 2 or not 0 <= m.share.weight <= 1000:
+            raise ValueError(f"handoff.share: band {m.share.band} (0 to 2), weight {m.share.weight:g} (0 to 1000)")
+        share = Share(m.share.tenant, m.share.weight or 1.0, m.share.band)
+    prompt_logprobs = [logprob_from_proto(lp) for lp in m.prompt_logprobs]
+    return Handoff(list(m.prompt_token_ids), params, samples, prompt_logprobs, share)
 
 
 def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:

@@ -54,6 +54,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.handoff import Handoff
+from splitserve.engine.prefill_order import NO_TENANT, Share
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -158,8 +159,10 @@ class RequestRun:
         rng: random.Random,
         deadline: float,  # time.monotonic() by which the whole request must end
         span: Span | None = None,  # the request's own (tracing.py), ended by whoever streams it
+        share: Share = NO_TENANT,  # its tenant and band, for the workers' prefill order
     ) -> None:
         self.req = req
+        self.share = share
         self.cfg = cfg
         self.workers = workers
         self.metrics = metrics
@@ -361,6 +364,7 @@ class RequestRun:
             self.req.sampling,
             self.response.handoff_samples(),
             self.response.prompt_logprobs,
+            self.share,
         )
         return convert.handoff_to_proto(h)
 

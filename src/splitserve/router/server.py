@@ -30,6 +30,7 @@ import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
+from splitserve.engine.prefill_order import Share
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.auth import KeyInterceptor
@@ -157,7 +158,7 @@ class GenerationService:
                 band = priority_band(tenant, priority)
             except ValueError as e:
                 raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            run = self._admit(valid, time_remaining, span)
+            run = self._admit(valid, time_remaining, span, Share(tenant.name, tenant.weight, band))
             tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
             refusal = self.tenant_limits.admit(tenant, tokens)
             if refusal is not None:
@@ -190,7 +191,7 @@ class GenerationService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"router at its limit of {max_inflight} requests in flight"
             )
 
-    def _admit(self, req: ValidRequest, time_remaining: float | None, span: Span) -> RequestRun:
+    def _admit(self, req: ValidRequest, time_remaining: float | None, span: Span, share: Share) -> RequestRun:
         self._check_room()  # again, after a validation on the thread: others may have come in meanwhile
         if req.request_id in self._active:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already in flight")
@@ -206,6 +207,7 @@ class GenerationService:
             self.rng,
             deadline=time.monotonic() + timeout,
             span=span,
+            share=share,
         )
 
     def release(self, admitted: Admitted) -> None:

@@ -142,7 +142,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         """Admit the request (LOCAL) or reserve its blocks (REMOTE); the call's first event."""
         prompt, params = handoff.prompt_token_ids, handoff.params
         if not remote:
-            admitted: Admitted = self._submit(Admit(rid, prompt, params, samples=handoff.samples), sink, context)
+            admit = Admit(rid, prompt, params, samples=handoff.samples, share=handoff.share)
+            admitted: Admitted = self._submit(admit, sink, context)
             return wpb.DecodeEvent(local_prefill=wpb.LocalPrefill(num_cached_tokens=admitted.num_cached_tokens))
         lease_s = (lease_ms or self.cfg.lease_ms) / 1000.0
         sample = handoff.sample_states()[0]

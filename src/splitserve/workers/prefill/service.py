@@ -109,6 +109,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 prefill_only=True,
                 transfer_id=kv.ticket,
                 samples=handoff.samples,
+                share=handoff.share,
             )
             admitted = self._admit(admit, events, context)
             out = self._first_token(events, context)

@@ -119,16 +119,28 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "samples", "prompt_logprobs")
+    __slots__ = ("prompt_token_ids", "sampling", "samples", "prompt_logprobs", "share")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     samples: _containers.RepeatedCompositeFieldContainer[SampleState]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleState, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    share: Share
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[SampleState, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., share: _Optional[_Union[Share, _Mapping]] = ...) -> None: ...
+
+class Share(_message.Message):
+    __slots__ = ("tenant", "weight", "band")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    band: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., band: _Optional[int] = ...) -> None: ...
 
 class SampleState(_message.Message):
     __slots__ = ("index", "output_token_ids", "logprobs")
