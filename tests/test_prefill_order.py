@@ -11,7 +11,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
-from splitserve.engine.prefill_order import PrefillShares, Share, Waiting, admission_order, prefill_rank
+from splitserve.engine.prefill_order import RecentTokens, Share, Waiting, admission_order, prefill_rank
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
@@ -69,7 +69,7 @@ def test_a_higher_band_goes_first_whatever_the_tokens():
 
 
 def test_prefill_shares_decay_by_e_every_window():
-    shares = PrefillShares(window_s=10.0)
+    shares = RecentTokens(window_s=10.0)
     shares.started("a", 1000, now=0.0)
     shares.started("a", 1000, now=10.0)
     assert shares.served(10.0)["a"] == pytest.approx(1000 * math.exp(-1) + 1000)

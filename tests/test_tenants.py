@@ -5,12 +5,12 @@ simulated router with one tenant sending ten times the others' tokens."""
 from __future__ import annotations
 
 import heapq
-import math
 import random
 
 import pytest
 
-from splitserve.router.fair_share import FairShare, SeatUsage, may_sit
+from splitserve.engine.prefill_order import RecentTokens
+from splitserve.router.fair_share import FairShare, may_sit
 from splitserve.router.seats import RECENT_S
 from splitserve.router.tenant_limits import TenantLimits
 from splitserve.router.tenants import KeyRing, Tenant, parse_tenants, priority_band
@@ -169,13 +169,13 @@ def workload(noisy: bool) -> list[tuple[float, str, int]]:
 def simulate(
     arrivals: list[tuple[float, str, int]], fair: bool, peak: list[int] | None = None
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """The seats as router/seats.py runs them (FairShare, may_sit and SeatUsage), or in
+    """The seats as router/seats.py runs them (FairShare, may_sit and RecentTokens), or in
     arrival order; each tenant's served tokens (requests started in the first 60 s) and waits for a
     seat. `peak`: given, gets the most requests that ran at once."""
     share: FairShare[tuple[float, str, int]] = FairShare()
     fifo: list[tuple[float, str, int]] = []
     running: dict[str, int] = {}
-    usage = SeatUsage()
+    asked = RecentTokens()
     seen: dict[str, float] = {}
     ends: list[tuple[float, str]] = []  # a heap of (when a seat frees, whose)
     served: dict[str, float] = {}
@@ -190,18 +190,17 @@ def simulate(
         else:
             now, tenant = heapq.heappop(ends)
             running[tenant] -= 1
-            usage.set(tenant, running[tenant], now)
         while True:
             recent = {t for t, when in seen.items() if now - when < RECENT_S}
             if fair:
-                item = share.pop(may_sit(SEATS, running, {}, share.waiting(), recent, usage.averages(now)))
+                item = share.pop(may_sit(SEATS, running, {}, share.waiting(), recent, asked.served(now)))
             else:
                 item = fifo.pop(0) if fifo and sum(running.values()) < SEATS else None
             if item is None:
                 break
             t, tenant, size = item
             running[tenant] = running.get(tenant, 0) + 1
-            usage.set(tenant, running[tenant], now)
+            asked.started(tenant, size, now)
             if peak is not None:
                 peak[0] = max(peak[0], sum(running.values()))
             heapq.heappush(ends, (now + size / TOKENS_PER_S, tenant))
@@ -249,29 +248,24 @@ def test_a_noisy_tenant_at_ten_times_the_rate_leaves_the_others_their_share_and_
 
 
 def test_who_may_sit_free_seats_to_the_tenants_within_their_share_and_beyond_the_limit_only_them() -> None:
-    """Four seats, two tenants (a share of 2 each); "noisy" has held 3 on average, "quiet" 1."""
-    held = {"noisy": 3.0, "quiet": 1.0}
+    """Four seats, two tenants (a share of 2 seats each); lately "noisy" asked 3,000 tokens and
+    "quiet" 1,000: quiet is within its share (below the even 2,000), noisy over it."""
+    asked = {"noisy": 3000.0, "quiet": 1000.0}
     # one seat free, quiet owed it (nothing waiting): noisy may not take it, quiet may
-    eligible = may_sit(4, {"noisy": 3}, {}, {"noisy": 1}, {"quiet"}, held)
+    eligible = may_sit(4, {"noisy": 3}, {}, {"noisy": 1}, {"quiet"}, asked)
     assert not eligible("noisy") and eligible("quiet")
     # two free: noisy may take one, the other stays for quiet
-    assert may_sit(4, {"noisy": 2}, {}, {"noisy": 1}, {"quiet"}, held)("noisy")
+    assert may_sit(4, {"noisy": 2}, {}, {"noisy": 1}, {"quiet"}, asked)("noisy")
     # all four taken, noisy holding one beyond its share: quiet takes one beyond the limit
-    eligible = may_sit(4, {"noisy": 3, "quiet": 1}, {}, {"noisy": 2, "quiet": 1}, set(), held)
+    eligible = may_sit(4, {"noisy": 3, "quiet": 1}, {}, {"noisy": 2, "quiet": 1}, set(), asked)
     assert eligible("quiet") and not eligible("noisy")
     # ... but not two: one seat lent, one already taken beyond the limit
-    assert not may_sit(4, {"noisy": 3, "quiet": 2}, {}, {"quiet": 1}, set(), held)("quiet")
-    # a quiet tenant that held more than its share over the last seconds is not owed one
-    assert not may_sit(4, {"noisy": 3, "quiet": 1}, {}, {"quiet": 1}, set(), {"noisy": 3.0, "quiet": 2.5})("quiet")
+    assert not may_sit(4, {"noisy": 3, "quiet": 2}, {}, {"quiet": 1}, set(), asked)("quiet")
+    # a tenant that asked more than the even cut lately is owed nothing beyond the limit
+    assert not may_sit(4, {"noisy": 3, "quiet": 1}, {}, {"quiet": 1}, set(), {"noisy": 1000.0, "quiet": 3000.0})(
+        "quiet"
+    )
+    # weights: noisy at three times quiet's weight asked less than its cut, so quiet is over
+    assert not may_sit(4, {"noisy": 3, "quiet": 1}, {"noisy": 3.0}, {"quiet": 1}, set(), asked)("quiet")
     # nothing lent: the limit holds for everyone
-    assert not may_sit(4, {"noisy": 2, "quiet": 2}, {}, {"quiet": 1}, set(), held)("quiet")
-
-
-def test_seat_usage_is_the_seats_held_averaged_over_the_window() -> None:
-    usage = SeatUsage(window_s=10.0)
-    usage.set("a", 4, now=0.0)
-    assert usage.averages(0.0) == {"a": 0.0}
-    assert usage.averages(10.0)["a"] == pytest.approx(4 * (1 - math.exp(-1)))
-    usage.set("a", 0, now=10.0)  # let go at 10 s: decays from there
-    assert usage.averages(20.0)["a"] == pytest.approx(4 * (1 - math.exp(-1)) * math.exp(-1))
-    assert usage.averages(1000.0)["a"] == pytest.approx(0.0, abs=1e-9)
+    assert not may_sit(4, {"noisy": 2, "quiet": 2}, {}, {"quiet": 1}, set(), asked)("quiet")

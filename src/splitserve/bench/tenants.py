@@ -2,11 +2,16 @@
 quiet ones, and the quiet tenants' TTFT beside their run alone, in one run.
 
     splitserve bench tenants [--duration 40] [--seats 8] [--quiet-rate 0.3] [--prompt-tokens 256]
-                             [--max-tokens 16] [--threads 2] [--results bench/results/tenants-cpu.txt]
+                             [--max-tokens 16] [--results bench/results/tenants-cpu.txt]
 
-One decode worker process (the embedded model, prefilling locally) and a router in this process
-with four tenants of equal weight (q1, q2, q3 and noisy, each its own key) and --seats seats
-(`--max-running-requests`); the client is this process too, over gRPC. Each quiet tenant sends a
+Two topologies, each with a router in this process holding four tenants of equal weight (q1, q2,
+q3 and noisy, each its own key) and --seats seats (`--max-running-requests`), the client this
+process too, over gRPC:
+
+- disaggregated, as `serve` runs by default: a prefill and a decode worker process (the embedded
+  model in bfloat16, one thread each, pinned to a core each), the router in mode auto;
+- colocated: one decode worker process on both cores, prefilling every prompt itself.
+ Each quiet tenant sends a
 prompt of --prompt-tokens every 1 / --quiet-rate s on average (Poisson; random token ids, so no
 prefix-cache hit) asking --max-tokens tokens; the noisy tenant sends ten times their tokens, in
 one of two shapes: prompts ten times as long at the same rate ("long": each holds a seat for
@@ -33,12 +38,12 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import grpc
 
-from splitserve.bench.cluster import WorkerArgs, WorkerProcess
+from splitserve.bench.cluster import LocalCluster, WorkerArgs, WorkerProcess, usable_cores
 from splitserve.bench.results_file import with_results
 from splitserve.measure.hw import machine_line
 
@@ -57,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-rate", type=float, default=0.3, help="requests per second of each quiet tenant")
     p.add_argument("--prompt-tokens", type=int, default=256, help="a quiet request's prompt")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2, help="the decode worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=None, help="also write the output here")
 
@@ -128,40 +132,59 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"# splitserve bench tenants --duration {args.duration:g} --seats {args.seats} "
         f"--quiet-rate {args.quiet_rate:g} --prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens} "
-        f"--threads {args.threads} --seed {args.seed}"
+        f"--seed {args.seed}"
     )
     print(f"# {machine_line()}")
-    with tempfile.TemporaryDirectory(prefix="splitserve-bench-tenants-") as tmp:
-        worker = WorkerProcess("decode", None, WorkerArgs(threads=args.threads, num_blocks=2048), tmp)
-        try:
-            deadline = time.monotonic() + 300
-            while not worker.poll_ready():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the decode worker was not ready in 300 s:\n{worker.log_tail()}")
-                time.sleep(0.1)
-            results = asyncio.run(_phases(worker.grpc_address, args))
-        finally:
-            worker.kill()
-    _report(results, args)
+    results: dict[str, dict[str, Phase]] = {}
+    for topology in ("disaggregated", "colocated"):
+        print(f"... {topology}", flush=True)
+        results[topology] = _on(topology, args)
+    for topology, phases in results.items():
+        _report(topology, phases, args)
     return 0
 
 
-async def _phases(address: str, args: argparse.Namespace) -> dict[str, Phase]:
+def _on(topology: str, args: argparse.Namespace) -> dict[str, Phase]:
+    """The phases against a fresh cluster of `topology`."""
+    engine = WorkerArgs(dtype="bfloat16", num_blocks=2048)
+    if topology == "colocated":
+        with tempfile.TemporaryDirectory(prefix="splitserve-bench-tenants-") as tmp:
+            worker = WorkerProcess("decode", None, replace(engine, threads=2), tmp)
+            try:
+                deadline = time.monotonic() + 300
+                while not worker.poll_ready():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the decode worker was not ready in 300 s:\n{worker.log_tail()}")
+                    time.sleep(0.1)
+                return asyncio.run(_phases([worker.grpc_address], [], args))
+            finally:
+                worker.kill()
+    cores = usable_cores()
+    with LocalCluster(engine, cores=(cores[0], cores[-1]) if len(cores) > 1 else None) as cluster:
+        return asyncio.run(_phases([cluster.decode.grpc_address], [cluster.prefill.grpc_address], args))
+
+
+async def _phases(decode: list[str], prefill: list[str], args: argparse.Namespace) -> dict[str, Phase]:
     from splitserve.engine.weights import load_tokenizer
     from splitserve.router.engine_tokenizer import EngineTokenizer
 
     tokenizer = EngineTokenizer(load_tokenizer(None))
     vocab = min(tokenizer.vocab_size, 32000)
-    await _phase(address, args, tokenizer, arrivals(None, args, vocab)[:8], seats=True)  # warm-up, not counted
+    await _phase(decode, prefill, args, tokenizer, arrivals(None, args, vocab)[:8], seats=True)  # warm-up
     out = {}
     for name, shape, seated in (*PHASES, CONTROL):
         print(f"... {name}", flush=True)
-        out[name] = await _phase(address, args, tokenizer, arrivals(shape, args, vocab), seated)
+        out[name] = await _phase(decode, prefill, args, tokenizer, arrivals(shape, args, vocab), seated)
     return out
 
 
 async def _phase(
-    address: str, args: argparse.Namespace, tokenizer: EngineTokenizer, requests: list[Arrival], seats: bool
+    decode: list[str],
+    prefill: list[str],
+    args: argparse.Namespace,
+    tokenizer: EngineTokenizer,
+    requests: list[Arrival],
+    seats: bool,
 ) -> Phase:
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc as gpb_grpc
@@ -173,7 +196,7 @@ async def _phase(
     cfg = RouterConfig(
         listeners=Listeners(grpc_port=0), limits=Limits(max_running=args.seats if seats else None), tenants=tenants
     )
-    router = Router(cfg, tokenizer, decode=[address])
+    router = Router(cfg, tokenizer, decode=decode, prefill=prefill)
     await router.start()
     await router.wait_for_workers(60)
     phase = Phase()
@@ -219,10 +242,13 @@ async def _phase(
     return phase
 
 
-def _report(results: dict[str, Phase], args: argparse.Namespace) -> None:
+def _report(topology: str, results: dict[str, Phase], args: argparse.Namespace) -> None:
     alone = [x for q in QUIET for x in results["alone"].ttft.get(q, [])]
     alone_p99 = pct(alone, 0.99)
-    print(f"\n## the quiet tenants' TTFT (ms), {len(alone)} quiet requests a phase; Jain's index of served tokens")
+    print(
+        f"\n## {topology}: the quiet tenants' TTFT (ms), {len(alone)} quiet requests a phase; "
+        "Jain's index of served tokens"
+    )
     print(
         "phase                       | quiet p50 | quiet p99 | p99 / alone | per tenant p99      | Jain | peak running"
     )

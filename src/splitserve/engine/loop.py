@@ -42,7 +42,7 @@ from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, PrefillShares, Waiting, admission_order
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, RecentTokens, Waiting, admission_order
 from splitserve.engine.scheduler import Scheduler, SchedulerStats
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.stats import IterationStats
@@ -88,7 +88,7 @@ class EngineLoop:
         self.core_lease = core_lease
         self.decode_borrows = decode_borrows
         self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s
-        self._prefill_shares = PrefillShares()  # the engine thread's alone
+        self._prefill_shares = RecentTokens()  # the engine thread's alone
         self._queued: dict[int, Sequence] = {}  # the queue at the last look, by id()
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration

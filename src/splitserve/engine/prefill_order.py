@@ -14,7 +14,7 @@ its stream resumes) keep their place at the head, in the order they are in.
 
 Tenants (the router's, carried to the worker in each request's `Share`): a
 higher band goes first, wholly. Within a band, prefill tokens are shared by
-weight: each tenant's prompt tokens started lately (`PrefillShares`, decayed
+weight: each tenant's prompt tokens started lately (`RecentTokens`, decayed
 over seconds) over its weight is its virtual time, and the next prompt is the
 best-ranked one of the tenant furthest behind, its tokens then added to that
 tenant's time (weighted fair queueing by token cost). So a tenant sending ten
@@ -22,7 +22,7 @@ times the others' prompts queues behind its own backlog, not theirs, without
 the worker knowing any tenant's rate in advance. With one tenant the order is
 the rank order above.
 
-`prefill_rank`, `admission_order` and `PrefillShares` are pure (the clock is
+`prefill_rank`, `admission_order` and `RecentTokens` are pure (the clock is
 passed in); the engine loop applies the order to the scheduler's queue between
 steps.
 """
@@ -71,7 +71,7 @@ def admission_order(
 ) -> list[int]:
     """Indices into `waiting` in the order they should start: the resumed ones first as they are,
     then the rest by band, fairly across tenants (`served`: each tenant's prompt tokens started
-    lately, PrefillShares), each tenant's by rank (ties in arrival order, so equal prompts stay
+    lately, RecentTokens), each tenant's by rank (ties in arrival order, so equal prompts stay
     first come, first served)."""
     resumed = [i for i, w in enumerate(waiting) if w.resumed]
     fresh = [i for i, w in enumerate(waiting) if not w.resumed]
@@ -97,10 +97,11 @@ def admission_order(
     return resumed + order
 
 
-class PrefillShares:
-    """Each tenant's prompt tokens started lately: a count that decays by e every `window_s`, so
-    that the order weighs a tenant's next prompt against what it had of the last seconds, and a
-    tenant idle for a while starts even again."""
+class RecentTokens:
+    """Each tenant's tokens of the last seconds: a count that decays by e every `window_s`, so
+    that a tenant's next request is weighed against what it had lately, and a tenant idle for a
+    while starts even again. The prefill order counts prompt tokens started; the router's seats
+    (router/fair_share.py), the tokens of the requests seated."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s

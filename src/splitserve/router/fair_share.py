@@ -13,7 +13,6 @@ Pure: no clock, no waiting; the caller pushes, pops and removes.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -124,39 +123,40 @@ def may_sit(
     weights: Mapping[str, float],
     waiting: Mapping[str, int],
     recent: set[str],
-    held: Mapping[str, float],
+    tokens: Mapping[str, float],
 ) -> Callable[[str], bool]:
     """Which tenants may take a seat now (the `eligible` of `FairShare.pop`).
 
-    "Within its share": the seats a tenant held over the last seconds (`held`, SeatUsage) are
-    below its share (`shares`). Judged on the average, not this instant: a quiet tenant's
-    requests come in bursts, and a burst above its share is still the quiet tenant it is.
+    "Within its share": the tokens a tenant's seated requests asked lately (`tokens`,
+    engine/prefill_order.py RecentTokens), over its weight, are below those of all active tenants
+    over theirs: it asked less than an equal cut, so max-min fairness gives it all it asks. Judged
+    on tokens, not on seats held: a quiet tenant's requests come in bursts, and on a loaded worker
+    they run slowly and hold their seats long, which says nothing of what it asked.
 
-    - A free seat: a tenant within its share may always take it; one over its share only while a
-      free seat stays for each other tenant within its share with nothing waiting (its next
-      request finds a seat at once). So spare seats are lent, never the one a quiet tenant is owed.
+    - A free seat: a tenant within its share may always take it; one over it only while a free
+      seat stays for each other tenant within its share with nothing waiting (its next request
+      finds a seat at once). So spare seats are lent, never the one a quiet tenant is owed.
     - No free seat: a tenant within its share still takes one, beyond `capacity`, while the
-      tenants that used more of their shares hold more seats beyond them (lent when the seats
-      were spare) than are taken beyond `capacity`; the others wait. A lent seat is held for a whole request (seats
-      are not preempted), and a noisy tenant's request may run for seconds: a quiet tenant's
-      request does not wait for it to end but runs beside it, and the lenders get no new seat
-      until the count is back under `capacity`. So the count exceeds `capacity` by at most the
-      seats lent, for about one request's time."""
+      tenants that asked more than it hold more seats beyond their shares of the seats (`shares`:
+      lent when seats were spare) than are taken beyond `capacity`; the others wait. A lent seat
+      is held for a whole request (seats are not preempted), and a noisy tenant's request may run
+      for seconds: a quiet tenant's request does not wait for it to end but runs beside it, and
+      the lenders get no new seat until the count is back under `capacity`. So the count exceeds
+      `capacity` by at most the seats lent, for about one request's time."""
     share = shares(capacity, running, weights, waiting, recent)
 
-    def within(t: str) -> bool:
-        return held.get(t, 0.0) < share.get(t, 1.0)
+    def used(t: str) -> float:
+        return tokens.get(t, 0.0) / weights.get(t, 1.0)
 
-    def used(t: str) -> float:  # of its share, over the last seconds
-        return held.get(t, 0.0) / share.get(t, 1.0)
+    even = sum(tokens.get(t, 0.0) for t in share) / (sum(weights.get(t, 1.0) for t in share) or 1.0)
+
+    def within(t: str) -> bool:
+        return used(t) < even
 
     free = capacity - sum(running.values())
     owed = [t for t in share if within(t) and not waiting.get(t)]
 
     def lent_to(t: str) -> float:
-        # seats held beyond their shares by tenants that used more of theirs than `t` did: the
-        # seats `t` could have had. Relative, so that a tenant whose burst began a moment ago
-        # (its average still low) is no less a lender.
         return sum(max(0.0, n - share.get(u, 1.0)) for u, n in running.items() if u != t and used(u) > used(t))
 
     def eligible(t: str) -> bool:
@@ -165,23 +165,3 @@ def may_sit(
         return within(t) and 1 - free <= lent_to(t)
 
     return eligible
-
-
-class SeatUsage:
-    """Each tenant's seats held, averaged exponentially over the last `window_s` seconds. Pure:
-    the caller passes the time of each change."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self._avg: dict[str, tuple[float, float, int]] = {}  # tenant -> (average, as of, held since)
-
-    def set(self, tenant: str, held: int, now: float) -> None:
-        """`tenant` holds `held` seats from `now` on."""
-        self._avg[tenant] = (self._at(tenant, now), now, held)
-
-    def averages(self, now: float) -> dict[str, float]:
-        return {t: self._at(t, now) for t in self._avg}
-
-    def _at(self, tenant: str, now: float) -> float:
-        avg, at, held = self._avg.get(tenant, (0.0, now, 0))
-        return held + (avg - held) * math.exp(-max(0.0, now - at) / self.window_s)

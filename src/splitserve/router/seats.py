@@ -2,10 +2,11 @@
 
 Beyond that many, a request waits in the router for a seat. A free seat goes to a waiting request
 in the order router/fair_share.py gives (priority bands, then each tenant's weighted share in
-tokens), and only to a tenant that may take it (fair_share.may_sit). A tenant's share is the
-capacity x its weight / the weights of the tenants active now ("active": running or waiting now,
-or seen within the last `recent_s`, so a quiet tenant between two requests still counts), and a
-tenant is within it when the seats it held over the last seconds are fewer (SeatUsage).
+tokens), and only to a tenant that may take it (fair_share.may_sit). A tenant is within its share
+when the tokens its seated requests asked lately, over its weight, are below an equal cut of all
+active tenants' ("active": running or waiting now, or seen within the last `recent_s`, so a quiet
+tenant between two requests still counts); its share of the seats is the capacity x its weight /
+the weights of the active tenants.
 
 - A tenant over its share takes a free seat only while a free seat stays for each other tenant
   within its share: a tenant sending ten times the others' tokens fills the seats the others
@@ -26,10 +27,13 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from splitserve.router.fair_share import FairShare, SeatUsage, may_sit
+from splitserve.engine.prefill_order import RecentTokens
+from splitserve.router.fair_share import FairShare, may_sit
 from splitserve.router.tenants import Tenant
 
 RECENT_S = 5.0
+
+Turn = tuple["asyncio.Future[None]", str, int]  # a waiting request: its wake-up, tenant, token cost
 
 
 class Seats:
@@ -48,9 +52,9 @@ class Seats:
         self._weights: dict[str, float] = {}
         self._seen: dict[str, float] = {}
         q = () if quantum_tokens is None else (quantum_tokens,)
-        self.share: FairShare[tuple[asyncio.Future[None], str]] = FairShare(*q)
+        self.share: FairShare[Turn] = FairShare(*q)
         self._retry: asyncio.TimerHandle | None = None
-        self.usage = SeatUsage()
+        self.tokens = RecentTokens()  # what each tenant's seated requests asked lately
 
     async def take(self, tenant: Tenant, cost: int, band: int) -> None:
         """A seat for a request of `tenant` that costs `cost` tokens, once its turn comes."""
@@ -58,7 +62,7 @@ class Seats:
             return
         self._seen[tenant.name] = self.clock()
         self._weights[tenant.name] = tenant.weight
-        turn: tuple[asyncio.Future[None], str] = (asyncio.get_running_loop().create_future(), tenant.name)
+        turn: Turn = (asyncio.get_running_loop().create_future(), tenant.name, cost)
         self.share.push(turn, tenant.name, cost, tenant.weight, band)
         self._dispatch()
         try:
@@ -75,7 +79,6 @@ class Seats:
         self.taken -= 1
         self.running[tenant.name] -= 1
         self._seen[tenant.name] = self.clock()
-        self.usage.set(tenant.name, self.running[tenant.name], self._seen[tenant.name])
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -87,20 +90,20 @@ class Seats:
                     # all who wait are over their share: look again once the others go quiet
                     self._look_again_later()
                 return
-            future, name = turn
+            future, name, cost = turn
             if future.done():  # cancelled as it waited; its task is taking it out
                 continue
             self.taken += 1
             self.running[name] = self.running.get(name, 0) + 1
-            self.usage.set(name, self.running[name], self.clock())
+            self.tokens.started(name, cost, self.clock())
             future.set_result(None)
 
     def _eligible(self) -> Callable[[str], bool]:
         assert self.capacity is not None
         now = self.clock()
         recent = {t for t, seen in self._seen.items() if now - seen < self.recent_s}
-        held = self.usage.averages(now)
-        return may_sit(self.capacity, self.running, self._weights, self.share.waiting(), recent, held)
+        asked = self.tokens.served(now)
+        return may_sit(self.capacity, self.running, self._weights, self.share.waiting(), recent, asked)
 
     def _look_again_later(self) -> None:
         if self._retry is None or self._retry.cancelled():
