@@ -78,8 +78,11 @@ TITLES = {
     "quant-cpu": "A GGUF file's blocks computed in place against the file dequantized (bfloat16, float32): bytes "
     "read, resident memory and shared pages, decode at batch 1 and 8, perplexity and top-1 agreement, KV capacity, "
     "a seeded request's tokens (issue 31)",
-    "internal-tls-cpu": "The cluster's mutual TLS against plaintext on loopback: the KV plane's GB/s and a "
-    "disaggregated request's TTFT (issue 32)",
+    "internal-tls-cpu": "The cluster's mutual TLS against plaintext on loopback: the KV plane's GB/s (the mutual-"
+    "TLS handshake, then AES-GCM records) and a disaggregated request's TTFT (issue 32)",
+    "tenants-cpu": "Three quiet tenants and a noisy one at ten times their tokens on one cluster, disaggregated and "
+    "colocated, on the router's seats and without: the quiet tenants' TTFT against their run alone, Jain's index "
+    "of served tokens (issue 32)",
     "quant-cpu-q8_0": "The same on the embedded model rewritten as Q8_0 by llama.cpp's llama-quantize (issue 31)",
     "quant-cpu-q4_k_m": "The same on the embedded model rewritten as Q4_K_M by llama.cpp's llama-quantize: its "
     "Q4_K, Q6_K, Q5_0 and Q8_0 tensors, as llama.cpp writes them for rows of 576 columns (issue 31)",
