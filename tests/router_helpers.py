@@ -21,6 +21,7 @@ async def with_fake_cluster(
     token_delay_s: float = 0.0,
     on_decode: Any = None,
     decode_kw: Any = None,
+    prefill_kw: Any = None,
     workers: list[Any] | None = None,
     **sections: Any,
 ) -> Any:
@@ -29,7 +30,7 @@ async def with_fake_cluster(
     fakes (decode, prefill); `sections`: RouterConfig's."""
     kv = FakeKVPlane()
     d = FakeDecodeWorker(kv, script, worker_id="d0", token_delay_s=token_delay_s, **(decode_kw or {}))
-    p = FakePrefillWorker(kv, script, worker_id="p0")
+    p = FakePrefillWorker(kv, script, worker_id="p0", **(prefill_kw or {}))
     await d.start()
     await p.start()
     if on_decode is not None:

@@ -18,7 +18,7 @@ import pytest
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as gpb_grpc
-from splitserve.router.config import Deadlines, Limits
+from splitserve.router.config import Deadlines, Limits, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tenants import PRIORITY_KEY, Tenant
 from tests.router_helpers import LOCAL, with_fake_cluster
@@ -317,6 +317,27 @@ def test_a_request_the_router_gives_up_on_before_its_first_token_gets_its_status
     for status, headers, error in answers:
         assert status == 503 and headers["Retry-After"] == "5", (status, headers, error)
         assert "no healthy decode worker" in error["error"]["message"]
+
+
+def test_a_worker_removed_with_a_call_in_flight_lets_the_call_finish() -> None:
+    """The pool manager removes the prefill worker (scale-down) while it computes a request's
+    prefill: the request still gets its whole answer. Closing the worker's channel at once had
+    cancelled the call from under the request, which took it for its client's cancel and dropped
+    the connection."""
+
+    async def body(router: Router) -> tuple[int, Any]:
+        (prefill,) = [w for w in router.workers.all() if w.role == "prefill"]
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{router.http_port}") as s:
+            call = asyncio.create_task(s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}))
+            while not fakes[1].requests:  # the prefill call is in flight (the fake takes 1 s)
+                await asyncio.sleep(0.005)
+            router.workers.remove(prefill.address)
+            r = await call
+            return r.status, await r.json()
+
+    fakes: list[Any] = []
+    status, answer = run(body, routing=RoutingConfig(mode="disaggregated"), workers=fakes, prefill_kw={"delay_s": 1.0})
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
 
 
 def test_a_stream_the_router_gives_up_on_midway_ends_with_an_error_event_and_no_done() -> None:

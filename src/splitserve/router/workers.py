@@ -111,6 +111,8 @@ class WorkerSet:
         self._on_health_change = on_health_change or (lambda: None)
         self._changed = asyncio.Event()  # replaced, after being set, at every change of health
         self._starting: dict[str, int] = {}  # role -> workers the pool manager is starting (`expect`)
+        # removed workers' channels, closing once their calls in flight end
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         self._closed = False
         # the model every routable worker serves: the first fingerprint a worker reported
         self.model_fingerprint: bytes | None = None
@@ -150,7 +152,13 @@ class WorkerSet:
         for t in w.tasks:
             t.cancel()
         self.index.cleared(address)
-        asyncio.get_running_loop().create_task(w.channel.close())
+        # No new call goes to it; the calls in flight finish (or fail on their own if it died), for
+        # as long as a request may last. Closing at once cancelled them from under their requests,
+        # which took the cancel for their client's: the stream dropped, or the call hung.
+        grace = self.cfg.deadlines.request_timeout_s
+        closing = asyncio.get_running_loop().create_task(w.channel.close(grace))
+        self._retiring[closing] = w.channel
+        closing.add_done_callback(lambda t: self._retiring.pop(t, None))
         log.info("removed %s worker %s", w.role, address)
         self._health_changed()
 
@@ -161,6 +169,9 @@ class WorkerSet:
             t.cancel()
         for w in list(self._workers.values()):
             await w.channel.close()
+        for channel in list(self._retiring.values()):  # the router stops: their calls end now
+            await channel.close()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         # Waited for, not only cancelled: a poll cancelled inside a gRPC call is still pending
         # when close returns, and the loop's end would destroy it mid-cancel (asyncio logs that).
         await asyncio.gather(*tasks, return_exceptions=True)
