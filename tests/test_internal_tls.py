@@ -22,7 +22,7 @@ from splitserve.kv_transfer.tcp import TCPTransport
 from splitserve.kv_transfer.transport import Transport
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
-from splitserve.runtime.tls import CLUSTER_NAME, ClusterTLS, load_cluster_tls, make_cluster_tls
+from splitserve.runtime.tls import CLUSTER_NAME, ClusterTLS, load_cluster_tls, make_cluster_tls, save_cluster_tls
 from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, random_cache, send_all
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,3 +148,10 @@ def test_a_frame_without_a_checksum_is_refused_on_a_connection_that_checks_nothi
         finally:
             sender.close()
     assert not dst.tensor[:, [1, 2]].any()
+
+
+def test_cluster_credentials_saved_are_read_back_and_the_key_is_the_users_alone(tmp_path: Path) -> None:
+    cluster = make_cluster_tls()
+    save_cluster_tls(cluster, str(tmp_path))
+    assert load_cluster_tls(str(tmp_path)) == cluster
+    assert (tmp_path / "cluster-key.pem").stat().st_mode & 0o077 == 0

@@ -273,15 +273,27 @@ def make_cluster_tls(days: int = 30) -> ClusterTLS:
         )
 
 
+CLUSTER_FILES = ("ca.pem", "cluster.pem", "cluster-key.pem")  # --internal-tls-dir's, in ClusterTLS's order
+
+
 def load_cluster_tls(directory: str) -> ClusterTLS:
     """An operator's cluster credentials: ca.pem, cluster.pem and cluster-key.pem in `directory`
     (the cluster certificate naming CLUSTER_NAME); ValueError naming what is missing."""
-    files = {name: os.path.join(directory, name) for name in ("ca.pem", "cluster.pem", "cluster-key.pem")}
+    files = {name: os.path.join(directory, name) for name in CLUSTER_FILES}
     missing = [name for name, path in files.items() if not os.access(path, os.R_OK)]
     if missing:
         raise ValueError(f"--internal-tls-dir {directory!r}: cannot read {', '.join(missing)}")
     read = {name: Path(path).read_bytes() for name, path in files.items()}
     return ClusterTLS(read["ca.pem"], read["cluster.pem"], read["cluster-key.pem"])
+
+
+def save_cluster_tls(cluster: ClusterTLS, directory: str) -> None:
+    """`cluster`'s files into `directory`, as `load_cluster_tls` reads them (the key readable by
+    this user alone)."""
+    for name, data in zip(CLUSTER_FILES, (cluster.ca_pem, cluster.cert_pem, cluster.key_pem), strict=True):
+        path = Path(directory, name)
+        path.write_bytes(data)
+        path.chmod(0o600)
 
 
 def add_internal_tls_argument(p: argparse._ActionsContainer) -> None:
