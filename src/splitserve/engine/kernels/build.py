@@ -5,8 +5,15 @@ imports it; the result is cached on disk, so only the first process on a
 machine pays the compile (about 20 s). The build directory is
 $TORCH_EXTENSIONS_DIR or ~/.cache/splitserve/kernels, one subfolder per
 extension, torch version and Python version: an extension built against one
-torch must never be loaded by another. torch's file baton serialises builds
-across processes; callers serialise threads.
+torch must never be loaded by another.
+
+One build of a folder at a time on a machine: an `fcntl.flock` taken around
+torch's build (`_build_turn`). The kernel releases it the moment its holder
+exits, however it exits, so a build killed midway holds nobody up: the next
+process takes the turn at once, removes the lock file torch's own baton left
+behind (which no live build can own while the flock is held) and says so. A
+process that finds the turn taken says whose it is and waits for it, rather
+than loading a library that is not written yet.
 
 A build that fails is not an error for the caller: it gets None and one
 warning, and runs the plain torch path instead.
@@ -14,6 +21,8 @@ warning, and runs the plain torch path instead.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -21,7 +30,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -30,11 +39,6 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-
-# torch's baton is a lock file that a process killed mid-build leaves behind,
-# and every later build would wait on it forever. A build takes well under a
-# minute; a lock this old belongs to nobody.
-_STALE_LOCK_S = 600.0
 
 
 def build_root() -> Path:
@@ -68,14 +72,30 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
-def _clear_stale_lock(folder: Path) -> None:
-    lock = folder / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            log.warning("removing stale kernel build lock %s", lock)
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+@contextlib.contextmanager
+def _build_turn(folder: Path, name: str) -> Iterator[None]:
+    """This process's turn to build (or load) `folder`'s extension; see the module's docstring."""
+    path = folder / "splitserve-build.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            log.info("kernel %s: waiting for its build by %s to end (%s)", name, holder, path)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        baton = folder / "lock"
+        if baton.exists():
+            log.warning("kernel %s: a build was killed midway; removing the lock it left (%s)", name, baton)
+            baton.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_extension(name: str, source: str | Path, fallback: str = "torch's F.linear") -> ModuleType | None:
@@ -96,20 +116,20 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
 
         folder.mkdir(parents=True, exist_ok=True)
         _ensure_ninja_on_path()
-        _clear_stale_lock(folder)
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(_HERE / source)],  # an absolute `source` stays as it is
-            # The ISA-specific code is selected with `#pragma GCC target` inside
-            # the source, so the binary is the same on every x86-64 machine and
-            # no -march=native result can leak between hosts sharing a home.
-            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
-            # -fopenmp links libgomp.so.1, which resolves to the copy torch
-            # already loaded: one OpenMP runtime, one thread pool.
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _build_turn(folder, name):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(_HERE / source)],  # an absolute `source` stays as it is
+                # The ISA-specific code is selected with `#pragma GCC target` inside
+                # the source, so the binary is the same on every x86-64 machine and
+                # no -march=native result can leak between hosts sharing a home.
+                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
+                # -fopenmp links libgomp.so.1, which resolves to the copy torch
+                # already loaded: one OpenMP runtime, one thread pool.
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as exc:  # a compiler, ninja or loader failure of any kind
         detail = str(exc).strip()
         log.warning("could not build kernel %s in %s; using %s. %s", name, folder, fallback, detail[-2000:])
