@@ -75,7 +75,8 @@ def admission_order(
     first come, first served)."""
     resumed = [i for i, w in enumerate(waiting) if w.resumed]
     fresh = [i for i, w in enumerate(waiting) if not w.resumed]
-    fresh.sort(key=lambda i: (prefill_rank(waiting[i], aging_tokens_per_s), i))
+    rank = {i: prefill_rank(waiting[i], aging_tokens_per_s) for i in fresh}
+    fresh.sort(key=lambda i: (rank[i], i))
     if len({(waiting[i].share.tenant, waiting[i].share.band) for i in fresh}) <= 1:
         return resumed + fresh
     order: list[int] = []
@@ -86,7 +87,6 @@ def admission_order(
                 queues.setdefault(waiting[i].share.tenant, deque()).append(i)
         weight = {t: max(waiting[q[0]].share.weight, 1e-3) for t, q in queues.items()}
         virtual = {t: (served or {}).get(t, 0.0) / weight[t] for t in queues}
-        rank = {i: prefill_rank(waiting[i], aging_tokens_per_s) for i in fresh}
         while queues:  # the tenant furthest behind; even ones by their next prompt's rank
             tenant = min(queues, key=lambda t: (virtual[t], rank[queues[t][0]], queues[t][0]))
             i = queues[tenant].popleft()
