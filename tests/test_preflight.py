@@ -17,7 +17,8 @@ from splitserve.cli import build_parser
 from splitserve.cluster.placement import CPU, PoolAsk
 from splitserve.cluster.preflight import machine_problems, oversubscription, threads_per_rank, worker_cpus
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.preflight import Check, engine_problems, model_problems, tp_problems, tp_sizes_that_fit
+from splitserve.engine.preflight import engine_problems, model_problems, tp_problems, tp_sizes_that_fit
+from splitserve.engine.problems import Check
 
 pytestmark = pytest.mark.timeout(120)
 

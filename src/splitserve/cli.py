@@ -19,6 +19,10 @@ SUBCOMMANDS = {
     "generate": ("splitserve.generate", "generate text (in-process with --local, else through a router)"),
     "router": ("splitserve.router.main", "run the router alone, in front of workers given by address"),
     "worker": ("splitserve.workers.server", "run one prefill or decode worker as a plain process"),
+    "kernels": (
+        "splitserve.engine.kernels.prebuild",
+        "build the C++ CPU kernels now, not at a worker's first use (make install runs it)",
+    ),
     "plan": ("splitserve.plan.main", "disaggregate or not: capacity, roofline, five checks and a recommendation"),
 }
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.preflight import Check, Problem
+from splitserve.engine.problems import Check, Problem
 
 CPU, GPU = "CPU", "GPU"
 _FLAG = {CPU: "--cpus-per-worker", GPU: "--gpus-per-worker"}

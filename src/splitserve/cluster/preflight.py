@@ -26,7 +26,7 @@ from splitserve.cluster.placement import (
     placement_shortfalls,
     sum_shortfalls,
 )
-from splitserve.engine.preflight import Problem
+from splitserve.engine.problems import Problem
 from splitserve.router.workers import Role
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster.placement import CPU
-from splitserve.engine.preflight import Check, Problem, engine_problems, tier_problems
+from splitserve.engine.kernels.prebuild import preflight as kernels_preflight
+from splitserve.engine.preflight import engine_problems, tier_problems
+from splitserve.engine.problems import Check, Problem
 
 if TYPE_CHECKING:
     from splitserve.cluster.pool import PoolManager, PoolSpec
@@ -34,10 +36,13 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
     from splitserve.router.flags import add_router_arguments
     from splitserve.workers.server import add_admission_arguments, add_engine_arguments
 
-    add_engine_arguments(p.add_argument_group("model and engine"))  # --block-size among them, shared by the router
+    engine = p.add_argument_group("model and engine")
+    add_engine_arguments(engine)  # --block-size among them, shared by the router
+    add_kernels_argument(engine)
     add_admission_arguments(p.add_argument_group("admission"))
     add_router_arguments(p)
     _add_pool_arguments(p.add_argument_group("pools"))
@@ -187,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _refuse(str(e))
     cpus_per_worker, problems = preflight(args, cfg)
+    if not problems:  # the cheap checks first: a build takes seconds
+        problems = kernels_preflight(cfg.engine.device, args.allow_torch_fallback, _say)
     if problems:
         return _refuse(*(_said(p) for p in problems))
     from splitserve.router.event_loop import run as run_loop
@@ -218,6 +225,10 @@ def with_tuned(a: argparse.Namespace) -> tuple[argparse.Namespace, Tuned]:
     elif a.core_lease == "off":
         filled.core_lease = ""
     return filled, tuned
+
+
+def _say(line: str) -> None:
+    print(f"splitserve: {line}", flush=True)
 
 
 def _refuse(*lines: str) -> int:

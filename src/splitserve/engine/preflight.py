@@ -8,7 +8,8 @@ as a `Problem`: what is wrong and the fix, typed by the check that found it, so 
 caller tells them apart without reading their text. The command decides how to say them
 (`splitserve serve` and `splitserve worker`: a line each, exit 2).
 
-The checks of the pools against the machine (cluster/preflight.py) return the same type.
+The checks of the pools against the machine (cluster/preflight.py) and of the C++ kernels
+(engine/kernels/prebuild.py) return the same type (engine/problems.py).
 """
 
 from __future__ import annotations
@@ -16,31 +17,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
+
+from splitserve.engine.problems import Check, Problem
 
 if TYPE_CHECKING:
     from splitserve.engine.config import ModelConfig
-
-
-class Check(StrEnum):
-    """Which check found a problem."""
-
-    MODEL = "model"  # the model file is missing, unreadable or of a kind the engine does not run
-    TENSOR_PARALLEL = "tensor_parallel"  # a tensor-parallel size the model's shapes do not split by
-    PLACEMENT = "placement"  # workers the machine (or the Ray cluster's node types) cannot hold
-    KV_TIERS = "kv_tiers"  # a disk tier whose directory cannot be made or written
-
-
-class Problem(NamedTuple):
-    """One reason not to start, said so that the operator can act on it."""
-
-    check: Check
-    what: str  # what is wrong, with the numbers
-    fix: str  # what to change, naming the flag
-
-    def line(self) -> str:
-        return f"{self.what}: {self.fix}"
 
 
 def read_model_config(path: str | None) -> ModelConfig:

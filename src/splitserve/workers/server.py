@@ -23,6 +23,7 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine
+from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.engine.tuned import chunk_tokens, detect_machine, tuned_defaults
@@ -397,6 +398,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Prometheus endpoint on --host (0: a free port, named in the ready line; -1: off)",
     )
     add_engine_arguments(p)
+    add_kernels_argument(p)
     add_admission_arguments(p)
     add_tracing_argument(p)
 
@@ -412,6 +414,7 @@ def run(a: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"splitserve worker: {refusal}", file=sys.stderr)
         return 2
+    from splitserve.engine.kernels.prebuild import preflight as kernels_preflight
     from splitserve.engine.preflight import engine_problems, tier_problems
 
     try:  # the engine's flags, then the model's header against them: before any port or model load
@@ -422,6 +425,8 @@ def run(a: argparse.Namespace) -> int:
         return 2
     problems = engine_problems(a.model, {"--tensor-parallel-size": engine.tensor_parallel_size})
     problems += tier_problems(engine.kv_disk_tier_bytes, engine.kv_disk_tier_dir)
+    if not problems:  # the cheap checks first: a build takes seconds
+        problems = kernels_preflight(engine.device, a.allow_torch_fallback, lambda line: print(line, flush=True))
     for problem in problems:
         print(f"splitserve worker: {problem.line()}", file=sys.stderr)
     if problems:

@@ -16,7 +16,9 @@ process that finds the turn taken says whose it is and waits for it, rather
 than loading a library that is not written yet.
 
 A build that fails is not an error for the caller: it gets None and one
-warning, and runs the plain torch path instead.
+warning, and runs the plain torch path instead. What each build in this
+process came to is kept (`outcome`), so that a preflight (kernels/prebuild.py)
+can say what it built and refuse to start on a failed one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +42,26 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    """How one extension's load went in this process."""
+
+    name: str
+    folder: Path
+    compiled: bool  # compiled now (else its library was already on disk and only loaded)
+    seconds: float
+    error: str = ""  # why it could not be built or loaded ("" when it was)
+
+
+# extension name -> its outcome in this process: written once per name, under that kernel's Once
+_OUTCOMES: dict[str, BuildOutcome] = {}
+
+
+def outcome(name: str) -> BuildOutcome | None:
+    """What loading extension `name` came to in this process (None: not tried yet)."""
+    return _OUTCOMES.get(name)
 
 
 def build_root() -> Path:
@@ -70,6 +93,19 @@ def _ensure_ninja_on_path() -> None:
         if (folder / "ninja").exists():
             os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
             return
+
+
+def _staged(folder: Path, source: Path) -> Path:
+    """The source, copied once into its build folder (whose name holds the text's hash) and built
+    from there: ninja keys its build on the source's path and time, so two checkouts of the same
+    text (a fresh clone beside a working tree) built from where they lie would rebuild each
+    other's library on every start, each under the turn. Called inside the turn."""
+    staged = folder / source.name
+    if not staged.exists():
+        partial = staged.with_suffix(".partial")
+        shutil.copyfile(source, partial)
+        partial.replace(staged)
+    return staged
 
 
 @contextlib.contextmanager
@@ -111,15 +147,18 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
         return None
     folder = build_dir(name, _HERE / source)
     started = time.perf_counter()
+    compiled = True  # until the load says whether it wrote the library
     try:
         from torch.utils import cpp_extension
 
         folder.mkdir(parents=True, exist_ok=True)
         _ensure_ninja_on_path()
         with _build_turn(folder, name):
+            library = folder / f"{name}.so"
+            before = library.stat().st_mtime_ns if library.exists() else None
             module = cpp_extension.load(
                 name=name,
-                sources=[str(_HERE / source)],  # an absolute `source` stays as it is
+                sources=[str(_staged(folder, _HERE / source))],  # an absolute `source` stays as it is
                 # The ISA-specific code is selected with `#pragma GCC target` inside
                 # the source, so the binary is the same on every x86-64 machine and
                 # no -march=native result can leak between hosts sharing a home.
@@ -130,12 +169,15 @@ def load_extension(name: str, source: str | Path, fallback: str = "torch's F.lin
                 build_directory=str(folder),
                 verbose=False,
             )
+            compiled = before is None or library.stat().st_mtime_ns != before
     except Exception as exc:  # a compiler, ninja or loader failure of any kind
         detail = str(exc).strip()
         log.warning("could not build kernel %s in %s; using %s. %s", name, folder, fallback, detail[-2000:])
+        _OUTCOMES[name] = BuildOutcome(name, folder, compiled, time.perf_counter() - started, detail or repr(exc))
         return None
     elapsed = time.perf_counter() - started
-    if elapsed > 2.0:
+    _OUTCOMES[name] = BuildOutcome(name, folder, compiled, elapsed)
+    if compiled:
         log.info("built kernel %s in %.1f s (%s)", name, elapsed, folder)
     return module
 

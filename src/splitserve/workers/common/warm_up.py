@@ -1,7 +1,9 @@
 """A worker's warm-up step, run before it listens: one short request through the engine.
 
 The first step of a fresh process pays for everything built lazily: the CPU
-kernels compiled on first use (about ten seconds on a new machine), oneDNN's
+kernels (loaded here by name, engine/kernels/prebuild.py, and so said in the
+log; compiled only where no preflight built them first, as on a fresh node of a
+Ray cluster, about ten seconds), oneDNN's
 and the allocator's first calls, on CUDA the Triton kernels' compilation and
 the first CUDA graph's capture. Run here, before the worker answers a stats poll
 and so before the router counts it ready (router/readiness.py), none of it
@@ -21,6 +23,7 @@ import logging
 import time
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.kernels.prebuild import prepare, summary
 from splitserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,8 @@ def warm_up(engine: Engine) -> float:
     prompt_len = max(1, min(8, engine.cfg.block_size - WARM_UP_NEW_TOKENS))
     params = SamplingParams(max_tokens=WARM_UP_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     free = engine.blocks.num_free_blocks
+    if not engine.cfg.device.startswith("cuda"):
+        log.info("%s", summary(prepare()))
     engine.generate([[0] * prompt_len], params)
     if engine.tokenizer is not None:
         engine.grammars()
