@@ -607,5 +607,5 @@ def test_no_client_input_gets_a_server_error(caplog: pytest.LogCaptureFixture) -
     # met by aiohttp's code; not a fault of the router.
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not client_garbage(r) and not foreign_loop(r)]
     assert not errors, [r.getMessage() for r in errors[:5]]
-    warnings = [r for r in caplog.records if r.name == "splitserve.router.http"]
+    warnings = [r for r in caplog.records if r.name == "splitserve.router.openai.door"]
     assert not warnings, [r.getMessage() for r in warnings[:5]]  # a body that slipped past the checks

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> the public GenerateRequest (router/http.py's from_openai and the
+"""OpenAI request bodies -> the public GenerateRequest (router/openai/door.py's from_openai and the
 router/openai_*.py modules it uses): structured output, tools, messages, n, logprobs,
 logit_bias, min_tokens, stop_token_ids; and every bad value a BadRequest naming its field."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.http import from_openai
-from splitserve.router.openai_fields import BadRequest
-from splitserve.router.openai_tools import Tool, calls_schema
+from splitserve.router.openai.door import from_openai
+from splitserve.router.openai.fields import BadRequest
+from splitserve.router.openai.tools import Tool, calls_schema
 
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER: dict[str, Any] = {

@@ -50,7 +50,7 @@ from splitserve.runtime import tracing
 from splitserve.runtime.tls import ReloadingSSLContext, grpc_server_credentials
 
 if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads only then
-    from splitserve.router.http import OpenAIServer
+    from splitserve.router.openai.door import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ class Router:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
         if lis.http_port is not None:
-            from splitserve.router.http import OpenAIServer
+            from splitserve.router.openai.door import OpenAIServer
 
             self.http = OpenAIServer(
                 self.generation, lis.model_name, self.readiness, self.metrics.registry, self.may_read_metrics

@@ -10,7 +10,7 @@ Tools reach the model one of two ways (`ToolChoice.template_format`):
   structures (ChatMessages.tools_json, ChatMessage.tool_calls_json and tool_call_id) and the
   template renders them as the model was trained to read them;
 - it does not: calls and results are rendered into the content in the Hermes format
-  (router/openai_tools.py), and the tools go into the system message (appended to the client's
+  (router/openai/tools.py), and the tools go into the system message (appended to the client's
   own, or a new first message).
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from splitserve.router.openai_fields import BadRequest, obj, string, unicode
-from splitserve.router.openai_tools import (
+from splitserve.router.openai.fields import BadRequest, obj, string, unicode
+from splitserve.router.openai.tools import (
     ToolChoice,
     render_tool_calls,
     render_tool_response,

@@ -2,8 +2,8 @@
 
 With `n` > 1 the responses of different samples interleave, each tagged with its sample
 (`index`); each sample is one choice, built response by response by its own `Choice`: its
-text through the tool-call reader its tool_choice asks for (router/openai_tool_calls.py),
-its log-probabilities in the endpoint's form (router/openai_logprobs.py), the echoed prompt
+text through the tool-call reader its tool_choice asks for (router/openai/tool_calls.py),
+its log-probabilities in the endpoint's form (router/openai/logprobs.py), the echoed prompt
 first (completions' `echo`), its finish reason ("tool_calls" when it ended by calling).
 
 Each response gives one `Piece` of one choice. Streamed, a piece is one chunk's choice
@@ -16,16 +16,16 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_logprobs import (
+from splitserve.router.openai.logprobs import (
     CompletionLogprobs,
     TokenText,
     chat_logprobs,
     empty_completion_logprobs,
     extend_completion_logprobs,
 )
-from splitserve.router.openai_tool_calls import CallDelta, merge_calls
-from splitserve.router.openai_tool_formats import tool_output
-from splitserve.router.openai_tools import ToolChoice
+from splitserve.router.openai.tool_calls import CallDelta, merge_calls
+from splitserve.router.openai.tool_formats import tool_output
+from splitserve.router.openai.tools import ToolChoice
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 

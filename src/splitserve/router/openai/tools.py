@@ -14,7 +14,7 @@ the model reads back what it was taught to write.
 tool_choice, as vLLM implements it:
 - "none": no tools in the prompt, the output is plain text.
 - "auto" (the default with tools): the model chooses; <tool_call> blocks in its output become
-  tool calls (router/openai_tool_calls.py).
+  tool calls (router/openai/tool_calls.py).
 - "required": the output is constrained to a JSON array (at least one item) of
   {"name": <one of the tools>, "parameters": <that tool's schema>}.
 - {"type": "function", "function": {"name": N}}: the output is constrained to N's parameters.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_fields import BadRequest, boolean, obj, string
+from splitserve.router.openai.fields import BadRequest, boolean, obj, string
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -1,8 +1,8 @@
 """One OpenAI body field each: its JSON type checked, then what protobuf can hold.
 
-Shared by the HTTP front door (router/http.py) and the modules that translate the larger
-fields (openai_tools, openai_response_format, openai_messages): each raises `BadRequest`
-with a message that starts with the field's path, which the client gets as a 400.
+Shared by the HTTP front door (router/openai/door.py) and the modules that translate the larger
+fields (tools, response_format, messages): each raises `BadRequest` with a message that starts
+with the field's path, which the client gets as a 400.
 """
 
 from __future__ import annotations

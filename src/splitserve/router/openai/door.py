@@ -8,12 +8,12 @@ Each request is translated into the public `GenerateRequest` and goes through
 exactly the gRPC path: the same admission, validation, routing and streaming.
 Beyond OpenAI's sampling fields the body may ask for what vLLM's clients use, in
 vLLM's spellings: structured output (`response_format`, `guided_json`/`_regex`/
-`_choice`/`_grammar`, `structured_outputs`: router/openai_response_format.py), tools
-(`tools`, `tool_choice`, `parallel_tool_calls`: router/openai_tools.py, the calls read
-back by router/openai_tool_calls.py), `n` choices, log-probabilities (chat's `logprobs`
-and `top_logprobs`, completions' `logprobs` and `echo`: router/openai_logprobs.py),
+`_choice`/`_grammar`, `structured_outputs`: router/openai/response_format.py), tools
+(`tools`, `tool_choice`, `parallel_tool_calls`: router/openai/tools.py, the calls read
+back by router/openai/tool_calls.py), `n` choices, log-probabilities (chat's `logprobs`
+and `top_logprobs`, completions' `logprobs` and `echo`: router/openai/logprobs.py),
 `logit_bias`, `min_tokens`, `stop_token_ids`. The answer's choices are shaped in
-router/openai_choices.py, the same way streamed or whole.
+router/openai/choices.py, the same way streamed or whole.
 gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
 ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED
 504), with an OpenAI-style error body that names what is wrong.
@@ -46,13 +46,13 @@ from prometheus_client import CollectorRegistry
 from splitserve.engine.tool_call_format import ToolCallFormat
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED
-from splitserve.router.json_body import BodyError, parse_json_body
-from splitserve.router.openai_choices import Answer, Piece, Shape, stream_choice, whole_choices
-from splitserve.router.openai_fields import BadRequest, boolean, bounded, integer, number, set_field, string, unicode
-from splitserve.router.openai_logprobs import TokenText
-from splitserve.router.openai_messages import chat_messages
-from splitserve.router.openai_response_format import CONSTRAINT_FIELDS, output_constraint
-from splitserve.router.openai_tools import TOOL_FIELDS, ToolChoice, parse_tool_choice, template_tools, tool_grammar
+from splitserve.router.openai.choices import Answer, Piece, Shape, stream_choice, whole_choices
+from splitserve.router.openai.fields import BadRequest, boolean, bounded, integer, number, set_field, string, unicode
+from splitserve.router.openai.json_body import BodyError, parse_json_body
+from splitserve.router.openai.logprobs import TokenText
+from splitserve.router.openai.messages import chat_messages
+from splitserve.router.openai.response_format import CONSTRAINT_FIELDS, output_constraint
+from splitserve.router.openai.tools import TOOL_FIELDS, ToolChoice, parse_tool_choice, template_tools, tool_grammar
 from splitserve.router.readiness import Readiness
 from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_fields import BadRequest, boolean, obj, string
+from splitserve.router.openai.fields import BadRequest, boolean, obj, string
 
 # the body fields that constrain the output, in the order an error names them
 CONSTRAINT_FIELDS = (

@@ -1,7 +1,7 @@
 """The model's text -> OpenAI tool calls, as the text arrives.
 
-One reader per tool_choice (router/openai_tools.py says what each asks of the model;
-router/openai_tool_formats.py's `tool_output` picks it, and holds the readers of the other
+One reader per tool_choice (router/openai/tools.py says what each asks of the model;
+router/openai/tool_formats.py's `tool_output` picks it, and holds the readers of the other
 families' syntaxes for "auto"):
 - "auto" (`HermesCalls`): <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks become
   calls, the text outside them stays content. Text that could be the start of "<tool_call>" is
