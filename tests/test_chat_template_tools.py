@@ -16,7 +16,7 @@ from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Limits
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.openai.door import from_openai
+from splitserve.router.openai.translate import from_openai
 from splitserve.router.validation import ValidationError, validate
 
 # Mistral's way, cut down: the tools before the last user turn, earlier calls after [TOOL_CALLS],

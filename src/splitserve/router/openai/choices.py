@@ -173,3 +173,14 @@ def whole_choices(pieces: list[Piece], chat: bool) -> list[dict[str, Any]]:
     for piece in pieces:
         choices.setdefault(piece.choice, _Whole(piece.choice)).add(piece)
     return [choices[i].as_json(chat) for i in sorted(choices)]
+
+
+def usage_json(u: pb.Usage | None) -> dict[str, Any]:
+    """The answer's token counts, as OpenAI's `usage`."""
+    u = u or pb.Usage()
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
