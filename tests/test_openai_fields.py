@@ -186,7 +186,7 @@ def test_required_is_a_json_array_of_calls_as_vllm_builds_it():
 
 def test_required_lifts_each_tools_defs_to_the_top():
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}}
-    schema = calls_schema((Tool("f", None, params), Tool("g", None, params)))
+    schema: Any = calls_schema((Tool("f", None, params), Tool("g", None, params)))  # read as JSON
     assert schema["$defs"] == {"P": {"type": "string"}}
     assert all("$defs" not in b["properties"]["parameters"] for b in schema["items"]["anyOf"])
     other = {**params, "$defs": {"P": {"type": "integer"}}}

@@ -25,16 +25,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Generic
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 
 from splitserve.router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED
 from splitserve.router.openai.choices import Answer, Piece, usage_json, whole_choices
 from splitserve.router.openai.errors import error_response, failed_response
 from splitserve.router.openai.fields import BadRequest
+from splitserve.router.openai.generation import AdmissionT, Generation
 from splitserve.router.openai.json_body import BodyError, parse_json_body
+from splitserve.router.openai.json_value import JsonObject
 from splitserve.router.openai.logprobs import TokenText
 from splitserve.router.openai.streaming import stream_answer
 from splitserve.router.openai.translate import OpenAIRequest, from_openai
@@ -49,16 +52,19 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
-class OpenAIServer:
+class OpenAIServer(Generic[AdmissionT]):
+    """The door on one port, in front of the gRPC service `generation` (router/server.py's
+    `GenerationService`, seen through the `Generation` protocol)."""
+
     def __init__(
         self,
-        generation: Any,
+        generation: Generation[AdmissionT],
         model_name: str,
         ready: Callable[[], Readiness],
         registry: CollectorRegistry,
         may_read_metrics: Callable[[str | None], bool],
     ) -> None:
-        self.generation = generation  # router.server.GenerationService
+        self.generation = generation
         self.model_name = model_name
         self.ready = ready  # Router.readiness
         self.registry = registry  # the router's metrics
@@ -78,12 +84,12 @@ class OpenAIServer:
         self._token_text: TokenText | None = None
 
     @web.middleware
-    async def _require_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every route behind the key but /health (router/auth.py), an unknown path too: without
         the key, 401 is all a stranger learns. /metrics also answers --metrics-key
         (`may_read_metrics`)."""
         if request.path in OPEN_HTTP_PATHS or not self.generation.keys.required:
-            return cast(web.StreamResponse, await handler(request))
+            return await handler(request)
         authorization = request.headers.get("Authorization")
         if request.path == "/metrics":
             allowed = self.may_read_metrics(authorization)
@@ -91,7 +97,7 @@ class OpenAIServer:
             allowed = self.generation.keys.tenant(authorization) is not None
         if not allowed:
             return error_response(401, UNAUTHENTICATED, "authentication_error")
-        return cast(web.StreamResponse, await handler(request))
+        return await handler(request)
 
     async def start(self, host: str, port: int, tls: ReloadingSSLContext | None = None) -> int:
         """Listen (HTTPS with `tls`, its certificate followed as it rotates); the bound port."""
@@ -118,7 +124,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         r = self.ready()
-        body: dict[str, Any] = {"status": "ok"} if r.ready else {"status": r.code, "reason": r.reason}
+        body: JsonObject = {"status": "ok"} if r.ready else {"status": r.code, "reason": r.reason}
         if r.unreachable:  # ready or not: a worker that does not answer is worth a look
             body["unreachable"] = dict(r.unreachable)
         return web.json_response(body, status=200 if r.ready else 503)
@@ -135,7 +141,7 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
 
-    async def _read(self, request: web.Request) -> Any:
+    async def _read(self, request: web.Request) -> object:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:  # (counted after decompression too)
@@ -160,7 +166,7 @@ class OpenAIServer:
         detok = self.generation.tokenizer.detokenizer(())
         return "".join([detok.feed(t) for t in ids]) + detok.flush()
 
-    def _translate(self, body: Any, chat: bool) -> OpenAIRequest:
+    def _translate(self, body: object, chat: bool) -> OpenAIRequest:
         try:
             tok = self.generation.tokenizer
             return from_openai(body, chat, tok.vocab_size, self._decode, tok.tool_format)
@@ -197,7 +203,7 @@ class OpenAIServer:
         finally:  # (the stream gives it back itself; this is for an answer that never started one)
             self.generation.release(admitted)
 
-    async def _whole(self, run: Any, oreq: OpenAIRequest) -> web.Response:
+    async def _whole(self, run: AdmissionT, oreq: OpenAIRequest) -> web.Response:
         created = int(time.time())
         rid, chat = oreq.generate.request_id, oreq.shape.chat
         answer = Answer(oreq.shape, self.token_text)
@@ -222,7 +228,7 @@ class OpenAIServer:
             }
         )
 
-    async def _stream(self, request: web.Request, run: Any, oreq: OpenAIRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, run: AdmissionT, oreq: OpenAIRequest) -> web.StreamResponse:
         async with contextlib.aclosing(self.generation.stream(run)) as responses:
             answer = Answer(oreq.shape, self.token_text)
             return await stream_answer(request, responses, run.run.admitted, oreq, answer, self.model_name)

@@ -7,11 +7,11 @@ as a whole response or as a streamed answer's last event.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import grpc
 from aiohttp import web
 
+from splitserve.router.openai.json_value import JsonObject
 from splitserve.router.request import RequestFailed
 from splitserve.router.status import status_details
 
@@ -31,7 +31,7 @@ def status_of(e: RequestFailed) -> int:
     return HTTP_STATUS.get(e.code, 500)
 
 
-def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+def error_body(status: int, message: str, kind: str) -> JsonObject:
     # json.dumps escapes non-ASCII, so a client's lone surrogate quoted back cannot break the encoding;
     # the length is bounded as gRPC's is, the same message either way
     return {"error": {"message": status_details(message), "type": kind, "code": status}}

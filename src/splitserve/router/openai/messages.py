@@ -17,7 +17,6 @@ Tools reach the model one of two ways (`ToolChoice.template_format`):
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from splitserve.router.openai.fields import BadRequest, obj, string, unicode
 from splitserve.router.openai.tools import (
@@ -29,7 +28,7 @@ from splitserve.router.openai.tools import (
 )
 
 
-def chat_messages(messages: Any, tools: ToolChoice | None) -> list[dict[str, str]]:
+def chat_messages(messages: object, tools: ToolChoice | None) -> list[dict[str, str]]:
     """Every message checked and rendered (ChatMessage's fields); the tools' prompt put in place."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: must be a non-empty list")
@@ -45,7 +44,7 @@ def chat_messages(messages: Any, tools: ToolChoice | None) -> list[dict[str, str
     return out
 
 
-def _message(m: Any, field: str, native: bool) -> dict[str, str]:
+def _message(m: object, field: str, native: bool) -> dict[str, str]:
     if not isinstance(m, dict):
         raise BadRequest(f"{field}: must be an object with string role and content")
     role = string(m.get("role"), f"{field}.role")
@@ -72,7 +71,7 @@ def _message(m: Any, field: str, native: bool) -> dict[str, str]:
     return out
 
 
-def _content(v: Any, field: str) -> str | None:
+def _content(v: object, field: str) -> str | None:
     if v is None or isinstance(v, str):
         return None if v is None else unicode(v, field)
     if not isinstance(v, list):
@@ -85,7 +84,7 @@ def _content(v: Any, field: str) -> str | None:
     return "\n".join(texts)
 
 
-def _tool_calls(v: Any, field: str) -> list[tuple[str, str, str]]:
+def _tool_calls(v: object, field: str) -> list[tuple[str, str, str]]:
     """An assistant's earlier calls as (id, name, arguments)."""
     if not isinstance(v, list):
         raise BadRequest(f"{field}: must be a list")

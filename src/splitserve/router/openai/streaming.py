@@ -10,14 +10,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NamedTuple, cast
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from aiohttp import web
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.openai.choices import Answer, stream_choice, usage_json
 from splitserve.router.openai.errors import error_body, failed_response, status_of
+from splitserve.router.openai.json_value import JsonObject, JsonValue
 from splitserve.router.openai.translate import OpenAIRequest
 from splitserve.router.request import RequestFailed
 
@@ -40,12 +41,13 @@ async def stream_answer(
     # with a Retry-After, 400 ...), not with a 200 whose stream holds nothing but an error.
     first = asyncio.ensure_future(anext(responses, None))
     try:
-        await _first_of(first, admitted.wait())
+        await _first_of(first, admitted)
     except BaseException:
         await _settle(first)
         raise
-    if first.done() and isinstance(first.exception(), RequestFailed):
-        return failed_response(cast(RequestFailed, first.exception()), "server_error")
+    failure = first.exception() if first.done() else None
+    if isinstance(failure, RequestFailed):
+        return failed_response(failure, "server_error")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     kind = "chat.completion.chunk" if oreq.shape.chat else "text_completion"
     events = _EventStream(resp, rid, kind, int(time.time()), model)
@@ -87,7 +89,9 @@ async def _send_chunks(
         while r is not None:
             choice = stream_choice(answer.update(r), oreq.shape.chat)
             if choice is not None:
-                extra = {"usage": usage_json(r.usage)} if oreq.continuous_usage and r.HasField("usage") else {}
+                extra: JsonObject = (
+                    {"usage": usage_json(r.usage)} if oreq.continuous_usage and r.HasField("usage") else {}
+                )
                 await events.chunk([choice], **extra)
             r = await anext(responses, None)
     except RequestFailed as e:
@@ -96,16 +100,18 @@ async def _send_chunks(
     return answer.usage, False
 
 
-async def _first_of(first: asyncio.Future[Any], admitted: Coroutine[Any, Any, Any]) -> None:
+async def _first_of(first: asyncio.Future[pb.GenerateResponse | None], admitted: asyncio.Event) -> None:
     """Until the stream's first response is in (or its failure), or the request is admitted."""
-    waiting = asyncio.ensure_future(admitted)
+    waiting = asyncio.ensure_future(admitted.wait())
+    # asyncio.wait takes one kind of future: the union names both
+    either: set[asyncio.Future[pb.GenerateResponse | None] | asyncio.Task[bool]] = {first, waiting}
     try:
-        await asyncio.wait({first, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiting.cancel()
 
 
-async def _settle(first: asyncio.Future[Any]) -> None:
+async def _settle(first: asyncio.Future[pb.GenerateResponse | None]) -> None:
     """Cancel a pending first response and wait for it to give the stream back (the stream can
     then be closed; closing it while its first step still runs raises)."""
     first.cancel()
@@ -122,9 +128,15 @@ class _EventStream(NamedTuple):
     created: int
     model: str
 
-    async def send(self, payload: dict[str, Any]) -> None:
+    async def send(self, payload: JsonObject) -> None:
         await self.resp.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
 
-    async def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> None:
-        body = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
+    async def chunk(self, choices: list[JsonObject], **extra: JsonValue) -> None:
+        body: JsonObject = {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         await self.send(body | extra)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+
+from splitserve.router.openai.json_value import JsonObject
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -40,7 +42,7 @@ class CallDelta(NamedTuple):
     name: str | None  # on the call's first delta only
     arguments: str  # the next piece of the arguments' JSON text
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         """The delta as an entry of a streamed chunk's `delta.tool_calls`."""
         if self.id is None:
             return {"index": self.call, "function": {"arguments": self.arguments}}

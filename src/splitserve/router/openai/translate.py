@@ -14,7 +14,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from splitserve.engine.tool_call_format import ToolCallFormat
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
@@ -68,9 +68,13 @@ class OpenAIRequest(NamedTuple):
     continuous_usage: bool = False  # usage on every chunk too (vLLM's continuous_usage_stats)
 
 
-def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
+def _all_ints(prompt: list[object]) -> TypeGuard[list[int]]:
+    return all(type(t) is int for t in prompt)  # not isinstance: a bool is no token id
+
+
+def _token_ids(prompt: list[object], vocab_size: int | None) -> list[int]:
     limit = vocab_size if vocab_size is not None else _INT32
-    if all(type(t) is int for t in prompt) and 0 <= min(prompt) and max(prompt) < limit:
+    if _all_ints(prompt) and 0 <= min(prompt) and max(prompt) < limit:
         return prompt
     for i, t in enumerate(prompt):  # only to name the bad one
         if type(t) is not int:
@@ -81,7 +85,7 @@ def _token_ids(prompt: list[Any], vocab_size: int | None) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], vocab_size: int | None) -> None:
+def _prompt(req: pb.GenerateRequest, fields: dict[str, object], vocab_size: int | None) -> None:
     prompt = fields.get("prompt")
     if isinstance(prompt, str):
         req.text = string(prompt, "prompt")
@@ -91,7 +95,7 @@ def _prompt(req: pb.GenerateRequest, fields: dict[str, Any], vocab_size: int | N
         raise BadRequest("prompt: must be a string or a non-empty list of token ids")
 
 
-def _sampling(sp: pb.SamplingParams, fields: dict[str, Any]) -> None:
+def _sampling(sp: pb.SamplingParams, fields: dict[str, object]) -> None:
     for name in _FLOATS:
         if name in fields:
             set_field(sp, name, number(fields[name], name), name)
@@ -116,7 +120,7 @@ def _sampling(sp: pb.SamplingParams, fields: dict[str, Any]) -> None:
         set_field(sp, "min_tokens", bounded(fields["min_tokens"], "min_tokens", 0), "min_tokens")
 
 
-def _token_lists(sp: pb.SamplingParams, fields: dict[str, Any], vocab_size: int | None) -> None:
+def _token_lists(sp: pb.SamplingParams, fields: dict[str, object], vocab_size: int | None) -> None:
     """stop_token_ids and logit_bias: token ids, each in the vocabulary (when it is known here)."""
     limit = vocab_size if vocab_size is not None else _INT32
     if "stop_token_ids" in fields:
@@ -139,7 +143,7 @@ def _token_lists(sp: pb.SamplingParams, fields: dict[str, Any], vocab_size: int 
             sp.logit_bias[token] = b
 
 
-def _logprobs(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool) -> tuple[bool, int]:
+def _logprobs(req: pb.GenerateRequest, fields: dict[str, object], chat: bool) -> tuple[bool, int]:
     """Whether log-probabilities are asked for, and how many alternatives each token's come with:
     chat's logprobs (a boolean) and top_logprobs, completions' logprobs (a count; echo adds the
     prompt's)."""
@@ -163,7 +167,7 @@ def _logprobs(req: pb.GenerateRequest, fields: dict[str, Any], chat: bool) -> tu
     return on, top
 
 
-def _constraint(sp: pb.SamplingParams, fields: dict[str, Any], tools: ToolChoice | None) -> None:
+def _constraint(sp: pb.SamplingParams, fields: dict[str, object], tools: ToolChoice | None) -> None:
     """The output constraint: response_format or a guided_* field, or the one a forced tool call
     puts (only one of them)."""
     found = output_constraint(fields)
@@ -175,7 +179,7 @@ def _constraint(sp: pb.SamplingParams, fields: dict[str, Any], tools: ToolChoice
         sp.grammar.CopyFrom(grammar)
 
 
-def _stream_options(fields: dict[str, Any]) -> dict[str, bool]:
+def _stream_options(fields: dict[str, object]) -> dict[str, bool]:
     opts = fields.get("stream_options", {})
     if not isinstance(opts, dict):
         raise BadRequest("stream_options: must be an object")
@@ -185,7 +189,7 @@ def _stream_options(fields: dict[str, Any]) -> dict[str, bool]:
     return {k: boolean(v, f"stream_options.{k}") for k, v in opts.items() if v is not None}
 
 
-def _echo(req: pb.GenerateRequest, fields: dict[str, Any], decode: Callable[[list[int]], str] | None) -> str | None:
+def _echo(req: pb.GenerateRequest, fields: dict[str, object], decode: Callable[[list[int]], str] | None) -> str | None:
     """completions' echo: the prompt's text, to put before each choice's."""
     if "echo" not in fields or not boolean(fields["echo"], "echo"):
         return None
@@ -195,7 +199,7 @@ def _echo(req: pb.GenerateRequest, fields: dict[str, Any], decode: Callable[[lis
 
 
 def from_openai(
-    body: Any,
+    body: object,
     chat: bool,
     vocab_size: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
