@@ -50,10 +50,10 @@ _COMMON = {
     *_FLOATS,
     *_INTS,
 }
-_KNOWN = {  # by chat or not
-    True: _COMMON | {"messages", "top_logprobs", *TOOL_FIELDS},
-    False: _COMMON | {"prompt", "echo"},
-}
+# every field a body may carry, the one list of them (any other is a 400 naming it)
+CHAT_FIELDS = frozenset({*_COMMON, "messages", "top_logprobs", *TOOL_FIELDS})
+COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "echo"})
+_KNOWN = {True: CHAT_FIELDS, False: COMPLETION_FIELDS}  # by chat or not
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 _MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
 
