@@ -1,5 +1,5 @@
 """Tools through the model's own chat template: a template that takes tools gets them, and the
-conversation's earlier calls and results, as structures (router/openai_messages.py,
+conversation's earlier calls and results, as structures (router/openai/messages.py,
 router/validation.py), the special token that opens its calls stays in the decoded text, and a
 template that takes none keeps the router's Hermes prompt. Each refusal names its field."""
 
@@ -16,7 +16,7 @@ from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Limits
 from splitserve.router.engine_tokenizer import EngineTokenizer
-from splitserve.router.http import from_openai
+from splitserve.router.openai.translate import from_openai
 from splitserve.router.validation import ValidationError, validate
 
 # Mistral's way, cut down: the tools before the last user turn, earlier calls after [TOOL_CALLS],

@@ -1,5 +1,5 @@
-"""Synthetic GenerateResponse sequences -> OpenAI choices (router/openai_choices.py and
-openai_logprobs.py): samples interleaved (n > 1), chat and completions logprobs, echo with the
+"""Synthetic GenerateResponse sequences -> OpenAI choices (router/openai/choices.py and
+openai/logprobs.py): samples interleaved (n > 1), chat and completions logprobs, echo with the
 prompt's logprobs, tool calls whole and streamed, finish reasons."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import math
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_choices import Answer, Shape, stream_choice, whole_choices
-from splitserve.router.openai_logprobs import TokenText
-from splitserve.router.openai_tools import Tool, ToolChoice
+from splitserve.router.openai.choices import Answer, Shape, stream_choice, whole_choices
+from splitserve.router.openai.logprobs import TokenText
+from splitserve.router.openai.tools import Tool, ToolChoice
 from splitserve.router.tokenizer import ByteTokenizer
 
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH

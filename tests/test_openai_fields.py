@@ -1,5 +1,5 @@
-"""OpenAI request bodies -> the public GenerateRequest (router/http.py's from_openai and the
-router/openai_*.py modules it uses): structured output, tools, messages, n, logprobs,
+"""OpenAI request bodies -> the public GenerateRequest (router/openai/translate.py's from_openai and
+the router/openai/ modules it uses): structured output, tools, messages, n, logprobs,
 logit_bias, min_tokens, stop_token_ids; and every bad value a BadRequest naming its field."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.http import from_openai
-from splitserve.router.openai_fields import BadRequest
-from splitserve.router.openai_tools import Tool, calls_schema
+from splitserve.router.openai.fields import BadRequest
+from splitserve.router.openai.tools import Tool, calls_schema
+from splitserve.router.openai.translate import from_openai
 
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER: dict[str, Any] = {
@@ -186,7 +186,7 @@ def test_required_is_a_json_array_of_calls_as_vllm_builds_it():
 
 def test_required_lifts_each_tools_defs_to_the_top():
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}}
-    schema = calls_schema((Tool("f", None, params), Tool("g", None, params)))
+    schema: Any = calls_schema((Tool("f", None, params), Tool("g", None, params)))  # read as JSON
     assert schema["$defs"] == {"P": {"type": "string"}}
     assert all("$defs" not in b["properties"]["parameters"] for b in schema["items"]["anyOf"])
     other = {**params, "$defs": {"P": {"type": "integer"}}}

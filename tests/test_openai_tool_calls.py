@@ -1,4 +1,4 @@
-"""The model's text -> OpenAI tool calls (router/openai_tool_calls.py): each tool_choice's reader,
+"""The model's text -> OpenAI tool calls (router/openai/tool_calls.py): each tool_choice's reader,
 fed the same text whole and in pieces of every size, gives the same content and calls; a
 streamed answer never shows part of a <tool_call> tag."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from splitserve.router.openai_tool_calls import (
+from splitserve.router.openai.tool_calls import (
     ArrayCalls,
     CallDelta,
     HermesCalls,
@@ -18,8 +18,8 @@ from splitserve.router.openai_tool_calls import (
     ToolOutput,
     merge_calls,
 )
-from splitserve.router.openai_tool_formats import tool_output
-from splitserve.router.openai_tools import Tool, ToolChoice
+from splitserve.router.openai.tool_formats import tool_output
+from splitserve.router.openai.tools import Tool, ToolChoice
 
 
 def read(reader: ToolOutput, pieces: list[str]) -> tuple[str, list[dict], list[str]]:

@@ -1,4 +1,4 @@
-"""The families' tool-call syntaxes (engine/tool_call_format.py, router/openai_tool_formats.py):
+"""The families' tool-call syntaxes (engine/tool_call_format.py, router/openai/tool_formats.py):
 which syntax a chat template teaches, the reader of each, fed whole and in pieces of every
 size, and output that is no call given back as content."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 
 from splitserve.engine.tool_call_format import template_tool_format
-from splitserve.router.openai_tool_calls import HermesCalls
-from splitserve.router.openai_tool_formats import LeadingObjects, MarkedArray, tool_output
-from splitserve.router.openai_tools import Tool, ToolChoice
+from splitserve.router.openai.tool_calls import HermesCalls
+from splitserve.router.openai.tool_formats import LeadingObjects, MarkedArray, tool_output
+from splitserve.router.openai.tools import Tool, ToolChoice
 from tests.test_openai_tool_calls import every_split, read
 
 WEATHER = {"city": "Paris", "note": 'a } and a " inside'}

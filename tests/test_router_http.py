@@ -18,8 +18,8 @@ import pytest
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
 from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
-from splitserve.router.http import from_openai
-from splitserve.router.json_body import nesting_depth
+from splitserve.router.openai.json_body import nesting_depth
+from splitserve.router.openai.translate import from_openai
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 

@@ -12,8 +12,8 @@ and the model answers a call in the syntax of that training. The template's text
 - "phi4_mini": `functools` then a JSON array of `{"name", "arguments"}` (Phi-4-mini).
 
 A template that never mentions `tools` cannot show them to the model: the router then teaches
-the Hermes syntax in a system message of its own (router/openai_tools.py) and reads Hermes
-blocks back. router/openai_tool_formats.py holds the readers.
+the Hermes syntax in a system message of its own (router/openai/tools.py) and reads Hermes
+blocks back. router/openai/tool_formats.py holds the readers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The gRPC door refuses, in an interceptor, every call but grpc.health.v1.Health's that carries no
 known key (UNAUTHENTICATED), whatever method it names: a method added later is covered without a
-line here. The HTTP door does the same in a middleware (router/http.py). The request path then
+line here. The HTTP door does the same in a middleware (router/openai/door.py). The request path then
 finds the tenant from the key again (router/tenants.py): the interceptor only keeps strangers out.
 """
 

@@ -173,7 +173,7 @@ class RequestRun:
         self.response = ResponseShaper(req, tokenizer, metrics, start=time.monotonic())
         self.unclear_failures = 0  # attempts that failed on a worker for an unclear reason (query of death)
         # set once a decode worker has taken the request: from here a failure is one the request
-        # may migrate past, and the HTTP door sends a stream's headers (router/http.py)
+        # may migrate past, and the HTTP door sends a stream's headers (router/openai/door.py)
         self.admitted = asyncio.Event()
         self._cancels: set[asyncio.Future[Any]] = set()  # one-sample cancels in flight (a reference keeps each)
         # a remote prefill's prompt, charged to the least-queued prefill worker's queue when it was

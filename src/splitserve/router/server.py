@@ -21,7 +21,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,7 +50,7 @@ from splitserve.runtime import tracing
 from splitserve.runtime.tls import ReloadingSSLContext, grpc_server_credentials
 
 if TYPE_CHECKING:  # imported when the HTTP front door starts: aiohttp loads only then
-    from splitserve.router.http import OpenAIServer
+    from splitserve.router.openai.door import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class GenerationService:
         self.metrics.tenant_tokens.labels(admitted.tenant.name, "prompt").inc(len(run.req.prompt_token_ids))
         self.metrics.tenant_tokens.labels(admitted.tenant.name, "completion").inc(run.response.completion_tokens)
 
-    async def stream(self, admitted: Admitted) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, admitted: Admitted) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Run an admitted request, counted in flight, once a seat is its (router/seats.py);
         failures come out as RequestFailed. Ends the request's span, and gives back its seat and
         its tenant's share."""
@@ -413,7 +413,7 @@ class Router:
         self._initial = (list(decode), list(prefill))
         self.server: grpc.aio.Server | None = None
         self.port = 0
-        self.http: OpenAIServer | None = None
+        self.http: OpenAIServer[Admitted] | None = None
         self.http_port = 0
         self._stop_metrics: Callable[[], None] | None = None  # the --metrics-port server, when there is one
 
@@ -470,7 +470,7 @@ class Router:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
         if lis.http_port is not None:
-            from splitserve.router.http import OpenAIServer
+            from splitserve.router.openai.door import OpenAIServer
 
             self.http = OpenAIServer(
                 self.generation, lis.model_name, self.readiness, self.metrics.registry, self.may_read_metrics

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeAlias
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+from splitserve.router.openai.json_value import JsonObject, JsonValue
 from splitserve.router.tokenizer import RouterTokenizer
 
 LOGPROB_FLOOR = -9999.0
+
+ChatLogprobs: TypeAlias = list[JsonObject]  # chat's `logprobs.content` entries, one per token
+CompletionLists: TypeAlias = dict[str, list[JsonValue]]  # completions' `logprobs`, its lists side by side
 
 
 def logprob(x: float) -> float:
@@ -56,13 +60,13 @@ def _alternatives(r: pb.GenerateResponse, i: int, k: int) -> list[tuple[int, flo
     return list(zip(top.token_ids[:k], top.logprobs[:k], strict=False))
 
 
-def _entry(token: str, lp: float) -> dict[str, Any]:
+def _entry(token: str, lp: float) -> JsonObject:
     return {"token": token, "logprob": logprob(lp), "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(r: pb.GenerateResponse, text: TokenText, top: int) -> list[dict[str, Any]]:
+def chat_logprobs(r: pb.GenerateResponse, text: TokenText, top: int) -> ChatLogprobs:
     """A response's tokens as chat `logprobs.content` entries."""
-    out = []
+    out: ChatLogprobs = []
     for i, (t, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=False)):
         entry = _entry(text(t), lp)
         entry["top_logprobs"] = [_entry(text(a), alp) for a, alp in _alternatives(r, i, top)]
@@ -70,11 +74,11 @@ def chat_logprobs(r: pb.GenerateResponse, text: TokenText, top: int) -> list[dic
     return out
 
 
-def empty_completion_logprobs() -> dict[str, list[Any]]:
+def empty_completion_logprobs() -> CompletionLists:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-def extend_completion_logprobs(into: dict[str, list[Any]], more: dict[str, list[Any]]) -> None:
+def extend_completion_logprobs(into: CompletionLists, more: CompletionLists) -> None:
     for key, values in more.items():
         into[key].extend(values)
 
@@ -88,7 +92,7 @@ class CompletionLogprobs:
         self.top = top
         self.offset = 0
 
-    def prompt(self, prompt_logprobs: Sequence[pb.PromptLogprob], echo: str) -> dict[str, list[Any]]:
+    def prompt(self, prompt_logprobs: Sequence[pb.PromptLogprob], echo: str) -> CompletionLists:
         """The echoed prompt's tokens (its first has no logprob); later tokens start after `echo`."""
         out = empty_completion_logprobs()
         for p in prompt_logprobs:
@@ -106,7 +110,7 @@ class CompletionLogprobs:
         self.offset = len(echo)
         return out
 
-    def tokens(self, r: pb.GenerateResponse) -> dict[str, list[Any]]:
+    def tokens(self, r: pb.GenerateResponse) -> CompletionLists:
         out = empty_completion_logprobs()
         for i, (t, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=False)):
             token = self.text(t)

@@ -13,7 +13,7 @@ infinity), and the field that holds one refuses it later.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import NoReturn
 
 import numpy as np
 from aiohttp.helpers import parse_mimetype
@@ -83,12 +83,13 @@ def nesting_depth(raw: bytes) -> int:
     return max(0, int(step.cumsum(dtype=np.int32).max(initial=0)))
 
 
-def _refuse_constant(name: str) -> Any:
+def refuse_constant(name: str) -> NoReturn:
+    """json.loads's parse_constant: NaN and Infinity are not JSON."""
     raise ValueError(f"{name} is not a JSON value")
 
 
-def parse_json_body(raw: bytes, content_type: str | None, max_depth: int = MAX_DEPTH) -> Any:
-    """The body as a JSON value; BodyError if it is not UTF-8 JSON of bounded depth."""
+def parse_json_body(raw: bytes, content_type: str | None, max_depth: int = MAX_DEPTH) -> object:
+    """The body as a JSON value (unchecked: `object`); BodyError if it is not UTF-8 JSON of bounded depth."""
     check_charset(content_type)
     try:
         text = raw.decode("utf-8")
@@ -99,7 +100,7 @@ def parse_json_body(raw: bytes, content_type: str | None, max_depth: int = MAX_D
     if depth > max_depth:
         raise BodyError(400, f"the body nests arrays and objects {depth} deep (at most {max_depth})")
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=refuse_constant)
     except json.JSONDecodeError as e:
         raise BodyError(400, f"the body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # NaN/Infinity; an integer of more than 4300 digits

@@ -1,7 +1,7 @@
 """The model's text -> OpenAI tool calls, as the text arrives.
 
-One reader per tool_choice (router/openai_tools.py says what each asks of the model;
-router/openai_tool_formats.py's `tool_output` picks it, and holds the readers of the other
+One reader per tool_choice (router/openai/tools.py says what each asks of the model;
+router/openai/tool_formats.py's `tool_output` picks it, and holds the readers of the other
 families' syntaxes for "auto"):
 - "auto" (`HermesCalls`): <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks become
   calls, the text outside them stays content. Text that could be the start of "<tool_call>" is
@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+
+from splitserve.router.openai.json_value import JsonObject
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -40,7 +42,7 @@ class CallDelta(NamedTuple):
     name: str | None  # on the call's first delta only
     arguments: str  # the next piece of the arguments' JSON text
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         """The delta as an entry of a streamed chunk's `delta.tool_calls`."""
         if self.id is None:
             return {"index": self.call, "function": {"arguments": self.arguments}}

@@ -14,7 +14,7 @@ the model reads back what it was taught to write.
 tool_choice, as vLLM implements it:
 - "none": no tools in the prompt, the output is plain text.
 - "auto" (the default with tools): the model chooses; <tool_call> blocks in its output become
-  tool calls (router/openai_tool_calls.py).
+  tool calls (router/openai/tool_calls.py).
 - "required": the output is constrained to a JSON array (at least one item) of
   {"name": <one of the tools>, "parameters": <that tool's schema>}.
 - {"type": "function", "function": {"name": N}}: the output is constrained to N's parameters.
@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_fields import BadRequest, boolean, obj, string
+from splitserve.router.openai.fields import BadRequest, boolean, obj, string
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}  # a tool without parameters
+_ANY_OBJECT: dict[str, object] = {"type": "object", "properties": {}}  # a tool without parameters
 _MODES = ("none", "auto", "required")
 
 _TOOLS_HEADER = (
@@ -57,7 +57,7 @@ _INSTRUCTION = {
 class Tool:
     name: str
     description: str | None
-    parameters: dict[str, Any] | None  # a JSON schema
+    parameters: Mapping[str, object] | None  # a JSON schema, as the client sent it
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class ToolChoice:
     template_format: str | None = None
 
 
-def parse_tool_choice(fields: dict[str, Any]) -> ToolChoice | None:
+def parse_tool_choice(fields: dict[str, object]) -> ToolChoice | None:
     """The body's tools and tool_choice, checked; None when the model gets no tools."""
     tools = _tools(fields["tools"]) if "tools" in fields else ()
     parallel = (
@@ -98,7 +98,7 @@ def parse_tool_choice(fields: dict[str, Any]) -> ToolChoice | None:
     return ToolChoice("function", tools, name, parallel)
 
 
-def _tools(v: Any) -> tuple[Tool, ...]:
+def _tools(v: object) -> tuple[Tool, ...]:
     if not isinstance(v, list) or not v:
         raise BadRequest("tools: must be a non-empty list")
     tools: list[Tool] = []
@@ -112,7 +112,7 @@ def _tools(v: Any) -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def _tool(v: Any, field: str) -> Tool:
+def _tool(v: object, field: str) -> Tool:
     t = obj(v, field, {"type", "function"}, required=("type", "function"))
     if t["type"] != "function":
         raise BadRequest(f"{field}.type: must be 'function'")
@@ -141,10 +141,10 @@ def tool_grammar(choice: ToolChoice) -> pb.Grammar | None:
     return pb.Grammar(json_schema=json.dumps(schema, separators=(",", ":")))
 
 
-def calls_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict[str, Any]:
+def calls_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict[str, object]:
     """tool_choice "required": a JSON array of {"name", "parameters"}, one anyOf branch per tool, each
     tool's $defs lifted to the top (where its "#/$defs/..." references resolve), as vLLM builds it."""
-    defs: dict[str, Any] = {}
+    defs: dict[str, object] = {}
     branches = []
     for i, t in enumerate(tools):
         params = dict(t.parameters or _ANY_OBJECT)
@@ -159,7 +159,7 @@ def calls_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict[str, An
                 "required": ["name", "parameters"],
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
+    schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1
     if defs:
@@ -167,12 +167,12 @@ def calls_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict[str, An
     return schema
 
 
-def template_tools(choice: ToolChoice) -> list[dict[str, Any]]:
+def template_tools(choice: ToolChoice) -> list[dict[str, object]]:
     """The tools as OpenAI's list, what a chat template's `tools` holds (a missing description
     left out, missing parameters an object of none)."""
-    out = []
+    out: list[dict[str, object]] = []
     for t in choice.tools:
-        fn: dict[str, Any] = {"name": t.name}
+        fn: dict[str, object] = {"name": t.name}
         if t.description is not None:
             fn["description"] = t.description
         fn["parameters"] = t.parameters or _ANY_OBJECT
@@ -180,17 +180,17 @@ def template_tools(choice: ToolChoice) -> list[dict[str, Any]]:
     return out
 
 
-def template_calls(calls: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+def template_calls(calls: list[tuple[str, str, str]]) -> list[dict[str, object]]:
     """An assistant's earlier calls, (id, name, arguments as JSON text), as a chat template reads
     them: arguments that are JSON as the object (templates apply `tojson` to them, as vLLM hands
     them over), others as the string they are."""
     out = []
     for call_id, name, arguments in calls:
         try:
-            args: Any = json.loads(arguments)
+            args: object = json.loads(arguments)
         except (ValueError, RecursionError):
             args = arguments
-        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        call: dict[str, object] = {"type": "function", "function": {"name": name, "arguments": args}}
         if call_id:
             call["id"] = call_id
         out.append(call)
@@ -215,7 +215,7 @@ def render_tool_calls(calls: list[tuple[str, str]]) -> str:
     blocks = []
     for name, arguments in calls:
         try:
-            args: Any = json.loads(arguments)
+            args: object = json.loads(arguments)
         except (ValueError, RecursionError):
             args = arguments
         blocks.append(

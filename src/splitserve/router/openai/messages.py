@@ -10,17 +10,16 @@ Tools reach the model one of two ways (`ToolChoice.template_format`):
   structures (ChatMessages.tools_json, ChatMessage.tool_calls_json and tool_call_id) and the
   template renders them as the model was trained to read them;
 - it does not: calls and results are rendered into the content in the Hermes format
-  (router/openai_tools.py), and the tools go into the system message (appended to the client's
+  (router/openai/tools.py), and the tools go into the system message (appended to the client's
   own, or a new first message).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from splitserve.router.openai_fields import BadRequest, obj, string, unicode
-from splitserve.router.openai_tools import (
+from splitserve.router.openai.fields import BadRequest, obj, string, unicode
+from splitserve.router.openai.tools import (
     ToolChoice,
     render_tool_calls,
     render_tool_response,
@@ -29,7 +28,7 @@ from splitserve.router.openai_tools import (
 )
 
 
-def chat_messages(messages: Any, tools: ToolChoice | None) -> list[dict[str, str]]:
+def chat_messages(messages: object, tools: ToolChoice | None) -> list[dict[str, str]]:
     """Every message checked and rendered (ChatMessage's fields); the tools' prompt put in place."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: must be a non-empty list")
@@ -45,7 +44,7 @@ def chat_messages(messages: Any, tools: ToolChoice | None) -> list[dict[str, str
     return out
 
 
-def _message(m: Any, field: str, native: bool) -> dict[str, str]:
+def _message(m: object, field: str, native: bool) -> dict[str, str]:
     if not isinstance(m, dict):
         raise BadRequest(f"{field}: must be an object with string role and content")
     role = string(m.get("role"), f"{field}.role")
@@ -72,7 +71,7 @@ def _message(m: Any, field: str, native: bool) -> dict[str, str]:
     return out
 
 
-def _content(v: Any, field: str) -> str | None:
+def _content(v: object, field: str) -> str | None:
     if v is None or isinstance(v, str):
         return None if v is None else unicode(v, field)
     if not isinstance(v, list):
@@ -85,7 +84,7 @@ def _content(v: Any, field: str) -> str | None:
     return "\n".join(texts)
 
 
-def _tool_calls(v: Any, field: str) -> list[tuple[str, str, str]]:
+def _tool_calls(v: object, field: str) -> list[tuple[str, str, str]]:
     """An assistant's earlier calls as (id, name, arguments)."""
     if not isinstance(v, list):
         raise BadRequest(f"{field}: must be a list")

@@ -1,5 +1,5 @@
 """The readers of the tool-call syntaxes other than Hermes (engine/tool_call_format.py names
-them), each with router/openai_tool_calls.py's interface: `feed(text)` returns what is new,
+them), each with router/openai/tool_calls.py's interface: `feed(text)` returns what is new,
 `finish()` the rest, and output that turns out not to be a call is given back as content.
 
 - "mistral" and "phi4_mini" (`MarkedArray`): content, then a marker ([TOOL_CALLS], functools),
@@ -10,7 +10,7 @@ them), each with router/openai_tool_calls.py's interface: `feed(text)` returns w
 
 from __future__ import annotations
 
-from splitserve.router.openai_tool_calls import (
+from splitserve.router.openai.tool_calls import (
     ArrayCalls,
     CallDelta,
     CallReader,
@@ -21,13 +21,13 @@ from splitserve.router.openai_tool_calls import (
     ToolOutput,
     partial_tag,
 )
-from splitserve.router.openai_tools import ToolChoice
+from splitserve.router.openai.tools import ToolChoice
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 def tool_output(choice: ToolChoice | None) -> ToolOutput:
-    """The reader of a sample's output for what its tool_choice asks (router/openai_tool_calls.py)."""
+    """The reader of a sample's output for what its tool_choice asks (router/openai/tool_calls.py)."""
     if choice is None:
         return PlainText()
     if choice.mode == "required":

@@ -1,21 +1,22 @@
 """One OpenAI body field each: its JSON type checked, then what protobuf can hold.
 
-Shared by the HTTP front door (router/http.py) and the modules that translate the larger
-fields (openai_tools, openai_response_format, openai_messages): each raises `BadRequest`
-with a message that starts with the field's path, which the client gets as a 400.
+Shared by the HTTP front door (router/openai/door.py) and the modules that translate the larger
+fields (tools, response_format, messages): each raises `BadRequest` with a message that starts
+with the field's path, which the client gets as a 400.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from google.protobuf.message import Message
 
 
 class BadRequest(Exception):
     pass
 
 
-def string(v: Any, field: str) -> str:
+def string(v: object, field: str) -> str:
     if not isinstance(v, str):
         raise BadRequest(f"{field}: must be a string")
     return unicode(v, field)
@@ -30,13 +31,13 @@ def unicode(v: str, field: str) -> str:
     return v
 
 
-def boolean(v: Any, field: str) -> bool:
+def boolean(v: object, field: str) -> bool:
     if not isinstance(v, bool):
         raise BadRequest(f"{field}: must be a boolean")
     return v
 
 
-def number(v: Any, field: str) -> float:
+def number(v: object, field: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise BadRequest(f"{field}: must be a number")
     try:
@@ -48,7 +49,7 @@ def number(v: Any, field: str) -> float:
     return f
 
 
-def integer(v: Any, field: str, integral_floats: bool = False) -> int:
+def integer(v: object, field: str, integral_floats: bool = False) -> int:
     if integral_floats and isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, bool) or not isinstance(v, int):
@@ -56,7 +57,7 @@ def integer(v: Any, field: str, integral_floats: bool = False) -> int:
     return v
 
 
-def bounded(v: Any, field: str, lo: int, hi: int | None = None) -> int:
+def bounded(v: object, field: str, lo: int, hi: int | None = None) -> int:
     """An integer in [lo, hi] (no upper bound when hi is None)."""
     i = integer(v, field)
     if i < lo or (hi is not None and i > hi):
@@ -64,7 +65,7 @@ def bounded(v: Any, field: str, lo: int, hi: int | None = None) -> int:
     return i
 
 
-def obj(v: Any, field: str, known: set[str] | frozenset[str], required: tuple[str, ...] = ()) -> dict[str, Any]:
+def obj(v: object, field: str, known: set[str] | frozenset[str], required: tuple[str, ...] = ()) -> dict[str, object]:
     """A JSON object with only the `known` keys (and every `required` one); null values count as absent."""
     if not isinstance(v, dict):
         raise BadRequest(f"{field}: must be an object")
@@ -78,7 +79,7 @@ def obj(v: Any, field: str, known: set[str] | frozenset[str], required: tuple[st
     return out
 
 
-def set_field(msg: Any, name: str, value: Any, field: str) -> None:
+def set_field(msg: Message, name: str, value: float, field: str) -> None:
     """Set a protobuf scalar; one out of the field's range (int32, int64, uint32) is the client's error."""
     try:
         setattr(msg, name, value)

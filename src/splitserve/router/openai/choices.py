@@ -2,8 +2,8 @@
 
 With `n` > 1 the responses of different samples interleave, each tagged with its sample
 (`index`); each sample is one choice, built response by response by its own `Choice`: its
-text through the tool-call reader its tool_choice asks for (router/openai_tool_calls.py),
-its log-probabilities in the endpoint's form (router/openai_logprobs.py), the echoed prompt
+text through the tool-call reader its tool_choice asks for (router/openai/tool_calls.py),
+its log-probabilities in the endpoint's form (router/openai/logprobs.py), the echoed prompt
 first (completions' `echo`), its finish reason ("tool_calls" when it ended by calling).
 
 Each response gives one `Piece` of one choice. Streamed, a piece is one chunk's choice
@@ -13,19 +13,22 @@ Each response gives one `Piece` of one choice. Streamed, a piece is one chunk's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_logprobs import (
+from splitserve.router.openai.json_value import JsonObject
+from splitserve.router.openai.logprobs import (
+    ChatLogprobs,
+    CompletionLists,
     CompletionLogprobs,
     TokenText,
     chat_logprobs,
     empty_completion_logprobs,
     extend_completion_logprobs,
 )
-from splitserve.router.openai_tool_calls import CallDelta, merge_calls
-from splitserve.router.openai_tool_formats import tool_output
-from splitserve.router.openai_tools import ToolChoice
+from splitserve.router.openai.tool_calls import CallDelta, merge_calls
+from splitserve.router.openai.tool_formats import tool_output
+from splitserve.router.openai.tools import ToolChoice
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -48,7 +51,7 @@ class Piece(NamedTuple):
     first: bool  # the choice's first piece
     text: str
     calls: list[CallDelta]
-    logprobs: Any  # chat: a list of content entries; completions: the lists; None when not asked
+    logprobs: ChatLogprobs | CompletionLists | None  # None when not asked
     finish: str | None
 
 
@@ -98,7 +101,9 @@ class Choice:
             text = self.shape.echo + text
         return Piece(self.index, first, text, calls, self._logprobs(r, first, prompt_logprobs), finish)
 
-    def _logprobs(self, r: pb.GenerateResponse, first: bool, prompt_logprobs: list[pb.PromptLogprob]) -> Any:
+    def _logprobs(
+        self, r: pb.GenerateResponse, first: bool, prompt_logprobs: list[pb.PromptLogprob]
+    ) -> ChatLogprobs | CompletionLists | None:
         if not self.shape.logprobs:
             return None
         if self.completion_lp is None:
@@ -110,7 +115,7 @@ class Choice:
         return out
 
 
-def stream_choice(piece: Piece, chat: bool) -> dict[str, Any] | None:
+def stream_choice(piece: Piece, chat: bool) -> JsonObject | None:
     """A piece as a streamed chunk's choice; None when it adds nothing to send (a choice's first
     piece is always sent: it names the role)."""
     has_logprobs = bool(piece.logprobs["tokens"] if isinstance(piece.logprobs, dict) else piece.logprobs)
@@ -119,7 +124,7 @@ def stream_choice(piece: Piece, chat: bool) -> dict[str, Any] | None:
     logprobs = piece.logprobs
     if not chat:
         return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
-    delta: dict[str, Any] = {"role": "assistant"} if piece.first else {}
+    delta: JsonObject = {"role": "assistant"} if piece.first else {}
     if piece.text or (piece.first and not piece.calls):
         delta["content"] = piece.text
     if piece.calls:
@@ -138,38 +143,65 @@ class _Whole:
     def __init__(self, index: int) -> None:
         self.index = index
         self.text: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.logprobs: Any = None
+        self.calls: dict[int, _WholeCall] = {}
+        self.chat_logprobs: ChatLogprobs | None = None
+        self.completion_logprobs: CompletionLists | None = None
         self.finish: str | None = None
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
         for c in piece.calls:
-            call = self.calls.setdefault(c.call, {"id": c.id, "type": "function", "function": {"name": c.name}})
-            fn = call["function"]
-            fn["arguments"] = fn.get("arguments", "") + c.arguments
+            self.calls.setdefault(c.call, _WholeCall(c.id, c.name, [])).arguments.append(c.arguments)
         if isinstance(piece.logprobs, list):
-            self.logprobs = (self.logprobs or []) + piece.logprobs
+            self.chat_logprobs = (self.chat_logprobs or []) + piece.logprobs
         elif piece.logprobs is not None:
-            self.logprobs = self.logprobs or empty_completion_logprobs()
-            extend_completion_logprobs(self.logprobs, piece.logprobs)
+            self.completion_logprobs = self.completion_logprobs or empty_completion_logprobs()
+            extend_completion_logprobs(self.completion_logprobs, piece.logprobs)
         self.finish = piece.finish or self.finish
 
-    def as_json(self, chat: bool) -> dict[str, Any]:
+    def as_json(self, chat: bool) -> JsonObject:
         text = "".join(self.text)
         if not chat:
-            return {"index": self.index, "text": text, "logprobs": self.logprobs, "finish_reason": self.finish}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+            return {
+                "index": self.index,
+                "text": text,
+                "logprobs": self.completion_logprobs,
+                "finish_reason": self.finish,
+            }
+        message: JsonObject = {"role": "assistant", "content": text}
         if self.calls:
             message["content"] = text or None  # OpenAI's: a message that only calls has no content
-            message["tool_calls"] = [self.calls[k] for k in sorted(self.calls)]
-        logprobs = {"content": self.logprobs or []} if self.logprobs is not None else None
+            message["tool_calls"] = [self.calls[k].as_json() for k in sorted(self.calls)]
+        logprobs = {"content": self.chat_logprobs} if self.chat_logprobs is not None else None
         return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish}
 
 
-def whole_choices(pieces: list[Piece], chat: bool) -> list[dict[str, Any]]:
+class _WholeCall(NamedTuple):
+    """One call of a whole answer: its id and name from its first delta, its arguments' pieces."""
+
+    id: str | None
+    name: str | None
+    arguments: list[str]
+
+    def as_json(self) -> JsonObject:
+        fn = {"name": self.name, "arguments": "".join(self.arguments)}
+        return {"id": self.id, "type": "function", "function": fn}
+
+
+def whole_choices(pieces: list[Piece], chat: bool) -> list[JsonObject]:
     """Every choice of a whole answer, in index order."""
     choices: dict[int, _Whole] = {}
     for piece in pieces:
         choices.setdefault(piece.choice, _Whole(piece.choice)).add(piece)
     return [choices[i].as_json(chat) for i in sorted(choices)]
+
+
+def usage_json(u: pb.Usage | None) -> JsonObject:
+    """The answer's token counts, as OpenAI's `usage`."""
+    u = u or pb.Usage()
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }

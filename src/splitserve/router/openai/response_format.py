@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-from splitserve.router.openai_fields import BadRequest, boolean, obj, string
+from splitserve.router.openai.fields import BadRequest, boolean, obj, string
+from splitserve.router.openai.json_body import refuse_constant
 
 # the body fields that constrain the output, in the order an error names them
 CONSTRAINT_FIELDS = (
@@ -29,7 +29,7 @@ CONSTRAINT_FIELDS = (
 _STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def output_constraint(fields: dict[str, Any]) -> tuple[str, pb.Grammar] | None:
+def output_constraint(fields: dict[str, object]) -> tuple[str, pb.Grammar] | None:
     """The body's output constraint and the field it came from; None when there is none
     (`response_format: {"type": "text"}` is none)."""
     found: list[tuple[str, pb.Grammar]] = []
@@ -43,11 +43,11 @@ def output_constraint(fields: dict[str, Any]) -> tuple[str, pb.Grammar] | None:
     return found[0] if found else None
 
 
-def schema_text(schema: Any, field: str) -> str:
+def schema_text(schema: object, field: str) -> str:
     """A JSON schema (an object, or JSON text of one) as the compact JSON text the grammar carries."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema, parse_constant=_refuse_constant)
+            schema = json.loads(schema, parse_constant=refuse_constant)
         except (ValueError, RecursionError) as e:
             raise BadRequest(f"{field}: not valid JSON ({e})") from None
     if not isinstance(schema, dict):
@@ -56,11 +56,7 @@ def schema_text(schema: Any, field: str) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _response_format(v: Any, field: str) -> pb.Grammar | None:
+def _response_format(v: object, field: str) -> pb.Grammar | None:
     fmt = obj(v, field, {"type", "json_schema"}, required=("type",))
     kind = fmt["type"]
     if kind == "text":
@@ -80,36 +76,38 @@ def _response_format(v: Any, field: str) -> pb.Grammar | None:
     return pb.Grammar(json_schema=schema_text(spec["schema"], f"{field}.json_schema.schema"))
 
 
-def _json(v: Any, field: str) -> pb.Grammar:
+def _json(v: object, field: str) -> pb.Grammar:
     return pb.Grammar(json_schema=schema_text(v, field))
 
 
-def _regex(v: Any, field: str) -> pb.Grammar:
-    if not string(v, field):
+def _regex(v: object, field: str) -> pb.Grammar:
+    regex = string(v, field)
+    if not regex:
         raise BadRequest(f"{field}: must not be empty")
-    return pb.Grammar(regex=v)
+    return pb.Grammar(regex=regex)
 
 
-def _choice(v: Any, field: str) -> pb.Grammar:
+def _choice(v: object, field: str) -> pb.Grammar:
     if not isinstance(v, list) or not v:
         raise BadRequest(f"{field}: must be a non-empty list of strings")
     return pb.Grammar(choice=pb.ChoiceList(choices=[string(c, f"{field}[{i}]") for i, c in enumerate(v)]))
 
 
-def _grammar(v: Any, field: str) -> pb.Grammar:
+def _grammar(v: object, field: str) -> pb.Grammar:
     # vLLM's guided_grammar is EBNF in the backend's dialect; here that is llguidance's Lark
-    if not string(v, field).strip():
+    lark = string(v, field)
+    if not lark.strip():
         raise BadRequest(f"{field}: must not be empty")
-    return pb.Grammar(lark=v)
+    return pb.Grammar(lark=lark)
 
 
-def _json_object(v: Any, field: str) -> pb.Grammar | None:
+def _json_object(v: object, field: str) -> pb.Grammar | None:
     return pb.Grammar(json_object=True) if boolean(v, field) else None
 
 
-def _structured_outputs(v: Any, field: str) -> pb.Grammar | None:
+def _structured_outputs(v: object, field: str) -> pb.Grammar | None:
     spec = obj(v, field, set(_STRUCTURED_OUTPUTS))
-    parsers: dict[str, Callable[[Any, str], pb.Grammar | None]] = {
+    parsers: dict[str, Callable[[object, str], pb.Grammar | None]] = {
         "json": _json,
         "regex": _regex,
         "choice": _choice,
@@ -124,7 +122,7 @@ def _structured_outputs(v: Any, field: str) -> pb.Grammar | None:
     return found[0] if found else None
 
 
-_PARSERS: dict[str, Callable[[Any, str], pb.Grammar | None]] = {
+_PARSERS: dict[str, Callable[[object, str], pb.Grammar | None]] = {
     "response_format": _response_format,
     "guided_json": _json,
     "guided_regex": _regex,
