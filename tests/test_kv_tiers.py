@@ -15,7 +15,8 @@ import pytest
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_tiers import DiskTier, TierStore
+from splitserve.engine.kv_tier_blocks import DiskTier, HostTier
+from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tier_cost import expected_seconds, plan_load
@@ -41,6 +42,18 @@ def engine(num_blocks: int = 24, **tiers: object) -> Engine:
 def tiers_of(e: Engine) -> TierStore:
     assert e.tiers is not None
     return e.tiers
+
+
+def disk_of(e: Engine) -> DiskTier:
+    disk = tiers_of(e).tier("disk")
+    assert isinstance(disk, DiskTier)
+    return disk
+
+
+def host_of(e: Engine) -> HostTier:
+    host = tiers_of(e).tier("host")
+    assert isinstance(host, HostTier)
+    return host
 
 
 def run(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], list[float], int]:
@@ -115,8 +128,7 @@ def test_the_host_tier_spills_to_disk_and_a_disk_hit_gives_the_same_tokens(refer
 def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(reference, tmp_path, damage):
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    disk = tiers_of(e).disk
-    assert disk is not None
+    disk = disk_of(e)
     fourth = block_hashes(TURN2, BS)[3]
     assert fourth in disk
     path = disk.path(fourth)
@@ -138,8 +150,7 @@ def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(referenc
 def test_a_corrupt_host_block_is_recomputed_counted(reference):
     e = engine(kv_host_tier_bytes=1 << 20)
     evict_context(e)
-    host = tiers_of(e).host
-    assert host is not None
+    host = host_of(e)
     first = block_hashes(TURN2, BS)[0]
     host.blocks[first].data[100] ^= 0x40
     tokens, lps, cached = run(e, "turn2", TURN2)
@@ -277,8 +288,7 @@ def test_workers_sharing_a_disk_directory_keep_to_their_own_folders(tmp_path):
     held = sorted(tmp_path.glob("pid-*/*.kv"))
     assert held and not gone.exists()
     b = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
-    a_disk, b_disk = tiers_of(a).disk, tiers_of(b).disk
-    assert a_disk is not None and b_disk is not None and a_disk.dir != b_disk.dir
+    assert disk_of(a).dir != disk_of(b).dir
     assert sorted(tmp_path.glob("pid-*/*.kv")) == held  # the other's files stay
 
 
@@ -359,8 +369,7 @@ def test_a_block_queued_for_disk_is_served_from_memory_and_a_full_queue_drops_co
         kv_disk_tier_dir=str(tmp_path),
     )
     e = Engine(MODEL, WEIGHTS, cfg)
-    disk = tiers_of(e).disk
-    assert disk is not None
+    disk = disk_of(e)
     disk.max_pending = 6
     monkeypatch.setattr(DiskTier, "_write", staticmethod(slow))  # after the start's probe, which writes too
     e.add_request("turn1", CONTEXT, GREEDY)
@@ -389,8 +398,8 @@ def test_a_prompts_disk_blocks_are_read_ahead_at_admission_and_loaded_from_those
     deleted in between, the blocks still load, and give the reference tokens."""
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    disk = tiers_of(e).disk
-    assert disk is not None and not disk.read_ahead
+    disk = disk_of(e)
+    assert not disk.read_ahead
     assert e.scheduler.cached_prefix_tokens(TURN2) == 40
     assert len(disk.read_ahead) == 10
     for read in disk.read_ahead.values():
