@@ -114,3 +114,19 @@ def test_the_tier_blind_flag_reaches_the_routing_config():
     p.add_argument("--block-size", type=int, default=16)
     assert router_config_from_args(p.parse_args([]), None).routing.tier_aware
     assert not router_config_from_args(p.parse_args(["--tier-blind-routing"]), None).routing.tier_aware
+
+
+def test_a_third_tier_is_priced_at_the_bandwidth_its_worker_reports_in_the_order_it_reports():
+    """A tier the router has no name for (a remote store after the disk): its blocks are where the
+    worker's order puts them, and cost what its measured bandwidth says."""
+    remote = TierSpeeds(1600.0, 1 << 20, (*SPEEDS.tiers, TierSpeed("remote", 5e8)))  # 2 ms a block
+    idx = PrefixIndex()
+    idx.stored("a", HASHES[:50], "disk")
+    idx.stored("a", HASHES, "remote")
+    (c,) = decode_candidates(HASHES, 1600, idx, loads(a=remote), BS)
+    assert c.loaded_blocks == 100  # 50 from disk at 5 ms, 50 from remote at 2 ms: each beats 10 ms
+    assert c.prefill_tokens == pytest.approx((50 * (1 << 20) / 2e8 + 50 * (1 << 20) / 5e8) * 1600)
+    assert idx.overlap_tiers(HASHES, {"a": remote.order})["a"] == ["disk"] * 50 + ["remote"] * 50
+    slow = remote._replace(tiers=(*SPEEDS.tiers, TierSpeed("remote", 5e7)))  # 20 ms a block: recomputed
+    (c,) = decode_candidates(HASHES, 1600, idx, loads(a=slow), BS)
+    assert (c.loaded_blocks, c.uncached_tokens) == (50, 800)
