@@ -38,6 +38,14 @@ def test_a_prefix_line_parses_and_names_where_most_tokens_came_from():
     notes = ps.parse_notes(lines, since=(T0 + datetime.timedelta(seconds=1)).timestamp())
     assert [n.source for n in notes] == ["pool", "disk", "host"]
     assert notes[0].computed == 464
+    # the tiers are named as the worker has them: one without a host tier, one with a third tier
+    disk_only = line(5.0, 2000, 0, 0, 1536).replace("host 0, ", "")
+    third = (
+        line(6.0, 2000, 0, 64, 0).replace("disk 0, ", "disk 0, remote 1536, ").replace("computed 1936", "computed 400")
+    )
+    (a, b) = ps.parse_notes([disk_only, third])
+    assert (a.host, a.disk, a.computed, a.source) == (0, 1536, 464, "disk")
+    assert (b.host, b.disk, b.computed) == (64, 0, 400)
 
 
 def test_records_join_their_line_by_prompt_length_inside_their_window():

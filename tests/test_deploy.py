@@ -332,7 +332,7 @@ def exported_metrics() -> dict[str, set[str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     import splitserve.kv_transfer.metrics as kv_metrics
-    from splitserve.engine.kv_tiers import TierStats
+    from splitserve.engine.kv_tier import TierStats
     from splitserve.engine.scheduler import SchedulerStats
     from splitserve.router.config import RouterConfig
     from splitserve.router.metrics import RouterMetrics

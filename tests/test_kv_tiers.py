@@ -2,20 +2,26 @@
 prefix comes back from a tier and gives the tokens and log-probabilities of a run without tiers; a
 corrupt host block, a corrupt, truncated or deleted disk file and a full disk each degrade to a
 recompute, counted, with the same tokens; the load-or-recompute decision in seconds; the tiers' block
-events; a decode worker whose cached prefix continues in a tier reserves fewer blocks to fill."""
+events; a decode worker whose cached prefix continues in a tier reserves fewer blocks to fill; a third
+tier, defined in this file only (`RemoteTier`), after the disk."""
 
 from __future__ import annotations
 
 import errno
 import random
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
+import torch
 
-from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.block_hash import BlockHash, block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_tiers import DiskTier, TierStore
+from splitserve.engine.kv_tier import PROBE_LOADS, Held, KVTier, Spill, TierStats
+from splitserve.engine.kv_tier_blocks import DiskTier, HostTier
+from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tier_cost import expected_seconds, plan_load
@@ -41,6 +47,18 @@ def engine(num_blocks: int = 24, **tiers: object) -> Engine:
 def tiers_of(e: Engine) -> TierStore:
     assert e.tiers is not None
     return e.tiers
+
+
+def disk_of(e: Engine) -> DiskTier:
+    disk = tiers_of(e).tier("disk")
+    assert isinstance(disk, DiskTier)
+    return disk
+
+
+def host_of(e: Engine) -> HostTier:
+    host = tiers_of(e).tier("host")
+    assert isinstance(host, HostTier)
+    return host
 
 
 def run(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], list[float], int]:
@@ -115,8 +133,7 @@ def test_the_host_tier_spills_to_disk_and_a_disk_hit_gives_the_same_tokens(refer
 def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(reference, tmp_path, damage):
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    disk = tiers_of(e).disk
-    assert disk is not None
+    disk = disk_of(e)
     fourth = block_hashes(TURN2, BS)[3]
     assert fourth in disk
     path = disk.path(fourth)
@@ -138,8 +155,7 @@ def test_a_damaged_disk_file_is_recomputed_counted_with_the_same_tokens(referenc
 def test_a_corrupt_host_block_is_recomputed_counted(reference):
     e = engine(kv_host_tier_bytes=1 << 20)
     evict_context(e)
-    host = tiers_of(e).host
-    assert host is not None
+    host = host_of(e)
     first = block_hashes(TURN2, BS)[0]
     host.blocks[first].data[100] ^= 0x40
     tokens, lps, cached = run(e, "turn2", TURN2)
@@ -277,8 +293,7 @@ def test_workers_sharing_a_disk_directory_keep_to_their_own_folders(tmp_path):
     held = sorted(tmp_path.glob("pid-*/*.kv"))
     assert held and not gone.exists()
     b = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
-    a_disk, b_disk = tiers_of(a).disk, tiers_of(b).disk
-    assert a_disk is not None and b_disk is not None and a_disk.dir != b_disk.dir
+    assert disk_of(a).dir != disk_of(b).dir
     assert sorted(tmp_path.glob("pid-*/*.kv")) == held  # the other's files stay
 
 
@@ -359,8 +374,7 @@ def test_a_block_queued_for_disk_is_served_from_memory_and_a_full_queue_drops_co
         kv_disk_tier_dir=str(tmp_path),
     )
     e = Engine(MODEL, WEIGHTS, cfg)
-    disk = tiers_of(e).disk
-    assert disk is not None
+    disk = disk_of(e)
     disk.max_pending = 6
     monkeypatch.setattr(DiskTier, "_write", staticmethod(slow))  # after the start's probe, which writes too
     e.add_request("turn1", CONTEXT, GREEDY)
@@ -389,8 +403,8 @@ def test_a_prompts_disk_blocks_are_read_ahead_at_admission_and_loaded_from_those
     deleted in between, the blocks still load, and give the reference tokens."""
     e = engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
     evict_context(e)
-    disk = tiers_of(e).disk
-    assert disk is not None and not disk.read_ahead
+    disk = disk_of(e)
+    assert not disk.read_ahead
     assert e.scheduler.cached_prefix_tokens(TURN2) == 40
     assert len(disk.read_ahead) == 10
     for read in disk.read_ahead.values():
@@ -400,3 +414,115 @@ def test_a_prompts_disk_blocks_are_read_ahead_at_admission_and_loaded_from_those
     tokens, lps, cached = run(e, "turn2", TURN2)
     assert (tokens, lps) == reference and cached == 40
     assert tiers_of(e).stats["disk"].hits == 10 and not disk.read_ahead
+
+
+class RemoteTier(KVTier):
+    """A third tier, after the disk, defined here only: a dict of serialized blocks standing in for a
+    remote store, LRU and bounded in bytes, whose link moves `bytes_per_s` (what its probe reports).
+    Nothing else in the package names it: the store walks it, and its name travels as data."""
+
+    name = "remote"
+
+    def __init__(self, capacity_bytes: int, bytes_per_s: float) -> None:
+        self.capacity = capacity_bytes
+        self.bytes_per_s = bytes_per_s
+        self.store: OrderedDict[BlockHash, tuple[bytes, int]] = OrderedDict()
+        self.stats = TierStats()
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.store
+
+    def refresh(self, h: BlockHash) -> bool:
+        if h in self.store:
+            self.store.move_to_end(h)
+        return h in self.store
+
+    def put(self, h: BlockHash, held: Held, pass_on: bool) -> tuple[bool, list[Spill]]:
+        if self.refresh(h):
+            return True, []
+        gone = []
+        while self.stats.bytes + held.data.numel() > self.capacity and self.store:
+            old, (raw, _) = self.store.popitem(last=False)
+            self.stats.bytes -= len(raw)
+            gone.append(Spill(old, None))
+        self.store[h] = (held.data.numpy().tobytes(), held.crc)
+        self.stats.bytes += held.data.numel()
+        self.stats.stored += 1
+        self.stats.blocks = len(self.store)
+        return True, gone
+
+    def get(self, h: BlockHash) -> Held | None:
+        raw, crc = self.store[h]
+        return Held(torch.frombuffer(bytearray(raw), dtype=torch.uint8), crc)
+
+    def drop(self, h: BlockHash) -> None:
+        raw, _ = self.store.pop(h)
+        self.stats.bytes -= len(raw)
+        self.stats.blocks = len(self.store)
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        return tuple(self.store)
+
+    def probe(self, data: torch.Tensor, load: Callable[[torch.Tensor], None]) -> float:
+        return PROBE_LOADS * data.numel() / self.bytes_per_s  # the link's time, not this machine's
+
+
+def test_a_third_tier_after_the_disk_takes_its_spills_and_serves_a_prefix_hit(reference, tmp_path):
+    """Host -> disk -> remote, the remote tier a test double: the evicted context goes through all
+    three, comes back into the pool by a prefix hit with the tokens of a run without tiers, and the
+    remote tier's name travels as data to the stats, the metrics, the worker's reported speeds and
+    the router's index and pricing, which prices its blocks at its own bandwidth."""
+    from prometheus_client import generate_latest
+
+    from splitserve.engine.scheduler import SchedulerStats
+    from splitserve.engine.tier_cost import prefix_cost
+    from splitserve.proto import convert
+    from splitserve.router.prefix_index import PrefixIndex
+    from splitserve.workers.common.metrics import WorkerMetrics
+
+    block = engine().kv_cache.block_nbytes()
+    cfg = EngineConfig(num_blocks=24, block_size=BS, max_num_batched_tokens=64)
+    remote = RemoteTier(1 << 20, bytes_per_s=5e7)
+    tiers: list[KVTier] = [HostTier(2 * block), DiskTier(3 * (block + 64), str(tmp_path)), remote]
+    e = Engine(MODEL, WEIGHTS, cfg, kv_tiers=tiers)
+    assert tiers_of(e).bandwidth.values["remote"] == pytest.approx(5e7)  # its probe, as the store took it
+    evict_context(e)
+    events = e.drain_block_events()
+    hashes = block_hashes(TURN2, BS)[:10]
+    where = tiers_of(e).lookup(hashes)
+    assert set(where) == {"host", "disk", "remote"}  # spilled on down the list, each tier full
+    assert {h for ev in events if ev.kind == "removed" and ev.tier == "disk" for h in ev.hashes} & set(remote.store)
+
+    index = PrefixIndex()  # the router's view, fed through the proto as a worker's stream would be
+    for ev in convert.block_events_to_proto(events).events:
+        kind = ev.WhichOneof("kind")
+        if kind == "stored":
+            index.stored("w", ev.stored.block_hashes, convert.tier_name(ev.tier))
+        elif kind == "removed":
+            index.removed("w", ev.removed.block_hashes, convert.tier_name(ev.tier))
+    # a block recomputes in 40 us and loads in 4 us from host, 20 from disk, 82 from remote (its probe)
+    tiers_of(e).prefill_tokens_per_s = 1e5
+    tiers_of(e).bandwidth.values.update(host=1e9, disk=2e8)
+    stats = convert.stats_to_proto("w", SchedulerStats(0, 0, 10, 10, 0, 0, 0, 0, 0), BS, tiers_of(e).speeds())
+    speeds = convert.speeds_from_proto(stats)
+    assert speeds.order == ("host", "disk", "remote") and speeds.bandwidth["remote"] == pytest.approx(5e7)
+    seen = index.overlap_tiers(hashes, {"w": speeds.order})["w"]
+    assert seen == where
+    cost = prefix_cost(seen, 40, BS, speeds)
+    loaded = where.index("remote")  # the router loads the host and disk blocks, and recomputes the remote run
+    assert (cost.loaded_blocks, cost.compute_tokens) == (loaded, 40 - BS * loaded)
+    assert prefix_cost(seen, 40, BS, speeds._replace(prefill_tokens_per_s=1e4)).loaded_blocks == 10  # slower: all
+    assert tiers_of(e).plan(hashes) == loaded  # and the worker decides as the router priced it
+
+    tiers_of(e).prefill_tokens_per_s = None  # every hit loads
+    tokens, lps, cached = run(e, "turn2", TURN2)
+    assert (tokens, lps) == reference and cached == 40
+    hits = {name: s.hits for name, s in tiers_of(e).stats.items()}
+    assert hits == {name: where.count(name) for name in ("host", "disk", "remote")}
+    assert len(e.blocks.cached_prefix(hashes, len(CONTEXT))) == 10  # the context back in the pool
+    m = WorkerMetrics("tiny", "decode", "w0")
+    m.watch_tiers(tiers_of(e).stats)
+    text = generate_latest(m.registry).decode()
+    labels = 'model_name="tiny",role="decode",tier="remote",worker_id="w0"'
+    assert f"splitserve:kv_tier_hits_total{{{labels}}} {float(hits['remote'])}" in text
+    tiers_of(e).close()

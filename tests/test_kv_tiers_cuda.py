@@ -10,6 +10,7 @@ import torch
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.kv_tier_blocks import HostTier
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.testing import random_weights, tiny_model_config
 
@@ -50,11 +51,13 @@ def test_a_host_tier_hit_on_cuda_loads_pinned_blocks_on_its_own_stream_with_the_
 
     e = engine(24, kv_host_tier_bytes=1 << 20)
     tiers = e.tiers
-    assert tiers is not None and tiers.cuda is not None and tiers.host is not None
+    assert tiers is not None and tiers.cuda is not None
+    host_tier = tiers.tier("host")
+    assert isinstance(host_tier, HostTier)
     run(e, "turn1", CONTEXT)
     run(e, "other", OTHER)
     assert not e.blocks.cached_prefix(block_hashes(TURN2, BS), len(TURN2))
-    assert tiers.host.blocks and all(held.data.is_pinned() for held in tiers.host.blocks.values())
+    assert host_tier.blocks and all(held.data.is_pinned() for held in host_tier.blocks.values())
     tiers.prefill_tokens_per_s = None  # every hit loads
     tokens, cached = run(e, "turn2", TURN2)
     assert tokens == want and cached == 40

@@ -33,6 +33,7 @@ import torch
 from splitserve.engine.blocks import cdiv
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.kv_tier_blocks import DiskTier
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.weights import load_model
 from splitserve.measure.hw import code_version, cpu_flags, load_average, machine
@@ -152,9 +153,11 @@ def _trial(engine: Engine, args: argparse.Namespace, i: int, vocab: int) -> dict
     _ttft(engine, f"d{i}-1", disk_ctx)
     _ttft(engine, f"d{i}-fill", _tokens(rng, filler_len, vocab))
     _ttft(engine, f"d{i}-fill2", _tokens(rng, filler_len, vocab))
-    assert engine.tiers is not None and engine.tiers.disk is not None
+    assert engine.tiers is not None
+    disk_tier = engine.tiers.tier("disk")
+    assert isinstance(disk_tier, DiskTier)
     if not args.keep_page_cache:
-        _drop_page_cache(str(engine.tiers.disk.dir))
+        _drop_page_cache(str(disk_tier.dir))
     disk, disk_hits = _hit(engine, f"d{i}-2", disk_ctx + _tokens(rng, sfx, vocab))
     print(
         f"trial {i + 1}: TTFT recompute {recompute * 1e3:.0f} ms | host hit {host * 1e3:.0f} ms "

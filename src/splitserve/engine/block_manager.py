@@ -33,7 +33,7 @@ from splitserve.engine.kv_groups import CacheGroups
 class BlockEvent(NamedTuple):
     kind: str  # "stored" | "removed" | "cleared"
     hashes: tuple[BlockHash, ...]
-    tier: str = "pool"  # where: "pool" (this cache), "host" or "disk" (engine/kv_tiers.py)
+    tier: str = "pool"  # where: "pool" (this cache) or the name of a tier behind it (engine/kv_tiers.py)
 
 
 @dataclass

@@ -38,6 +38,8 @@ from splitserve.engine.fingerprint import model_fingerprint
 from splitserve.engine.handoff import Handoff, SampleState
 from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
 from splitserve.engine.kv_groups import CacheGroups
+from splitserve.engine.kv_tier import KVTier
+from splitserve.engine.kv_tier_blocks import configured_tiers
 from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.model_runner import ModelRunner
@@ -62,6 +64,20 @@ class RemotePrefill(NamedTuple):
     num_cached_tokens: int
 
 
+def kv_layout(model_cfg: ModelConfig, cfg: EngineConfig, weights: Mapping[str, Weight]) -> KVLayout:
+    """The KV blocks' shape, dtype and model fingerprint, as the pool and its transfers see them."""
+    return KVLayout(
+        num_layers=model_cfg.num_layers,
+        num_kv_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        block_size=cfg.block_size,
+        dtype=cfg.kv_dtype,
+        tp_size=cfg.tensor_parallel_size,
+        windows=model_cfg.windows if any(model_cfg.windows) else (),
+        model_fingerprint=model_fingerprint(model_cfg, weights),
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -72,23 +88,15 @@ class Engine:
         connector: KVConnector | None = None,
         clock: Clock = time.monotonic,
         tokenizer: Tokenizer | None = None,
+        kv_tiers: list[KVTier] | None = None,
     ) -> None:
-        """`clock` times requests for metrics (engine/stats.py); `tokenizer`: for grammars (without
-        one, a request with a grammar is refused)."""
+        """`clock` times requests for metrics (engine/stats.py); `tokenizer`: for grammars (without one, a
+        grammar is refused); `kv_tiers`: the tiers behind the prefix cache (None: the ones `cfg` sizes)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         tp = cfg.tensor_parallel_size
         check_tp_size(model_cfg, tp)
-        self.layout = KVLayout(
-            num_layers=model_cfg.num_layers,
-            num_kv_heads=model_cfg.num_kv_heads,
-            head_dim=model_cfg.head_dim,
-            block_size=cfg.block_size,
-            dtype=cfg.kv_dtype,
-            tp_size=tp,
-            windows=model_cfg.windows if any(model_cfg.windows) else (),
-            model_fingerprint=model_fingerprint(model_cfg, weights),
-        )
+        self.layout = kv_layout(model_cfg, cfg, weights)
         if cfg.kv_cache_bytes:  # the pool sized in bytes: the blocks that fit in the KV dtype
             cfg = self.cfg = replace(cfg, num_blocks=pool_blocks(self.layout, cfg.kv_cache_bytes))
         self.kv_cache = self._make_cache(model_cfg, cfg)
@@ -114,7 +122,7 @@ class Engine:
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
-        self.tiers = self._start_tiers(cfg)
+        self.tiers = self._start_tiers(cfg, kv_tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.runner.eos_token_ids = tuple(sorted(eos))
         self.speculator = Speculator(cfg, model_cfg.max_position, self.scheduler) if cfg.speculative != "off" else None
@@ -135,11 +143,15 @@ class Engine:
         shared = cfg.tensor_parallel_size > 1 and devices[0].type == "cpu"
         return KVCache(self.layout, pages + 1, cfg.torch_device, list(devices), shared=shared, groups=groups)
 
-    def _start_tiers(self, cfg: EngineConfig) -> TierStore | None:
-        """The host and disk tiers behind the prefix cache (engine/kv_tiers.py), if the config asks for any."""
-        if not cfg.enable_prefix_caching or not (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
+    def _start_tiers(self, cfg: EngineConfig, kv_tiers: list[KVTier] | None) -> TierStore | None:
+        """The tiers behind the prefix cache (engine/kv_tiers.py), if there are any."""
+        if not cfg.enable_prefix_caching:
             return None
-        tiers = TierStore(self.kv_cache, cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes, cfg.kv_disk_tier_dir or None)
+        if kv_tiers is None:
+            kv_tiers = configured_tiers(cfg)
+        if not kv_tiers:
+            return None
+        tiers = TierStore(self.kv_cache, kv_tiers)
         self.blocks.on_evict = tiers.evicted
         self.scheduler.tiers = tiers
         return tiers

@@ -1,6 +1,7 @@
-"""The two tiers behind the prefix cache as stores of blocks: `HostTier` (RAM) and `DiskTier` (one
-checksummed file per block, written by a thread of its own), each LRU and bounded in bytes, each with
-its counts (`TierStats`). What goes into them and what comes out, checked, is engine/kv_tiers.py's.
+"""The two tiers behind the prefix cache that a worker's flags ask for (`configured_tiers`), each a
+`KVTier` (engine/kv_tier.py): `HostTier` (RAM) and `DiskTier` (one checksummed file per block,
+written by a thread of its own), each LRU and bounded in bytes, each with its counts (`TierStats`).
+What goes into them and what comes out, checked, is engine/kv_tiers.py's.
 
 A disk file is a header (magic, the block's hash, the CRC-32 of the payload, the payload's length)
 and the block's bytes (KVCache.export_block's layout).
@@ -13,18 +14,20 @@ import os
 import queue
 import shutil
 import struct
+import tempfile
 import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from splitserve.engine.block_hash import BlockHash
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_tier import PROBE_LOADS, Held, KVTier, Spill, TierStats
 
 _MAGIC = b"SSKV"
 _HEADER = struct.Struct("<4s16sIQ")  # magic, block hash, crc32 of the payload, payload length
@@ -37,75 +40,71 @@ DISK_WRITES_PENDING = 256
 DISK_READS_AHEAD = 192
 
 
-@dataclass
-class TierStats:
-    """Per tier, since start."""
-
-    blocks: int = 0  # held now
-    bytes: int = 0  # held now
-    stored: int = 0  # blocks written into it
-    hits: int = 0  # blocks loaded from it into the pool
-    bytes_loaded: int = 0
-    load_seconds: float = 0.0
-    recomputed_instead: int = 0  # hits that were recomputed because loading would be slower
-    checksum_failures: int = 0  # loads refused: bad checksum, wrong hash, short or missing file
-    write_failures: int = 0  # writes that failed (a full disk): the block dropped
-    write_dropped: int = 0  # blocks not written because the disk writer's queue was full
-
-
-@dataclass
-class Held:
-    data: torch.Tensor  # uint8
-    crc: int
-
-
 def crc32(data: torch.Tensor) -> int:
     return zlib.crc32(data.numpy().data)
 
 
-class HostTier:
-    """Blocks in RAM, LRU, bounded in bytes."""
+class HostTier(KVTier):
+    """Blocks in RAM, LRU, bounded in bytes. `pinned` (on CUDA): kept in pinned memory, so that a load
+    to the device can be asynchronous (engine/kv_tiers.py's `CudaLoads`)."""
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool = False) -> None:
         self.capacity = capacity_bytes
+        self.pinned = pinned
         self.blocks: OrderedDict[BlockHash, Held] = OrderedDict()
         self.stats = TierStats()
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self.blocks
 
-    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> list[tuple[BlockHash, torch.Tensor, int]]:
-        """Store a block; returns the blocks evicted to make room (oldest first)."""
-        if h in self.blocks:
-            self.blocks.move_to_end(h)
-            return []
-        if data.numel() > self.capacity:
-            return [(h, data, crc)]
+    def refresh(self, h: BlockHash) -> bool:
+        if h not in self.blocks:
+            return False
+        self.blocks.move_to_end(h)
+        return True
+
+    def put(self, h: BlockHash, held: Held, pass_on: bool) -> tuple[bool, list[Spill]]:
+        """Store a block (the bytes it lets go of are in RAM already: `pass_on` costs nothing)."""
+        if self.refresh(h):
+            return True, []
+        if held.data.numel() > self.capacity:
+            return False, [Spill(h, held)]
         out = []
-        while self.stats.bytes + data.numel() > self.capacity:
-            old, held = self.blocks.popitem(last=False)
-            self.stats.bytes -= held.data.numel()
-            out.append((old, held.data, held.crc))
-        self.blocks[h] = Held(data, crc)
-        self.stats.bytes += data.numel()
+        while self.stats.bytes + held.data.numel() > self.capacity:
+            old, gone = self.blocks.popitem(last=False)
+            self.stats.bytes -= gone.data.numel()
+            out.append(Spill(old, gone))
+        self.blocks[h] = Held(held.data.pin_memory(), held.crc) if self.pinned else held
+        self.stats.bytes += held.data.numel()
         self.stats.stored += 1
         self.stats.blocks = len(self.blocks)
-        return out
+        return True, out
 
-    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
+    def get(self, h: BlockHash) -> Held | None:
         held = self.blocks.get(h)
         if held is None:
             return None
         self.blocks.move_to_end(h)
-        return held.data, held.crc
+        return held
 
     def drop(self, h: BlockHash) -> None:
         held = self.blocks.pop(h, None)
         if held is not None:
             self.stats.bytes -= held.data.numel()
             self.stats.blocks = len(self.blocks)
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        return tuple(self.blocks)
+
+    def probe(self, data: torch.Tensor, load: Callable[[torch.Tensor], None]) -> float:
+        """A load from RAM: the copy into the pool and the checksum."""
+        t0 = time.perf_counter()
+        for _ in range(PROBE_LOADS):
+            load(data.clone())
+            crc32(data)
+        return time.perf_counter() - t0
 
 
 _DISK_TIERS = itertools.count()
@@ -130,7 +129,7 @@ def read_file(path: Path) -> bytes:
         return b""
 
 
-class DiskTier:
+class DiskTier(KVTier):
     """One file per block, LRU, bounded in bytes (headers included), under a folder of its own inside
     `directory` (`pid-<pid>-<n>`, n counting this process's tiers): the workers of one host may share
     the directory. At start the folders of processes that are gone are deleted (their index went
@@ -160,7 +159,7 @@ class DiskTier:
         self.pending: dict[BlockHash, tuple[Held, int]] = {}
         self._tickets = itertools.count()
         self.max_pending = max_pending
-        self.lost: list[BlockHash] = []  # blocks whose write failed since the last `drain_lost`
+        self.lost_writes: list[BlockHash] = []  # blocks whose write failed since the last `lost`
         self.stats = TierStats()
         # (block, its bytes and checksum to write, or None to delete its file; the write's ticket)
         self._jobs: queue.SimpleQueue[tuple[BlockHash, Held | None, int] | None] = queue.SimpleQueue()
@@ -177,27 +176,34 @@ class DiskTier:
     def __contains__(self, h: BlockHash) -> bool:
         return h in self.files
 
-    def put(self, h: BlockHash, data: torch.Tensor, crc: int) -> tuple[bool, list[BlockHash]]:
-        """Book a block and queue its write; (taken, hashes evicted to make room). Not taken: too
-        large for the tier, or `max_pending` writes already waiting (counted in `write_dropped`)."""
+    def refresh(self, h: BlockHash) -> bool:
         self.settle()
-        if h in self.files:
-            self.files.move_to_end(h)
+        if h not in self.files:
+            return False
+        self.files.move_to_end(h)
+        return True
+
+    def put(self, h: BlockHash, held: Held, pass_on: bool) -> tuple[bool, list[Spill]]:
+        """Book a block and queue its write. Not taken: too large for the tier (handed back), or
+        `max_pending` writes already waiting (dropped, counted in `write_dropped`). `pass_on`: the
+        files it evicts are read back for the next tier first (on this thread: a tier after the disk
+        is one the evictions may wait for)."""
+        if self.refresh(h):
             return True, []
-        size = _HEADER.size + data.numel()
+        size = _HEADER.size + held.data.numel()
         if size > self.capacity:
-            return False, []
+            return False, [Spill(h, held)]
         if len(self.pending) >= self.max_pending:
             self.stats.write_dropped += 1
             return False, []
         evicted = []
         while self.stats.bytes + size > self.capacity:
             old, old_size = self.files.popitem(last=False)
+            evicted.append(Spill(old, self._read(old) if pass_on else None))
             self._remove(old, old_size)
-            evicted.append(old)
         ticket = next(self._tickets)
-        self.pending[h] = (Held(data, crc), ticket)
-        self._jobs.put((h, self.pending[h][0], ticket))  # serialized on the writer thread, not here
+        self.pending[h] = (held, ticket)
+        self._jobs.put((h, held, ticket))  # serialized on the writer thread, not here
         self.files[h] = size
         self.stats.bytes += size
         self.stats.stored += 1
@@ -241,7 +247,7 @@ class DiskTier:
                 size = self.files.pop(h)
                 self.stats.bytes -= size
                 self.stats.blocks = len(self.files)
-                self.lost.append(h)
+                self.lost_writes.append(h)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write is done and settled (tests, and a clean stop)."""
@@ -271,32 +277,59 @@ class DiskTier:
         self._writer.join(timeout=30.0)
         self.settle()
 
-    def drain_lost(self) -> list[BlockHash]:
-        lost, self.lost = self.lost, []
+    def lost(self) -> list[BlockHash]:
+        """The blocks whose write failed since last asked (the writes finished so far taken in)."""
+        self.settle()
+        lost, self.lost_writes = self.lost_writes, []
         return lost
 
-    def get(self, h: BlockHash) -> tuple[torch.Tensor, int] | None:
-        """The block's bytes and stored checksum; None (and the entry dropped, counted) when the file is
-        gone, short, or not this block's."""
+    def get(self, h: BlockHash) -> Held | None:
+        """None (and the entry dropped, counted) when the file is gone, short, or not this block's."""
         self.settle()
         if h not in self.files:
             return None
-        if h in self.pending:  # its write still queued: the bytes it was queued with
-            held = self.pending[h][0]
-            self.files.move_to_end(h)
-            return held.data, held.crc
-        ahead = self.read_ahead.pop(h, None)
-        raw = ahead.result() if ahead is not None else read_file(self.path(h))
-        ok = len(raw) >= _HEADER.size
-        if ok:
-            magic, fh, crc, n = _HEADER.unpack_from(raw)
-            ok = magic == _MAGIC and fh == h and len(raw) == _HEADER.size + n
-        if not ok:
+        held = self._read(h)
+        if held is None:
             self.stats.checksum_failures += 1
             self.drop(h)
             return None
         self.files.move_to_end(h)
-        return torch.frombuffer(bytearray(raw[_HEADER.size :]), dtype=torch.uint8), crc
+        return held
+
+    def _read(self, h: BlockHash) -> Held | None:
+        """A booked block's bytes and stored checksum: the ones its write was queued with while it
+        waits, else its file's (read ahead, or now); None when the file does not hold this block."""
+        if h in self.pending:
+            return self.pending[h][0]
+        ahead = self.read_ahead.pop(h, None)
+        raw = ahead.result() if ahead is not None else read_file(self.path(h))
+        if len(raw) < _HEADER.size:
+            return None
+        magic, fh, crc, n = _HEADER.unpack_from(raw)
+        if magic != _MAGIC or fh != h or len(raw) != _HEADER.size + n:
+            return None
+        return Held(torch.frombuffer(bytearray(raw[_HEADER.size :]), dtype=torch.uint8), crc)
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        return tuple(self.files)
+
+    def probe(self, data: torch.Tensor, load: Callable[[torch.Tensor], None]) -> float | None:
+        """A load from a file: its read, the checksum and the copy into the pool; None when the
+        directory cannot be written."""
+        crc = crc32(data)
+        probe = self.dir / "probe.tmp"
+        try:
+            DiskTier._write(probe, data.numpy().tobytes())
+            t0 = time.perf_counter()
+            for _ in range(PROBE_LOADS):
+                raw = torch.frombuffer(bytearray(probe.read_bytes()), dtype=torch.uint8)
+                zlib.crc32(raw.numpy().data) == crc  # noqa: B015  # the checksum is part of a load's cost
+                load(raw)
+            return time.perf_counter() - t0
+        except OSError:
+            return None
+        finally:
+            probe.unlink(missing_ok=True)
 
     def drop(self, h: BlockHash) -> None:
         size = self.files.pop(h, None)
@@ -309,3 +342,18 @@ class DiskTier:
         self.pending.pop(h, None)
         self.read_ahead.pop(h, None)  # a read under way may see the file go: the next read is afresh
         self._jobs.put((h, None, -1))
+
+
+def configured_tiers(cfg: EngineConfig) -> list[KVTier]:
+    """The tiers `cfg` asks for, fastest first: host RAM, then disk (under `kv_disk_tier_dir`, or a
+    fresh temporary directory); a size of 0 leaves a tier out. On CUDA the host tier's blocks are
+    pinned, so that their loads can be asynchronous."""
+    tiers: list[KVTier] = []
+    if cfg.kv_host_tier_bytes > 0:
+        tiers.append(
+            HostTier(cfg.kv_host_tier_bytes, pinned=cfg.torch_device.type == "cuda" and torch.cuda.is_available())
+        )
+    if cfg.kv_disk_tier_bytes > 0:
+        directory = cfg.kv_disk_tier_dir or tempfile.mkdtemp(prefix="splitserve-kv-")
+        tiers.append(DiskTier(cfg.kv_disk_tier_bytes, directory))
+    return tiers

@@ -1,16 +1,18 @@
-"""Tiers behind the prefix cache: a bounded host (RAM) tier and a bounded disk tier.
+"""Tiers behind the prefix cache: an ordered list of bounded stores of blocks, fastest first
+(engine/kv_tier.py; the host RAM and disk tiers that the flags ask for are engine/kv_tier_blocks.py's).
 
 A cached block evicted from the pool (its chained hash known, engine/block_hash.py)
-is copied to the host tier; a block the full host tier evicts goes on to the disk
-tier (one file per block under the cache directory), and one the full disk tier
-evicts is gone. At allocation the scheduler asks how many of a prompt's blocks after
-its pooled prefix continue in a tier (`TierStore.lookup`), decides in seconds whether
-loading them beats recomputing them (`plan_load`, a pure function of the tier
-bandwidths and the prefill speed this worker measured), reads and checks the chosen
-ones (`TierStore.fetch`) and writes them into freshly allocated pool blocks
-(`TierStore.install`). The tiers themselves, as stores of blocks, are
-engine/kv_tier_blocks.py's; the disk tier writes on a thread of its own. On CUDA the
-host tier's blocks are pinned and a load runs on a stream of its own (`CudaLoads`).
+is copied to the first tier; a block a full tier evicts goes on to the next (from the
+host tier to the disk tier, one file per block under the cache directory), and one
+the last tier evicts is gone. At allocation the scheduler asks how many of a prompt's
+blocks after its pooled prefix continue in a tier (`TierStore.lookup`: each from the
+first tier that holds it), decides in seconds whether loading them beats recomputing
+them (`plan_load`, a pure function of the tier bandwidths and the prefill speed this
+worker measured), reads and checks the chosen ones (`TierStore.fetch`) and writes
+them into freshly allocated pool blocks (`TierStore.install`): a hit goes back to the
+pool, and from there, evicted again, to the first tier. The disk tier writes on a
+thread of its own. On CUDA the host tier's blocks are pinned and a load runs on a
+stream of its own (`CudaLoads`).
 
 Every stored block carries a CRC-32 of its bytes, and a disk file also its hash and
 its length; a block that fails any check, a file that is gone or short, is not
@@ -19,15 +21,14 @@ failure is counted. A write that fails (a full disk) drops the block, counted.
 Nothing here can produce wrong KV: the worst case is a recompute.
 
 Every change of a block's tier is a `BlockEvent` (stored at a tier, removed from
-one), so the router's prefix index learns which worker holds which prefix where.
+one, the tier by its name), so the router's prefix index learns which worker holds
+which prefix where.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,13 +38,11 @@ import torch
 from splitserve.engine.block_hash import BlockHash
 from splitserve.engine.block_manager import BlockEvent
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.kv_tier_blocks import DiskTier, HostTier, TierStats
+from splitserve.engine.kv_tier import PROBE_LOADS, Held, KVTier, TierStats
 from splitserve.engine.kv_tier_blocks import crc32 as _crc
-from splitserve.engine.tier_cost import TierSpeeds, plan_load
+from splitserve.engine.tier_cost import TierSpeed, TierSpeeds, plan_load
 
 log = logging.getLogger(__name__)
-
-TIERS = ("host", "disk")
 
 
 class Fetched(NamedTuple):
@@ -67,10 +66,6 @@ class CudaLoads:
         self.stream = torch.cuda.Stream(device)
         # per load queued: its tier, bytes, seconds on the host (read and check), and its CUDA events
         self.timing: list[tuple[str, int, float, torch.cuda.Event, torch.cuda.Event]] = []
-
-    @staticmethod
-    def pin(data: torch.Tensor) -> torch.Tensor:
-        return data.pin_memory()
 
     def load(self, kv_cache: KVCache, block_id: int, data: torch.Tensor, tier: str, read_s: float) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,15 +101,14 @@ class Bandwidths:
 
 
 class TierStore:
-    """The host and disk tiers of one engine's pool: what the block manager evicts goes in, what the
-    scheduler chooses to load comes out, checked."""
+    """The tiers behind one engine's pool, fastest first (engine/kv_tier.py): what the block manager
+    evicts goes in, what the scheduler chooses to load comes out, checked."""
 
-    def __init__(self, kv_cache: KVCache, host_bytes: int, disk_bytes: int = 0, disk_dir: str | None = None) -> None:
+    def __init__(self, kv_cache: KVCache, tiers: Sequence[KVTier]) -> None:
+        if len({t.name for t in tiers}) != len(tiers):
+            raise ValueError(f"two tiers of one name: {[t.name for t in tiers]}")
         self.kv_cache = kv_cache
-        self.host = HostTier(host_bytes) if host_bytes > 0 else None
-        self.disk: DiskTier | None = None
-        if disk_bytes > 0:
-            self.disk = DiskTier(disk_bytes, disk_dir or tempfile.mkdtemp(prefix="splitserve-kv-"))
+        self.tiers = list(tiers)
         self.events: list[BlockEvent] = []
         self.bandwidth = Bandwidths()
         self.prefill_tokens_per_s: float | None = None  # the engine's measured prefill speed
@@ -126,99 +120,76 @@ class TierStore:
 
     @property
     def stats(self) -> dict[str, TierStats]:
-        out = {}
-        if self.host is not None:
-            out["host"] = self.host.stats
-        if self.disk is not None:
-            out["disk"] = self.disk.stats
-        return out
+        return {t.name: t.stats for t in self.tiers}
+
+    def tier(self, name: str) -> KVTier:
+        """The tier of this name (KeyError: none)."""
+        return {t.name: t for t in self.tiers}[name]
 
     def _probe(self) -> None:
-        """Seed the bandwidths: one block's bytes through each tier, a few times."""
+        """Seed the bandwidths: one block's bytes through each tier into the pool's scratch block."""
         data = torch.randint(0, 256, (self.block_bytes,), dtype=torch.uint8)
-        crc = _crc(data)
-        if self.host is not None:
-            t0 = time.perf_counter()
-            for _ in range(4):
-                self.kv_cache.import_block(self.kv_cache.num_blocks - 1, data.clone())
-                _crc(data)
-            self.bandwidth.observe("host", 4 * self.block_bytes, time.perf_counter() - t0)
-        if self.disk is not None:
-            probe = self.disk.dir / "probe.tmp"
-            try:
-                DiskTier._write(probe, data.numpy().tobytes())
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    raw = torch.frombuffer(bytearray(probe.read_bytes()), dtype=torch.uint8)
-                    zlib.crc32(raw.numpy().data) == crc  # noqa: B015  # the checksum is part of a load's cost
-                    self.kv_cache.import_block(self.kv_cache.num_blocks - 1, raw)
-                self.bandwidth.observe("disk", 4 * self.block_bytes, time.perf_counter() - t0)
-            except OSError:
-                pass
-            finally:
-                probe.unlink(missing_ok=True)
-        self.kv_cache.reset_blocks([self.kv_cache.num_blocks - 1])
+        scratch = self.kv_cache.num_blocks - 1
+
+        def load(d: torch.Tensor) -> None:
+            self.kv_cache.import_block(scratch, d)
+
+        for tier in self.tiers:
+            seconds = tier.probe(data, load)
+            if seconds is not None:
+                self.bandwidth.observe(tier.name, PROBE_LOADS * self.block_bytes, seconds)
+        self.kv_cache.reset_blocks([scratch])
 
     # ---- in: the pool evicted a cached block ----
 
     def evicted(self, block_id: int, h: BlockHash) -> None:
         """The block manager is about to reuse `block_id`, which held `h`: keep a copy (of a whole
         block only: one whose windowed pages went back to the pool cannot be loaded again)."""
-        if not self.kv_cache.whole(block_id):
+        if not self.kv_cache.whole(block_id) or not self.tiers:
             return
-        if self.host is None:
-            if self.disk is not None:
-                data = self.kv_cache.export_block(block_id)
-                self._to_disk(h, data, _crc(data))
-            return
-        if h in self.host:
-            self.host.put(h, self.host.blocks[h].data, self.host.blocks[h].crc)  # refresh
-            self.events.append(BlockEvent("stored", (h,), "host"))
+        if self.tiers[0].refresh(h):
+            self.events.append(BlockEvent("stored", (h,), self.tiers[0].name))
             return
         data = self.kv_cache.export_block(block_id)
-        if self.cuda is not None:  # loads from pinned memory can be asynchronous
-            data = self.cuda.pin(data)
-        crc = _crc(data)
-        spilled = self.host.put(h, data, crc)
-        if h in self.host:
-            self.events.append(BlockEvent("stored", (h,), "host"))
-        for old, d, c in spilled:
-            if old != h:
-                self.events.append(BlockEvent("removed", (old,), "host"))
-            if self.disk is not None:
-                self._to_disk(old, d, c)
+        self._put(0, h, Held(data, _crc(data)))
 
-    def _to_disk(self, h: BlockHash, data: torch.Tensor, crc: int) -> None:
-        assert self.disk is not None
-        written, evicted = self.disk.put(h, data, crc)
-        for old in evicted:
-            self.events.append(BlockEvent("removed", (old,), "disk"))
-        if written:
-            self.events.append(BlockEvent("stored", (h,), "disk"))
+    def _put(self, i: int, h: BlockHash, held: Held) -> None:
+        """Into tier i; what it lets go of goes on to tier i + 1 (from the last: gone)."""
+        tier, last = self.tiers[i], i + 1 == len(self.tiers)
+        taken, spilled = tier.put(h, held, pass_on=not last)
+        if taken:
+            self.events.append(BlockEvent("stored", (h,), tier.name))
+        for old in spilled:
+            if old.hash != h:
+                self.events.append(BlockEvent("removed", (old.hash,), tier.name))
+            if not last and old.held is not None:
+                self._put(i + 1, old.hash, old.held)
 
     # ---- out: a prompt continues in a tier ----
+
+    def _holder(self, h: BlockHash) -> KVTier | None:
+        """The fastest tier holding `h`: the one a load takes it from."""
+        return next((t for t in self.tiers if h in t), None)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[str]:
         """The tier of each leading block of `hashes` that some tier holds (stops at the first miss)."""
         out: list[str] = []
         for h in hashes:
-            if self.host is not None and h in self.host:
-                out.append("host")
-            elif self.disk is not None and h in self.disk:
-                out.append("disk")
-            else:
+            tier = self._holder(h)
+            if tier is None:
                 break
+            out.append(tier.name)
         return out
 
     def loadable(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` a load would take from the tiers now (nothing counted).
-        Asked when a prompt is admitted, so the disk blocks among them start being read now (the
-        reader thread): their load at the prompt's allocation, after its wait for a seat or for the
-        step in progress, finds them read."""
+        Asked when a prompt is admitted, so the slow tiers start reading theirs now (the disk's reader
+        thread): their load at the prompt's allocation, after its wait for a seat or for the step in
+        progress, finds them read."""
         tiers, bw = self.lookup(hashes), self.bandwidth.values
         n = plan_load(tiers, self.block_bytes, self.layout.block_size, bw, self.prefill_tokens_per_s)
-        if self.disk is not None:
-            self.disk.prefetch(h for h, t in zip(hashes[:n], tiers[:n], strict=True) if t == "disk")
+        for tier in self.tiers:
+            tier.prefetch(h for h, t in zip(hashes[:n], tiers[:n], strict=True) if t == tier.name)
         return n
 
     def plan(self, hashes: Sequence[BlockHash]) -> int:
@@ -243,25 +214,19 @@ class TierStore:
 
     def _read(self, h: BlockHash) -> Fetched | None:
         t0 = time.perf_counter()
-        tier_name, got = "", None
-        if self.host is not None and h in self.host:
-            tier_name, got = "host", self.host.get(h)
-        elif self.disk is not None and h in self.disk:
-            tier_name, got = "disk", self.disk.get(h)
-        if not tier_name:
+        tier = self._holder(h)
+        if tier is None:
             return None
-        tier = self.host if tier_name == "host" else self.disk
-        assert tier is not None
-        if got is None:  # the disk tier counted it
-            self.events.append(BlockEvent("removed", (h,), tier_name))
+        got = tier.get(h)
+        if got is None:  # the tier counted it
+            self.events.append(BlockEvent("removed", (h,), tier.name))
             return None
-        data, crc = got
-        if data.numel() != self.block_bytes or _crc(data) != crc:
+        if got.data.numel() != self.block_bytes or _crc(got.data) != got.crc:
             tier.stats.checksum_failures += 1
             tier.drop(h)
-            self.events.append(BlockEvent("removed", (h,), tier_name))
+            self.events.append(BlockEvent("removed", (h,), tier.name))
             return None
-        return Fetched(h, tier_name, data, time.perf_counter() - t0)
+        return Fetched(h, tier.name, got.data, time.perf_counter() - t0)
 
     def install(self, fetched: Fetched, block_id: int) -> None:
         """Write a fetched block into pool block `block_id`; its tier counts the hit."""
@@ -287,25 +252,20 @@ class TierStore:
 
     def note_prefix(self, prompt_tokens: int, pooled_tokens: int, loaded: Sequence[Fetched]) -> None:
         """Log where an admitted prompt's prefix came from: the one per-request record of it (the
-        conversation benchmark splits its TTFTs by it; an operator reads how often a tier served)."""
+        conversation benchmark splits its TTFTs by it; an operator reads how often a tier served).
+        Each tier is named, in the store's order, with the tokens loaded from it."""
         bs = self.layout.block_size
-        host = sum(bs for f in loaded if f.tier == "host")
-        disk = len(loaded) * bs - host
-        log.info(
-            "prefix: prompt %d tokens, pool %d, host %d, disk %d, computed %d",
-            prompt_tokens,
-            pooled_tokens,
-            host,
-            disk,
-            prompt_tokens - pooled_tokens - host - disk,
-        )
+        by_tier = "".join(f", {t.name} {bs * sum(f.tier == t.name for f in loaded)}" for t in self.tiers)
+        computed = prompt_tokens - pooled_tokens - bs * len(loaded)
+        log.info("prefix: prompt %d tokens, pool %d%s, computed %d", prompt_tokens, pooled_tokens, by_tier, computed)
 
     def speeds(self) -> TierSpeeds:
-        """What this worker measured, for the router (WorkerStats)."""
+        """What this worker measured, for the router (WorkerStats): each tier's bandwidth in its order."""
         if self.cuda is not None:
             self._harvest_cuda()
         bw = self.bandwidth.values
-        return TierSpeeds(self.prefill_tokens_per_s or 0.0, bw.get("host", 0.0), bw.get("disk", 0.0), self.block_bytes)
+        tiers = tuple(TierSpeed(t.name, bw.get(t.name, 0.0)) for t in self.tiers)
+        return TierSpeeds(self.prefill_tokens_per_s or 0.0, self.block_bytes, tiers)
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """A step that prefilled `tokens` tokens in `seconds`: the prefill speed's running average."""
@@ -316,27 +276,21 @@ class TierStore:
         self.prefill_tokens_per_s = rate if old is None else (1 - alpha) * old + alpha * rate
 
     def drain_events(self) -> list[BlockEvent]:
-        if self.disk is not None:  # disk writes that failed since: the router must not count on them
-            self.disk.settle()
-            self.events += [BlockEvent("removed", (h,), "disk") for h in self.disk.drain_lost()]
+        for tier in self.tiers:  # blocks a tier lost since (a disk write that failed): not to count on
+            self.events += [BlockEvent("removed", (h,), tier.name) for h in tier.lost()]
         events, self.events = self.events, []
         return events
 
     def flush(self) -> None:
-        """Wait for the disk tier's queued writes (tests; the engine never waits on the disk)."""
-        if self.disk is not None:
-            self.disk.flush()
+        """Wait for the tiers' writes in flight (tests; the engine never waits on the disk)."""
+        for tier in self.tiers:
+            tier.flush()
 
     def close(self) -> None:
-        """Stop the disk tier's writer thread once its queued writes are done."""
-        if self.disk is not None:
-            self.disk.close()
+        """Stop the tiers' threads (the disk's writer) once their writes in flight are done."""
+        for tier in self.tiers:
+            tier.close()
 
     def held(self) -> list[tuple[str, tuple[BlockHash, ...]]]:
         """Every block each tier holds (a snapshot for a new block-event subscriber)."""
-        out = []
-        if self.host is not None and self.host.blocks:
-            out.append(("host", tuple(self.host.blocks)))
-        if self.disk is not None and self.disk.files:
-            out.append(("disk", tuple(self.disk.files)))
-        return out
+        return [(t.name, held) for t in self.tiers if (held := t.hashes())]

@@ -129,7 +129,7 @@ class Scheduler:
         # (source, destination) blocks the engine copies before the next step: a fork's partial
         # last block, which it cannot share (both would write their next token into it)
         self.block_copies: list[tuple[int, int]] = []
-        # the host and disk tiers behind the prefix cache (engine/kv_tiers.py), if any: a prompt whose
+        # the tiers behind the prefix cache (engine/kv_tiers.py), if any: a prompt whose
         # prefix continues there has those blocks loaded at allocation, when that beats recomputing
         self.tiers: TierStore | None = None
 

@@ -69,17 +69,28 @@ def expected_seconds(
     return total
 
 
+class TierSpeed(NamedTuple):
+    """One tier's measured load bandwidth, as a worker reports it."""
+
+    name: str
+    bytes_per_s: float  # 0: not measured
+
+
 class TierSpeeds(NamedTuple):
-    """What a worker measured and reports (WorkerStats): its prefill speed and its tiers' load bandwidths."""
+    """What a worker measured and reports (WorkerStats): its prefill speed and its tiers' load bandwidths,
+    the tiers in the order it looks in them (fastest first)."""
 
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
-    host_bytes_per_s: float = 0.0  # 0: no host tier (or not measured)
-    disk_bytes_per_s: float = 0.0
     block_bytes: int = 0  # one block's KV, every layer
+    tiers: tuple[TierSpeed, ...] = ()
 
     @property
     def bandwidth(self) -> dict[str, float]:
-        return {"host": self.host_bytes_per_s, "disk": self.disk_bytes_per_s}
+        return {t.name: t.bytes_per_s for t in self.tiers}
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
 
 
 class PrefixCost(NamedTuple):
@@ -103,7 +114,7 @@ class PrefixCost(NamedTuple):
 def prefix_cost(
     tiers: Sequence[str], num_tokens: int, block_size: int, speeds: TierSpeeds, tier_aware: bool = True
 ) -> PrefixCost:
-    """`tiers`: where each leading block of the context is on one worker ("pool", "host", "disk"; the run
+    """`tiers`: where each leading block of the context is on one worker ("pool" or a tier's name; the run
     stops at its first block held nowhere). The pooled head is free; the tier run after it is loaded as
     far as `plan_load` says loading beats recomputing (with the worker's own measurements: without a
     measured prefill speed or bandwidth nothing is counted as loadable, as a tier-blind router would);

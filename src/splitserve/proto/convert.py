@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from splitserve.engine.handoff import Handoff, SampleState, TokenLogprob
 from splitserve.engine.prefill_order import Share
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
+from splitserve.engine.tier_cost import TierSpeed, TierSpeeds
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 
 if TYPE_CHECKING:
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from splitserve.engine.kv_cache import KVLayout
     from splitserve.engine.loop import EngineLoop
     from splitserve.engine.scheduler import SchedulerStats
-    from splitserve.engine.tier_cost import TierSpeeds
     from splitserve.kv_transfer import Reservation as KVReservation
 
 
@@ -212,25 +212,22 @@ def reservation_from_proto(m: wpb.Reservation) -> KVReservation:
     )
 
 
-KV_TIERS = {"pool": wpb.KV_TIER_POOL, "host": wpb.KV_TIER_HOST, "disk": wpb.KV_TIER_DISK}
-KV_TIER_NAMES: dict[int, str] = {int(v): k for k, v in KV_TIERS.items()}
-
-
 def block_events_to_proto(events: list[BlockEvent]) -> wpb.BlockEventBatch:
     out = wpb.BlockEventBatch()
     for e in events:
+        tier = "" if e.tier == "pool" else e.tier  # the pool: the field's default
         if e.kind == "stored":
-            out.events.add(stored=wpb.BlocksStored(block_hashes=list(e.hashes)), tier=KV_TIERS[e.tier])
+            out.events.add(stored=wpb.BlocksStored(block_hashes=list(e.hashes)), tier=tier)
         elif e.kind == "removed":
-            out.events.add(removed=wpb.BlocksRemoved(block_hashes=list(e.hashes)), tier=KV_TIERS[e.tier])
+            out.events.add(removed=wpb.BlocksRemoved(block_hashes=list(e.hashes)), tier=tier)
         else:
             out.events.add(cleared=wpb.AllBlocksCleared())
     return out
 
 
-def tier_name(tier: int) -> str:
-    """A BlockEvent's tier as engine/kv_tiers.py names it ("pool" for values this side does not know)."""
-    return KV_TIER_NAMES.get(tier, "pool")
+def tier_name(tier: str) -> str:
+    """A BlockEvent's tier as engine/kv_tiers.py names it ("pool" where the field is empty)."""
+    return tier or "pool"
 
 
 def loop_stats(worker_id: str, loop: EngineLoop) -> wpb.WorkerStats:
@@ -264,7 +261,12 @@ def stats_to_proto(
     )
     if speeds is not None:
         out.prefill_tokens_per_s = speeds.prefill_tokens_per_s
-        out.host_tier_bytes_per_s = speeds.host_bytes_per_s
-        out.disk_tier_bytes_per_s = speeds.disk_bytes_per_s
         out.kv_block_bytes = speeds.block_bytes
+        out.tiers.extend(wpb.KVTierSpeed(name=t.name, bytes_per_s=t.bytes_per_s) for t in speeds.tiers)
     return out
+
+
+def speeds_from_proto(m: wpb.WorkerStats) -> TierSpeeds:
+    """What a worker measured (`stats_to_proto`'s `speeds`), its tiers in its order."""
+    tiers = tuple(TierSpeed(t.name, t.bytes_per_s) for t in m.tiers)
+    return TierSpeeds(m.prefill_tokens_per_s, m.kv_block_bytes, tiers)

@@ -290,7 +290,7 @@ def decode_candidates(
 ) -> list[DecodeCandidate]:
     """Each decode worker with what it holds of the context: its pooled prefix, the tier blocks it
     would load, the tokens left to prefill, and the seconds of all that in its prefill tokens."""
-    where = index.overlap_tiers(hashes)
+    where = index.overlap_tiers(hashes, {w: load.speeds.order for w, load in decode_loads.items()})
     out = []
     for w, load in decode_loads.items():
         cost = prefix_cost(where.get(w, []), num_tokens, block_size, load.speeds, tier_aware)

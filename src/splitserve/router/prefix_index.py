@@ -6,13 +6,14 @@ A block hash is chained (engine/block_hash.py), so it names a whole prefix.
 first miss: a worker that evicted block i cannot reuse block i+1 either.
 
 A block a worker evicted from its pool into a tier behind it (engine/kv_tiers.py:
-"host" RAM or "disk") comes as an event with that tier; `overlap` counts pooled
-blocks only, `overlap_tiers` says where each leading block is on each worker.
+host RAM, disk, ...) comes as an event with that tier's name; `overlap` counts
+pooled blocks only, `overlap_tiers` says where each leading block is on each
+worker: in the first of its tiers, in the order it looks in them, that holds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 WorkerId = Hashable
 
@@ -101,11 +102,16 @@ class PrefixIndex:
             result[w] = depth
         return result
 
-    def overlap_tiers(self, hashes: Sequence[bytes]) -> dict[WorkerId, list[str]]:
-        """Worker -> where each leading block of `hashes` is on it ("pool", else "host", else "disk"),
-        up to its first block held nowhere (workers holding none are absent)."""
+    def overlap_tiers(
+        self, hashes: Sequence[bytes], order: Mapping[WorkerId, Sequence[str]] | None = None
+    ) -> dict[WorkerId, list[str]]:
+        """Worker -> where each leading block of `hashes` is on it, up to its first block held nowhere
+        (workers holding none are absent): "pool", else the first tier in `order[worker]` (the order
+        the worker looks in, fastest first) that holds it; tiers the order does not name come after,
+        by name."""
         if not hashes:
             return {}
+        order = order or {}
         workers = self._workers_by_hash.get(hashes[0], set()) | self._tier_workers_by_hash.get(hashes[0], set())
         result: dict[WorkerId, list[str]] = {}
         for w in workers:
@@ -116,7 +122,7 @@ class PrefixIndex:
                 if h in pooled:
                     where.append("pool")
                 elif h in tiered:
-                    where.append("host" if "host" in tiered[h] else "disk")
+                    where.append(_first(tiered[h], order.get(w, ())))
                 else:
                     break
             result[w] = where
@@ -128,3 +134,8 @@ class PrefixIndex:
     def __len__(self) -> int:
         """Distinct block hashes held by any worker."""
         return len(self._workers_by_hash)
+
+
+def _first(tiers: set[str], order: Sequence[str]) -> str:
+    """The tier of `tiers` that a worker looking in `order` finds a block in first."""
+    return min(tiers, key=lambda t: (order.index(t) if t in order else len(order), t))

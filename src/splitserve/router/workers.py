@@ -30,7 +30,6 @@ from typing import Literal
 
 import grpc
 
-from splitserve.engine.tier_cost import TierSpeeds
 from splitserve.proto import convert
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
@@ -91,7 +90,7 @@ class Worker:
 
     def load(self) -> WorkerLoad:
         s = self.stats or wpb.WorkerStats()
-        speeds = TierSpeeds(s.prefill_tokens_per_s, s.host_tier_bytes_per_s, s.disk_tier_bytes_per_s, s.kv_block_bytes)
+        speeds = convert.speeds_from_proto(s)
         queued, running = s.queued_tokens + self.assigned_tokens, s.running_tokens + self.assigned_context
         # an ended prefill leaves the queue it was in; an ended decode leaves the running context
         if self.role == "prefill":

@@ -1,7 +1,7 @@
 """Where each request's prefix came from: the pool, the host tier, the disk tier, or recomputed.
 
 A splitserve worker with tiers logs one line per admitted prompt (engine/kv_tiers.py,
-`TierStore.note_prefix`):
+`TierStore.note_prefix`; a tier the worker has not is not named, and counts 0 here):
 
     2026-11-26 03:40:01,123 INFO splitserve.engine.kv_tiers: prefix: prompt 2113 tokens, pool 0,
         host 1536, disk 0, computed 577   (one line)
@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 SOURCES = ("pool", "host", "disk", "recompute", "first turn")
 _LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO splitserve\.engine\.kv_tiers: prefix: prompt (\d+) tokens, "
-    r"pool (\d+), host (\d+), disk (\d+), computed (-?\d+)"
+    r"pool (\d+)((?:, \S+ \d+)*), computed (-?\d+)"  # each of the worker's tiers by name, in its order
 )
+_TIER = re.compile(r", (\S+) (\d+)")
 SLACK_S = 0.25  # the two clocks' alignment error allowed at either end of a request's window
 
 
@@ -59,7 +60,9 @@ def parse_notes(lines: Iterable[str], since: float = 0.0) -> list[PrefixNote]:
             continue
         t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
         if t >= since:
-            out.append(PrefixNote(t, *(int(g) for g in m.groups()[1:])))
+            tiers = {name: int(n) for name, n in _TIER.findall(m.group(4))}
+            prompt, pool, computed = int(m.group(2)), int(m.group(3)), int(m.group(5))
+            out.append(PrefixNote(t, prompt, pool, tiers.get("host", 0), tiers.get("disk", 0), computed))
     return sorted(out)
 
 

@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitserve.engine.kv_tiers import TierStats
+from splitserve.engine.kv_tier import TierStats
 from splitserve.engine.scheduler import SchedulerStats
 from splitserve.engine.stats import IterationStats
 from splitserve.runtime.metrics_http import serve_metrics_http

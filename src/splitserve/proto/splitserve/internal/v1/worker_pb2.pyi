@@ -22,12 +22,6 @@ class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_MODE_LOCAL: _ClassVar[PrefillMode]
     PREFILL_MODE_REMOTE: _ClassVar[PrefillMode]
 
-class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KV_TIER_POOL: _ClassVar[KVTier]
-    KV_TIER_HOST: _ClassVar[KVTier]
-    KV_TIER_DISK: _ClassVar[KVTier]
-
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -44,9 +38,6 @@ GRAMMAR_KIND_LARK: GrammarKind
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
-KV_TIER_POOL: KVTier
-KV_TIER_HOST: KVTier
-KV_TIER_DISK: KVTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -213,7 +204,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_s", "host_tier_bytes_per_s", "disk_tier_bytes_per_s", "kv_block_bytes", "model_fingerprint")
+    __slots__ = ("worker_id", "queued_tokens", "running_tokens", "free_blocks", "total_blocks", "queue_length", "running_requests", "block_size", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_s", "kv_block_bytes", "model_fingerprint", "tiers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -225,10 +216,9 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
-    HOST_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
-    DISK_TIER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_tokens: int
     running_tokens: int
@@ -240,11 +230,18 @@ class WorkerStats(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefill_tokens_per_s: float
-    host_tier_bytes_per_s: float
-    disk_tier_bytes_per_s: float
     kv_block_bytes: int
     model_fingerprint: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_tier_bytes_per_s: _Optional[float] = ..., disk_tier_bytes_per_s: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[KVTierSpeed]
+    def __init__(self, worker_id: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queue_length: _Optional[int] = ..., running_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[KVTierSpeed, _Mapping]]] = ...) -> None: ...
+
+class KVTierSpeed(_message.Message):
+    __slots__ = ("name", "bytes_per_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes_per_s: float
+    def __init__(self, name: _Optional[str] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()
@@ -265,8 +262,8 @@ class BlockEvent(_message.Message):
     stored: BlocksStored
     removed: BlocksRemoved
     cleared: AllBlocksCleared
-    tier: KVTier
-    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
+    tier: str
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes",)
