@@ -1,4 +1,4 @@
-"""A router in this process in front of fake workers on real sockets (router/fakes.py), for the
+"""A router in this process in front of fake workers on real sockets (bench/fake_workers.py), for the
 tests of the door: keys, tenants, TLS, faults."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.config import Deadlines, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 

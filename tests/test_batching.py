@@ -9,8 +9,8 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(120)
 

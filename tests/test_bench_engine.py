@@ -66,11 +66,11 @@ def test_cuda_without_a_gpu_skips_cleanly(capsys):
 
 def test_gpu_model_shapes_and_device_side_weights():
     """The GPU part's random models: the right sizes, and weights drawn on the device under the
-    names and shapes engine.testing.random_weights gives (checked here on the meta device)."""
+    names and shapes engine.random_model.random_weights gives (checked here on the meta device)."""
     import torch
 
     from splitserve.bench import engine as bench
-    from splitserve.engine.testing import random_weights, tiny_model_config
+    from splitserve.engine.random_model import random_weights, tiny_model_config
 
     for key, params in (("llama-3.2-1b", 1.24e9), ("llama-3-8b", 8.03e9)):
         cfg = bench._shape(key)

@@ -12,8 +12,8 @@ from splitserve.bench import kv_dtype, teacher_forcing
 from splitserve.bench.step_timer import decode_step_ms
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, StepOutput
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(300)
 

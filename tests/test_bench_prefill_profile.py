@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from splitserve.bench.prefill_profile import prefill_flops
-from splitserve.engine.testing import tiny_model_config
+from splitserve.engine.random_model import tiny_model_config
 
 
 def test_prefill_flops_count_the_linear_layers_and_the_causal_attention():

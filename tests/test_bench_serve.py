@@ -18,12 +18,12 @@ from splitserve import cli
 from splitserve.bench.serve import arrivals, datasets
 from splitserve.bench.serve.backends import Outcome, Prompt
 from splitserve.bench.serve.driver import Clock, run_load
-from splitserve.bench.serve.fake_openai import MODEL, FakeScript, running_fake
 from splitserve.bench.serve.progress import Progress
 from splitserve.bench.serve.tokenizer import load_text_tokenizer
 from splitserve.measure import metrics
 from splitserve.measure.plots import plot_burst, plot_compare, plot_sweep
 from splitserve.measure.results import BenchResult, RequestRecord, RunResult, load_result, save_result
+from tests.fake_openai import MODEL, FakeScript, running_fake
 
 
 @pytest.fixture(scope="module")

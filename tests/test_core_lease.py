@@ -107,8 +107,8 @@ def test_the_engine_loop_runs_each_prefill_step_on_the_threads_the_lease_gives(l
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine, StepOutput
     from splitserve.engine.loop import EngineLoop
+    from splitserve.engine.random_model import random_weights, tiny_model_config
     from splitserve.engine.sampling import SamplingParams
-    from splitserve.engine.testing import random_weights, tiny_model_config
 
     cfg = tiny_model_config()
     engine = Engine(cfg, random_weights(cfg), EngineConfig(num_blocks=64, max_num_batched_tokens=64))
@@ -149,8 +149,8 @@ def test_decode_steps_borrow_only_when_the_loop_is_told_to(lease_path):
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine, StepOutput
     from splitserve.engine.loop import EngineLoop
+    from splitserve.engine.random_model import random_weights, tiny_model_config
     from splitserve.engine.sampling import SamplingParams
-    from splitserve.engine.testing import random_weights, tiny_model_config
 
     cfg = tiny_model_config()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -835,8 +835,8 @@ def test_readmes_name_the_ports_and_the_gpu_flags():
 
 
 def test_healthcheck_router_serving_only_with_a_healthy_decode_worker():
+    from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane
     from splitserve.router.config import Listeners, RouterConfig
-    from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane
     from splitserve.router.server import Router
     from splitserve.router.tokenizer import ByteTokenizer
 

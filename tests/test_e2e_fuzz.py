@@ -38,10 +38,10 @@ import pytest
 from aiohttp.http import HttpProcessingError
 from aiohttp.web import RequestPayloadError
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.openai.door import log as door_log
 from splitserve.router.openai.translate import CHAT_FIELDS, COMPLETION_FIELDS
 from splitserve.router.server import Router

@@ -15,7 +15,7 @@ import pytest
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import DecodePolicy, Listeners, RouterConfig, RoutingConfig

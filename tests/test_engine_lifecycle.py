@@ -1,5 +1,5 @@
 """The worker-side lifecycle of a disaggregated request, on CPU engines joined
-by the in-memory fake transport (workers/testing.py): reserve, stream, commit,
+by the in-memory fake transport (tests/worker_helpers.py): reserve, stream, commit,
 release, cancel at every stage, lease expiry, a failed transfer's code, and
 `max_num_seqs` on the decode side. Every test ends with both engines empty."""
 
@@ -11,7 +11,7 @@ from splitserve.engine.connector import NullConnector, TransferOutcome
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import SeqStatus
 from splitserve.kv_transfer import TransferError
-from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
+from tests.worker_helpers import EnginePair, assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
 

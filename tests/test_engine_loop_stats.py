@@ -14,9 +14,9 @@ from splitserve.engine.commands import Admit
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop, Stats
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import StepOutput
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(60)
 

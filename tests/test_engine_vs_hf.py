@@ -12,8 +12,8 @@ import torch
 
 from splitserve.engine.config import EngineConfig, RopeScaling
 from splitserve.engine.engine import Engine
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

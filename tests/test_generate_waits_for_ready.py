@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane
 from splitserve.router.config import Deadlines, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 

@@ -3,7 +3,7 @@ logprobs on one engine (colocated), through a prefill engine and a decode engine
 KV plane (disaggregated), and on an engine that resumes a request from the tokens another
 produced (migrated); n > 1 prefills once and forks on the decode side.
 
-Run on the CPU harness (workers/testing.py): the tiny random model for the parameters, the
+Run on the CPU harness (tests/worker_helpers.py): the tiny random model for the parameters, the
 default model for grammars (they need its tokenizer)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.handoff import SampleState, TokenLogprob
+from splitserve.engine.random_model import tiny_model_config
 from splitserve.engine.sampling import GrammarSpec, SamplingParams
-from splitserve.engine.testing import tiny_model_config
 from splitserve.kv_transfer import metrics as kv_metrics
-from splitserve.workers.testing import EnginePair, assert_engine_empty
-from splitserve.workers.testing import tiny_engine as _tiny_engine
+from tests.worker_helpers import EnginePair, assert_engine_empty
+from tests.worker_helpers import tiny_engine as _tiny_engine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,7 +28,7 @@ import splitserve.engine.model as model_mod
 from splitserve.engine.attention import AttentionMetadata, _decode_attention, write_kv
 from splitserve.engine.layers import apply_rope, rms_norm
 from splitserve.engine.model import DecoderModel
-from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.tuned import cpu_flags
 from tests.kernel_helpers.decode_cases import decode_batch, decode_logits, fp32_attention, make_step, rope_rows
 

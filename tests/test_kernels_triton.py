@@ -44,7 +44,7 @@ from splitserve.engine.attention import (  # noqa: E402
 from splitserve.engine.kv_cache import quantized_views  # noqa: E402
 from splitserve.engine.layers import apply_rope, rms_norm  # noqa: E402
 from splitserve.engine.model import DecoderModel  # noqa: E402
-from splitserve.engine.testing import random_weights, tiny_model_config  # noqa: E402
+from splitserve.engine.random_model import random_weights, tiny_model_config  # noqa: E402
 from tests.kernel_helpers.decode_cases import (  # noqa: E402
     decode_batch,
     decode_logits,

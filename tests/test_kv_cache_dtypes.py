@@ -24,8 +24,8 @@ from splitserve.engine.kv_cache import (
     quantize_rows,
     quantized_views,
 )
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 from tests.kernel_helpers.decode_cases import quantized_batch
 
 pytestmark = pytest.mark.timeout(300)

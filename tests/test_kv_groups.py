@@ -15,8 +15,8 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_groups import OWN_PAGE, CacheGroups
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 from tests.family_helpers.logits import chunked_logits
 from tests.test_block_manager import run_aborting
 

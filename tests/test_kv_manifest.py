@@ -18,13 +18,13 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.fingerprint import model_fingerprint
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.kv_transfer import Failed, FailureCode, KVReceiver, KVSender, TransferError, frame
 from splitserve.proto.convert import layout_from_proto, layout_to_proto
-from splitserve.workers.testing import EnginePair, assert_engine_empty
 from tests.kv_transfer_helpers.common import assert_no_leak
 from tests.kv_transfer_helpers.tp import TP_LAYOUT, assert_kv_zero, random_tp_cache
+from tests.worker_helpers import EnginePair, assert_engine_empty
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,10 +22,10 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.kv_tier import PROBE_LOADS, Held, KVTier, Spill, TierStats
 from splitserve.engine.kv_tier_blocks import DiskTier, HostTier
 from splitserve.engine.kv_tiers import TierStore
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.engine.tier_cost import expected_seconds, plan_load
-from splitserve.workers.testing import EnginePair, assert_engine_empty
+from tests.worker_helpers import EnginePair, assert_engine_empty
 
 pytestmark = pytest.mark.timeout(120)
 

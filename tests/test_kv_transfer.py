@@ -27,8 +27,8 @@ from splitserve.kv_transfer import (
     codec,
     frame,
 )
-from splitserve.kv_transfer.fake import FakeTransport
 from tests.kv_transfer_helpers.common import LAYOUT, assert_arrived, assert_no_leak, random_cache, send_all
+from tests.kv_transfer_helpers.fake import FakeTransport
 
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed"))]

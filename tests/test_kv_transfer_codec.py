@@ -27,9 +27,9 @@ from splitserve.kv_transfer import (
     links,
 )
 from splitserve.kv_transfer.codec import CODEC_INT8, CODEC_RAW, CodecSpeed
-from splitserve.workers.testing import EnginePair
 from tests.kv_transfer_helpers.common import LAYOUT, RawPeer, assert_no_leak, random_cache, send_all
 from tests.kv_transfer_helpers.tp import TP_LAYOUT, at_tp, full_kv, random_tp_cache
+from tests.worker_helpers import EnginePair
 
 # SmolLM2-135M's KV (the default model): 30 layers, 3 KV heads of 64, bfloat16
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")

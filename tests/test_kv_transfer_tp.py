@@ -289,11 +289,11 @@ def test_a_prefill_at_one_tp_size_feeds_a_decode_at_another_token_for_token(pref
     8 tokens, a partial last block resent) over TCP: the colocated TP 1 engine's tokens."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
+    from splitserve.engine.random_model import random_weights, tiny_model_config
     from splitserve.engine.sampling import SamplingParams
-    from splitserve.engine.testing import random_weights, tiny_model_config
     from splitserve.workers.decode.connector import ReceiverConnector
     from splitserve.workers.prefill.connector import SenderConnector
-    from splitserve.workers.testing import EnginePair, assert_engine_empty
+    from tests.worker_helpers import EnginePair, assert_engine_empty
 
     cfg = tiny_model_config()  # 2 KV heads: TP 1 and 2
     weights = random_weights(cfg)

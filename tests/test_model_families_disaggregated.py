@@ -20,9 +20,9 @@ from splitserve.engine.weights import load_model
 from splitserve.kv_transfer import KVReceiver, KVSender
 from splitserve.workers.decode.connector import ReceiverConnector
 from splitserve.workers.prefill.connector import SenderConnector
-from splitserve.workers.testing import EnginePair
 from tests.family_helpers.build import FAMILY_NAMES, build, save_hf_dir
 from tests.test_handoff import colocated, disaggregated, migrated, tokens
+from tests.worker_helpers import EnginePair
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

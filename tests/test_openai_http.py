@@ -17,8 +17,14 @@ from typing import Any
 import openai
 import pytest
 
+from splitserve.bench.fake_workers import (
+    DECODE_LOGPROB,
+    PROMPT_LOGPROB,
+    FakeDecodeWorker,
+    FakeKVPlane,
+    FakePrefillWorker,
+)
 from splitserve.router.config import Deadlines, Listeners, RouterConfig
-from splitserve.router.fakes import DECODE_LOGPROB, PROMPT_LOGPROB, FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 

@@ -303,7 +303,7 @@ def test_the_speed_factor_is_the_probe_now_over_the_calibration(capsys):
 def test_the_speed_probe_times_a_fixed_piece_of_work_and_leaves_the_engine_empty():
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
-    from splitserve.engine.testing import random_weights, tiny_model_config
+    from splitserve.engine.random_model import random_weights, tiny_model_config
     from splitserve.plan.calibrate import _Runner
 
     cfg = tiny_model_config()

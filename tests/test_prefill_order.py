@@ -12,8 +12,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import RecentTokens, Share, Waiting, admission_order, prefill_rank
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 
 def test_the_shortest_remaining_prompt_starts_first():

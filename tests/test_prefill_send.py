@@ -1,6 +1,6 @@
 """The prefill side's send from open to confirmation, and the typed commands both
 workers give the engine thread, on CPU engines joined by the in-memory fake
-transport (workers/testing.py): a confirmed send frees the held request through
+transport (tests/worker_helpers.py): a confirmed send frees the held request through
 the connector's poll, a refused confirmation ends it and frees its blocks, the
 commands admit, bound the waiting queue and abort, and the scheduler alone
 counts the free seats. Every test ends with both engines empty."""
@@ -19,7 +19,7 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import DuplicateRequest
 from splitserve.engine.sequence import SeqStatus
 from splitserve.workers.prefill.connector import SenderConnector
-from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
+from tests.worker_helpers import EnginePair, assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.openai.json_body import nesting_depth
 from splitserve.router.openai.translate import from_openai
 from splitserve.router.server import Router

@@ -15,11 +15,11 @@ import aiohttp
 import grpc
 import pytest
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 from splitserve.router.config import Deadlines, Listeners, Retries, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.readiness import DRAINING, NO_WORKER, READY, readiness
 from splitserve.router.server import HEALTH_DETAILS_KEY, Router
 from splitserve.router.tokenizer import ByteTokenizer

@@ -7,10 +7,10 @@ from collections import defaultdict
 
 import pytest
 
+from splitserve.bench.fake_workers import DECODE_LOGPROB, EOS, PREFILL_LOGPROB, PROMPT_LOGPROB
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.router.config import RoutingConfig
-from splitserve.router.fakes import DECODE_LOGPROB, EOS, PREFILL_LOGPROB, PROMPT_LOGPROB
 from tests.test_router_server import LONG, cluster, run
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,12 +14,12 @@ from typing import Any
 import grpc
 import pytest
 
+from splitserve.bench.fake_workers import EOS, FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 from splitserve.router.config import Deadlines, Limits, Listeners, RouterConfig, RoutingConfig
-from splitserve.router.fakes import EOS, FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
+from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.config import Deadlines, RouterConfig
-from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.workers import Worker, WorkerSet
 

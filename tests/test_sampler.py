@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampler import apply_penalties, filter_logits, sample
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
 
 pytestmark = pytest.mark.timeout(60)
 

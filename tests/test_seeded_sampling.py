@@ -2,7 +2,7 @@
 record"): output token i of a seeded request draws from (seed, sample index, i)
 alone, so a request resumed from its first k tokens (the prefill worker's first
 token, a migration's replay) continues as if it had run whole in one engine,
-and the disaggregated pair (workers/testing.py) gives the colocated engine's text."""
+and the disaggregated pair (tests/worker_helpers.py) gives the colocated engine's text."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.random_model import tiny_model_config
 from splitserve.engine.sampler import draw_seed, splitmix64
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.testing import tiny_model_config
-from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
+from tests.worker_helpers import EnginePair, assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(120)
 

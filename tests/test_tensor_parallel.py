@@ -28,9 +28,9 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVLayout
 from splitserve.engine.parallel.step import StepInputs
 from splitserve.engine.quant.weight import floats
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence as Seq
-from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.router.config import RoutingConfig
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,9 +13,9 @@ from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.blocks import window_start
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.testing import random_weights, tiny_model_config
-from splitserve.workers.testing import EnginePair, assert_engine_empty
+from tests.worker_helpers import EnginePair, assert_engine_empty
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,13 +13,13 @@ import pytest
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.testing import random_weights, tiny_model_config
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.common.warm_up import warm_up
 from splitserve.workers.server import start_worker
-from splitserve.workers.testing import assert_engine_empty
+from tests.worker_helpers import assert_engine_empty
 
 pytestmark = pytest.mark.timeout(120)
 

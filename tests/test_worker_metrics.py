@@ -25,8 +25,8 @@ from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.launch import spawn_worker
-from splitserve.workers.testing import EnginePair, assert_engine_empty, tiny_engine
 from tests.e2e_helpers.cluster import FLAGS
+from tests.worker_helpers import EnginePair, assert_engine_empty, tiny_engine
 
 NAMES = [
     "splitserve:num_requests_running",

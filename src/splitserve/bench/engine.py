@@ -199,7 +199,7 @@ class Subject(NamedTuple):
 
 def _shape(key: str) -> ModelConfig:
     from splitserve.engine.config import ModelConfig, RopeScaling
-    from splitserve.engine.testing import tiny_model_config
+    from splitserve.engine.random_model import tiny_model_config
 
     if key == "tiny":
         return tiny_model_config()
@@ -265,7 +265,7 @@ def _random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) 
     import torch
 
     from splitserve.engine.models import registry
-    from splitserve.engine.testing import random_weights
+    from splitserve.engine.random_model import random_weights
 
     if device.type == "cpu":
         return random_weights(cfg, seed=0, dtype=dtype)

@@ -54,7 +54,7 @@ def _serve_workers(conn: mp.connection.Connection, tokens: int, cpu: int | None)
     """The mock workers' process: a fake decode and a fake prefill worker."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    from splitserve.router.fakes import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
+    from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
 
     async def main() -> None:
         kv = FakeKVPlane()

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     cfg: ModelConfig
     if a.tiny:
-        from splitserve.engine.testing import random_weights, tiny_model_config
+        from splitserve.engine.random_model import random_weights, tiny_model_config
 
         cfg = tiny_model_config(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
         weights = random_weights(cfg)

@@ -12,7 +12,7 @@ worker's cache into the blocks a decode worker reserved.
 
 Values: reservation.py. Decode side: receiver.py (connections) over
 reservations.py (bookkeeping); prefill side: sender.py. Frames: frame.py.
-Transports: transport.py (TCP), ucx.py, fake.py; which one a stream uses, and
+Transports: transport.py (TCP), ucx.py (tests/kv_transfer_helpers/fake.py: the tests'); which one a stream uses, and
 how its payloads move (bytes on the connection, or CUDA IPC device copies:
 cuda_ipc.py), links.py.
 

@@ -14,7 +14,7 @@ one header, then one payload per frame.
 
 TCP, plain or sealed under the cluster's TLS, lives in `tcp.py` (the
 records in `sealed.py`); UCX in `ucx.py`; the in-memory fake for unit tests
-in `fake.py`. Which one a stream uses is links.py's choice (CUDA IPC is not a
+in `tests/kv_transfer_helpers/fake.py`. Which one a stream uses is links.py's choice (CUDA IPC is not a
 transport: it changes how layer payloads move, over a TCP connection).
 
 `Watchdog`, here too, bounds how long a peer may keep a connection's thread

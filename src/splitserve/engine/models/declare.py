@@ -13,7 +13,7 @@ What reads it, and nothing else spells a layer out:
   and `gguf_to_hf` (llama.cpp's names, and the rows it permuted for its rotary kernel);
 - the model (`engine/model.py`): `layer_slots` fuses a layer's tensors into its slots;
 - tensor parallelism (`engine/parallel/shard.py`): `TensorDecl.split`;
-- the test and benchmark factory (`engine/testing.py`): `TensorDecl.init`;
+- the random model of the benchmarks and the tests (`engine/random_model.py`): `TensorDecl.init`;
 - the planner (`plan/shapes.py`): `param_count`.
 
 Shapes are in HF's `[out, in]` orientation; GGUF lists its dimensions innermost first,
@@ -37,7 +37,7 @@ from splitserve.engine.quant.weight import Weight, cat_rows
 Split = Literal[
     "whole", "q_rows", "kv_rows", "ff_rows", "q_cols", "ff_cols", "eff_rows", "eff_cols", "qkv_rows", "gate_up_rows"
 ]
-# How engine/testing.py draws it: a weight matrix (std fan_in ** -0.5), a norm's gain (1 + 0.1 n),
+# How engine/random_model.py draws it: a weight matrix (std fan_in ** -0.5), a norm's gain (1 + 0.1 n),
 # a bias (0.1 n), the embedding (n, so that its rows are of unit scale).
 Init = Literal["matrix", "norm", "bias", "embedding"]
 Shape = Callable[[ModelConfig], tuple[int, ...]]

@@ -26,13 +26,13 @@ from opentelemetry.context import Context
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector
 from splitserve.engine.engine import Engine, RemotePrefill, StepOutput
+from splitserve.engine.random_model import random_weights, tiny_model_config
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import Clock
-from splitserve.engine.testing import random_weights, tiny_model_config
 from splitserve.kv_transfer import KVReceiver, KVSender
-from splitserve.kv_transfer.fake import FakeTransport
 from splitserve.workers.decode.connector import ReceiverConnector
 from splitserve.workers.prefill.connector import SenderConnector
+from tests.kv_transfer_helpers.fake import FakeTransport
 
 
 def tiny_engine(

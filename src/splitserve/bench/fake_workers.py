@@ -1,5 +1,8 @@
 """In-process fake workers that speak the real internal gRPC services, so the
-router is tested (and benchmarked) over real gRPC on loopback without a model.
+router is benchmarked (`splitserve bench router`) and tested over real gRPC on
+loopback without a model. In bench/, the one folder of the package that runs
+them: nothing of the product may import bench/ (import-linter), so no fake
+worker stands in for a real one outside a benchmark or a test.
 
 Both fakes produce the same canned tokens: the i-th output token of sample k
 of any request is `sample_scripts[k][i]` (`script[i]` where no sample script is

@@ -1,7 +1,8 @@
-"""Factories for tests and benchmarks: tiny random models with real shapes.
+"""Models with real shapes and random weights: the tiny model, and any shape's weights.
 
-They live beside the engine (not in tests/) so that the benchmarks and the
-workers' own tests can build the same models.
+In the package, not in tests/, because the benchmarks run them without a checkpoint
+(`splitserve bench engine --model tiny` and its random shapes, `bench.tensor_parallel
+--tiny`); the tests build the same models.
 """
 
 from __future__ import annotations

@@ -1,0 +1,307 @@
+"""What BENCHMARKS.md's first page shows: each comparison of splitserve against its peer
+(another system, the hardware's limit, or itself with one feature off), the results files
+that measure it, and the figures quoted from the newest of them.
+
+A figure is a pattern over the run's output and a template filled from its named
+groups: every number on the page is a piece of a results file, as the run printed it.
+A pattern that no longer matches fails the report, naming the file (bench/summary.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Figure:
+    pattern: str  # searched line by line (re.M); named groups fill the template
+    template: str
+
+
+@dataclass(frozen=True)
+class Comparison:
+    what: str
+    against: str
+    files: str  # a glob in bench/results/: the newest run, by its header's date, is quoted
+    figures: tuple[Figure, ...]
+    peer: bool = True  # against another system or the hardware; False: splitserve with a feature off
+
+
+def peer_figure(load: str, metric: str, label: str, skip_columns: int = 0) -> Figure:
+    """A row of `bench peer`'s table: the peer's column first, splitserve's last with its ratio
+    to the peer's; `skip_columns` other systems between them."""
+    skipped = r"\S+ \(\S+\)\s+" * skip_columns
+    unit = metric.rsplit(" ", 1)[-1]  # the table's metrics end with theirs: "goodput req/s", "TTFT p50 ms"
+    return Figure(
+        rf"^{load}\s+rate inf\s+{re.escape(metric)}\s+(?P<peer>\S+)\s+{skipped}(?P<ours>\S+) \((?P<x>[\d.]+x)\)$",
+        f"{label} {{x}} ({{ours}} against {{peer}} {unit})",
+    )
+
+
+def engine_figures(model: str, batch: int) -> tuple[Figure, Figure]:
+    """`bench engine`'s lines at a batch size: decode tokens/s against transformers', and the
+    share of the hardware's limit it reached (the memory roofline; at a batch, the matmul rate)."""
+    prefix = rf"^\[{re.escape(model)}\] batch {batch}\s+"
+    return (
+        Figure(
+            prefix + r"decode\s+ours (?P<ours>[\d.]+ tok/s).*\| HF (?P<peer>[\d.]+ tok/s).*\| ratio (?P<x>[\d.]+x)",
+            f"batch {batch}: {{x}} ({{ours}} against {{peer}})",
+        ),
+        Figure(prefix + r"achieved\s+ours (?P<ours>.+?) = (?P<share>\d+% of the \S+ \S+)", f"batch {batch}: {{share}}"),
+    )
+
+
+def transfer_figure(transport: str) -> Figure:
+    """`bench transfer`'s throughput line: kv_transfer's GB/s over the raw link's, as the median of pairs."""
+    return Figure(
+        rf"^\s+{transport}\s+raw\s+(?P<peer>[\d.]+ GB/s)\s+kv_transfer\s+(?P<ours>[\d.]+ GB/s)\s+ratio (?P<x>[\d.]+)",
+        f"{transport}: {{x}} of raw ({{ours}} against {{peer}})",
+    )
+
+
+def tenants_figure(phase: str) -> Figure:
+    """`bench tenants`' disaggregated table: the quiet tenants' TTFT p99 in a phase over their p99 alone."""
+    return Figure(
+        rf"^## disaggregated[\s\S]*?^{phase}\s+\|\s+\S+\s+\|\s+\S+\s+\|\s+(?P<x>[\d.]+)", f"{phase}: {{x}}x alone"
+    )
+
+
+_HF_1, _LIMIT_1 = engine_figures("smollm2 bf16", 1)
+_HF_32, _LIMIT_32 = engine_figures("smollm2 bf16", 32)
+_HF_1_8B, _LIMIT_1_8B = engine_figures("llama-3-8b bf16", 1)
+_HF_32_8B, _LIMIT_32_8B = engine_figures("llama-3-8b bf16", 32)
+
+
+COMPARISONS = (
+    Comparison(
+        "Serving SmolLM2-135M, both in bfloat16, splitserve in its defaults",
+        "vLLM's CPU build",
+        "peer-cpu*-default.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
+            peer_figure("sharegpt", "TTFT p99 ms", "TTFT p99"),
+            peer_figure("prefill1", "TTFT p50 ms", "a lone 1,000-token prompt's TTFT"),
+        ),
+    ),
+    Comparison(
+        "Serving SmolLM2-135M: splitserve on the Q4_1 GGUF (--quantization auto), vLLM on its bfloat16 export",
+        "vLLM's CPU build",
+        "peer-vllm-llamacpp-cpu.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput", skip_columns=1),
+            peer_figure("sharegpt", "TPOT p50 ms", "TPOT p50", skip_columns=1),
+        ),
+    ),
+    Comparison(
+        "Serving SmolLM2-135M on the same Q4_1 GGUF, both in their defaults",
+        "llama.cpp's llama-server",
+        "peer-llamacpp-cpu.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
+            peer_figure("lone", "TTFT p50 ms", "a lone 1,000-token prompt's TTFT"),
+            peer_figure("lone", "TPOT p50 ms", "its TPOT"),
+        ),
+    ),
+    Comparison(
+        "Serving an 8B shape (random Q4_0 blocks) on a 24 GB machine",
+        "llama.cpp's llama-server",
+        "peer-llamacpp-8b.txt",
+        (
+            peer_figure("lone", "TTFT p50 ms", "a lone 1,000-token prompt's TTFT"),
+            peer_figure("lone", "TPOT p50 ms", "TPOT"),
+        ),
+    ),
+    Comparison(
+        "Serving the 8B shape as Q8_0 blocks (8.5 GB)",
+        "llama.cpp's llama-server",
+        "peer-llamacpp-8b-q8_0.txt",
+        (
+            peer_figure("lone", "TTFT p50 ms", "a lone 1,000-token prompt's TTFT"),
+            peer_figure("lone", "TPOT p50 ms", "TPOT"),
+        ),
+    ),
+    Comparison(
+        "Engine decode, SmolLM2-135M in bfloat16, one thread",
+        "Hugging Face transformers",
+        "engine-cpu-*.txt",
+        (_HF_1, _HF_32),
+    ),
+    Comparison(
+        "Engine decode, SmolLM2-135M in bfloat16, one thread",
+        "the CPU's memory read and matmul rate (measured beside it)",
+        "engine-cpu-*.txt",
+        (_LIMIT_1, _LIMIT_32),
+    ),
+    Comparison(
+        "Engine decode on an H100, the Llama-3-8B shape in bfloat16",
+        "Hugging Face transformers",
+        "engine-cuda.txt",
+        (_HF_1_8B, _HF_32_8B),
+    ),
+    Comparison(
+        "Engine decode and prefill on an H100, the Llama-3-8B shape in bfloat16",
+        "the GPU's memory read and matmul rate (measured beside it)",
+        "engine-cuda.txt",
+        (
+            _LIMIT_1_8B,
+            _LIMIT_32_8B,
+            Figure(
+                r"^\[llama-3-8b bf16\] prefill\s+(?P<n>\d+) tokens: .* = (?P<share>\d+% of F\.linear)",
+                "a {n}-token prefill: {share} at its shapes",
+            ),
+        ),
+    ),
+    Comparison(
+        "KV transfer of a 1 GiB cache, per-layer frames, checksummed",
+        "the raw link (bare sends between the same processes)",
+        "transfer-cpu.txt",
+        (transfer_figure("tcp"), transfer_figure("ucx")),
+    ),
+    Comparison(
+        "KV transfer on the H100: TCP and CUDA IPC",
+        "the raw copy (TCP sends; a device-to-device copy)",
+        "transfer-cuda.txt",
+        (transfer_figure("tcp"), transfer_figure("cuda_ipc")),
+    ),
+    Comparison(
+        "The router's added latency, a request through it",
+        "the same request sent straight to the workers",
+        "router-cpu.txt",
+        (
+            Figure(
+                r"^disaggregated\s+(?P<p50>[\d.]+)\s+(?P<p99>[\d.]+)\s+(?P<first>[\d.]+)",
+                "disaggregated: +{p50} ms p50, +{p99} ms p99, +{first} ms to the first token",
+            ),
+            Figure(r"^bare\s+(?P<p50>[\d.]+)\s", "a bare gRPC proxy: +{p50} ms p50"),
+        ),
+    ),
+    Comparison(
+        "The plan simulator's TTFT and ITL",
+        "the same loads measured",
+        "plan-check*.txt",
+        (Figure(r"^(?P<n>\d+ of \d+) simulated figures within (?P<pct>\d+%)", "{n} within {pct}"),),
+    ),
+    Comparison(
+        "Disaggregated serving: TTFT, and the steady streams' ITL while long prompts arrive",
+        "colocated (one worker prefills and decodes)",
+        "serving-cpu.txt",
+        (
+            Figure(
+                r"^\[ttft\] target: disaggregated / colocated at (?P<n>\d+) tokens (?P<x>[\d.]+x)",
+                "TTFT at {n} tokens {x}",
+            ),
+            Figure(
+                r"^\[itl\] target: disaggregated p50 \S+ p99 (?P<d>[\d.]+x) .*; colocated p50 \S+ p99 (?P<c>[\d.]+x)",
+                "ITL p99 in bursts over quiet: {d} disaggregated, {c} colocated",
+            ),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "Quiet tenants' TTFT p99 beside a noisy one, disaggregated",
+        "the quiet tenants alone",
+        "tenants-cpu.txt",
+        (tenants_figure("noisy long"), tenants_figure("noisy many")),
+        peer=False,
+    ),
+    Comparison(
+        "The cluster's mutual TLS",
+        "plaintext",
+        "internal-tls-cpu.txt",
+        (
+            Figure(r"^plain (?P<p>\S+ GB/s), TLS (?P<t>\S+ GB/s): TLS / plain (?P<x>[\d.]+)", "KV on loopback {x}x"),
+            Figure(r"^plain (?P<p>\S+ Gb/s), TLS .*: TLS / plain (?P<x>[\d.]+)", "KV over 1 Gb/s {x}x"),
+            Figure(r"^plain (?P<p>\S+ ms), TLS (?P<t>\S+ ms): TLS / plain (?P<x>[\d.]+)", "TTFT {x}x"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "The KV wire codec (auto: int8 where the link is slow) through the serving path",
+        "raw KV, on links throttled by tc",
+        "transfer-codec-netns.txt",
+        (
+            Figure(r"^  (?P<link>1 Gb/s)\s+auto\s+int8\s+.*\s(?P<pct>[-+][\d.]+%)\s+\(", "TTFT at {link} {pct}"),
+            Figure(r"^  (?P<link>0\.03 Gb/s)\s+auto\s+int8\s+.*\s(?P<pct>[-+][\d.]+%)\s+\(", "at {link} {pct}"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "KV tiers: a 1,536-token prefix loaded from the host or the disk tier",
+        "recomputing the prefix",
+        "tiers-cpu.txt",
+        (Figure(r"^median TTFT over \d+ trials: (?P<all>.*)$", "TTFT {all}"),),
+        peer=False,
+    ),
+    Comparison(
+        "Tier-aware routing on a multi-turn load (10 s think time)",
+        "tier-blind routing, the same tiers",
+        "conversation-cpu-think.txt",
+        (Figure(r"^goodput tier-aware / tier-blind: (?P<x>[\d.]+x)", "goodput {x}"),),
+        peer=False,
+    ),
+    Comparison(
+        "Speculative decoding by prompt lookup (auto), batch 1",
+        "plain decode",
+        "spec-cpu.txt",
+        (
+            Figure(r"^copy, batch 1:[\s\S]*?^\s+auto\s+[\d.]+ tok/s decode, (?P<x>[\d.]+x) off", "copying: {x}"),
+            Figure(r"^sharegpt, batch 1:[\s\S]*?^\s+auto\s+[\d.]+ tok/s decode, (?P<x>[\d.]+x) off", "ShareGPT: {x}"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "A JSON schema's decode step",
+        "the plain decode step",
+        "structured-cpu.txt",
+        (Figure(r"^batch (?P<b>8)\s+decode step: .*\| ratio (?P<x>[\d.]+x)", "batch {b}: {x} its time"),),
+        peer=False,
+    ),
+    Comparison(
+        "int8 KV cache",
+        "bfloat16 KV",
+        "kv-dtype-cpu.txt",
+        (
+            Figure(r"^  int8 against bfloat16: (?P<x>[\d.]+x) the sequences", "{x} the sequences in a pool"),
+            Figure(r"^perplexity int8\s+KV:\s+\S+\s+ratio (?P<x>[\d.]+)", "perplexity {x}x"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "A GGUF's Q4_1 blocks computed in place",
+        "the file dequantized to bfloat16",
+        "quant-cpu.txt",
+        (
+            Figure(r"^batch  1: .*->  blocks is (?P<x>[\d.]+x) dense", "decode batch 1: {x} the speed"),
+            Figure(r"^blocks holds (?P<x>[\d.]+x) the dense engine's KV", "{x} the KV in 1 GiB"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "The linear kernel's AVX-512 BF16 path, batch 8",
+        "its AVX2 path",
+        "kernels-isa-cpu.txt",
+        (Figure(r"^  batch  8: avx2 (?P<t>[\d.]+ ms) = \S+ GB/s \((?P<x>[\d.]+x)\)", "AVX2 takes {x} its time"),),
+        peer=False,
+    ),
+    Comparison(
+        "Prefill attention kernel, queries 512..999, 2 threads",
+        "PyTorch's SDPA",
+        "prefill-profile-cpu.txt",
+        (
+            Figure(
+                r"^2 thread[\s\S]*?queries 512\.\.999: kernel (?P<k>[\d.]+ ms) .* SDPA (?P<s>[\d.]+ ms) .*: "
+                r"(?P<x>[\d.]+x)",
+                "{x} ({k} against {s})",
+            ),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "Sliding-window layers paged per layer (Gemma 3)",
+        "every layer paged alike",
+        "windows-cpu.txt",
+        (Figure(r"^paged against plain: (?P<x>[\d.]+x) the sequences", "{x} the sequences at once"),),
+        peer=False,
+    ),
+)
