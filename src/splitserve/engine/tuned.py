@@ -38,7 +38,7 @@ class Tuned:
     dtype: str  # weights and KV (--kv-cache-dtype auto follows the weights)
     prefill_workers: int
     decode_workers: int
-    threads: int  # each worker's own share of the cores
+    threads: int  # each worker's own share of the cores (0: torch's own count)
     core_lease: bool  # a prefill borrows the idle cores of the other workers (engine/core_lease.py)
     decode_borrows: bool  # so does a decode step (--decode-borrows)
     long_prefill_token_threshold: int
@@ -52,9 +52,10 @@ class Tuned:
             lend = (
                 "prefill and decode steps borrow idle cores" if self.decode_borrows else "a prefill borrows idle cores"
             )
+        threads = f"{self.threads} thread(s)" if self.threads else "torch's own threads"
         return (
             f"--dtype {self.dtype}, {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
-            f"{self.threads} thread(s) ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
+            f"{threads} ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
             f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}, "
             f"--prefill-order {self.prefill_order}"
         )
@@ -71,10 +72,10 @@ def tuned_defaults(machine: Machine) -> Tuned:
     a long prefill yielding to prompts of 256 tokens or fewer and the router prefilling locally past
     a 700-token backlog (the peer sweeps of issue 10); waiting prompts shortest first, aged, to
     bound the short ones' TTFT.
-    On a GPU: bfloat16, one worker per role, nothing lent."""
+    On a GPU: bfloat16, one worker per role, torch's own threads, nothing lent."""
     on_cpu = machine.device == "cpu"
     dtype = "bfloat16" if (not on_cpu or machine.bf16_arithmetic) else "float32"
-    threads = max(1, machine.cores // 2) if on_cpu else 1
+    threads = max(1, machine.cores // 2) if on_cpu else 0
     return Tuned(
         dtype=dtype,
         prefill_workers=1,
