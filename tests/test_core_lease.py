@@ -192,7 +192,8 @@ def test_decode_steps_borrow_only_when_the_loop_is_told_to(lease_path):
 def test_a_prefill_worker_steps_through_larger_chunks_unless_told():
     import argparse
 
-    from splitserve.workers.server import add_arguments, engine_config_from_args
+    from splitserve.engine.flags import engine_config_from_args
+    from splitserve.workers.server import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from splitserve.workers.server import add_engine_arguments
+    from splitserve.engine.flags import add_engine_arguments
 
     p.add_argument("prompt", help="the user message (rendered with the model's chat template)")
     p.add_argument("--system", default=None, help="a system message")
@@ -57,11 +57,11 @@ def run(a: argparse.Namespace) -> int:
 
 def _local(a: argparse.Namespace) -> int:
     from splitserve.engine.engine import Engine
+    from splitserve.engine.flags import engine_config_from_args
     from splitserve.engine.preflight import engine_problems
     from splitserve.engine.sampling import SamplingParams
     from splitserve.engine.tokenizer import IncrementalDetokenizer
     from splitserve.router.stop import StopMatcher
-    from splitserve.workers.server import engine_config_from_args
 
     if a.threads:
         import torch

@@ -34,8 +34,9 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.engine.flags import add_engine_arguments
     from splitserve.router.flags import add_router_arguments
-    from splitserve.workers.server import add_admission_arguments, add_engine_arguments
+    from splitserve.workers.server import add_admission_arguments
 
     add_engine_arguments(p.add_argument_group("model and engine"))  # --block-size among them, shared by the router
     add_admission_arguments(p.add_argument_group("admission"))
@@ -234,7 +235,7 @@ def _said(problem: Problem) -> str:
 def configure(a: argparse.Namespace) -> ServeConfig:
     """The flags read into one config; ValueError (OSError for an unreadable --node-types) if they
     cannot be: what needs no model and no machine to know."""
-    from splitserve.workers.server import engine_config_from_args
+    from splitserve.engine.flags import engine_config_from_args
 
     scaling = {role: scaling_config(a, role) for role in ROLES}
     node_types = parse_node_types(a.node_types)
