@@ -11,7 +11,7 @@ from typing import Any
 
 from splitserve.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, PREFILL_ORDERS
-from splitserve.engine.tuned import chunk_tokens, detect_machine, tuned_defaults
+from splitserve.engine.tuned import chunk_tokens, fill_tuned, tuned_for
 
 
 def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
@@ -26,10 +26,47 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     p.add_argument(
         "--dtype",
         default=None,
-        help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
+        help="float32 | bfloat16 | float16 (default: tuned: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
         "avx512_bf16 or amx_bf16; else float32)",
     )
     add_weight_arguments(p)
+    add_kv_cache_arguments(p)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per step (the prefill chunk; default {chunk_tokens('prefill')} on a prefill worker, which has "
+        f"no decodes to interleave, {chunk_tokens(None)} elsewhere)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
+        "(0: arrival order; default: tuned, what the peer runs found best)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of each worker (0: torch's own count; default: tuned under serve, its share of the "
+        "machine's cores; a worker or generate started alone: torch's own count)",
+    )
+    add_core_lease_arguments(p)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
+        "must divide the model's heads, KV heads and intermediate size",
+    )
+    add_tier_arguments(p)
+    add_speculation_arguments(p)
+
+
+def add_kv_cache_arguments(p: argparse._ActionsContainer) -> None:
+    """The paged KV pool: its size, its storage dtype, its block."""
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
     p.add_argument(
         "--kv-cache-dtype",
@@ -45,50 +82,26 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         help="size the KV pool in bytes instead (all layers, every rank's shard): the blocks that fit "
         "in the chosen --kv-cache-dtype (0: --num-blocks decides)",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help=f"tokens per step (the prefill chunk; default {chunk_tokens('prefill')} on a prefill worker, which has "
-        f"no decodes to interleave, {chunk_tokens(None)} elsewhere)",
-    )
-    p.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
-        "(0: arrival order; default 256, what the peer runs found best)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    add_core_lease_arguments(p)
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
-        "must divide the model's heads, KV heads and intermediate size",
-    )
-    add_tier_arguments(p)
-    add_speculation_arguments(p)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
 def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
     """Core lending between the workers of one machine (engine/core_lease.py)."""
     p.add_argument(
         "--core-lease",
-        default="",
+        default=None,
         help="a file in /dev/shm shared by the workers of this machine: a prefill step takes the cores no other "
         "worker's step claims, and gives them back at its next step when they do; --threads is each worker's "
-        "own share ('' or 'off': off; splitserve serve makes one for its CPU workers unless given 'off')",
+        "own share ('off': off; default: tuned under serve, which makes one for its CPU workers; a worker "
+        "started alone: off)",
     )
     p.add_argument(
         "--prefill-order",
-        default="shortest",
+        default=None,
         choices=PREFILL_ORDERS,
         help="which waiting prompt starts first: the shortest remaining, a second of waiting counting as "
-        f"{AGING_TOKENS_PER_S:g} tokens fewer so that long ones are not starved, or in arrival order",
+        f"{AGING_TOKENS_PER_S:g} tokens fewer so that long ones are not starved, or in arrival order "
+        "(default: tuned)",
     )
     p.add_argument(
         "--lease-cores",
@@ -101,7 +114,7 @@ def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
         default=None,
         choices=["on", "off"],
         help="decode steps borrow the cores no other worker claims too, and give them back at the next step "
-        "when a prefill wants them (default: the machine's tuned choice)",
+        "when a prefill wants them (default: tuned)",
     )
 
 
@@ -196,13 +209,12 @@ def speculation_fields(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> EngineConfig:
-    """The engine the flags describe for a worker of `role` (None: any); a flag not given takes the
-    machine's tuned default (engine/tuned.py)."""
-    tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
-    threshold = a.long_prefill_token_threshold
+    """The engine the flags describe for a worker of `role` (None: any); a tuned flag not given takes
+    the machine's tuned choice (engine/tuned.py), as `serve` filled it already."""
+    a = fill_tuned(a, tuned_for(a.device))
     return EngineConfig(
         device=a.device,
-        dtype=a.dtype or tuned.dtype,
+        dtype=a.dtype,
         block_size=a.block_size,
         num_blocks=a.num_blocks,
         kv_cache_dtype=a.kv_cache_dtype,
@@ -211,7 +223,7 @@ def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> E
         batch_invariant=a.batch_invariant,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
-        long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
         tensor_parallel_size=a.tensor_parallel_size,
         **tier_fields(a),
         **speculation_fields(a),

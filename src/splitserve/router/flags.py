@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.engine.tuned import fill_tuned, tuned_for
 from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.tenants import Tenant, load_tenants
 from splitserve.runtime.credentials import add_secret_argument
@@ -30,9 +31,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     _add_port_arguments(p)
     p.add_argument(
         "--mode",
-        default=_DEFAULTS.routing.mode,
+        default=None,
         choices=MODES,
-        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto)",
+        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto) "
+        "(default: tuned)",
     )
     p.add_argument(
         "--local-prefill-max-tokens",
@@ -43,9 +45,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-backlog-tokens",
         type=int,
-        default=_DEFAULTS.routing.prefill_backlog_tokens,
+        default=None,
         help="mode auto: prefill on the decode worker when every prefill worker has at least this many prompt "
-        "tokens queued and the decode worker would finish the prompt before the pool could start it",
+        "tokens queued and the decode worker would finish the prompt before the pool could start it (default: "
+        "tuned)",
     )
     p.add_argument(
         "--decode-stall-weight",
@@ -148,8 +151,11 @@ def tls_from_args(a: argparse.Namespace) -> TLSFiles | None:
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
-    """The RouterConfig the flags of add_router_arguments (and --block-size) describe.
+    """The RouterConfig the flags of add_router_arguments (and --block-size) describe; a tuned flag
+    not given takes the machine's tuned choice (engine/tuned.py), as `serve` filled it already.
     `cluster_token`: the control plane's credential, which each command gets its own way."""
+    # `splitserve router` has no --device: it reads the CPU's choices (the router's are the same on a GPU)
+    a = fill_tuned(a, tuned_for(getattr(a, "device", "cpu")))
     routing = RoutingConfig(
         mode=a.mode,
         block_size=a.block_size,

@@ -25,7 +25,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.flags import add_engine_arguments, engine_config_from_args
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
-from splitserve.engine.tuned import detect_machine, tuned_defaults
+from splitserve.engine.tuned import fill_tuned, tuned_for
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tls import add_internal_tls_argument, load_cluster_tls
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
@@ -222,13 +222,6 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
     )
 
 
-def decode_borrows_from_args(a: argparse.Namespace) -> bool:
-    """--decode-borrows, or the machine's tuned choice where it is not given."""
-    if a.decode_borrows is not None:
-        return bool(a.decode_borrows == "on")
-    return tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda")).decode_borrows
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
     p.add_argument("--worker-id", default=None)
@@ -258,6 +251,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tracing_argument(p)
 
 
+def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
+    """The worker the flags of `add_arguments` describe (ValueError if they cannot be). A tuned flag
+    not given takes the machine's tuned choice for one process started alone: no share of the
+    machine (engine/tuned.py MACHINE_SHARES), so torch's own threads and no core lease unless given."""
+    a = fill_tuned(a, tuned_for(a.device))
+    return WorkerConfig(
+        role=a.role,
+        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
+        model=a.model,
+        engine=engine_config_from_args(a, a.role),
+        host=a.host,
+        grpc_port=a.grpc_port,
+        kv_port=a.kv_port,
+        kv_transport=a.kv_transport,
+        kv_wire_codec=a.kv_wire_codec,
+        kv_link_gbps=a.kv_link_gbps,
+        cluster_token=a.cluster_token,
+        internal_tls=load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None,
+        threads=a.threads or 0,
+        core_lease=a.core_lease or "",
+        lease_cores=a.lease_cores,
+        decode_borrows=a.decode_borrows == "on",
+        prefill_order=a.prefill_order,
+        max_waiting_requests=a.max_waiting_requests,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m splitserve.workers", description="Run one prefill or decode worker.")
     add_arguments(p)
@@ -271,40 +291,19 @@ def run(a: argparse.Namespace) -> int:
         return 2
     from splitserve.engine.preflight import engine_problems, tier_problems
 
-    try:  # the engine's flags, then the model's header against them: before any port or model load
-        engine = engine_config_from_args(a, a.role)
-        internal = load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None
+    try:  # the flags, then the model's header against them: before any port or model load
+        cfg = worker_config_from_args(a)
     except ValueError as e:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return 2
-    problems = engine_problems(a.model, {"--tensor-parallel-size": engine.tensor_parallel_size})
-    problems += tier_problems(engine.kv_disk_tier_bytes, engine.kv_disk_tier_dir)
+    problems = engine_problems(a.model, {"--tensor-parallel-size": cfg.engine.tensor_parallel_size})
+    problems += tier_problems(cfg.engine.kv_disk_tier_bytes, cfg.engine.kv_disk_tier_dir)
     for problem in problems:
         print(f"splitserve worker: {problem.line()}", file=sys.stderr)
     if problems:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing(a.otlp_traces_endpoint, f"{a.role}-worker")
-    cfg = WorkerConfig(
-        role=a.role,
-        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
-        model=a.model,
-        engine=engine,
-        host=a.host,
-        grpc_port=a.grpc_port,
-        kv_port=a.kv_port,
-        kv_transport=a.kv_transport,
-        kv_wire_codec=a.kv_wire_codec,
-        kv_link_gbps=a.kv_link_gbps,
-        cluster_token=a.cluster_token,
-        internal_tls=internal,
-        threads=a.threads,
-        core_lease=a.core_lease,
-        lease_cores=a.lease_cores,
-        decode_borrows=decode_borrows_from_args(a),
-        prefill_order=a.prefill_order,
-        max_waiting_requests=a.max_waiting_requests,
-    )
     worker = start_worker(cfg)
     metrics = serve_metrics(worker, a.metrics_port) if a.metrics_port >= 0 else "-"
     print(
