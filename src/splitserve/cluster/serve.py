@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(p.add_argument_group("model and engine"))  # --block-size among them, shared by the router
     add_admission_arguments(p.add_argument_group("admission"))
-    add_router_arguments(p)
+    add_router_arguments(p.add_argument_group("router"))
     _add_pool_arguments(p.add_argument_group("pools"))
     _add_placement_arguments(p.add_argument_group("placement on Ray"))
 
@@ -93,9 +93,9 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
             help=f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size); the KV "
             "transfer re-shards heads between pools of different sizes",
         )
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
-    from splitserve.workers.common.config import add_wire_codec_arguments
+    from splitserve.workers.common.config import add_kv_transport_argument, add_wire_codec_arguments
 
+    add_kv_transport_argument(p)
     add_wire_codec_arguments(p)
 
 
@@ -107,7 +107,7 @@ def _add_placement_arguments(p: argparse._ActionsContainer) -> None:
         help="CPUs each worker asks Ray for (default 1, or the share that fits every worker on a local "
         "cluster with fewer CPUs than workers, said at start)",
     )
-    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker asks Ray for")
     p.add_argument(
         "--prefill-resources",
         default="{}",

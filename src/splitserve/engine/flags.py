@@ -31,7 +31,7 @@ def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
     )
     add_weight_arguments(p)
     add_kv_cache_arguments(p)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step at most (the batch)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,

@@ -20,7 +20,7 @@ from splitserve.runtime.tracing import add_tracing_argument
 _DEFAULTS = RouterConfig()
 
 
-def add_router_arguments(p: argparse.ArgumentParser) -> None:
+def add_router_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """The router's flags; the parser must also have --block-size."""
     p.add_argument(
         "--host",
@@ -82,8 +82,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     add_tracing_argument(p)
 
 
-def _add_port_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
+def _add_port_arguments(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
+        "--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port, help="the gRPC API (splitserve.v1.Generation)"
+    )
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
     p.add_argument(
         "--metrics-port",
@@ -93,7 +95,7 @@ def _add_port_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_key_arguments(p: argparse.ArgumentParser) -> None:
+def _add_key_arguments(p: argparse._ActionsContainer) -> None:
     """Who may use the router, and how much: the keys, the tenants, the seats, /metrics' key."""
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
     p.add_argument(
@@ -122,7 +124,7 @@ def _add_key_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tls_arguments(p: argparse.ArgumentParser) -> None:
+def _add_tls_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--ssl-certfile",
         default=None,

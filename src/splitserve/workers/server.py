@@ -30,7 +30,7 @@ from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tls import add_internal_tls_argument, load_cluster_tls
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
-from splitserve.workers.common.config import WorkerConfig, add_wire_codec_arguments
+from splitserve.workers.common.config import WorkerConfig, add_kv_transport_argument, add_wire_codec_arguments
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.common.warm_up import warm_up
 
@@ -223,12 +223,12 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=0)
-    p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="the worker's role (required)")
+    p.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-GRPC_PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on and others reach it at")
+    p.add_argument("--grpc-port", type=int, default=0, help="the control port, the router's calls (0: a free one)")
+    p.add_argument("--kv-port", type=int, default=0, help="decode role: the KV receiver's port (0: a free one)")
+    add_kv_transport_argument(p)
     add_wire_codec_arguments(p)
     add_secret_argument(
         p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, required from every caller"

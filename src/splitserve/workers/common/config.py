@@ -86,6 +86,16 @@ class WorkerConfig:
         return self.max_waiting_requests or 2 * self.engine.max_num_seqs
 
 
+def add_kv_transport_argument(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
+    p.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=list(TRANSPORTS),
+        help="how KV moves from the prefill to the decode worker: tcp (the only one under the cluster's TLS), ucx, "
+        "or cuda_ipc (device to device on one GPU)",
+    )
+
+
 def add_wire_codec_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """The KV wire codec's flags (kv_transfer/codec.py); the prefill worker decides, the decode worker accepts."""
     p.add_argument(
