@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install test-tools serve test lint typecheck bench proto bench-peer
+.PHONY: install test-tools serve test lint typecheck bench proto bench-peer flags-doc
 
 install: $(VENV)/.installed
 
@@ -61,3 +61,7 @@ bench-peer: install
 
 proto: install
 	$(PY) -m splitserve.proto.generate
+
+# docs/flags.md from the commands' own parsers (tests/test_flags_doc.py fails when they differ)
+flags-doc: install
+	$(PY) -m splitserve.cli flags-doc > docs/flags.md

@@ -226,9 +226,11 @@ def test_config_knows_whether_it_scales():
 
 
 def serve_args(*flags: str):
+    """The serve flags as `serve` reads them: parsed, the tuned choices filled in."""
     from splitserve.cli import build_parser
+    from splitserve.cluster.serve import with_tuned
 
-    return build_parser(["serve", *flags]).parse_args(["serve", *flags])
+    return with_tuned(build_parser(["serve", *flags]).parse_args(["serve", *flags]))[0]
 
 
 def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():

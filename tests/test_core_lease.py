@@ -98,6 +98,13 @@ def test_the_tuned_cpu_pair_owns_half_the_cores_each_and_lends_them():
     assert "--dtype float32" in t.line() and "--prefill-backlog-tokens 700" in t.line()
 
 
+def test_a_gpu_keeps_torchs_own_threads_and_the_start_line_says_so():
+    # serve never set a GPU worker's threads; the line said "1 thread(s)" all the same
+    gpu = tuned_defaults(_machine(set(), cores=8, device="cuda"))
+    assert gpu.threads == 0 and not gpu.core_lease
+    assert "x torch's own threads (no core lending)" in gpu.line()
+
+
 @pytest.mark.timeout(60)
 def test_the_engine_loop_runs_each_prefill_step_on_the_threads_the_lease_gives(lease_path):
     import threading
@@ -185,7 +192,8 @@ def test_decode_steps_borrow_only_when_the_loop_is_told_to(lease_path):
 def test_a_prefill_worker_steps_through_larger_chunks_unless_told():
     import argparse
 
-    from splitserve.workers.server import add_arguments, engine_config_from_args
+    from splitserve.engine.flags import engine_config_from_args
+    from splitserve.workers.server import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -642,8 +642,11 @@ def custom_resources(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 
 def parse_serve(cmd: list[str], where: str) -> tuple[argparse.Namespace, dict[str, int]]:
-    """`splitserve serve ...` parsed as the CLI does, and each pool's TP size as serve reads it."""
-    ns = parse_cli(cmd, where)
+    """`splitserve serve ...` parsed as the CLI does, the tuned choices filled in as serve does, and
+    each pool's TP size as serve reads it."""
+    from splitserve.cluster.serve import with_tuned
+
+    ns, _ = with_tuned(parse_cli(cmd, where))
     return ns, {role: pool_tp_size(ns, role) for role in ("prefill", "decode")}
 
 

@@ -304,7 +304,7 @@ def test_worker_and_serve_flags() -> None:
     import argparse
 
     from splitserve.cluster.serve import add_arguments as add_serve_arguments
-    from splitserve.workers.server import add_engine_arguments, engine_config_from_args
+    from splitserve.engine.flags import add_engine_arguments, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

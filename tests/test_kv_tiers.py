@@ -258,7 +258,7 @@ def test_the_tier_flags_reach_the_engine_config_and_serve_help():
     import argparse
 
     from splitserve.cluster.serve import add_arguments
-    from splitserve.workers.server import add_engine_arguments, engine_config_from_args
+    from splitserve.engine.flags import add_engine_arguments, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

@@ -126,12 +126,12 @@ def test_oversubscription_names_workers_threads_and_cores() -> None:
 
 def test_serve_warns_of_oversubscription_at_start_and_starts(monkeypatch, caplog) -> None:
     import splitserve.cluster.preflight as machine
-    from splitserve.cluster.serve import configure, preflight
+    from splitserve.cluster.serve import configure, preflight, with_tuned
 
     monkeypatch.setattr(machine, "machine_resources", lambda: {CPU: 2.0})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    argv = ["serve", "--decode-workers", "5"]
-    args = build_parser(argv).parse_args(argv)
+    argv = ["serve", "--decode-workers", "5", "--threads", "0"]  # torch's own: one per CPU Ray gives
+    args, _ = with_tuned(build_parser(argv).parse_args(argv))
     with caplog.at_level(logging.WARNING, logger="splitserve.cluster.serve"):
         cpus, problems = preflight(args, configure(args))
     assert problems == [] and cpus == 0.33  # said, not refused

@@ -72,8 +72,8 @@ def test_the_router_command_reads_its_cluster_token_flag() -> None:
 
 def test_the_worker_flags_build_the_engine_config() -> None:
     from splitserve.engine.config import EngineConfig
+    from splitserve.engine.flags import engine_config_from_args
     from splitserve.engine.tuned import detect_machine, tuned_defaults
-    from splitserve.workers.server import engine_config_from_args
 
     a = parse("worker", "--role", "decode", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64")
     tuned = tuned_defaults(detect_machine())  # the dtype no flag gave: the machine's arithmetic decides

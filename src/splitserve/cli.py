@@ -3,15 +3,24 @@
 Each subcommand lives in its own module and is imported only when run, so
 `splitserve generate` does not pay for Ray and `splitserve serve` does not pay
 for transformers.
+
+The flags reference (docs/flags.md) is read from the same parsers:
+`python -m splitserve.cli flags-doc > docs/flags.md`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from splitserve.runtime.grpc_fork import disable_grpc_fork_handlers
+
+if TYPE_CHECKING:
+    from splitserve.engine.tuned import Tuned
 
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
@@ -101,5 +110,121 @@ def main(argv: list[str] | None = None) -> int:
     return int(importlib.import_module(args._module).run(args) or 0)
 
 
+# ---- the flags reference: docs/flags.md, regenerated from the parsers (tests/test_flags_doc.py)
+
+# the commands that run a cluster or a piece of one, in the reference
+REFERENCE_COMMANDS = ("serve", "router", "worker", "generate")
+FLAGS_DOC_COMMAND = "python -m splitserve.cli flags-doc > docs/flags.md"
+
+
+def flags_reference() -> str:
+    """docs/flags.md: each command's flags as its parser has them, a table per flag group, and the
+    tuned choices behind the defaults marked tuned."""
+    lines = [
+        "# The flags of splitserve's commands",
+        "",
+        f"Generated from the commands' own parsers by `{FLAGS_DOC_COMMAND}` (`make flags-doc`);",
+        "`tests/test_flags_doc.py` fails when this file and the parsers differ. `splitserve COMMAND --help`",
+        "says the same. A default of *tuned* is the machine's tuned choice ([below](#tuned-defaults)),",
+        "which `serve` prints at start; a flag given wins.",
+    ]
+    for name in REFERENCE_COMMANDS:
+        lines += _command_reference(name)
+    return "\n".join(lines + _tuned_reference()) + "\n"
+
+
+def _command_reference(name: str) -> list[str]:
+    from splitserve.engine.tuned import MACHINE_SHARES, Tuned
+
+    module, help_ = SUBCOMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"splitserve {name}")
+    importlib.import_module(module).add_arguments(p)
+    # only serve, which starts the whole cluster, takes the machine's shares from the table
+    tuned = {f.name for f in fields(Tuned)} - (set() if name == "serve" else MACHINE_SHARES)
+    lines = ["", f"## splitserve {name}", "", f"{help_[0].upper()}{help_[1:]}."]
+    groups = [(g.title or "", _shown(g._group_actions)) for g in p._action_groups]
+    groups = [(title, actions) for title, actions in groups if actions]
+    for title, actions in groups:
+        if len(groups) > 1:
+            lines += ["", f"### {title}"]
+        lines += ["", "| flag | default | what it does |", "| --- | --- | --- |"]
+        lines += [f"| `{_invocation(a)}` | {_default(a, tuned)} | {_help(a)} |" for a in actions]
+    return lines
+
+
+def _shown(actions: list[argparse.Action]) -> list[argparse.Action]:
+    return [a for a in actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+
+
+def _invocation(a: argparse.Action) -> str:
+    names = ", ".join(a.option_strings) or a.dest
+    if a.nargs == 0:
+        return names
+    if a.choices is not None:
+        value = "{" + ",".join(str(c) for c in a.choices) + "}"
+    elif isinstance(a.metavar, str):
+        value = a.metavar
+    else:  # a number's name says less than N
+        value = "N" if a.type in (int, float) else a.dest.upper()
+    return f"{names} {value}" if a.option_strings else value
+
+
+def _default(a: argparse.Action, tuned: set[str]) -> str:
+    """The default as a reader sees it: tuned, the environment variable it is read from (never the
+    value this process found there), on or off for a switch, or the parser's own."""
+    if a.dest in tuned:
+        return "tuned"
+    env = re.search(r"\(default: (\$\w+)", a.help or "")
+    if env:
+        return f"`{env.group(1)}`"
+    if a.nargs == 0:
+        return "on" if a.default else "off"
+    if a.default is None or a.default == argparse.SUPPRESS or a.default in ((), []):
+        return ""
+    return f"`{a.default!s}`" if a.default != "" else "`''`"
+
+
+def _help(a: argparse.Action) -> str:
+    return " ".join((a.help or "").replace("%%", "%").split()).replace("|", "\\|")
+
+
+def _tuned_reference() -> list[str]:
+    """The tuned choices of three machines, each a row of the flags whose default is tuned."""
+    from splitserve.engine.tuned import Machine, Tuned, tuned_defaults
+
+    machines = {
+        "a CPU of 2 cores without bf16 arithmetic": Machine("cpu", 2, frozenset({"avx2"})),
+        "a CPU of 16 cores with AVX-512 BF16": Machine("cpu", 16, frozenset({"avx2", "avx512f", "avx512_bf16"})),
+        "CUDA": Machine("cuda", 16, frozenset()),
+    }
+    choices = [tuned_defaults(m) for m in machines.values()]
+    lines = [
+        "",
+        "## Tuned defaults",
+        "",
+        "What the benchmarks found best for the machine (`src/splitserve/engine/tuned.py`, each choice beside the",
+        "measurement behind it), chosen from its arithmetic and cores. `serve` applies them all and prints them at",
+        "start; a worker or `generate` started alone takes no share of the machine (torch's own threads, no core",
+        "lease), and `splitserve router` takes the routing choices. For example:",
+        "",
+        "| flag | " + " | ".join(machines) + " |",
+        "| --- |" + " --- |" * len(machines),
+    ]
+    for f in fields(Tuned):
+        values = [_tuned_value(t, f.name) for t in choices]
+        lines.append(f"| `--{f.name.replace('_', '-')}` | " + " | ".join(values) + " |")
+    return lines
+
+
+def _tuned_value(tuned: Tuned, name: str) -> str:
+    if name == "core_lease":
+        return "a file in /dev/shm per cluster" if tuned.core_lease else "off"
+    value = tuned.flag_values()[name]
+    return "torch's own" if name == "threads" and value == 0 else f"`{value}`"
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["flags-doc"]:  # the reference, regenerated: FLAGS_DOC_COMMAND
+        sys.stdout.write(flags_reference())
+        sys.exit(0)
     sys.exit(main())

@@ -13,25 +13,27 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from splitserve.workers.server import add_engine_arguments
+    from splitserve.engine.flags import add_engine_arguments
 
     p.add_argument("prompt", help="the user message (rendered with the model's chat template)")
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--local", action="store_true", help="run the engine in this process instead of calling a router")
     p.add_argument("--address", default="127.0.0.1:50051", help="router gRPC address")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--api-key", default=None, help="the router's API key, sent as a bearer token")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest's")
+    p.add_argument("--seed", type=int, default=None, help="seeded sampling: the same tokens for the same seed")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divides the logits of tokens seen (1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a generated token's logit")
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a generated token"
+    )
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
     p.add_argument(
         "--wait-s",
@@ -57,11 +59,11 @@ def run(a: argparse.Namespace) -> int:
 
 def _local(a: argparse.Namespace) -> int:
     from splitserve.engine.engine import Engine
+    from splitserve.engine.flags import engine_config_from_args
     from splitserve.engine.preflight import engine_problems
     from splitserve.engine.sampling import SamplingParams
     from splitserve.engine.tokenizer import IncrementalDetokenizer
     from splitserve.router.stop import StopMatcher
-    from splitserve.workers.server import engine_config_from_args
 
     if a.threads:
         import torch

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from splitserve.cluster.scaling import ScalingConfig
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tuned import Tuned
+    from splitserve.router.config import RouterConfig
     from splitserve.router.server import Router
     from splitserve.router.workers import Role
     from splitserve.runtime.tls import ClusterTLS
@@ -36,15 +37,16 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.engine.flags import add_engine_arguments
     from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
     from splitserve.router.flags import add_router_arguments
-    from splitserve.workers.server import add_admission_arguments, add_engine_arguments
+    from splitserve.workers.server import add_admission_arguments
 
     engine = p.add_argument_group("model and engine")
     add_engine_arguments(engine)  # --block-size among them, shared by the router
     add_kernels_argument(engine)
     add_admission_arguments(p.add_argument_group("admission"))
-    add_router_arguments(p)
+    add_router_arguments(p.add_argument_group("router"))
     _add_pool_arguments(p.add_argument_group("pools"))
     _add_placement_arguments(p.add_argument_group("placement on Ray"))
 
@@ -61,9 +63,9 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
         default="127.0.0.1",
         help="address workers listen on and advertise; 'auto': each worker's own Ray node IP (multi-node)",
     )
-    # one of each: the tuned pair (engine/tuned.py), whose prefill borrows the decode worker's idle cores
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    # the tuned pair (engine/tuned.py): one of each, whose prefill borrows the decode worker's idle cores
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill workers at start (default: tuned)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode workers at start (default: tuned)")
     p.add_argument(
         "--prefill-workers-max",
         type=int,
@@ -96,9 +98,9 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
             help=f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size); the KV "
             "transfer re-shards heads between pools of different sizes",
         )
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
-    from splitserve.workers.common.config import add_wire_codec_arguments
+    from splitserve.workers.common.config import add_kv_transport_argument, add_wire_codec_arguments
 
+    add_kv_transport_argument(p)
     add_wire_codec_arguments(p)
 
 
@@ -110,7 +112,7 @@ def _add_placement_arguments(p: argparse._ActionsContainer) -> None:
         help="CPUs each worker asks Ray for (default 1, or the share that fits every worker on a local "
         "cluster with fewer CPUs than workers, said at start)",
     )
-    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker asks Ray for")
     p.add_argument(
         "--prefill-resources",
         default="{}",
@@ -205,23 +207,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def with_tuned(a: argparse.Namespace) -> tuple[argparse.Namespace, Tuned]:
-    """The flags with every one not given set to the machine's tuned value (engine/tuned.py), and
-    what the tuned values are (each flag given still wins, so the line printed is the machine's).
-    On a CPU the workers of this machine share a core lease: a fresh file in /dev/shm per cluster
-    (each node has its own /dev/shm, so a multi-node cluster lends within each machine)."""
-    from splitserve.engine.tuned import detect_machine, tuned_defaults
+    """The flags with every tuned one not given set to the machine's tuned choice (engine/tuned.py),
+    every choice the start line prints among them, and what the choices are (each flag given still
+    wins, so the line printed is the machine's). Where the choice is to lend cores, the workers of
+    this machine share a core lease: a fresh file in /dev/shm per cluster (each node has its own
+    /dev/shm, so a multi-node cluster lends within each machine)."""
+    from splitserve.engine.tuned import fill_tuned, tuned_for
 
-    tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
-    filled = argparse.Namespace(**vars(a))
-    filled.dtype = a.dtype or tuned.dtype
-    if a.long_prefill_token_threshold is None:
-        filled.long_prefill_token_threshold = tuned.long_prefill_token_threshold
-    if a.decode_borrows is None:
-        filled.decode_borrows = "on" if tuned.decode_borrows else "off"
-    if not a.threads and a.device == "cpu":
-        filled.threads = tuned.threads
-    if a.core_lease == "" and tuned.core_lease:
-        filled.core_lease = f"/dev/shm/splitserve-cores-{secrets.token_hex(6)}"
+    tuned = tuned_for(a.device)
+    filled = fill_tuned(a, tuned, whole_cluster=True)
+    if a.core_lease is None:
+        filled.core_lease = f"/dev/shm/splitserve-cores-{secrets.token_hex(6)}" if tuned.core_lease else ""
     elif a.core_lease == "off":
         filled.core_lease = ""
     return filled, tuned
@@ -245,7 +241,7 @@ def _said(problem: Problem) -> str:
 def configure(a: argparse.Namespace) -> ServeConfig:
     """The flags read into one config; ValueError (OSError for an unreadable --node-types) if they
     cannot be: what needs no model and no machine to know."""
-    from splitserve.workers.server import engine_config_from_args
+    from splitserve.engine.flags import engine_config_from_args
 
     scaling = {role: scaling_config(a, role) for role in ROLES}
     node_types = parse_node_types(a.node_types)
@@ -323,7 +319,7 @@ async def _serve(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float
         loop.add_signal_handler(sig, stop.set)
     cluster_token = secrets.token_urlsafe(24)  # the control plane's credential, new per cluster
     internal = _internal_tls(a)
-    specs = _pool_specs(a, cfg, cpus_per_worker, cluster_token, internal)
+    specs = pool_specs(a, cfg, cpus_per_worker, cluster_token, internal)
     router = _router(a, specs, cluster_token, internal)
     from splitserve.cluster.pool import PoolManager
 
@@ -369,11 +365,11 @@ def _internal_tls(a: argparse.Namespace) -> ClusterTLS | None:
     return load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else make_cluster_tls()
 
 
-def _pool_specs(
+def pool_specs(
     a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float, cluster_token: str, internal: ClusterTLS | None
 ) -> list[PoolSpec]:
     """Each pool: its workers' config (the shared engine at the pool's tensor-parallel size), its
-    size and scaling, and what each worker asks Ray for."""
+    size and scaling, and what each worker asks Ray for; `a` as `with_tuned` filled it."""
     from splitserve.cluster.pool import PoolSpec
     from splitserve.engine.tuned import chunk_tokens
     from splitserve.workers.common.config import WorkerConfig
@@ -417,16 +413,24 @@ def _pool_specs(
 
 
 def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str, internal: ClusterTLS | None) -> Router:
-    """The router, with the model's tokenizer and tracing, ready (health SERVING) once every pool
-    that will serve requests has a worker up."""
+    """The router, with the model's tokenizer and tracing."""
     from splitserve.engine.weights import load_tokenizer
     from splitserve.router.engine_tokenizer import EngineTokenizer
-    from splitserve.router.flags import router_config_from_args
     from splitserve.router.server import Router
     from splitserve.runtime.tracing import setup_tracing
 
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
     setup_tracing(a.otlp_traces_endpoint, "router")  # the router's; each worker actor sets up its own
+    return Router(router_config(a, specs, cluster_token, internal), tokenizer)
+
+
+def router_config(
+    a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str, internal: ClusterTLS | None
+) -> RouterConfig:
+    """The router's config, ready (health SERVING) once every pool that will serve requests has a
+    worker up; `a` as `with_tuned` filled it."""
+    from splitserve.router.flags import router_config_from_args
+
     router_cfg = router_config_from_args(a, cluster_token)
     # a colocated router never calls the prefill pool
     required = tuple(
@@ -435,7 +439,7 @@ def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str, in
         if spec.replicas and (spec.role == "decode" or router_cfg.routing.mode != "colocated")
     )
     listeners = replace(router_cfg.listeners, internal_tls=internal)
-    return Router(replace(router_cfg, required_pools=required, listeners=listeners), tokenizer)
+    return replace(router_cfg, required_pools=required, listeners=listeners)
 
 
 async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, specs: list[PoolSpec]) -> None:

@@ -39,6 +39,8 @@ from typing import NamedTuple
 # core): a prompt is passed over for at most about as long as it takes to prefill itself.
 AGING_TOKENS_PER_S = 500.0
 
+PREFILL_ORDERS = ("shortest", "arrival")  # --prefill-order: shortest remaining first, aged; or arrival order
+
 
 class Share(NamedTuple):
     """Whose request it is: the tenant the router found from its key, the tenant's weight, and the

@@ -6,12 +6,18 @@ Issue 22: the figures in BENCHMARKS.md needed flags that were not the defaults
 700`), so `splitserve serve` as a user starts it did not give them. Each choice here
 names the measurement behind it; a flag still overrides it, and the commands print
 `Tuned.line()` at start so that nobody has to guess what ran.
+
+Each choice is the default of the flag of its name (`prefill_backlog_tokens` of
+`--prefill-backlog-tokens`), whose parser default is None: `fill_tuned` sets the
+choices no flag gave, so that what the start line says is what runs (issue 33:
+five of the ten printed choices were argparse defaults written out again elsewhere).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # CPU flags whose bfloat16 arithmetic makes a bf16 matmul faster than float32's (dot products
 # in bf16 with float32 accumulation); without them torch converts, and float32 is faster.
@@ -33,12 +39,12 @@ class Machine:
 
 @dataclass(frozen=True)
 class Tuned:
-    """The defaults for one machine; every field is a flag's default."""
+    """The defaults for one machine; every field is the default of the flag of its name."""
 
     dtype: str  # weights and KV (--kv-cache-dtype auto follows the weights)
     prefill_workers: int
     decode_workers: int
-    threads: int  # each worker's own share of the cores
+    threads: int  # each worker's own share of the cores (0: torch's own count)
     core_lease: bool  # a prefill borrows the idle cores of the other workers (engine/core_lease.py)
     decode_borrows: bool  # so does a decode step (--decode-borrows)
     long_prefill_token_threshold: int
@@ -52,12 +58,20 @@ class Tuned:
             lend = (
                 "prefill and decode steps borrow idle cores" if self.decode_borrows else "a prefill borrows idle cores"
             )
+        threads = f"{self.threads} thread(s)" if self.threads else "torch's own threads"
         return (
             f"--dtype {self.dtype}, {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
-            f"{self.threads} thread(s) ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
+            f"{threads} ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
             f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}, "
             f"--prefill-order {self.prefill_order}"
         )
+
+    def flag_values(self) -> dict[str, str | int]:
+        """Each choice as its flag gives it, by the flag's argparse dest. The core lease is not among
+        them: `serve` makes its file, one per cluster, where `core_lease` says to."""
+        values: dict[str, str | int] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "core_lease"}
+        values["decode_borrows"] = "on" if self.decode_borrows else "off"
+        return values
 
 
 def tuned_defaults(machine: Machine) -> Tuned:
@@ -71,10 +85,10 @@ def tuned_defaults(machine: Machine) -> Tuned:
     a long prefill yielding to prompts of 256 tokens or fewer and the router prefilling locally past
     a 700-token backlog (the peer sweeps of issue 10); waiting prompts shortest first, aged, to
     bound the short ones' TTFT.
-    On a GPU: bfloat16, one worker per role, nothing lent."""
+    On a GPU: bfloat16, one worker per role, torch's own threads, nothing lent."""
     on_cpu = machine.device == "cpu"
     dtype = "bfloat16" if (not on_cpu or machine.bf16_arithmetic) else "float32"
-    threads = max(1, machine.cores // 2) if on_cpu else 1
+    threads = max(1, machine.cores // 2) if on_cpu else 0
     return Tuned(
         dtype=dtype,
         prefill_workers=1,
@@ -87,6 +101,28 @@ def tuned_defaults(machine: Machine) -> Tuned:
         mode="auto",
         prefill_order="shortest",
     )
+
+
+def tuned_for(device: str) -> Tuned:
+    """This machine's tuned choices for an engine on `device` (--device: cpu, cuda[:N])."""
+    return tuned_defaults(detect_machine("cpu" if device == "cpu" else "cuda"))
+
+
+# The choices that divide this machine between a cluster's workers. Only `serve`, which starts
+# them all, applies them; a process started alone (`splitserve worker`, `generate --local`) keeps
+# its flags' own meaning: torch's own thread count, no core lease.
+MACHINE_SHARES = frozenset({"prefill_workers", "decode_workers", "threads", "core_lease"})
+
+
+def fill_tuned(a: argparse.Namespace, tuned: Tuned, *, whole_cluster: bool = False) -> argparse.Namespace:
+    """A copy of the flags `a` with each tuned choice that no flag gave (None) set to `tuned`'s: the
+    machine's shares only for a command that starts the whole cluster. A flag the command does not
+    have stays absent; the core lease is `serve`'s to fill (cluster/serve.py `with_tuned`)."""
+    filled = argparse.Namespace(**vars(a))
+    for dest, value in tuned.flag_values().items():
+        if getattr(a, dest, "") is None and (whole_cluster or dest not in MACHINE_SHARES):
+            setattr(filled, dest, value)
+    return filled
 
 
 # Tokens per engine step (--max-num-batched-tokens), by role. A prefill worker has no decodes to

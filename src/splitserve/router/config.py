@@ -75,7 +75,8 @@ class RoutingConfig:
     # this prompt (after its own queued prefill) no later than that. Tokens, not seconds: both sides
     # prefill at about the same rate on one kind of hardware, so the comparison needs no clock.
     # Size it to the TTFT you would give up waiting for. 700 is what the peer sweeps found best on
-    # a 2-core CPU (issue 10) and the default since issue 22: a user gets the recorded figures.
+    # a 2-core CPU (issue 10); the commands take their default from engine/tuned.py (issue 22: a
+    # user gets the recorded figures), this one is a library caller's.
     prefill_backlog_tokens: int = 700
     # ...and only while the TTFT that saves (in prefill tokens) is at least this weight times the stall
     # it puts on the decode worker's running streams (the prompt's tokens times the streams): 1 holds

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.engine.tuned import fill_tuned, tuned_for
 from splitserve.router.config import MODES, Limits, Listeners, RouterConfig, RoutingConfig
 from splitserve.router.tenants import Tenant, load_tenants
 from splitserve.runtime.credentials import add_secret_argument
@@ -19,7 +20,7 @@ from splitserve.runtime.tracing import add_tracing_argument
 _DEFAULTS = RouterConfig()
 
 
-def add_router_arguments(p: argparse.ArgumentParser) -> None:
+def add_router_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """The router's flags; the parser must also have --block-size."""
     p.add_argument(
         "--host",
@@ -30,9 +31,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     _add_port_arguments(p)
     p.add_argument(
         "--mode",
-        default=_DEFAULTS.routing.mode,
+        default=None,
         choices=MODES,
-        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto)",
+        help="prefill on a prefill worker (disaggregated), on the decode worker (colocated), or per request (auto) "
+        "(default: tuned)",
     )
     p.add_argument(
         "--local-prefill-max-tokens",
@@ -43,9 +45,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-backlog-tokens",
         type=int,
-        default=_DEFAULTS.routing.prefill_backlog_tokens,
+        default=None,
         help="mode auto: prefill on the decode worker when every prefill worker has at least this many prompt "
-        "tokens queued and the decode worker would finish the prompt before the pool could start it",
+        "tokens queued and the decode worker would finish the prompt before the pool could start it (default: "
+        "tuned)",
     )
     p.add_argument(
         "--decode-stall-weight",
@@ -79,8 +82,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     add_tracing_argument(p)
 
 
-def _add_port_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port)
+def _add_port_arguments(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
+        "--grpc-port", type=int, default=_DEFAULTS.listeners.grpc_port, help="the gRPC API (splitserve.v1.Generation)"
+    )
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
     p.add_argument(
         "--metrics-port",
@@ -90,7 +95,7 @@ def _add_port_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_key_arguments(p: argparse.ArgumentParser) -> None:
+def _add_key_arguments(p: argparse._ActionsContainer) -> None:
     """Who may use the router, and how much: the keys, the tenants, the seats, /metrics' key."""
     add_secret_argument(p, "--api-key", "SPLITSERVE_API_KEY", "the key clients must send as a bearer token")
     p.add_argument(
@@ -119,7 +124,7 @@ def _add_key_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tls_arguments(p: argparse.ArgumentParser) -> None:
+def _add_tls_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--ssl-certfile",
         default=None,
@@ -148,8 +153,11 @@ def tls_from_args(a: argparse.Namespace) -> TLSFiles | None:
 
 
 def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) -> RouterConfig:
-    """The RouterConfig the flags of add_router_arguments (and --block-size) describe.
+    """The RouterConfig the flags of add_router_arguments (and --block-size) describe; a tuned flag
+    not given takes the machine's tuned choice (engine/tuned.py), as `serve` filled it already.
     `cluster_token`: the control plane's credential, which each command gets its own way."""
+    # `splitserve router` has no --device: it reads the CPU's choices (the router's are the same on a GPU)
+    a = fill_tuned(a, tuned_for(getattr(a, "device", "cpu")))
     routing = RoutingConfig(
         mode=a.mode,
         block_size=a.block_size,

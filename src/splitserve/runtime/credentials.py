@@ -28,7 +28,7 @@ def read_secret_file(path: str) -> str:
     return text
 
 
-def add_secret_argument(p: argparse.ArgumentParser, flag: str, env: str, what: str) -> None:
+def add_secret_argument(p: argparse._ActionsContainer, flag: str, env: str, what: str) -> None:
     """`flag` VALUE and `flag`-file PATH, one or the other, both into the same attribute;
     neither given: $`env`, or None."""
     dest = flag.lstrip("-").replace("-", "_")

@@ -53,7 +53,7 @@ Attributes = Mapping[str, "AttributeValue"]
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]  # gRPC metadata or HTTP headers
 
 
-def add_tracing_argument(p: argparse.ArgumentParser) -> None:
+def add_tracing_argument(p: argparse._ActionsContainer) -> None:
     """--otlp-traces-endpoint, for every command that starts a router or a worker (vLLM's flag name)."""
     import os
 

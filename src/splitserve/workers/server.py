@@ -20,26 +20,19 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine
+from splitserve.engine.flags import add_engine_arguments, engine_config_from_args
 from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
-from splitserve.engine.tuned import chunk_tokens, detect_machine, tuned_defaults
+from splitserve.engine.tuned import fill_tuned, tuned_for
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tls import add_internal_tls_argument, load_cluster_tls
 from splitserve.runtime.tracing import add_tracing_argument, setup_tracing
 from splitserve.workers.common.auth import ClusterTokenInterceptor, cluster_token_refusal
-from splitserve.workers.common.config import (
-    PREFILL_ORDERS,
-    WorkerConfig,
-    add_tier_arguments,
-    add_wire_codec_arguments,
-    tier_fields,
-)
+from splitserve.workers.common.config import WorkerConfig, add_kv_transport_argument, add_wire_codec_arguments
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
-from splitserve.workers.common.speculation import add_speculation_arguments, speculation_fields
 from splitserve.workers.common.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -219,99 +212,6 @@ def serve_metrics(worker: RunningWorker, port: int) -> str:
     return address
 
 
-def add_engine_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
-    """Model and engine flags shared by every command that builds an engine."""
-    from splitserve.engine.config import KV_CACHE_DTYPES
-
-    p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, Hugging Face directory, or an embedded model: smollm2-135m (the default, "
-        "SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3 270M pretrained, Q4_K_M)",
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA and on a CPU with bf16 arithmetic, "
-        "avx512_bf16 or amx_bf16; else float32)",
-    )
-    add_weight_arguments(p)
-    p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="the KV pool's storage dtype: auto (the model's), bfloat16, float32, int8 or fp8 (e4m3); int8 and fp8 "
-        "keep a scale per token and KV head and hold about twice the tokens of bfloat16 in the same bytes",
-    )
-    p.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=0,
-        help="size the KV pool in bytes instead (all layers, every rank's shard): the blocks that fit "
-        "in the chosen --kv-cache-dtype (0: --num-blocks decides)",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help=f"tokens per step (the prefill chunk; default {chunk_tokens('prefill')} on a prefill worker, which has "
-        f"no decodes to interleave, {chunk_tokens(None)} elsewhere)",
-    )
-    p.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="a prompt with more tokens than this left to prefill lets a waiting prompt this short go first "
-        "(0: arrival order; default 256, what the peer runs found best)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    add_core_lease_arguments(p)
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="processes splitting each layer's heads and MLP (on CUDA one GPU each, from --device's on); "
-        "must divide the model's heads, KV heads and intermediate size",
-    )
-    add_tier_arguments(p)
-    add_speculation_arguments(p)
-
-
-def add_core_lease_arguments(p: argparse._ActionsContainer) -> None:
-    """Core lending between the workers of one machine (engine/core_lease.py)."""
-    p.add_argument(
-        "--core-lease",
-        default="",
-        help="a file in /dev/shm shared by the workers of this machine: a prefill step takes the cores no other "
-        "worker's step claims, and gives them back at its next step when they do; --threads is each worker's "
-        "own share ('' or 'off': off; splitserve serve makes one for its CPU workers unless given 'off')",
-    )
-    p.add_argument(
-        "--prefill-order",
-        default="shortest",
-        choices=PREFILL_ORDERS,
-        help="which waiting prompt starts first: the shortest remaining, a second of waiting counting as "
-        f"{AGING_TOKENS_PER_S:g} tokens fewer so that long ones are not starved, or in arrival order",
-    )
-    p.add_argument(
-        "--lease-cores",
-        type=int,
-        default=0,
-        help="the cores the --core-lease shares (0: the cores this process may run on)",
-    )
-    p.add_argument(
-        "--decode-borrows",
-        default=None,
-        choices=["on", "off"],
-        help="decode steps borrow the cores no other worker claims too, and give them back at the next step "
-        "when a prefill wants them (default: the machine's tuned choice)",
-    )
-
-
 def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     """A worker's admission limit, for every command that starts workers."""
     p.add_argument(
@@ -323,63 +223,13 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
     )
 
 
-def add_weight_arguments(p: argparse._ActionsContainer) -> None:
-    """How the engine holds and multiplies the weights (engine/quant/)."""
-    from splitserve.engine.config import QUANTIZATIONS
-
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=list(QUANTIZATIONS),
-        help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype; "
-        "q8_0 and q4_k also quantize a float checkpoint's matrices at load",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="quantized weights compute a prefill's rows on the decode kernel, so that a seeded request gives the "
-        "same tokens whatever shares its steps (prefill runs slower)",
-    )
-
-
-def decode_borrows_from_args(a: argparse.Namespace) -> bool:
-    """--decode-borrows, or the machine's tuned choice where it is not given."""
-    if a.decode_borrows is not None:
-        return bool(a.decode_borrows == "on")
-    return tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda")).decode_borrows
-
-
-def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> EngineConfig:
-    """The engine the flags describe for a worker of `role` (None: any); a flag not given takes the
-    machine's tuned default (engine/tuned.py)."""
-    tuned = tuned_defaults(detect_machine("cpu" if a.device == "cpu" else "cuda"))
-    threshold = a.long_prefill_token_threshold
-    return EngineConfig(
-        device=a.device,
-        dtype=a.dtype or tuned.dtype,
-        block_size=a.block_size,
-        num_blocks=a.num_blocks,
-        kv_cache_dtype=a.kv_cache_dtype,
-        kv_cache_bytes=a.kv_cache_bytes,
-        quantization=a.quantization,
-        batch_invariant=a.batch_invariant,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
-        long_prefill_token_threshold=tuned.long_prefill_token_threshold if threshold is None else threshold,
-        tensor_parallel_size=a.tensor_parallel_size,
-        **tier_fields(a),
-        **speculation_fields(a),
-    )
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=0)
-    p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx", "cuda_ipc"])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="the worker's role (required)")
+    p.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-GRPC_PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on and others reach it at")
+    p.add_argument("--grpc-port", type=int, default=0, help="the control port, the router's calls (0: a free one)")
+    p.add_argument("--kv-port", type=int, default=0, help="decode role: the KV receiver's port (0: a free one)")
+    add_kv_transport_argument(p)
     add_wire_codec_arguments(p)
     add_secret_argument(
         p, "--cluster-token", "SPLITSERVE_CLUSTER_TOKEN", "the cluster token, required from every caller"
@@ -403,6 +253,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tracing_argument(p)
 
 
+def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
+    """The worker the flags of `add_arguments` describe (ValueError if they cannot be). A tuned flag
+    not given takes the machine's tuned choice for one process started alone: no share of the
+    machine (engine/tuned.py MACHINE_SHARES), so torch's own threads and no core lease unless given."""
+    a = fill_tuned(a, tuned_for(a.device))
+    return WorkerConfig(
+        role=a.role,
+        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
+        model=a.model,
+        engine=engine_config_from_args(a, a.role),
+        host=a.host,
+        grpc_port=a.grpc_port,
+        kv_port=a.kv_port,
+        kv_transport=a.kv_transport,
+        kv_wire_codec=a.kv_wire_codec,
+        kv_link_gbps=a.kv_link_gbps,
+        cluster_token=a.cluster_token,
+        internal_tls=load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None,
+        threads=a.threads or 0,
+        core_lease=a.core_lease or "",
+        lease_cores=a.lease_cores,
+        decode_borrows=a.decode_borrows == "on",
+        prefill_order=a.prefill_order,
+        max_waiting_requests=a.max_waiting_requests,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m splitserve.workers", description="Run one prefill or decode worker.")
     add_arguments(p)
@@ -417,42 +294,21 @@ def run(a: argparse.Namespace) -> int:
     from splitserve.engine.kernels.prebuild import preflight as kernels_preflight
     from splitserve.engine.preflight import engine_problems, tier_problems
 
-    try:  # the engine's flags, then the model's header against them: before any port or model load
-        engine = engine_config_from_args(a, a.role)
-        internal = load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None
+    try:  # the flags, then the model's header against them: before any port or model load
+        cfg = worker_config_from_args(a)
     except ValueError as e:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return 2
-    problems = engine_problems(a.model, {"--tensor-parallel-size": engine.tensor_parallel_size})
-    problems += tier_problems(engine.kv_disk_tier_bytes, engine.kv_disk_tier_dir)
+    problems = engine_problems(a.model, {"--tensor-parallel-size": cfg.engine.tensor_parallel_size})
+    problems += tier_problems(cfg.engine.kv_disk_tier_bytes, cfg.engine.kv_disk_tier_dir)
     if not problems:  # the cheap checks first: a build takes seconds
-        problems = kernels_preflight(engine.device, a.allow_torch_fallback, lambda line: print(line, flush=True))
+        problems = kernels_preflight(cfg.engine.device, a.allow_torch_fallback, lambda line: print(line, flush=True))
     for problem in problems:
         print(f"splitserve worker: {problem.line()}", file=sys.stderr)
     if problems:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing(a.otlp_traces_endpoint, f"{a.role}-worker")
-    cfg = WorkerConfig(
-        role=a.role,
-        worker_id=a.worker_id or f"{a.role}-{a.grpc_port}",
-        model=a.model,
-        engine=engine,
-        host=a.host,
-        grpc_port=a.grpc_port,
-        kv_port=a.kv_port,
-        kv_transport=a.kv_transport,
-        kv_wire_codec=a.kv_wire_codec,
-        kv_link_gbps=a.kv_link_gbps,
-        cluster_token=a.cluster_token,
-        internal_tls=internal,
-        threads=a.threads,
-        core_lease=a.core_lease,
-        lease_cores=a.lease_cores,
-        decode_borrows=decode_borrows_from_args(a),
-        prefill_order=a.prefill_order,
-        max_waiting_requests=a.max_waiting_requests,
-    )
     worker = start_worker(cfg)
     metrics = serve_metrics(worker, a.metrics_port) if a.metrics_port >= 0 else "-"
     print(

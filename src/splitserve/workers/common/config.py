@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.prefill_order import PREFILL_ORDERS
 from splitserve.kv_transfer.codec import WIRE_CODEC_MODES, WireCodecMode
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.runtime.tls import ClusterTLS
 
 ROLES = ("prefill", "decode")
 TRANSPORTS: tuple[TransportName, ...] = TRANSPORT_NAMES
-
-
-PREFILL_ORDERS = ("shortest", "arrival")  # --prefill-order
 
 
 @dataclass(frozen=True)
@@ -89,37 +86,14 @@ class WorkerConfig:
         return self.max_waiting_requests or 2 * self.engine.max_num_seqs
 
 
-def add_tier_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
-    """The tiers behind a worker's prefix cache (engine/kv_tiers.py)."""
+def add_kv_transport_argument(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
     p.add_argument(
-        "--kv-host-tier-mib",
-        type=int,
-        default=0,
-        help="RAM (MiB) for cached KV blocks evicted from the pool; a later prompt with that prefix loads them "
-        "back instead of recomputing when that is faster (0: off)",
+        "--kv-transport",
+        default="tcp",
+        choices=list(TRANSPORTS),
+        help="how KV moves from the prefill to the decode worker: tcp (the only one under the cluster's TLS), ucx, "
+        "or cuda_ipc (device to device on one GPU)",
     )
-    p.add_argument(
-        "--kv-disk-tier-mib",
-        type=int,
-        default=0,
-        help="disk (MiB) for cached KV blocks evicted from the host tier (or from the pool without one), one "
-        "checksummed file per block under --kv-disk-tier-dir (0: off)",
-    )
-    p.add_argument(
-        "--kv-disk-tier-dir",
-        default="",
-        help="the disk tier's directory; each worker keeps its files in a folder of its own there (workers of a "
-        "host may share it), and deletes the folders of workers that are gone (default: a temporary directory)",
-    )
-
-
-def tier_fields(a: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig's tier fields from `add_tier_arguments`' flags."""
-    return {
-        "kv_host_tier_bytes": a.kv_host_tier_mib << 20,
-        "kv_disk_tier_bytes": a.kv_disk_tier_mib << 20,
-        "kv_disk_tier_dir": a.kv_disk_tier_dir,
-    }
 
 
 def add_wire_codec_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
