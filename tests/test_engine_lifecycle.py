@@ -49,10 +49,10 @@ def test_the_decode_side_admits_at_most_max_num_seqs():
         got = [pair.decode.reserve(f"r{i}", PROMPT, GREEDY, 30.0) for i in range(5)]
         assert [g is not None for g in got] == [True, True, False, False, False]
         pair.decode.add_request("local", PROMPT, GREEDY)  # a local request waits for a seat too
-        assert pair.decode.scheduler.schedule() is None
+        assert pair.decode.scheduler.schedule(0.0) is None
         for i in range(2):
             pair.decode.abort(f"r{i}")
-        assert pair.decode.scheduler.schedule() is not None
+        assert pair.decode.scheduler.schedule(0.0) is not None
         pair.decode.abort("local")
     finally:
         pair.close()

@@ -78,20 +78,22 @@ def test_prefill_shares_decay_by_e_every_window():
     assert shares.served(300.0) == {}
 
 
-def _engine() -> Engine:
+def _engine(order: str = "shortest") -> Engine:
     cfg = tiny_model_config()
-    ecfg = EngineConfig(num_blocks=256, max_num_seqs=1, max_num_batched_tokens=64, enable_prefix_caching=False)
+    ecfg = EngineConfig(
+        num_blocks=256, max_num_seqs=1, max_num_batched_tokens=64, enable_prefix_caching=False, prefill_order=order
+    )
     return Engine(cfg, random_weights(cfg), ecfg)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("aging", "short_first"), [(500.0, True), (None, False)])
-def test_the_loop_starts_a_short_prompt_queued_behind_a_long_one_first(aging, short_first):
-    engine = _engine()
+@pytest.mark.parametrize(("order", "short_first"), [("shortest", True), ("arrival", False)])
+def test_the_loop_starts_a_short_prompt_queued_behind_a_long_one_first(order, short_first):
+    engine = _engine(order)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     long = engine.add_request("long", list(range(1, 257)), params)  # four chunks of 64
     short = engine.add_request("short", list(range(1, 17)), params)
-    loop = EngineLoop(engine, prefill_aging_tokens_per_s=aging)
+    loop = EngineLoop(engine)
     idle = threading.Event()
     deadline = time.monotonic() + 30
     while engine.has_work and time.monotonic() < deadline:
@@ -99,3 +101,31 @@ def test_the_loop_starts_a_short_prompt_queued_behind_a_long_one_first(aging, sh
     loop.stop()
     assert long.times.first_token is not None and short.times.first_token is not None
     assert (short.times.first_token < long.times.first_token) is short_first
+
+
+def test_a_step_spends_its_budget_on_a_short_head_before_the_long_prefills_in_progress() -> None:
+    """spend_step_budget, as the scheduler and the simulator both run it: running [long 300 left,
+    decode 1], a 40-token prompt at the head, threshold 64, budget 128: the decode, then the short
+    prompt, then the long prefill takes what is left; with no threshold the long one goes first."""
+    from splitserve.engine.prefill_order import spend_step_budget
+
+    def run(threshold: int) -> list[tuple[str, int]]:
+        spent: list[tuple[str, int]] = []
+        running = [("long", 300), ("decode", 1)]
+
+        def take(item: tuple[str, int], budget: int, _may_preempt: bool) -> int:
+            spent.append((item[0], min(item[1], budget)))
+            return spent[-1][1]
+
+        def admit(budget: int, max_tokens: int) -> int:
+            if budget > 0 and not any(name == "short" for name, _ in spent) and (not max_tokens or 40 <= max_tokens):
+                spent.append(("short", min(40, budget)))
+                budget -= spent[-1][1]
+            return budget
+
+        left = spend_step_budget(running, lambda r: r[1], 40, threshold, 128, take, admit)
+        assert left == 128 - sum(n for _, n in spent)
+        return spent
+
+    assert run(64) == [("decode", 1), ("short", 40), ("long", 87)]
+    assert run(0) == [("long", 128)]

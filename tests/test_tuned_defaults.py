@@ -92,7 +92,7 @@ CHANGES = {
     "prefill_order": Change(
         replace(MACHINE, prefill_order="arrival"),
         "--prefill-order arrival",
-        lambda s: {p.worker.prefill_order for p in s.workers()},
+        lambda s: {p.worker.engine.prefill_order for p in s.workers()},
     ),
 }
 
@@ -130,7 +130,7 @@ def test_a_worker_and_a_router_started_alone_take_the_same_tables_choices(monkey
     monkeypatch.setattr(tuned_table, "tuned_defaults", lambda machine: changed)
     worker = worker_config_from_args(parse("worker", "--role", "decode"))
     assert (worker.engine.dtype, worker.engine.long_prefill_token_threshold) == ("float16", 97)
-    assert (worker.decode_borrows, worker.prefill_order) == (changed.decode_borrows, "arrival")
+    assert (worker.decode_borrows, worker.engine.prefill_order) == (changed.decode_borrows, "arrival")
     # a process alone takes no share of the machine: torch's own threads, no core lease unless given
     assert (worker.threads, worker.core_lease) == (0, "")
     routing = router_config_from_args(parse("router", "--decode", "d:1"), None).routing

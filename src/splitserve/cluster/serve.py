@@ -393,7 +393,6 @@ def pool_specs(
             core_lease=a.core_lease,
             lease_cores=a.lease_cores,
             decode_borrows=a.decode_borrows == "on",
-            prefill_order=a.prefill_order,
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,
         )

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.prefill_order import PREFILL_ORDERS
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -313,6 +315,9 @@ class EngineConfig:
     # waiting prompt of at most this many, and takes what the step has left (0: strict arrival
     # order, as vLLM by default). Bounds the TTFT of short prompts that arrive behind a long one.
     long_prefill_token_threshold: int = 0
+    # Which waiting prompt starts first (engine/prefill_order.py, applied by the scheduler):
+    # "shortest" remaining, aged, fairly across tenants; or "arrival" order.
+    prefill_order: str = "shortest"
     enable_prefix_caching: bool = True
     # A model of windowed and global layers keeps its KV in pages whose windowed part goes back to
     # the pool once every window has passed it (engine/kv_groups.py); False: one row per layer, the
@@ -370,6 +375,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
         if self.tensor_parallel_size <= 0:

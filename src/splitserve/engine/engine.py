@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from splitserve.engine.block_manager import BlockEvent, BlockManager
+from splitserve.engine.commands import Admit, Admitted, QueueFull
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.fingerprint import model_fingerprint
@@ -241,6 +242,23 @@ class Engine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.runner.eos_token_ids)
             return self._grammars
 
+    def admit(self, cmd: Admit, waiting_limit: int | None = None) -> Admitted:
+        """Queue `cmd`'s request (the engine loop's `Admit`), or refuse it with QueueFull when
+        `waiting_limit` requests already wait for a seat (None: no limit). Every sequence of the
+        request carries its transfer id and its tenant's share (the queue's fair order reads it)."""
+        waiting = self.scheduler.waiting_for_seat()
+        if waiting_limit is not None and waiting >= waiting_limit:
+            raise QueueFull(
+                f"{waiting} requests already wait for a seat on this worker (limit {waiting_limit}); retry later"
+            )
+        seq = self.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior, cmd.samples)
+        for each in self.scheduler.groups.get(cmd.request_id, [seq]):
+            each.transfer_id = cmd.transfer_id
+            each.share = cmd.share
+        # a prefill-only request's cached prefix is found when it runs, and told in its output
+        cached = 0 if cmd.prefill_only else self.scheduler.cached_prefix_tokens(cmd.prompt + cmd.prior)
+        return Admitted(seq.times, cached)
+
     def add_request(
         self,
         request_id: str,
@@ -370,7 +388,7 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.clock())
         if batch is None:
             return []
         if self.speculator is not None:

@@ -224,6 +224,7 @@ def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> E
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
         long_prefill_token_threshold=a.long_prefill_token_threshold,
+        prefill_order=a.prefill_order,
         tensor_parallel_size=a.tensor_parallel_size,
         **tier_fields(a),
         **speculation_fields(a),

@@ -22,9 +22,7 @@ a snapshot from before the request arrived made a worker busy with a long
 prefill look idle to the router until that step ended.
 With a core lease (engine/core_lease.py) each step's torch threads are sized at
 its boundary: a prefill borrows the machine's idle cores, and an idle loop lends
-its own. Between steps the loop also puts the waiting prompts in the order they
-should start (engine/prefill_order.py: shortest remaining first, aged), unless
-told to keep arrival order.
+its own. Which waiting prompt starts next is the scheduler's (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -32,19 +30,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import torch
 
 from splitserve.engine.block_manager import BlockEvent
-from splitserve.engine.commands import Abort, Admit, Admitted, Command, QueueFull, Reserve
+from splitserve.engine.commands import Abort, Admit, Admitted, Command, Reserve
 from splitserve.engine.core_lease import CoreLease
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, RecentTokens, Waiting, admission_order
 from splitserve.engine.scheduler import Scheduler, SchedulerStats
-from splitserve.engine.sequence import Sequence
 from splitserve.engine.stats import IterationStats
 from splitserve.engine.tier_cost import TierSpeeds
 
@@ -75,21 +71,15 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_iteration: Callable[[IterationStats], None] | None = None,
         core_lease: CoreLease | None = None,
-        prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S,
         decode_borrows: bool = False,
     ) -> None:
         """`waiting_limit`: requests an `Admit` lets wait for a seat (None: no limit);
         `on_iteration` is called on the engine thread with what each step counted; it must not block;
         `core_lease`: the machine's cores shared with its other workers (None: torch's threads as set);
-        `prefill_aging_tokens_per_s`: waiting prompts start shortest first, each second waited counting as
-        this many tokens fewer (None: in arrival order); `decode_borrows`: decode steps borrow idle cores
-        too (else only a step that prefills does)."""
+        `decode_borrows`: decode steps borrow idle cores too (else only a step that prefills does)."""
         self.engine = engine
         self.core_lease = core_lease
         self.decode_borrows = decode_borrows
-        self.prefill_aging_tokens_per_s = prefill_aging_tokens_per_s
-        self._prefill_shares = RecentTokens()  # the engine thread's alone
-        self._queued: dict[int, Sequence] = {}  # the queue at the last look, by id()
         self.waiting_limit = waiting_limit
         self.on_iteration = on_iteration
         self.idle_wait_s = idle_wait_s
@@ -179,7 +169,6 @@ class EngineLoop:
             self._run_commands(block=not engine.has_work)
             self._deliver(engine.apply_transfers(engine.connector.poll()))
             if engine.has_work:
-                self._order_waiting()
                 self._size_step()
                 try:
                     outputs = engine.step()
@@ -196,32 +185,6 @@ class EngineLoop:
         self._fail_pending()
         if self.core_lease is not None:
             self.core_lease.close()
-
-    def _order_waiting(self) -> None:
-        """The scheduler's queue in the order its prompts should start (it admits from the head)."""
-        waiting = self.engine.scheduler.waiting
-        now = self.engine.clock()
-        self._count_started(waiting, now)
-        if self.prefill_aging_tokens_per_s is None or len(waiting) < 2:
-            return
-        seen = [
-            Waiting(len(s) - s.num_computed_tokens, now - s.times.arrival, len(s) > s.num_prompt_tokens, s.share)
-            for s in waiting
-        ]
-        order = admission_order(seen, self.prefill_aging_tokens_per_s, self._prefill_shares.served(now))
-        if order != sorted(order):
-            ordered = [waiting[i] for i in order]
-            waiting.clear()
-            waiting.extend(ordered)
-
-    def _count_started(self, waiting: Iterable[Sequence], now: float) -> None:
-        """Prompt tokens of the requests that left the queue since the last look, to their tenants
-        (a request aborted while it waited counts too: rare, and it cost its admission)."""
-        queued = {id(s): s for s in waiting}
-        for key, seq in self._queued.items():
-            if key not in queued and seq.share.tenant:
-                self._prefill_shares.started(seq.share.tenant, len(seq) - seq.num_computed_tokens, now)
-        self._queued = queued
 
     def _size_step(self) -> None:
         """The next step's threads, from the lease: set here, on the thread that runs the step,
@@ -274,20 +237,10 @@ class EngineLoop:
         return self._subscribe(command.callback)
 
     def _admit(self, cmd: Admit, sink: Sink | None) -> Admitted:
-        engine = self.engine
-        waiting = engine.scheduler.waiting_for_seat()
-        if self.waiting_limit is not None and waiting >= self.waiting_limit:
-            raise QueueFull(
-                f"{waiting} requests already wait for a seat on this worker (limit {self.waiting_limit}); retry later"
-            )
-        seq = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prefill_only, cmd.prior, cmd.samples)
-        seq.transfer_id = cmd.transfer_id
-        seq.share = cmd.share
+        admitted = self.engine.admit(cmd, self.waiting_limit)
         if sink is not None:
             self._sinks[cmd.request_id] = sink
-        # a prefill-only request's cached prefix is found when it runs, and told in its output
-        cached = 0 if cmd.prefill_only else engine.scheduler.cached_prefix_tokens(cmd.prompt + cmd.prior)
-        return Admitted(seq.times, cached)
+        return admitted
 
     def _reserve(self, cmd: Reserve, sink: Sink | None) -> Admitted | None:
         remote = self.engine.reserve(cmd.request_id, cmd.prompt, cmd.params, cmd.lease_s, cmd.prior, cmd.sample_index)

@@ -22,18 +22,27 @@ times the others' prompts queues behind its own backlog, not theirs, without
 the worker knowing any tenant's rate in advance. With one tenant the order is
 the rank order above.
 
-`prefill_rank`, `admission_order` and `RecentTokens` are pure (the clock is
-passed in); the engine loop applies the order to the scheduler's queue between
-steps.
+Within a step (`spend_step_budget`): the running requests take their tokens
+first, then waiting prompts start while the budget allows. With a long-prefill
+threshold, a short prompt at the head of the queue goes before the long
+prefills in progress, which then take what the step has left: a short prompt
+behind a long one would otherwise wait out all of the long one's chunks.
+
+Everything here is pure (the clock is passed in, the scheduler's and the
+simulator's own actions are passed as calls): engine/scheduler.py orders its
+queue and spends each step's budget with it, and plan/sim/worker.py does the
+same, so the simulated order is the served one.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 # About one core's prefill rate for a small model (SmolLM2-135M in bf16: ~450-500 tokens/s on one
 # core): a prompt is passed over for at most about as long as it takes to prefill itself.
@@ -99,6 +108,47 @@ def admission_order(
     return resumed + order
 
 
+def spend_step_budget(
+    running: Seq[T],
+    remaining: Callable[[T], int],
+    head_tokens: int | None,
+    long_prefill_tokens: int,
+    budget: int,
+    take: Callable[[T, int, bool], int | None],
+    admit: Callable[[int, int], int],
+) -> int:
+    """Spend one step's token `budget` in the order the module's note gives; the budget left.
+
+    `running` (read by index: `take` may shorten it by preempting) is offered in order;
+    `remaining(r)`: its prompt tokens still to compute; `head_tokens`: the length of the prompt
+    at the head of the queue (None: none waits); `long_prefill_tokens`: the threshold (0: off).
+    `take(r, budget, may_preempt)` puts r's next tokens in the step and says how many (None: none;
+    in the first pass that ends the pass, as a request that preempted itself leaves nothing to take
+    from); `admit(budget, max_tokens)` starts waiting prompts (with `max_tokens`, only while the
+    next is that short) and returns the budget left."""
+    yields = bool(long_prefill_tokens and head_tokens is not None and head_tokens <= long_prefill_tokens)
+    deferred: list[T] = []
+    i = 0
+    while i < len(running) and budget > 0:
+        item = running[i]
+        i += 1
+        if yields and remaining(item) > long_prefill_tokens:
+            deferred.append(item)
+            continue
+        n = take(item, budget, True)
+        if n is None:
+            break
+        budget -= n
+    if deferred:  # the short prompts first, then the long prefills take what is left
+        budget = admit(budget, long_prefill_tokens)
+        for item in deferred:
+            if budget <= 0:
+                break
+            n = take(item, budget, False)
+            budget -= n or 0
+    return admit(budget, 0)
+
+
 class RecentTokens:
     """Each tenant's tokens of the last seconds: a count that decays by e every `window_s`, so
     that a tenant's next request is weighed against what it had lately, and a tenant idle for a
@@ -110,12 +160,14 @@ class RecentTokens:
         self._count: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, as of)
 
     def started(self, tenant: str, tokens: int, now: float) -> None:
+        # the long idle are forgotten here, where the count changes anyway: a read changes nothing
+        self._count = {t: (v, at) for t, (v, at) in self._count.items() if self._at(t, now) >= 1.0}
         self._count[tenant] = (self._at(tenant, now) + tokens, now)
 
     def served(self, now: float) -> dict[str, float]:
-        out = {t: self._at(t, now) for t in self._count}
-        self._count = {t: (v, now) for t, v in out.items() if v >= 1.0}  # the long idle are forgotten
-        return out
+        """Each tenant's decayed count now; under a token counts as none."""
+        at = {t: self._at(t, now) for t in self._count}
+        return {t: v for t, v in at.items() if v >= 1.0}
 
     def _at(self, tenant: str, now: float) -> float:
         tokens, at = self._count.get(tenant, (0.0, now))

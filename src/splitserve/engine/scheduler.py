@@ -12,13 +12,20 @@ Admission is one check for every path (`free_seats`): a request holds a seat
 from the moment it runs or is reserved, and at most `max_num_seqs` do; the
 workers' bounded queue counts with the same seats (`waiting_for_seat`).
 
+The waiting queue is the scheduler's, and so is its order: before each step it
+is put in the order its prompts should start (`cfg.prefill_order`: arrival, or
+shortest remaining first, aged, fairly across the router's tenants, whose
+started prompt tokens it counts), by the pure rules of engine/prefill_order.py
+that the simulator (plan/sim/worker.py) runs too.
+
 One token budget per step (`max_num_batched_tokens`) is shared by everything:
 running requests first (a decoding request takes one token, a request still
-prefilling takes its next chunk), then waiting requests in arrival order while
+prefilling takes its next chunk), then waiting requests from the head while
 the budget, the seats and the free blocks allow. A prompt longer than the
 budget is prefilled in chunks over several steps. With
 `long_prefill_token_threshold`, a long prefill in progress lets a short prompt
-waiting at the head of the queue go first, and takes what the step has left. When a decoding request
+waiting at the head of the queue go first, and takes what the step has left
+(`spend_step_budget`). When a decoding request
 needs a block and none is free, the newest running request is preempted: its
 blocks are freed and it is recomputed later (its full blocks usually come back
 from the prefix cache).
@@ -37,6 +44,13 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.handoff import Handoff, TokenLogprob
+from splitserve.engine.prefill_order import (
+    AGING_TOKENS_PER_S,
+    RecentTokens,
+    Waiting,
+    admission_order,
+    spend_step_budget,
+)
 from splitserve.engine.sequence import SeqStatus, Sequence
 from splitserve.engine.stats import StatsRecorder
 
@@ -132,6 +146,8 @@ class Scheduler:
         # the tiers behind the prefix cache (engine/kv_tiers.py), if any: a prompt whose
         # prefix continues there has those blocks loaded at allocation, when that beats recomputing
         self.tiers: TierStore | None = None
+        # each tenant's prompt tokens started lately, for the fair order of the queue
+        self.prefill_shares = RecentTokens()
 
     # ---- admission ----
 
@@ -239,46 +255,52 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
-        budget = self.cfg.max_num_batched_tokens
+    def schedule(self, now: float) -> ScheduledBatch | None:
+        """The next step: the queue put in its order, then the step's token budget spent
+        (engine/prefill_order.py has both rules, shared with the simulator)."""
+        self._order_waiting(now)
         seqs: list[Sequence] = []
         counts: list[int] = []
-        long_t = self.cfg.long_prefill_token_threshold
-        # Long prefills in progress step aside for a short prompt waiting at the head of the queue
-        # (a short one behind a long one would otherwise wait out all of the long one's chunks).
-        yields = bool(long_t and self.waiting and len(self.waiting[0]) <= long_t)
-        deferred: list[Sequence] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            i += 1
-            if yields and len(seq) - seq.num_computed_tokens > long_t:
-                deferred.append(seq)
-                continue
-            n = self._take_running(seq, budget)
-            if n is None:  # preempted itself: nothing left to take from
-                break
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-
-        if deferred:  # the short prompts first, then the long prefills take what is left
-            budget = self._admit_waiting(seqs, counts, budget, max_tokens=long_t)
-            for seq in deferred:
-                if budget <= 0 or seq.status is not SeqStatus.RUNNING:  # preempted meanwhile
-                    continue
-                # No preemption now: the newest running requests may be in this step already. A
-                # prompt's blocks were all allocated at admission, so a chunk never needs a new one.
-                n = self._take_running(seq, budget, may_preempt=False)
-                if n is None:
-                    continue
+        def take(seq: Sequence, budget: int, may_preempt: bool) -> int | None:
+            # A long prefill deferred behind short prompts is taken without preemption: the newest
+            # running requests may be in this step already, and a prompt's blocks were all
+            # allocated at admission, so a chunk never needs a new one.
+            if not may_preempt and seq.status is not SeqStatus.RUNNING:  # preempted meanwhile
+                return None
+            n = self._take_running(seq, budget, may_preempt)
+            if n is not None:
                 seqs.append(seq)
                 counts.append(n)
-                budget -= n
+            return n
 
-        self._admit_waiting(seqs, counts, budget)
+        spend_step_budget(
+            self.running,
+            lambda seq: len(seq) - seq.num_computed_tokens,
+            len(self.waiting[0]) if self.waiting else None,
+            self.cfg.long_prefill_token_threshold,
+            self.cfg.max_num_batched_tokens,
+            take,
+            lambda budget, max_tokens: self._admit_waiting(seqs, counts, budget, now, max_tokens),
+        )
         return ScheduledBatch(seqs, counts) if seqs else None
+
+    def _order_waiting(self, now: float) -> None:
+        """The queue in the order its prompts should start (it admits from the head): arrival, or
+        shortest remaining first, aged, fairly across tenants (`cfg.prefill_order`)."""
+        aging = AGING_TOKENS_PER_S if self.cfg.prefill_order == "shortest" else None
+        waiting = self.waiting
+        if aging is None or len(waiting) < 2:
+            return
+        seen = [
+            Waiting(len(s) - s.num_computed_tokens, now - s.times.arrival, len(s) > s.num_prompt_tokens, s.share)
+            for s in waiting
+        ]
+        order = admission_order(seen, aging, self.prefill_shares.served(now))
+        if order != sorted(order):
+            ordered = [waiting[i] for i in order]
+            waiting.clear()
+            waiting.extend(ordered)
 
     def _take_running(self, seq: Sequence, budget: int, may_preempt: bool = True) -> int | None:
         """Tokens of running `seq` in this step, blocks made room for by preempting the newest
@@ -322,9 +344,12 @@ class Scheduler:
             seq.window_held_to = upto
         return True
 
-    def _admit_waiting(self, seqs: list[Sequence], counts: list[int], budget: int, max_tokens: int = 0) -> int:
-        """Start waiting requests in arrival order while budget, seats and blocks allow (with
-        `max_tokens`, only while the next one is that short); returns the budget left."""
+    def _admit_waiting(
+        self, seqs: list[Sequence], counts: list[int], budget: int, now: float, max_tokens: int = 0
+    ) -> int:
+        """Start waiting requests from the head while budget, seats and blocks allow (with
+        `max_tokens`, only while the next one is that short), each tenant's started prompt tokens
+        counted for the fair order; returns the budget left."""
         while self.waiting and budget > 0 and self.free_seats():
             seq = self.waiting[0]
             if max_tokens and len(seq) > max_tokens:
@@ -336,6 +361,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.recorder.scheduled(seq)
+            if seq.share.tenant:
+                self.prefill_shares.started(seq.share.tenant, len(seq) - seq.num_computed_tokens, now)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             seqs.append(seq)
             counts.append(n)

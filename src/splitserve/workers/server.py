@@ -25,7 +25,6 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.flags import add_engine_arguments, engine_config_from_args
 from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
 from splitserve.engine.loop import EngineLoop
-from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.engine.tuned import fill_tuned, tuned_for
 from splitserve.runtime.credentials import add_secret_argument
 from splitserve.runtime.tls import add_internal_tls_argument, load_cluster_tls
@@ -184,14 +183,12 @@ def _serve_prefill(
 
 
 def _engine_loop(cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, lease: CoreLease | None) -> EngineLoop:
-    """The role's engine loop; the prefill order shortest first, aged, unless the flags ask for arrival order."""
-    aging = AGING_TOKENS_PER_S if cfg.prefill_order == "shortest" else None
+    """The role's engine loop (the prefill order is its scheduler's, from the engine's config)."""
     return EngineLoop(
         engine,
         waiting_limit=cfg.waiting_limit,
         on_iteration=metrics.record,
         core_lease=lease,
-        prefill_aging_tokens_per_s=aging,
         decode_borrows=cfg.decode_borrows,
     )
 
@@ -275,7 +272,6 @@ def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
         core_lease=a.core_lease or "",
         lease_cores=a.lease_cores,
         decode_borrows=a.decode_borrows == "on",
-        prefill_order=a.prefill_order,
         max_waiting_requests=a.max_waiting_requests,
     )
 

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 
 from splitserve.engine.block_hash import BlockHash
-from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, Waiting, admission_order
+from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, Waiting, admission_order, spend_step_budget
 from splitserve.plan.costs import CostModel, mixed_step_s
 from splitserve.router.policy import WorkerLoad
 
@@ -279,32 +279,26 @@ class SimWorker:
         push(now + t, self)
 
     def _plan_chunks(self, budget: int) -> list[tuple[SimRequest, int]]:
-        """This step's prefill chunks, taken as engine/scheduler.py's `schedule` takes them: the
-        prefills in progress, then waiting prompts while the budget, the seats and the KV room allow;
-        with a `long_prefill_token_threshold`, a short prompt waiting at the head goes before the long
-        prefills in progress, which take what the step has left."""
-        long_t = self.long_prefill_token_threshold
-        yields = bool(long_t and self.waiting and self.waiting[0].prompt_tokens <= long_t)
+        """This step's prefill chunks, spent as engine/scheduler.py's `schedule` spends them (the same
+        `spend_step_budget`): the prefills in progress, then waiting prompts while the budget, the seats
+        and the KV room allow; with a `long_prefill_token_threshold`, a short prompt waiting at the head
+        goes before the long prefills in progress, which take what the step has left."""
         chunks: list[tuple[SimRequest, int]] = []
-        deferred: list[SimRequest] = []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            if yields and req.prompt_tokens - req.computed > long_t:
-                deferred.append(req)
-                continue
+
+        def take(req: SimRequest, budget: int, _may_preempt: bool) -> int:
             n = min(req.prompt_tokens - req.computed, budget)
             chunks.append((req, n))
-            budget -= n
-        if deferred:  # the short prompts first, then the long prefills take what is left
-            budget = self._admit_waiting(chunks, budget, max_tokens=long_t)
-            for req in deferred:
-                if budget <= 0:
-                    break
-                n = min(req.prompt_tokens - req.computed, budget)
-                chunks.append((req, n))
-                budget -= n
-        self._admit_waiting(chunks, budget)
+            return n
+
+        spend_step_budget(
+            self.prefilling,
+            lambda req: req.prompt_tokens - req.computed,
+            self.waiting[0].prompt_tokens if self.waiting else None,
+            self.long_prefill_token_threshold,
+            budget,
+            take,
+            lambda budget, max_tokens: self._admit_waiting(chunks, budget, max_tokens),
+        )
         return chunks
 
     def _admit_waiting(self, chunks: list[tuple[SimRequest, int]], budget: int, max_tokens: int = 0) -> int:

@@ -6,7 +6,6 @@ import argparse
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.prefill_order import PREFILL_ORDERS
 from splitserve.kv_transfer.codec import WIRE_CODEC_MODES, WireCodecMode
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.runtime.tls import ClusterTLS
@@ -51,8 +50,6 @@ class WorkerConfig:
     lease_cores: int = 0  # the cores the lease shares; 0: the cores this process may run on
     # decode steps borrow idle cores too (a batch-4 SmolLM2 step: 16.9 ms on 1 thread, 12.3 on 2)
     decode_borrows: bool = False
-    # which waiting prompt starts first (engine/prefill_order.py): "shortest" remaining, aged, or "arrival"
-    prefill_order: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -73,8 +70,6 @@ class WorkerConfig:
                 raise ValueError(f"{f} must be a port number")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0 (0: twice max_num_seqs)")
-        if self.prefill_order not in PREFILL_ORDERS:
-            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         if self.lease_cores < 0 or self.threads < 0:
             raise ValueError("lease_cores and threads must be >= 0 (0: what this process may run on)")
         if self.lease_ms <= 0 or self.admit_timeout_s <= 0 or self.request_timeout_s <= 0:
