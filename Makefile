@@ -27,8 +27,10 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/splitserve serve
 
+# Two processes (pytest-xdist), a file to each at a time (tests/conftest.py groups them): the
+# end-to-end files spend much of their time waiting on sockets and child processes.
 test: install test-tools
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # Tools the end-to-end tests run for real, from Debian's packages: Prometheus scrapes a running
 # cluster in tests/test_e2e_prometheus.py. Installed once (as root, or through sudo).

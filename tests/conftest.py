@@ -19,6 +19,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 disable_grpc_fork_handlers()
 
 
+# Files that must not run at the same time as each other under `pytest -n` (make test runs two
+# processes): each starts a local Ray cluster, or shapes a network link it measures through.
+_SERIAL_GROUPS = {
+    "ray": ("test_e2e_ray.py", "test_e2e_ray_autoscale.py", "test_e2e_ray_multinode.py", "test_e2e_serve.py"),
+    "link": ("test_e2e_kv_codec_netns.py", "test_bench_internal_tls.py", "test_kv_transfer_codec.py"),
+}
+_GROUP_OF = {name: group for group, names in _SERIAL_GROUPS.items() for name in names}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` one process runs a whole file (its module fixtures, such as a shared
+    cluster, are set up once) and the files of a serial group one after another."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(_GROUP_OF.get(name, name)))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The C++ kernels built (or loaded) once, before any test's timeout runs, as `make install` and
     serve's preflight build them before a worker's first request (engine/kernels/prebuild.py)."""
