@@ -79,7 +79,9 @@ def _held_compiler(tmp_path: Path) -> tuple[Path, Path]:
     catch midway, on any machine's speed."""
     go = tmp_path / "go"
     cxx = tmp_path / "held-c++"
-    hold = f'case " $* " in *" -c "*) while [ ! -e {go} ]; do sleep 0.05; done;; esac'
+    # at most two minutes: a test that fails midway leaves no compiler waiting forever
+    wait = f"i=0; while [ ! -e {go} ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"
+    hold = f'case " $* " in *" -c "*) {wait};; esac'
     cxx.write_text(f'#!/bin/sh\n{hold}\nexec c++ "$@"\n')
     cxx.chmod(0o755)
     return cxx, go
