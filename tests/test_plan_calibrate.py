@@ -1,6 +1,6 @@
 """The measured profile: fitting on synthetic points with known coefficients, the JSON
 round trip, the cost model it makes, the serving overhead (its measurement from a client's
-records and its place in every step), and plan-check's side-by-side table."""
+records and its place in every step), and plan-check's speed probe."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from splitserve.bench.plan_check import Row, Speed, compare, format_table
-from splitserve.measure.results import RequestRecord, RunResult, Stats
+from splitserve.bench.plan_check import Speed
+from splitserve.measure.results import RequestRecord
 from splitserve.plan.calibrate import at_calibration_speed, serving_load_flags, serving_point
 from splitserve.plan.costs import mixed_step_s
 from splitserve.plan.profile import (
@@ -28,7 +28,6 @@ from splitserve.plan.profile import (
     with_serving_alone,
     with_serving_beside_prefill,
 )
-from splitserve.plan.sim.simulate import Percentiles
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,52 +228,6 @@ def test_a_profile_needs_sorted_prefill_points():
     good = synthetic()
     with pytest.raises(ValueError, match="sorted"):
         Profile(**{**good.__dict__, "prefill_points": ((64, 0.1), (16, 0.02))})
-
-
-def test_plan_check_puts_simulated_beside_measured():
-    ms = Stats(0.0, 100.0, 200.0, 300.0)
-    run = RunResult(
-        1.0,
-        1.0,
-        None,
-        3,
-        5.0,
-        3,
-        0,
-        0.6,
-        1.0,
-        1.0,
-        1,
-        1,
-        ms,
-        ms,
-        Stats(0.0, 20.0, 40.0, 50.0),
-        ms,
-        None,
-        None,
-        {},
-        None,
-        [],
-    )
-
-    class Sim:
-        ttft = Percentiles(0.0, 0.110, 0.300, 0.4)
-        itl = Percentiles(0.0, 0.021, 0.040, 0.05)
-
-    rows = compare("colocated", "sharegpt@1", run, Sim())
-    assert [(r.metric, r.within) for r in rows] == [
-        ("TTFT p50", True),
-        ("TTFT p90", False),
-        ("ITL p50", True),
-        ("ITL p90", True),
-    ]
-    assert rows[1].ratio == pytest.approx(1.5)
-    table = format_table(rows)
-    assert "TTFT p90" in table and "NO" in table and table.count("yes") == 3
-    assert Row("x", "burst", 1, "ITL p50", 0.0, 1.0).within is False  # nothing measured: not within
-    # a run while the machine took 1.5x the calibration's time: the simulated timeline stretched so
-    slow = compare("colocated", "sharegpt@1", run, Sim(), time_scale=1.5)
-    assert [r.simulated_ms for r in slow] == pytest.approx([165.0, 450.0, 31.5, 60.0])
 
 
 def test_records_at_the_calibration_speed_have_every_time_divided():

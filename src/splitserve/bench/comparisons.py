@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Figure:
-    pattern: str  # searched line by line (re.M); named groups fill the template
+    pattern: str  # searched line by line (re.M); named groups fill the template ("" where an optional one is unmatched)
     template: str
 
 
@@ -180,7 +180,14 @@ COMPARISONS = (
         "The plan simulator's TTFT and ITL",
         "the same loads measured",
         "plan-check*.txt",
-        (Figure(r"^(?P<n>\d+ of \d+) simulated figures within (?P<pct>\d+%)", "{n} within {pct}"),),
+        # runs before --repeats print only the first count; the others then quote as ""
+        (
+            Figure(
+                r"^(?P<n>\d+ of \d+) simulated figures within (?P<pct>\d+%)"
+                r"(?: of the measured median(?P<rest>, \d+ more within noise, \d+ miss(?:es)?))?",
+                "{n} within {pct}{rest}",
+            ),
+        ),
     ),
     Comparison(
         "Disaggregated serving: TTFT, and the steady streams' ITL while long prompts arrive",

@@ -4,7 +4,7 @@ against real runs on this machine.
 1. Calibrate: this project's engine step costs measured here (plan/calibrate.py),
    pinned to one core with one torch thread as each benchmark worker runs, fitted
    into a profile (saved beside the run's JSON files). `--profile` reuses one.
-   On each system started, before its loads, the serving overhead (what a
+   On each system, started once for this before its loads, the serving overhead (what a
    served token costs beyond the engine step: plan/calibrate.py's
    `serving_point`) and how much a served prefill slows while other requests
    decode (`prefill_load_points`) are measured and fitted into that system's
@@ -17,14 +17,17 @@ against real runs on this machine.
    disaggregated: a prefill and a decode worker on a core each) is started as
    `bench peer` starts it (bench/peer/servers.py) and loaded by `bench serve` on
    ShareGPT, one short run per Poisson rate, each rate with its own prompts (a
-   prompt seen before would be a prefix-cache hit).
+   prompt seen before would be a prefix-cache hit). Every load runs `--repeats`
+   times, each repeat on a system started afresh with the same prompts and send
+   times (see `_check_mode`).
 3. Also bench serve's burst load (steady streams, bursts of long prompts), unless --no-burst.
 4. Simulate the same requests (each run's own send times and the prompt and output
    lengths the server counted, the chat template's opening blocks cached as the
    workers' prefix cache holds them: `chat_prefix_cached_tokens`) on a cluster of
    the same shape with the profile's costs and its measured spread of decode
-   steps, and print simulated against measured TTFT and ITL p50 and p90, their
-   ratio, and whether it is within 25%.
+   steps, and print the simulated median of TTFT and ITL p50 and p90 beside the
+   measured median and min..max over the repeats, each row within 25%, within the
+   machine's noise or a miss (bench/plan_check_rows.py).
 """
 
 from __future__ import annotations
@@ -38,9 +41,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-TOLERANCE = 0.25  # |simulated / measured - 1| at most this
+from splitserve.bench.plan_check_rows import Pair, format_table, rows_of, summary_line
+
+if TYPE_CHECKING:
+    from splitserve.bench.peer.main import Load
+    from splitserve.bench.peer.servers import RunningSystem, SystemSpec
+    from splitserve.plan.sim.simulate import ClusterSpec
+
 DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "splitserve", "plan-check")
 MODES = ("colocated", "disaggregated")
 SERVE_ALONE_RUNS = 3  # one request decoding alone, this many times (the median taken)
@@ -59,26 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-burst", action="store_true", help="skip bench serve's burst load (steady streams, long prompts)"
     )
-    p.add_argument("--seed", type=int, default=10, help="the first run's prompt seed (each run adds one)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs of each load, each on a fresh start of its system (min..max)"
+    )
+    p.add_argument("--seed", type=int, default=10, help="the first load's prompt seed (each load adds one)")
     p.add_argument("--out", default=DEFAULT_OUT, help="profile, bench serve JSON files and logs")
     p.add_argument("--load-timeout", type=float, default=900.0, help="seconds for one bench serve run")
-
-
-class Row(NamedTuple):
-    mode: str
-    load: str  # "sharegpt@RATE" or "burst"
-    requests: int
-    metric: str
-    measured_ms: float
-    simulated_ms: float
-
-    @property
-    def ratio(self) -> float:
-        return self.simulated_ms / self.measured_ms if self.measured_ms > 0 else float("nan")
-
-    @property
-    def within(self) -> bool:
-        return abs(self.ratio - 1.0) <= TOLERANCE
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
     )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    if not modes or any(m not in MODES for m in modes) or not rates or min(rates) <= 0:
-        print(f"bench plan-check: --modes from {', '.join(MODES)}, --rates positive", file=sys.stderr)
+    if not modes or any(m not in MODES for m in modes) or not rates or min(rates) <= 0 or args.repeats < 1:
+        print(
+            f"bench plan-check: --modes from {', '.join(MODES)}, --rates positive, --repeats 1 or more", file=sys.stderr
+        )
         return 2
     cores = parse_cores(args.cores)
     out = os.path.abspath(args.out)
@@ -125,18 +122,18 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model_dir, served_model_name=SERVED_MODEL_NAME, workdir=logs, cores=cores, lend_cores=False
     )
     speed = Speed(SpeedProbe(cal), profile.probe_s) if profile.probe_s > 0 else Speed(None, 0.0)
-    rows: list[Row] = []
+    pairs: list[Pair] = []
     failed = False
     for mode in modes:
         try:
-            rows += _check_mode(mode, rates, args, ctx, out, profile, speed)
+            pairs += _check_mode(mode, rates, args, ctx, out, profile, speed)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"[{mode}] ERROR: {e}", flush=True)
             failed = True
+    rows = rows_of(pairs)
     print()
     print(format_table(rows))
-    within = sum(r.within for r in rows)
-    print(f"\n{within} of {len(rows)} simulated figures within {TOLERANCE:.0%} of the measured ones")
+    print(f"\n{summary_line(rows, args.repeats)}")
     return 1 if failed or not rows else 0
 
 
@@ -156,19 +153,50 @@ class Speed:
         return f
 
 
+class _System(NamedTuple):
+    """One system as plan-check starts it and as the simulator models it."""
+
+    mode: str
+    spec: SystemSpec
+    cluster: ClusterSpec
+    decode: int  # workers
+    prefill: int
+    cached: int  # the prompt tokens every worker's prefix cache holds (`chat_prefix_cached_tokens`)
+
+
 def _check_mode(
     mode: str, rates: list[float], args: argparse.Namespace, ctx: Any, out: str, profile: Any, speed: Speed
-) -> list[Row]:
-    """The rows of one system, simulated with the profile's engine costs and this system's serving
-    overhead and prefill slowdown (measured here unless the profile has them for it)."""
-    from splitserve.bench.peer.main import Load, warmup
-    from splitserve.bench.peer.servers import ServerError, SystemSpec, placement, start_system
+) -> list[Pair]:
+    """The figures of one system, each load `args.repeats` times, simulated with the profile's engine
+    costs and this system's serving overhead and prefill slowdown (measured here unless the profile
+    has them for it).
+
+    Every repeat sends the same prompts at the same times (the same seeds) to a system started
+    afresh. The same prompts: the spread over the repeats is to be the machine's noise, and another
+    draw of prompts and Poisson send times is another load (which prompts are long, how they bunch),
+    whose figures move on their own; their spread would pass the workload's variance off as noise.
+    A fresh start: a prompt the system has served is a prefix-cache hit (the KV tiers, the host's
+    in the worker processes, go with them; these systems keep none on disk), so a second repeat on
+    the same system would prefill almost nothing. The serving overhead is measured on a start of
+    its own for the same reason: every repeat begins in the same state, started and warmed up."""
+    system = _system(mode, ctx, args)
+    missing = _missing(profile, system)
+    if missing:
+        with _started(system, ctx, "to measure its serving") as running:
+            profile = _measure_system(running, system, missing, ctx, out, profile, args, speed)
+    pairs: list[Pair] = []
+    for repeat in range(args.repeats):
+        with _started(system, ctx, f"repeat {repeat + 1} of {args.repeats}") as running:
+            for label, load in _loads(rates, args, repeat):
+                pairs += _load_pairs(running, system, label, load, ctx, out, profile, args, speed)
+    return pairs
+
+
+def _system(mode: str, ctx: Any, args: argparse.Namespace) -> _System:
+    from splitserve.bench.peer.servers import SystemSpec, placement
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tokenizer import Tokenizer
-    from splitserve.plan.calibrate import at_calibration_speed
-    from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_beside_prefill, serving_by_busy
-    from splitserve.plan.sim.simulate import ClusterSpec, Mode, simulate
-    from splitserve.plan.sim.sweep import requests_from_run
+    from splitserve.plan.sim.simulate import ClusterSpec, Mode
     from splitserve.router.engine_tokenizer import EngineTokenizer
 
     where = placement(mode, ctx.cores)
@@ -186,68 +214,119 @@ def _check_mode(
         f"prompt (the chat template's opening, whole blocks) cached",
         flush=True,
     )
+    return _System(mode, spec, cluster, decode, prefill, cached)
+
+
+def _started(system: _System, ctx: Any, why: str) -> RunningSystem:
+    """The system started and warmed up (RuntimeError if it did not start)."""
+    from splitserve.bench.peer.main import warmup
+    from splitserve.bench.peer.servers import ServerError, start_system
+
     try:
-        system = start_system(spec, ctx)
+        running = start_system(system.spec, ctx)
     except ServerError as e:
         raise RuntimeError(f"did not start: {e}") from None
-    rows = []
-    with system:
-        print(f"[{mode}] serving at {system.base_url} after {system.start_s:.1f}s", flush=True)
-        warmup(system.base_url, ctx.served_model_name)
-        if not profile.serve_system.startswith(f"{mode},"):  # measured on this system: colocated here is 7x
-            f = speed.factor(f"{mode} serving")  # disaggregated's (see the note)
-            profile = _measure_serving(system, ctx, out, profile, decode, args, f)
-        if prefill and not profile.serve_prefill_points:
-            f = speed.factor(f"{mode} serving beside prefill")
-            profile = _measure_serving_beside_prefill(system, ctx, out, profile, decode, args, f)
-        if prefill_slowdown(profile, mode) is None:
-            f = speed.factor(f"{mode} prefill under load")
-            profile = _measure_prefill_load(system, ctx, out, profile, decode, prefill, cached, args, f)
-        loads = [
-            Load(
-                f"sharegpt@{rate:g}",
-                (
-                    "--dataset",
-                    "sharegpt",
-                    "--num-prompts",
-                    str(args.num_prompts),
-                    "--request-rate",
-                    f"{rate:g}",
-                    "--sharegpt-output-len",
-                    str(args.output_len),
-                    "--sharegpt-max-input-len",
-                    str(args.max_input_len),
-                    "--ignore-eos",
-                    "--seed",
-                    str(args.seed + i),
-                ),
-                args.load_timeout,
-            )
-            for i, rate in enumerate(rates)
-        ]
-        if not args.no_burst:  # bench serve's own burst schedule and defaults
-            loads.append(
-                Load("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates))), args.load_timeout)
-            )
-        for load in loads:
-            f = speed.factor(f"{mode} {load.name}")
-            print(f"[{mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
-            measured = _run(system, load, ctx, out)
-            # the simulated machine at the probed speed: every cost x f is the same timeline as the
-            # calibrated costs over arrivals / f, its times then x f
-            replayed = dataclasses.replace(measured, requests=at_calibration_speed(measured.requests, f))
-            sim = simulate(
-                requests_from_run(replayed, cached),
-                cluster,
-                ProfileCosts(profile),
-                random.Random(args.seed),
-                spread=profile.step_spread(),
-                prefill_slowdown=prefill_slowdown(profile, mode),
-                serve_by_busy=serving_by_busy(profile),
-                serve_beside_prefill=serving_beside_prefill(profile),
-            )
-            rows += compare(mode, load.name, measured, sim, f)
-    return rows
+    try:
+        print(f"[{system.mode}] serving at {running.base_url} after {running.start_s:.1f}s, {why}", flush=True)
+        warmup(running.base_url, ctx.served_model_name)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def _missing(profile: Any, system: _System) -> list[str]:
+    """What the profile lacks for this system, in the order `_measure_system` measures it. Each is
+    independent of the others: measuring one leaves the others as they were."""
+    from splitserve.plan.profile import prefill_slowdown
+
+    missing = []
+    if not profile.serve_system.startswith(f"{system.mode},"):  # measured on this system: colocated here is 7x
+        missing.append("serving")  # disaggregated's (see the note)
+    if system.prefill and not profile.serve_prefill_points:
+        missing.append("serving beside prefill")
+    if prefill_slowdown(profile, system.mode) is None:
+        missing.append("prefill under load")
+    return missing
+
+
+def _measure_system(
+    running: RunningSystem,
+    system: _System,
+    missing: list[str],
+    ctx: Any,
+    out: str,
+    profile: Any,
+    args: argparse.Namespace,
+    speed: Speed,
+) -> Any:
+    """The profile with what it lacked for this system (`_missing`) measured on it."""
+    decode = system.decode
+    for what in missing:
+        f = speed.factor(f"{system.mode} {what}")
+        if what == "serving":
+            profile = _measure_serving(running, ctx, out, profile, decode, args, f)
+        elif what == "serving beside prefill":
+            profile = _measure_serving_beside_prefill(running, ctx, out, profile, decode, args, f)
+        else:
+            profile = _measure_prefill_load(running, ctx, out, profile, decode, system.prefill, system.cached, args, f)
+    return profile
+
+
+def _loads(rates: list[float], args: argparse.Namespace, repeat: int) -> list[tuple[str, Load]]:
+    """(label, load) of each load of one repeat: a ShareGPT run per rate, then the burst load. The
+    seeds are the same in every repeat (see `_check_mode`); the names differ, so that every repeat
+    keeps its JSON file and log."""
+    from splitserve.bench.peer.main import Load
+
+    def name(label: str) -> str:
+        return label if args.repeats == 1 else f"{label}-r{repeat + 1}"
+
+    def sharegpt(rate: float, seed: int) -> tuple[str, ...]:
+        lengths = ("--sharegpt-output-len", str(args.output_len), "--sharegpt-max-input-len", str(args.max_input_len))
+        rate_flags = ("--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}")
+        return ("--dataset", "sharegpt", *rate_flags, *lengths, "--ignore-eos", "--seed", str(seed))
+
+    loads = [(f"sharegpt@{rate:g}", sharegpt(rate, args.seed + i)) for i, rate in enumerate(rates)]
+    if not args.no_burst:  # bench serve's own burst schedule and defaults
+        loads.append(("burst", ("--dataset", "burst", "--seed", str(args.seed + len(rates)))))
+    return [(label, Load(name(label), flags, args.load_timeout)) for label, flags in loads]
+
+
+def _load_pairs(
+    running: RunningSystem,
+    system: _System,
+    label: str,
+    load: Load,
+    ctx: Any,
+    out: str,
+    profile: Any,
+    args: argparse.Namespace,
+    speed: Speed,
+) -> list[Pair]:
+    """One run of the load, measured and simulated on its own requests."""
+    from splitserve.plan.calibrate import at_calibration_speed
+    from splitserve.plan.profile import ProfileCosts, prefill_slowdown, serving_beside_prefill, serving_by_busy
+    from splitserve.plan.sim.simulate import simulate
+    from splitserve.plan.sim.sweep import requests_from_run
+
+    f = speed.factor(f"{system.mode} {load.name}")
+    print(f"[{system.mode}] load {load.name}: bench serve {' '.join(load.flags)}", flush=True)
+    measured = _run(running, load, ctx, out)
+    # the simulated machine at the probed speed: every cost x f is the same timeline as the
+    # calibrated costs over arrivals / f, its times then x f
+    replayed = dataclasses.replace(measured, requests=at_calibration_speed(measured.requests, f))
+    sim = simulate(
+        requests_from_run(replayed, system.cached),
+        system.cluster,
+        ProfileCosts(profile),
+        random.Random(args.seed),
+        spread=profile.step_spread(),
+        prefill_slowdown=prefill_slowdown(profile, system.mode),
+        serve_by_busy=serving_by_busy(profile),
+        serve_beside_prefill=serving_beside_prefill(profile),
+    )
+    return compare(system.mode, label, measured, sim, f)
 
 
 def _run(system: Any, load: Any, ctx: Any, out: str) -> Any:
@@ -443,29 +522,16 @@ def _measure_prefill_load(
     return profile
 
 
-def compare(mode: str, load: str, measured: Any, sim: Any, time_scale: float = 1.0) -> list[Row]:
+def compare(mode: str, load: str, measured: Any, sim: Any, time_scale: float = 1.0) -> list[Pair]:
     """TTFT and ITL p50 and p90, measured (a bench serve RunResult, ms) against simulated (a SimResult,
     s, on a timeline `time_scale` times shorter than the measured one: see `Speed`)."""
     n, ms = measured.completed, 1e3 * time_scale
     return [
-        Row(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * ms),
-        Row(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * ms),
-        Row(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * ms),
-        Row(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * ms),
+        Pair(mode, load, n, "TTFT p50", measured.ttft_ms.p50, sim.ttft.p50 * ms),
+        Pair(mode, load, n, "TTFT p90", measured.ttft_ms.p90, sim.ttft.p90 * ms),
+        Pair(mode, load, n, "ITL p50", measured.itl_ms.p50, sim.itl.p50 * ms),
+        Pair(mode, load, n, "ITL p90", measured.itl_ms.p90, sim.itl.p90 * ms),
     ]
-
-
-def format_table(rows: list[Row]) -> str:
-    lines = [
-        f"{'mode':14s} {'load':13s} {'n':>3s}  {'metric':9s} {'measured':>10s} {'simulated':>10s} "
-        f"{'sim/meas':>8s}  within {TOLERANCE:.0%}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{r.mode:14s} {r.load:13s} {r.requests:3d}  {r.metric:9s} {r.measured_ms:8.1f}ms "
-            f"{r.simulated_ms:8.1f}ms {r.ratio:8.2f}  {'yes' if r.within else 'NO'}"
-        )
-    return "\n".join(lines)
 
 
 def _print_profile(p: Any) -> None:

@@ -51,7 +51,7 @@ def quote(figure: Figure, text: str, name: str) -> str:
     match = re.search(figure.pattern, text, re.M)
     if match is None:
         raise ValueError(f"bench/results/{name}: no line matches {figure.pattern!r}")
-    return figure.template.format(**match.groupdict())
+    return figure.template.format(**match.groupdict(default=""))  # an optional group not matched: ""
 
 
 def rows(results: Path, comparisons: Sequence[Comparison] = COMPARISONS) -> list[Row]:
