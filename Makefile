@@ -30,7 +30,7 @@ serve: install
 # Two processes (pytest-xdist), a file to each at a time (tests/conftest.py groups them): the
 # end-to-end files spend much of their time waiting on sockets and child processes.
 test: install test-tools
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 # Tools the end-to-end tests run for real, from Debian's packages: Prometheus scrapes a running
 # cluster in tests/test_e2e_prometheus.py. Installed once (as root, or through sudo).

@@ -28,14 +28,20 @@ _SERIAL_GROUPS = {
 _GROUP_OF = {name: group for group, names in _SERIAL_GROUPS.items() for name in names}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup` one process runs a whole file (its module fixtures, such as a shared
-    cluster, are set up once) and the files of a serial group one after another."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            name = item.path.name
-            item.add_marker(pytest.mark.xdist_group(_GROUP_OF.get(name, name)))
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under `pytest -n`, one process runs a whole file (its module fixtures, such as a shared
+    cluster, are set up once), and the files of a serial group one after another. (xdist's own
+    `--dist loadgroup` cannot: with pytest 9 the group it appends to a test's id never reaches
+    its scheduler, so every test was scheduled alone.)"""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return _GROUP_OF.get(name, name)
+
+    return FileGroups(config, log)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
