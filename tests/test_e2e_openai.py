@@ -134,8 +134,8 @@ async def _streamed_person(client: openai.AsyncOpenAI, seed: int, started: async
     return text
 
 
-def test_json_schema_200_requests_validate_40_of_them_migrated_mid_stream(model):
-    """160 requests, 16 at a time; then 40 streams on one decode worker, which is killed once every
+def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model):
+    """80 requests, 16 at a time; then 40 streams on one decode worker, which is killed once every
     one of them has text: they migrate with their grammar (the replacement rebuilds each matcher
     from the tokens streamed) and still validate."""
     d1, d2, p = spawn_worker("decode", *FLAGS), spawn_worker("decode", *FLAGS), spawn_worker("prefill", *FLAGS)
@@ -150,7 +150,7 @@ def test_json_schema_200_requests_validate_40_of_them_migrated_mid_stream(model)
                 async with gate:
                     return await _person(client, seed)
 
-            first = await asyncio.gather(*(one(s) for s in range(160)))
+            first = await asyncio.gather(*(one(s) for s in range(80)))
             started, count = asyncio.Event(), [0]
             streams = [asyncio.ensure_future(_streamed_person(client, 1000 + s, started, count)) for s in range(40)]
             await asyncio.wait_for(started.wait(), 300)
@@ -173,7 +173,7 @@ def test_json_schema_200_requests_validate_40_of_them_migrated_mid_stream(model)
         for text in migrated:
             jsonschema.validate(json.loads(text), PERSON)
         assert migrations >= 40, f"only {migrations} of the 40 streams migrated"
-        assert len({t for t, _ in first}) > 100  # sampled, not one answer 160 times
+        assert len({t for t, _ in first}) > 50  # sampled, not one answer 80 times
         wait_all_blocks_free([d2, p])
     finally:
         for w in (d1, d2, p):

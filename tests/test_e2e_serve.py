@@ -121,7 +121,9 @@ def serve(tmp_path):
     # greedy answer to the question below depends on the kernels' rounding ("L'Étoile, la Mar"
     # on an AVX-512 BF16 + AMX machine, at 14aaa41 too); in float32 it is "...is Paris."
     # disaggregated: every answer's KV crosses the KV plane, under the cluster's mutual TLS (the default)
-    s = Serve(tmp_path, "--dtype", "float32", "--mode", "disaggregated")
+    # a grace that no machine's speed decides: the drain test's stream of 160 tokens took over 30 s
+    # (the default grace) on two busy cores, and was cut
+    s = Serve(tmp_path, "--dtype", "float32", "--mode", "disaggregated", "--shutdown-grace-s", "300")
     yield s
     if s.proc.poll() is None:
         os.killpg(s.proc.pid, signal.SIGKILL)
