@@ -142,8 +142,8 @@ def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model)
 
     async def body() -> tuple[list[tuple[str, str | None]], list[str], float]:
         router = await _router(model, [d1], [p], "disaggregated")
+        client = _client(router)
         try:
-            client = _client(router)
             gate = asyncio.Semaphore(16)
 
             async def one(seed: int) -> tuple[str, str | None]:
@@ -163,6 +163,7 @@ def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model)
             migrated = await asyncio.gather(*streams)
             return first, migrated, router.metrics.migrations._value.get()
         finally:
+            await client.close()  # on this loop: a client left to the collector closes on a closed one
             await router.stop()
 
     try:
@@ -193,9 +194,11 @@ def _with_router(cluster: Any, mode: Mode, body: Any) -> Any:
 
     async def run() -> Any:
         router = await _router(model, [d], [p], mode)
+        client = _client(router)
         try:
-            return await body(_client(router))
+            return await body(client)
         finally:
+            await client.close()  # on this loop: a client left to the collector closes on a closed one
             await router.stop()
 
     out = asyncio.run(run())

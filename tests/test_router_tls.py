@@ -78,9 +78,8 @@ async def grpc_generate(router: Router, ca: TLSFiles, cert: TLSFiles | None = No
 
 def test_both_doors_over_tls_with_a_self_signed_ca(pki: dict[str, TLSFiles]) -> None:
     async def body(router: Router) -> tuple[str | None, str]:
-        r = await openai_client(router, client_context(pki["ca"])).completions.create(
-            model="splitserve", prompt="hi", max_tokens=32
-        )
+        async with openai_client(router, client_context(pki["ca"])) as client:
+            r = await client.completions.create(model="splitserve", prompt="hi", max_tokens=32)
         return r.choices[0].text, await grpc_generate(router, pki["ca"])
 
     server = pki["server"]
@@ -93,9 +92,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(pki: dict[s
         out: dict[str, Any] = {}
         for who, cert in (("none", None), ("stranger", pki["stranger"]), ("client", pki["client"])):
             try:
-                r = await openai_client(router, client_context(pki["ca"], cert)).completions.create(
-                    model="splitserve", prompt="hi", max_tokens=32
-                )
+                async with openai_client(router, client_context(pki["ca"], cert)) as client:
+                    r = await client.completions.create(model="splitserve", prompt="hi", max_tokens=32)
                 out[f"http {who}"] = r.choices[0].text
             except openai.APIConnectionError:
                 out[f"http {who}"] = "refused"
@@ -154,7 +152,9 @@ def test_a_certificate_rotated_under_20_live_streams_drops_none(tmp_path: Path, 
                 await asyncio.sleep(0.05)
         serials["new"] = new
         assert not any(s.done() for s in streams)  # they were all live across the rotation
-        return await asyncio.gather(*streams), serials
+        texts = await asyncio.gather(*streams)
+        await client.close()  # on this loop: a client left to the collector closes on a closed one
+        return texts, serials
 
     server = pki["server"]
     texts, serials = asyncio.run(with_router(TLSFiles(server.certfile, server.keyfile), body, token_delay_s=0.3))

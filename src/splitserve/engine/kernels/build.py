@@ -70,11 +70,16 @@ def build_root() -> Path:
 
 
 def build_dir(name: str, source: Path | None = None) -> Path:
-    """One folder per (kernel, torch, Python, source text). The source's hash is in the
-    name because ninja decides by file times alone: a checkout whose older source is
-    newer on disk (a fresh clone) would otherwise load a binary built from other code."""
+    """One folder per (kernel, torch, Python, source text, torch's install). The source's hash is
+    in the name because ninja decides by file times alone: a checkout whose older source is newer
+    on disk (a fresh clone) would otherwise load a binary built from other code. Torch's install
+    (its venv) is in it because the build's command names torch's headers by path: two venvs
+    sharing one folder would rebuild each other's library at every start."""
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    tag = f"-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}" if source is not None else ""
+    tag = ""
+    if source is not None:
+        key = source.read_bytes() + os.path.dirname(torch.__file__).encode()
+        tag = f"-{hashlib.sha256(key).hexdigest()[:12]}"
     return build_root() / f"{name}-torch{torch.__version__}-{py}{tag}".replace("+", "_")
 
 
