@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 # Nothing in the tests may reach a model hub; transformers reads this at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `make test` runs two pytest processes on machines of two cores, each with its own torch threads
+# and the worker processes it starts: OpenMP threads that wait by spinning burn the cores the other
+# process needs. Waiting threads sleep instead (read when torch loads its OpenMP; children inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Before any test imports gRPC: Ray starts its GCS and raylets from this process by fork, which
 # gRPC's fork handlers sometimes abort (splitserve/grpc_fork.py says how often).
 disable_grpc_fork_handlers()
