@@ -38,11 +38,6 @@ class KernelState:
     built: BuildOutcome | None  # how its library was built or loaded (None: no build was tried)
     why_not: str = ""  # "" when ready
 
-    @property
-    def failed(self) -> bool:
-        """Its build failed: the one state that keeps a start from going on (see FALLBACK_FLAG)."""
-        return self.built is not None and bool(self.built.error)
-
 
 def _kernels() -> dict[str, tuple[str, Callable[[], bool]]]:
     """kernel -> (its extension's name, a call that builds or loads it and says whether it runs here)."""
@@ -86,7 +81,8 @@ def _reason(error: str) -> str:
 
 
 def problems(states: Sequence[KernelState], allow_fallback: bool) -> list[Problem]:
-    """One problem naming every kernel whose build failed, unless the torch path was accepted."""
+    """One problem naming every kernel whose build failed (the one state that keeps a start from
+    going on), unless the torch path was accepted."""
     failed = [(s.kernel, s.built.error) for s in states if s.built is not None and s.built.error]
     if allow_fallback or not failed:
         return []
