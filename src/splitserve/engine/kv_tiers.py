@@ -109,6 +109,7 @@ class TierStore:
             raise ValueError(f"two tiers of one name: {[t.name for t in tiers]}")
         self.kv_cache = kv_cache
         self.tiers = list(tiers)
+        self._by_name = {t.name: t for t in self.tiers}  # the list never changes: looked up per block
         self.events: list[BlockEvent] = []
         self.bandwidth = Bandwidths()
         self.prefill_tokens_per_s: float | None = None  # the engine's measured prefill speed
@@ -124,7 +125,7 @@ class TierStore:
 
     def tier(self, name: str) -> KVTier:
         """The tier of this name (KeyError: none)."""
-        return {t.name: t for t in self.tiers}[name]
+        return self._by_name[name]
 
     def _probe(self) -> None:
         """Seed the bandwidths: one block's bytes through each tier into the pool's scratch block."""
@@ -197,7 +198,7 @@ class TierStore:
         tiers = self.lookup(hashes)
         n = plan_load(tiers, self.block_bytes, self.layout.block_size, self.bandwidth.values, self.prefill_tokens_per_s)
         for tier in tiers[n:]:
-            self.stats[tier].recomputed_instead += 1
+            self._by_name[tier].stats.recomputed_instead += 1
         return n
 
     def fetch(self, hashes: Sequence[BlockHash]) -> list[Fetched]:
@@ -230,7 +231,7 @@ class TierStore:
 
     def install(self, fetched: Fetched, block_id: int) -> None:
         """Write a fetched block into pool block `block_id`; its tier counts the hit."""
-        stats = self.stats[fetched.tier]
+        stats = self._by_name[fetched.tier].stats
         stats.hits += 1
         stats.bytes_loaded += fetched.data.numel()
         if self.cuda is not None:  # queued on the load stream; timed when it has completed
@@ -247,7 +248,7 @@ class TierStore:
         """Count the seconds of the CUDA loads that have completed (their read and check included)."""
         assert self.cuda is not None
         for tier, nbytes, seconds in self.cuda.harvest():
-            self.stats[tier].load_seconds += seconds
+            self._by_name[tier].stats.load_seconds += seconds
             self.bandwidth.observe(tier, nbytes, seconds)
 
     def note_prefix(self, prompt_tokens: int, pooled_tokens: int, loaded: Sequence[Fetched]) -> None:
