@@ -44,17 +44,17 @@ def test_a_prefix_line_parses_and_names_where_most_tokens_came_from():
         line(6.0, 2000, 0, 64, 0).replace("disk 0, ", "disk 0, remote 1536, ").replace("computed 1936", "computed 400")
     )
     (a, b) = ps.parse_notes([disk_only, third])
-    assert (a.host, a.disk, a.computed, a.source) == (0, 1536, 464, "disk")
-    assert (b.host, b.disk, b.computed) == (64, 0, 400)
+    assert (a.tier("host"), a.tier("disk"), a.computed, a.source) == (0, 1536, 464, "disk")
+    assert b.tiers == (("host", 64), ("disk", 0), ("remote", 1536)) and (b.computed, b.source) == (400, "remote")
 
 
 def test_records_join_their_line_by_prompt_length_inside_their_window():
     base = (T0 + datetime.timedelta(seconds=100)).timestamp()
     notes = [
-        ps.PrefixNote(base + 0.01, 1700, 0, 0, 0, 1700),  # the run's first request, admitted at once
-        ps.PrefixNote(base + 2.5, 2100, 1600, 0, 0, 500),
-        ps.PrefixNote(base + 2.6, 2300, 0, 1600, 0, 700),  # waited 1.6 s in the queue
-        ps.PrefixNote(base + 9.0, 2400, 0, 0, 2000, 400),
+        ps.PrefixNote(base + 0.01, 1700, 0, (), 1700),  # the run's first request, admitted at once
+        ps.PrefixNote(base + 2.5, 2100, 1600, (("host", 0),), 500),
+        ps.PrefixNote(base + 2.6, 2300, 0, (("host", 1600),), 700),  # waited 1.6 s in the queue
+        ps.PrefixNote(base + 9.0, 2400, 0, (("host", 0), ("disk", 2000)), 400),
     ]
     records = [
         record(0.0, 3.0, 1700),
@@ -69,9 +69,16 @@ def test_records_join_their_line_by_prompt_length_inside_their_window():
 
 
 def test_two_lines_in_one_window_leave_the_record_unjoined_and_counted():
-    notes = [ps.PrefixNote(10.0, 500, 0, 0, 0, 500), ps.PrefixNote(10.5, 500, 496, 0, 0, 4)]
+    notes = [ps.PrefixNote(10.0, 500, 0, (), 500), ps.PrefixNote(10.5, 500, 496, (), 4)]
     joined = ps.join([record(0.0, 1.0, 500)], notes)
     assert joined.sources == [None] and (joined.unjoined, joined.ambiguous) == (1, 1)
+
+
+def test_a_third_tiers_hits_are_split_out_after_the_known_sources():
+    records = [record(0, 0.1, 1000), record(1, 0.2, 1000), record(2, 3.0, 1000)]
+    split = ps.split(records, ["remote", "pool", "recompute"])
+    assert list(split) == ["pool", "recompute", "remote"]
+    assert split["remote"].requests == 1 and split["remote"].ttft_p50_ms == pytest.approx(100.0)
 
 
 def test_a_system_without_tiers_is_split_by_its_usages_cached_tokens():

@@ -262,25 +262,9 @@ def _subject(key: str, device: torch.device) -> Subject:
 
 
 def _random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    import torch
-
-    from splitserve.engine.models import registry
     from splitserve.engine.random_model import random_weights
 
-    if device.type == "cpu":
-        return random_weights(cfg, seed=0, dtype=dtype)
-    # drawn on the device: an 8B model drawn on a CPU takes minutes
-    torch.manual_seed(0)
-    w = {}
-    for name, decl in registry.for_config(cfg).tensors(cfg).items():
-        shape = decl.shape(cfg)
-        t = torch.empty(shape, device=device, dtype=dtype)
-        if decl.init == "norm":
-            t.fill_(1.0)
-        else:  # biases 0.1, the embedding 1, matrices 1/sqrt(fan-in): activations stay in range
-            t.normal_(0.0, {"bias": 0.1, "embedding": 1.0}.get(decl.init, shape[-1] ** -0.5))
-        w[name] = t
-    return w
+    return random_weights(cfg, seed=0, dtype=dtype, device=device)
 
 
 def _hf_from_file(path: str, dtype: torch.dtype, device: torch.device) -> Any:

@@ -92,17 +92,18 @@ def _kv_plane(cluster: ClusterTLS, size: int, rounds: int) -> None:
     print(f"plain {plain:.2f} GB/s, TLS {enc:.2f} GB/s: TLS / plain {enc / plain:.2f} (target >= 0.8)")
 
 
-# The sender inside the namespace: --size bytes in 8 MiB buffers over the cluster's TCP transport
+# The sender inside the namespace: its arguments host, port, size, TLS folder ("": plain) and buffer
+# bytes; it sends size bytes in buffers of that size over the cluster's TCP transport
 # (sealed when given the cluster's files), then it waits for the receiver's one-byte ack.
 _LINK_SENDER = """
 import sys
 from splitserve.kv_transfer.tcp import TCPTransport
 from splitserve.kv_transfer.transport import Connection
 from splitserve.runtime.tls import load_cluster_tls
-host, port, size, tls_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+host, port, size, tls_dir, buffer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 tls = load_cluster_tls(tls_dir).ssl_context(server_side=False) if tls_dir else None
 conn = TCPTransport(client_tls=tls).connect(host, port, 30)
-buf = bytearray(LINK_BUFFER)
+buf = bytearray(buffer)
 for _ in range(size // len(buf)):
     conn.send([buf])
 conn.recv_into(bytearray(1))
@@ -155,10 +156,8 @@ def _link_round(link: ThrottledLink, tls: ssl.SSLContext | None, tls_dir: str, s
             done.put(e)
 
     listener = TCPTransport(server_tls=tls).listen(link.outer_host, 0, receive)
-    cmd = [*link.exec_prefix, sys.executable, "-c", _LINK_SENDER.replace("LINK_BUFFER", str(LINK_BUFFER))]
-    sender = subprocess.run(
-        [*cmd, link.outer_host, str(listener.port), str(size), tls_dir], capture_output=True, text=True, timeout=600
-    )
+    cmd = [*link.exec_prefix, sys.executable, "-c", _LINK_SENDER, link.outer_host, str(listener.port), str(size)]
+    sender = subprocess.run([*cmd, tls_dir, str(LINK_BUFFER)], capture_output=True, text=True, timeout=600)
     listener.close()
     if sender.returncode:
         raise RuntimeError(f"the sender inside the namespace failed: {sender.stderr[-2000:]}")

@@ -36,6 +36,7 @@ from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.kv_transfer import KVReceiver, KVSender, frame
 from splitserve.kv_transfer.reservation import TRANSPORT_NAMES, TransportName
 from splitserve.kv_transfer.tcp import SOCKET_BUFFER_BYTES
+from splitserve.kv_transfer.transport import host_view, recv_exact
 from splitserve.measure.hw import machine_line
 
 TARGETS: dict[TransportName, float] = {"tcp": 0.70, "ucx": 0.80, "cuda_ipc": 0.70}
@@ -259,9 +260,7 @@ def _raw_tcp(sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> float:
         c, _ = ls.accept()
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         for r in recvs:
-            view, got = r.numpy().data, 0
-            while got < len(view):
-                got += c.recv_into(view[got:])
+            recv_exact(c, host_view(r), "raw TCP")
         c.sendall(b"k")
         c.close()
 
@@ -359,12 +358,10 @@ def _raw_tcp_roundtrip(piece: torch.Tensor, landing: torch.Tensor) -> float:
     c, _ = ls.accept()
     for x in (s, c):
         x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = landing.numpy().data
+    view = host_view(landing)
 
     def server() -> None:
-        got = 0
-        while got < len(view):
-            got += c.recv_into(view[got:])
+        recv_exact(c, view, "raw TCP")
         c.sendall(b"k")
 
     th = threading.Thread(target=server)

@@ -31,20 +31,23 @@ def tiny_model_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]  # the overrides' names and values are the caller's
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Random weights under Hugging Face names, every tensor its family's module declares
-    (engine/models/), scaled so that activations stay in range."""
-    g = torch.Generator().manual_seed(seed)
+    (engine/models/), scaled so that activations stay in range. Drawn on `device` (an 8B model
+    drawn on a CPU takes minutes, on a GPU a second), each tensor in float32 and then cast, so
+    one seed gives one model on a device, whatever the dtype."""
+    g = torch.Generator(device=device).manual_seed(seed)
     w: dict[str, torch.Tensor] = {}
     for name, decl in registry.for_config(cfg).tensors(cfg).items():
         shape = decl.shape(cfg)
+        t = torch.randn(*shape, generator=g, device=device)
         if decl.init == "norm":
-            t = 1.0 + 0.1 * torch.randn(*shape, generator=g)
+            t = 1.0 + 0.1 * t
         elif decl.init == "bias":
-            t = 0.1 * torch.randn(*shape, generator=g)
-        elif decl.init == "embedding":
-            t = torch.randn(*shape, generator=g)
-        else:  # a matrix: its outputs of about the scale of its inputs
-            t = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+            t = 0.1 * t
+        elif decl.init != "embedding":  # a matrix: its outputs of about the scale of its inputs
+            t = t * shape[-1] ** -0.5
         w[name] = t.to(dtype)
     return w

@@ -23,6 +23,14 @@ from dataclasses import dataclass, fields
 # in bf16 with float32 accumulation); without them torch converts, and float32 is faster.
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
+# The two thresholds the peer sweeps of issue 10 chose, the same on every machine: a long prefill
+# yields to prompts of this many tokens or fewer, and the router prefills locally past a prefill
+# pool backlog of this many tokens. The library's own dataclasses (router/config.py's
+# RoutingConfig, plan/sim/simulate.py's ClusterSpec) default to them too, so a caller without
+# flags runs what `serve` runs.
+LONG_PREFILL_TOKEN_THRESHOLD = 256
+PREFILL_BACKLOG_TOKENS = 700
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -96,8 +104,8 @@ def tuned_defaults(machine: Machine) -> Tuned:
         threads=threads,
         core_lease=on_cpu and machine.cores > 1,
         decode_borrows=on_cpu and machine.cores > 1,
-        long_prefill_token_threshold=256,
-        prefill_backlog_tokens=700,
+        long_prefill_token_threshold=LONG_PREFILL_TOKEN_THRESHOLD,
+        prefill_backlog_tokens=PREFILL_BACKLOG_TOKENS,
         mode="auto",
         prefill_order="shortest",
     )

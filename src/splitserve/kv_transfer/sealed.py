@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed, host_view
+from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed, host_view, recv_exact
 
 KEY_BYTES = 16  # AES-128: the 16-byte tag bounds a forgery either way, and 128 runs faster
 TAG_BYTES = 16
@@ -71,15 +71,7 @@ def switch_server(sock: ssl.SSLSocket) -> tuple[socket.socket, Keys]:
     """The accepting side's half: read the keys, then end TLS. The client's sending key is
     this side's receiving key."""
     keys = bytearray(2 * KEY_BYTES)
-    view, got = memoryview(keys), 0
-    try:
-        while got < len(keys):
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise ConnectionClosed("the peer closed the connection before sending the record keys")
-            got += n
-    except OSError as e:
-        raise ConnectionClosed(f"reading the record keys failed: {e}") from None
+    recv_exact(sock, memoryview(keys), "reading the record keys")
     return _unwrap(sock), Keys(bytes(keys[KEY_BYTES:]), bytes(keys[:KEY_BYTES]))
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from splitserve.kv_transfer import sealed
-from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed, Listener, host_view
+from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed, Listener, host_view, recv_exact
 from splitserve.runtime.tls import CLUSTER_NAME
 
 log = logging.getLogger(__name__)
@@ -53,16 +53,7 @@ class TCPConnection:
             raise ConnectionClosed(f"send to {self.peer} failed: {e}") from None
 
     def recv_into(self, buffer: Buffer) -> None:
-        view = host_view(buffer)
-        got, n = 0, view.nbytes
-        try:
-            while got < n:
-                k = self._sock.recv_into(view[got:], n - got)
-                if k == 0:
-                    raise ConnectionClosed(f"{self.peer} closed the connection")
-                got += k
-        except OSError as e:
-            raise ConnectionClosed(f"receive from {self.peer} failed: {e}") from None
+        recv_exact(self._sock, host_view(buffer), f"receive from {self.peer}")
 
     def close(self) -> None:
         if self._closed:

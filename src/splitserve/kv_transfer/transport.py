@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +74,20 @@ def host_view(buf: Buffer) -> memoryview:
             raise TypeError("this transport moves host memory; stage device tensors first")
         return buf.numpy().data.cast("B")  # ndarray.data: memoryview(ndarray), typed as one
     return memoryview(buf).cast("B")
+
+
+def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill `view` from `sock` (a stream delivers it in pieces); ConnectionClosed, naming `what`,
+    when the peer closes first or the socket fails."""
+    got, n = 0, view.nbytes
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise ConnectionClosed(f"{what}: the peer closed the connection")
+            got += k
+    except OSError as e:
+        raise ConnectionClosed(f"{what} failed: {e}") from None
 
 
 class Watched:

@@ -17,6 +17,7 @@ and says so.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -28,6 +29,9 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx
 
 from splitserve.kv_transfer.transport import Buffer, Connection, ConnectionClosed
+
+log = logging.getLogger(__name__)
+ANY_HOST = ("", "0.0.0.0", "::")
 
 
 class _Runtime:
@@ -119,9 +123,17 @@ async def close_listener(listener: Any, timeout: float = 1.0) -> None:
 
 
 class UCXListener:
-    def __init__(self, rt: _Runtime, port: int, on_connection: Callable[[Connection], None]) -> None:
+    def __init__(self, rt: _Runtime, port: int, on_connection: Callable[[Connection], None], host: str = "") -> None:
         self._rt = rt
+        # ucxx's create_listener takes no address: the listener is on every interface, whatever
+        # the worker's --host says. Said at start, so that nobody believes it is bound there.
         self.host = "0.0.0.0"
+        if host not in ANY_HOST:
+            log.warning(
+                "the UCX KV listener listens on every interface, not on --host %s only (ucxx binds no address); "
+                "use --kv-transport tcp, or a firewall, to keep the KV plane on one interface",
+                host,
+            )
 
         async def handler(ep: Any) -> None:
             closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -150,7 +162,7 @@ class UCXTransport:
         self._rt = _Runtime.get()
 
     def listen(self, host: str, port: int, on_connection: Callable[[Connection], None]) -> UCXListener:
-        return UCXListener(self._rt, port, on_connection)
+        return UCXListener(self._rt, port, on_connection, host)
 
     def connect(self, host: str, port: int, timeout: float) -> Connection:
         async def make() -> Any:

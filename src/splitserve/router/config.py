@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, get_args
 
+from splitserve.engine.tuned import PREFILL_BACKLOG_TOKENS
 from splitserve.router.tenants import Tenant
 from splitserve.runtime.tls import ClusterTLS, TLSFiles
 
@@ -75,9 +76,8 @@ class RoutingConfig:
     # this prompt (after its own queued prefill) no later than that. Tokens, not seconds: both sides
     # prefill at about the same rate on one kind of hardware, so the comparison needs no clock.
     # Size it to the TTFT you would give up waiting for. 700 is what the peer sweeps found best on
-    # a 2-core CPU (issue 10); the commands take their default from engine/tuned.py (issue 22: a
-    # user gets the recorded figures), this one is a library caller's.
-    prefill_backlog_tokens: int = 700
+    # a 2-core CPU (issue 10); the commands and this default both read engine/tuned.py's
+    prefill_backlog_tokens: int = PREFILL_BACKLOG_TOKENS
     # ...and only while the TTFT that saves (in prefill tokens) is at least this weight times the stall
     # it puts on the decode worker's running streams (the prompt's tokens times the streams): 1 holds
     # a stream's stalled second as dear as the new request's waited one; 0 ignores the streams.

@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+# the sources a report lists first, in this order; a tier of another name (a remote store) follows them
 SOURCES = ("pool", "host", "disk", "recompute", "first turn")
 _LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO splitserve\.engine\.kv_tiers: prefix: prompt (\d+) tokens, "
@@ -41,14 +42,17 @@ class PrefixNote(NamedTuple):
     t: float
     prompt: int
     pool: int
-    host: int
-    disk: int
+    tiers: tuple[tuple[str, int], ...]  # (tier name, tokens loaded from it), in the worker's order
     computed: int
+
+    def tier(self, name: str) -> int:
+        """Tokens loaded from the tier `name` (0 where the worker has no such tier)."""
+        return dict(self.tiers).get(name, 0)
 
     @property
     def source(self) -> str:
-        shares = {"pool": self.pool, "host": self.host, "disk": self.disk, "recompute": self.computed}
-        return max(SOURCES[:4], key=lambda s: shares[s])  # ties: the order of SOURCES
+        shares = [("pool", self.pool), *self.tiers, ("recompute", self.computed)]
+        return max(shares, key=lambda s: s[1])[0]  # ties: the pool, then the tiers in order, then recompute
 
 
 def parse_notes(lines: Iterable[str], since: float = 0.0) -> list[PrefixNote]:
@@ -60,9 +64,9 @@ def parse_notes(lines: Iterable[str], since: float = 0.0) -> list[PrefixNote]:
             continue
         t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
         if t >= since:
-            tiers = {name: int(n) for name, n in _TIER.findall(m.group(4))}
+            tiers = tuple((name, int(n)) for name, n in _TIER.findall(m.group(4)))
             prompt, pool, computed = int(m.group(2)), int(m.group(3)), int(m.group(5))
-            out.append(PrefixNote(t, prompt, pool, tiers.get("host", 0), tiers.get("disk", 0), computed))
+            out.append(PrefixNote(t, prompt, pool, tiers, computed))
     return sorted(out)
 
 
@@ -128,9 +132,10 @@ class SourceStats(NamedTuple):
 
 
 def split(records: Sequence[dict[str, Any]], sources: Sequence[str | None]) -> dict[str, SourceStats]:
-    """TTFT per source, over the records whose source is known."""
+    """TTFT per source, over the records whose source is known: SOURCES' order, then any other tier's."""
     out = {}
-    for s in SOURCES:
+    others = sorted({s for s in sources if s is not None and s not in SOURCES})
+    for s in (*SOURCES, *others):
         rs = [r for r, src in zip(records, sources, strict=True) if src == s]
         if not rs:
             continue

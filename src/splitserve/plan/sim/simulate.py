@@ -68,6 +68,7 @@ from typing import Literal, NamedTuple
 
 from splitserve.engine.block_hash import ROOT_HASH, BlockHash, hash_block
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
+from splitserve.engine.tuned import LONG_PREFILL_TOKEN_THRESHOLD
 from splitserve.measure.metrics import percentile
 from splitserve.plan.costs import CostModel, StepSpread
 from splitserve.plan.sim.worker import SimRequest, SimWorker
@@ -106,7 +107,7 @@ class ClusterSpec:
     prefill_aging_tokens_per_s: float | None = AGING_TOKENS_PER_S
     # as the workers' --long-prefill-token-threshold (engine/tuned.py's default): a waiting prompt of
     # this many tokens or fewer goes before the long prefills in progress (0: it waits them out)
-    long_prefill_token_threshold: int = 256
+    long_prefill_token_threshold: int = LONG_PREFILL_TOKEN_THRESHOLD
     # the router's own config section (block size, cost weights, the local-or-remote thresholds);
     # its mode is made this spec's `mode` at construction, the cluster's shape deciding it
     routing: RoutingConfig = field(default_factory=RoutingConfig)
