@@ -253,6 +253,22 @@ def test_the_speed_factor_is_the_probe_now_over_the_calibration(capsys):
     assert Speed(None, 0.0).factor("x") == 1.0  # a profile without a probe reading: taken as is
 
 
+def test_a_load_is_simulated_at_the_lower_of_the_readings_around_it(capsys):
+    class Probe:
+        def __init__(self, after: float) -> None:
+            self.after = after
+
+        def seconds(self) -> float:
+            return self.after
+
+    # a reading pushed up before the load (the previous load's aftermath on the probe's core) gives way
+    assert Speed(Probe(0.2), 0.2).around("disaggregated sharegpt@1-r1", 1.22) == pytest.approx(1.0)
+    assert "simulated at 1.00x" in capsys.readouterr().out
+    # a machine slow all through the load reads slow on both sides, and is simulated slow
+    assert Speed(Probe(0.26), 0.2).around("colocated burst", 1.4) == pytest.approx(1.3)
+    assert Speed(None, 0.0).around("x", 1.0) == 1.0
+
+
 def test_the_speed_probe_times_a_fixed_piece_of_work_and_leaves_the_engine_empty():
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
