@@ -37,6 +37,9 @@ LAYOUT = wpb.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, d
 DECODE_LOGPROB = -0.5  # every token the decode fake samples has this logprob
 PREFILL_LOGPROB = -0.25  # every first token the prefill fake samples
 PROMPT_LOGPROB = -1.0  # every prompt token's
+# A dying fake decode worker refuses new calls at once; its calls in flight that are not streaming
+# tokens (each streaming one ends at its next token) are cancelled after this long at most
+DEATH_GRACE_S = 1.0
 
 
 def fake_logprob(token: int, value: float, top_logprobs: int) -> TokenLogprob:
@@ -129,10 +132,11 @@ class _FakeBase:
         self.address = f"{host}:{port}"
         return self.address
 
-    def die(self) -> None:
-        """Stop serving at once (calls in flight end with UNAVAILABLE), from inside a handler too."""
+    def die(self, grace_s: float = 0.0) -> None:
+        """Stop serving, from inside a handler too: new calls are refused at once, and calls in
+        flight end with UNAVAILABLE when `grace_s` has passed (or when they end by themselves)."""
         if self.server is not None and self._stopping is None:
-            self._stopping = asyncio.get_running_loop().create_task(self.server.stop(0))
+            self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))
 
     async def stop(self) -> None:
         self.die()
@@ -257,7 +261,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
                 for sample in list(pending):
                     reason = _finish_reason(sample.output_token_ids, h.params)
                     if reason is None:
-                        yield wpb.DecodeEvent(tokens=await self._next_token(h.params, sample, rid))
+                        yield wpb.DecodeEvent(tokens=await self._next_token(h.params, sample, rid, context))
                         reason = _finish_reason(sample.output_token_ids, h.params)
                     if reason is not None:
                         pending.remove(sample)
@@ -306,14 +310,20 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             lease_deadline_unix_ms=int((time.time() + self.lease_s) * 1000),
         )
 
-    async def _next_token(self, params: SamplingParams, sample: SampleState, rid: str) -> wpb.Tokens:
+    async def _next_token(
+        self, params: SamplingParams, sample: SampleState, rid: str, context: grpc.aio.ServicerContext
+    ) -> wpb.Tokens:
         """The sample's next script token (after `token_delay_s`), or the worker's death at
-        `die_after_tokens`."""
+        `die_after_tokens`: the whole worker goes away, mid-stream. This stream ends with
+        UNAVAILABLE after every token it sent (gRPC puts the status behind the messages), so the
+        router holds exactly `die_after_tokens` of them when it hands the request on; stopping the
+        server at once instead cancelled the call with its last tokens still unsent, now and then
+        (tests/test_router_samples.py saw 2 tokens of a sample where 3 had been sent)."""
         if self.token_delay_s:
             await asyncio.sleep(self.token_delay_s)
         if self.die_after_tokens is not None and self.tokens_sent >= self.die_after_tokens:
-            self.die()  # the whole worker goes away, mid-stream
-            await asyncio.Event().wait()
+            self.die(grace_s=DEATH_GRACE_S)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode worker died")
         t = self.token(sample.index, len(sample.output_token_ids))
         sample.output_token_ids.append(t)
         self.tokens_sent += 1

@@ -38,11 +38,12 @@ def random_weights(
     (engine/models/), scaled so that activations stay in range. Drawn on `device` (an 8B model
     drawn on a CPU takes minutes, on a GPU a second), each tensor in float32 and then cast, so
     one seed gives one model on a device, whatever the dtype."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    on = torch.device(device)
+    g = None if on.type == "meta" else torch.Generator(device=on).manual_seed(seed)  # meta: shapes, no values
     w: dict[str, torch.Tensor] = {}
     for name, decl in registry.for_config(cfg).tensors(cfg).items():
         shape = decl.shape(cfg)
-        t = torch.randn(*shape, generator=g, device=device)
+        t = torch.randn(*shape, generator=g, device=on)
         if decl.init == "norm":
             t = 1.0 + 0.1 * t
         elif decl.init == "bias":
