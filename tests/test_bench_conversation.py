@@ -44,7 +44,7 @@ def test_a_prefix_line_parses_and_names_where_most_tokens_came_from():
         line(6.0, 2000, 0, 64, 0).replace("disk 0, ", "disk 0, remote 1536, ").replace("computed 1936", "computed 400")
     )
     (a, b) = ps.parse_notes([disk_only, third])
-    assert (a.tier("host"), a.tier("disk"), a.computed, a.source) == (0, 1536, 464, "disk")
+    assert (a.tiers, a.computed, a.source) == ((("disk", 1536),), 464, "disk")
     assert b.tiers == (("host", 64), ("disk", 0), ("remote", 1536)) and (b.computed, b.source) == (400, "remote")
 
 

@@ -65,8 +65,8 @@ def test_cuda_without_a_gpu_skips_cleanly(capsys):
 
 
 def test_gpu_model_shapes_and_device_side_weights():
-    """The GPU part's random models: the right sizes, and weights drawn on the device under the
-    names and shapes engine.random_model.random_weights gives (checked here on the meta device)."""
+    """The GPU part's random models: the right sizes, and weights drawn on the device (the meta
+    device here) under the names and shapes random_weights gives on the CPU."""
     import torch
 
     from splitserve.bench import engine as bench
@@ -75,11 +75,11 @@ def test_gpu_model_shapes_and_device_side_weights():
     for key, params in (("llama-3.2-1b", 1.24e9), ("llama-3-8b", 8.03e9)):
         cfg = bench._shape(key)
         assert abs(param_count(cfg) - params) / params < 0.01, (key, param_count(cfg))
-        drawn = bench._random_weights(cfg, torch.bfloat16, torch.device("meta"))
+        drawn = random_weights(cfg, dtype=torch.bfloat16, device=torch.device("meta"))
         assert sum(t.numel() for t in drawn.values()) == param_count(cfg)
     for cfg in (tiny_model_config(), tiny_model_config(tie_embeddings=False, attention_bias=True)):
         want = {name: tuple(t.shape) for name, t in random_weights(cfg).items()}
-        drawn = bench._random_weights(cfg, torch.float32, torch.device("meta"))
+        drawn = random_weights(cfg, device=torch.device("meta"))
         assert {name: tuple(t.shape) for name, t in drawn.items()} == want
 
 

@@ -243,11 +243,13 @@ def _shape(key: str) -> ModelConfig:
 
 def _subject(key: str, device: torch.device) -> Subject:
     if key in RANDOM_SHAPES:
+        from splitserve.engine.random_model import random_weights
+
         cfg = _shape(key)
         return Subject(
             key,
             f"{key} shape, random weights",
-            lambda dtype: (cfg, _random_weights(cfg, dtype, device)),
+            lambda dtype: (cfg, random_weights(cfg, seed=0, dtype=dtype, device=device)),
             lambda c, dtype, w: _hf_from_weights(c, w, dtype, device),
         )
     from splitserve.engine.weights import default_model_path, load_model
@@ -259,12 +261,6 @@ def _subject(key: str, device: torch.device) -> Subject:
         return m.config, floats(m.weights)
 
     return Subject(key, path, load, lambda c, dtype, w: _hf_from_file(path, dtype, device))
-
-
-def _random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    from splitserve.engine.random_model import random_weights
-
-    return random_weights(cfg, seed=0, dtype=dtype, device=device)
 
 
 def _hf_from_file(path: str, dtype: torch.dtype, device: torch.device) -> Any:

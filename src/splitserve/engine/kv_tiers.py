@@ -198,7 +198,7 @@ class TierStore:
         tiers = self.lookup(hashes)
         n = plan_load(tiers, self.block_bytes, self.layout.block_size, self.bandwidth.values, self.prefill_tokens_per_s)
         for tier in tiers[n:]:
-            self._by_name[tier].stats.recomputed_instead += 1
+            self.tier(tier).stats.recomputed_instead += 1
         return n
 
     def fetch(self, hashes: Sequence[BlockHash]) -> list[Fetched]:
@@ -231,7 +231,7 @@ class TierStore:
 
     def install(self, fetched: Fetched, block_id: int) -> None:
         """Write a fetched block into pool block `block_id`; its tier counts the hit."""
-        stats = self._by_name[fetched.tier].stats
+        stats = self.tier(fetched.tier).stats
         stats.hits += 1
         stats.bytes_loaded += fetched.data.numel()
         if self.cuda is not None:  # queued on the load stream; timed when it has completed
@@ -248,7 +248,7 @@ class TierStore:
         """Count the seconds of the CUDA loads that have completed (their read and check included)."""
         assert self.cuda is not None
         for tier, nbytes, seconds in self.cuda.harvest():
-            self._by_name[tier].stats.load_seconds += seconds
+            self.tier(tier).stats.load_seconds += seconds
             self.bandwidth.observe(tier, nbytes, seconds)
 
     def note_prefix(self, prompt_tokens: int, pooled_tokens: int, loaded: Sequence[Fetched]) -> None:

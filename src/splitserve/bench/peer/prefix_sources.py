@@ -45,10 +45,6 @@ class PrefixNote(NamedTuple):
     tiers: tuple[tuple[str, int], ...]  # (tier name, tokens loaded from it), in the worker's order
     computed: int
 
-    def tier(self, name: str) -> int:
-        """Tokens loaded from the tier `name` (0 where the worker has no such tier)."""
-        return dict(self.tiers).get(name, 0)
-
     @property
     def source(self) -> str:
         shares = [("pool", self.pool), *self.tiers, ("recompute", self.computed)]
