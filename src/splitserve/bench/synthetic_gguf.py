@@ -47,11 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="Q4_0", choices=sorted(_QUANT_STD), help="every matrix's block format")
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sparse",
+        action="store_true",
+        help="the header and a hole for the tensors: what the memory check at start reads, in seconds",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    size = write(args.out, BY_NAME[args.format], SHAPES[args.shape], args.seed)
-    print(f"wrote {args.out}: {size / 1e9:.2f} GB, {args.shape} in {args.format}, the embedded tokenizer")
+    size = write(args.out, BY_NAME[args.format], SHAPES[args.shape], args.seed, sparse=args.sparse)
+    sparse = " (sparse: no tensor bytes on disk)" if args.sparse else ""
+    print(f"wrote {args.out}: {size / 1e9:.2f} GB{sparse}, {args.shape} in {args.format}, the embedded tokenizer")
     return 0
 
 
@@ -79,8 +85,10 @@ def _tokenizer_fields(writer: gguf.GGUFWriter) -> int:
     return vocab
 
 
-def write(path: str, fmt: BlockFormat, shape: Shape, seed: int = 0) -> int:
-    """Writes the file; returns its size in bytes."""
+def write(path: str, fmt: BlockFormat, shape: Shape, seed: int = 0, sparse: bool = False) -> int:
+    """Writes the file; returns its size in bytes. `sparse`: the header and a hole where the
+    tensors' bytes would be (seconds and no disk for an 8B shape; what reads only the tensor
+    table, such as engine/memory.py's count, sees the real file)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     vocab = _tokenizer_fields(w)
@@ -99,10 +107,17 @@ def write(path: str, fmt: BlockFormat, shape: Shape, seed: int = 0) -> int:
     qtype = gguf.GGMLQuantizationType(fmt.ggml_type)
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, _blocks(rng, fmt, rows, cols), raw_dtype=qtype)
+        if sparse:
+            row = fmt.row_bytes(cols)
+            w.add_tensor_info(name, (rows, row), np.dtype(np.uint8), rows * row, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, _blocks(rng, fmt, rows, cols), raw_dtype=qtype)
 
     def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
+        if sparse:
+            w.add_tensor_info(name, (shape.hidden,), np.dtype(np.float32), shape.hidden * 4)
+        else:
+            w.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
 
     kv = shape.kv_heads * head_dim
     matrix("token_embd.weight", vocab, shape.hidden)
@@ -120,6 +135,24 @@ def write(path: str, fmt: BlockFormat, shape: Shape, seed: int = 0) -> int:
         matrix(f"blk.{i}.ffn_down.weight", shape.hidden, shape.ffn)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    if not sparse:
+        w.write_tensors_to_file()
+        w.close()
+        return os.path.getsize(path)
+    w.write_ti_data_to_file()
     w.close()
+    _extend_to_tensors(path)
     return os.path.getsize(path)
+
+
+def _extend_to_tensors(path: str) -> None:
+    """A header-only GGUF made as long as its tensor table says, with a hole for the tensors: room
+    first (the reader maps the whole file and checks every tensor lies inside it), then cut where
+    the last tensor ends."""
+    from splitserve.engine.gguf_loader import open_gguf
+
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + (1 << 40))
+    end = max(t.data_offset + int(t.n_bytes) for t in open_gguf(path).tensors)
+    with open(path, "r+b") as f:
+        f.truncate(end)

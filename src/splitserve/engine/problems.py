@@ -21,6 +21,7 @@ class Check(StrEnum):
     PLACEMENT = "placement"  # workers the machine (or the Ray cluster's node types) cannot hold
     KV_TIERS = "kv_tiers"  # a disk tier whose directory cannot be made or written
     KERNELS = "kernels"  # a C++ kernel that cannot be built here (engine/kernels/prebuild.py)
+    MEMORY = "memory"  # workers whose weights, KV pool and runtime exceed the machine's memory (engine/memory.py)
 
 
 class Problem(NamedTuple):

@@ -288,6 +288,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"splitserve worker: {refusal}", file=sys.stderr)
         return 2
     from splitserve.engine.kernels.prebuild import preflight as kernels_preflight
+    from splitserve.engine.memory import Pool, available_memory, fit_problems
     from splitserve.engine.preflight import engine_problems, tier_problems
 
     try:  # the flags, then the model's header against them: before any port or model load
@@ -297,6 +298,8 @@ def run(a: argparse.Namespace) -> int:
         return 2
     problems = engine_problems(a.model, {"--tensor-parallel-size": cfg.engine.tensor_parallel_size})
     problems += tier_problems(cfg.engine.kv_disk_tier_bytes, cfg.engine.kv_disk_tier_dir)
+    if not problems:  # the model read: its weights, KV pool and runtime against this machine's memory
+        problems = fit_problems(a.model, [Pool(a.role, 1, cfg.engine)], available_memory(), 0, "")
     if not problems:  # the cheap checks first: a build takes seconds
         problems = kernels_preflight(cfg.engine.device, a.allow_torch_fallback, lambda line: print(line, flush=True))
     for problem in problems:

@@ -1,0 +1,254 @@
+"""What one worker will hold in memory, from the model's header and the engine's config alone,
+before anything loads: the weights in the format they will run in, the KV pool and the host KV
+tier, the activations of its largest step, and the process itself.
+
+`serve --model` of an 8B-shape Q4_0 GGUF with no flags inflated the file to bfloat16 in each of
+its two workers and drove a 24 GB machine down to 1.4 GB available in 106 s, with no message,
+before anyone stopped it. The start-time checks (cluster/preflight.py for `serve`, the worker's
+own for `splitserve worker`) add these figures up per node and refuse in seconds what cannot fit.
+
+Weights cost a node in one of two ways, so they are counted apart:
+- private: copied into the worker (a GGUF's blocks dequantized into --dtype, a checkpoint cast to
+  it, a float matrix quantized at load): every worker pays them;
+- mapped: block-format matrices computed in place over the file's mapping (--quantization auto):
+  the page cache holds them once for every worker on the node that maps the same file.
+
+Pure but for reading the model's header (a GGUF's tensor table, safetensors' JSON headers; never
+the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from splitserve.engine.problems import Check, Problem
+
+if TYPE_CHECKING:  # torch's modules, loaded only when a figure is asked for
+    from splitserve.engine.config import EngineConfig, ModelConfig
+
+# The worker process itself with no model in it: Python, torch and its thread pools, gRPC, the
+# C++ kernels, the tokenizer. Measured on SmolLM2 decode workers (`splitserve worker`, RSS once
+# listening, less the weights, KV pool and activations counted here): 0.34 GB (float32, the blocks
+# inflated), 0.43 GB (bfloat16 inflated, 256 blocks), 0.33 GB (bfloat16, --quantization auto, the
+# mapped blocks also taken out); rounded up.
+RUNTIME_BYTES = 512 << 20
+# A step's activations in float32, per token of the step: the residual stream and its norm, q, k,
+# v and the attention output, gate, up and their product, with room for the matmuls' outputs.
+_ACTIVATION_FLOATS_PER_TOKEN = ("hidden", 6), ("intermediate", 4)
+
+# Fewer KV blocks than this is no fix worth naming: 64 blocks of 16 tokens is one 1,024-token prompt.
+MIN_BLOCKS = 64
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """Bytes one worker holds; `mapped_weights` is shared by the workers of a node that map one file."""
+
+    private_weights: int  # copied into the process, in the format they run in (or their peak at load)
+    mapped_weights: int  # computed in place over the file's pages
+    kv_pool: int  # every layer's blocks, all ranks
+    kv_host_tier: int  # evicted prefix blocks kept in RAM (--kv-host-tier-mib)
+    activations: int  # the largest step's, float32
+    runtime: int = RUNTIME_BYTES
+
+    @property
+    def private(self) -> int:
+        """What this worker alone adds to its node."""
+        return self.private_weights + self.kv_pool + self.kv_host_tier + self.activations + self.runtime
+
+    def parts(self) -> str:
+        """The private sum written out, for a message."""
+        named = (
+            ("weights", self.private_weights),
+            ("KV pool", self.kv_pool),
+            ("host KV tier", self.kv_host_tier),
+            ("activations", self.activations),
+            ("runtime", self.runtime),
+        )
+        return " + ".join(f"{gib(n)} {what}" for what, n in named if n)
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def kv_pool_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
+    """The KV pool the engine allocates: --kv-cache-bytes, else --num-blocks blocks."""
+    from splitserve.engine.config import kv_dtype_name
+    from splitserve.engine.kv_cache import KVLayout
+
+    layout = KVLayout(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=cfg.block_size,
+        dtype=kv_dtype_name(cfg.kv_cache_dtype, cfg.dtype),
+        tp_size=1,
+        windows=(),
+        model_fingerprint=b"",
+    )
+    if cfg.kv_cache_bytes:
+        return cfg.kv_cache_bytes
+    return cfg.num_blocks * model.num_layers * layout.bytes_per_block
+
+
+def activation_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
+    """A step of max_num_batched_tokens tokens through one layer at a time, and the logits of
+    max_num_seqs rows."""
+    width = {"hidden": model.hidden_size, "intermediate": model.intermediate_size}
+    per_token = sum(width[what] * n for what, n in _ACTIVATION_FLOATS_PER_TOKEN)
+    return 4 * (cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * model.vocab_size)
+
+
+def worker_memory(path: str | None, cfg: EngineConfig) -> WorkerMemory:
+    """One worker's bytes for the model at `path` (None: the default model) under `cfg`."""
+    from splitserve.engine.preflight import read_model_config
+
+    model = read_model_config(path)
+    private, mapped = _weight_bytes(path, model, cfg)
+    return WorkerMemory(
+        private_weights=private,
+        mapped_weights=mapped,
+        kv_pool=kv_pool_bytes(model, cfg),
+        kv_host_tier=cfg.kv_host_tier_bytes,
+        activations=activation_bytes(model, cfg),
+    )
+
+
+def _weight_bytes(path: str | None, model: ModelConfig, cfg: EngineConfig) -> tuple[int, int]:
+    from splitserve.engine import embedded
+
+    resolved = embedded.resolve(None if path is None else os.fspath(path))
+    if os.path.isdir(resolved):
+        return _hf_weight_bytes(Path(resolved), model, cfg), 0
+    return _gguf_weight_bytes(resolved, model, cfg)
+
+
+def _gguf_weight_bytes(path: str, model: ModelConfig, cfg: EngineConfig) -> tuple[int, int]:
+    """(private, mapped) as gguf_loader.load_gguf_weights places each tensor: a matrix in a block
+    format the kernels take stays in the file under --quantization other than none; every other
+    tensor is dequantized into --dtype. A float matrix quantized at load (q8_0, q4_k) is counted
+    at its dense size, the peak before the blocks replace it."""
+    from splitserve.engine import gguf_loader
+    from splitserve.engine.gguf_formats import FORMATS
+    from splitserve.engine.models import declare, registry
+
+    names = declare.gguf_to_hf(registry.for_config(model), model)
+    keep = cfg.quantization != "none"
+    private = mapped = 0
+    for t in gguf_loader.open_gguf(path).tensors:
+        decl = names.get(t.name)
+        if decl is None:  # rope factors, folded into the config
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        fmt = FORMATS.get(int(t.tensor_type))
+        if keep and fmt is not None and not decl[1].experts and len(shape) == 2 and shape[1] % fmt.block_elems == 0:
+            mapped += int(t.n_bytes)
+        else:
+            private += int(t.n_elements) * _DTYPE_BYTES[cfg.dtype]
+    return private, mapped
+
+
+def _hf_weight_bytes(path: Path, model: ModelConfig, cfg: EngineConfig) -> int:
+    """A Hugging Face checkpoint's tensors, read into the process: a float one cast to --dtype; a
+    quantized one (config.json's quantization_config) as its files hold it under --quantization
+    other than none, else dequantized: the model's parameters in --dtype."""
+    from splitserve.engine.hf_loader import read_scheme
+    from splitserve.engine.models import declare, registry
+
+    elements = stored = 0
+    for f in sorted(path.glob("*.safetensors")):
+        for name, entry in _safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            elements += math.prod(entry["shape"])
+            start, end = entry["data_offsets"]
+            stored += end - start
+    if read_scheme(str(path)) is None:
+        return elements * _DTYPE_BYTES[cfg.dtype]
+    if cfg.quantization != "none":
+        return stored
+    return declare.param_count(registry.for_config(model), model) * _DTYPE_BYTES[cfg.dtype]
+
+
+def _safetensors_header(f: Path) -> dict[str, dict[str, list[int]]]:
+    """A safetensors file's JSON header: its 8-byte little-endian length, then the JSON."""
+    with f.open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header: dict[str, dict[str, list[int]]] = json.loads(fh.read(n))
+    return header
+
+
+def available_memory() -> int:
+    """What this machine can still give (/proc/meminfo's MemAvailable: free memory and the page cache
+    that can be dropped), in bytes; 0 where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Pool(NamedTuple):
+    """Workers of one role on one node, each running `engine`."""
+
+    role: str
+    workers: int
+    engine: EngineConfig
+
+
+def node_bytes(pools: Sequence[tuple[Pool, WorkerMemory]], others: int) -> int:
+    """A node's need: each worker's private bytes, the mapped weights once (one file, one page
+    cache), and `others` (processes beside the workers: the router, `serve` itself)."""
+    private = sum(pool.workers * mem.private for pool, mem in pools)
+    mapped = max((mem.mapped_weights for pool, mem in pools if pool.workers), default=0)
+    return private + mapped + others
+
+
+def fit_problems(
+    path: str | None, pools: Sequence[Pool], available: int, others: int, fewer_workers: str
+) -> list[Problem]:
+    """Workers that a node of `available` bytes cannot hold, as one Problem with the arithmetic and
+    the flags that would make them fit, each with what it would need; [] when they fit, and on a GPU,
+    where the weights and the KV pool are the device's (its own checks are the engine's). Reads the
+    model's header (a ModelLoadError if it cannot: engine/preflight.py says that first)."""
+    pools = [p for p in pools if p.workers and not p.engine.device.startswith("cuda")]
+    if not pools or available <= 0:
+        return []
+    sized = [(p, worker_memory(path, p.engine)) for p in pools]
+    need = node_bytes(sized, others)
+    if need <= available:
+        return []
+    terms = [f"{p.workers} {p.role} worker{'s' if p.workers > 1 else ''} x ({m.parts()})" for p, m in sized]
+    mapped = max(m.mapped_weights for _, m in sized)
+    terms += [f"{gib(mapped)} of the file's blocks, mapped once"] if mapped else []
+    terms += [f"{gib(others)} for the router and serve"] if others else []
+    fixes = []
+    if any(p.engine.quantization == "none" for p in pools):
+        auto = [(p, worker_memory(path, replace(p.engine, quantization="auto"))) for p in pools]
+        if (need_auto := node_bytes(auto, others)) < need:
+            fixes.append(f"--quantization auto, which computes the file's blocks in place ({gib(need_auto)})")
+    # the KV pools scale with --num-blocks: the count that leaves them the room the rest leaves
+    kv = sum(p.workers * m.kv_pool for p, m in sized)
+    blocks = max(p.engine.num_blocks for p in pools)
+    sized_by_blocks = kv and not any(p.engine.kv_cache_bytes for p in pools)
+    if sized_by_blocks and (fit := int(blocks * (available - need + kv) / kv)) >= MIN_BLOCKS:
+        fixes.append(f"--num-blocks {fit} (from {blocks})")
+    if sum(p.workers for p in pools) > 1:
+        fixes.append(f"fewer workers ({fewer_workers})")
+    who = "the workers need" if sum(p.workers for p in pools) > 1 else "the worker needs"
+    what = f"{who} {gib(need)} of memory and this machine has {gib(available)} available: " + " + ".join(terms)
+    fix = "; or ".join(fixes) if fixes else "run on a machine with more memory"
+    return [Problem(Check.MEMORY, what, fix)]
