@@ -32,3 +32,10 @@ def test_a_cuda_pool_with_fewer_gpus_than_ranks_is_refused_before_ray_starts(cap
     check_pool_tp("decode", 4, "cpu", 0.0)  # ranks on a CPU share its cores: no GPU asked
     with pytest.raises(ValueError, match="at least 1"):
         check_pool_tp("decode", 0, "cpu", 0.0)
+
+
+def test_a_bad_router_flag_is_refused_before_ray_starts(capsys):
+    """The router's own flags are read with the rest: a negative port used to end in a traceback from
+    inside the running cluster, after Ray and both pools had started."""
+    assert main(["serve", "--metrics-port", "-1"]) == 2
+    assert "metrics_port must be >= 0, got -1" in capsys.readouterr().err

@@ -255,9 +255,11 @@ def configure(a: argparse.Namespace) -> ServeConfig:
     tp = {role: pool_tp_size(a, role) for role in ROLES}
     for role in ROLES:
         check_pool_tp(role, tp[role], a.device, a.gpus_per_worker)
-    from splitserve.router.flags import tls_from_args
+    from splitserve.router.flags import router_config_from_args
 
-    tls_from_args(a)  # the front door's TLS flags go together, and their files can be read
+    # the router's flags (its ports, TLS files, limits, deadlines) read as the router will read them,
+    # with the cluster token it gets later: `--metrics-port -1` ended in a traceback after Ray started
+    router_config_from_args(a, "")
     if a.kv_transport != "tcp" and not a.insecure_internal:
         raise ValueError(
             f"--kv-transport {a.kv_transport} carries KV outside the cluster's TLS: use tcp or --insecure-internal"
