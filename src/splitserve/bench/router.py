@@ -50,7 +50,7 @@ def _pct(xs: list[float], q: float) -> float:
 # ---------------------------------------------------------------- server side
 
 
-def _serve_workers(conn: mp.connection.Connection, tokens: int, cpu: int | None) -> None:
+def serve_workers(conn: mp.connection.Connection, tokens: int, cpu: int | None) -> None:
     """The mock workers' process: a fake decode and a fake prefill worker."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -69,7 +69,7 @@ def _serve_workers(conn: mp.connection.Connection, tokens: int, cpu: int | None)
     asyncio.run(main())
 
 
-def _serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu: int | None) -> None:
+def serve_routers(conn: mp.connection.Connection, workers: dict[str, str], cpu: int | None) -> None:
     """The router's process: one router per mode, in front of the same mock workers."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -251,7 +251,9 @@ def _decisions(args: argparse.Namespace) -> tuple[float, float]:
     return policy_rate, hashed_rate
 
 
-def _start(target: Callable[..., object], *args: object) -> tuple[mp.process.BaseProcess, mp.connection.Connection]:
+def start_process(
+    target: Callable[..., object], *args: object
+) -> tuple[mp.process.BaseProcess, mp.connection.Connection]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
@@ -268,12 +270,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if pin:
             os.sched_setaffinity(0, {cpus[1]})
-        wproc, wconn = _start(_serve_workers, args.tokens, other_cpu)
+        wproc, wconn = start_process(serve_workers, args.tokens, other_cpu)
         procs.append((wproc, wconn))
         if not wconn.poll(60):
             raise RuntimeError("the mock workers did not start")
         workers = wconn.recv()
-        rproc, rconn = _start(_serve_routers, workers, router_cpu)
+        rproc, rconn = start_process(serve_routers, workers, router_cpu)
         procs.append((rproc, rconn))
         if not rconn.poll(60):
             raise RuntimeError("the routers did not start")

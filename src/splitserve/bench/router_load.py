@@ -1,0 +1,217 @@
+"""`splitserve bench router-load`: the rate one router carries, and its CPU per request and per
+streamed token.
+
+`bench router` times one request at a time; this one loads the router. The real `Router` (in its
+own process, pinned to one core, on the event loop `splitserve router` runs) stands in front of
+the mock workers of bench/fake_workers.py (their real gRPC services: handshake, stats, block
+events; tokens at once, no model), which share the other core with the client. The client keeps
+`concurrency` `Generate` streams open, closed loop: a stream's next request goes out as its last
+one ends; every prompt is distinct (256 random tokens), so there are no prefix hits to help.
+
+For each load the router process's CPU time (utime + stime, /proc) over the measured window is
+divided by the requests that finished in it. Per streamed token is the slope between two loads
+that differ only in tokens out (1 and 64 at the same concurrency), and per request the
+intercept, so the two costs are told apart rather than assumed.
+
+    splitserve bench router-load [--mode disaggregated] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.bench.router import serve_routers, serve_workers, start_process
+from splitserve.router.event_loop import loop_name
+
+# (tokens out, concurrency): the table of issue 44, measured the same way
+LOADS = ((1, 16), (16, 4), (16, 16), (16, 128), (64, 16))
+SCRIPT_TOKENS = 64  # the mock decode worker's script; each request asks for its first `tokens`
+PROMPT_TOKENS = 256
+TARGET_US_PER_TOKEN = 15.0  # issue 44's targets for router CPU
+TARGET_US_PER_REQUEST = 300.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="disaggregated", choices=("disaggregated", "colocated"))
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds of each load")
+    p.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each load")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the router and the client to separate cores")
+    p.add_argument(
+        "--loads",
+        type=parse_loads,
+        default=LOADS,
+        help="TOKENSxCONCURRENCY,... (default: " + ",".join(f"{t}x{c}" for t, c in LOADS) + ")",
+    )
+
+
+def parse_loads(text: str) -> tuple[tuple[int, int], ...]:
+    """'1x16,64x16' -> ((1, 16), (64, 16))."""
+    try:
+        loads = tuple((int(t), int(c)) for t, c in (item.split("x") for item in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOKENSxCONCURRENCY,...") from None
+    if not loads or any(t < 1 or t > SCRIPT_TOKENS or c < 1 for t, c in loads):
+        raise argparse.ArgumentTypeError(f"{text!r}: tokens 1..{SCRIPT_TOKENS}, concurrency at least 1")
+    return loads
+
+
+@dataclass(frozen=True)
+class Load:
+    tokens: int
+    concurrency: int
+    requests: int  # finished within the measured window
+    seconds: float
+    latencies_s: tuple[float, ...]
+    router_cpu_s: float
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def cpu_per_request_s(self) -> float:
+        return self.router_cpu_s / max(1, self.requests)
+
+
+def process_cpu_s(pid: int) -> float:
+    """A process's user and system CPU seconds so far (/proc/PID/stat's utime and stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: tuple[float, ...], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+async def load(address: str, router_pid: int, tokens: int, concurrency: int, args: argparse.Namespace) -> Load:
+    """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it."""
+    import grpc
+
+    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+    from splitserve.proto.splitserve.v1 import generate_pb2_grpc
+
+    rng = random.Random(tokens * 1000 + concurrency)
+    channel = grpc.aio.insecure_channel(address)
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    t_start = time.monotonic() + args.warmup_seconds
+    t_end = t_start + args.seconds
+    latencies: list[float] = []
+    count = 0
+
+    async def stream(k: int) -> None:
+        nonlocal count
+        i = 0
+        while time.monotonic() < t_end:
+            i += 1
+            req = pb.GenerateRequest(
+                request_id=f"c{k}-{i}",
+                token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(PROMPT_TOKENS)]),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            )
+            t0 = time.monotonic()
+            async for _ in stub.Generate(req, timeout=60):
+                pass
+            t1 = time.monotonic()
+            if t_start <= t1 <= t_end:
+                latencies.append(t1 - t0)
+                count += 1
+
+    async def window_cpu() -> tuple[float, float]:
+        await asyncio.sleep(max(0.0, t_start - time.monotonic()))
+        c0 = process_cpu_s(router_pid)
+        await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+        return c0, process_cpu_s(router_pid)
+
+    cpu = asyncio.ensure_future(window_cpu())
+    await asyncio.gather(*(stream(k) for k in range(concurrency)))
+    c0, c1 = await cpu
+    await channel.close()
+    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0)
+
+
+def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
+    """(CPU s per streamed token, per request): the slope and intercept between the fewest and the
+    most tokens out at the concurrency both were measured at."""
+    by = {(x.tokens, x.concurrency): x for x in loads}
+    few, many = min(t for t, _ in by), max(t for t, _ in by)
+    shared = sorted({c for t, c in by if t == few} & {c for t, c in by if t == many})
+    if few == many or not shared:
+        return None
+    a, b = by[(few, shared[0])], by[(many, shared[0])]
+    per_token = (b.cpu_per_request_s - a.cpu_per_request_s) / (many - few)
+    return per_token, a.cpu_per_request_s - few * per_token
+
+
+def run(args: argparse.Namespace) -> int:
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
+    procs = []
+    loads: list[Load] = []
+    try:
+        if pin:
+            os.sched_setaffinity(0, {cpus[1]})
+        wproc, wconn = start_process(serve_workers, SCRIPT_TOKENS, other_cpu)
+        procs.append((wproc, wconn))
+        if not wconn.poll(60):
+            raise RuntimeError("the mock workers did not start")
+        rproc, rconn = start_process(serve_routers, wconn.recv(), router_cpu)
+        procs.append((rproc, rconn))
+        if not rconn.poll(60):
+            raise RuntimeError("the routers did not start")
+        address = rconn.recv()[args.mode]
+        assert rproc.pid is not None
+        for tokens, concurrency in args.loads:
+            loads.append(asyncio.run(load(address, rproc.pid, tokens, concurrency, args)))
+    finally:
+        for proc, conn in reversed(procs):
+            with contextlib.suppress(OSError):
+                conn.send("done")
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    if pin:
+        os.sched_setaffinity(0, set(cpus))
+    print_report(loads, args, pin)
+    return 0
+
+
+def print_report(loads: list[Load], args: argparse.Namespace, pin: bool) -> None:
+    from splitserve.measure.hw import machine_line  # torch, which it imports, only once the figures are in
+
+    print(machine_line())
+    print(
+        f"router load ({args.mode}): closed-loop gRPC Generate streams of distinct {PROMPT_TOKENS}-token prompts "
+        f"through the real Router over mock workers (tokens at once, no model); {args.seconds:g} s measured after "
+        f"{args.warmup_seconds:g} s of each load; "
+        f"{'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'}; "
+        f"router event loop {loop_name()}"
+    )
+    print()
+    print(
+        f"{'tokens out':>10} {'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'router CPU':>10} {'CPU/request':>12}"
+    )
+    for x in loads:
+        print(
+            f"{x.tokens:>10} {x.concurrency:>11} {x.rate:>8.1f} {pct(x.latencies_s, 50) * 1e3:>8.1f} "
+            f"{pct(x.latencies_s, 99) * 1e3:>8.1f} {x.router_cpu_s / x.seconds:>5.2f} core "
+            f"{x.cpu_per_request_s * 1e3:>9.2f} ms"
+        )
+    fit = per_token_and_request(loads)
+    if fit is not None:
+        per_token, per_request = fit
+        print()
+        print(
+            f"router CPU per streamed token {per_token * 1e6:.1f} us (target {TARGET_US_PER_TOKEN:g}), "
+            f"per request {per_request * 1e6:.0f} us (target {TARGET_US_PER_REQUEST:g}): the slope and intercept "
+            f"of CPU per request between {min(x.tokens for x in loads)} and {max(x.tokens for x in loads)} tokens out"
+        )

@@ -1,0 +1,54 @@
+"""bench router-load: the cost split into per request and per token, and a short real run."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.bench.router_load import Load, parse_loads, per_token_and_request
+
+
+def _load(tokens: int, concurrency: int, requests: int, cpu_s: float) -> Load:
+    return Load(tokens, concurrency, requests, 1.0, (0.01,) * requests, cpu_s)
+
+
+def test_per_token_is_the_slope_and_per_request_the_intercept():
+    # 100 us a request and 10 us a token: 110 us at 1 token, 740 us at 64
+    loads = [_load(1, 16, 1000, 0.110), _load(16, 4, 10, 5.0), _load(64, 16, 500, 0.370)]
+    fit = per_token_and_request(loads)
+    assert fit is not None
+    per_token, per_request = fit
+    assert per_token == pytest.approx(10e-6) and per_request == pytest.approx(100e-6)
+
+
+def test_no_split_without_two_token_counts_at_one_concurrency():
+    assert per_token_and_request([_load(1, 16, 10, 0.1), _load(64, 4, 10, 0.1)]) is None
+    assert per_token_and_request([_load(16, 16, 10, 0.1)]) is None
+
+
+def test_loads_parse_and_bad_ones_are_named():
+    assert parse_loads("1x16,64x16") == ((1, 16), (64, 16))
+    for bad in ("16", "0x4", "65x4", "1x0", "ax2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected|tokens 1"):
+            parse_loads(bad)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_short_run_loads_the_real_router_and_prints_its_cpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "router-load", "--seconds", "1", "--warmup-seconds", "0.5"]
+        + ["--loads", "1x2,8x2"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] in (["1", "2"], ["8", "2"])]
+    assert len(rows) == 2, out.stdout
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[5]) > 0  # requests finished, and the router spent CPU on them
+    assert "router CPU per streamed token" in out.stdout and "per request" in out.stdout
