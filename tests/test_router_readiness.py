@@ -184,6 +184,30 @@ def test_metrics_are_on_the_http_port() -> None:
 # ---- the decode pool's last worker dies
 
 
+def test_stats_from_before_a_failed_call_do_not_make_the_worker_routable_again() -> None:
+    """A dying worker can answer a stats poll that went out before a request's call to it failed;
+    that answer put the worker back in routing, and every retry on it again (a flake of the test
+    below under load). Only a poll that went out after the failure may restore it."""
+
+    async def scenario() -> None:
+        async with cluster(decode=[{}]) as c:
+            d = c.decode[0]
+            w = c.router.workers.get(d.address)
+            assert w is not None and w.healthy
+            d.stats_delay_s = 1.0
+            started = d.stats_started
+            await until(lambda: d.stats_started > started)  # a poll is in flight, held by the worker
+            c.router.workers.mark_failed(d.address)  # meanwhile a request's call to it fails
+            assert not w.healthy
+            held = d.stats_started
+            await until(lambda: d.stats_started > held)  # the held poll answered; the next one is held
+            assert not w.healthy, "an answer from before the failure made the worker routable"
+            d.stats_delay_s = 0.0
+            await until(lambda: w.healthy)  # the poll that went out after the failure answers
+
+    run(scenario)
+
+
 def test_streams_wait_for_a_replacement_when_the_last_decode_worker_dies() -> None:
     async def scenario() -> None:
         async with cluster(decode=[{"die_after_tokens": 6, "token_delay_s": 0.01}]) as c:

@@ -178,6 +178,8 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.tokens_sent = 0
         self.stats_busy = False  # answer GetStats with RESOURCE_EXHAUSTED, as a worker at its call limit does
         self.stats_refused = 0  # GetStats calls answered so
+        self.stats_delay_s = 0.0  # a GetStats call answers this long after it arrives
+        self.stats_started = 0  # GetStats calls arrived
         self._subscribers: list[asyncio.Queue[wpb.BlockEventBatch]] = []
 
     def _store(self, hashes: list[bytes]) -> None:
@@ -213,6 +215,9 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
             self._subscribers.remove(q)
 
     async def GetStats(self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerStats:  # noqa: N802
+        self.stats_started += 1
+        if self.stats_delay_s:
+            await asyncio.sleep(self.stats_delay_s)
         if self.stats_busy:
             self.stats_refused += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded")

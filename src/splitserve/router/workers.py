@@ -59,6 +59,10 @@ class Worker:
     stats: wpb.WorkerStats | None = None
     healthy: bool = False  # routable: its last stats polls succeeded, its block size and model match
     failures: int = 0  # stats polls failed in a row
+    # Calls to it that failed (mark_failed), counted: a stats answer to a poll that went out before
+    # the last of them may have been written before the worker went away, so it does not make the
+    # worker routable again (a dying worker's last stats put every retry back on it).
+    failed_calls: int = 0
     # The router's view is the last stats plus what it knows happened since: tokens routed here
     # (so bursts spread) and tokens of its requests that ended here (so a worker that finished a
     # long prompt is chosen again at once, not a poll later), each kept until a poll that went out
@@ -249,6 +253,8 @@ class WorkerSet:
     def mark_failed(self, address: str) -> None:
         """A call to this worker failed: stop routing to it until a stats poll succeeds."""
         w = self._workers.get(address)
+        if w is not None:
+            w.failed_calls += 1
         if w is not None and w.healthy:
             w.healthy = False
             self._health_changed()
@@ -275,6 +281,7 @@ class WorkerSet:
             # routed while it is in flight may not, so they stay counted (clearing them
             # all made a burst's load vanish for a poll and fooled the pool scaler).
             assigned_before, ended_before = (w.assigned_tokens, w.assigned_context), w.ended_tokens
+            failed_before = w.failed_calls
             st: wpb.WorkerStats | grpc.aio.AioRpcError
             try:
                 st = await w.stub.GetStats(
@@ -283,10 +290,14 @@ class WorkerSet:
             except grpc.aio.AioRpcError as e:
                 st = e
             # read after the call: a failed request can mark the worker unhealthy while the poll is in
-            # flight, and the poll that then finds it healthy must still wake whoever waits for one
+            # flight; its answer may predate that failure, so only the next poll can make it healthy
             was = w.healthy
             if isinstance(st, grpc.aio.AioRpcError):
                 self._poll_failed(w, st)
+            elif w.failed_calls != failed_before:
+                log.debug("stats from %s predate a failed call to it: the next poll decides", w.address)
+                await asyncio.sleep(0)  # the next poll at once: a worker marked by mistake comes back now
+                continue
             else:
                 self._poll_answered(w, st, assigned_before, ended_before)
             if w.healthy != was:
