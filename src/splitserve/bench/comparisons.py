@@ -177,6 +177,21 @@ COMPARISONS = (
         ),
     ),
     Comparison(
+        "The router's CPU, loaded to saturation over mock workers (one router core)",
+        "issue 44's targets: 15 us a streamed token, 300 us a request",
+        "router-load-cpu.txt",
+        (
+            Figure(
+                r"^router CPU per streamed token (?P<tok>[\d.]+) us \(target [\d.]+\), per request (?P<req>[\d.]+) us",
+                "{tok} us a token, {req} us a request",
+            ),
+            Figure(
+                r"^\s+16\s+16\s+(?P<rate>[\d.]+)\s+[\d.]+\s+(?P<p99>[\d.]+)\s",
+                "16 tokens out at concurrency 16: {rate} req/s, p99 {p99} ms",
+            ),
+        ),
+    ),
+    Comparison(
         "The plan simulator's TTFT and ITL",
         "the same loads measured",
         "plan-check*.txt",

@@ -22,6 +22,8 @@ TITLES = {
     "engine": "Engine decode against Hugging Face transformers and the hardware limits (issue 2)",
     "transfer": "KV transfer per transport against the raw link, latency, pipelining (issue 3)",
     "router": "Router overhead against mock workers (issue 4)",
+    "router-load-cpu": "The router loaded to saturation over mock workers: its CPU per request and per streamed token, "
+    "the rate it carries and its latency (issue 44)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
     "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
     # a kind's further runs, by file name

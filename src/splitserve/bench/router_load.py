@@ -13,7 +13,7 @@ divided by the requests that finished in it. Per streamed token is the slope bet
 that differ only in tokens out (1 and 64 at the same concurrency), and per request the
 intercept, so the two costs are told apart rather than assumed.
 
-    splitserve bench router-load [--mode disaggregated] [--seconds 8]
+    splitserve bench router-load [--mode disaggregated] [--seconds 8] [--results FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.bench.results_file import with_results
 from splitserve.bench.router import serve_routers, serve_workers, start_process
 from splitserve.router.event_loop import loop_name
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds of each load")
     p.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each load")
     p.add_argument("--no-pin", action="store_true", help="do not pin the router and the client to separate cores")
+    p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
     p.add_argument(
         "--loads",
         type=parse_loads,
@@ -151,6 +153,10 @@ def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return with_results(args.results, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
     router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
