@@ -64,7 +64,7 @@ def test_a_float_checkpoint_is_its_parameters_in_the_dtype(tmp_path, smollm2_pat
     model = build("llama")
     hf = save_hf_dir(model, str(tmp_path / "llama"), load_tokenizer(smollm2_path))
     params = sum(p.numel() for p in model.state_dict().values())
-    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("bf16", 2), ("fp16", 2)):  # the flag's aliases too
         assert worker_memory(hf, EngineConfig(dtype=dtype)).private_weights == params * size
 
 
@@ -149,3 +149,19 @@ def test_a_worker_refuses_a_kv_pool_the_machine_cannot_hold(smollm2_path):
     assert "splitserve worker: the worker needs " in out and "1 decode worker x (" in out
     assert "--num-blocks " in out.split("GiB available: ")[1]
     assert "listening" not in out
+
+
+def test_a_checkpoint_the_count_cannot_read_is_a_problem_said_not_raised(tmp_path, smollm2_path):
+    """The shape checks read config.json alone; an unknown quantization method is found when the count
+    reads the checkpoint's scheme, and said as the model's problem (it was a traceback at start)."""
+    import json
+
+    from splitserve.engine.weights import load_tokenizer
+
+    hf = save_hf_dir(build("llama"), str(tmp_path / "llama"), load_tokenizer(smollm2_path))
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bogus"}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    (problem,) = fit_problems(hf, [Pool("decode", 1, EngineConfig())], 1 << 40, 0, "")
+    assert problem.check == Check.MODEL
+    assert "quantization method 'bogus' is not supported" in problem.what

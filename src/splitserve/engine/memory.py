@@ -46,8 +46,6 @@ _ACTIVATION_FLOATS_PER_TOKEN = ("hidden", 6), ("intermediate", 4)
 # Fewer KV blocks than this is no fix worth naming: 64 blocks of 16 tokens is one 1,024-token prompt.
 MIN_BLOCKS = 64
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True)
 class WorkerMemory:
@@ -154,7 +152,7 @@ def _gguf_weight_bytes(path: str, model: ModelConfig, cfg: EngineConfig) -> tupl
         if keep and fmt is not None and not decl[1].experts and len(shape) == 2 and shape[1] % fmt.block_elems == 0:
             mapped += int(t.n_bytes)
         else:
-            private += int(t.n_elements) * _DTYPE_BYTES[cfg.dtype]
+            private += int(t.n_elements) * cfg.torch_dtype.itemsize
     return private, mapped
 
 
@@ -174,10 +172,10 @@ def _hf_weight_bytes(path: Path, model: ModelConfig, cfg: EngineConfig) -> int:
             start, end = entry["data_offsets"]
             stored += end - start
     if read_scheme(str(path)) is None:
-        return elements * _DTYPE_BYTES[cfg.dtype]
+        return elements * cfg.torch_dtype.itemsize
     if cfg.quantization != "none":
         return stored
-    return declare.param_count(registry.for_config(model), model) * _DTYPE_BYTES[cfg.dtype]
+    return declare.param_count(registry.for_config(model), model) * cfg.torch_dtype.itemsize
 
 
 def _safetensors_header(f: Path) -> dict[str, dict[str, list[int]]]:
@@ -223,11 +221,16 @@ def fit_problems(
     """Workers that a node of `available` bytes cannot hold, as one Problem with the arithmetic and
     the flags that would make them fit, each with what it would need; [] when they fit, and on a GPU,
     where the weights and the KV pool are the device's (its own checks are the engine's). Reads the
-    model's header (a ModelLoadError if it cannot: engine/preflight.py says that first)."""
+    model's header (engine/preflight.py has said already when it cannot be read at all)."""
     pools = [p for p in pools if p.workers and not p.engine.device.startswith("cuda")]
     if not pools or available <= 0:
         return []
-    sized = [(p, worker_memory(path, p.engine)) for p in pools]
+    from splitserve.engine.loaded_model import ModelLoadError
+
+    try:
+        sized = [(p, worker_memory(path, p.engine)) for p in pools]
+    except ModelLoadError as e:  # a header the shape checks read but this count cannot: said, not raised
+        return [Problem(Check.MODEL, f"model {e}", "give --model a GGUF file or a Hugging Face directory")]
     need = node_bytes(sized, others)
     if need <= available:
         return []
