@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from splitserve.router.event_loop import loop_name
 
@@ -261,16 +261,18 @@ def start_process(
     return proc, parent
 
 
-def run(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def mock_cluster(tokens: int, pin: bool) -> Iterator[tuple[dict[str, str], dict[str, str], int]]:
+    """The mock workers' process and the routers' process: (the workers' addresses, each router's
+    by mode and the bare proxy's, the routers' pid). Pinned: the router on a core of its own (as
+    deployed), the mock workers and this process (the client) on the other."""
     cpus = sorted(os.sched_getaffinity(0))
-    pin = not args.no_pin and len(cpus) >= 2
-    # the router on a core of its own (as deployed); the mock workers and the client share the other
     router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
     procs = []
     try:
         if pin:
             os.sched_setaffinity(0, {cpus[1]})
-        wproc, wconn = start_process(serve_workers, args.tokens, other_cpu)
+        wproc, wconn = start_process(serve_workers, tokens, other_cpu)
         procs.append((wproc, wconn))
         if not wconn.poll(60):
             raise RuntimeError("the mock workers did not start")
@@ -279,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         procs.append((rproc, rconn))
         if not rconn.poll(60):
             raise RuntimeError("the routers did not start")
-        lat = asyncio.run(_latencies({**workers, **rconn.recv()}, args))
+        assert rproc.pid is not None
+        yield workers, rconn.recv(), rproc.pid
     finally:
         for proc, conn in reversed(procs):
             with contextlib.suppress(OSError):
@@ -287,6 +290,15 @@ def run(args: argparse.Namespace) -> int:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+        if pin:
+            os.sched_setaffinity(0, set(cpus))
+
+
+def run(args: argparse.Namespace) -> int:
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    with mock_cluster(args.tokens, pin) as (workers, routers, _):
+        lat = asyncio.run(_latencies({**workers, **routers}, args))
     if pin:
         os.sched_setaffinity(0, {cpus[0]})  # decisions: one core, alone
     policy_rate, hashed_rate = _decisions(args)

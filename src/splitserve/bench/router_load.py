@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.bench.results_file import with_results
-from splitserve.bench.router import serve_routers, serve_workers, start_process
+from splitserve.bench.router import mock_cluster
 from splitserve.router.event_loop import loop_name
 
 # (tokens out, concurrency): the table of issue 44, measured the same way
@@ -157,35 +156,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    cpus = sorted(os.sched_getaffinity(0))
-    pin = not args.no_pin and len(cpus) >= 2
-    router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
-    procs = []
-    loads: list[Load] = []
-    try:
-        if pin:
-            os.sched_setaffinity(0, {cpus[1]})
-        wproc, wconn = start_process(serve_workers, SCRIPT_TOKENS, other_cpu)
-        procs.append((wproc, wconn))
-        if not wconn.poll(60):
-            raise RuntimeError("the mock workers did not start")
-        rproc, rconn = start_process(serve_routers, wconn.recv(), router_cpu)
-        procs.append((rproc, rconn))
-        if not rconn.poll(60):
-            raise RuntimeError("the routers did not start")
-        address = rconn.recv()[args.mode]
-        assert rproc.pid is not None
-        for tokens, concurrency in args.loads:
-            loads.append(asyncio.run(load(address, rproc.pid, tokens, concurrency, args)))
-    finally:
-        for proc, conn in reversed(procs):
-            with contextlib.suppress(OSError):
-                conn.send("done")
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-    if pin:
-        os.sched_setaffinity(0, set(cpus))
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    with mock_cluster(SCRIPT_TOKENS, pin) as (_, routers, router_pid):
+        loads = [
+            asyncio.run(load(routers[args.mode], router_pid, tokens, concurrency, args))
+            for tokens, concurrency in args.loads
+        ]
     print_report(loads, args, pin)
     return 0
 
