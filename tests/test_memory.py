@@ -27,6 +27,7 @@ from splitserve.engine.memory import (
     activation_bytes,
     fit_problems,
     kv_pool_bytes,
+    read_model_file,
     worker_memory,
 )
 from splitserve.engine.preflight import read_model_config
@@ -50,9 +51,9 @@ def test_an_inflated_gguf_counts_every_element_in_the_dtype_and_a_kept_one_its_b
     blocks = [t for t in tensors if int(t.tensor_type) in FORMATS and len(t.shape) == 2]
     assert blocks, "the embedded SmolLM2 holds its matrices in a block format"
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
-        inflated = worker_memory(smollm2_path, EngineConfig(dtype=dtype, quantization="none"))
+        inflated = worker_memory(read_model_file(smollm2_path), EngineConfig(dtype=dtype, quantization="none"))
         assert (inflated.private_weights, inflated.mapped_weights) == (elements * size, 0)
-        kept = worker_memory(smollm2_path, EngineConfig(dtype=dtype, quantization="auto"))
+        kept = worker_memory(read_model_file(smollm2_path), EngineConfig(dtype=dtype, quantization="auto"))
         assert kept.mapped_weights == sum(int(t.n_bytes) for t in blocks)
         assert kept.private_weights == sum(int(t.n_elements) for t in tensors if t not in blocks) * size
         assert kept.private_weights + kept.mapped_weights < inflated.private_weights / 2
@@ -65,7 +66,7 @@ def test_a_float_checkpoint_is_its_parameters_in_the_dtype(tmp_path, smollm2_pat
     hf = save_hf_dir(model, str(tmp_path / "llama"), load_tokenizer(smollm2_path))
     params = sum(p.numel() for p in model.state_dict().values())
     for dtype, size in (("float32", 4), ("bfloat16", 2), ("bf16", 2), ("fp16", 2)):  # the flag's aliases too
-        assert worker_memory(hf, EngineConfig(dtype=dtype)).private_weights == params * size
+        assert worker_memory(read_model_file(hf), EngineConfig(dtype=dtype)).private_weights == params * size
 
 
 def test_the_kv_pool_is_its_blocks_of_every_layer_or_the_bytes_given(smollm2_path):
@@ -84,7 +85,7 @@ def test_the_issue_case_is_refused_with_the_arithmetic_and_auto_fits(llama8b_q4_
     cfg = EngineConfig(dtype="bfloat16", quantization="none")
     pools = [Pool("prefill", 1, cfg), Pool("decode", 1, cfg)]
     (problem,) = fit_problems(llama8b_q4_0, pools, 22 * GIB, RUNTIME_BYTES, TWO_POOLS)
-    mem = worker_memory(llama8b_q4_0, cfg)
+    mem = worker_memory(read_model_file(llama8b_q4_0), cfg)
     need = 2 * mem.private + RUNTIME_BYTES
     assert problem.check == Check.MEMORY
     assert problem.what.startswith(
@@ -94,7 +95,7 @@ def test_the_issue_case_is_refused_with_the_arithmetic_and_auto_fits(llama8b_q4_
     assert mem.private_weights > 13 * GIB  # seven billion parameters in two bytes each
     auto = [Pool(p.role, 1, replace(cfg, quantization="auto")) for p in pools]
     assert fit_problems(llama8b_q4_0, auto, 22 * GIB, RUNTIME_BYTES, TWO_POOLS) == []
-    kept = worker_memory(llama8b_q4_0, replace(cfg, quantization="auto"))
+    kept = worker_memory(read_model_file(llama8b_q4_0), replace(cfg, quantization="auto"))
     need_auto = 2 * kept.private + kept.mapped_weights + RUNTIME_BYTES  # the file's blocks mapped once
     # no --num-blocks: the two inflated copies of the weights alone are more than the machine has
     assert problem.fix == (

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from splitserve.engine.config import ModelConfig, RopeScaling
-from splitserve.engine.gguf_formats import FORMATS
+from splitserve.engine.gguf_formats import FORMATS, BlockFormat
 from splitserve.engine.loaded_model import LoadedModel, ModelLoadError, ProgressLine
 from splitserve.engine.models import declare, registry
 from splitserve.engine.quant.weight import QuantizedWeight, Weight
@@ -293,11 +293,25 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows_per_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def tensor_shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in HF's order (GGUF lists dimensions innermost first)."""
+    return tuple(int(d) for d in reversed(t.shape))
+
+
+def kept_format(t: Any, shape: tuple[int, ...]) -> BlockFormat | None:
+    """The block format the kernels compute a 2-D tensor on in place, None where they cannot (the
+    rule the loader keeps blocks by, and engine/memory.py counts them by)."""
+    fmt = FORMATS.get(int(t.tensor_type))
+    if fmt is None or len(shape) != 2 or shape[1] % fmt.block_elems:
+        return None
+    return fmt
+
+
 def _kept_blocks(t: Any, shape: tuple[int, ...]) -> QuantizedWeight | None:
     """A 2-D tensor in a block format the kernels compute on, as a QuantizedWeight over the file's
     mapped bytes (nothing copied); None for any other tensor."""
-    fmt = FORMATS.get(int(t.tensor_type))
-    if fmt is None or len(shape) != 2 or shape[1] % fmt.block_elems:
+    fmt = kept_format(t, shape)
+    if fmt is None:
         return None
     data = np.asarray(t.data).reshape(shape[0], fmt.row_bytes(shape[1]))
     with warnings.catch_warnings():  # a read-only mapping: the kernels only ever read it
@@ -324,7 +338,7 @@ def load_gguf_weights(
         if m and int(m.group(1)) != layer_seen:
             layer_seen = int(m.group(1))
             line.update(layer_seen, "layers")
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        shape = tensor_shape(t)
         kept = _kept_blocks(t, shape) if keep_blocks and not decl.experts else None
         if kept is not None:
             if decl.gguf_rotary:  # the rows stay in the file; each product's columns are reordered

@@ -79,87 +79,66 @@ def gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def kv_pool_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
-    """The KV pool the engine allocates: --kv-cache-bytes, else --num-blocks blocks."""
-    from splitserve.engine.config import kv_dtype_name
-    from splitserve.engine.kv_cache import KVLayout
+@dataclass(frozen=True)
+class ModelFile:
+    """What the count needs of a model, read from its header once: its shapes, and its weights as
+    elements that are always dequantized (or cast) into --dtype, and matrices the kernels can run on
+    as they are stored (their elements, and their bytes in the file)."""
 
-    layout = KVLayout(
-        num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        block_size=cfg.block_size,
-        dtype=kv_dtype_name(cfg.kv_cache_dtype, cfg.dtype),
-        tp_size=1,
-        windows=(),
-        model_fingerprint=b"",
-    )
-    if cfg.kv_cache_bytes:
-        return cfg.kv_cache_bytes
-    return cfg.num_blocks * model.num_layers * layout.bytes_per_block
+    model: ModelConfig
+    dense_elements: int
+    block_elements: int
+    block_bytes: int
+    blocks_mapped: bool  # a GGUF's blocks stay in the file's pages; a checkpoint's are read in
 
-
-def activation_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
-    """A step of max_num_batched_tokens tokens through one layer at a time, and the logits of
-    max_num_seqs rows."""
-    width = {"hidden": model.hidden_size, "intermediate": model.intermediate_size}
-    per_token = sum(width[what] * n for what, n in _ACTIVATION_FLOATS_PER_TOKEN)
-    return 4 * (cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * model.vocab_size)
+    def weight_bytes(self, cfg: EngineConfig) -> tuple[int, int]:
+        """(private, mapped) under `cfg`: --quantization none dequantizes every block into --dtype; a
+        float matrix quantized at load (q8_0, q4_k) is counted at its dense size, the peak before the
+        blocks replace it."""
+        size = cfg.torch_dtype.itemsize
+        if cfg.quantization == "none":
+            return (self.dense_elements + self.block_elements) * size, 0
+        mapped = self.block_bytes if self.blocks_mapped else 0
+        return self.dense_elements * size + self.block_bytes - mapped, mapped
 
 
-def worker_memory(path: str | None, cfg: EngineConfig) -> WorkerMemory:
-    """One worker's bytes for the model at `path` (None: the default model) under `cfg`."""
+def read_model_file(path: str | None) -> ModelFile:
+    """The model at `path` (None: the default model), read from its header: a GGUF's tensor table,
+    a checkpoint's safetensors headers (a ModelLoadError if they cannot be read)."""
+    from splitserve.engine import embedded
     from splitserve.engine.preflight import read_model_config
 
     model = read_model_config(path)
-    private, mapped = _weight_bytes(path, model, cfg)
-    return WorkerMemory(
-        private_weights=private,
-        mapped_weights=mapped,
-        kv_pool=kv_pool_bytes(model, cfg),
-        kv_host_tier=cfg.kv_host_tier_bytes,
-        activations=activation_bytes(model, cfg),
-    )
-
-
-def _weight_bytes(path: str | None, model: ModelConfig, cfg: EngineConfig) -> tuple[int, int]:
-    from splitserve.engine import embedded
-
     resolved = embedded.resolve(None if path is None else os.fspath(path))
     if os.path.isdir(resolved):
-        return _hf_weight_bytes(Path(resolved), model, cfg), 0
-    return _gguf_weight_bytes(resolved, model, cfg)
+        return _hf_file(Path(resolved), model)
+    return _gguf_file(resolved, model)
 
 
-def _gguf_weight_bytes(path: str, model: ModelConfig, cfg: EngineConfig) -> tuple[int, int]:
-    """(private, mapped) as gguf_loader.load_gguf_weights places each tensor: a matrix in a block
-    format the kernels take stays in the file under --quantization other than none; every other
-    tensor is dequantized into --dtype. A float matrix quantized at load (q8_0, q4_k) is counted
-    at its dense size, the peak before the blocks replace it."""
+def _gguf_file(path: str, model: ModelConfig) -> ModelFile:
+    """Each tensor as gguf_loader.load_gguf_weights places it: a matrix in a block format the
+    kernels take (not an expert's) can stay in the file; every other tensor is dequantized."""
     from splitserve.engine import gguf_loader
-    from splitserve.engine.gguf_formats import FORMATS
     from splitserve.engine.models import declare, registry
 
     names = declare.gguf_to_hf(registry.for_config(model), model)
-    keep = cfg.quantization != "none"
-    private = mapped = 0
+    dense = elements = stored = 0
     for t in gguf_loader.open_gguf(path).tensors:
         decl = names.get(t.name)
         if decl is None:  # rope factors, folded into the config
             continue
-        shape = tuple(int(d) for d in reversed(t.shape))
-        fmt = FORMATS.get(int(t.tensor_type))
-        if keep and fmt is not None and not decl[1].experts and len(shape) == 2 and shape[1] % fmt.block_elems == 0:
-            mapped += int(t.n_bytes)
+        if not decl[1].experts and gguf_loader.kept_format(t, gguf_loader.tensor_shape(t)) is not None:
+            elements += int(t.n_elements)
+            stored += int(t.n_bytes)
         else:
-            private += int(t.n_elements) * cfg.torch_dtype.itemsize
-    return private, mapped
+            dense += int(t.n_elements)
+    return ModelFile(model, dense, elements, stored, blocks_mapped=True)
 
 
-def _hf_weight_bytes(path: Path, model: ModelConfig, cfg: EngineConfig) -> int:
+def _hf_file(path: Path, model: ModelConfig) -> ModelFile:
     """A Hugging Face checkpoint's tensors, read into the process: a float one cast to --dtype; a
-    quantized one (config.json's quantization_config) as its files hold it under --quantization
-    other than none, else dequantized: the model's parameters in --dtype."""
+    quantized one (config.json's quantization_config) as its files hold it, else dequantized into
+    the model's parameters."""
     from splitserve.engine.hf_loader import read_scheme
     from splitserve.engine.models import declare, registry
 
@@ -172,10 +151,49 @@ def _hf_weight_bytes(path: Path, model: ModelConfig, cfg: EngineConfig) -> int:
             start, end = entry["data_offsets"]
             stored += end - start
     if read_scheme(str(path)) is None:
-        return elements * cfg.torch_dtype.itemsize
-    if cfg.quantization != "none":
-        return stored
-    return declare.param_count(registry.for_config(model), model) * cfg.torch_dtype.itemsize
+        return ModelFile(model, elements, 0, 0, blocks_mapped=False)
+    params = declare.param_count(registry.for_config(model), model)
+    return ModelFile(model, 0, params, stored, blocks_mapped=False)
+
+
+def kv_pool_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
+    """The KV pool the engine allocates: --kv-cache-bytes, else --num-blocks blocks."""
+    from splitserve.engine.config import kv_dtype_name
+    from splitserve.engine.kv_cache import KVLayout
+
+    if cfg.kv_cache_bytes:
+        return cfg.kv_cache_bytes
+    layout = KVLayout(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=cfg.block_size,
+        dtype=kv_dtype_name(cfg.kv_cache_dtype, cfg.dtype),
+        tp_size=1,
+        windows=(),
+        model_fingerprint=b"",
+    )
+    return cfg.num_blocks * model.num_layers * layout.bytes_per_block
+
+
+def activation_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
+    """A step of max_num_batched_tokens tokens through one layer at a time, and the logits of
+    max_num_seqs rows."""
+    width = {"hidden": model.hidden_size, "intermediate": model.intermediate_size}
+    per_token = sum(width[what] * n for what, n in _ACTIVATION_FLOATS_PER_TOKEN)
+    return 4 * (cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * model.vocab_size)
+
+
+def worker_memory(file: ModelFile, cfg: EngineConfig) -> WorkerMemory:
+    """One worker's bytes for the model `file` under `cfg`."""
+    private, mapped = file.weight_bytes(cfg)
+    return WorkerMemory(
+        private_weights=private,
+        mapped_weights=mapped,
+        kv_pool=kv_pool_bytes(file.model, cfg),
+        kv_host_tier=cfg.kv_host_tier_bytes,
+        activations=activation_bytes(file.model, cfg),
+    )
 
 
 def _safetensors_header(f: Path) -> dict[str, dict[str, list[int]]]:
@@ -227,10 +245,11 @@ def fit_problems(
         return []
     from splitserve.engine.loaded_model import ModelLoadError
 
-    try:
-        sized = [(p, worker_memory(path, p.engine)) for p in pools]
+    try:  # the header read once, for every pool and every alternative below
+        file = read_model_file(path)
     except ModelLoadError as e:  # a header the shape checks read but this count cannot: said, not raised
         return [Problem(Check.MODEL, f"model {e}", "give --model a GGUF file or a Hugging Face directory")]
+    sized = [(p, worker_memory(file, p.engine)) for p in pools]
     need = node_bytes(sized, others)
     if need <= available:
         return []
@@ -240,7 +259,7 @@ def fit_problems(
     terms += [f"{gib(others)} for the router and serve"] if others else []
     fixes = []
     if any(p.engine.quantization == "none" for p in pools):
-        auto = [(p, worker_memory(path, replace(p.engine, quantization="auto"))) for p in pools]
+        auto = [(p, worker_memory(file, replace(p.engine, quantization="auto"))) for p in pools]
         if (need_auto := node_bytes(auto, others)) < need:
             fixes.append(f"--quantization auto, which computes the file's blocks in place ({gib(need_auto)})")
     # the KV pools scale with --num-blocks: the count that leaves them the room the rest leaves
