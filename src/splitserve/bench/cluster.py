@@ -23,6 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from splitserve.measure.hw import process_cpu_seconds
+
 
 class ClusterError(RuntimeError):
     pass
@@ -108,12 +110,7 @@ class WorkerProcess:
 
     def cpu_seconds(self) -> float | None:
         """User plus system CPU time the worker has used so far (Linux /proc; None elsewhere)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        return process_cpu_seconds(self.proc.pid)
 
     def pin(self, core: int) -> None:
         """Move every thread of the worker to `core` (threads made later inherit it)."""

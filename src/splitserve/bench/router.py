@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from splitserve.router.event_loop import loop_name
 
@@ -42,9 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", action="store_true", help="do not pin the server and the client to separate cores")
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile `q` of `xs` (nan for none)."""
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 # ---------------------------------------------------------------- server side
@@ -323,13 +324,13 @@ def run(args: argparse.Namespace) -> int:
         for path in ("direct", "router"):
             t, f = r[path], r[path + "_first"]
             print(
-                f"{mode:<14} {path:<8} {_pct(t, 50) * 1e3:10.3f} {_pct(t, 99) * 1e3:10.3f} "
-                f"{_pct(f, 50) * 1e3:10.3f} {_pct(f, 99) * 1e3:10.3f}"
+                f"{mode:<14} {path:<8} {pct(t, 50) * 1e3:10.3f} {pct(t, 99) * 1e3:10.3f} "
+                f"{pct(f, 50) * 1e3:10.3f} {pct(f, 99) * 1e3:10.3f}"
             )
         paired = [a - b for a, b in zip(r["router"], r["direct"], strict=True)]
         paired_first = [a - b for a, b in zip(r["router_first"], r["direct_first"], strict=True)]
         per_token = (statistics.median(paired) - statistics.median(paired_first)) / max(1, args.tokens - 1)
-        added[mode] = (_pct(paired, 50), _pct(paired, 99), _pct(paired_first, 50), per_token)
+        added[mode] = (pct(paired, 50), pct(paired, 99), pct(paired_first, 50), per_token)
     print()
     print(
         f"{'mode':<14} {'added p50':>10} {'added p99':>10} {'first-token p50':>16} {'per further token':>18}   "

@@ -24,10 +24,10 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from splitserve.bench.results_file import with_results
-from splitserve.bench.router import mock_cluster
+from splitserve.bench.router import mock_cluster, pct
+from splitserve.measure.hw import process_cpu_seconds
 from splitserve.router.event_loop import loop_name
 
 # (tokens out, concurrency): the table of issue 44, measured the same way
@@ -81,17 +81,6 @@ class Load:
         return self.router_cpu_s / max(1, self.requests)
 
 
-def process_cpu_s(pid: int) -> float:
-    """A process's user and system CPU seconds so far (/proc/PID/stat's utime and stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: tuple[float, ...], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
-
-
 async def load(address: str, router_pid: int, tokens: int, concurrency: int, args: argparse.Namespace) -> Load:
     """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it."""
     import grpc
@@ -127,9 +116,12 @@ async def load(address: str, router_pid: int, tokens: int, concurrency: int, arg
 
     async def window_cpu() -> tuple[float, float]:
         await asyncio.sleep(max(0.0, t_start - time.monotonic()))
-        c0 = process_cpu_s(router_pid)
+        c0 = process_cpu_seconds(router_pid)
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
-        return c0, process_cpu_s(router_pid)
+        c1 = process_cpu_seconds(router_pid)
+        if c0 is None or c1 is None:
+            raise RuntimeError(f"the router process's CPU time cannot be read (/proc/{router_pid}/stat)")
+        return c0, c1
 
     cpu = asyncio.ensure_future(window_cpu())
     await asyncio.gather(*(stream(k) for k in range(concurrency)))

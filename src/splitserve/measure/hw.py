@@ -61,6 +61,17 @@ class CpuTimes(NamedTuple):
     total: int
 
 
+def process_cpu_seconds(pid: int | str = "self") -> float | None:
+    """A process's user plus system CPU seconds so far (/proc/PID/stat's utime and stime; None where
+    it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_times(path: str = "/proc/stat") -> CpuTimes | None:
     """The machine's CPU time so far (None where /proc/stat is not there to read)."""
     try:
@@ -267,13 +278,13 @@ class CpuShare:
         try:
             with open("/proc/stat") as f:
                 fields = [int(x) for x in f.readline().split()[1:9]]
-            with open("/proc/self/stat") as f:
-                own = f.read().rsplit(")", 1)[1].split()
         except (OSError, ValueError, IndexError):
             return None
-        tick = os.sysconf("SC_CLK_TCK")
+        own = process_cpu_seconds()
+        if own is None:
+            return None
         busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-        return busy / tick, (int(own[11]) + int(own[12])) / tick, time.perf_counter()
+        return busy / os.sysconf("SC_CLK_TCK"), own, time.perf_counter()
 
     def others(self) -> float:
         """Other processes' cores, averaged since construction."""
