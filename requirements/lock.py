@@ -42,6 +42,7 @@ import sysconfig
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -116,25 +117,29 @@ def read_pins(text: str) -> dict[str, Pin]:
     return pins
 
 
-def _project(root: Path) -> dict[str, object]:
-    project: dict[str, object] = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    return project
+def _pyproject_inputs(root: Path, extras: tuple[str, ...]) -> dict[str, Any]:
+    """What a lock resolves of pyproject.toml: requires-python, the dependencies, the extras named,
+    and the build backend (the project is installed with --no-build-isolation, on the lock's)."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    optional = project.get("optional-dependencies", {})
+    return {
+        "requires-python": project.get("requires-python"),
+        "dependencies": project.get("dependencies", []),
+        "extras": {e: optional.get(e, []) for e in extras},
+        "build-system": pyproject["build-system"]["requires"],
+    }
 
 
 def direct_requirements(root: Path, lock: Lock) -> list[tuple[str, Requirement]]:
     """(where it is written, requirement) for what the lock resolves, markers taken for its platform."""
     reqs: list[tuple[str, Requirement]] = []
     if lock.extras is not None:
-        project = _project(root)
-        deps = project.get("dependencies", [])
-        optional = project.get("optional-dependencies", {})
-        assert isinstance(deps, list) and isinstance(optional, dict)
-        reqs += [("pyproject.toml", Requirement(r)) for r in deps]
-        # the project is installed with --no-build-isolation, on the lock's build backend
-        build = tomllib.loads((root / "pyproject.toml").read_text())["build-system"]["requires"]
-        reqs += [("pyproject.toml's build-system", Requirement(r)) for r in build]
-        for extra in lock.extras:
-            reqs += [(f"pyproject.toml's {extra} extra", Requirement(r)) for r in optional.get(extra, [])]
+        inputs = _pyproject_inputs(root, lock.extras)
+        reqs += [("pyproject.toml", Requirement(r)) for r in inputs["dependencies"]]
+        reqs += [("pyproject.toml's build-system", Requirement(r)) for r in inputs["build-system"]]
+        for extra, listed in inputs["extras"].items():
+            reqs += [(f"pyproject.toml's {extra} extra", Requirement(r)) for r in listed]
     for line in (root / HERE / lock.source).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
@@ -146,13 +151,7 @@ def inputs_digest(root: Path, lock: Lock) -> str:
     """What the lock was resolved from: pyproject.toml's dependency tables, the .in file, the held lock."""
     parts: dict[str, object] = {"python": PYTHON_VERSION, "platform": PYTHON_PLATFORM, "no_deps": lock.no_deps}
     if lock.extras is not None:
-        project = _project(root)
-        parts["requires-python"] = project.get("requires-python")
-        parts["dependencies"] = project.get("dependencies", [])
-        optional = project.get("optional-dependencies", {})
-        assert isinstance(optional, dict)
-        parts["extras"] = {e: optional.get(e, []) for e in lock.extras}
-        parts["build-system"] = tomllib.loads((root / "pyproject.toml").read_text())["build-system"]["requires"]
+        parts |= _pyproject_inputs(root, lock.extras)
     parts[lock.source] = (root / HERE / lock.source).read_text()
     if lock.held_to is not None:
         held = (root / HERE / lock.held_to).read_bytes()
@@ -194,16 +193,12 @@ def lock_problems(root: Path = ROOT) -> list[str]:
                 problems.append(f"{where} asks for {req} but {lock.path} has no {req.name}: run `make lock`")
             elif not req.specifier.contains(pin_or_none.version, prereleases=True):
                 problems.append(f"{where} asks for {req} but {lock.path} pins {req.name}=={pin_or_none.version}")
-        if lock.held_to is not None:
-            problems += _held_problems(root, lock, pins)
+        if lock.held_to is not None and (root / HERE / lock.held_to).exists():
+            problems += _held_problems(lock, pins, read_pins((root / HERE / lock.held_to).read_text()))
     return problems
 
 
-def _held_problems(root: Path, lock: Lock, pins: dict[str, Pin]) -> list[str]:
-    held_path = root / HERE / lock.held_to if lock.held_to else None
-    if held_path is None or not held_path.exists():
-        return []
-    held = read_pins(held_path.read_text())
+def _held_problems(lock: Lock, pins: dict[str, Pin], held: dict[str, Pin]) -> list[str]:
     problems = []
     for name in sorted(pins.keys() & held.keys()):
         mine, theirs = pins[name], held[name]
