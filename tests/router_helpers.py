@@ -3,7 +3,9 @@ tests of the door: keys, tenants, TLS, faults."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from typing import Any
 
 from splitserve.bench.fake_workers import FakeDecodeWorker, FakeKVPlane, FakePrefillWorker
@@ -47,3 +49,11 @@ async def with_fake_cluster(
         await router.stop(0)
         await d.stop()
         await p.stop()
+
+
+async def until_indexed(router: Router, hashes: list[bytes], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while max(router.index.overlap(hashes).values(), default=0) < len(hashes):
+        if time.monotonic() > deadline:
+            raise TimeoutError("block events did not reach the router's prefix index")
+        await asyncio.sleep(0.005)

@@ -52,3 +52,22 @@ def test_a_short_run_loads_the_real_router_and_prints_its_cpu():
     for row in rows:
         assert float(row[2]) > 0 and float(row[5]) > 0  # requests finished, and the router spent CPU on them
     assert "router CPU per streamed token" in out.stdout and "per request" in out.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_short_run_over_mockers_checks_every_token():
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "router-load", "--fleet", "mockers"]
+        + ["--decode-workers", "3", "--prefill-workers", "2", "--seconds", "1", "--warmup-seconds", "0.5"]
+        + ["--loads", "1x4,8x4"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] in (["1", "4"], ["8", "4"])]
+    assert len(rows) == 2, out.stdout
+    for row in rows:
+        assert float(row[2]) > 0 and row[-1] == "0"  # requests finished, none with a wrong token
+    assert "2 prefill + 3 decode mocker workers" in out.stdout and "roofline of llama-3-8b" in out.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.server import start_worker
+from tests.router_helpers import until_indexed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -69,14 +69,6 @@ async def hit_rate(policy: DecodePolicy, prompts: list[list[int]]) -> float:
         await router.stop()
         for w in workers:
             w.stop()
-
-
-async def until_indexed(router: Router, hashes: list[bytes], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while max(router.index.overlap(hashes).values(), default=0) < len(hashes):
-        if time.monotonic() > deadline:
-            raise TimeoutError("block events did not reach the router's prefix index")
-        await asyncio.sleep(0.005)
 
 
 def test_kv_aware_routing_hits_the_prefix_cache_far_more_than_round_robin() -> None:

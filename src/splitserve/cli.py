@@ -43,6 +43,7 @@ BENCHMARKS = {
     "tenants": ("splitserve.bench.tenants", "a noisy tenant against three quiet ones: their TTFT beside alone, Jain"),
     "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
     "router-load": ("splitserve.bench.router_load", "the rate one router carries: its CPU per request and per token"),
+    "mocker": ("splitserve.bench.mocker.main", "mocker workers: the real worker services, steps timed by the planner"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),
     "serve": ("splitserve.bench.serve.main", "load an OpenAI-compatible or gRPC server: goodput, TTFT, TPOT, ITL"),

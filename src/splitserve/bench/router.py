@@ -25,11 +25,13 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 from splitserve.router.event_loop import loop_name
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_DECISIONS_PER_S = 2000.0
+STARTUP_TIMEOUT_S = 120.0  # a fleet of hundreds of mockers takes tens of seconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -265,25 +267,37 @@ def start_process(
 @contextlib.contextmanager
 def mock_cluster(tokens: int, pin: bool) -> Iterator[tuple[dict[str, str], dict[str, str], int]]:
     """The mock workers' process and the routers' process: (the workers' addresses, each router's
-    by mode and the bare proxy's, the routers' pid). Pinned: the router on a core of its own (as
-    deployed), the mock workers and this process (the client) on the other."""
+    by mode and the bare proxy's, the routers' pid)."""
+    with worker_and_router_processes((serve_workers, tokens), (serve_routers,), pin) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def worker_and_router_processes(
+    workers: tuple[Any, ...], routers: tuple[Any, ...], pin: bool
+) -> Iterator[tuple[Any, Any, int]]:
+    """Two processes: `workers` (a target and its arguments, called with a pipe first and the core
+    to pin to last), which sends what its routers need, then `routers` (called with the pipe, what
+    the workers sent, its arguments and its core), which sends what the client needs. Yields (the
+    workers' message, the routers', the routers' pid). Pinned: the routers on a core of their own
+    (as deployed), the workers and this process (the client) on the other."""
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
     procs = []
     try:
         if pin:
             os.sched_setaffinity(0, {cpus[1]})
-        wproc, wconn = start_process(serve_workers, tokens, other_cpu)
+        wproc, wconn = start_process(workers[0], *workers[1:], other_cpu)
         procs.append((wproc, wconn))
-        if not wconn.poll(60):
+        if not wconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the mock workers did not start")
-        workers = wconn.recv()
-        rproc, rconn = start_process(serve_routers, workers, router_cpu)
+        sent = wconn.recv()
+        rproc, rconn = start_process(routers[0], sent, *routers[1:], router_cpu)
         procs.append((rproc, rconn))
-        if not rconn.poll(60):
+        if not rconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the routers did not start")
         assert rproc.pid is not None
-        yield workers, rconn.recv(), rproc.pid
+        yield sent, rconn.recv(), rproc.pid
     finally:
         for proc, conn in reversed(procs):
             with contextlib.suppress(OSError):

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import os
 import random
 import time
 from dataclasses import dataclass
 
+from splitserve.bench.mocker.main import add_costs_arguments
+from splitserve.bench.mocker.tokens import expected_tokens
 from splitserve.bench.results_file import with_results
-from splitserve.bench.router import mock_cluster, pct
+from splitserve.bench.router import mock_cluster, pct, worker_and_router_processes
 from splitserve.measure.hw import process_cpu_seconds
+from splitserve.router.config import Mode
 from splitserve.router.event_loop import loop_name
 
 # (tokens out, concurrency): the table of issue 44, measured the same way
@@ -40,6 +44,15 @@ TARGET_US_PER_REQUEST = 300.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="disaggregated", choices=("disaggregated", "colocated"))
+    p.add_argument(
+        "--fleet",
+        default="fakes",
+        choices=("fakes", "mockers"),
+        help="fakes: one fake worker per role, tokens at once; mockers: bench/mocker/'s workers, steps timed",
+    )
+    p.add_argument("--decode-workers", type=int, default=16, help="with --fleet mockers: decode mockers")
+    p.add_argument("--prefill-workers", type=int, default=4, help="with --fleet mockers: prefill mockers")
+    add_costs_arguments(p)
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds of each load")
     p.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each load")
     p.add_argument("--no-pin", action="store_true", help="do not pin the router and the client to separate cores")
@@ -71,6 +84,7 @@ class Load:
     seconds: float
     latencies_s: tuple[float, ...]
     router_cpu_s: float
+    wrong: int = 0  # requests whose tokens were not the mockers' sequence (0 unchecked)
 
     @property
     def rate(self) -> float:
@@ -81,8 +95,11 @@ class Load:
         return self.router_cpu_s / max(1, self.requests)
 
 
-async def load(address: str, router_pid: int, tokens: int, concurrency: int, args: argparse.Namespace) -> Load:
-    """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it."""
+async def load(
+    address: str, router_pid: int, tokens: int, concurrency: int, args: argparse.Namespace, check: bool
+) -> Load:
+    """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it.
+    `check`: every request's tokens against the mockers' sequence (tokens.py), a mismatch counted."""
     import grpc
 
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
@@ -95,21 +112,26 @@ async def load(address: str, router_pid: int, tokens: int, concurrency: int, arg
     t_end = t_start + args.seconds
     latencies: list[float] = []
     count = 0
+    wrong = 0
 
     async def stream(k: int) -> None:
-        nonlocal count
+        nonlocal count, wrong
         i = 0
         while time.monotonic() < t_end:
             i += 1
+            prompt = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
             req = pb.GenerateRequest(
                 request_id=f"c{k}-{i}",
-                token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(PROMPT_TOKENS)]),
+                token_ids=pb.TokenIds(ids=prompt),
                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
             )
             t0 = time.monotonic()
-            async for _ in stub.Generate(req, timeout=60):
-                pass
+            got: list[int] = []
+            async for r in stub.Generate(req, timeout=60):
+                got.extend(r.token_ids)
             t1 = time.monotonic()
+            if check and got != expected_tokens(prompt, tokens):
+                wrong += 1
             if t_start <= t1 <= t_end:
                 latencies.append(t1 - t0)
                 count += 1
@@ -127,7 +149,7 @@ async def load(address: str, router_pid: int, tokens: int, concurrency: int, arg
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
     c0, c1 = await cpu
     await channel.close()
-    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0)
+    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0, wrong)
 
 
 def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
@@ -149,22 +171,84 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
-    with mock_cluster(SCRIPT_TOKENS, pin) as (_, routers, router_pid):
+    mockers = args.fleet == "mockers"
+    cluster = (
+        worker_and_router_processes((serve_mockers, args), (serve_router, args.mode), pin)
+        if mockers
+        else mock_cluster(SCRIPT_TOKENS, pin)
+    )
+    with cluster as (fleet, routers, router_pid):
+        address = routers["router"] if mockers else routers[args.mode]
         loads = [
-            asyncio.run(load(routers[args.mode], router_pid, tokens, concurrency, args))
+            asyncio.run(load(address, router_pid, tokens, concurrency, args, mockers))
             for tokens, concurrency in args.loads
         ]
-    print_report(loads, args, pin)
+    print_report(loads, args, pin, fleet["line"] if mockers else FAKES_LINE)
     return 0
 
 
-def print_report(loads: list[Load], args: argparse.Namespace, pin: bool) -> None:
+FAKES_LINE = "over mock workers (tokens at once, no model)"
+
+
+def serve_mockers(conn: mp.connection.Connection, args: argparse.Namespace, cpu: int | None) -> None:
+    """The mockers' process: the fleet; sends its addresses and a line saying what it is."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    import logging
+
+    logging.disable(logging.WARNING)
+    from splitserve.bench.mocker.fleet import start_fleet
+    from splitserve.bench.mocker.main import mocker_spec
+
+    spec = mocker_spec(args)
+    fleet = start_fleet(spec, args.prefill_workers, args.decode_workers)
+    line = (
+        f"over {args.prefill_workers} prefill + {args.decode_workers} decode mocker workers (bench/mocker/: the "
+        f"real worker services, steps timed by {spec.costs_what}; KV at 1/{fleet.kv_scale:.0f} of its bytes)"
+    )
+    conn.send(
+        {
+            "decode": [w.grpc_address for w in fleet.decode],
+            "prefill": [w.grpc_address for w in fleet.prefill],
+            "line": line,
+        }
+    )
+    conn.recv()  # until the client is done
+    fleet.stop(0)
+
+
+def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, cpu: int | None) -> None:
+    """The router's process: one Router of `mode` in front of the fleet, on the loop `splitserve
+    router` runs; sends its address once every worker is ready."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    import logging
+
+    logging.disable(logging.WARNING)
+    from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
+    from splitserve.router.event_loop import run as run_loop
+    from splitserve.router.server import Router
+    from splitserve.router.tokenizer import ByteTokenizer
+
+    async def main() -> None:
+        cfg = RouterConfig(routing=RoutingConfig(mode=mode), listeners=Listeners(host="127.0.0.1", grpc_port=0))
+        router = Router(cfg, ByteTokenizer(), decode=fleet["decode"], prefill=fleet["prefill"], rng=random.Random(0))
+        port = await router.start()
+        await router.wait_for_workers()
+        conn.send({"router": f"127.0.0.1:{port}"})
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await router.stop(0)
+
+    run_loop(main())
+
+
+def print_report(loads: list[Load], args: argparse.Namespace, pin: bool, fleet_line: str) -> None:
     from splitserve.measure.hw import machine_line  # torch, which it imports, only once the figures are in
 
     print(machine_line())
     print(
         f"router load ({args.mode}): closed-loop gRPC Generate streams of distinct {PROMPT_TOKENS}-token prompts "
-        f"through the real Router over mock workers (tokens at once, no model); {args.seconds:g} s measured after "
+        f"through the real Router {fleet_line}; {args.seconds:g} s measured after "
         f"{args.warmup_seconds:g} s of each load; "
         f"{'router process pinned to one core, mock workers and client to the other' if pin else 'unpinned'}; "
         f"router event loop {loop_name()}"
@@ -172,13 +256,13 @@ def print_report(loads: list[Load], args: argparse.Namespace, pin: bool) -> None
     print()
     print(
         f"{'tokens out':>10} {'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'router CPU':>10} {'CPU/request':>12}"
+        f"{'router CPU':>10} {'CPU/request':>12} {'wrong':>6}"
     )
     for x in loads:
         print(
             f"{x.tokens:>10} {x.concurrency:>11} {x.rate:>8.1f} {pct(x.latencies_s, 50) * 1e3:>8.1f} "
             f"{pct(x.latencies_s, 99) * 1e3:>8.1f} {x.router_cpu_s / x.seconds:>5.2f} core "
-            f"{x.cpu_per_request_s * 1e3:>9.2f} ms"
+            f"{x.cpu_per_request_s * 1e3:>9.2f} ms {x.wrong if args.fleet == 'mockers' else '-':>6}"
         )
     fit = per_token_and_request(loads)
     if fit is not None:
