@@ -71,3 +71,31 @@ def test_a_short_run_over_mockers_checks_every_token():
     for row in rows:
         assert float(row[2]) > 0 and row[-1] == "0"  # requests finished, none with a wrong token
     assert "2 prefill + 3 decode mocker workers" in out.stdout and "roofline of llama-3-8b" in out.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_killed_share_of_the_fleet_loses_no_request_and_no_token():
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "fleet-loss", "--decode-workers", "5"]
+        + ["--prefill-workers", "2", "--kill", "0.2", "--concurrency", "10", "--tokens", "96"]
+        + ["--seconds", "3", "--warmup-seconds", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 of 5 decode mockers (20%) stopped" in out.stdout
+    assert "lost 0 (target 0), wrong tokens 0 (target 0)" in out.stdout
+    # ten streams over five workers: the dead one held some, and they moved
+    assert "the router moved 0 streams" not in out.stdout, out.stdout
+
+
+def test_a_kill_share_outside_0_to_1_is_refused():
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "fleet-loss", "--kill", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--kill must lie strictly between 0 and 1" in out.stdout

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from splitserve.router.event_loop import loop_name
 
@@ -268,19 +268,25 @@ def start_process(
 def mock_cluster(tokens: int, pin: bool) -> Iterator[tuple[dict[str, str], dict[str, str], int]]:
     """The mock workers' process and the routers' process: (the workers' addresses, each router's
     by mode and the bare proxy's, the routers' pid)."""
-    with worker_and_router_processes((serve_workers, tokens), (serve_routers,), pin) as cluster:
-        yield cluster
+    with worker_and_router_processes((serve_workers, tokens), (serve_routers,), pin) as c:
+        yield c.workers, c.routers, c.router_pid
+
+
+class Processes(NamedTuple):
+    workers: Any  # what the workers' process sent once listening
+    routers: Any  # what the routers' process sent once ready
+    router_pid: int
+    workers_conn: mp.connection.Connection  # to send the workers' process more (it ends at "done")
+    routers_conn: mp.connection.Connection  # the same, to the routers' process
 
 
 @contextlib.contextmanager
-def worker_and_router_processes(
-    workers: tuple[Any, ...], routers: tuple[Any, ...], pin: bool
-) -> Iterator[tuple[Any, Any, int]]:
+def worker_and_router_processes(workers: tuple[Any, ...], routers: tuple[Any, ...], pin: bool) -> Iterator[Processes]:
     """Two processes: `workers` (a target and its arguments, called with a pipe first and the core
     to pin to last), which sends what its routers need, then `routers` (called with the pipe, what
-    the workers sent, its arguments and its core), which sends what the client needs. Yields (the
-    workers' message, the routers', the routers' pid). Pinned: the routers on a core of their own
-    (as deployed), the workers and this process (the client) on the other."""
+    the workers sent, its arguments and its core), which sends what the client needs. Pinned: the
+    routers on a core of their own (as deployed), the workers and this process (the client) on the
+    other."""
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, other_cpu = (cpus[0], cpus[1]) if pin else (None, None)
     procs = []
@@ -297,7 +303,7 @@ def worker_and_router_processes(
         if not rconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the routers did not start")
         assert rproc.pid is not None
-        yield sent, rconn.recv(), rproc.pid
+        yield Processes(sent, rconn.recv(), rproc.pid, wconn, rconn)
     finally:
         for proc, conn in reversed(procs):
             with contextlib.suppress(OSError):

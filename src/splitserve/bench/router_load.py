@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import random
 import time
 from dataclasses import dataclass
 
+from splitserve.bench.mocker.cluster import serve_mockers, serve_router
 from splitserve.bench.mocker.main import add_costs_arguments
 from splitserve.bench.mocker.tokens import expected_tokens
 from splitserve.bench.results_file import with_results
-from splitserve.bench.router import mock_cluster, pct, worker_and_router_processes
+from splitserve.bench.router import pct, serve_routers, serve_workers, worker_and_router_processes
 from splitserve.measure.hw import process_cpu_seconds
-from splitserve.router.config import Mode
 from splitserve.router.event_loop import loop_name
 
 # (tokens out, concurrency): the table of issue 44, measured the same way
@@ -40,6 +39,7 @@ SCRIPT_TOKENS = 64  # the mock decode worker's script; each request asks for its
 PROMPT_TOKENS = 256
 TARGET_US_PER_TOKEN = 15.0  # issue 44's targets for router CPU
 TARGET_US_PER_REQUEST = 300.0
+IDLE_SECONDS = 3.0  # the router's CPU with no request in flight, measured before the loads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +85,7 @@ class Load:
     latencies_s: tuple[float, ...]
     router_cpu_s: float
     wrong: int = 0  # requests whose tokens were not the mockers' sequence (0 unchecked)
+    lost: int = 0  # requests that ended in an error, not their tokens
 
     @property
     def rate(self) -> float:
@@ -113,9 +114,10 @@ async def load(
     latencies: list[float] = []
     count = 0
     wrong = 0
+    lost = 0
 
     async def stream(k: int) -> None:
-        nonlocal count, wrong
+        nonlocal count, wrong, lost
         i = 0
         while time.monotonic() < t_end:
             i += 1
@@ -127,8 +129,13 @@ async def load(
             )
             t0 = time.monotonic()
             got: list[int] = []
-            async for r in stub.Generate(req, timeout=60):
-                got.extend(r.token_ids)
+            try:
+                async for r in stub.Generate(req, timeout=60):
+                    got.extend(r.token_ids)
+            except grpc.aio.AioRpcError as e:
+                lost += 1
+                print(f"request {req.request_id} lost: {e.code().name} {e.details()}", flush=True)
+                continue
             t1 = time.monotonic()
             if check and got != expected_tokens(prompt, tokens):
                 wrong += 1
@@ -149,7 +156,7 @@ async def load(
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
     c0, c1 = await cpu
     await channel.close()
-    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0, wrong)
+    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0, wrong, lost)
 
 
 def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
@@ -172,77 +179,34 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     mockers = args.fleet == "mockers"
-    cluster = (
-        worker_and_router_processes((serve_mockers, args), (serve_router, args.mode), pin)
-        if mockers
-        else mock_cluster(SCRIPT_TOKENS, pin)
-    )
-    with cluster as (fleet, routers, router_pid):
-        address = routers["router"] if mockers else routers[args.mode]
+    workers = (serve_mockers, args) if mockers else (serve_workers, SCRIPT_TOKENS)
+    routers = (serve_router, args.mode) if mockers else (serve_routers,)
+    with worker_and_router_processes(workers, routers, pin) as c:
+        address = c.routers["router"] if mockers else c.routers[args.mode]
+        idle = idle_cpu(c.router_pid, IDLE_SECONDS)
         loads = [
-            asyncio.run(load(address, router_pid, tokens, concurrency, args, mockers))
+            asyncio.run(load(address, c.router_pid, tokens, concurrency, args, mockers))
             for tokens, concurrency in args.loads
         ]
-    print_report(loads, args, pin, fleet["line"] if mockers else FAKES_LINE)
+    print_report(loads, args, pin, c.workers["line"] if mockers else FAKES_LINE, idle)
     return 0
+
+
+def idle_cpu(pid: int, seconds: float) -> float:
+    """The cores process `pid` uses over `seconds` of this process's sleep: a router's with no request
+    in flight is its health polls and KV event streams, which grow with the workers it watches."""
+    c0 = process_cpu_seconds(pid)
+    time.sleep(seconds)
+    c1 = process_cpu_seconds(pid)
+    if c0 is None or c1 is None:
+        raise RuntimeError(f"the router process's CPU time cannot be read (/proc/{pid}/stat)")
+    return (c1 - c0) / seconds
 
 
 FAKES_LINE = "over mock workers (tokens at once, no model)"
 
 
-def serve_mockers(conn: mp.connection.Connection, args: argparse.Namespace, cpu: int | None) -> None:
-    """The mockers' process: the fleet; sends its addresses and a line saying what it is."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    import logging
-
-    logging.disable(logging.WARNING)
-    from splitserve.bench.mocker.fleet import start_fleet
-    from splitserve.bench.mocker.main import mocker_spec
-
-    spec = mocker_spec(args)
-    fleet = start_fleet(spec, args.prefill_workers, args.decode_workers)
-    line = (
-        f"over {args.prefill_workers} prefill + {args.decode_workers} decode mocker workers (bench/mocker/: the "
-        f"real worker services, steps timed by {spec.costs_what}; KV at 1/{fleet.kv_scale:.0f} of its bytes)"
-    )
-    conn.send(
-        {
-            "decode": [w.grpc_address for w in fleet.decode],
-            "prefill": [w.grpc_address for w in fleet.prefill],
-            "line": line,
-        }
-    )
-    conn.recv()  # until the client is done
-    fleet.stop(0)
-
-
-def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, cpu: int | None) -> None:
-    """The router's process: one Router of `mode` in front of the fleet, on the loop `splitserve
-    router` runs; sends its address once every worker is ready."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    import logging
-
-    logging.disable(logging.WARNING)
-    from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
-    from splitserve.router.event_loop import run as run_loop
-    from splitserve.router.server import Router
-    from splitserve.router.tokenizer import ByteTokenizer
-
-    async def main() -> None:
-        cfg = RouterConfig(routing=RoutingConfig(mode=mode), listeners=Listeners(host="127.0.0.1", grpc_port=0))
-        router = Router(cfg, ByteTokenizer(), decode=fleet["decode"], prefill=fleet["prefill"], rng=random.Random(0))
-        port = await router.start()
-        await router.wait_for_workers()
-        conn.send({"router": f"127.0.0.1:{port}"})
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        await router.stop(0)
-
-    run_loop(main())
-
-
-def print_report(loads: list[Load], args: argparse.Namespace, pin: bool, fleet_line: str) -> None:
+def print_report(loads: list[Load], args: argparse.Namespace, pin: bool, fleet_line: str, idle: float) -> None:
     from splitserve.measure.hw import machine_line  # torch, which it imports, only once the figures are in
 
     print(machine_line())
@@ -254,15 +218,16 @@ def print_report(loads: list[Load], args: argparse.Namespace, pin: bool, fleet_l
         f"router event loop {loop_name()}"
     )
     print()
+    print(f"router CPU with no request in flight (its stats polls and KV event streams): {idle:.3f} core")
     print(
         f"{'tokens out':>10} {'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'router CPU':>10} {'CPU/request':>12} {'wrong':>6}"
+        f"{'router CPU':>10} {'CPU/request':>12} {'lost':>5} {'wrong':>6}"
     )
     for x in loads:
         print(
             f"{x.tokens:>10} {x.concurrency:>11} {x.rate:>8.1f} {pct(x.latencies_s, 50) * 1e3:>8.1f} "
             f"{pct(x.latencies_s, 99) * 1e3:>8.1f} {x.router_cpu_s / x.seconds:>5.2f} core "
-            f"{x.cpu_per_request_s * 1e3:>9.2f} ms {x.wrong if args.fleet == 'mockers' else '-':>6}"
+            f"{x.cpu_per_request_s * 1e3:>9.2f} ms {x.lost:>5} {x.wrong if args.fleet == 'mockers' else '-':>6}"
         )
     fit = per_token_and_request(loads)
     if fit is not None:
