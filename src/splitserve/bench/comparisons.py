@@ -191,6 +191,41 @@ COMPARISONS = (
             ),
         ),
     ),
+    *(
+        Comparison(
+            f"The router's CPU in front of {n} decode mocker workers (and {n // 4} prefill; one router core)",
+            "issue 44's targets: 15 us a streamed token, 300 us a request",
+            f"router-load-mockers-{n}.txt",
+            (
+                Figure(
+                    r"^router CPU per streamed token (?P<tok>[\d.-]+) us \(target [\d.]+\), "
+                    r"per request (?P<req>[\d.-]+) us",
+                    "{tok} us a token, {req} us a request",
+                ),
+                Figure(
+                    r"^router CPU with no request in flight .*: (?P<idle>[\d.]+ core)", "{idle} with none in flight"
+                ),
+                Figure(
+                    r"^\s+16\s+16\s+(?P<rate>[\d.]+)\s+[\d.]+\s+(?P<p99>[\S]+)\s+.*ms\s+(?P<lost>\d+)\s+(?P<wrong>\d+)$",
+                    "16 tokens out at concurrency 16: {rate} req/s, p99 {p99} ms, {lost} lost, {wrong} wrong",
+                ),
+            ),
+        )
+        for n in (16, 64, 256)
+    ),
+    Comparison(
+        "A tenth of a mocker fleet killed under load (the busiest decode workers)",
+        "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",
+        "fleet-loss-mockers.txt",
+        (
+            Figure(
+                r"^requests finished (?P<n>\d+) .*lost (?P<lost>\d+) .*wrong tokens (?P<wrong>\d+) .*blocks back "
+                r"(?P<back>[\d.]+ s|not within [\d.]+ s)",
+                "{n} finished, {lost} lost, {wrong} wrong, blocks back {back}",
+            ),
+            Figure(r"^the router moved (?P<m>\d+) streams", "{m} streams migrated"),
+        ),
+    ),
     Comparison(
         "The plan simulator's TTFT and ITL",
         "the same loads measured",
