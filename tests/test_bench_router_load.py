@@ -99,3 +99,10 @@ def test_a_kill_share_outside_0_to_1_is_refused():
         timeout=60,
     )
     assert out.returncode == 2 and "--kill must lie strictly between 0 and 1" in out.stdout
+
+
+def test_no_split_from_a_load_that_finished_nothing_or_lost_requests():
+    starved = Load(64, 16, 0, 1.0, (), 0.4)
+    assert per_token_and_request([_load(1, 16, 1000, 0.110), starved]) is None
+    lossy = Load(64, 16, 500, 1.0, (0.01,) * 500, 0.370, lost=3)
+    assert per_token_and_request([_load(1, 16, 1000, 0.110), lossy]) is None

@@ -168,6 +168,8 @@ def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
     if few == many or not shared:
         return None
     a, b = by[(few, shared[0])], by[(many, shared[0])]
+    if not (a.requests and b.requests) or a.lost or b.lost:
+        return None  # a load that finished nothing, or lost requests, did not measure the router's cost
     per_token = (b.cpu_per_request_s - a.cpu_per_request_s) / (many - few)
     return per_token, a.cpu_per_request_s - few * per_token
 
@@ -230,6 +232,9 @@ def print_report(loads: list[Load], args: argparse.Namespace, pin: bool, fleet_l
             f"{x.cpu_per_request_s * 1e3:>9.2f} ms {x.lost:>5} {x.wrong if args.fleet == 'mockers' else '-':>6}"
         )
     fit = per_token_and_request(loads)
+    if fit is None and any(x.lost or not x.requests for x in loads):
+        print()
+        print("no CPU per token and per request: a load finished no request or lost some (above)")
     if fit is not None:
         per_token, per_request = fit
         print()
