@@ -193,7 +193,7 @@ COMPARISONS = (
     ),
     *(
         Comparison(
-            f"The router's CPU in front of {n} decode mocker workers (and {n // 4} prefill; one router core)",
+            f"The router's CPU in front of {n} decode mocker workers (one router core; mode, prefill pool: header)",
             "issue 44's targets: 15 us a streamed token, 300 us a request",
             f"router-load-mockers-{n}.txt",
             (

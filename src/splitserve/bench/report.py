@@ -25,9 +25,8 @@ TITLES = {
     "router-load-cpu": "The router loaded to saturation over mock workers: its CPU per request and per streamed token, "
     "the rate it carries and its latency (issue 44)",
     **{
-        f"router-load-mockers-{n}": f"The router over {n} decode and {n // 4} prefill mocker workers (the real worker "
-        "services, steps timed by the planner's model): its CPU per request and per streamed token, idle and loaded "
-        "(issue 44)"
+        f"router-load-mockers-{n}": f"The router over {n} decode mocker workers (the real worker services, steps "
+        "timed by the planner's model): its CPU per request and per streamed token, idle and loaded (issue 44)"
         for n in (16, 64, 256)
     },
     "fleet-loss-mockers": "A tenth of a mocker fleet killed under load: requests lost, tokens wrong, blocks back "
