@@ -51,9 +51,17 @@ async def with_fake_cluster(
         await p.stop()
 
 
-async def until_indexed(router: Router, hashes: list[bytes], timeout_s: float = 10.0) -> None:
+async def until_indexed(
+    router: Router, hashes: list[bytes], timeout_s: float = 10.0, on: set[str] | None = None
+) -> None:
+    """Until the router's prefix index holds all of `hashes` on one worker (of `on`, if given: the
+    decode workers, say, whose events may come after a prefill worker's for the same prompt)."""
     deadline = time.monotonic() + timeout_s
-    while max(router.index.overlap(hashes).values(), default=0) < len(hashes):
+
+    def held() -> int:
+        return max((n for w, n in router.index.overlap(hashes).items() if on is None or w in on), default=0)
+
+    while held() < len(hashes):
         if time.monotonic() > deadline:
             raise TimeoutError("block events did not reach the router's prefix index")
         await asyncio.sleep(0.005)

@@ -130,6 +130,10 @@ async def _generate(stub: pbg.GenerationStub, prompt: list[int], tokens: int) ->
     return got, usage
 
 
+def _total(counter: Any) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
 def _all_free(fleet: Fleet) -> bool:
     return all(w.loop.engine.blocks.num_free_blocks == w.loop.engine.blocks.num_blocks for w in fleet.workers)
 
@@ -142,7 +146,7 @@ def test_a_fleet_behind_the_real_router_serves_checkable_tokens_and_gives_every_
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(40, 200))] for _ in range(12)]
 
-    async def run() -> tuple[list[tuple[list[int], pb.Usage]], tuple[list[int], pb.Usage]]:
+    async def run() -> tuple[list[tuple[list[int], pb.Usage]], tuple[list[int], pb.Usage], float]:
         cfg = RouterConfig(routing=RoutingConfig(mode="disaggregated"), listeners=Listeners(grpc_port=0))
         prefill = [w.grpc_address for w in fleet.prefill]
         router = Router(cfg, ByteTokenizer(), [w.grpc_address for w in fleet.decode], prefill, random.Random(0))
@@ -153,19 +157,21 @@ def test_a_fleet_behind_the_real_router_serves_checkable_tokens_and_gives_every_
                 stub = pbg.GenerationStub(ch)
                 results = await asyncio.gather(*(_generate(stub, p, 24) for p in prompts))
                 # the decode mockers' KV events tell the router where each prompt's blocks are
-                await until_indexed(router, block_hashes(prompts[0], 16))
+                await until_indexed(router, block_hashes(prompts[0], 16), on={w.grpc_address for w in fleet.decode})
+                hits = _total(router.metrics.prefix_hit_blocks)
                 again = await _generate(stub, prompts[0], 8)  # its blocks are cached where it decoded
-            return results, again
+            return results, again, _total(router.metrics.prefix_hit_blocks) - hits
         finally:
             await router.stop()
 
     try:
-        results, again = asyncio.run(run())
+        results, again, hit_blocks = asyncio.run(run())
         for prompt, (got, usage) in zip(prompts, results, strict=True):
             assert got == expected_tokens(prompt, 24)
             assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 24
         assert again[0] == expected_tokens(prompts[0], 8)
-        assert again[1].cached_tokens >= len(prompts[0]) // 16 * 16 - 16  # the prefix index routed it home
+        # the prefix index sent it to the decode mocker holding its blocks (each whole one a hit)
+        assert hit_blocks == len(prompts[0]) // 16
         remote = sum(w.loop.engine.runner.busy_s > 0 for w in fleet.prefill)  # type: ignore[attr-defined]
         assert remote >= 1  # prompts were prefilled on the prefill mockers, their KV sent to decode
         deadline = time.monotonic() + 10

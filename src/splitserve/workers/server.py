@@ -315,12 +315,22 @@ def run(a: argparse.Namespace) -> int:
         flush=True,
     )
     if a.ready_file:
-        with open(a.ready_file + ".tmp", "w") as f:
-            f.write(f"{worker.grpc_address} {worker.kv_endpoint or '-'}\n")
-        os.replace(a.ready_file + ".tmp", a.ready_file)
+        write_ready_file(a.ready_file, [f"{worker.grpc_address} {worker.kv_endpoint or '-'}"])
+    wait_for_stop_signal()
+    worker.stop()
+    return 0
+
+
+def write_ready_file(path: str, lines: list[str]) -> None:
+    """`lines` into `path` at once (a reader polling for it never sees half of it)."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(line + "\n" for line in lines)
+    os.replace(path + ".tmp", path)
+
+
+def wait_for_stop_signal() -> None:
+    """Until SIGINT or SIGTERM: a worker process's life, from ready to its orderly stop."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    worker.stop()
-    return 0

@@ -11,13 +11,11 @@ machine (`--profile`, plan/calibrate.py's JSON), else the roofline of one
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
-import threading
 
 from splitserve.bench.mocker.fleet import MockerSpec, start_fleet
 from splitserve.plan.costs import CostModel
+from splitserve.workers.server import wait_for_stop_signal, write_ready_file
 
 ROOFLINE_SHAPE = "llama-3-8b"
 ROOFLINE_GPU = "h100-sxm"
@@ -83,12 +81,7 @@ def run(a: argparse.Namespace) -> int:
     ]
     print("splitserve router " + " ".join(flags), flush=True)
     if a.ready_file:
-        with open(a.ready_file + ".tmp", "w") as f:
-            f.writelines(f"{w.cfg.role} {w.grpc_address}\n" for w in fleet.workers)
-        os.replace(a.ready_file + ".tmp", a.ready_file)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        write_ready_file(a.ready_file, [f"{w.cfg.role} {w.grpc_address}" for w in fleet.workers])
+    wait_for_stop_signal()
     fleet.stop()
     return 0
