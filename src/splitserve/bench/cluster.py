@@ -40,6 +40,7 @@ class WorkerArgs:
     num_blocks: int = 1024
     max_num_batched_tokens: int = 512
     kv_transport: str = "tcp"
+    speculative: str = ""  # --speculative (""; the tuned default)
 
     def flags(self) -> list[str]:
         # no cluster token: both workers listen on loopback, their only caller the benchmark's router
@@ -56,6 +57,7 @@ class WorkerArgs:
             self.kv_transport,
             "--insecure-no-cluster-token",
         ]
+        f += ["--speculative", self.speculative] if self.speculative else []
         return f + (["--model", self.model] if self.model else [])
 
 

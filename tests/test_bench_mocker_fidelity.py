@@ -1,0 +1,48 @@
+"""bench mocker-fidelity: one load, the same prompts and arrivals, through real workers and mockers."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve.bench.mocker_fidelity import workload
+from splitserve.plan.profile import save_profile
+from tests.test_plan_calibrate import synthetic
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = dict(requests=20, rate=2.0, prompt_tokens="32:64", seed=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_the_workload_is_the_seeds_and_keeps_to_its_lengths():
+    a, b = workload(_args()), workload(_args())
+    assert a == b and len(a) == 20
+    assert all(32 <= len(r.prompt) <= 64 and all(0 <= t < 256 for t in r.prompt) for r in a)
+    assert all(x.at_s < y.at_s for x, y in zip(a, a[1:], strict=False))  # arrivals in order
+    assert workload(_args(seed=1)) != a
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_short_run_compares_the_real_cluster_with_mockers(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    save_profile(synthetic(), str(profile))
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "mocker-fidelity", "--requests", "4", "--rate", "4"]
+        + ["--prompt-tokens", "16:48", "--output-tokens", "6", "--profile", str(profile)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("TTFT", "TPOT"):
+        assert re.search(rf"^{name}\s+p50 real\s+[\d.]+ ms\s+mocker\s+[\d.]+ ms\s+ratio [\d.]+", out.stdout, re.M)
+    assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
+    assert "steps timed by the profile" in out.stdout and "--speculative off" in out.stdout
