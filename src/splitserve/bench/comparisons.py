@@ -214,6 +214,21 @@ COMPARISONS = (
         for n in (16, 64, 256)
     ),
     Comparison(
+        "Mocker workers against real ones, 1 prefill + 1 decode, one open-loop load",
+        "issue 44's target: TTFT and ITL p50 within 15% of the real cluster's",
+        "mocker-fidelity-cpu.txt",
+        (
+            Figure(
+                r"^TTFT\s+p50 real\s+(?P<r>[\d.]+ ms)\s+mocker\s+(?P<m>[\d.]+ ms)\s+ratio (?P<x>[\d.]+)",
+                "TTFT {x} ({m} against {r})",
+            ),
+            Figure(
+                r"^TPOT\s+p50 real\s+(?P<r>[\d.]+ ms)\s+mocker\s+(?P<m>[\d.]+ ms)\s+ratio (?P<x>[\d.]+)",
+                "TPOT {x} ({m} against {r})",
+            ),
+        ),
+    ),
+    Comparison(
         "A tenth of a mocker fleet killed under load (the busiest decode workers)",
         "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",
         "fleet-loss-mockers.txt",

@@ -29,6 +29,7 @@ TITLES = {
         "timed by the planner's model): its CPU per request and per streamed token, idle and loaded (issue 44)"
         for n in (16, 64, 256)
     },
+    "mocker-fidelity-cpu": "Mocker workers against real ones on the same load: TTFT and TPOT (issue 44)",
     "fleet-loss-mockers": "A tenth of a mocker fleet killed under load: requests lost, tokens wrong, blocks back "
     "(issue 44)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
