@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from splitserve.bench.mocker_fidelity import workload
 from splitserve.plan.profile import save_profile
+from tests.cli_helpers import splitserve
 from tests.test_plan_calibrate import synthetic
 
 
@@ -34,11 +33,10 @@ def test_the_workload_is_the_seeds_and_keeps_to_its_lengths():
 def test_a_short_run_compares_the_real_cluster_with_mockers(tmp_path: Path):
     profile = tmp_path / "profile.json"
     save_profile(synthetic(), str(profile))
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "mocker-fidelity", "--requests", "4", "--rate", "4"]
-        + ["--prompt-tokens", "16:48", "--output-tokens", "6", "--profile", str(profile)],
-        capture_output=True,
-        text=True,
+    out = splitserve(
+        *"bench mocker-fidelity --requests 4 --rate 4 --prompt-tokens 16:48".split(),
+        *"--output-tokens 6 --profile".split(),
+        str(profile),
         timeout=280,
     )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
 from splitserve.bench.router_load import Load, parse_loads, per_token_and_request
+from tests.cli_helpers import splitserve
 
 
 def _load(tokens: int, concurrency: int, requests: int, cpu_s: float) -> Load:
@@ -39,12 +38,8 @@ def test_loads_parse_and_bad_ones_are_named():
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_short_run_loads_the_real_router_and_prints_its_cpu():
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "router-load", "--seconds", "1", "--warmup-seconds", "0.5"]
-        + ["--loads", "1x2,8x2"],
-        capture_output=True,
-        text=True,
-        timeout=200,
+    out = splitserve(
+        "bench", "router-load", "--seconds", "1", "--warmup-seconds", "0.5", "--loads", "1x2,8x2", timeout=200
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] in (["1", "2"], ["8", "2"])]
@@ -57,12 +52,9 @@ def test_a_short_run_loads_the_real_router_and_prints_its_cpu():
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_short_run_over_mockers_checks_every_token():
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "router-load", "--fleet", "mockers"]
-        + ["--decode-workers", "3", "--prefill-workers", "2", "--seconds", "1", "--warmup-seconds", "0.5"]
-        + ["--loads", "1x4,8x4"],
-        capture_output=True,
-        text=True,
+    out = splitserve(
+        *"bench router-load --fleet mockers --decode-workers 3 --prefill-workers 2".split(),
+        *"--seconds 1 --warmup-seconds 0.5 --loads 1x4,8x4".split(),
         timeout=200,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -76,12 +68,9 @@ def test_a_short_run_over_mockers_checks_every_token():
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_killed_share_of_the_fleet_loses_no_request_and_no_token():
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "fleet-loss", "--decode-workers", "5"]
-        + ["--prefill-workers", "2", "--kill", "0.2", "--concurrency", "10", "--tokens", "96"]
-        + ["--seconds", "3", "--warmup-seconds", "0.5"],
-        capture_output=True,
-        text=True,
+    out = splitserve(
+        *"bench fleet-loss --decode-workers 5 --prefill-workers 2 --kill 0.2 --concurrency".split(),
+        *"10 --tokens 96 --seconds 3 --warmup-seconds 0.5".split(),
         timeout=200,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -92,12 +81,7 @@ def test_a_killed_share_of_the_fleet_loses_no_request_and_no_token():
 
 
 def test_a_kill_share_outside_0_to_1_is_refused():
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "fleet-loss", "--kill", "1.5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = splitserve("bench", "fleet-loss", "--kill", "1.5", timeout=60)
     assert out.returncode == 2 and "--kill must lie strictly between 0 and 1" in out.stdout
 
 

@@ -26,6 +26,7 @@ from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
 from splitserve.router.server import Router
 from splitserve.router.tokenizer import ByteTokenizer
+from tests.cli_helpers import splitserve
 from tests.router_helpers import until_indexed
 
 
@@ -207,10 +208,5 @@ def test_the_command_serves_a_fleet_until_it_is_stopped(tmp_path: Any):
 
 
 def test_a_fleet_without_decode_mockers_is_refused():
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "mocker", "--decode", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = splitserve("bench", "mocker", "--decode", "0", timeout=60)
     assert out.returncode == 2 and "--decode must be at least 1" in out.stderr
