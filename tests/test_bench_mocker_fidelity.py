@@ -44,3 +44,21 @@ def test_a_short_run_compares_the_real_cluster_with_mockers(tmp_path: Path):
         assert re.search(rf"^{name}\s+p50 real\s+[\d.]+ ms\s+mocker\s+[\d.]+ ms\s+ratio [\d.]+", out.stdout, re.M)
     assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
     assert "steps timed by the profile" in out.stdout and "--speculative off" in out.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_short_run_sets_the_simulator_against_a_mocker_fleet(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    save_profile(synthetic(), str(profile))
+    out = splitserve(
+        *"bench mocker-sim --decode-workers 3 --prefill-workers 2 --requests 12 --rate 6".split(),
+        *"--prompt-tokens 16:48 --output-tokens 6 --profile".split(),
+        str(profile),
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("TTFT", "TPOT"):
+        assert re.search(rf"^{name}\s+p50 mockers\s+[\d.]+ ms\s+simulator\s+[\d.]+ ms\s+ratio [\d.]+", out.stdout, re.M)
+    assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
+    assert "2 prefill + 3 decode mocker workers" in out.stdout

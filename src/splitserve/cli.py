@@ -44,7 +44,11 @@ BENCHMARKS = {
     "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
     "router-load": ("splitserve.bench.router_load", "the rate one router carries: its CPU per request and per token"),
     "mocker": ("splitserve.bench.mocker.main", "mocker workers: the real worker services, steps timed by the planner"),
-    "mocker-fidelity": ("splitserve.bench.mocker_fidelity", "mocker workers against real ones on one load: TTFT, ITL"),
+    "mocker-fidelity": ("splitserve.bench.mocker_fidelity", "mocker workers against real ones on one load: TTFT, TPOT"),
+    "mocker-sim": (
+        "splitserve.bench.mocker_sim",
+        "a mocker fleet behind the real router against the simulator",
+    ),
     "fleet-loss": ("splitserve.bench.fleet_loss", "a share of a mocker fleet killed under load: lost, wrong, blocks"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),

@@ -229,6 +229,21 @@ COMPARISONS = (
         ),
     ),
     Comparison(
+        "The plan simulator against 16 prefill + 48 decode mocker workers behind the real router, one load",
+        "issue 44's target: the simulator's TTFT and ITL p50 within 10% of the mockers'",
+        "mocker-sim-cpu.txt",
+        (
+            Figure(
+                r"^TTFT\s+p50 mockers\s+(?P<m>[\d.]+ ms)\s+simulator\s+(?P<s>[\d.]+ ms)\s+ratio (?P<x>[\d.]+)",
+                "TTFT {x} ({s} against {m})",
+            ),
+            Figure(
+                r"^TPOT\s+p50 mockers\s+(?P<m>[\d.]+ ms)\s+simulator\s+(?P<s>[\d.]+ ms)\s+ratio (?P<x>[\d.]+)",
+                "TPOT {x} ({s} against {m})",
+            ),
+        ),
+    ),
+    Comparison(
         "A tenth of a mocker fleet killed under load (the busiest decode workers)",
         "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",
         "fleet-loss-mockers.txt",

@@ -39,6 +39,7 @@ from splitserve.bench.results_file import with_results
 from splitserve.bench.router import STARTUP_TIMEOUT_S, pct, start_process
 
 TARGET_SHARE = 0.15
+MOCKER_BLOCKS = 1024  # per mocker, of 16 tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,9 +125,19 @@ def real_cluster(requests: Sequence[Request], output_tokens: int) -> list[Timing
         return _through_router(fleet, requests, output_tokens)
 
 
-def mocker_cluster(profile: str, requests: Sequence[Request], output_tokens: int) -> tuple[list[Timing], str]:
+def mocker_cluster(
+    profile: str, requests: Sequence[Request], output_tokens: int, prefill: int = 1, decode: int = 1
+) -> tuple[list[Timing], str]:
+    """The load through a Router in front of `prefill` + `decode` mockers timed by `profile`: the
+    timings, and the line saying what the fleet was."""
     ns = argparse.Namespace(
-        profile=profile, model_shape="", gpu="", num_blocks=1024, max_num_seqs=64, prefill_workers=1, decode_workers=1
+        profile=profile,
+        model_shape="",
+        gpu="",
+        num_blocks=MOCKER_BLOCKS,
+        max_num_seqs=64,
+        prefill_workers=prefill,
+        decode_workers=decode,
     )
     proc, conn = start_process(serve_mockers, ns, None)
     try:
@@ -141,7 +152,7 @@ def mocker_cluster(profile: str, requests: Sequence[Request], output_tokens: int
             proc.kill()
 
 
-def _calibrated(path: str) -> str:
+def calibrated(path: str) -> str:
     from splitserve.plan.calibrate import CalibrationConfig, calibrate
     from splitserve.plan.profile import save_profile
 
@@ -157,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     requests = workload(args)
     with tempfile.TemporaryDirectory(prefix="splitserve-fidelity-") as tmp:
-        profile = args.profile or _calibrated(args.save_profile or os.path.join(tmp, "profile.json"))
+        profile = args.profile or calibrated(args.save_profile or os.path.join(tmp, "profile.json"))
         real = real_cluster(requests, args.output_tokens)
         mock, line = mocker_cluster(profile, requests, args.output_tokens)
 

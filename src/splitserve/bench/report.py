@@ -30,6 +30,7 @@ TITLES = {
         for n in (16, 64, 256)
     },
     "mocker-fidelity-cpu": "Mocker workers against real ones on the same load: TTFT and TPOT (issue 44)",
+    "mocker-sim-cpu": "The plan simulator against a fleet of 64 mocker workers behind the real router (issue 44)",
     "fleet-loss-mockers": "A tenth of a mocker fleet killed under load: requests lost, tokens wrong, blocks back "
     "(issue 44)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",

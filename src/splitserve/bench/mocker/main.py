@@ -33,25 +33,34 @@ def add_costs_arguments(p: argparse.ArgumentParser) -> None:
 
 def mocker_spec(a: argparse.Namespace, cluster_token: str | None = None) -> MockerSpec:
     """The fleet the flags of `add_costs_arguments` describe (ValueError if they cannot be)."""
-    costs, what, kv_bytes = _costs(a)
+    costs, what, kv_bytes, chunk = _costs(a)
     return MockerSpec(
-        costs, what, kv_bytes, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, cluster_token=cluster_token
+        costs,
+        what,
+        kv_bytes,
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=chunk,
+        cluster_token=cluster_token,
     )
 
 
-def _costs(a: argparse.Namespace) -> tuple[CostModel, str, float]:
+def _costs(a: argparse.Namespace) -> tuple[CostModel, str, float, int]:
+    """The cost model, where it comes from, the modelled KV bytes per token, and the step's token
+    budget (a profile's: the chunk its engine ran with)."""
     if a.profile:
         from splitserve.plan.profile import ProfileCosts, load_profile
 
         profile = load_profile(a.profile)
-        return ProfileCosts(profile), f"the profile {a.profile} ({profile.description})", profile.kv_bytes_per_token
+        what = f"the profile {a.profile} ({profile.description})"
+        return ProfileCosts(profile), what, profile.kv_bytes_per_token, profile.max_num_batched_tokens
     from splitserve.plan.deployment import Deployment, DeploymentCosts
     from splitserve.plan.hardware import Network, accelerator
     from splitserve.plan.shapes import load_shape
 
     dep = Deployment(load_shape(a.model_shape), accelerator(a.gpu), 1, 1, Network.of(100.0, True))
     what = f"the roofline of {a.model_shape} (bf16) on one {dep.gpu.name}"
-    return DeploymentCosts(dep), what, dep.kv_bytes_per_token_per_gpu
+    return DeploymentCosts(dep), what, dep.kv_bytes_per_token_per_gpu, MockerSpec.max_num_batched_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
