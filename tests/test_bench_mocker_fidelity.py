@@ -28,37 +28,36 @@ def test_the_workload_is_the_seeds_and_keeps_to_its_lengths():
     assert workload(_args(seed=1)) != a
 
 
+def _run_on_a_synthetic_profile(tmp_path: Path, *argv: str) -> str:
+    """The benchmark's output, its steps priced by a synthetic profile (no calibration)."""
+    profile = tmp_path / "profile.json"
+    save_profile(synthetic(), str(profile))
+    out = splitserve(*argv, "--output-tokens", "6", "--profile", str(profile), timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
+    return out.stdout
+
+
+def _p50_lines(stdout: str, first: str, second: str) -> bool:
+    return all(
+        re.search(rf"^{name}\s+p50 {first}\s+[\d.]+ ms\s+{second}\s+[\d.]+ ms\s+ratio [\d.]+", stdout, re.M)
+        for name in ("TTFT", "TPOT")
+    )
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_short_run_compares_the_real_cluster_with_mockers(tmp_path: Path):
-    profile = tmp_path / "profile.json"
-    save_profile(synthetic(), str(profile))
-    out = splitserve(
-        *"bench mocker-fidelity --requests 4 --rate 4 --prompt-tokens 16:48".split(),
-        *"--output-tokens 6 --profile".split(),
-        str(profile),
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("TTFT", "TPOT"):
-        assert re.search(rf"^{name}\s+p50 real\s+[\d.]+ ms\s+mocker\s+[\d.]+ ms\s+ratio [\d.]+", out.stdout, re.M)
-    assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
-    assert "steps timed by the profile" in out.stdout and "--speculative off" in out.stdout
+    argv = "bench mocker-fidelity --requests 4 --rate 4 --prompt-tokens 16:48".split()
+    stdout = _run_on_a_synthetic_profile(tmp_path, *argv)
+    assert _p50_lines(stdout, "real", "mocker")
+    assert "steps timed by the profile" in stdout and "--speculative off" in stdout
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_short_run_sets_the_simulator_against_a_mocker_fleet(tmp_path: Path):
-    profile = tmp_path / "profile.json"
-    save_profile(synthetic(), str(profile))
-    out = splitserve(
-        *"bench mocker-sim --decode-workers 3 --prefill-workers 2 --requests 12 --rate 6".split(),
-        *"--prompt-tokens 16:48 --output-tokens 6 --profile".split(),
-        str(profile),
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("TTFT", "TPOT"):
-        assert re.search(rf"^{name}\s+p50 mockers\s+[\d.]+ ms\s+simulator\s+[\d.]+ ms\s+ratio [\d.]+", out.stdout, re.M)
-    assert re.search(r"^target: .* (PASS|FAIL) \(worst \d+%\)$", out.stdout, re.M), out.stdout
-    assert "2 prefill + 3 decode mocker workers" in out.stdout
+    argv = "bench mocker-sim --decode-workers 3 --prefill-workers 2 --requests 12 --rate 6 --prompt-tokens 16:48"
+    stdout = _run_on_a_synthetic_profile(tmp_path, *argv.split())
+    assert _p50_lines(stdout, "mockers", "simulator")
+    assert "2 prefill + 3 decode mocker workers" in stdout
