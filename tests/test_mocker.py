@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from splitserve.bench.mocker.fleet import Fleet, MockerSpec, start_fleet
+from splitserve.bench.mocker.cluster import counter_total
+from splitserve.bench.mocker.fleet import MockerSpec, start_fleet
 from splitserve.bench.mocker.runner import ModelledRunner, step_seconds
 from splitserve.bench.mocker.tokens import expected_tokens, mocker_token, prompt_key
 from splitserve.engine.block_hash import block_hashes
@@ -131,14 +132,6 @@ async def _generate(stub: pbg.GenerationStub, prompt: list[int], tokens: int) ->
     return got, usage
 
 
-def _total(counter: Any) -> float:
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
-
-
-def _all_free(fleet: Fleet) -> bool:
-    return all(w.loop.engine.blocks.num_free_blocks == w.loop.engine.blocks.num_blocks for w in fleet.workers)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_fleet_behind_the_real_router_serves_checkable_tokens_and_gives_every_block_back():
@@ -159,9 +152,9 @@ def test_a_fleet_behind_the_real_router_serves_checkable_tokens_and_gives_every_
                 results = await asyncio.gather(*(_generate(stub, p, 24) for p in prompts))
                 # the decode mockers' KV events tell the router where each prompt's blocks are
                 await until_indexed(router, block_hashes(prompts[0], 16), on={w.grpc_address for w in fleet.decode})
-                hits = _total(router.metrics.prefix_hit_blocks)
+                hits = counter_total(router.metrics.prefix_hit_blocks)
                 again = await _generate(stub, prompts[0], 8)  # its blocks are cached where it decoded
-            return results, again, _total(router.metrics.prefix_hit_blocks) - hits
+            return results, again, counter_total(router.metrics.prefix_hit_blocks) - hits
         finally:
             await router.stop()
 
@@ -176,9 +169,9 @@ def test_a_fleet_behind_the_real_router_serves_checkable_tokens_and_gives_every_
         remote = sum(w.loop.engine.runner.busy_s > 0 for w in fleet.prefill)  # type: ignore[attr-defined]
         assert remote >= 1  # prompts were prefilled on the prefill mockers, their KV sent to decode
         deadline = time.monotonic() + 10
-        while not _all_free(fleet) and time.monotonic() < deadline:
+        while not fleet.all_blocks_free() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _all_free(fleet)
+        assert fleet.all_blocks_free()
     finally:
         fleet.stop(0)
 

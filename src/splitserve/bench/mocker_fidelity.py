@@ -43,13 +43,19 @@ MOCKER_BLOCKS = 1024  # per mocker, of 16 tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals, requests/s")
+    add_load_arguments(p, requests=60, rate=1.5)
+    p.add_argument("--save-profile", default=None, help="keep the profile calibrated now here")
+
+
+def add_load_arguments(p: argparse.ArgumentParser, requests: int, rate: float) -> None:
+    """The load (`workload`'s), its profile and its results file: the flags of every benchmark that
+    sets mockers against something else on one load."""
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--rate", type=float, default=rate, help="Poisson arrivals, requests/s")
     p.add_argument("--prompt-tokens", default="32:480", help="MIN:MAX, drawn uniformly")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="a measured profile JSON (else calibrated now, ~150 s)")
-    p.add_argument("--save-profile", default=None, help="keep the profile calibrated now here")
     p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
 
 

@@ -22,7 +22,7 @@ import argparse
 import random
 import tempfile
 
-from splitserve.bench.mocker_fidelity import MOCKER_BLOCKS, calibrated, mocker_cluster, workload
+from splitserve.bench.mocker_fidelity import MOCKER_BLOCKS, add_load_arguments, calibrated, mocker_cluster, workload
 from splitserve.bench.results_file import with_results
 from splitserve.bench.router import pct
 
@@ -32,13 +32,7 @@ TARGET_SHARE = 0.10
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=48)
     p.add_argument("--prefill-workers", type=int, default=16)
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals, requests/s")
-    p.add_argument("--prompt-tokens", default="32:480", help="MIN:MAX, drawn uniformly")
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", default=None, help="a measured profile JSON (else calibrated now, ~150 s)")
-    p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
+    add_load_arguments(p, requests=200, rate=6.0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -145,12 +145,9 @@ async def load(
 
     async def window_cpu() -> tuple[float, float]:
         await asyncio.sleep(max(0.0, t_start - time.monotonic()))
-        c0 = process_cpu_seconds(router_pid)
+        c0 = router_cpu_seconds(router_pid)
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
-        c1 = process_cpu_seconds(router_pid)
-        if c0 is None or c1 is None:
-            raise RuntimeError(f"the router process's CPU time cannot be read (/proc/{router_pid}/stat)")
-        return c0, c1
+        return c0, router_cpu_seconds(router_pid)
 
     cpu = asyncio.ensure_future(window_cpu())
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
@@ -197,12 +194,17 @@ def _run(args: argparse.Namespace) -> int:
 def idle_cpu(pid: int, seconds: float) -> float:
     """The cores process `pid` uses over `seconds` of this process's sleep: a router's with no request
     in flight is its health polls and KV event streams, which grow with the workers it watches."""
-    c0 = process_cpu_seconds(pid)
+    c0 = router_cpu_seconds(pid)
     time.sleep(seconds)
-    c1 = process_cpu_seconds(pid)
-    if c0 is None or c1 is None:
+    return (router_cpu_seconds(pid) - c0) / seconds
+
+
+def router_cpu_seconds(pid: int) -> float:
+    """The router process's CPU seconds so far; RuntimeError where they cannot be read."""
+    cpu = process_cpu_seconds(pid)
+    if cpu is None:
         raise RuntimeError(f"the router process's CPU time cannot be read (/proc/{pid}/stat)")
-    return (c1 - c0) / seconds
+    return cpu
 
 
 FAKES_LINE = "over mock workers (tokens at once, no model)"

@@ -51,6 +51,10 @@ CHANNEL_OPTIONS = (
 )
 
 
+_NO_STATS = wpb.WorkerStats()  # a worker not polled yet: nothing queued, no blocks (never written to)
+_NO_SPEEDS = convert.speeds_from_proto(_NO_STATS)  # nothing measured (a NamedTuple: shared, never written)
+
+
 @dataclass(eq=False)
 class Worker:
     address: str
@@ -60,7 +64,7 @@ class Worker:
     stats: wpb.WorkerStats | None = None
     # what its last stats say it measured, read once per stats answer: every routing decision
     # reads every worker's load, and converting the speeds each time cost 5 us a worker a decision
-    speeds: TierSpeeds = field(default_factory=lambda: convert.speeds_from_proto(wpb.WorkerStats()))
+    speeds: TierSpeeds = _NO_SPEEDS
     healthy: bool = False  # routable: its last stats polls succeeded, its block size and model match
     failures: int = 0  # stats polls failed in a row
     # Calls to it that failed (mark_failed), counted: a stats answer to a poll that went out before
@@ -105,9 +109,6 @@ class Worker:
         else:
             running = max(0, running - self.ended_tokens)
         return WorkerLoad(queued, running, s.free_blocks, s.total_blocks, self.speeds, s.running_requests)
-
-
-_NO_STATS = wpb.WorkerStats()  # a worker not polled yet: nothing queued, no blocks (never written to)
 
 
 class WorkerSet:

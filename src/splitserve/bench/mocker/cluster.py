@@ -26,6 +26,7 @@ import random
 import time
 from typing import Any
 
+from splitserve.bench.mocker.fleet import Fleet
 from splitserve.router.config import Mode
 
 
@@ -65,7 +66,7 @@ def serve_mockers(conn: mp.connection.Connection, args: argparse.Namespace, cpu:
                 w.stop(0)
             conn.send([w.grpc_address for w in dead])
         elif cmd[0] == "blocks":
-            conn.send(_until_blocks_free(fleet.workers, cmd[1]))
+            conn.send(_until_blocks_free(fleet, cmd[1]))
     fleet.stop(0)
 
 
@@ -75,19 +76,18 @@ def _held(w: Any) -> int:
     return int(stats.running_requests + stats.reserved_requests)
 
 
-def _until_blocks_free(workers: list[Any], timeout_s: float) -> float | None:
-    """Seconds until every worker's block pool is whole again (cached blocks count as free: they are
-    evictable); None if it is not within `timeout_s`."""
+def _until_blocks_free(fleet: Fleet, timeout_s: float) -> float | None:
+    """Seconds until every mocker's block pool is whole again; None if it is not within `timeout_s`."""
     start = time.monotonic()
     while True:
-        if all(w.loop.engine.blocks.num_free_blocks == w.loop.engine.blocks.num_blocks for w in workers):
+        if fleet.all_blocks_free():
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
             return None
         time.sleep(0.01)
 
 
-def _count(counter: Any) -> int:
+def counter_total(counter: Any) -> int:
     """A Prometheus counter's total, over its labels."""
     return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
 
@@ -113,7 +113,7 @@ def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, cpu: i
         conn.send({"router": f"127.0.0.1:{port}"})
         while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "counts":
             m = router.metrics
-            conn.send({"migrations": _count(m.migrations), "prefill_retries": _count(m.prefill_retries)})
+            conn.send({"migrations": counter_total(m.migrations), "prefill_retries": counter_total(m.prefill_retries)})
         await router.stop(0)
 
     run_loop(main())

@@ -77,6 +77,10 @@ class Fleet:
     def workers(self) -> list[RunningWorker]:
         return [*self.prefill, *self.decode]
 
+    def all_blocks_free(self) -> bool:
+        """Every mocker's block pool whole (cached blocks count as free: they are evictable)."""
+        return all(w.loop.engine.blocks.num_free_blocks == w.loop.engine.blocks.num_blocks for w in self.workers)
+
     def stop(self, grace_s: float = 0.5) -> None:
         for w in self.workers:
             w.stop(grace_s)
@@ -91,10 +95,11 @@ def start_fleet(spec: MockerSpec, prefill: int, decode: int, name: str = "mocker
     model_cfg = mocker_model_config(spec.max_position)
     weights = random_weights(model_cfg, seed=0)
     fleet = Fleet(spec)
+    engine_cfg = spec.engine_config()
     try:
         for role, count, into in (("prefill", prefill, fleet.prefill), ("decode", decode, fleet.decode)):
             for i in range(count):
-                engine = Engine(model_cfg, weights, spec.engine_config())
+                engine = Engine(model_cfg, weights, engine_cfg)
                 engine.runner = ModelledRunner(spec.costs, model_cfg.num_layers)  # type: ignore[assignment]
                 cfg = WorkerConfig(
                     role=role,
@@ -108,10 +113,10 @@ def start_fleet(spec: MockerSpec, prefill: int, decode: int, name: str = "mocker
                 worker = start_worker(cfg, engine)
                 worker.loop.idle_wait_s = IDLE_WAIT_S
                 into.append(worker)
-                fleet.kv_scale = (
-                    spec.kv_bytes_per_token * spec.engine_config().block_size / engine.layout.bytes_per_block
-                )
     except BaseException:
         fleet.stop(0)
         raise
+    if fleet.workers:  # every mocker's KV layout is the same model's
+        layout = fleet.workers[0].loop.engine.layout
+        fleet.kv_scale = spec.kv_bytes_per_token * engine_cfg.block_size / layout.bytes_per_block
     return fleet
