@@ -937,8 +937,10 @@ def localize(words: list[str], hosts: set[str], ports: dict[str, str]) -> list[s
             out.append(f"127.0.0.1:{ports[port]}")
         elif out and out[-1] == "--host" and (w in hosts or w == "0.0.0.0"):
             out.append("127.0.0.1")
-        else:
+        elif out and out[-1].endswith("-port"):  # a port flag's value; other numbers (--routers 1) stay
             out.append(ports.get(w, w))
+        else:
+            out.append(w)
     return out
 
 
@@ -972,7 +974,7 @@ def test_compose_commands_run_as_local_processes(tmp_path, smollm2_path):
     for name in SPLITSERVE_SERVICES:
         cmd = service_command(services[name], name)
         numbers |= {w.rpartition(":")[2] for w in cmd if w.rpartition(":")[2].isdigit()}
-        numbers |= {w for w in cmd if w.isdigit()}
+        numbers |= {w for flag, w in zip(cmd, cmd[1:], strict=False) if flag.endswith("-port") and w.isdigit()}
     ports = {n: str(free_port()) for n in sorted(numbers)}
     bindir = Path(sys.executable).parent
     procs: dict[str, subprocess.Popen] = {}

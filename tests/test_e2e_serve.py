@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_sockets import listening_sockets
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SPLITSERVE = [sys.executable, "-m", "splitserve.cli"]
@@ -82,32 +84,6 @@ class Serve:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
-    """What `ss -ltnp` lists for these processes, read from /proc (no tool needed): (address, port, pid)."""
-    owner: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    owner[target[8:-1]] = pid
-        except OSError:  # gone, or not ours to read
-            continue
-    found = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            local, state, inode = cols[1], cols[3], cols[9]
-            if state != "0A" or inode not in owner:  # 0A: LISTEN
-                continue
-            hexaddr, hexport = local.split(":")
-            raw = bytes.fromhex(hexaddr)
-            # the kernel writes each 32-bit word of the address in host (little-endian) order
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
-            found.append((str(ipaddress.ip_address(raw)), int(hexport, 16), owner[inode]))
-    return found
-
-
 def is_loopback_address(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -123,7 +99,9 @@ def serve(tmp_path):
     # disaggregated: every answer's KV crosses the KV plane, under the cluster's mutual TLS (the default)
     # a grace that no machine's speed decides: the drain test's stream of 160 tokens took over 30 s
     # (the default grace) on two busy cores, and was cut
-    s = Serve(tmp_path, "--dtype", "float32", "--mode", "disaggregated", "--shutdown-grace-s", "300")
+    # two router processes on the one port (--routers 2): the answer, the loopback-only sockets, the
+    # drain and the clean exit hold for a replica as for the first router
+    s = Serve(tmp_path, "--dtype", "float32", "--mode", "disaggregated", "--shutdown-grace-s", "300", "--routers", "2")
     yield s
     if s.proc.poll() is None:
         os.killpg(s.proc.pid, signal.SIGKILL)

@@ -172,6 +172,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self.fail = fail
         self.extra_queued_tokens = extra_queued_tokens
         self.requests: list[wpb.DecodeRequest] = []
+        self.callers: set[str] = set()  # the gRPC peers (router connections) that sent it Decode calls
         self.active: dict[str, int] = {}  # request id -> context tokens
         self.cancelled: list[str] = []  # request ids whose Decode call the router cancelled
         self.cache: set[bytes] = set()
@@ -237,6 +238,7 @@ class FakeDecodeWorker(_FakeBase, wgrpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeEvent]:
         self.requests.append(request)
+        self.callers.add(context.peer())
         h = await self._admit(request, context)
         samples = h.sample_states()
         ctx = [*h.prompt_token_ids, *(samples[0].output_token_ids if len(samples) == 1 else [])]

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     pin = len(os.sched_getaffinity(0)) >= 2
-    with worker_and_router_processes((serve_mockers, args), (serve_router, args.mode), pin) as c:
+    with worker_and_router_processes((serve_mockers, args), (serve_router, args.mode, 1), pin) as c:
         conn = c.workers_conn
 
         async def kill_halfway() -> tuple[float, list[str]]:

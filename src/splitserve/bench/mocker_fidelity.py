@@ -109,7 +109,7 @@ async def drive(address: str, requests: Sequence[Request], output_tokens: int) -
 
 def _through_router(fleet: dict[str, Any], requests: Sequence[Request], output_tokens: int) -> list[Timing]:
     """The load through a Router process (unpinned) in front of `fleet`'s workers."""
-    proc, conn = start_process(serve_router, fleet, "disaggregated", None)
+    proc, conn = start_process(serve_router, fleet, "disaggregated", 1, None)
     try:
         if not conn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the router did not start")

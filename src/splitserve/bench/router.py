@@ -255,11 +255,13 @@ def _decisions(args: argparse.Namespace) -> tuple[float, float]:
 
 
 def start_process(
-    target: Callable[..., object], *args: object
+    target: Callable[..., object], *args: object, daemon: bool = True
 ) -> tuple[mp.process.BaseProcess, mp.connection.Connection]:
+    """`target(pipe, *args)` in a fresh interpreter; the process and this end of the pipe. A daemon
+    dies with this process but may not start processes of its own (router replicas)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc = ctx.Process(target=target, args=(child, *args), daemon=daemon)
     proc.start()
     return proc, parent
 
@@ -298,7 +300,8 @@ def worker_and_router_processes(workers: tuple[Any, ...], routers: tuple[Any, ..
         if not wconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the mock workers did not start")
         sent = wconn.recv()
-        rproc, rconn = start_process(routers[0], sent, *routers[1:], router_cpu)
+        # not a daemon: it may start router replicas; the `finally` below ends it
+        rproc, rconn = start_process(routers[0], sent, *routers[1:], router_cpu, daemon=False)
         procs.append((rproc, rconn))
         if not rconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the routers did not start")

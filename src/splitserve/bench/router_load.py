@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     mockers = args.fleet == "mockers"
     workers = (serve_mockers, args) if mockers else (serve_workers, SCRIPT_TOKENS)
-    routers = (serve_router, args.mode) if mockers else (serve_routers,)
+    routers = (serve_router, args.mode, 1) if mockers else (serve_routers,)
     with worker_and_router_processes(workers, routers, pin) as c:
         address = c.routers["router"] if mockers else c.routers[args.mode]
         idle = idle_cpu(c.router_pid, IDLE_SECONDS)

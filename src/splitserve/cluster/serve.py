@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.tuned import Tuned
     from splitserve.router.config import RouterConfig
+    from splitserve.router.replicas import Replicas
     from splitserve.router.server import Router
     from splitserve.router.workers import Role
     from splitserve.runtime.tls import ClusterTLS
@@ -338,11 +339,15 @@ async def _serve(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float
     from splitserve.cluster.pool import PoolManager
 
     pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=cfg.node_types)
+    replicas: list[Replicas] = []  # the router's replicas (--routers), once _start has them listening
     try:
-        await _run_until_stopped(a, _start(a, router, pools, specs), router, stop)
+        await _run_until_stopped(a, _start(a, router, pools, specs, replicas), router, stop, replicas)
     finally:
         print("splitserve: stopping", flush=True)
-        # the router first: no request may be routed to a worker that is going away
+        # the routers first: no request may be routed to a worker that is going away
+        for r in replicas:
+            r.terminate()
+            await r.join()
         await router.stop()
         await pools.stop()
         ray.shutdown()
@@ -435,12 +440,16 @@ def _router(a: argparse.Namespace, specs: list[PoolSpec], cluster_token: str, in
     """The router, with the model's tokenizer and tracing."""
     from splitserve.engine.weights import load_tokenizer
     from splitserve.router.engine_tokenizer import EngineTokenizer
+    from splitserve.router.replicas import per_replica
     from splitserve.router.server import Router
     from splitserve.runtime.tracing import setup_tracing
 
     tokenizer = EngineTokenizer(load_tokenizer(a.model))
     setup_tracing(a.otlp_traces_endpoint, "router")  # the router's; each worker actor sets up its own
-    return Router(router_config(a, specs, cluster_token, internal), tokenizer)
+    cfg, notes = per_replica(router_config(a, specs, cluster_token, internal))
+    for note in notes:
+        log.warning("%s", note)
+    return Router(cfg, tokenizer)
 
 
 def router_config(
@@ -461,9 +470,16 @@ def router_config(
     return replace(router_cfg, required_pools=required, listeners=listeners)
 
 
-async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, specs: list[PoolSpec]) -> None:
-    """The router's ports, then the pools, then the wait for their workers; each address said."""
+async def _start(
+    a: argparse.Namespace, router: Router, pools: PoolManager, specs: list[PoolSpec], replicas: list[Replicas]
+) -> None:
+    """The router's ports and its replicas (put in `replicas`), then the pools, then the wait for
+    their workers; each address said."""
+    from splitserve.router.replicas import start_replicas
+
     port = await router.start()
+    if (started := await start_replicas(router, a.model, a.shutdown_grace_s, a.otlp_traces_endpoint)) is not None:
+        replicas.append(started)
     prefill, decode = (
         f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
         for spec in specs
@@ -475,7 +491,11 @@ async def _start(a: argparse.Namespace, router: Router, pools: PoolManager, spec
     )
     await pools.start()
     await router.wait_for_workers(timeout_s=120)
-    print(f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1)", flush=True)
+    processes = f", {a.routers} router processes" if a.routers > 1 else ""
+    print(
+        f"splitserve: listening on {a.host}:{port} (gRPC splitserve.v1.Generation, grpc.health.v1{processes})",
+        flush=True,
+    )
     if router.http is not None:
         print(
             f"splitserve: OpenAI-compatible {'HTTPS' if a.ssl_certfile else 'HTTP'} on {a.host}:{router.http_port} "
@@ -515,10 +535,15 @@ def exposure_lines(a: argparse.Namespace, keyed: bool) -> list[str]:
 
 
 async def _run_until_stopped(
-    a: argparse.Namespace, start: Coroutine[Any, Any, None], router: Router, stop: asyncio.Event
+    a: argparse.Namespace,
+    start: Coroutine[Any, Any, None],
+    router: Router,
+    stop: asyncio.Event,
+    replicas: list[Replicas],
 ) -> None:
     """The start, then serving until a signal; a signal during the start cancels it. A cluster
-    that started drains its requests before the caller stops it; a failed start raises."""
+    that started drains its requests (its router's replicas theirs, at the same time) before the
+    caller stops it; a failed start raises."""
     from splitserve.router.shutdown import drain
 
     starting = asyncio.ensure_future(start)
@@ -534,6 +559,8 @@ async def _run_until_stopped(
             t.cancel()
         await asyncio.gather(starting, stopping, return_exceptions=True)
         if started:
+            for r in replicas:
+                r.terminate()
             await drain(router, a.shutdown_grace_s, asyncio.get_running_loop(), log_prefix="splitserve")
 
 

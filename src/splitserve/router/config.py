@@ -186,6 +186,10 @@ class Listeners:
     grpc_port: int = 50051
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
     http_port: int | None = None  # the OpenAI-compatible HTTP front door; None: off, 0: any free port
+    # router processes sharing these ports (router/replicas.py): more than one binds them with
+    # SO_REUSEPORT, so the kernel spreads new connections over the processes; one binds them alone, so a
+    # second router started by mistake on the same port fails to start instead of taking half its clients
+    replicas: int = 1
     model_name: str = "splitserve"  # what /v1/models reports
     api_key: str | None = None  # clients send "authorization: Bearer <key>"
     # /metrics (on the HTTP port and --metrics-port) answers this key too, with no tenant's rights;
@@ -196,7 +200,7 @@ class Listeners:
     internal_tls: ClusterTLS | None = None  # the calls to the workers under the cluster's mutual TLS
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_numbers(self, positive=("replicas",))
 
     @property
     def auth_metadata(self) -> tuple[tuple[str, str], ...]:

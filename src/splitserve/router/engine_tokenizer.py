@@ -39,3 +39,10 @@ class EngineTokenizer:
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> _Detokenizer:
         return _Detokenizer(self.tokenizer)
+
+
+def model_tokenizer(model: str | None) -> EngineTokenizer:
+    """The router's tokenizer for `model` (None: the embedded default), loaded from its file."""
+    from splitserve.engine.weights import load_tokenizer
+
+    return EngineTokenizer(load_tokenizer(model))

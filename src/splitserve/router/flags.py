@@ -69,6 +69,15 @@ def add_router_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         default=_DEFAULTS.limits.max_inflight,
         help="requests in flight at once; beyond it a request is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429)",
     )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=_DEFAULTS.listeners.replicas,
+        help="router processes behind the one address (SO_REUSEPORT: the kernel spreads client connections over "
+        "them): one relays a few thousand streamed tokens a second per core, so give one per core the front door "
+        "should use; each watches the workers itself, and the limits (--max-inflight, --max-running-requests, each "
+        "tenant's) are split over them (router/replicas.py)",
+    )
     _add_key_arguments(p)
     p.add_argument(
         "--shutdown-grace-s",
@@ -176,6 +185,7 @@ def router_config_from_args(a: argparse.Namespace, cluster_token: str | None) ->
         cluster_token=cluster_token,
         tls=tls_from_args(a),
         internal_tls=load_cluster_tls(a.internal_tls_dir) if a.internal_tls_dir else None,
+        replicas=a.routers,
     )
     limits = Limits(max_inflight=a.max_inflight, max_running=a.max_running_requests)
     return RouterConfig(routing=routing, limits=limits, listeners=listeners, tenants=a.tenants_file)

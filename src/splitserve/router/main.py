@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 
 from splitserve.router.addresses import BadAddress, parse_worker_addresses
-from splitserve.router.config import RoutingConfig
+from splitserve.router.config import RouterConfig, RoutingConfig
 from splitserve.router.flags import add_router_arguments
 from splitserve.runtime.credentials import add_secret_argument
 
@@ -50,40 +50,40 @@ def run(a: argparse.Namespace) -> int:
     except BadAddress as e:  # a usage error: one line, no traceback, before anything starts
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2
-    from splitserve.router.flags import tls_from_args
-    from splitserve.runtime.tls import load_cluster_tls
+    from splitserve.router.flags import router_config_from_args
+    from splitserve.router.replicas import per_replica
 
-    try:
-        tls_from_args(a)
-        if a.internal_tls_dir:
-            load_cluster_tls(a.internal_tls_dir)
+    try:  # every flag read before a port is bound
+        cfg, notes = per_replica(router_config_from_args(a, a.cluster_token))
     except ValueError as e:
         print(f"splitserve router: {e}", file=sys.stderr)
         return 2
+    # ready once every pool it was given has a worker up (a colocated router never calls the prefill pool)
+    required = ("decode", "prefill") if prefill and cfg.routing.mode != "colocated" else ("decode",)
+    cfg = replace(cfg, required_pools=required)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for note in notes:
+        print(f"splitserve router: {note}", file=sys.stderr, flush=True)
     from splitserve.router.event_loop import run as run_loop
 
-    return run_loop(_run(a, decode, prefill))
+    return run_loop(_run(a, cfg, decode, prefill))
 
 
-async def _run(a: argparse.Namespace, decode: list[str], prefill: list[str]) -> int:
-    from splitserve.engine.weights import load_tokenizer
-    from splitserve.router.engine_tokenizer import EngineTokenizer
-    from splitserve.router.flags import router_config_from_args
+async def _run(a: argparse.Namespace, cfg: RouterConfig, decode: list[str], prefill: list[str]) -> int:
+    from splitserve.router.engine_tokenizer import model_tokenizer
+    from splitserve.router.replicas import start_replicas
     from splitserve.router.server import Router
     from splitserve.router.shutdown import drain
     from splitserve.runtime.tracing import setup_tracing
 
     setup_tracing(a.otlp_traces_endpoint, "router")
-    cfg = router_config_from_args(a, a.cluster_token)
-    # ready once every pool it was given has a worker up (a colocated router never calls the prefill pool)
-    required = ("decode", "prefill") if prefill and cfg.routing.mode != "colocated" else ("decode",)
-    cfg = replace(cfg, required_pools=required)
-    router = Router(cfg, EngineTokenizer(load_tokenizer(a.model)), decode=decode, prefill=prefill)
+    router = Router(cfg, model_tokenizer(a.model), decode=decode, prefill=prefill)
     port = await router.start()
+    replicas = await start_replicas(router, a.model, a.shutdown_grace_s, a.otlp_traces_endpoint)
     print(
         f"splitserve router: listening on {cfg.listeners.host}:{port}"
-        + (f", OpenAI-compatible HTTP on {router.http_port}" if router.http is not None else ""),
+        + (f", OpenAI-compatible HTTP on {router.http_port}" if router.http is not None else "")
+        + (f" ({cfg.listeners.replicas} router processes)" if replicas is not None else ""),
         flush=True,
     )
     stop = asyncio.Event()
@@ -91,6 +91,10 @@ async def _run(a: argparse.Namespace, decode: list[str], prefill: list[str]) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if replicas is not None:
+        replicas.terminate()
     await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve router")
+    if replicas is not None:
+        await replicas.join()
     await router.stop()
     return 0

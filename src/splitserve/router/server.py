@@ -456,8 +456,9 @@ class Router:
     async def start(self, port: int | None = None) -> int:
         """Bind (port 0 picks a free one), start serving, start watching the workers; returns the port."""
         lis = self.cfg.listeners
+        shared = int(lis.replicas > 1)  # replicas share the port (router/replicas.py); a lone router holds it
         self.server = grpc.aio.server(
-            interceptors=(KeyInterceptor(self.generation.keys),), options=(("grpc.so_reuseport", 0),)
+            interceptors=(KeyInterceptor(self.generation.keys),), options=(("grpc.so_reuseport", shared),)
         )
         handlers = generation_handler(self.generation)  # as add_GenerationServicer_to_server registers them
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -476,7 +477,7 @@ class Router:
                 self.generation, lis.model_name, self.readiness, self.metrics.registry, self.may_read_metrics
             )
             tls = ReloadingSSLContext(lis.tls) if lis.tls is not None else None
-            self.http_port = await self.http.start(lis.host, lis.http_port, tls)
+            self.http_port = await self.http.start(lis.host, lis.http_port, tls, reuse_port=lis.replicas > 1)
             log.info("OpenAI-compatible HTTP%s on %s:%d", "S" if tls else "", lis.host, self.http_port)
         decode, prefill = self._initial
         self.workers.add_all(decode, "decode")

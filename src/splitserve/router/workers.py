@@ -26,7 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 
@@ -41,6 +41,9 @@ from splitserve.router.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 Role = Literal["decode", "prefill"]
+# a change of a worker set's membership: ("add", address, role), ("remove", address),
+# ("drain", address) or ("expect", role, workers starting)
+Membership = tuple[Any, ...]
 
 DRAINED_AFTER_IDLE_POLLS = 2
 
@@ -128,6 +131,32 @@ class WorkerSet:
         self.model_fingerprint: bytes | None = None
         # selected once, here, because the round-robin baseline counts its turns across requests
         self.decode_chooser: DecodeChooser = decode_chooser(cfg.routing)
+        # told every change of membership (add, remove, drain, expect) as a `Membership` op, after it
+        # is made: router replicas (router/replicas.py) hold the same set by replaying them
+        self.mirrors: list[Callable[[Membership], None]] = []
+
+    def _mirror(self, op: Membership) -> None:
+        for mirror in self.mirrors:
+            mirror(op)
+
+    def membership(self) -> list[Membership]:
+        """The ops that build this set's membership from nothing (a new replica's first)."""
+        ops: list[Membership] = [("add", w.address, w.role) for w in self._workers.values()]
+        ops += [("drain", w.address) for w in self._workers.values() if w.draining]
+        return ops + [("expect", role, n) for role, n in self._starting.items()]
+
+    def apply(self, op: Membership) -> None:
+        """One op of another set's membership, made here (a replica following its parent's set)."""
+        if op[0] == "add":
+            self.add(op[1], op[2])
+        elif op[0] == "remove":
+            self.remove(op[1])
+        elif op[0] == "drain":
+            self.drain(op[1])
+        elif op[0] == "expect":
+            self.expect(op[1], op[2])
+        else:
+            raise ValueError(f"not a membership op: {op!r}")
 
     # ---- membership (the pool manager's interface)
 
@@ -150,6 +179,7 @@ class WorkerSet:
         if role == "decode":
             w.tasks.append(asyncio.get_running_loop().create_task(self._follow_blocks(w)))
         log.info("added %s worker %s", role, address)
+        self._mirror(("add", address, role))
 
     def add_all(self, addresses: Iterable[str], role: Role) -> None:
         for a in addresses:
@@ -171,6 +201,7 @@ class WorkerSet:
         closing.add_done_callback(lambda t: self._retiring.pop(t, None))
         log.info("removed %s worker %s", w.role, address)
         self._health_changed()
+        self._mirror(("remove", address))
 
     async def close(self) -> None:
         self._closed = True
@@ -198,6 +229,7 @@ class WorkerSet:
         if self._starting.get(role, 0) != starting:
             self._starting[role] = starting
             self._health_changed()
+            self._mirror(("expect", role, starting))
 
     def starting(self, role: str) -> int:
         return self._starting.get(role, 0)
@@ -273,6 +305,7 @@ class WorkerSet:
             w.draining, w.idle_polls = True, 0
             log.info("draining %s worker %s", w.role, address)
             self._health_changed()
+            self._mirror(("drain", address))
 
     def drained(self, address: str) -> bool:
         """A draining worker has answered two stats polls in a row with nothing queued, running or held."""

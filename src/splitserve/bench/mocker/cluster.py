@@ -1,8 +1,8 @@
 """A mocker fleet's process and a router's process, for the benchmarks that load them.
 
 bench/router.py's `worker_and_router_processes` starts the two: `serve_mockers`
-(the fleet, on the workers' core) and `serve_router` (one real `Router` in front of
-it, on a core of its own). The fleet's process then takes commands on its pipe:
+(the fleet, on the workers' core) and `serve_router` (the real `Router`, and its
+replicas when asked, in front of it, on a core of their own). The fleet's process then takes commands on its pipe:
 
     ("kill", fraction)   stop that share of the decode mockers at once, the ones
                          holding the most requests first, as a dead process looks
@@ -10,6 +10,8 @@ it, on a core of its own). The fleet's process then takes commands on its pipe:
                          their addresses
     ("blocks", timeout)  wait until every surviving mocker's KV blocks are free;
                          answers the seconds it took, or None past the timeout
+    "prefix"             the decode mockers' prompt tokens found in their prefix
+                         caches and looked up there, so far: (hits, queries)
     "done"               stop the fleet and end
 
 and the router's takes "counts" (answers its migrations and prefill retries so far)
@@ -67,6 +69,14 @@ def serve_mockers(conn: mp.connection.Connection, args: argparse.Namespace, cpu:
             conn.send([w.grpc_address for w in dead])
         elif cmd[0] == "blocks":
             conn.send(_until_blocks_free(fleet, cmd[1]))
+        elif cmd == "prefix":
+            m = [w.metrics for w in fleet.decode]
+            conn.send(
+                (
+                    sum(counter_total(x.prefix_cache_hits) for x in m),
+                    sum(counter_total(x.prefix_cache_queries) for x in m),
+                )
+            )
     fleet.stop(0)
 
 
@@ -92,9 +102,10 @@ def counter_total(counter: Any) -> int:
     return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
 
 
-def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, cpu: int | None) -> None:
-    """The router's process: one Router of `mode` in front of the fleet, on the loop `splitserve
-    router` runs; sends its address once every worker is ready."""
+def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, routers: int, cpu: int | None) -> None:
+    """The router's process: a Router of `mode` in front of the fleet, on the loop `splitserve
+    router` runs, with `routers` - 1 replicas beside it on its port and core (router/replicas.py);
+    sends its address and every router process's pid once every worker is ready."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     import logging
@@ -102,18 +113,24 @@ def serve_router(conn: mp.connection.Connection, fleet: dict, mode: Mode, cpu: i
     logging.disable(logging.WARNING)
     from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
     from splitserve.router.event_loop import run as run_loop
+    from splitserve.router.replicas import Replicas
     from splitserve.router.server import Router
     from splitserve.router.tokenizer import ByteTokenizer
 
     async def main() -> None:
-        cfg = RouterConfig(routing=RoutingConfig(mode=mode), listeners=Listeners(host="127.0.0.1", grpc_port=0))
+        listeners = Listeners(host="127.0.0.1", grpc_port=0, replicas=routers)
+        cfg = RouterConfig(routing=RoutingConfig(mode=mode), listeners=listeners)
         router = Router(cfg, ByteTokenizer(), decode=fleet["decode"], prefill=fleet["prefill"], rng=random.Random(0))
         port = await router.start()
+        replicas = Replicas(router, ByteTokenizer, shutdown_grace_s=0.0, log_level=logging.WARNING)
+        await replicas.start()
         await router.wait_for_workers(60)
-        conn.send({"router": f"127.0.0.1:{port}"})
+        conn.send({"router": f"127.0.0.1:{port}", "pids": [os.getpid(), *replicas.pids()]})
         while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "counts":
             m = router.metrics
             conn.send({"migrations": counter_total(m.migrations), "prefill_retries": counter_total(m.prefill_retries)})
+        replicas.terminate()
+        await replicas.join()
         await router.stop(0)
 
     run_loop(main())

@@ -99,13 +99,18 @@ class OpenAIServer(Generic[AdmissionT]):
             return error_response(401, UNAUTHENTICATED, "authentication_error")
         return await handler(request)
 
-    async def start(self, host: str, port: int, tls: ReloadingSSLContext | None = None) -> int:
-        """Listen (HTTPS with `tls`, its certificate followed as it rotates); the bound port."""
+    async def start(
+        self, host: str, port: int, tls: ReloadingSSLContext | None = None, reuse_port: bool = False
+    ) -> int:
+        """Listen (HTTPS with `tls`, its certificate followed as it rotates); the bound port.
+        `reuse_port`: share it with other router replicas (SO_REUSEPORT)."""
         # handler_cancellation: a client that disconnects cancels its handler at once, wherever it
         # waits (for the next token, or for a whole answer), which cancels the worker calls
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=tls.context if tls is not None else None)
+        site = web.TCPSite(
+            self._runner, host, port, ssl_context=tls.context if tls is not None else None, reuse_port=reuse_port
+        )
         await site.start()
         if tls is not None:
             self._reload = asyncio.create_task(_follow_certificate(tls))
