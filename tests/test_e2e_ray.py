@@ -267,3 +267,39 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
     for i, ((got, usage), want) in enumerate(zip(results, expected, strict=True)):
         assert got == want, f"burst request {i} differs"
         assert usage.completion_tokens == NEW_TOKENS
+
+
+# ---- a standby decode worker: warm, not routed to, taken by the replacement of a dead one
+
+
+def test_a_standby_decode_worker_is_not_routed_to_until_a_dead_one_is_replaced_by_it(ray_cluster, model):
+    ids = encode(model, CHATS[:2])
+    expected = reference(model, ids)
+
+    async def scenario() -> None:
+        c = await start_cluster(model, decode_standby=1)
+        try:
+            (old,) = c.pools.members["decode"]
+            (ready,) = c.pools.standby["decode"]
+            assert c.router.workers.get(ready.grpc_address) is None  # listening, warm, unknown to routing
+            assert counted(c.router.metrics.pool_workers, role="decode", state="standby") == 1
+            looked_up = (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries  # its warm-up's
+            first = await c.generate(ids[0])
+            assert first[0] == expected[0]
+            assert (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries == looked_up  # no request
+            ray_cluster.kill(old.actor)
+            await until(lambda: c.healthy("decode") == [ready.grpc_address], "the standby worker serving")
+            (new,) = c.pools.members["decode"]
+            assert new is ready and c.pools.activations["decode"]
+            assert counted(c.router.metrics.scaling_decisions, role="decode", action="replace") == 1
+            second = await c.generate(ids[1])
+            assert second[0] == expected[1]
+            await c.no_blocks_held()
+            # another takes its place on standby, started in the background
+            await until(lambda: len(c.pools.standby["decode"]) == 1, "a new standby worker")
+            assert c.pools.standby["decode"][0].worker_id not in (old.worker_id, ready.worker_id)
+            assert c.pools.pending["decode"] == 0
+        finally:
+            await c.close()
+
+    asyncio.run(scenario())

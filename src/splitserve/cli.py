@@ -49,6 +49,11 @@ BENCHMARKS = {
         "splitserve.bench.mocker_sim",
         "a mocker fleet behind the real router against the simulator",
     ),
+    "router-replicas": (
+        "splitserve.bench.router_replicas",
+        "router replicas against one router: CPU per request, connection spread, prefix-hit rate",
+    ),
+    "standby": ("splitserve.bench.standby", "a pool grown from a standby worker against a cold start: to first token"),
     "fleet-loss": ("splitserve.bench.fleet_loss", "a share of a mocker fleet killed under load: lost, wrong, blocks"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),

@@ -184,19 +184,24 @@ async def start_cluster(
     decode_scaling: ScalingConfig | None = None,
     node_types: Mapping[str, Mapping[str, float]] | None = None,
     prefill_tp: int = 1,
+    decode_standby: int = 0,
 ) -> Cluster:
     """One prefill and one decode actor to start with; a pool scales if given a config.
     `resources`: each pool's custom Ray resources (its node type); `worker_host` as `serve
     --worker-host` ("auto": each worker listens on and advertises its Ray node's IP); `node_types`
     the autoscaler's, as `serve --node-types`; `prefill_tp` the prefill workers' tensor-parallel size
-    (the decode pool's is 1: the KV transfer re-shards between them)."""
+    (the decode pool's is 1: the KV transfer re-shards between them); `decode_standby` the decode
+    workers kept warm and not routed to."""
     token = secrets.token_urlsafe(16)
     resources = resources or {}
 
     def spec(role: Role, scaling: ScalingConfig | None = None) -> PoolSpec:
         engine = replace(ENGINE, tensor_parallel_size=prefill_tp if role == "prefill" else 1)
         worker = WorkerConfig(role=role, engine=engine, host=worker_host, cluster_token=token, threads=1)
-        return PoolSpec(role, 1, worker, num_cpus, resources=dict(resources.get(role, {})), scaling=scaling)
+        standby = decode_standby if role == "decode" else 0
+        return PoolSpec(
+            role, 1, worker, num_cpus, resources=dict(resources.get(role, {})), scaling=scaling, standby=standby
+        )
 
     specs = [spec("prefill", prefill_scaling), spec("decode", decode_scaling)]
     # disaggregated: every request goes through the prefill pool and the KV transfer

@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
 
         async def both() -> tuple:
             return await asyncio.gather(
-                load(c.routers["router"], c.router_pid, args.tokens, args.concurrency, args, True), kill_halfway()
+                load(c.routers["router"], c.routers["pids"], args.tokens, args.concurrency, args, True), kill_halfway()
             )
 
         result, (_, dead) = asyncio.run(both())

@@ -23,6 +23,7 @@ import asyncio
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.bench.mocker.cluster import serve_mockers, serve_router
@@ -86,6 +87,7 @@ class Load:
     router_cpu_s: float
     wrong: int = 0  # requests whose tokens were not the mockers' sequence (0 unchecked)
     lost: int = 0  # requests that ended in an error, not their tokens
+    router_cpu_each_s: tuple[float, ...] = ()  # each router process's share of router_cpu_s (replicas)
 
     @property
     def rate(self) -> float:
@@ -96,19 +98,36 @@ class Load:
         return self.router_cpu_s / max(1, self.requests)
 
 
+def distinct_prompt(rng: random.Random) -> list[int]:
+    """A prompt no other request shares: no prefix hit helps it."""
+    return [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+
+
 async def load(
-    address: str, router_pid: int, tokens: int, concurrency: int, args: argparse.Namespace, check: bool
+    address: str,
+    router_pids: Sequence[int],
+    tokens: int,
+    concurrency: int,
+    args: argparse.Namespace,
+    check: bool,
+    prompt: Callable[[random.Random], list[int]] = distinct_prompt,
+    connections: int = 1,
 ) -> Load:
-    """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it.
-    `check`: every request's tokens against the mockers' sequence (tokens.py), a mismatch counted."""
+    """`concurrency` closed-loop streams for the warm-up and the measured window; what finished in it,
+    and the CPU the router processes (`router_pids`: every replica) used in it. `check`: every
+    request's tokens against the mockers' sequence (tokens.py), a mismatch counted. `connections`:
+    the streams spread over that many client connections (router replicas share them out by
+    connection)."""
     import grpc
 
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
     rng = random.Random(tokens * 1000 + concurrency)
-    channel = grpc.aio.insecure_channel(address)
-    stub = generate_pb2_grpc.GenerationStub(channel)
+    # a channel of its own subchannel pool is a connection of its own (gRPC shares one otherwise)
+    own = (("grpc.use_local_subchannel_pool", 1),)
+    channels = [grpc.aio.insecure_channel(address, options=own) for _ in range(connections)]
+    stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
     t_start = time.monotonic() + args.warmup_seconds
     t_end = t_start + args.seconds
     latencies: list[float] = []
@@ -118,13 +137,14 @@ async def load(
 
     async def stream(k: int) -> None:
         nonlocal count, wrong, lost
+        stub = stubs[k % connections]
         i = 0
         while time.monotonic() < t_end:
             i += 1
-            prompt = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+            ids = prompt(rng)
             req = pb.GenerateRequest(
                 request_id=f"c{k}-{i}",
-                token_ids=pb.TokenIds(ids=prompt),
+                token_ids=pb.TokenIds(ids=ids),
                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
             )
             t0 = time.monotonic()
@@ -137,23 +157,25 @@ async def load(
                 print(f"request {req.request_id} lost: {e.code().name} {e.details()}", flush=True)
                 continue
             t1 = time.monotonic()
-            if check and got != expected_tokens(prompt, tokens):
+            if check and got != expected_tokens(ids, tokens):
                 wrong += 1
             if t_start <= t1 <= t_end:
                 latencies.append(t1 - t0)
                 count += 1
 
-    async def window_cpu() -> tuple[float, float]:
+    async def window_cpu() -> tuple[list[float], list[float]]:
         await asyncio.sleep(max(0.0, t_start - time.monotonic()))
-        c0 = router_cpu_seconds(router_pid)
+        c0 = [router_cpu_seconds(pid) for pid in router_pids]
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
-        return c0, router_cpu_seconds(router_pid)
+        return c0, [router_cpu_seconds(pid) for pid in router_pids]
 
     cpu = asyncio.ensure_future(window_cpu())
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
     c0, c1 = await cpu
-    await channel.close()
-    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), c1 - c0, wrong, lost)
+    for c in channels:
+        await c.close()
+    each = tuple(b - a for a, b in zip(c0, c1, strict=True))
+    return Load(tokens, concurrency, count, args.seconds, tuple(latencies), sum(each), wrong, lost, each)
 
 
 def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:
@@ -182,21 +204,21 @@ def _run(args: argparse.Namespace) -> int:
     routers = (serve_router, args.mode, 1) if mockers else (serve_routers,)
     with worker_and_router_processes(workers, routers, pin) as c:
         address = c.routers["router"] if mockers else c.routers[args.mode]
-        idle = idle_cpu(c.router_pid, IDLE_SECONDS)
+        idle = idle_cpu([c.router_pid], IDLE_SECONDS)
         loads = [
-            asyncio.run(load(address, c.router_pid, tokens, concurrency, args, mockers))
+            asyncio.run(load(address, [c.router_pid], tokens, concurrency, args, mockers))
             for tokens, concurrency in args.loads
         ]
     print_report(loads, args, pin, c.workers["line"] if mockers else FAKES_LINE, idle)
     return 0
 
 
-def idle_cpu(pid: int, seconds: float) -> float:
-    """The cores process `pid` uses over `seconds` of this process's sleep: a router's with no request
+def idle_cpu(pids: Sequence[int], seconds: float) -> float:
+    """The cores processes `pids` use over `seconds` of this process's sleep: a router's with no request
     in flight is its health polls and KV event streams, which grow with the workers it watches."""
-    c0 = router_cpu_seconds(pid)
+    c0 = sum(router_cpu_seconds(pid) for pid in pids)
     time.sleep(seconds)
-    return (router_cpu_seconds(pid) - c0) / seconds
+    return (sum(router_cpu_seconds(pid) for pid in pids) - c0) / seconds
 
 
 def router_cpu_seconds(pid: int) -> float:

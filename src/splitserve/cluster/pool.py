@@ -13,6 +13,14 @@ Workers starting (scale-ups and replacements alike) count as pending for the
 policy, so a replacement keeps the pool's size and a booting worker is not
 started twice; a worker being drained is not "dead" to the watch.
 
+A pool may keep workers on standby (`PoolSpec.standby`): started ahead, the model
+loaded and warmed up, listening, but not handed to the router. A grow or a
+replacement takes a standby worker first: handed to the router, it is routable at
+its first stats answer, so the pool grows in the time of one poll rather than a
+process start and a model load (seconds to minutes). Another standby worker then
+starts in the background, in its place. A standby worker idles: its engine loop
+sleeps and it takes no request; it holds its weights and its KV pool.
+
 With Ray's autoscaler, a worker that finds no room waits while Ray adds a node
 of its type; given the autoscaler's node types, one that no type can hold is
 refused (`Unplaceable`) before its actor is queued.
@@ -56,12 +64,13 @@ class PoolSpec:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # e.g. {"prefill_node": 1}
     scaling: ScalingConfig | None = None  # None: a fixed size (dead workers are still replaced)
+    standby: int = 0  # workers kept started and warm, not routed to, for the next grow or replacement
 
     def __post_init__(self) -> None:
         if self.role != self.worker.role:
             raise ValueError(f"PoolSpec role {self.role!r} differs from its worker config's {self.worker.role!r}")
-        if self.replicas < 0:
-            raise ValueError("replicas must be >= 0")
+        if self.replicas < 0 or self.standby < 0:
+            raise ValueError("replicas and standby must be >= 0")
         s = self.scaling
         if s is not None and not s.min_replicas <= self.replicas <= s.max_replicas:
             raise ValueError(f"{self.role} pool: replicas {self.replicas} outside [{s.min_replicas}, {s.max_replicas}]")
@@ -103,21 +112,26 @@ class PoolManager:
         self.node_types = node_types
         self.members: dict[Role, list[_Member]] = {s.role: [] for s in specs}
         self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
+        self.standby: dict[Role, list[_Member]] = {s.role: [] for s in specs}  # started, warm, not routed to
+        self.standby_pending: dict[Role, int] = {s.role: 0 for s in specs}  # standby actors starting
+        # role -> when each standby worker was last handed to the router (monotonic clock), for the logs
+        self.activations: dict[Role, list[float]] = {s.role: [] for s in specs}
         self._actor_cls = ray.remote(_actor_class())
         self._serial = 0
         self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
         self._jobs: set[asyncio.Task[None]] = set()  # starts and drains in flight
 
     async def start(self) -> None:
-        """Start every pool's initial replicas together and wait until all listen."""
-        specs = [spec for spec in self.specs.values() for _ in range(spec.replicas)]
-        for spec in specs:
-            self.pending[spec.role] += 1
-        results = await asyncio.gather(*[self._start_one(spec) for spec in specs], return_exceptions=True)
-        for spec, r in zip(specs, results, strict=True):
-            self.pending[spec.role] -= 1
+        """Start every pool's initial replicas and standby workers together and wait until all listen."""
+        specs = [(spec, False) for spec in self.specs.values() for _ in range(spec.replicas)]
+        specs += [(spec, True) for spec in self.specs.values() for _ in range(spec.standby)]
+        for spec, standby in specs:
+            (self.standby_pending if standby else self.pending)[spec.role] += 1
+        results = await asyncio.gather(*[self._start_one(spec) for spec, _ in specs], return_exceptions=True)
+        for (spec, standby), r in zip(specs, results, strict=True):
+            (self.standby_pending if standby else self.pending)[spec.role] -= 1
             if isinstance(r, _Member):
-                self._register(spec.role, r)
+                self._register(spec.role, r, standby)
         self._publish_sizes()
         for r in results:
             if isinstance(r, BaseException):
@@ -192,7 +206,10 @@ class PoolManager:
                 describe_nodes(nodes),
             )
 
-    def _register(self, role: Role, m: _Member) -> None:
+    def _register(self, role: Role, m: _Member, standby: bool = False) -> None:
+        if standby:  # listening, not handed to the router
+            self.standby[role].append(m)
+            return
         self.members[role].append(m)
         self.workers.add(m.grpc_address, role)
 
@@ -203,6 +220,7 @@ class PoolManager:
             g.labels(role, "serving").set(len(members) - draining)
             g.labels(role, "draining").set(draining)
             g.labels(role, "starting").set(self.pending[role])
+            g.labels(role, "standby").set(len(self.standby[role]))
             self.workers.expect(role, self.pending[role])  # a request waiting for one waits for these
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
@@ -210,13 +228,48 @@ class PoolManager:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
+    def grow(self, role: Role) -> None:
+        """One more worker in the pool now, a standby one first (an operator's or a controller's call;
+        the scale loop decides its own)."""
+        self.metrics.scaling_decisions.labels(role, "grow").inc()
+        self._add_worker(role)
+
+    async def retire(self, role: Role, address: str, timeout_s: float = 60.0) -> None:
+        """Drain the pool's worker at `address` (no new request; its running ones finish, up to
+        `timeout_s`), then stop it."""
+        (m,) = [m for m in self.members[role] if m.grpc_address == address and not m.draining]
+        m.draining = True
+        self._publish_sizes()
+        await self._drain(role, m, timeout_s)
+
     def _add_worker(self, role: Role) -> None:
-        """One more worker in the pool, counted as pending from now until it is up (or failed)."""
+        """One more worker in the pool: a standby one at once (and another standby started in its
+        place), else a new one, counted as pending from now until it is up (or failed)."""
+        if self.standby[role]:
+            m = self.standby[role].pop(0)
+            self.activations[role].append(self.clock())
+            log.info("%s worker %s activated from standby (%s)", role, m.worker_id, m.grpc_address)
+            self._register(role, m)
+            self._top_up_standby(role)
+            return
         self.pending[role] += 1
         self._publish_sizes()
         self._spawn(self._boot(role))
 
-    async def _boot(self, role: Role) -> None:
+    def _top_up_standby(self, role: Role) -> None:
+        """Standby workers started in the background up to the pool's count. A scaling pool's count
+        within its maximum: a pool at its maximum cannot grow, so it keeps none ready."""
+        spec = self.specs[role]
+        want = spec.standby
+        if spec.scaling is not None:
+            routed = len(self.members[role]) + self.pending[role]
+            want = min(want, max(0, spec.scaling.max_replicas - routed))
+        for _ in range(want - len(self.standby[role]) - self.standby_pending[role]):
+            self.standby_pending[role] += 1
+            self._spawn(self._boot(role, standby=True))
+        self._publish_sizes()
+
+    async def _boot(self, role: Role, standby: bool = False) -> None:
         try:
             m = await self._start_one(self.specs[role])
         except Unplaceable as e:  # a line of its own says it all
@@ -226,9 +279,9 @@ class PoolManager:
             log.exception("could not start a %s worker", role)
             m = None
         finally:
-            self.pending[role] -= 1
+            (self.standby_pending if standby else self.pending)[role] -= 1
         if m is not None:
-            self._register(role, m)
+            self._register(role, m, standby)
         self._publish_sizes()
 
     # ---- the watch: dead workers are replaced
@@ -239,12 +292,20 @@ class PoolManager:
             await asyncio.sleep(self.watch_interval_s)
             # all at once: a hung actor costs one ping timeout a round, not one per actor behind it
             watched = [(role, m) for role, members in self.members.items() for m in members if not m.draining]
+            watched += [(role, m) for role, members in self.standby.items() for m in members]
             answers = await asyncio.gather(
                 *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
                 return_exceptions=True,
             )
             for (role, m), answer in zip(watched, answers, strict=True):
-                if isinstance(answer, BaseException):
+                if not isinstance(answer, BaseException):
+                    continue
+                if m in self.standby[role]:  # never routed to: another takes its place
+                    log.warning("standby %s worker %s is gone; starting another", role, m.worker_id)
+                    self.standby[role].remove(m)
+                    self._kill(m.actor)
+                    self._top_up_standby(role)
+                else:
                     self._replace(role, m, answer)
 
     def _replace(self, role: Role, m: _Member, why: BaseException) -> None:
@@ -316,7 +377,7 @@ class PoolManager:
         await self._stop_actor(m)
         # a member until stopped, so that `members` never lists fewer actors than are alive
         self.members[role].remove(m)
-        self._publish_sizes()
+        self._top_up_standby(role)  # a pool below its maximum again has room for one ready
         log.info("%s worker %s (%s) drained and stopped", role, m.worker_id, m.grpc_address)
 
     async def _stop_actor(self, m: _Member) -> None:
@@ -346,7 +407,7 @@ class PoolManager:
         # a start cancelled here kills its half-started actor; a cancelled drain leaves its member to us
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loops.clear()
-        for members in self.members.values():
+        for members in (*self.members.values(), *self.standby.values()):
             for m in members:
                 await self._stop_actor(m)
             members.clear()

@@ -86,6 +86,16 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
         default=None,
         help="scale the decode pool on its load between --decode-workers and this (default: no scaling)",
     )
+    for role in ROLES:
+        p.add_argument(
+            f"--{role}-standby",
+            type=int,
+            default=None,
+            help=f"{role} workers kept started and warm (model loaded, warmed up, listening) but not routed to, "
+            f"taken first by a grow or a replacement: the pool grows in one stats poll instead of a process start "
+            f"and a model load; each holds its weights and KV pool (default: 1 when the {role} pool scales, "
+            f"within its --{role}-workers-max, else 0)",
+        )
     p.add_argument(
         "--prefill-target-tokens",
         type=int,
@@ -159,6 +169,20 @@ def scaling_config(a: argparse.Namespace, role: str) -> ScalingConfig | None:
     )
 
 
+def standby_count(a: argparse.Namespace, role: str, scaling: ScalingConfig | None) -> int:
+    """A pool's standby workers: --{role}-standby, else one for a pool that scales (its grows are
+    what a standby worker speeds up; a fixed pool's replacements wait for a start, as before). A
+    scaling pool's standby workers count within its maximum (--{role}-workers-max): they are
+    workers it may run."""
+    asked: int | None = getattr(a, f"{role}_standby")
+    if asked is not None and asked < 0:
+        raise ValueError(f"--{role}-standby must be 0 or more, got {asked}")
+    if scaling is None:
+        return asked or 0
+    room = scaling.max_replicas - scaling.min_replicas
+    return min(1 if asked is None else asked, room)
+
+
 def pool_tp_size(a: argparse.Namespace, role: str) -> int:
     """A pool's tensor-parallel size: its own flag, else the shared --tensor-parallel-size."""
     own: int | None = getattr(a, f"{role}_tensor_parallel_size")
@@ -186,6 +210,7 @@ class ServeConfig:
 
     engine: EngineConfig  # the pools' engine; each pool's tensor-parallel size replaces the shared one
     workers: Mapping[Role, int]  # role -> initial workers (the scaling floor)
+    standby: Mapping[Role, int]  # role -> workers kept warm and not routed to (PoolSpec.standby)
     tp: Mapping[Role, int]  # role -> tensor-parallel size of each worker
     tp_flags: Mapping[str, int]  # the flag that set each size -> the size, to name in a problem
     scaling: Mapping[Role, ScalingConfig | None]  # role -> its scaling, None: a fixed size
@@ -270,12 +295,18 @@ def configure(a: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         engine=engine_config_from_args(a),
         workers={role: getattr(a, f"{role}_workers") for role in ROLES},
+        standby={role: standby_count(a, role, scaling[role]) for role in ROLES},
         tp=tp,
         tp_flags={_tp_flag(a, role): tp[role] for role in ROLES},
         scaling=scaling,
         resources={role: _resources(getattr(a, f"{role}_resources"), f"--{role}-resources") for role in ROLES},
         node_types=node_types,
     )
+
+
+def started_workers(cfg: ServeConfig) -> dict[Role, int]:
+    """The workers serve starts at once, per pool: the routed ones and the standby ones."""
+    return {role: cfg.workers[role] + cfg.standby[role] for role in ROLES}
 
 
 def preflight(a: argparse.Namespace, cfg: ServeConfig) -> tuple[float, list[Problem]]:
@@ -294,28 +325,28 @@ def preflight(a: argparse.Namespace, cfg: ServeConfig) -> tuple[float, list[Prob
     problems = engine_problems(a.model, cfg.tp_flags)
     problems += tier_problems(cfg.engine.kv_disk_tier_bytes, cfg.engine.kv_disk_tier_dir)
     if a.ray_address:
-        return worker_cpus(a.cpus_per_worker, cfg.workers, None), problems
+        return worker_cpus(a.cpus_per_worker, started_workers(cfg), None), problems
     machine = machine_resources()
-    cpus = worker_cpus(a.cpus_per_worker, cfg.workers, machine[CPU])
-    problems += machine_problems(
-        pool_asks(cfg.workers, cpus, a.gpus_per_worker, cfg.resources), machine, cfg.node_types
-    )
+    started = started_workers(cfg)
+    cpus = worker_cpus(a.cpus_per_worker, started, machine[CPU])
+    problems += machine_problems(pool_asks(started, cpus, a.gpus_per_worker, cfg.resources), machine, cfg.node_types)
     if problems:
         return cpus, problems
-    # every worker of a local cluster runs on this machine: its memory, counted before any starts
-    pools = [Pool(role, cfg.workers[role], role_engine(a, cfg, role)) for role in ROLES]
+    # every worker of a local cluster runs on this machine (standby ones too): its memory, counted before any starts
+    pools = [Pool(role, started[role], role_engine(a, cfg, role)) for role in ROLES]
     problems = fit_problems(a.model, pools, available_memory(), SERVE_BYTES, FEWER_WORKERS)
     if problems:
         return cpus, problems
     if a.cpus_per_worker is None and cpus < 1.0:
         print(
-            f"splitserve: {sum(cfg.workers.values())} workers on {machine[CPU]:g} CPUs: each asks Ray for "
+            f"splitserve: {sum(started.values())} workers on {machine[CPU]:g} CPUs: each asks Ray for "
             f"{cpus:g} CPU (--cpus-per-worker to change)",
             flush=True,
         )
     on_cpu = not cfg.engine.device.startswith("cuda")  # a CPU's tensor-parallel ranks share its cores
     ranks = {role: cfg.tp[role] if on_cpu else 1 for role in ROLES}
     threads = threads_per_rank(a.threads, cpus, os.environ)
+    # standby workers idle: only the routed ones contend for the cores
     if warning := oversubscription(cfg.workers, ranks, threads, machine[CPU]):
         log.warning("%s", warning)
     return cpus, problems
@@ -431,6 +462,7 @@ def pool_specs(
             a.gpus_per_worker,
             dict(cfg.resources[role]),
             cfg.scaling[role],
+            cfg.standby[role],
         )
         for role in ROLES
     ]
@@ -482,6 +514,7 @@ async def _start(
         replicas.append(started)
     prefill, decode = (
         f"{spec.replicas}{f' (up to {spec.scaling.max_replicas})' if spec.scaling else ''} {spec.role}"
+        + (f" + {spec.standby} on standby" if spec.standby else "")
         for spec in specs
     )
     print(
@@ -591,7 +624,7 @@ def _place(a: argparse.Namespace, ray: Any, cfg: ServeConfig, cpus_per_worker: f
     from splitserve.cluster.placement import alive_nodes, placement_problems
     from splitserve.cluster.preflight import pool_asks
 
-    asks = pool_asks(cfg.workers, cpus_per_worker, a.gpus_per_worker, cfg.resources)
+    asks = pool_asks(started_workers(cfg), cpus_per_worker, a.gpus_per_worker, cfg.resources)
     problems = placement_problems(asks, alive_nodes(ray.nodes()), cfg.node_types)
     for p in problems:
         print(f"splitserve serve: cannot place the workers: {p}", file=sys.stderr, flush=True)
