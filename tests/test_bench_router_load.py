@@ -90,3 +90,20 @@ def test_no_split_from_a_load_that_finished_nothing_or_lost_requests():
     assert per_token_and_request([_load(1, 16, 1000, 0.110), starved]) is None
     lossy = Load(64, 16, 500, 1.0, (0.01,) * 500, 0.370, lost=3)
     assert per_token_and_request([_load(1, 16, 1000, 0.110), lossy]) is None
+
+
+@pytest.mark.timeout(240)
+def test_a_short_run_of_replicas_against_one_router_checks_every_token_and_counts_hits():
+    out = splitserve(
+        *"bench router-replicas --routers 1,2 --decode-workers 3 --prefill-workers 1 --concurrency 8".split(),
+        *"--groups 4 --seconds 1 --warmup-seconds 0.5".split(),
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line.split() for line in out.stdout.splitlines() if line.endswith(("0 0", "0      0"))]
+    rows = {row[0]: row for row in table if row[0] in ("1", "2")}
+    assert set(rows) == {"1", "2"}, out.stdout
+    for row in rows.values():
+        assert float(row[1]) > 0 and row[-2:] == ["0", "0"]  # requests finished, none lost, none wrong
+        assert float(row[-3].rstrip("%")) > 50  # four shared prefixes: most of each prompt found cached
+    assert "2 replicas: hit rate" in out.stdout and "of linear" in out.stdout

@@ -243,6 +243,39 @@ COMPARISONS = (
             ),
         ),
     ),
+    *(
+        Comparison(
+            f"{n} router replicas (--routers {n}) against one router, over 4 prefill + 16 decode mocker workers, "
+            "one load of shared prefixes",
+            "issue 44's targets: prefix-hit rate within 2 points of one router's, at least 0.8 of linear per core",
+            "router-replicas-mockers.txt",
+            (
+                Figure(
+                    rf"^{n} replicas: hit rate (?P<hit>[\d.]+%) against one router's (?P<one>[\d.]+%) "
+                    r"\((?P<pts>[+-][\d.]+) points",
+                    "hit rate {hit} against {one} ({pts} points)",
+                ),
+                Figure(
+                    rf"^{n} replicas: .*on {n} cores (?P<x>[\d.]+)x one router's rate, (?P<lin>[\d.]+) of linear",
+                    f"projected {{x}}x one router's rate on {n} cores, {{lin}} of linear (CPU measured on one shared "
+                    "core)",
+                ),
+            ),
+        )
+        for n in (2, 4)
+    ),
+    Comparison(
+        "A decode pool grown from a standby worker against a cold start, the real model on local Ray",
+        "issue 44's target: standby activation to first token under 1 s",
+        "standby-cpu.txt",
+        (
+            Figure(
+                r"^from standby (?P<warm>[\d.]+ s) to the first token .*, (?P<x>\d+)x sooner than a cold start's "
+                r"(?P<cold>[\d.]+ s)",
+                "{warm} from standby, {cold} cold ({x}x sooner)",
+            ),
+        ),
+    ),
     Comparison(
         "A tenth of a mocker fleet killed under load (the busiest decode workers)",
         "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",

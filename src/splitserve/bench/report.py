@@ -33,6 +33,10 @@ TITLES = {
     "mocker-sim-cpu": "The plan simulator against a fleet of 64 mocker workers behind the real router (issue 44)",
     "fleet-loss-mockers": "A tenth of a mocker fleet killed under load: requests lost, tokens wrong, blocks back "
     "(issue 44)",
+    "router-replicas-mockers": "Router replicas (--routers N, SO_REUSEPORT) against one router over a mocker fleet: "
+    "CPU per request, the spread of connections, prefix-hit rate (issue 44)",
+    "standby-cpu": "A pool grown from a warm standby worker against a cold start: from the grow to the first token "
+    "(issue 44)",
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
     "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
     # a kind's further runs, by file name
