@@ -36,7 +36,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide
+from splitserve.cluster import joint
+from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide, least_loaded
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.workers import Role, WorkerSet
 from splitserve.workers.common.config import WorkerConfig
@@ -97,9 +98,12 @@ class PoolManager:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         node_types: NodeTypes | None = None,
+        controller: joint.JointConfig | None = None,
     ) -> None:
         """`node_types`: the Ray autoscaler's (name -> one node's resources), when the cluster has one:
-        a worker that no node type can hold is then refused at once instead of queued in Ray."""
+        a worker that no node type can hold is then refused at once instead of queued in Ray.
+        `controller`: size both pools together for the SLOs (cluster/joint.py) instead of each
+        on its own queue (the specs' scaling then gives only each pool's bounds)."""
         import ray
 
         self._ray = ray
@@ -110,6 +114,8 @@ class PoolManager:
         self.metrics = metrics or RouterMetrics(workers.cfg)
         self.clock = clock
         self.node_types = node_types
+        self.controller = controller
+        self._itl_seen = (0.0, 0)  # the router's ITL totals at the joint controller's last reading
         self.members: dict[Role, list[_Member]] = {s.role: [] for s in specs}
         self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
         self.standby: dict[Role, list[_Member]] = {s.role: [] for s in specs}  # started, warm, not routed to
@@ -138,6 +144,9 @@ class PoolManager:
                 raise r  # the ones that did start are ours to stop
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._watch_loop()))
+        if self.controller is not None:
+            self._loops.append(loop.create_task(self._joint_loop(self.controller)))
+            return
         for spec in self.specs.values():
             if spec.scaling is not None and spec.scaling.scales:
                 self._loops.append(loop.create_task(self._scale_loop(spec.role, spec.scaling)))
@@ -351,6 +360,68 @@ class PoolManager:
             m.draining = True  # at once, so the next application of the policy already sees it
             self._publish_sizes()
             self._spawn(self._drain(role, m, cfg.drain_timeout_s))
+        return state
+
+    # ---- the joint controller
+
+    async def _joint_loop(self, cfg: joint.JointConfig) -> None:
+        state = joint.JointState()
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            state = self.joint_once(cfg, state)
+
+    def observe(self) -> joint.Observation:
+        """The pools' load as the joint controller reads it: the router's counters and the workers' stats."""
+        requests, blocks, hits = self.metrics.routed_totals()
+        itl_total, gaps = self.metrics.itl_totals()
+        seen_total, seen_gaps = self._itl_seen
+        self._itl_seen = (itl_total, gaps)
+        speeds = [
+            w.stats.prefill_tokens_per_s
+            for w in self.workers.healthy("prefill")
+            if w.stats is not None and w.stats.prefill_tokens_per_s > 0
+        ]
+        return joint.Observation(
+            now=self.clock(),
+            prompt_tokens=(blocks - hits) * self.workers.cfg.routing.block_size,
+            requests=requests,
+            prefill_tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
+            decode_context_tokens=sum(w.load().work_tokens for w in self.workers.healthy("decode")),
+            itl_s=(itl_total - seen_total) / (gaps - seen_gaps) if gaps > seen_gaps else 0.0,
+            prefill_workers=self._routed_or_starting("prefill"),
+            decode_workers=self._routed_or_starting("decode"),
+        )
+
+    def _routed_or_starting(self, role: Role) -> int:
+        return sum(not m.draining for m in self.members[role]) + self.pending[role]
+
+    def joint_once(self, cfg: joint.JointConfig, state: joint.JointState) -> joint.JointState:
+        """One reading and decision of the joint controller, acted on: a pool below its target grows
+        at once (standby workers first), one above it drains its least-loaded worker."""
+        decision, state = joint.decide(cfg, self.observe(), state)
+        targets: tuple[tuple[Role, int], ...] = (("prefill", decision.prefill), ("decode", decision.decode))
+        for role, target in targets:
+            have = self._routed_or_starting(role)
+            if target > have:
+                log.info("%s pool: grow %d: %s", role, target - have, decision.reason)
+                self.metrics.scaling_decisions.labels(role, "grow").inc()
+                for _ in range(target - have):
+                    self._add_worker(role)
+            elif target < have:
+                loads = {
+                    m.grpc_address: w.load()
+                    for m in self.members[role]
+                    if not m.draining and (w := self.workers.get(m.grpc_address)) is not None
+                }
+                if not loads:
+                    continue
+                victim = least_loaded(loads, "work_tokens")
+                (m,) = [m for m in self.members[role] if m.grpc_address == victim]
+                log.info("%s pool: shrink 1, draining %s: %s", role, m.worker_id, decision.reason)
+                self.metrics.scaling_decisions.labels(role, "shrink").inc()
+                m.draining = True
+                self._publish_sizes()
+                self._spawn(self._drain(role, m, cfg.drain_timeout_s))
         return state
 
     async def _drain(self, role: Role, m: _Member, timeout_s: float) -> None:

@@ -23,6 +23,7 @@ from splitserve.engine.preflight import engine_problems, tier_problems
 from splitserve.engine.problems import Check, Problem
 
 if TYPE_CHECKING:
+    from splitserve.cluster.joint import JointConfig
     from splitserve.cluster.pool import PoolManager, PoolSpec
     from splitserve.cluster.scaling import ScalingConfig
     from splitserve.engine.config import EngineConfig
@@ -96,6 +97,16 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
             f"and a model load; each holds its weights and KV pool (default: 1 when the {role} pool scales, "
             f"within its --{role}-workers-max, else 0)",
         )
+    p.add_argument(
+        "--scaling",
+        default="queue",
+        choices=("queue", "joint"),
+        help="how the pools scale between --*-workers and --*-workers-max: queue, each on its own queue "
+        "(--*-target-tokens, after 5 s over); joint, both together for --slo-ttft-ms and --slo-itl-ms from the "
+        "token rates, predicted ahead (cluster/joint.py)",
+    )
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="--scaling joint: the time-to-first-token SLO")
+    p.add_argument("--slo-itl-ms", type=float, default=100.0, help="--scaling joint: the inter-token latency SLO")
     p.add_argument(
         "--prefill-target-tokens",
         type=int,
@@ -216,6 +227,7 @@ class ServeConfig:
     scaling: Mapping[Role, ScalingConfig | None]  # role -> its scaling, None: a fixed size
     resources: Mapping[Role, Mapping[str, float]]  # role -> custom Ray resources per worker
     node_types: Mapping[str, Mapping[str, float]] | None  # the autoscaler's, when --node-types gives them
+    controller: JointConfig | None  # --scaling joint: both pools sized together for the SLOs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -301,6 +313,27 @@ def configure(a: argparse.Namespace) -> ServeConfig:
         scaling=scaling,
         resources={role: _resources(getattr(a, f"{role}_resources"), f"--{role}-resources") for role in ROLES},
         node_types=node_types,
+        controller=joint_config(a) if a.scaling == "joint" else None,
+    )
+
+
+def joint_config(a: argparse.Namespace) -> JointConfig:
+    """--scaling joint's controller, each pool between --{role}-workers and --{role}-workers-max."""
+    from splitserve.cluster.joint import JointConfig
+
+    def bounds(role: str) -> tuple[int, int]:
+        least = getattr(a, f"{role}_workers")
+        return least, max(least, getattr(a, f"{role}_workers_max") or least)
+
+    (pmin, pmax), (dmin, dmax) = bounds("prefill"), bounds("decode")
+    return JointConfig(
+        slo_ttft_s=a.slo_ttft_ms / 1e3,
+        slo_itl_s=a.slo_itl_ms / 1e3,
+        prefill_min=pmin,
+        prefill_max=pmax,
+        decode_min=dmin,
+        decode_max=dmax,
+        decode_tokens_per_worker=a.decode_target_tokens,
     )
 
 
@@ -369,7 +402,9 @@ async def _serve(a: argparse.Namespace, cfg: ServeConfig, cpus_per_worker: float
     router = _router(a, specs, cluster_token, internal)
     from splitserve.cluster.pool import PoolManager
 
-    pools = PoolManager(specs, router.workers, metrics=router.metrics, node_types=cfg.node_types)
+    pools = PoolManager(
+        specs, router.workers, metrics=router.metrics, node_types=cfg.node_types, controller=cfg.controller
+    )
     replicas: list[Replicas] = []  # the router's replicas (--routers), once _start has them listening
     try:
         await _run_until_stopped(a, _start(a, router, pools, specs, replicas), router, stop, replicas)

@@ -33,6 +33,7 @@ class RouterMetrics:
         self._add_tenant_metrics(self.registry)
         self._blocks = 0
         self._hits = 0
+        self._routed = 0
 
     def _add_tenant_metrics(self, r: CollectorRegistry) -> None:
         """Per tenant (router/tenants.py; "anonymous" without keys): one series each, as many as the
@@ -129,9 +130,26 @@ class RouterMetrics:
         self.prompt_blocks.inc(prompt_blocks)
         self.prefix_hit_blocks.inc(hit_blocks)
         self._blocks += prompt_blocks
+        self._routed += 1
         self._hits += hit_blocks
         if self._blocks:
             self.prefix_hit_rate.set(self._hits / self._blocks)
+
+    def routed_totals(self) -> tuple[int, int, int]:
+        """(requests, full prompt blocks, of those cached on the chosen decode worker) routed since
+        start: the load arriving at the pools, for the joint controller (cluster/joint.py)."""
+        return self._routed, self._blocks, self._hits
+
+    def itl_totals(self) -> tuple[float, int]:
+        """(seconds, gaps) of every inter-token gap sent to clients since start."""
+        total, count = 0.0, 0
+        for metric in self.itl.collect():
+            for s in metric.samples:
+                if s.name.endswith("_sum"):
+                    total = s.value
+                elif s.name.endswith("_count"):
+                    count = int(s.value)
+        return total, count
 
 
 class ClientMetrics:
