@@ -37,23 +37,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster import joint
+from splitserve.cluster.launcher import Unplaceable
 from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide, least_loaded
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.workers import Role, WorkerSet
 from splitserve.workers.common.config import WorkerConfig
 
-if TYPE_CHECKING:  # the actor's module imports ray, as this one does: when the pool starts
-    from splitserve.cluster.actor import WorkerActor
+if TYPE_CHECKING:  # Ray is imported when the pool starts
+    from splitserve.cluster.launcher import Launcher
     from splitserve.cluster.placement import NodeTypes
 
 log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
-
-
-class Unplaceable(RuntimeError):
-    """A worker that no node of the Ray cluster, nor any node type of its autoscaler, can hold."""
 
 
 @dataclass(frozen=True)
@@ -99,14 +96,16 @@ class PoolManager:
         clock: Callable[[], float] = time.monotonic,
         node_types: NodeTypes | None = None,
         controller: joint.JointConfig | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         """`node_types`: the Ray autoscaler's (name -> one node's resources), when the cluster has one:
         a worker that no node type can hold is then refused at once instead of queued in Ray.
         `controller`: size both pools together for the SLOs (cluster/joint.py) instead of each
-        on its own queue (the specs' scaling then gives only each pool's bounds)."""
-        import ray
+        on its own queue (the specs' scaling then gives only each pool's bounds). `launcher`: how a
+        worker starts and stops (default: a Ray actor, cluster/launcher.py)."""
+        from splitserve.cluster.launcher import RayLauncher
 
-        self._ray = ray
+        self.launcher: Launcher = launcher or RayLauncher(node_types, start_timeout_s)
         self.specs = {s.role: s for s in specs}
         self.workers = workers
         self.start_timeout_s = start_timeout_s
@@ -122,7 +121,6 @@ class PoolManager:
         self.standby_pending: dict[Role, int] = {s.role: 0 for s in specs}  # standby actors starting
         # role -> when each standby worker was last handed to the router (monotonic clock), for the logs
         self.activations: dict[Role, list[float]] = {s.role: [] for s in specs}
-        self._actor_cls = ray.remote(_actor_class())
         self._serial = 0
         self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
         self._jobs: set[asyncio.Task[None]] = set()  # starts and drains in flight
@@ -154,66 +152,9 @@ class PoolManager:
     async def _start_one(self, spec: PoolSpec) -> _Member:
         self._serial += 1
         cfg = dataclasses.replace(spec.worker, worker_id=f"{spec.role}-{self._serial}")
-        self._check_placement(spec, cfg.worker_id)
-        actor = self._actor_cls.options(
-            num_cpus=spec.num_cpus,
-            num_gpus=spec.num_gpus,
-            resources=dict(spec.resources),
-            name=cfg.worker_id,
-            max_restarts=0,
-        ).remote(cfg)
-        try:
-            grpc_address, kv = await asyncio.wait_for(_ray_get(actor.addresses.remote()), self.start_timeout_s)
-        except BaseException:
-            # timed out (no room in the cluster, a slow load), failed or cancelled: never leave it behind
-            self._kill(actor)
-            raise
+        handle, grpc_address, kv = await self.launcher.start(spec, cfg, self.start_timeout_s)
         log.info("%s worker %s up: grpc %s kv %s", spec.role, cfg.worker_id, grpc_address, kv)
-        return _Member(actor, cfg.worker_id, grpc_address, kv)
-
-    def _check_placement(self, spec: PoolSpec, worker_id: str) -> None:
-        """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
-        actor silently until `start_timeout_s`: a pool pinned to a node type that the cluster lacks
-        (or has lost, for a replacement) would otherwise look like a slow model load. Without the
-        autoscaler's node types only said, not refused: an autoscaler may add the node. With them,
-        the node type it waits for is named, and a worker that no node type can hold is refused
-        (`Unplaceable`) before its actor is queued."""
-        from splitserve.cluster.placement import (
-            PoolAsk,
-            alive_nodes,
-            describe_nodes,
-            node_types_to_add,
-            placement_problems,
-        )
-
-        try:
-            nodes = alive_nodes(self._ray.nodes())
-        except Exception as e:  # a check for the log's sake: the start goes on without it
-            log.debug("ray.nodes: %s", e)
-            return
-        ask = PoolAsk.of(spec.role, 1, spec.num_cpus, spec.num_gpus, spec.resources)
-        if self.node_types is not None:
-            problems = placement_problems([ask], nodes, self.node_types)
-            if problems:
-                raise Unplaceable(f"{spec.role} worker {worker_id} cannot be placed: {problems[0]}")
-            if to_add := node_types_to_add(ask, nodes, self.node_types):
-                log.info(
-                    "%s worker %s waits (up to %.0f s) for the autoscaler to add a node of type %s",
-                    spec.role,
-                    worker_id,
-                    self.start_timeout_s,
-                    " or ".join(to_add),
-                )
-            return
-        for problem in placement_problems([ask], nodes):
-            log.warning(
-                "%s worker %s waits (up to %.0f s) for a node that can hold it: %s; the cluster has %s",
-                spec.role,
-                worker_id,
-                self.start_timeout_s,
-                problem,
-                describe_nodes(nodes),
-            )
+        return _Member(handle, cfg.worker_id, grpc_address, kv)
 
     def _register(self, role: Role, m: _Member, standby: bool = False) -> None:
         if standby:  # listening, not handed to the router
@@ -303,7 +244,7 @@ class PoolManager:
             watched = [(role, m) for role, members in self.members.items() for m in members if not m.draining]
             watched += [(role, m) for role, members in self.standby.items() for m in members]
             answers = await asyncio.gather(
-                *(asyncio.wait_for(_ray_get(m.actor.ping.remote()), PING_TIMEOUT_S) for _, m in watched),
+                *(asyncio.wait_for(self.launcher.ping(m.actor), PING_TIMEOUT_S) for _, m in watched),
                 return_exceptions=True,
             )
             for (role, m), answer in zip(watched, answers, strict=True):
@@ -312,7 +253,7 @@ class PoolManager:
                 if m in self.standby[role]:  # never routed to: another takes its place
                     log.warning("standby %s worker %s is gone; starting another", role, m.worker_id)
                     self.standby[role].remove(m)
-                    self._kill(m.actor)
+                    self.launcher.kill(m.actor)
                     self._top_up_standby(role)
                 else:
                     self._replace(role, m, answer)
@@ -326,7 +267,7 @@ class PoolManager:
         )
         members.remove(m)
         self.workers.remove(m.grpc_address)
-        self._kill(m.actor)  # hung rather than dead: make sure
+        self.launcher.kill(m.actor)  # hung rather than dead: make sure
         self.metrics.scaling_decisions.labels(role, "replace").inc()
         self._add_worker(role)
 
@@ -454,17 +395,11 @@ class PoolManager:
     async def _stop_actor(self, m: _Member) -> None:
         """A clean stop first (the worker closes its server and KV endpoint), then the process goes."""
         try:
-            await asyncio.wait_for(_ray_get(m.actor.stop.remote()), STOP_TIMEOUT_S)
+            await asyncio.wait_for(self.launcher.stop(m.actor), STOP_TIMEOUT_S)
         except Exception as e:
             log.debug("stopping %s: %s", m.worker_id, type(e).__name__)
         finally:
-            self._kill(m.actor)
-
-    def _kill(self, actor: Any) -> None:
-        try:
-            self._ray.kill(actor)
-        except Exception as e:  # already gone, or Ray itself shutting down
-            log.debug("ray.kill: %s", e)
+            self.launcher.kill(m.actor)
 
     # ----
 
@@ -482,14 +417,3 @@ class PoolManager:
             for m in members:
                 await self._stop_actor(m)
             members.clear()
-
-
-async def _ray_get(ref: Any) -> Any:
-    # ObjectRefs are awaitable: the event loop stays free while Ray works
-    return await ref
-
-
-def _actor_class() -> type[WorkerActor]:
-    from splitserve.cluster.actor import WorkerActor
-
-    return WorkerActor
