@@ -54,6 +54,10 @@ BENCHMARKS = {
         "router replicas against one router: CPU per request, connection spread, prefix-hit rate",
     ),
     "standby": ("splitserve.bench.standby", "a pool grown from a standby worker against a cold start: to first token"),
+    "autoscale": (
+        "splitserve.bench.autoscale",
+        "pools under a 4x burst: fixed, the queue policy, the joint controller with standby; SLOs against cost",
+    ),
     "fleet-loss": ("splitserve.bench.fleet_loss", "a share of a mocker fleet killed under load: lost, wrong, blocks"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),
