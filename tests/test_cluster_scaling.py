@@ -257,3 +257,36 @@ def test_serve_flags_make_a_pool_scale_only_when_its_max_is_above_its_size():
     assert (d.min_replicas, d.max_replicas, d.metric) == (2, 4, "work_tokens") and d.min_free_block_fraction > 0
     with pytest.raises(ValueError, match="--decode-workers-max"):
         scaling_config(serve_args("--decode-workers", "3", "--decode-workers-max", "2"), "decode")
+
+
+def test_serve_flags_give_standby_to_a_pool_that_scales_within_its_max_and_build_the_joint_controller():
+    from splitserve.cluster.serve import configure, joint_config, standby_count
+
+    a = serve_args("--prefill-workers-max", "3", "--decode-workers", "2", "--decode-workers-max", "3")
+    assert standby_count(a, "prefill", scaling_config_of(a, "prefill")) == 1
+    a = serve_args("--decode-standby", "4", "--decode-workers", "2", "--decode-workers-max", "3")
+    assert standby_count(a, "decode", scaling_config_of(a, "decode")) == 1  # within the maximum
+    assert standby_count(serve_args("--decode-standby", "2"), "decode", None) == 2  # a fixed pool: as asked
+    assert standby_count(serve_args(), "decode", None) == 0
+    with pytest.raises(ValueError, match="--prefill-standby"):
+        standby_count(serve_args("--prefill-standby", "-1"), "prefill", None)
+    a = serve_args(
+        *"--scaling joint --slo-ttft-ms 800 --slo-itl-ms 50 --prefill-workers 2 --prefill-workers-max 6".split()
+    )
+    j = joint_config(a)
+    assert (j.slo_ttft_s, j.slo_itl_s, j.prefill_min, j.prefill_max, j.decode_min, j.decode_max) == (
+        0.8,
+        0.05,
+        2,
+        6,
+        1,
+        1,
+    )
+    assert configure(a).controller == j
+    assert configure(serve_args()).controller is None
+
+
+def scaling_config_of(a, role):
+    from splitserve.cluster.serve import scaling_config
+
+    return scaling_config(a, role)

@@ -12,11 +12,13 @@ horizon ahead, and sizes both pools for the SLOs the user states:
   arithmetic, plan/decision.prefill_queue_wait_s), so a worker may run at rho = 2w / (2w + t)
   (at most 0.9) and the pool needs ceil(rate / (speed x rho)) workers.
 - decode: context tokens in flight (running and queued on the decode workers), against what one
-  worker holds within the ITL SLO. A decode step's time grows with the context it reads, so a
-  worker holding c tokens at a measured inter-token latency l holds c x 0.8 x SLO / l at the SLO's
-  budget: a linear estimate through zero, low (safe) where the step has a fixed part. It is
-  learned from every interval with enough context to read (an exponential average), and starts
-  from `decode_tokens_per_worker` until then.
+  worker holds within the ITL SLO's budget (0.8 x SLO). It starts at `decode_tokens_per_worker`
+  and moves only on what an interval proves: workers holding c tokens each within the budget
+  hold at least c (it rises to c); workers holding c over it, at an inter-token latency l, hold
+  at most c x budget / l (it falls to that: a step's time is a fixed part plus a part that grows
+  with the context, so scaling through zero overstates what fits, and one more reading lowers it
+  again). A step's fixed part never lowers it: a reading within the budget, however small its
+  context, only ever raises it, so the decode pool cannot chase its own shrinking load per worker.
 
 Both rates are predicted with Holt's linear smoothing (a level and a trend), `horizon_s` ahead,
 and never below the rate just seen: a burst is believed at once, a lull only slowly. The
@@ -196,13 +198,16 @@ def decide(cfg: JointConfig, obs: Observation, state: JointState) -> tuple[Joint
 
 
 def _learn_capacity(cfg: JointConfig, obs: Observation, known: float | None) -> float | None:
-    """A decode worker's context at the ITL budget, from this interval's ITL where there was
-    enough context to read it."""
+    """A decode worker's context at the ITL budget, moved by what this interval proves (see the
+    module's doc); None until an interval proves anything."""
     per_worker = obs.decode_context_tokens / max(1, obs.decode_workers)
     if obs.itl_s <= 0 or per_worker < MIN_CONTEXT_TO_LEARN:
         return known
-    seen = per_worker * BUDGET * cfg.slo_itl_s / obs.itl_s
-    return seen if known is None else 0.3 * seen + 0.7 * known
+    budget = BUDGET * cfg.slo_itl_s
+    start = known if known is not None else float(cfg.decode_tokens_per_worker)
+    if obs.itl_s <= budget:
+        return max(start, per_worker)
+    return min(start, per_worker * budget / obs.itl_s)
 
 
 def _size(

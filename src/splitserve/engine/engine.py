@@ -124,6 +124,7 @@ class Engine:
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
         self.tiers = self._start_tiers(cfg, kv_tiers)
+        self.prefill_tokens_per_s: float | None = None  # measured on steps of prompts alone (_observe_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
         self.runner.eos_token_ids = tuple(sorted(eos))
         self.speculator = Speculator(cfg, model_cfg.max_position, self.scheduler) if cfg.speculative != "off" else None
@@ -387,6 +388,17 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def _observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        """The prefill speed's running average: a tier load is weighed against it (engine/kv_tiers.py),
+        and the stats report it, for the router's tier pricing and the joint pool controller."""
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else (1 - alpha) * old + alpha * rate
+        if self.tiers is not None:
+            self.tiers.observe_prefill(tokens, seconds, alpha)
+
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule(self.clock())
         if batch is None:
@@ -398,10 +410,9 @@ class Engine:
         sampled = self.runner.run(batch, hook)
         if self.speculator is not None:
             self.speculator.observe(batch, sampled, time.perf_counter() - t0)
-        if self.tiers is not None:  # the prefill speed a tier load is weighed against
-            prefill = sum(n for n in batch.num_new_tokens if n > 1)
-            if prefill and prefill == sum(batch.num_new_tokens):
-                self.tiers.observe_prefill(prefill, time.perf_counter() - t0)
+        prefill = sum(n for n in batch.num_new_tokens if n > 1)
+        if prefill and prefill == sum(batch.num_new_tokens):  # a step of prompts alone: the prefill speed
+            self._observe_prefill(prefill, time.perf_counter() - t0)
         outs = self.scheduler.postprocess(batch, sampled)
         self._copy_blocks()
         for n, out in enumerate(outs):

@@ -126,11 +126,13 @@ class EngineLoop:
         """From any thread: end an idle wait now (the connector has news for the next poll)."""
         self._inbox.put(_Posted(None, None, Future()))
 
-    def tier_speeds(self) -> TierSpeeds | None:
-        """The engine's measured prefill speed and tier bandwidths (engine/kv_tiers.py), None without tiers;
-        plain numbers, safe to read from any thread."""
+    def tier_speeds(self) -> TierSpeeds:
+        """The engine's measured prefill speed and its tiers' bandwidths (engine/kv_tiers.py; none
+        without tiers); plain numbers, safe to read from any thread."""
         tiers = self.engine.tiers
-        return tiers.speeds() if tiers is not None else None
+        if tiers is not None:
+            return tiers.speeds()
+        return TierSpeeds(self.engine.prefill_tokens_per_s or 0.0, 0, ())
 
     def subscribe_blocks(self, callback: BlockCallback) -> Future[list[BlockEvent]]:
         """Follow the prefix cache: resolves to a snapshot, after which `callback` gets every change."""
