@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 from splitserve.bench.mocker.cluster import serve_mockers
 from splitserve.bench.mocker.main import add_costs_arguments
+from splitserve.bench.mocker_fidelity import Request, token_times
 from splitserve.bench.results_file import with_results
 from splitserve.bench.router import STARTUP_TIMEOUT_S, pct, start_process
 
@@ -68,11 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
     add_costs_arguments(p)
     p.set_defaults(model_shape="llama-3-70b", max_num_seqs=128)
-
-
-class Request(NamedTuple):
-    at_s: float
-    prompt: list[int]
 
 
 class Record(NamedTuple):
@@ -112,7 +108,6 @@ def client(conn: Any, address: str, requests: list[Request], output_tokens: int,
 async def _drive(address: str, requests: Sequence[Request], output_tokens: int) -> list[Record]:
     import grpc
 
-    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
     own = (("grpc.use_local_subchannel_pool", 1),)
@@ -122,15 +117,9 @@ async def _drive(address: str, requests: Sequence[Request], output_tokens: int) 
 
     async def one(i: int, r: Request) -> Record:
         await asyncio.sleep(max(0.0, start + r.at_s - time.monotonic()))
-        req = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=r.prompt),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True),
-        )
         sent = time.monotonic()
-        stamps: list[float] = []
         try:
-            async for resp in stubs[i % len(stubs)].Generate(req, timeout=600):
-                stamps.extend([time.monotonic()] * len(resp.token_ids))
+            stamps = await token_times(stubs[i % len(stubs)], r.prompt, output_tokens, 600)
         except grpc.aio.AioRpcError as e:
             print(f"autoscale client: request at {r.at_s:.1f} s failed: {e.code().name} {e.details()}", flush=True)
             return Record(r.at_s, math.inf, math.inf)

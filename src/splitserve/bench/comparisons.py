@@ -276,6 +276,22 @@ COMPARISONS = (
             ),
         ),
     ),
+    *(
+        Comparison(
+            f"Pools under a 1x-4x-1x burst ({what}), the real Router and PoolManager over 128 mocker workers: "
+            "fixed pools, the queue policy, the joint controller with standby",
+            "issue 44: SLO attainment against worker-seconds, and the time until the SLOs hold again",
+            f"autoscale-mockers-{name}.txt",
+            tuple(
+                Figure(
+                    rf"^\s+{policy}\s+(?P<met>[\d.]+%)\s+(?P<ws>\d+)\s+(?P<peak>\d+:\d+)\s+(?P<back>never|[\d.]+ s)",
+                    f"{policy}: {{met}} met, {{ws}} worker-s, peak {{peak}}, recovered {{back}}",
+                )
+                for policy in ("fixed", "queue", "joint")
+            ),
+        )
+        for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals, shape 0.5"))
+    ),
     Comparison(
         "A tenth of a mocker fleet killed under load (the busiest decode workers)",
         "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",

@@ -79,11 +79,24 @@ def workload(args: argparse.Namespace) -> list[Request]:
     return out
 
 
+async def token_times(stub: Any, prompt: list[int], output_tokens: int, timeout_s: float) -> list[float]:
+    """When each token of one greedy Generate stream of `prompt` arrived (grpc.aio.AioRpcError if it fails)."""
+    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True),
+    )
+    stamps: list[float] = []
+    async for resp in stub.Generate(req, timeout=timeout_s):
+        stamps.extend([time.monotonic()] * len(resp.token_ids))
+    return stamps
+
+
 async def drive(address: str, requests: Sequence[Request], output_tokens: int) -> list[Timing]:
     """Each request sent at its arrival time; its TTFT and the gaps between its tokens."""
     import grpc
 
-    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
@@ -92,14 +105,8 @@ async def drive(address: str, requests: Sequence[Request], output_tokens: int) -
 
         async def one(r: Request) -> Timing:
             await asyncio.sleep(max(0.0, start + r.at_s - time.monotonic()))
-            req = pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=r.prompt),
-                sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True),
-            )
             sent = time.monotonic()
-            stamps: list[float] = []
-            async for resp in stub.Generate(req, timeout=300):
-                stamps.extend([time.monotonic()] * len(resp.token_ids))
+            stamps = await token_times(stub, r.prompt, output_tokens, 300)
             if len(stamps) != output_tokens:
                 raise RuntimeError(f"a request got {len(stamps)} tokens, not {output_tokens}")
             return Timing(stamps[0] - sent, (stamps[-1] - stamps[0]) / (len(stamps) - 1))

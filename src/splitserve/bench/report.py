@@ -37,6 +37,11 @@ TITLES = {
     "CPU per request, the spread of connections, prefix-hit rate (issue 44)",
     "standby-cpu": "A pool grown from a warm standby worker against a cold start: from the grow to the first token "
     "(issue 44)",
+    **{
+        f"autoscale-mockers-{name}": "Pools under a 4x burst: fixed, the queue policy and the joint controller "
+        f"with standby, over a fleet of mocker workers ({what}) (issue 44)"
+        for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals"))
+    },
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
     "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
     # a kind's further runs, by file name
