@@ -284,6 +284,10 @@ def test_serve_flags_give_standby_to_a_pool_that_scales_within_its_max_and_build
     )
     assert configure(a).controller == j
     assert configure(serve_args()).controller is None
+    with pytest.raises(ValueError, match="--slo-itl-ms"):
+        joint_config(serve_args(*"--scaling joint --prefill-workers-max 3 --slo-itl-ms 0".split()))
+    with pytest.raises(ValueError, match="--prefill-workers-max or --decode-workers-max"):
+        joint_config(serve_args("--scaling", "joint"))
 
 
 def scaling_config_of(a, role):

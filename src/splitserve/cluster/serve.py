@@ -326,6 +326,14 @@ def joint_config(a: argparse.Namespace) -> JointConfig:
         return least, max(least, getattr(a, f"{role}_workers_max") or least)
 
     (pmin, pmax), (dmin, dmax) = bounds("prefill"), bounds("decode")
+    for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"{flag} must be a positive number of milliseconds, got {value:g}")
+    if pmin == pmax and dmin == dmax:
+        raise ValueError(
+            "--scaling joint sizes pools that may grow: give --prefill-workers-max or --decode-workers-max above "
+            "its pool's --*-workers"
+        )
     return JointConfig(
         slo_ttft_s=a.slo_ttft_ms / 1e3,
         slo_itl_s=a.slo_itl_ms / 1e3,
