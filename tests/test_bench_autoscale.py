@@ -40,7 +40,7 @@ def test_the_slos_hold_again_from_the_first_moment_every_later_window_meets_them
 @pytest.mark.timeout(240)
 def test_a_short_burst_grows_the_pools_of_the_joint_controller_and_loses_no_request() -> None:
     out = splitserve(
-        *"bench autoscale --policies joint --phases 2,3,1 --prefill-max 6 --decode-max 3 --standby 2:1".split(),
+        *"bench autoscale --policies joint --phases 1,3,1 --prefill-max 6 --decode-max 3 --standby 2:1".split(),
         *"--cold-start-s 1 --rate 4".split(),
         timeout=200,
     )

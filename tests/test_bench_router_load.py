@@ -96,7 +96,7 @@ def test_no_split_from_a_load_that_finished_nothing_or_lost_requests():
 def test_a_short_run_of_replicas_against_one_router_checks_every_token_and_counts_hits():
     out = splitserve(
         *"bench router-replicas --routers 1,2 --decode-workers 3 --prefill-workers 1 --concurrency 8".split(),
-        *"--groups 4 --seconds 1 --warmup-seconds 0.5".split(),
+        *"--groups 4 --seconds 1 --warmup-seconds 0.5 --idle-seconds 0.5".split(),
         timeout=200,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -65,7 +65,8 @@ def ray_cluster():
 @pytest.fixture(scope="class")
 def fixed(ray_cluster, model):
     loop = asyncio.new_event_loop()
-    cluster = loop.run_until_complete(start_cluster(model))
+    # a decode worker on standby: warm, not routed to, until a replacement takes it
+    cluster = loop.run_until_complete(start_cluster(model, decode_standby=1))
     try:
         yield Running(loop, cluster)
     finally:
@@ -79,9 +80,13 @@ class TestFixedPools:
         expected = reference(model, ids)
 
         async def scenario(c: Cluster) -> list[tuple[list[int], pb.Usage]]:
+            (ready,) = c.pools.standby["decode"]
+            assert c.router.workers.get(ready.grpc_address) is None  # listening, warm, unknown to routing
+            looked_up = (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries  # its warm-up's
             first = await c.generate(ids[0])  # the others find the railway system prompt cached
             rest = await asyncio.gather(*[c.generate(p) for p in ids[1:]])
             await c.no_blocks_held()
+            assert (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries == looked_up  # no request
             return [first, *rest]
 
         results = fixed.run(scenario)
@@ -94,6 +99,7 @@ class TestFixedPools:
         for role in ("prefill", "decode"):
             assert counted(metrics.pool_workers, role=role, state="serving") == 1
             assert counted(metrics.pool_workers, role=role, state="starting") == 0
+        assert counted(metrics.pool_workers, role="decode", state="standby") == 1
         # every actor serves its engine's metrics, as a worker process does
         for role, members in fixed.cluster.pools.members.items():
             (member,) = members
@@ -104,22 +110,29 @@ class TestFixedPools:
             served = [line for line in text.splitlines() if line.startswith(f"splitserve:{counter}_total{{")]
             assert served and f'role="{role}"' in served[0] and float(served[0].rsplit(" ", 1)[1]) > 0, served
 
-    def test_a_killed_decode_actor_is_replaced_and_requests_succeed_after(self, fixed, ray_cluster, model):
+    def test_a_killed_decode_actor_is_replaced_by_the_standby_one_and_requests_succeed_after(
+        self, fixed, ray_cluster, model
+    ):
         ids = encode(model, CHATS[2:])
         expected = reference(model, ids)
 
         async def scenario(c: Cluster) -> list[tuple[list[int], pb.Usage]]:
             (old,) = c.pools.members["decode"]
+            (ready,) = c.pools.standby["decode"]
             ray_cluster.kill(old.actor)
             await until(
                 lambda: [m.grpc_address for m in c.pools.members["decode"]] not in ([], [old.grpc_address]),
                 "a new decode actor registered",
             )
             (new,) = c.pools.members["decode"]
-            assert new.worker_id != old.worker_id and c.router.workers.get(old.grpc_address) is None
+            assert new is ready and c.pools.activations["decode"]  # the standby worker, not a new start
+            assert c.router.workers.get(old.grpc_address) is None
             await until(lambda: c.healthy("decode") == [new.grpc_address], "the new decode worker is healthy")
             out = [await c.generate(p) for p in ids]
             await c.no_blocks_held()
+            # another takes its place on standby, started in the background
+            await until(lambda: len(c.pools.standby["decode"]) == 1, "a new standby worker")
+            assert c.pools.standby["decode"][0].worker_id not in (old.worker_id, ready.worker_id)
             # the pool kept its size: one replacement, nothing else starting
             assert len(c.pools.members["decode"]) == 1 and c.pools.pending["decode"] == 0
             return out
@@ -267,39 +280,3 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
     for i, ((got, usage), want) in enumerate(zip(results, expected, strict=True)):
         assert got == want, f"burst request {i} differs"
         assert usage.completion_tokens == NEW_TOKENS
-
-
-# ---- a standby decode worker: warm, not routed to, taken by the replacement of a dead one
-
-
-def test_a_standby_decode_worker_is_not_routed_to_until_a_dead_one_is_replaced_by_it(ray_cluster, model):
-    ids = encode(model, CHATS[:2])
-    expected = reference(model, ids)
-
-    async def scenario() -> None:
-        c = await start_cluster(model, decode_standby=1)
-        try:
-            (old,) = c.pools.members["decode"]
-            (ready,) = c.pools.standby["decode"]
-            assert c.router.workers.get(ready.grpc_address) is None  # listening, warm, unknown to routing
-            assert counted(c.router.metrics.pool_workers, role="decode", state="standby") == 1
-            looked_up = (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries  # its warm-up's
-            first = await c.generate(ids[0])
-            assert first[0] == expected[0]
-            assert (await c.stats(ready.grpc_address, "decode")).prefix_cache_queries == looked_up  # no request
-            ray_cluster.kill(old.actor)
-            await until(lambda: c.healthy("decode") == [ready.grpc_address], "the standby worker serving")
-            (new,) = c.pools.members["decode"]
-            assert new is ready and c.pools.activations["decode"]
-            assert counted(c.router.metrics.scaling_decisions, role="decode", action="replace") == 1
-            second = await c.generate(ids[1])
-            assert second[0] == expected[1]
-            await c.no_blocks_held()
-            # another takes its place on standby, started in the background
-            await until(lambda: len(c.pools.standby["decode"]) == 1, "a new standby worker")
-            assert c.pools.standby["decode"][0].worker_id not in (old.worker_id, ready.worker_id)
-            assert c.pools.pending["decode"] == 0
-        finally:
-            await c.close()
-
-    asyncio.run(scenario())

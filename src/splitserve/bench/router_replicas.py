@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup-seconds", type=float, default=2.0, help="unmeasured seconds first (the prefixes' first use)"
     )
+    p.add_argument(
+        "--idle-seconds", type=float, default=IDLE_SECONDS, help="the routers' CPU with no request in flight, over"
+    )
     p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
     add_costs_arguments(p)
 
@@ -115,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         with worker_and_router_processes((serve_mockers, args), (serve_router, args.mode, n), pin) as c:
             line = c.workers["line"]
             pids = c.routers["pids"]
-            idle = idle_cpu(pids, IDLE_SECONDS)
+            idle = idle_cpu(pids, args.idle_seconds)
             got = asyncio.run(
                 load(c.routers["router"], pids, args.tokens, args.concurrency, args, True, prompt, args.concurrency)
             )

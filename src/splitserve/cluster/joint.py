@@ -150,26 +150,11 @@ def decide(cfg: JointConfig, obs: Observation, state: JointState) -> tuple[Joint
     context = state.context.update(obs.decode_context_tokens, dt, cfg)
     capacity = _learn_capacity(cfg, obs, state.decode_capacity)
 
-    want_rate = prompt_rate.ahead(cfg.horizon_s, rate)
-    want_context = context.ahead(cfg.horizon_s, obs.decode_context_tokens)
-    if obs.prefill_tokens_per_s > 0 and mean_prompt > 0:
-        rho = prefill_rho(mean_prompt, obs.prefill_tokens_per_s, cfg.slo_ttft_s)
-        per_prefill = obs.prefill_tokens_per_s * rho
-        prefill = math.ceil(want_rate / per_prefill)
-        prefill_shrink = math.ceil(want_rate * cfg.shrink_headroom / per_prefill)
-        prefill_why = (
-            f"prefill {want_rate:.0f} tok/s predicted ({rate:.0f} seen) / ({obs.prefill_tokens_per_s:.0f} tok/s "
-            f"x rho {rho:.2f}) = {prefill}"
-        )
-    else:  # no speed measured yet: keep the pool as it is
-        prefill = prefill_shrink = obs.prefill_workers
-        prefill_why = f"prefill speed not measured yet: {prefill}"
-    per_decode = capacity if capacity is not None else float(cfg.decode_tokens_per_worker)
-    decode = math.ceil(want_context / per_decode)
-    decode_shrink = math.ceil(want_context * cfg.shrink_headroom / per_decode)
-    decode_why = (
-        f"decode {want_context:.0f} context tokens predicted ({obs.decode_context_tokens} now) / "
-        f"{per_decode:.0f} a worker at ITL {obs.itl_s * 1e3:.1f} ms (SLO {cfg.slo_itl_s * 1e3:g} ms) = {decode}"
+    prefill, prefill_shrink, prefill_why = _prefill_demand(
+        cfg, obs, prompt_rate.ahead(cfg.horizon_s, rate), rate, mean_prompt
+    )
+    decode, decode_shrink, decode_why = _decode_demand(
+        cfg, obs, context.ahead(cfg.horizon_s, obs.decode_context_tokens), capacity
     )
     p, p_since, p_shrunk = _size(
         obs.prefill_workers,
@@ -195,6 +180,37 @@ def decide(cfg: JointConfig, obs: Observation, state: JointState) -> tuple[Joint
     )
     new_state = JointState(obs, prompt_rate, context, mean_prompt, capacity, p_since, d_since, p_shrunk, d_shrunk)
     return JointDecision(p, dec, f"{prefill_why}; {decode_why}"), new_state
+
+
+def _prefill_demand(
+    cfg: JointConfig, obs: Observation, want_rate: float, rate: float, mean_prompt: float
+) -> tuple[int, int, str]:
+    """The prefill workers `want_rate` uncached prompt tokens a second need, and with the shrink's
+    headroom, and the arithmetic said; the pool as it is while no speed is measured."""
+    if obs.prefill_tokens_per_s <= 0 or mean_prompt <= 0:
+        return obs.prefill_workers, obs.prefill_workers, f"prefill speed not measured yet: {obs.prefill_workers}"
+    rho = prefill_rho(mean_prompt, obs.prefill_tokens_per_s, cfg.slo_ttft_s)
+    per_worker = obs.prefill_tokens_per_s * rho
+    want = math.ceil(want_rate / per_worker)
+    why = (
+        f"prefill {want_rate:.0f} tok/s predicted ({rate:.0f} seen) / ({obs.prefill_tokens_per_s:.0f} tok/s "
+        f"x rho {rho:.2f}) = {want}"
+    )
+    return want, math.ceil(want_rate * cfg.shrink_headroom / per_worker), why
+
+
+def _decode_demand(
+    cfg: JointConfig, obs: Observation, want_context: float, capacity: float | None
+) -> tuple[int, int, str]:
+    """The decode workers `want_context` tokens in flight need, and with the shrink's headroom, and
+    the arithmetic said."""
+    per_worker = capacity if capacity is not None else float(cfg.decode_tokens_per_worker)
+    want = math.ceil(want_context / per_worker)
+    why = (
+        f"decode {want_context:.0f} context tokens predicted ({obs.decode_context_tokens} now) / "
+        f"{per_worker:.0f} a worker at ITL {obs.itl_s * 1e3:.1f} ms (SLO {cfg.slo_itl_s * 1e3:g} ms) = {want}"
+    )
+    return want, math.ceil(want_context * cfg.shrink_headroom / per_worker), why
 
 
 def _learn_capacity(cfg: JointConfig, obs: Observation, known: float | None) -> float | None:

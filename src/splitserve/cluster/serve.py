@@ -87,26 +87,7 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
         default=None,
         help="scale the decode pool on its load between --decode-workers and this (default: no scaling)",
     )
-    for role in ROLES:
-        p.add_argument(
-            f"--{role}-standby",
-            type=int,
-            default=None,
-            help=f"{role} workers kept started and warm (model loaded, warmed up, listening) but not routed to, "
-            f"taken first by a grow or a replacement: the pool grows in one stats poll instead of a process start "
-            f"and a model load; each holds its weights and KV pool (default: 1 when the {role} pool scales, "
-            f"within its --{role}-workers-max, else 0)",
-        )
-    p.add_argument(
-        "--scaling",
-        default="queue",
-        choices=("queue", "joint"),
-        help="how the pools scale between --*-workers and --*-workers-max: queue, each on its own queue "
-        "(--*-target-tokens, after 5 s over); joint, both together for --slo-ttft-ms and --slo-itl-ms from the "
-        "token rates, predicted ahead (cluster/joint.py)",
-    )
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="--scaling joint: the time-to-first-token SLO")
-    p.add_argument("--slo-itl-ms", type=float, default=100.0, help="--scaling joint: the inter-token latency SLO")
+    _add_scaling_arguments(p)
     p.add_argument(
         "--prefill-target-tokens",
         type=int,
@@ -131,6 +112,30 @@ def _add_pool_arguments(p: argparse._ActionsContainer) -> None:
 
     add_kv_transport_argument(p)
     add_wire_codec_arguments(p)
+
+
+def _add_scaling_arguments(p: argparse._ActionsContainer) -> None:
+    """How the pools grow and shrink between their sizes: standby workers, the policy, its SLOs."""
+    for role in ROLES:
+        p.add_argument(
+            f"--{role}-standby",
+            type=int,
+            default=None,
+            help=f"{role} workers kept started and warm (model loaded, warmed up, listening) but not routed to, "
+            f"taken first by a grow or a replacement: the pool grows in one stats poll instead of a process start "
+            f"and a model load; each holds its weights and KV pool (default: 1 when the {role} pool scales, "
+            f"within its --{role}-workers-max, else 0)",
+        )
+    p.add_argument(
+        "--scaling",
+        default="queue",
+        choices=("queue", "joint"),
+        help="how the pools scale between --*-workers and --*-workers-max: queue, each on its own queue "
+        "(--*-target-tokens, after 5 s over); joint, both together for --slo-ttft-ms and --slo-itl-ms from the "
+        "token rates, predicted ahead (cluster/joint.py)",
+    )
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="--scaling joint: the time-to-first-token SLO")
+    p.add_argument("--slo-itl-ms", type=float, default=100.0, help="--scaling joint: the inter-token latency SLO")
 
 
 def _add_placement_arguments(p: argparse._ActionsContainer) -> None:

@@ -63,6 +63,22 @@ def add_router_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         help="count the KV blocks behind a worker's prefix cache (its --kv-host-tier-mib, --kv-disk-tier-mib) as "
         "uncached when routing: the baseline for tier-aware routing, which prices them in load seconds",
     )
+    _add_capacity_arguments(p)
+    _add_key_arguments(p)
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
+        "run on for up to this long before the router stops (a second signal cuts it short)",
+    )
+    _add_tls_arguments(p)
+    add_internal_tls_argument(p)
+    add_tracing_argument(p)
+
+
+def _add_capacity_arguments(p: argparse._ActionsContainer) -> None:
+    """How much the front door takes at once, and over how many router processes."""
     p.add_argument(
         "--max-inflight",
         type=int,
@@ -78,17 +94,6 @@ def add_router_arguments(p: argparse._ActionsContainer) -> None:  # a parser or 
         "should use; each watches the workers itself, and the limits (--max-inflight, --max-running-requests, each "
         "tenant's) are split over them (router/replicas.py)",
     )
-    _add_key_arguments(p)
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: health turns NOT_SERVING, new requests are refused, and those in flight "
-        "run on for up to this long before the router stops (a second signal cuts it short)",
-    )
-    _add_tls_arguments(p)
-    add_internal_tls_argument(p)
-    add_tracing_argument(p)
 
 
 def _add_port_arguments(p: argparse._ActionsContainer) -> None:
