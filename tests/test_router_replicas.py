@@ -136,10 +136,8 @@ async def _check(router: Router, replicas: Replicas, workers: list[Any]) -> None
         await router.wait_for_workers()
         router.workers.drain(d0.address)
         # a channel of its own subchannel pool is a connection of its own (gRPC shares one otherwise)
-        channels = [
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=(("grpc.use_local_subchannel_pool", 1),))
-            for _ in range(CHANNELS)
-        ]
+        own = (("grpc.use_local_subchannel_pool", 1),)
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=own) for _ in range(CHANNELS)]
         stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
         # each connection opened with a short request; the replicas' views settle meanwhile
         first = await asyncio.gather(*(_generate(s, f"open-{k}", 1) for k, s in enumerate(stubs)))
@@ -170,6 +168,23 @@ async def _check(router: Router, replicas: Replicas, workers: list[Any]) -> None
             assert time.monotonic() < deadline, "the killed replica was not replaced"
             await asyncio.sleep(0.1)
         assert victim not in replicas.pids() and len(replicas.pids()) == 2
+
+        # stopping: every replica drains the streams it holds; telling it twice does not cut them
+        # (serve and router both tell it, as their start fails or their signal comes)
+        channels += [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=own) for _ in range(CHANNELS)]
+        stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
+        started = [asyncio.Event() for _ in stubs]
+        streams = [
+            asyncio.ensure_future(_generate(s, f"last-{k}", len(SCRIPT), started[k])) for k, s in enumerate(stubs)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+        replicas.terminate()
+        await replicas.draining()  # each has its drain under way: a second signal now would cut it
+        replicas.terminate()
+        results = await asyncio.gather(*streams)
+        assert all(r == SCRIPT for r in results), [r for r in results if r != SCRIPT]
+        await replicas.join()
+        assert [p.exitcode for p in replicas.processes.values()] == [0, 0]
         for c in channels:
             await c.close()
     finally:

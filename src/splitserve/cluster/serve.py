@@ -642,7 +642,9 @@ async def _run_until_stopped(
         if started:
             for r in replicas:
                 r.terminate()
-            await drain(router, a.shutdown_grace_s, asyncio.get_running_loop(), log_prefix="splitserve")
+            if not await drain(router, a.shutdown_grace_s, asyncio.get_running_loop(), log_prefix="splitserve"):
+                for r in replicas:  # cut short by a second signal, or out of time: the replicas too
+                    r.cut()
 
 
 def parse_node_types(flag: str | None) -> dict[str, dict[str, float]] | None:

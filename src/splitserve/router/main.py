@@ -93,8 +93,10 @@ async def _run(a: argparse.Namespace, cfg: RouterConfig, decode: list[str], pref
     await stop.wait()
     if replicas is not None:
         replicas.terminate()
-    await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve router")
+    drained = await drain(router, a.shutdown_grace_s, loop, log_prefix="splitserve router")
     if replicas is not None:
+        if not drained:  # cut short by a second signal, or out of time: the replicas too
+            replicas.cut()
         await replicas.join()
     await router.stop()
     return 0

@@ -114,7 +114,7 @@ class RouterMetrics:
         self.routing_time = self.phase.labels("routing")
 
     def _add_pool_metrics(self, r: CollectorRegistry) -> None:
-        # the pool controller's (cluster/pool.py): state is serving, starting or draining
+        # the pool controller's (cluster/pool.py): state is serving, starting, draining or standby
         self.pool_workers = Gauge(
             "splitserve_router_pool_workers", "Workers of each pool by state", ["role", "state"], registry=r
         )

@@ -21,12 +21,14 @@ is rounded up to one per replica, and said at start.
 
 A replica that dies takes its own connections' requests and no other's; the first router starts
 another in its place on the same ports, with the membership as it is then. Stopping the first
-stops the others, each draining its requests for the same grace.
+stops the others, each draining its requests for the same grace; a second signal to the first
+cuts every drain short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -126,6 +128,7 @@ class Replicas:
         self.processes: dict[int, Any] = {}  # index -> its process (multiprocessing's spawn Process)
         self._conns: dict[int, Connection] = {}
         self._stopping = False
+        self._signalled: set[int] = set()  # replicas told to drain (pids)
         self.restarts = 0
         self._workers.mirrors.append(self._send_all)
 
@@ -189,8 +192,30 @@ class Replicas:
             self._spawn(i)
 
     def terminate(self) -> None:
-        """Tell every replica to drain and stop (SIGTERM); again cuts their drain short."""
+        """Tell every replica to drain and stop (SIGTERM), once: calling it again does nothing, since
+        a second signal would cut a replica's drain short (that is `cut`)."""
         self._stopping = True
+        for p in self.processes.values():
+            if p.exitcode is None and p.pid is not None and p.pid not in self._signalled:
+                self._signalled.add(p.pid)
+                os.kill(p.pid, signal.SIGTERM)
+
+    async def draining(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every replica told to stop says it is draining (RuntimeError past `timeout_s`)."""
+        loop = asyncio.get_running_loop()
+        for i, p in list(self.processes.items()):
+            conn = self._conns.get(i)
+            if conn is None or p.pid not in self._signalled:
+                continue
+            said: tuple[Any, ...] = ()
+            while not said or said[0] != "draining":  # a replacement's "listening" first, not read at its start
+                if not await loop.run_in_executor(None, conn.poll, timeout_s):
+                    raise RuntimeError(f"router replica {i} did not start draining within {timeout_s:g} s")
+                said = conn.recv()
+
+    def cut(self) -> None:
+        """Cut every replica's drain short (a second SIGTERM): the first router's own was cut."""
+        self.terminate()
         for p in self.processes.values():
             if p.exitcode is None and p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
@@ -208,7 +233,8 @@ class Replicas:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
-        self._workers.mirrors.remove(self._send_all)
+        if self._send_all in self._workers.mirrors:  # joined once already: nothing to follow
+            self._workers.mirrors.remove(self._send_all)
 
 
 async def start_replicas(
@@ -270,5 +296,7 @@ async def _replica(spec: ReplicaSpec, membership: Sequence[Membership], conn: Co
     loop.add_reader(conn.fileno(), from_parent)
     conn.send(("listening", os.getpid()))
     await stop.wait()
+    with contextlib.suppress(OSError):  # the parent may be gone: then nobody asks
+        conn.send(("draining", os.getpid()))
     await drain(router, spec.shutdown_grace_s, loop, log_prefix=f"splitserve router replica {spec.index}")
     await router.stop()
