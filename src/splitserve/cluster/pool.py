@@ -298,9 +298,7 @@ class PoolManager:
                 self._add_worker(role)
         else:
             (m,) = [m for m in members if m.grpc_address == d.worker]
-            m.draining = True  # at once, so the next application of the policy already sees it
-            self._publish_sizes()
-            self._spawn(self._drain(role, m, cfg.drain_timeout_s))
+            self._shrink(role, m, cfg.drain_timeout_s)
         return state
 
     # ---- the joint controller
@@ -360,10 +358,15 @@ class PoolManager:
                 (m,) = [m for m in self.members[role] if m.grpc_address == victim]
                 log.info("%s pool: shrink 1, draining %s: %s", role, m.worker_id, decision.reason)
                 self.metrics.scaling_decisions.labels(role, "shrink").inc()
-                m.draining = True
-                self._publish_sizes()
-                self._spawn(self._drain(role, m, cfg.drain_timeout_s))
+                self._shrink(role, m, cfg.drain_timeout_s)
         return state
+
+    def _shrink(self, role: Role, m: _Member, timeout_s: float) -> None:
+        """`m` out of routing now, so the next decision already sees it draining; drained and
+        stopped in the background (the per-pool scaler's shrink and the joint controller's)."""
+        m.draining = True
+        self._publish_sizes()
+        self._spawn(self._drain(role, m, timeout_s))
 
     async def _drain(self, role: Role, m: _Member, timeout_s: float) -> None:
         """Until the worker has finished its requests (or the deadline), then remove and stop it."""
