@@ -245,9 +245,17 @@ def test_a_request_id_reused_right_after_a_cancel_gets_its_answer(model, cluster
     async def body(stub, router):
         outcomes: dict[str, int] = {}
         for _ in range(40):
-            first = stub.Generate(greedy(ids, 64, request_id="same"), timeout=60)
-            async for _ in first:
-                break
+            # The previous round's cancel may not have reached the router yet (a refused second
+            # request comes back at once): the id is in flight until it does, so retry, in time.
+            t0 = time.monotonic()
+            while True:
+                first = stub.Generate(greedy(ids, 64, request_id="same"), timeout=60)
+                try:
+                    async for _ in first:
+                        break
+                    break
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() - t0 < 20, e
             first.cancel()
             t0 = time.monotonic()
             try:
