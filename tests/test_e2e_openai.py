@@ -112,7 +112,9 @@ async def _person(client: openai.AsyncOpenAI, seed: int) -> tuple[str, str | Non
     return r.choices[0].message.content or "", r.choices[0].finish_reason
 
 
-async def _streamed_person(client: openai.AsyncOpenAI, seed: int, started: asyncio.Event, count: list[int]) -> str:
+async def _streamed_person(
+    client: openai.AsyncOpenAI, seed: int, started: asyncio.Event, count: list[int], of: int
+) -> str:
     stream = await client.chat.completions.create(
         model="splitserve",
         messages=MESSAGES,
@@ -129,13 +131,16 @@ async def _streamed_person(client: openai.AsyncOpenAI, seed: int, started: async
             if not told:
                 told = True
                 count[0] += 1
-                if count[0] == 40:
+                if count[0] == of:
                     started.set()
     return text
 
 
-def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model):
-    """80 requests, 16 at a time; then 40 streams on one decode worker, which is killed once every
+MIGRATED = 24
+
+
+def test_json_schema_72_requests_validate_24_of_them_migrated_mid_stream(model):
+    """48 requests, 16 at a time; then 24 streams on one decode worker, which is killed once every
     one of them has text: they migrate with their grammar (the replacement rebuilds each matcher
     from the tokens streamed) and still validate."""
     d1, d2, p = spawn_worker("decode", *FLAGS), spawn_worker("decode", *FLAGS), spawn_worker("prefill", *FLAGS)
@@ -150,16 +155,19 @@ def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model)
                 async with gate:
                     return await _person(client, seed)
 
-            first = await asyncio.gather(*(one(s) for s in range(80)))
+            first = await asyncio.gather(*(one(s) for s in range(48)))
             started, count = asyncio.Event(), [0]
-            streams = [asyncio.ensure_future(_streamed_person(client, 1000 + s, started, count)) for s in range(40)]
+            streams = [
+                asyncio.ensure_future(_streamed_person(client, 1000 + s, started, count, MIGRATED))
+                for s in range(MIGRATED)
+            ]
             await asyncio.wait_for(started.wait(), 300)
             router.workers.add(d2.grpc_address, "decode")
             deadline = time.monotonic() + 30
             while not router.workers.healthy("decode", exclude=[d1.grpc_address]):
                 assert time.monotonic() < deadline, "the second decode worker never became healthy"
                 await asyncio.sleep(0.05)
-            d1.kill()  # SIGKILL, mid-stream for all 40
+            d1.kill()  # SIGKILL, mid-stream for all of them
             migrated = await asyncio.gather(*streams)
             return first, migrated, router.metrics.migrations._value.get()
         finally:
@@ -173,8 +181,8 @@ def test_json_schema_120_requests_validate_40_of_them_migrated_mid_stream(model)
             jsonschema.validate(json.loads(text), PERSON)
         for text in migrated:
             jsonschema.validate(json.loads(text), PERSON)
-        assert migrations >= 40, f"only {migrations} of the 40 streams migrated"
-        assert len({t for t, _ in first}) > 50  # sampled, not one answer 80 times
+        assert migrations >= MIGRATED, f"only {migrations} of the {MIGRATED} streams migrated"
+        assert len({t for t, _ in first}) > 30  # sampled, not one answer 48 times
         wait_all_blocks_free([d2, p])
     finally:
         for w in (d1, d2, p):
