@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from splitserve.bench.autoscale import Outcome, Record, arrivals
+from splitserve.bench.autoscale import arrivals
+from splitserve.bench.autoscale_plan import Outcome, Record
 from tests.cli_helpers import splitserve
 
 

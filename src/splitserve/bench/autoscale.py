@@ -33,9 +33,17 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
+from splitserve.bench.autoscale_plan import (
+    RECOVERED_SHARE,
+    RECOVERY_WINDOW_S,
+    SAMPLE_S,
+    Outcome,
+    Record,
+    Role,
+    pool_plan,
+)
 from splitserve.bench.mocker.cluster import serve_mockers
 from splitserve.bench.mocker.main import add_costs_arguments
 from splitserve.bench.mocker_fidelity import Request, token_times
@@ -43,9 +51,6 @@ from splitserve.bench.results_file import with_results
 from splitserve.bench.router import STARTUP_TIMEOUT_S, pct, start_process
 
 POLICIES = ("fixed", "queue", "joint")
-RECOVERY_WINDOW_S = 5.0
-RECOVERED_SHARE = 0.9
-SAMPLE_S = 0.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,14 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-start-s", type=float, default=30.0, help="a worker's start that no standby covers")
     p.add_argument("--seed", type=int, default=44)
     p.add_argument("--results", help="also write the output to this file, after a header saying what ran where")
+    p.add_argument(
+        "--fleet",
+        default="mockers",
+        choices=("mockers", "sim"),
+        help="mockers: the real control plane over mocker workers; sim: the plan simulator (plan/sim/), "
+        "the same policies' arithmetic, at fleet sizes one machine cannot host",
+    )
     add_costs_arguments(p)
     p.set_defaults(model_shape="llama-3-70b", max_num_seqs=128)
-
-
-class Record(NamedTuple):
-    at_s: float
-    ttft_s: float  # inf: failed
-    itl_s: float
 
 
 def arrivals(args: argparse.Namespace) -> list[Request]:
@@ -162,42 +168,6 @@ class MockerLauncher:
             idle.append(handle)
 
 
-@dataclass
-class Outcome:
-    policy: str
-    records: list[Record]
-    worker_seconds: float
-    peak: tuple[int, int]  # the most routed prefill and decode workers at once
-    burst_at_s: float
-    slo_ttft_s: float
-    slo_itl_s: float
-
-    def met(self, r: Record) -> bool:
-        return r.ttft_s <= self.slo_ttft_s and r.itl_s <= self.slo_itl_s
-
-    @property
-    def attainment(self) -> float:
-        return sum(self.met(r) for r in self.records) / max(1, len(self.records))
-
-    @property
-    def recovered_after_s(self) -> float | None:
-        """From the burst's start to the first moment after which every window of arrivals meets
-        the SLOs for RECOVERED_SHARE of its requests; None if that never came."""
-        recs = sorted(self.records)
-        end = recs[-1].at_s if recs else 0.0
-        starts = [self.burst_at_s + k * SAMPLE_S for k in range(int((end - self.burst_at_s) / SAMPLE_S) + 1)]
-
-        def good(t: float) -> bool:
-            window = [r for r in recs if t <= r.at_s < t + RECOVERY_WINDOW_S]
-            return not window or sum(self.met(r) for r in window) >= RECOVERED_SHARE * len(window)
-
-        verdicts = [good(t) for t in starts]
-        for i in range(len(starts)):
-            if all(verdicts[i:]):
-                return starts[i] - self.burst_at_s
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     return with_results(args.results, lambda: _run(args))
 
@@ -208,10 +178,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"splitserve bench autoscale: --policies takes {', '.join(POLICIES)}", flush=True)
         return 2
     requests = arrivals(args)
-    outcomes, line = [], ""
-    for policy in policies:
-        outcome, line = _one(args, policy, requests)
-        outcomes.append(outcome)
+    if args.fleet == "sim":
+        from splitserve.bench.autoscale_sim import simulated
+
+        outcomes, line = simulated(args, policies, requests)
+    else:
+        outcomes, line = [], ""
+        for policy in policies:
+            outcome, line = _one(args, policy, requests)
+            outcomes.append(outcome)
     print_report(args, outcomes, requests, line)
     return 0
 
@@ -244,9 +219,7 @@ async def _control(
     """The Router and the PoolManager of `policy` over the fleet, the load driven at them."""
     import logging
 
-    from splitserve.cluster.joint import JointConfig
     from splitserve.cluster.pool import PoolManager, PoolSpec
-    from splitserve.cluster.scaling import ScalingConfig
     from splitserve.engine.config import EngineConfig
     from splitserve.router.config import Listeners, RouterConfig, RoutingConfig
     from splitserve.router.server import Router
@@ -258,40 +231,17 @@ async def _control(
     router = Router(cfg, ByteTokenizer(), rng=random.Random(0))
     port = await router.start()
     launcher = MockerLauncher(fleet)
-    starts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
-    most = {"prefill": args.prefill_max, "decode": args.decode_max}
-    standby = dict(zip(("prefill", "decode"), (int(x) for x in args.standby.split(":")), strict=True))
-    targets = {"prefill": 4096, "decode": 16384}  # serve's --prefill-target-tokens, --decode-target-tokens
+    plan = pool_plan(args, policy)
 
-    def spec(role: Any) -> PoolSpec:
+    def spec(role: Role) -> PoolSpec:
         worker = WorkerConfig(role=role, engine=EngineConfig())
-        scaling = None
-        if policy != "fixed":
-            scaling = ScalingConfig(
-                min_replicas=starts[role],
-                max_replicas=most[role] - (standby[role] if policy == "joint" else 0),
-                metric="work_tokens" if role == "decode" else "queued_tokens",
-                target_tokens_per_worker=targets[role],
-                low_water_tokens_per_worker=targets[role] // 4,
-                min_free_block_fraction=0.1 if role == "decode" else 0.0,
-            )
-        return PoolSpec(role, starts[role], worker, scaling=scaling, standby=standby[role] if policy == "joint" else 0)
+        return PoolSpec(role, plan.starts[role], worker, scaling=plan.scaling[role], standby=plan.standby[role])
 
-    controller = None
-    if policy == "joint":
-        controller = JointConfig(
-            slo_ttft_s=args.slo_ttft_ms / 1e3,
-            slo_itl_s=args.slo_itl_ms / 1e3,
-            prefill_min=starts["prefill"],
-            prefill_max=most["prefill"] - standby["prefill"],
-            decode_min=starts["decode"],
-            decode_max=most["decode"] - standby["decode"],
-        )
     pools = PoolManager(
         [spec("prefill"), spec("decode")],
         router.workers,
         metrics=router.metrics,
-        controller=controller,
+        controller=plan.controller,
         launcher=launcher,
         watch_interval_s=5.0,
     )
@@ -327,9 +277,14 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome], requests: li
         if args.arrivals == "gamma"
         else "Poisson arrivals"
     )
+    plane = (
+        "the policies' own arithmetic (cluster/scaling.py, cluster/joint.py) in simulated time"
+        if args.fleet == "sim"
+        else "the real Router and PoolManager (one core)"
+    )
     print(machine_line())
     print(
-        f"autoscale: the real Router and PoolManager (one core) over a fleet of {fleet_line.removeprefix('over ')}; "
+        f"autoscale: {plane} over a fleet of {fleet_line.removeprefix('over ')}; "
         f"{len(requests)} requests, {gaps}: {args.rate:g} req/s for {phases[0]:g} s, {args.rate * args.burst_factor:g} "
         f"req/s ({args.burst_factor:g}x) for {phases[1]:g} s, {args.rate:g} req/s for {phases[2]:g} s; prompts "
         f"{args.prompt_tokens} tokens, {args.output_tokens} out; pools start at {args.prefill_workers} prefill + "

@@ -278,10 +278,10 @@ COMPARISONS = (
     ),
     *(
         Comparison(
-            f"Pools under a 1x-4x-1x burst ({what}), the real Router and PoolManager over 128 mocker workers: "
-            "fixed pools, the queue policy, the joint controller with standby",
+            f"Pools under a 1x-4x-1x burst ({what}), {fleet}: fixed pools, the queue policy, the joint controller "
+            "with standby",
             "issue 44: SLO attainment against worker-seconds, and the time until the SLOs hold again",
-            f"autoscale-mockers-{name}.txt",
+            f"autoscale-{kind}-{name}.txt",
             tuple(
                 Figure(
                     rf"^\s+{policy}\s+(?P<met>[\d.]+%)\s+(?P<ws>\d+)\s+(?P<peak>\d+:\d+)\s+(?P<back>never|[\d.]+ s)",
@@ -289,6 +289,10 @@ COMPARISONS = (
                 )
                 for policy in ("fixed", "queue", "joint")
             ),
+        )
+        for kind, fleet in (
+            ("mockers", "the real Router and PoolManager over 128 mocker workers"),
+            ("sim", "the pool manager's policies in the plan simulator, 1,024 workers at most"),
         )
         for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals, shape 0.5"))
     ),

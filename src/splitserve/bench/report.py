@@ -42,6 +42,11 @@ TITLES = {
         f"with standby, over a fleet of mocker workers ({what}) (issue 44)"
         for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals"))
     },
+    **{
+        f"autoscale-sim-{name}": "Pools under a 4x burst in the plan simulator, 1,024 workers at most: fixed, the "
+        f"queue policy and the joint controller with standby ({what}) (issue 44)"
+        for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals"))
+    },
     "serving": "TTFT and ITL, disaggregated against colocated (issue 4)",
     "peer": "Goodput, TTFT, TPOT and ITL against vLLM's CPU build: same model, same load (issue 10)",
     # a kind's further runs, by file name

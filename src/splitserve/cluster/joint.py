@@ -34,8 +34,12 @@ and acts on the `JointDecision`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
+
+from splitserve.cluster.scaling import least_loaded
+from splitserve.router.policy import WorkerLoad
 
 BUDGET = 0.8  # of each SLO, the share the pools are sized to; the rest covers transfers and noise
 MAX_RHO = 0.9  # a prefill worker never planned busier than this
@@ -211,6 +215,17 @@ def _decode_demand(
         f"{per_worker:.0f} a worker at ITL {obs.itl_s * 1e3:.1f} ms (SLO {cfg.slo_itl_s * 1e3:g} ms) = {want}"
     )
     return want, math.ceil(want_context * cfg.shrink_headroom / per_worker), why
+
+
+def resize(target: int, have: int, loads: Mapping[str, WorkerLoad]) -> tuple[int, str | None]:
+    """A decision acted on for one pool of `have` workers (routed and starting), `loads` its routed
+    ones: (workers to start, the worker to drain). Below the target the pool grows to it at once;
+    above it, its least-loaded worker drains (one a decision: `decide` shrinks by one)."""
+    if target > have:
+        return target - have, None
+    if target < have and loads:
+        return 0, least_loaded(loads, "work_tokens")
+    return 0, None
 
 
 def _learn_capacity(cfg: JointConfig, obs: Observation, known: float | None) -> float | None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster import joint
 from splitserve.cluster.launcher import Unplaceable
-from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide, least_loaded
+from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.workers import Role, WorkerSet
 from splitserve.workers.common.config import WorkerConfig
@@ -340,21 +340,18 @@ class PoolManager:
         decision, state = joint.decide(cfg, self.observe(), state)
         targets: tuple[tuple[Role, int], ...] = (("prefill", decision.prefill), ("decode", decision.decode))
         for role, target in targets:
-            have = self._routed_or_starting(role)
-            if target > have:
-                log.info("%s pool: grow %d: %s", role, target - have, decision.reason)
+            loads = {
+                m.grpc_address: w.load()
+                for m in self.members[role]
+                if not m.draining and (w := self.workers.get(m.grpc_address)) is not None
+            }
+            grow, victim = joint.resize(target, self._routed_or_starting(role), loads)
+            if grow:
+                log.info("%s pool: grow %d: %s", role, grow, decision.reason)
                 self.metrics.scaling_decisions.labels(role, "grow").inc()
-                for _ in range(target - have):
+                for _ in range(grow):
                     self._add_worker(role)
-            elif target < have:
-                loads = {
-                    m.grpc_address: w.load()
-                    for m in self.members[role]
-                    if not m.draining and (w := self.workers.get(m.grpc_address)) is not None
-                }
-                if not loads:
-                    continue
-                victim = least_loaded(loads, "work_tokens")
+            elif victim is not None:
                 (m,) = [m for m in self.members[role] if m.grpc_address == victim]
                 log.info("%s pool: shrink 1, draining %s: %s", role, m.worker_id, decision.reason)
                 self.metrics.scaling_decisions.labels(role, "shrink").inc()

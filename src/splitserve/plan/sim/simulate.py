@@ -71,6 +71,7 @@ from splitserve.engine.prefill_order import AGING_TOKENS_PER_S
 from splitserve.engine.tuned import LONG_PREFILL_TOKEN_THRESHOLD
 from splitserve.measure.metrics import percentile
 from splitserve.plan.costs import CostModel, StepSpread
+from splitserve.plan.sim.scaling import PoolsUsage, Role, SimPools, SimScaling
 from splitserve.plan.sim.worker import SimRequest, SimWorker
 from splitserve.router.config import RoutingConfig
 from splitserve.router.policy import choose_prefill_worker, decode_chooser, route
@@ -180,6 +181,7 @@ class SimResult:
     remote_share: float  # share of requests prefilled on a prefill worker
     steps: int  # worker steps simulated
     outcomes: tuple[Outcome, ...]
+    pools: PoolsUsage | None = None  # with `scaling`: the worker-seconds and sizes it cost
 
 
 def simulate(
@@ -194,6 +196,7 @@ def simulate(
     prefill_slowdown: Callable[[int], tuple[float, float]] | None = None,
     serve_by_busy: Callable[[int], float] | None = None,
     serve_beside_prefill: Callable[[int], float] | None = None,
+    scaling: SimScaling | None = None,
 ) -> SimResult:
     """Run every request to its last token. `prefill_costs`: the prefill workers' own model when
     they differ from the decode workers (another tensor-parallel size); default `costs`.
@@ -202,7 +205,8 @@ def simulate(
     the module's note); `serve_by_busy`: at N decode workers stepping at once, the seconds a step's
     serving overhead changes by from the cost model's (measured with all of them busy);
     `serve_beside_prefill`: what a decode step of batch B costs more with every prefill worker busy
-    (a share of it for a share of them)."""
+    (a share of it for a share of them). `scaling`: pools resized while it runs (plan/sim/scaling.py);
+    the spec's worker counts are where they start."""
     sim = _Cluster(
         cluster, costs, prefill_costs or costs, rng, spread, prefill_slowdown, serve_by_busy, serve_beside_prefill
     )
@@ -217,13 +221,19 @@ def simulate(
         for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))
     ]
     sim.warm_up(chains.everywhere(max((r.cached_tokens for r in requests), default=0)))
+    pools = SimPools(sim, scaling) if scaling is not None else None
+    if pools is not None and reqs:
+        pools.begin(reqs[0].arrival_s)
     sim.run(reqs)
     # a bug, not a result: every request finishes, and every worker ends empty
     unfinished = sum(1 for r in reqs if r.finish_s < 0)
-    left = [x for w in sim.decode + sim.prefill for x in w.leftovers()]
+    left = [x for w in sim.by_name.values() for x in w.leftovers()]
     if unfinished or left or any(sim.lines.values()):
         raise RuntimeError(f"simulation ended with {unfinished} requests unfinished; left: {left[:8]}")
-    return _result(reqs, sim, cluster, slo, rate)
+    result = _result(reqs, sim, cluster, slo, rate)
+    if pools is None:
+        return result
+    return replace(result, pools=pools.usage(max((r.finish_s for r in reqs), default=0.0)))
 
 
 class PromptChains:
@@ -283,6 +293,14 @@ class _Cluster:
         self.target: dict[int, SimWorker] = {}  # request index -> its decode worker, for remote prefills
         self.lines: dict[SimWorker, deque[SimRequest]] = {}  # remote prefills waiting for a seat
         self.steps = 0
+        # resized pools (plan/sim/scaling.py): timed callbacks, the drained workers, the router's counters
+        self.control: list[tuple[float, int, Callable[[float], None]]] = []
+        self.draining: list[SimWorker] = []
+        self.unrouted = 0  # requests not arrived yet
+        self.prompt_tokens = 0  # uncached prompt tokens routed
+        self.requests = 0
+        self._models = (costs, spread, prefill_slowdown)
+        self._warm: Sequence[BlockHash] = ()
         self.decode = [
             self._worker(f"decode{i}", costs, False, spread, prefill_slowdown) for i in range(spec.decode_workers)
         ]
@@ -354,11 +372,58 @@ class _Cluster:
 
     def warm_up(self, hashes: Sequence[BlockHash]) -> None:
         """Every worker holds the prefix that every prompt shares (its warm-up stored it)."""
+        self._warm = hashes
         if hashes:
             for w in self.decode:
                 self.index.stored(w.name, hashes)
             for p in self.prefill:
                 p.prefix_cache.update(hashes)
+
+    # ---- resized pools: what plan/sim/scaling.py's SimPools calls
+
+    def later(self, t: float, fn: Callable[[float], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.control, (t, self.seq, fn))
+
+    def work_left(self) -> bool:
+        return bool(self.unrouted or self.events)
+
+    def routable(self, role: Role) -> Sequence[SimWorker]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def draining_count(self, role: Role) -> int:
+        return sum(w.prefill_only == (role == "prefill") for w in self.draining)
+
+    def add_worker(self, role: Role) -> None:
+        """A new worker, routed from now, its warm-up's blocks stored (names are never reused)."""
+        costs, spread, slowdown = self._models
+        name = f"{role}{len(self.by_name)}"
+        if role == "prefill":
+            w = self._worker(name, self.prefill_costs, True, spread, slowdown)
+            w.prefix_cache.update(self._warm)
+            self.prefill.append(w)
+        else:
+            w = self._worker(name, costs, False, spread, slowdown)
+            if self._warm:
+                self.index.stored(name, self._warm)
+            self.decode.append(w)
+            self.lines[w] = deque()
+        self.by_name[name] = w
+
+    def drain_worker(self, name: str) -> None:
+        """Out of routing now; its requests (and a decode worker's line) finish where they are."""
+        w = self.by_name[name]
+        pool = self.prefill if w.prefill_only else self.decode
+        if w not in pool or len(pool) == 1:
+            raise ValueError(f"{name}: not a routable worker, or its pool's last")
+        pool.remove(w)
+        self.draining.append(w)
+        if not w.prefill_only:
+            self.index.cleared(name)
+
+    def retire_drained(self) -> None:
+        for w in [w for w in self.draining if not w.leftovers() and not self.lines.get(w)]:
+            self.draining.remove(w)
 
     def push_step(self, t: float, w: SimWorker) -> None:
         self.seq += 1
@@ -366,8 +431,17 @@ class _Cluster:
         heapq.heappush(self.events, (t, self.seq, w, None))
 
     def run(self, reqs: list[SimRequest]) -> None:
-        events, i, n = self.events, 0, len(reqs)
-        while i < n or events:
+        events, control, i, n = self.events, self.control, 0, len(reqs)
+        while i < n or events or control:
+            self.unrouted = n - i
+            if (
+                control
+                and (i == n or control[0][0] < reqs[i].arrival_s)
+                and (not events or control[0][0] < events[0][0])
+            ):
+                t, _, fn = heapq.heappop(control)
+                fn(t)
+                continue
             if i < n and (not events or reqs[i].arrival_s <= events[0][0]):
                 self._route(reqs[i], reqs[i].arrival_s)
                 i += 1
@@ -395,6 +469,8 @@ class _Cluster:
         req.decode_worker = d.name
         # what the chosen worker's cache holds: it computes none of that, nor is it sent there
         req.kv_held = max(req.cached_tokens, r.overlap_blocks * self.spec.routing.block_size)
+        self.requests += 1
+        self.prompt_tokens += req.prompt_tokens - req.kv_held
         if r.mode == "local":
             req.cached_tokens = req.computed = req.kv_held
             d.add(req, now, self.push_step)
