@@ -292,7 +292,7 @@ COMPARISONS = (
         )
         for kind, fleet in (
             ("mockers", "the real Router and PoolManager over 128 mocker workers"),
-            ("sim", "the pool manager's policies in the plan simulator, 1,024 workers at most"),
+            ("sim", "the pool manager's policies in the plan simulator, 1,056 workers at most"),
         )
         for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals, shape 0.5"))
     ),

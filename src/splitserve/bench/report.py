@@ -43,7 +43,7 @@ TITLES = {
         for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals"))
     },
     **{
-        f"autoscale-sim-{name}": "Pools under a 4x burst in the plan simulator, 1,024 workers at most: fixed, the "
+        f"autoscale-sim-{name}": "Pools under a 4x burst in the plan simulator, 1,056 workers at most: fixed, the "
         f"queue policy and the joint controller with standby ({what}) (issue 44)"
         for name, what in (("step", "Poisson arrivals"), ("gamma", "Gamma arrivals"))
     },
