@@ -14,6 +14,7 @@ each actor loads the model.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import urllib.request
@@ -21,6 +22,7 @@ import urllib.request
 import pytest
 import torch
 
+from splitserve.cluster.launcher import worker_bundle
 from splitserve.cluster.scaling import ScalingConfig
 from splitserve.engine.weights import load_model
 from splitserve.proto.splitserve.v1 import generate_pb2 as pb
@@ -100,6 +102,13 @@ class TestFixedPools:
             assert counted(metrics.pool_workers, role=role, state="serving") == 1
             assert counted(metrics.pool_workers, role=role, state="starting") == 0
         assert counted(metrics.pool_workers, role="decode", state="standby") == 1
+        # the Ray autoscaler was asked for room for every worker held: 1 prefill, 1 decode, 1 on standby
+        from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        specs = fixed.cluster.pools.specs
+        wanted = [worker_bundle(specs["prefill"])] + [worker_bundle(specs["decode"])] * 2
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == wanted
         # every actor serves its engine's metrics, as a worker process does
         for role, members in fixed.cluster.pools.members.items():
             (member,) = members
@@ -218,6 +227,14 @@ def children(pid: int) -> list[int]:
 # ---- a prefill pool that scales on its queue
 
 
+def requested() -> int:
+    """Workers the Ray autoscaler's resource request holds room for (ray.autoscaler.sdk.request_resources)."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return len(json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)))
+
+
 def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster, model):
     wave1 = encode(model, [burst_chat(i) for i in range(8)])
     wave2 = encode(model, [burst_chat(i) for i in range(8, 11)])
@@ -251,6 +268,7 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
             assert grown(), "the burst ended before the pool decided to grow"
             # the new actor boots for longer than the burst lasts; the shrink window waits for it
             await until(lambda: len(c.pools.members["prefill"]) == 2, "the grown prefill worker registered")
+            assert requested() == 3  # the autoscaler asked for room for 2 prefill + 1 decode workers
             (second,) = [m for m in c.pools.members["prefill"] if m is not first]
             await until(lambda: second.grpc_address in c.healthy("prefill"), "the new prefill worker is healthy")
             # a second wave while both are up, before the shrink window ends: the new worker takes its share
@@ -261,6 +279,7 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_back_when_idle(ray_cluster
 
             # idle now: after shrink_after_s one worker is drained and stopped
             await until(lambda: len(c.pools.members["prefill"]) == 1, "the prefill pool shrank back")
+            assert requested() == 2  # and the request fell with the drain
             (survivor,) = c.pools.members["prefill"]
             gone = second if survivor is first else first
             assert c.router.workers.get(gone.grpc_address) is None

@@ -161,6 +161,9 @@ class MockerLauncher:
     async def stop(self, handle: Any) -> None:
         return None
 
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        return None  # the fleet is all started
+
     def kill(self, handle: Any) -> None:
         """Back to the fleet's idle ones (a drained mocker, or one whose start was cancelled)."""
         idle = self.idle[self._role_of[handle]]

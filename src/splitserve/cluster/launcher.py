@@ -55,6 +55,17 @@ class Launcher(Protocol):
         """Gone now, whatever state it is in (never raises)."""
         ...
 
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Room for these workers (one bundle each: the pools' routed, starting and standby ones),
+        asked ahead of their starts; each call replaces the last (never raises)."""
+        ...
+
+
+def worker_bundle(spec: Pool) -> dict[str, float]:
+    """What one worker of `spec`'s pool asks a node for, as a Ray bundle."""
+    asked = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
+    return {name: float(n) for name, n in asked.items() if n > 0}
+
 
 class RayLauncher:
     """Each worker a Ray actor, placed by its pool's resources."""
@@ -68,6 +79,7 @@ class RayLauncher:
         self.node_types = node_types
         self.start_timeout_s = start_timeout_s
         self._actor_cls = ray.remote(_actor_class())
+        self._requested: list[dict[str, float]] | None = None
 
     async def start(self, spec: Pool, cfg: WorkerConfig, timeout_s: float) -> tuple[Any, str, str | None]:
         self.check_placement(spec, cfg.worker_id)
@@ -97,6 +109,23 @@ class RayLauncher:
             self._ray.kill(handle)
         except Exception as e:  # already gone, or Ray itself shutting down
             log.debug("ray.kill: %s", e)
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """The Ray autoscaler's resource request (ray.autoscaler.sdk.request_resources): it keeps nodes
+        for every worker the pools hold or want, so that the nodes for a grow are asked for when the
+        target is set, not when an actor is found pending, and a standby worker's replacement has its
+        node. Sent only when it changes (a shrink lowers it, and the autoscaler may then remove nodes)."""
+        if bundles == self._requested:
+            return
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+        except Exception as e:  # no autoscaler to ask, or Ray shutting down: the starts go on as they would
+            log.debug("request_resources: %s", e)
+            return
+        log.info("asked the Ray autoscaler for room for %d workers: %s", len(bundles), _summary(bundles))
+        self._requested = [dict(b) for b in bundles]
 
     def check_placement(self, spec: Pool, worker_id: str) -> None:
         """Say at once why an actor will not start when no alive node can hold it. Ray queues such an
@@ -141,6 +170,14 @@ class RayLauncher:
                 problem,
                 describe_nodes(nodes),
             )
+
+
+def _summary(bundles: list[dict[str, float]]) -> str:
+    counts: dict[str, int] = {}
+    for b in bundles:
+        key = ", ".join(f"{k} {v:g}" for k, v in sorted(b.items())) or "nothing"
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n} x {{{k}}}" for k, n in counts.items())
 
 
 async def _ray_get(ref: Any) -> Any:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from splitserve.cluster import joint
-from splitserve.cluster.launcher import Unplaceable
+from splitserve.cluster.launcher import Unplaceable, worker_bundle
 from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.workers import Role, WorkerSet
@@ -131,6 +131,7 @@ class PoolManager:
         specs += [(spec, True) for spec in self.specs.values() for _ in range(spec.standby)]
         for spec, standby in specs:
             (self.standby_pending if standby else self.pending)[spec.role] += 1
+        self._publish_sizes()  # the autoscaler asked for their room before the actors queue
         results = await asyncio.gather(*[self._start_one(spec) for spec, _ in specs], return_exceptions=True)
         for (spec, standby), r in zip(specs, results, strict=True):
             (self.standby_pending if standby else self.pending)[spec.role] -= 1
@@ -172,6 +173,17 @@ class PoolManager:
             g.labels(role, "starting").set(self.pending[role])
             g.labels(role, "standby").set(len(self.standby[role]))
             self.workers.expect(role, self.pending[role])  # a request waiting for one waits for these
+        self.launcher.request_capacity(self._wanted_bundles())
+
+    def _wanted_bundles(self) -> list[dict[str, float]]:
+        """One bundle for each worker the pools hold or start: routed, starting, on standby (a
+        draining one is left out: its node may go once it has finished)."""
+        out = []
+        for role, spec in self.specs.items():
+            held = sum(not m.draining for m in self.members[role]) + self.pending[role]
+            held += len(self.standby[role]) + self.standby_pending[role]
+            out += [worker_bundle(spec)] * held
+        return out
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(job)
