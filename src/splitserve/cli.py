@@ -43,6 +43,10 @@ BENCHMARKS = {
     "tenants": ("splitserve.bench.tenants", "a noisy tenant against three quiet ones: their TTFT beside alone, Jain"),
     "router": ("splitserve.bench.router", "router overhead against mock workers: added latency and decisions/s"),
     "router-load": ("splitserve.bench.router_load", "the rate one router carries: its CPU per request and per token"),
+    "router-rate": (
+        "splitserve.bench.router_rate",
+        "the highest open-loop rate one router sustains within +5 ms p99, in front of a mocker fleet",
+    ),
     "mocker": ("splitserve.bench.mocker.main", "mocker workers: the real worker services, steps timed by the planner"),
     "mocker-fidelity": ("splitserve.bench.mocker_fidelity", "mocker workers against real ones on one load: TTFT, TPOT"),
     "mocker-sim": (

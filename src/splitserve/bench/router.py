@@ -280,6 +280,7 @@ class Processes(NamedTuple):
     router_pid: int
     workers_conn: mp.connection.Connection  # to send the workers' process more (it ends at "done")
     routers_conn: mp.connection.Connection  # the same, to the routers' process
+    workers_pid: int = 0
 
 
 @contextlib.contextmanager
@@ -306,7 +307,8 @@ def worker_and_router_processes(workers: tuple[Any, ...], routers: tuple[Any, ..
         if not rconn.poll(STARTUP_TIMEOUT_S):
             raise RuntimeError("the routers did not start")
         assert rproc.pid is not None
-        yield Processes(sent, rconn.recv(), rproc.pid, wconn, rconn)
+        assert wproc.pid is not None
+        yield Processes(sent, rconn.recv(), rproc.pid, wconn, rconn, wproc.pid)
     finally:
         for proc, conn in reversed(procs):
             with contextlib.suppress(OSError):
