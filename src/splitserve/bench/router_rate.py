@@ -199,14 +199,25 @@ class Direct:
         """One short request over every (decode, prefill) pair: each prefill worker's KV connection
         to each decode worker is made once, before anything is measured (a deployment's are warm;
         a cold one costs its first request a connection setup, which neither path should pay)."""
+        import grpc
+
         gate = asyncio.Semaphore(concurrency)
         rng = random.Random(0)
 
-        async def one(d: int, p: int) -> None:
+        async def one(d: int, p: int) -> bool:
             async with gate:
-                await self.send(0, f"warm-{d}-{p}", distinct_prompt(rng), 1, (d, p))
+                try:
+                    return await self.send(0, f"warm-{d}-{p}", distinct_prompt(rng), 1, (d, p))
+                except grpc.aio.AioRpcError:
+                    return False  # its connection is made all the same, or the measured requests say why
 
-        await asyncio.gather(*(one(d, p) for d in range(len(self.decode)) for p in range(len(self.prefill))))
+        t0 = time.monotonic()
+        pairs = [(d, p) for d in range(len(self.decode)) for p in range(len(self.prefill))]
+        done = await asyncio.gather(*(one(d, p) for d, p in pairs))
+        print(
+            f"every prefill-decode pair connected first: {len(pairs)} pairs in {time.monotonic() - t0:.1f} s, "
+            f"{len(pairs) - sum(done)} of their requests failed"
+        )
 
 
 def _fewest(inflight: list[int], i: int) -> int:
