@@ -213,6 +213,22 @@ COMPARISONS = (
         )
         for n in (16, 64, 256)
     ),
+    *(
+        Comparison(
+            f"The open-loop rate one router sustains within +5 ms p99 in front of {n} decode mocker workers "
+            "(prefill pool: header; one router core, the fleet and the client on the other)",
+            "issue 44: the router adds at most 5 ms at p99, against the same load sent straight to the workers",
+            f"router-rate-mockers-{n}.txt",
+            (
+                Figure(
+                    r"^sustained within \+5 ms p99: (?P<what>.*?) with .*?, router (?P<r>[\d.]+ core), fleet "
+                    r"(?P<f>[\d.]+ core); stopped by (?P<why>.*)$",
+                    "{what} (router {r}, fleet {f}); stopped by {why}",
+                ),
+            ),
+        )
+        for n in (16, 64, 256)
+    ),
     Comparison(
         "Mocker workers against real ones, 1 prefill + 1 decode, one open-loop load",
         "issue 44's target: TTFT and ITL p50 within 15% of the real cluster's",

@@ -29,6 +29,11 @@ TITLES = {
         "timed by the planner's model): its CPU per request and per streamed token, idle and loaded (issue 44)"
         for n in (16, 64, 256)
     },
+    **{
+        f"router-rate-mockers-{n}": f"The open-loop rate one router sustains within +5 ms p99 over {n} decode mocker "
+        "workers, against the same arrivals sent straight to them (issue 44)"
+        for n in (16, 64, 256)
+    },
     "mocker-fidelity-cpu": "Mocker workers against real ones on the same load: TTFT and TPOT (issue 44)",
     "mocker-sim-cpu": "The plan simulator against a fleet of 64 mocker workers behind the real router (issue 44)",
     "fleet-loss-mockers": "A tenth of a mocker fleet killed under load: requests lost, tokens wrong, blocks back "

@@ -306,11 +306,10 @@ def print_report(args: argparse.Namespace, steps: list[Step], fleet_line: str, p
         )
     best, why = sustained(steps)
     print()
-    if best is None:
-        print(f"sustained within +{ADDED_P99_S * 1e3:g} ms p99: below {steps[0].rate:g} req/s, stopped by {why}")
-        return
+    at = best or steps[0]  # the cores used at the rate sustained, or at the first one, which was not
+    what = f"{best.rate:g} req/s" if best is not None else f"below {steps[0].rate:g} req/s"
     print(
-        f"sustained within +{ADDED_P99_S * 1e3:g} ms p99: {best.rate:g} req/s with {args.decode_workers} decode + "
-        f"{args.prefill_workers} prefill workers, router {best.router_cores:.2f} core, fleet {best.fleet_cores:.2f} "
+        f"sustained within +{ADDED_P99_S * 1e3:g} ms p99: {what} with {args.decode_workers} decode + "
+        f"{args.prefill_workers} prefill workers, router {at.router_cores:.2f} core, fleet {at.fleet_cores:.2f} "
         f"core; stopped by {why}"
     )
