@@ -429,3 +429,4 @@ class PoolManager:
             for m in members:
                 await self._stop_actor(m)
             members.clear()
+        self.launcher.request_capacity([])  # a stopped deployment holds no nodes for the autoscaler
