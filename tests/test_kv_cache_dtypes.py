@@ -8,6 +8,8 @@ token's log-probability by prefill and by decode, step by step, with int8 and fp
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -341,3 +343,20 @@ def test_cpp_reads_every_e4m3_code_exactly(kernels: kd.DecodeKernels) -> None:
         out = step.attention(0, torch.zeros(1, 6 * 128), write=False)
         want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
         assert torch.equal(out.view(-1), want), f"isa {isa}"
+
+
+def resident_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_host_kv_pool_holds_memory_only_where_blocks_were_written() -> None:
+    """A 512 MiB pool: resident only as its blocks are written (a standby worker holds its warm-up's
+    blocks, not the pool), and read as zeros everywhere else."""
+    layout = KVLayout(16, 8, 128, 16, "bfloat16")  # 1 MiB a block (16 layers x 64 KiB)
+    before = resident_mib()
+    cache = KVCache(layout, 512)
+    assert resident_mib() - before < 16  # allocated, not touched
+    cache.tensor[:, :8].fill_(1.0)  # eight blocks written, every layer
+    grew = resident_mib() - before
+    assert 6 <= grew < 40, grew  # eight blocks' MiB, give or take the pages around them
+    assert float(cache.tensor[:, 8:].abs().sum()) == 0.0 and float(cache.tensor[:, :8].min()) == 1.0

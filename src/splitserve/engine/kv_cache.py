@@ -40,6 +40,8 @@ reads them back.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -223,7 +225,12 @@ class KVCache:
         shape = layout.shard_shape(num_blocks, self.rows)
         if shared:
             check_shared_memory(num_blocks * self.rows * layout.bytes_per_block)
-        self.shards = [torch.zeros(shape, dtype=layout.torch_dtype, device=d) for d in devices]
+        self.shards = [
+            untouched_zeros(shape, layout.torch_dtype)
+            if not shared and torch.device(d).type == "cpu"
+            else torch.zeros(shape, dtype=layout.torch_dtype, device=d)
+            for d in devices
+        ]
         if shared:
             for t in self.shards:
                 t.share_memory_()
@@ -460,3 +467,18 @@ def dequantize_blocks(
     else:
         kv = shard[ids].to(dtype)
     return kv[:, 0], kv[:, 1]
+
+
+def untouched_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of zeros on an anonymous mapping: the kernel gives each page zeroed at its first
+    write, so a KV pool holds memory only where blocks have been written. A worker's RSS is its
+    weights and the blocks it has used, not the whole pool: a standby worker holds its warm-up's
+    few blocks, and a start does not wait for the pool to be cleared (torch.zeros writes every
+    byte at once). The tensor keeps the mapping alive (torch.frombuffer holds a reference)."""
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
