@@ -19,11 +19,15 @@ replacement takes a standby worker first: handed to the router, it is routable a
 its first stats answer, so the pool grows in the time of one poll rather than a
 process start and a model load (seconds to minutes). Another standby worker then
 starts in the background, in its place. A standby worker idles: its engine loop
-sleeps and it takes no request; it holds its weights and its KV pool.
+sleeps and it takes no request; it holds its weights and, on a CPU, only the KV
+blocks its warm-up wrote (a host pool is resident only where written:
+engine/kv_cache.untouched_zeros; a GPU's pool is reserved whole).
 
 With Ray's autoscaler, a worker that finds no room waits while Ray adds a node
 of its type; given the autoscaler's node types, one that no type can hold is
-refused (`Unplaceable`) before its actor is queued.
+refused (`Unplaceable`) before its actor is queued. The autoscaler is also asked,
+ahead of any start, for room for every worker the pools hold or start
+(`Launcher.request_capacity`), and the request falls as a pool drains.
 """
 
 from __future__ import annotations
