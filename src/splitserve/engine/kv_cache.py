@@ -481,4 +481,3 @@ def untouched_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
-
