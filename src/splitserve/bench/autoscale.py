@@ -49,6 +49,7 @@ from splitserve.bench.mocker.main import add_costs_arguments
 from splitserve.bench.mocker_fidelity import Request, token_times
 from splitserve.bench.results_file import with_results
 from splitserve.bench.router import STARTUP_TIMEOUT_S, pct, start_process
+from splitserve.bench.router_load import own_channels
 
 POLICIES = ("fixed", "queue", "joint")
 
@@ -116,8 +117,7 @@ async def _drive(address: str, requests: Sequence[Request], output_tokens: int) 
 
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
-    own = (("grpc.use_local_subchannel_pool", 1),)
-    channels = [grpc.aio.insecure_channel(address, options=own) for _ in range(8)]
+    channels = own_channels(address, 8)
     stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
     start = time.monotonic()
 

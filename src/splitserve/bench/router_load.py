@@ -25,6 +25,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.bench.mocker.cluster import serve_mockers, serve_router
 from splitserve.bench.mocker.main import add_costs_arguments
@@ -120,13 +121,10 @@ async def load(
     connection)."""
     import grpc
 
-    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
     rng = random.Random(tokens * 1000 + concurrency)
-    # a channel of its own subchannel pool is a connection of its own (gRPC shares one otherwise)
-    own = (("grpc.use_local_subchannel_pool", 1),)
-    channels = [grpc.aio.insecure_channel(address, options=own) for _ in range(connections)]
+    channels = own_channels(address, connections)
     stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
     t_start = time.monotonic() + args.warmup_seconds
     t_end = t_start + args.seconds
@@ -142,19 +140,13 @@ async def load(
         while time.monotonic() < t_end:
             i += 1
             ids = prompt(rng)
-            req = pb.GenerateRequest(
-                request_id=f"c{k}-{i}",
-                token_ids=pb.TokenIds(ids=ids),
-                sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-            )
+            rid = f"c{k}-{i}"
             t0 = time.monotonic()
-            got: list[int] = []
             try:
-                async for r in stub.Generate(req, timeout=60):
-                    got.extend(r.token_ids)
+                got = await generated(stub, rid, ids, tokens)
             except grpc.aio.AioRpcError as e:
                 lost += 1
-                print(f"request {req.request_id} lost: {e.code().name} {e.details()}", flush=True)
+                print(f"request {rid} lost: {e.code().name} {e.details()}", flush=True)
                 continue
             t1 = time.monotonic()
             if check and got != expected_tokens(ids, tokens):
@@ -163,19 +155,42 @@ async def load(
                 latencies.append(t1 - t0)
                 count += 1
 
-    async def window_cpu() -> tuple[list[float], list[float]]:
-        await asyncio.sleep(max(0.0, t_start - time.monotonic()))
-        c0 = [router_cpu_seconds(pid) for pid in router_pids]
-        await asyncio.sleep(max(0.0, t_end - time.monotonic()))
-        return c0, [router_cpu_seconds(pid) for pid in router_pids]
-
-    cpu = asyncio.ensure_future(window_cpu())
+    cpu = asyncio.ensure_future(window_cpu(router_pids, t_start, t_end))
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
     c0, c1 = await cpu
     for c in channels:
         await c.close()
     each = tuple(b - a for a, b in zip(c0, c1, strict=True))
     return Load(tokens, concurrency, count, args.seconds, tuple(latencies), sum(each), wrong, lost, each)
+
+
+def own_channels(address: str, n: int) -> list[Any]:
+    """`n` gRPC channels to `address`, each a connection of its own (a channel of its own subchannel
+    pool; gRPC shares one connection otherwise)."""
+    import grpc
+
+    own = (("grpc.use_local_subchannel_pool", 1),)
+    return [grpc.aio.insecure_channel(address, options=own) for _ in range(n)]
+
+
+async def generated(stub: Any, rid: str, ids: list[int], tokens: int) -> list[int]:
+    """The tokens of one greedy Generate of `tokens` (EOS ignored) through `stub`."""
+    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+
+    req = pb.GenerateRequest(
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+    )
+    return [t async for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+
+
+async def window_cpu(pids: Sequence[int], t0: float, t1: float) -> tuple[list[float], list[float]]:
+    """Processes `pids`' CPU seconds at `t0` and at `t1` (monotonic clock), waiting for each."""
+    await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+    before = [router_cpu_seconds(pid) for pid in pids]
+    await asyncio.sleep(max(0.0, t1 - time.monotonic()))
+    return before, [router_cpu_seconds(pid) for pid in pids]
 
 
 def per_token_and_request(loads: list[Load]) -> tuple[float, float] | None:

@@ -33,7 +33,7 @@ from splitserve.bench.mocker.main import add_costs_arguments
 from splitserve.bench.mocker.tokens import expected_tokens
 from splitserve.bench.results_file import with_results
 from splitserve.bench.router import pct, worker_and_router_processes
-from splitserve.bench.router_load import distinct_prompt, router_cpu_seconds
+from splitserve.bench.router_load import distinct_prompt, generated, own_channels, window_cpu
 from splitserve.router.event_loop import loop_name
 
 ADDED_P99_S = 0.005  # issue 44: the router adds at most 5 ms at p99
@@ -116,25 +116,13 @@ class Routed:
         self.address = address
 
     async def open(self) -> None:
-        import grpc
-
         from splitserve.proto.splitserve.v1 import generate_pb2_grpc
 
-        own = (("grpc.use_local_subchannel_pool", 1),)
-        self.channels = [grpc.aio.insecure_channel(self.address, options=own) for _ in range(4)]
+        self.channels = own_channels(self.address, 4)
         self.stubs = [generate_pb2_grpc.GenerationStub(ch) for ch in self.channels]
 
     async def send(self, i: int, rid: str, ids: list[int], tokens: int) -> bool:
-        from splitserve.proto.splitserve.v1 import generate_pb2 as pb
-
-        req = pb.GenerateRequest(
-            request_id=rid,
-            token_ids=pb.TokenIds(ids=ids),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-        )
-        got: list[int] = []
-        async for r in self.stubs[i % len(self.stubs)].Generate(req, timeout=60):
-            got.extend(r.token_ids)
+        got = await generated(self.stubs[i % len(self.stubs)], rid, ids, tokens)
         return got == expected_tokens(ids, tokens)
 
     async def close(self) -> None:
@@ -253,18 +241,11 @@ async def _one_rate(paths: tuple[Routed, Direct], pids: tuple[int, int], rate: f
     while t < t_end:
         t += rng.expovariate(2 * rate)
         arrivals.append((t, distinct_prompt(rng)))
-    cpu = asyncio.ensure_future(_window_cpu(pids, t_measured, t_end))
+    cpu = asyncio.ensure_future(window_cpu(pids, t_measured, t_end))
     await asyncio.gather(*(one(i, at, ids) for i, (at, ids) in enumerate(arrivals)))
     (r0, f0), (r1, f1) = await cpu
     routed, direct = latencies
     return Step(rate, tuple(routed), tuple(direct), lost, wrong, (r1 - r0) / args.seconds, (f1 - f0) / args.seconds)
-
-
-async def _window_cpu(pids: Sequence[int], t0: float, t1: float) -> tuple[list[float], list[float]]:
-    await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-    before = [router_cpu_seconds(pid) for pid in pids]
-    await asyncio.sleep(max(0.0, t1 - time.monotonic()))
-    return before, [router_cpu_seconds(pid) for pid in pids]
 
 
 def sustained(steps: Sequence[Step]) -> tuple[Step | None, str]:
