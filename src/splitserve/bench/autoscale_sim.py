@@ -17,7 +17,7 @@ import argparse
 import random
 from collections.abc import Sequence
 
-from splitserve.bench.autoscale_plan import ROLES, Outcome, Record, pool_plan
+from splitserve.bench.autoscale_plan import ROLES, Outcome, PoolPlan, Record, pool_plan
 from splitserve.bench.mocker.main import mocker_spec
 from splitserve.bench.mocker_fidelity import Request
 from splitserve.cluster import joint, scaling
@@ -47,7 +47,7 @@ def simulated(args: argparse.Namespace, policies: Sequence[str], requests: list[
             kv_capacity_tokens=spec.num_blocks * 16,
         )
         resized = SimScaling(
-            _policy(policy, args, speed),
+            _policy(plan, speed),
             cold_start_s=args.cold_start_s,
             activation_s=ACTIVATION_S,
             standby=(plan.standby["prefill"], plan.standby["decode"]),
@@ -74,13 +74,12 @@ def simulated(args: argparse.Namespace, policies: Sequence[str], requests: list[
     return outcomes, line
 
 
-def _policy(policy: str, args: argparse.Namespace, prefill_speed: float) -> ScalingPolicy:
-    plan = pool_plan(args, policy)
-    if policy == "fixed":
-        return lambda view: ()
+def _policy(plan: PoolPlan, prefill_speed: float) -> ScalingPolicy:
     if plan.controller is not None:
         return _joint(plan.controller, prefill_speed)
-    return _queue(plan.scaling)
+    if any(c is not None for c in plan.scaling.values()):
+        return _queue(plan.scaling)
+    return lambda view: ()  # fixed pools
 
 
 def _queue(configs: dict) -> ScalingPolicy:

@@ -123,7 +123,8 @@ def _add_scaling_arguments(p: argparse._ActionsContainer) -> None:
             default=None,
             help=f"{role} workers kept started and warm (model loaded, warmed up, listening) but not routed to, "
             f"taken first by a grow or a replacement: the pool grows in one stats poll instead of a process start "
-            f"and a model load; each holds its weights and KV pool (default: 1 when the {role} pool scales, "
+            f"and a model load; each holds its weights and its KV pool (on a CPU, only the blocks its warm-up "
+            f"wrote) (default: 1 when the {role} pool scales, "
             f"within its --{role}-workers-max, else 0)",
         )
     p.add_argument(

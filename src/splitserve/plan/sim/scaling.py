@@ -179,8 +179,7 @@ class SimPools:
         return ready
 
     def _standby_ready(self, role: Role) -> Callable[[float], None]:
-        def ready(now: float) -> None:
-            self._pay(now)
+        def ready(_now: float) -> None:  # held as before: starting, then ready
             self.standby_starting[role] -= 1
             self.standby[role] += 1
 

@@ -373,11 +373,16 @@ class _Cluster:
     def warm_up(self, hashes: Sequence[BlockHash]) -> None:
         """Every worker holds the prefix that every prompt shares (its warm-up stored it)."""
         self._warm = hashes
-        if hashes:
-            for w in self.decode:
-                self.index.stored(w.name, hashes)
-            for p in self.prefill:
-                p.prefix_cache.update(hashes)
+        for w in self.decode + self.prefill:
+            self._warm_one(w)
+
+    def _warm_one(self, w: SimWorker) -> None:
+        if not self._warm:
+            return
+        if w.prefill_only:  # its own cache
+            w.prefix_cache.update(self._warm)
+        else:  # the router's index, fed by its events
+            self.index.stored(w.name, self._warm)
 
     # ---- resized pools: what plan/sim/scaling.py's SimPools calls
 
@@ -400,15 +405,13 @@ class _Cluster:
         name = f"{role}{len(self.by_name)}"
         if role == "prefill":
             w = self._worker(name, self.prefill_costs, True, spread, slowdown)
-            w.prefix_cache.update(self._warm)
             self.prefill.append(w)
         else:
             w = self._worker(name, costs, False, spread, slowdown)
-            if self._warm:
-                self.index.stored(name, self._warm)
             self.decode.append(w)
             self.lines[w] = deque()
         self.by_name[name] = w
+        self._warm_one(w)
 
     def drain_worker(self, name: str) -> None:
         """Out of routing now; its requests (and a decode worker's line) finish where they are."""
