@@ -16,6 +16,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import grpc
 import torch
@@ -34,6 +35,11 @@ from splitserve.workers.common.config import WorkerConfig, add_kv_transport_argu
 from splitserve.workers.common.metrics import WorkerMetrics, start_metrics_server
 from splitserve.workers.common.warm_up import warm_up
 
+if TYPE_CHECKING:  # each role's pieces are imported when a worker of that role starts
+    from splitserve.engine.connector import KVConnector
+    from splitserve.workers.decode.connector import ReceiverConnector
+    from splitserve.workers.prefill.connector import SenderConnector
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +47,7 @@ log = logging.getLogger(__name__)
 class RunningWorker:
     cfg: WorkerConfig
     grpc_address: str
-    kv_endpoint: str | None  # decode role
+    kv_endpoint: str | None  # decode role (and a switchable worker)
     loop: EngineLoop
     server: grpc.Server
     closers: list
@@ -75,7 +81,6 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
         options=[("grpc.so_reuseport", 0)],
     )
     closers: list = []
-    kv_endpoint: str | None = None
     metrics = WorkerMetrics(engine.model_cfg.name, cfg.role, cfg.worker_id)
     engine.drain_iteration_stats()  # counted from here on: a warm-up request is not traffic
     lease = core_lease(cfg)
@@ -88,10 +93,7 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
             lease.total_cores,
             lease.own_cores,
         )
-    if cfg.role == "decode":
-        loop, kv_endpoint = _serve_decode(cfg, engine, metrics, server, closers, lease)
-    else:
-        loop = _serve_prefill(cfg, engine, metrics, server, closers, lease)
+    loop, kv_endpoint = _serve_roles(cfg, engine, metrics, server, closers, lease)
     metrics.watch(lambda: loop.stats)
     if engine.tiers is not None:
         metrics.watch_tiers(engine.tiers.stats)
@@ -116,51 +118,65 @@ def start_worker(cfg: WorkerConfig, engine: Engine | None = None) -> RunningWork
     return RunningWorker(cfg, address, kv_endpoint, loop, server, closers, metrics)
 
 
-# Each role is built bottom up: its KV connector (which the engine calls), the engine loop,
-# then the service, given everything it uses.
+# A worker is built bottom up: its KV connector (which the engine calls), the engine loop, then
+# the services, given everything they use. A switchable worker has both roles' of each.
 
 
-def _serve_decode(
+def _serve_roles(
     cfg: WorkerConfig,
     engine: Engine,
     metrics: WorkerMetrics,
     server: grpc.Server,
     closers: list,
     lease: CoreLease | None = None,
-) -> tuple[EngineLoop, str]:
+) -> tuple[EngineLoop, str | None]:
+    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
+    from splitserve.workers.common.either_role import EitherRoleConnector
+    from splitserve.workers.decode.service import DecodeService
+    from splitserve.workers.prefill.service import PrefillService
+
+    decodes, prefills = cfg.role == "decode" or cfg.switchable, cfg.role == "prefill" or cfg.switchable
+    receiver, kv_endpoint = _receiver_connector(cfg, engine, closers) if decodes else (None, None)
+    sender = _sender_connector(cfg, engine, metrics, closers) if prefills else None
+    connector: KVConnector
+    if sender is not None and receiver is not None:
+        connector = EitherRoleConnector(sender, receiver)
+    else:
+        connector = sender if sender is not None else cast("ReceiverConnector", receiver)
+    engine.connect(connector)
+    loop = _engine_loop(cfg, engine, metrics, lease)
+    # the loop is built on the engine, which calls the connectors: their wake-ups are set now
+    if sender is not None:
+        sender.wake = loop.wake
+    if receiver is not None:
+        receiver.wake = loop.wake
+    if receiver is not None:
+        wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
+    if sender is not None:
+        wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, sender, metrics), server)
+    return loop, kv_endpoint
+
+
+def _receiver_connector(cfg: WorkerConfig, engine: Engine, closers: list) -> tuple[ReceiverConnector, str]:
+    """The decode role's: the KV receiver that prefill workers write into its reserved blocks."""
     from splitserve.kv_transfer import KVReceiver
     from splitserve.kv_transfer.links import TransportName
     from splitserve.kv_transfer.tcp import TCPTransport
-    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.decode.connector import CANCEL_WAIT_S, ReceiverConnector
-    from splitserve.workers.decode.service import DecodeService
 
     transport: TransportName | TCPTransport = cfg.kv_transport
     if cfg.internal_tls is not None:  # TCP under mutual TLS, offered to senders as "tcp"
         transport = TCPTransport(server_tls=cfg.internal_tls.ssl_context(server_side=True))
     receiver = KVReceiver(engine.kv_cache, host=cfg.host, port=cfg.kv_port, transport=transport)
     closers.append(receiver.close)
-    connector = ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S)
-    engine.connect(connector)
-    loop = _engine_loop(cfg, engine, metrics, lease)
-    connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
-    wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
-    return loop, receiver.endpoint
+    return ReceiverConnector(receiver, cancel_timeout_s=CANCEL_WAIT_S), receiver.endpoint
 
 
-def _serve_prefill(
-    cfg: WorkerConfig,
-    engine: Engine,
-    metrics: WorkerMetrics,
-    server: grpc.Server,
-    closers: list,
-    lease: CoreLease | None = None,
-) -> EngineLoop:
+def _sender_connector(cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, closers: list) -> SenderConnector:
+    """The prefill role's: the KV sender that streams each layer into a decode worker's blocks."""
     from splitserve.kv_transfer import KVSender
     from splitserve.kv_transfer.tcp import TCPTransport
-    from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
     from splitserve.workers.prefill.connector import SenderConnector
-    from splitserve.workers.prefill.service import PrefillService
 
     tls = cfg.internal_tls
     sender = KVSender(
@@ -174,12 +190,7 @@ def _serve_prefill(
     )
     closers.append(sender.close)
     tail_time = metrics.phase("kv_transfer_tail")
-    connector = SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
-    engine.connect(connector)
-    loop = _engine_loop(cfg, engine, metrics, lease)
-    connector.wake = loop.wake  # the loop is built on the engine, which calls the connector
-    wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, connector, metrics), server)
-    return loop
+    return SenderConnector(sender, confirm_timeout_s=cfg.prefill_timeout_s, tail_time=tail_time)
 
 
 def _engine_loop(cfg: WorkerConfig, engine: Engine, metrics: WorkerMetrics, lease: CoreLease | None) -> EngineLoop:
@@ -222,6 +233,12 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", required=True, choices=["prefill", "decode"], help="the worker's role (required)")
+    p.add_argument(
+        "--switchable",
+        action="store_true",
+        help="serve both roles (their services, the KV receiver and sender), so that a pool manager "
+        "may move the worker between the pools; --role is the one it starts in",
+    )
     p.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-GRPC_PORT)")
     p.add_argument("--host", default="127.0.0.1", help="the address it listens on and others reach it at")
     p.add_argument("--grpc-port", type=int, default=0, help="the control port, the router's calls (0: a free one)")
@@ -273,6 +290,7 @@ def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
         lease_cores=a.lease_cores,
         decode_borrows=a.decode_borrows == "on",
         max_waiting_requests=a.max_waiting_requests,
+        switchable=a.switchable,
     )
 
 

@@ -50,6 +50,10 @@ class WorkerConfig:
     lease_cores: int = 0  # the cores the lease shares; 0: the cores this process may run on
     # decode steps borrow idle cores too (a batch-4 SmolLM2 step: 16.9 ms on 1 thread, 12.3 on 2)
     decode_borrows: bool = False
+    # Serves both roles (both services, the KV receiver and sender, one engine), so the pool manager
+    # may move it between the pools without a new process (workers/common/either_role.py); its
+    # engine flags stay its `role`'s.
+    switchable: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

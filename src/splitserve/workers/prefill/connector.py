@@ -91,6 +91,11 @@ class SenderConnector:
         self._sends: dict[bytes, Outbound] = {}  # ticket -> the send, from `open` until it ends
         self._outcomes: queue.SimpleQueue[TransferOutcome] = queue.SimpleQueue()
 
+    @property
+    def sending(self) -> bool:
+        """A send is open: the next step's layers may carry KV (a worker of both roles asks)."""
+        return bool(self._sends)
+
     # ---- a gRPC handler's thread ----
 
     def open(self, request_id: str, reservation: Reservation, first_index: int, parent: Context) -> None:
