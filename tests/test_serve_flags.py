@@ -39,3 +39,18 @@ def test_a_bad_router_flag_is_refused_before_ray_starts(capsys):
     inside the running cluster, after Ray and both pools had started."""
     assert main(["serve", "--metrics-port", "-1"]) == 2
     assert "metrics_port must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_switch_roles_makes_every_worker_switchable_and_needs_pools_that_match(capsys):
+    from splitserve.cluster.serve import configure, pool_specs, with_tuned
+
+    for flags, switchable in (("--scaling joint --prefill-workers-max 3 --switch-roles", True), ("", False)):
+        a, _ = with_tuned(_serve(*flags.split()))
+        cfg = configure(a)
+        assert cfg.switch_roles is switchable
+        assert [s.worker.switchable for s in pool_specs(a, cfg, 1.0, "token", None)] == [switchable] * 2
+    assert main(["serve", "--switch-roles"]) == 2
+    assert "give --scaling joint" in capsys.readouterr().err
+    flags = "--scaling joint --prefill-workers-max 3 --switch-roles --decode-tensor-parallel-size 2"
+    assert main(["serve", *flags.split()]) == 2
+    assert "the pools' must match" in capsys.readouterr().err

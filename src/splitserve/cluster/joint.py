@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from splitserve.cluster.scaling import least_loaded
 from splitserve.router.policy import WorkerLoad
@@ -217,6 +217,9 @@ def _decode_demand(
     return want, math.ceil(want_context * cfg.shrink_headroom / per_worker), why
 
 
+R = TypeVar("R", bound=str)  # a pool's role
+
+
 def resize(target: int, have: int, loads: Mapping[str, WorkerLoad]) -> tuple[int, str | None]:
     """A decision acted on for one pool of `have` workers (routed and starting), `loads` its routed
     ones: (workers to start, the worker to drain). Below the target the pool grows to it at once;
@@ -226,6 +229,17 @@ def resize(target: int, have: int, loads: Mapping[str, WorkerLoad]) -> tuple[int
     if target < have and loads:
         return 0, least_loaded(loads, "work_tokens")
     return 0, None
+
+
+def switch(plans: Mapping[R, tuple[int, str | None]]) -> tuple[R, str] | None:
+    """Both pools' `resize` plans (role -> (workers to start, the worker to drain)): when one pool
+    grows while the other drains, (the draining pool, its worker), which then moves to the growing
+    pool in its own process (a switchable worker) instead of one process stopping while another
+    starts. None when they do not cross."""
+    for role, (_, victim) in plans.items():
+        if victim is not None and any(grow for other, (grow, _) in plans.items() if other != role):
+            return role, victim
+    return None
 
 
 def _learn_capacity(cfg: JointConfig, obs: Observation, known: float | None) -> float | None:

@@ -23,6 +23,12 @@ sleeps and it takes no request; it holds its weights and, on a CPU, only the KV
 blocks its warm-up wrote (a host pool is resident only where written:
 engine/kv_cache.untouched_zeros; a GPU's pool is reserved whole).
 
+Workers that serve both roles (`WorkerConfig.switchable` in both pools' specs) may
+move between the pools in their own process (`switch`): out of routing at once,
+handed to the router in the other role once idle. The joint controller moves the
+least-loaded worker of a pool it shrinks to a pool it grows in the same decision,
+instead of draining one process while another starts.
+
 With Ray's autoscaler, a worker that finds no room waits while Ray adds a node
 of its type; given the autoscaler's node types, one that no type can hold is
 refused (`Unplaceable`) before its actor is queued. The autoscaler is also asked,
@@ -44,6 +50,7 @@ from splitserve.cluster import joint
 from splitserve.cluster.launcher import Unplaceable, worker_bundle
 from splitserve.cluster.scaling import ScalerState, ScalingConfig, decide
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import WorkerLoad
 from splitserve.router.workers import Role, WorkerSet
 from splitserve.workers.common.config import WorkerConfig
 
@@ -125,6 +132,9 @@ class PoolManager:
         self.standby_pending: dict[Role, int] = {s.role: 0 for s in specs}  # standby actors starting
         # role -> when each standby worker was last handed to the router (monotonic clock), for the logs
         self.activations: dict[Role, list[float]] = {s.role: [] for s in specs}
+        self.switches: dict[Role, list[float]] = {s.role: [] for s in specs}  # ... and each switch in
+        # both pools' workers serve both roles: a worker may move between them (`switch`)
+        self.switchable = len(specs) == 2 and all(s.worker.switchable for s in specs)
         self._serial = 0
         self._loops: list[asyncio.Task[None]] = []  # the watch and the scale loops
         self._jobs: set[asyncio.Task[None]] = set()  # starts and drains in flight
@@ -250,6 +260,35 @@ class PoolManager:
             self._register(role, m, standby)
         self._publish_sizes()
 
+    def switch(self, role: Role, address: str, timeout_s: float = 60.0) -> None:
+        """Move the `role` pool's worker at `address` to the other pool, in its own process: out of
+        routing now, counted as starting in the other pool, and handed to the router in its other role
+        once it has finished its requests (at `timeout_s`, its last ones finish while it serves the
+        other role: the process serves both)."""
+        if not self.switchable:
+            raise ValueError("the pools' workers are not switchable (WorkerConfig.switchable)")
+        (m,) = [m for m in self.members[role] if m.grpc_address == address and not m.draining]
+        m.draining = True
+        self.pending[_other(role)] += 1
+        self._publish_sizes()
+        self._spawn(self._move(role, m, timeout_s))
+
+    async def _move(self, role: Role, m: _Member, timeout_s: float) -> None:
+        to = _other(role)
+        answering = await self._until_drained(role, m, timeout_s)
+        self.workers.remove(m.grpc_address)
+        self.members[role].remove(m)
+        self.pending[to] -= 1
+        if not answering:  # it died on the way: the other pool grows the usual way
+            await self._stop_actor(m)
+            self._add_worker(to)
+            return
+        m.draining = False
+        self._register(to, m)
+        self.switches[to].append(self.clock())
+        self._top_up_standby(role)
+        log.info("%s worker %s (%s) now serves the %s pool", role, m.worker_id, m.grpc_address, to)
+
     # ---- the watch: dead workers are replaced
 
     async def _watch_loop(self) -> None:
@@ -297,13 +336,8 @@ class PoolManager:
 
     def _scale_once(self, role: Role, cfg: ScalingConfig, state: ScalerState) -> ScalerState:
         members = self.members[role]
-        loads = {}
-        for m in members:
-            w = self.workers.get(m.grpc_address)
-            if w is not None and not m.draining:
-                loads[m.grpc_address] = w.load()
         draining = sum(m.draining for m in members)
-        d, state = decide(cfg, loads, self.pending[role], draining, self.clock(), state)
+        d, state = decide(cfg, self._loads(role), self.pending[role], draining, self.clock(), state)
         if d.action == "hold":
             log.debug("%s pool: hold: %s", role, d.reason)
             return state
@@ -352,16 +386,21 @@ class PoolManager:
 
     def joint_once(self, cfg: joint.JointConfig, state: joint.JointState) -> joint.JointState:
         """One reading and decision of the joint controller, acted on: a pool below its target grows
-        at once (standby workers first), one above it drains its least-loaded worker."""
+        at once (a worker the other pool gives up first, when they switch; then standby workers), one
+        above it drains its least-loaded worker."""
         decision, state = joint.decide(cfg, self.observe(), state)
         targets: tuple[tuple[Role, int], ...] = (("prefill", decision.prefill), ("decode", decision.decode))
-        for role, target in targets:
-            loads = {
-                m.grpc_address: w.load()
-                for m in self.members[role]
-                if not m.draining and (w := self.workers.get(m.grpc_address)) is not None
-            }
-            grow, victim = joint.resize(target, self._routed_or_starting(role), loads)
+        plans = {
+            role: joint.resize(target, self._routed_or_starting(role), self._loads(role)) for role, target in targets
+        }
+        moved = joint.switch(plans) if self.switchable else None
+        if moved is not None:
+            role, address = moved
+            log.info("%s pool: switch 1 to the %s pool, %s: %s", role, _other(role), address, decision.reason)
+            self.metrics.scaling_decisions.labels(_other(role), "switch").inc()
+            self.switch(role, address, cfg.drain_timeout_s)
+            plans = {role: (0, None), _other(role): (plans[_other(role)][0] - 1, None)}
+        for role, (grow, victim) in plans.items():
             if grow:
                 log.info("%s pool: grow %d: %s", role, grow, decision.reason)
                 self.metrics.scaling_decisions.labels(role, "grow").inc()
@@ -374,6 +413,14 @@ class PoolManager:
                 self._shrink(role, m, cfg.drain_timeout_s)
         return state
 
+    def _loads(self, role: Role) -> dict[str, WorkerLoad]:
+        """The pool's routed workers' loads, a draining one left out."""
+        return {
+            m.grpc_address: w.load()
+            for m in self.members[role]
+            if not m.draining and (w := self.workers.get(m.grpc_address)) is not None
+        }
+
     def _shrink(self, role: Role, m: _Member, timeout_s: float) -> None:
         """`m` out of routing now, so the next decision already sees it draining; drained and
         stopped in the background (the per-pool scaler's shrink and the joint controller's)."""
@@ -383,6 +430,17 @@ class PoolManager:
 
     async def _drain(self, role: Role, m: _Member, timeout_s: float) -> None:
         """Until the worker has finished its requests (or the deadline), then remove and stop it."""
+        await self._until_drained(role, m, timeout_s)
+        self.workers.remove(m.grpc_address)
+        await self._stop_actor(m)
+        # a member until stopped, so that `members` never lists fewer actors than are alive
+        self.members[role].remove(m)
+        self._top_up_standby(role)  # a pool below its maximum again has room for one ready
+        log.info("%s worker %s (%s) drained and stopped", role, m.worker_id, m.grpc_address)
+
+    async def _until_drained(self, role: Role, m: _Member, timeout_s: float) -> bool:
+        """No new request for the worker; until it has finished its requests, or the deadline.
+        False if it stopped answering on the way."""
         workers = self.workers
         workers.drain(m.grpc_address)
         deadline = self.clock() + timeout_s
@@ -390,23 +448,18 @@ class PoolManager:
             w = workers.get(m.grpc_address)
             if w is None or w.failures >= workers.cfg.retries.unhealthy_after_failures:
                 log.info("%s worker %s stopped answering while draining", role, m.worker_id)
-                break
+                return False
             if self.clock() > deadline:
                 log.warning(
-                    "%s worker %s still busy after %.0f s of draining; stopping it anyway "
-                    "(its requests are retried elsewhere)",
+                    "%s worker %s still busy after %.0f s of draining; going on (its requests end where they "
+                    "are, or are retried elsewhere if it stops)",
                     role,
                     m.worker_id,
                     timeout_s,
                 )
-                break
+                return True
             await asyncio.sleep(workers.cfg.deadlines.stats_interval_s)
-        workers.remove(m.grpc_address)
-        await self._stop_actor(m)
-        # a member until stopped, so that `members` never lists fewer actors than are alive
-        self.members[role].remove(m)
-        self._top_up_standby(role)  # a pool below its maximum again has room for one ready
-        log.info("%s worker %s (%s) drained and stopped", role, m.worker_id, m.grpc_address)
+        return True
 
     async def _stop_actor(self, m: _Member) -> None:
         """A clean stop first (the worker closes its server and KV endpoint), then the process goes."""
@@ -434,3 +487,7 @@ class PoolManager:
                 await self._stop_actor(m)
             members.clear()
         self.launcher.request_capacity([])  # a stopped deployment holds no nodes for the autoscaler
+
+
+def _other(role: Role) -> Role:
+    return "decode" if role == "prefill" else "prefill"

@@ -135,6 +135,14 @@ def _add_scaling_arguments(p: argparse._ActionsContainer) -> None:
         "(--*-target-tokens, after 5 s over); joint, both together for --slo-ttft-ms and --slo-itl-ms from the "
         "token rates, predicted ahead (cluster/joint.py)",
     )
+    p.add_argument(
+        "--switch-roles",
+        action="store_true",
+        help="--scaling joint: when one pool grows while the other shrinks, the shrinking pool's least-loaded "
+        "worker moves to the growing pool in its own process (once idle) instead of one process stopping while "
+        "another starts; every worker then serves both roles (the pools' --*-tensor-parallel-size and "
+        "--*-resources must match)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="--scaling joint: the time-to-first-token SLO")
     p.add_argument("--slo-itl-ms", type=float, default=100.0, help="--scaling joint: the inter-token latency SLO")
 
@@ -234,6 +242,7 @@ class ServeConfig:
     resources: Mapping[Role, Mapping[str, float]]  # role -> custom Ray resources per worker
     node_types: Mapping[str, Mapping[str, float]] | None  # the autoscaler's, when --node-types gives them
     controller: JointConfig | None  # --scaling joint: both pools sized together for the SLOs
+    switch_roles: bool  # --switch-roles: every worker serves both roles, and moves between the pools
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,7 +329,22 @@ def configure(a: argparse.Namespace) -> ServeConfig:
         resources={role: _resources(getattr(a, f"{role}_resources"), f"--{role}-resources") for role in ROLES},
         node_types=node_types,
         controller=joint_config(a) if a.scaling == "joint" else None,
+        switch_roles=switch_roles(a, tp),
     )
+
+
+def switch_roles(a: argparse.Namespace, tp: Mapping[Role, int]) -> bool:
+    """--switch-roles, if the pools' workers could be one another's (ValueError if not)."""
+    if not a.switch_roles:
+        return False
+    if a.scaling != "joint":
+        raise ValueError("--switch-roles moves workers for the joint controller: give --scaling joint")
+    if tp["prefill"] != tp["decode"] or a.prefill_resources != a.decode_resources:
+        raise ValueError(
+            "--switch-roles: a worker keeps its Ray resources and tensor-parallel size when it moves, so the pools' "
+            "must match (--prefill-resources/--decode-resources, --*-tensor-parallel-size)"
+        )
+    return True
 
 
 def joint_config(a: argparse.Namespace) -> JointConfig:
@@ -500,6 +524,7 @@ def pool_specs(
             decode_borrows=a.decode_borrows == "on",
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,
+            switchable=cfg.switch_roles,
         )
 
     return [
