@@ -150,6 +150,9 @@ class Deadlines:
     lease_ms: int = 300_000  # asked of the decode worker for REMOTE reservations
     stats_timeout_s: float = 1.0  # one GetStats poll
     stats_interval_s: float = 0.5  # between two GetStats polls of a worker
+    # ... of a draining worker: the first at once, then this often, so that an idle worker is known
+    # drained (two idle polls) in a fraction of a second: a role switch and a scale-down wait for it
+    drain_poll_interval_s: float = 0.1
     block_events_timeout_s: float = 3600.0  # a subscription is re-opened after this (fresh snapshot)
     reconnect_backoff_s: float = 0.5  # before re-opening a BlockEvents subscription that ended
     # With no decode worker healthy at all (the last one died, the pool is starting), a request waits

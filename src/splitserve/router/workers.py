@@ -83,9 +83,10 @@ class Worker:
     assigned_context: int = 0  # routed here as KV from a prefill worker: context it will hold, not queue
     ended_tokens: int = 0  # of this router's requests that ended here, that its last stats may still show
     draining: bool = False  # being scaled away: not routable, polled until idle
-    # Stats polls in a row, since draining began, that found no work and no block in use. A request
-    # routed just before the drain may still be on its way, so one idle poll is not proof.
+    # Stats polls in a row, sent since draining began, that found no work and no block in use. A
+    # request routed just before the drain may still be on its way, so one idle poll is not proof.
     idle_polls: int = 0
+    poll_now: asyncio.Event = field(default_factory=asyncio.Event)  # set: the next stats poll goes out at once
     # why its stats polls fail ("UNAVAILABLE: ..."), once they have failed enough in a row to take
     # it out of routing; None while it answers
     unreachable: str | None = None
@@ -303,6 +304,7 @@ class WorkerSet:
         w = self._workers.get(address)
         if w is not None and not w.draining:
             w.draining, w.idle_polls = True, 0
+            w.poll_now.set()
             log.info("draining %s worker %s", w.role, address)
             self._health_changed()
             self._mirror(("drain", address))
@@ -321,7 +323,7 @@ class WorkerSet:
             # routed while it is in flight may not, so they stay counted (clearing them
             # all made a burst's load vanish for a poll and fooled the pool scaler).
             assigned_before, ended_before = (w.assigned_tokens, w.assigned_context), w.ended_tokens
-            failed_before = w.failed_calls
+            failed_before, draining_before = w.failed_calls, w.draining
             st: wpb.WorkerStats | grpc.aio.AioRpcError
             try:
                 st = await w.stub.GetStats(
@@ -339,11 +341,14 @@ class WorkerSet:
                 await asyncio.sleep(0)  # the next poll at once: a worker marked by mistake comes back now
                 continue
             else:
-                self._poll_answered(w, st, assigned_before, ended_before)
+                self._poll_answered(w, st, assigned_before, ended_before, draining_before)
             if w.healthy != was:
                 log.info("%s worker %s is %s", w.role, w.address, "healthy" if w.healthy else "unhealthy")
                 self._health_changed()
-            await asyncio.sleep(deadlines.stats_interval_s)
+            interval = deadlines.drain_poll_interval_s if w.draining else deadlines.stats_interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.poll_now.wait(), interval)
+            w.poll_now.clear()
 
     def _poll_failed(self, w: Worker, e: grpc.aio.AioRpcError) -> None:
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -368,8 +373,15 @@ class WorkerSet:
         w.unreachable = why
 
     def _poll_answered(
-        self, w: Worker, st: wpb.WorkerStats, assigned_before: tuple[int, int], ended_before: int
+        self,
+        w: Worker,
+        st: wpb.WorkerStats,
+        assigned_before: tuple[int, int],
+        ended_before: int,
+        draining_before: bool,
     ) -> None:
+        """`draining_before`: the worker was draining when the poll went out (only such an answer
+        counts towards drained)."""
         if w.unreachable is not None:
             log.info("%s worker %s answers again", w.role, w.address)
             w.unreachable = None
@@ -390,7 +402,7 @@ class WorkerSet:
         w.assigned_tokens = max(0, w.assigned_tokens - assigned_before[0])
         w.assigned_context = max(0, w.assigned_context - assigned_before[1])
         w.ended_tokens = max(0, w.ended_tokens - ended_before)
-        if w.draining:
+        if w.draining and draining_before:
             w.idle_polls = w.idle_polls + 1 if _idle(st) else 0
 
     def _same_model(self, w: Worker, fingerprint: bytes) -> bool:
