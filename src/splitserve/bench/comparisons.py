@@ -281,7 +281,8 @@ COMPARISONS = (
         for n in (2, 4)
     ),
     Comparison(
-        "A decode pool grown from a standby worker against a cold start, the real model on local Ray",
+        "A pool grown from a standby worker, by a cold start, and by an idle worker of the other pool switching "
+        "role, the real model on local Ray",
         "issue 44's target: standby activation to first token under 1 s",
         "standby-cpu.txt",
         (
@@ -290,6 +291,7 @@ COMPARISONS = (
                 r"(?P<cold>[\d.]+ s)",
                 "{warm} from standby, {cold} cold ({x}x sooner)",
             ),
+            Figure(r"^role switch (?P<switch>[\d.]+ s) to the first token", "{switch} by a role switch"),
         ),
     ),
     *(

@@ -458,7 +458,7 @@ class PoolManager:
                     timeout_s,
                 )
                 return True
-            await asyncio.sleep(workers.cfg.deadlines.stats_interval_s)
+            await asyncio.sleep(workers.cfg.deadlines.drain_poll_interval_s)
         return True
 
     async def _stop_actor(self, m: _Member) -> None:
