@@ -130,6 +130,9 @@ class PoolManager:
         self.pending: dict[Role, int] = {s.role: 0 for s in specs}  # actors starting
         self.standby: dict[Role, list[_Member]] = {s.role: [] for s in specs}  # started, warm, not routed to
         self.standby_pending: dict[Role, int] = {s.role: 0 for s in specs}  # standby actors starting
+        # routed starts that a standby worker, up first, took the place of: they land on standby
+        self._demoted: dict[Role, int] = {s.role: 0 for s in specs}
+        self._moving: dict[Role, int] = {s.role: 0 for s in specs}  # of `pending`: workers switching in
         # role -> when each standby worker was last handed to the router (monotonic clock), for the logs
         self.activations: dict[Role, list[float]] = {s.role: [] for s in specs}
         self.switches: dict[Role, list[float]] = {s.role: [] for s in specs}  # ... and each switch in
@@ -255,7 +258,22 @@ class PoolManager:
             log.exception("could not start a %s worker", role)
             m = None
         finally:
+            if not standby and self._demoted[role]:  # a standby worker took its place: it lands on standby
+                self._demoted[role] -= 1
+                standby = True
             (self.standby_pending if standby else self.pending)[role] -= 1
+        if m is not None and standby and self.pending[role] > self._moving[role]:
+            # A routed start is pending (a replacement, a grow that found no standby worker): this
+            # worker, up first, serves now, and that start lands on standby when it comes. When a
+            # node is lost with a pool's standby worker on it, its replacement serves as soon as the
+            # first of the starts is up, not when the one started for it is.
+            self.pending[role] -= 1
+            self.standby_pending[role] += 1
+            self._demoted[role] += 1
+            standby = False
+            log.info(
+                "%s worker %s, started for standby, serves in place of a start still on its way", role, m.worker_id
+            )
         if m is not None:
             self._register(role, m, standby)
         self._publish_sizes()
@@ -270,6 +288,7 @@ class PoolManager:
         (m,) = [m for m in self.members[role] if m.grpc_address == address and not m.draining]
         m.draining = True
         self.pending[_other(role)] += 1
+        self._moving[_other(role)] += 1
         self._publish_sizes()
         self._spawn(self._move(role, m, timeout_s))
 
@@ -279,6 +298,7 @@ class PoolManager:
         self.workers.remove(m.grpc_address)
         self.members[role].remove(m)
         self.pending[to] -= 1
+        self._moving[to] -= 1
         if not answering:  # it died on the way: the other pool grows the usual way
             await self._stop_actor(m)
             self._add_worker(to)
