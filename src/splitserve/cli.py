@@ -62,6 +62,10 @@ BENCHMARKS = {
         "splitserve.bench.autoscale",
         "pools under a 4x burst: fixed, the queue policy, the joint controller with standby; SLOs against cost",
     ),
+    "ray-nodes": (
+        "splitserve.bench.ray_nodes",
+        "a multi-node Ray cluster behind a shaped link: pools grown from standby under a burst, a node killed",
+    ),
     "fleet-loss": ("splitserve.bench.fleet_loss", "a share of a mocker fleet killed under load: lost, wrong, blocks"),
     "serving": ("splitserve.bench.serving", "TTFT and ITL, disaggregated against colocated, on real worker processes"),
     "tiers": ("splitserve.bench.tiers", "TTFT of a host-tier and a disk-tier prefix hit against recomputing it"),
