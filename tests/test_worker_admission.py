@@ -14,12 +14,13 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.random_model import random_weights, tiny_model_config
+from splitserve.engine.sampling import SamplingParams
 from splitserve.proto.splitserve.internal.v1 import worker_pb2 as wpb
 from splitserve.proto.splitserve.internal.v1 import worker_pb2_grpc as wgrpc
 from splitserve.workers.common.config import WorkerConfig
 from splitserve.workers.common.warm_up import warm_up
 from splitserve.workers.server import start_worker
-from tests.worker_helpers import assert_engine_empty
+from tests.worker_helpers import assert_engine_empty, tiny_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,3 +131,12 @@ def test_one_sample_cancelled_the_others_finish_and_every_block_comes_back() -> 
         assert_engine_empty(w.loop.engine)
     finally:
         w.stop()
+
+
+def test_the_warm_up_leaves_no_prefill_speed_behind() -> None:
+    """Its prompt of a few tokens measures fixed costs, not a speed: the first real prompts do."""
+    engine = tiny_engine()
+    warm_up(engine)
+    assert engine.prefill_tokens_per_s is None
+    engine.generate([list(range(40))], SamplingParams(max_tokens=1, temperature=0.0))
+    assert engine.prefill_tokens_per_s is not None and engine.prefill_tokens_per_s > 0

@@ -75,7 +75,8 @@ class NetnsRayCluster:
         deadline = time.monotonic() + NODE_JOIN_TIMEOUT_S
         while True:
             try:
-                ray.init(address=self.address, logging_level=logging.WARNING)
+                # the workers' logs stay in the nodes' log files: forwarded, they buried the figures
+                ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
                 return
             except ConnectionError:
                 if time.monotonic() > deadline:

@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-tokens-per-worker",
         type=int,
-        default=192,
+        default=256,
         help="the joint controller's first guess of a decode worker's context",
     )
     p.add_argument("--interval-s", type=float, default=2.0, help="the joint controller's reading interval")

@@ -388,6 +388,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def forget_prefill_speed(self) -> None:
+        """Drop the prefill speed measured so far: a warm-up's prompt of a few tokens is all fixed
+        cost (SmolLM2 in float32 on one thread: 123 tok/s, against 332 on a 200-token prompt), and a
+        running average started there reported a worker far below its speed for its first dozen
+        prompts (on a multi-node Ray cluster the joint controller grew the prefill pool on it at once)."""
+        self.prefill_tokens_per_s = None
+        if self.tiers is not None:
+            self.tiers.prefill_tokens_per_s = None
+
     def _observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """The prefill speed's running average: a tier load is weighed against it (engine/kv_tiers.py),
         and the stats report it, for the router's tier pricing and the joint pool controller."""

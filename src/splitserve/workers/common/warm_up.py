@@ -40,6 +40,7 @@ def warm_up(engine: Engine) -> float:
     if not engine.cfg.device.startswith("cuda"):
         log.info("%s", summary(prepare()))
     engine.generate([[0] * prompt_len], params)
+    engine.forget_prefill_speed()  # the first real prompts measure it
     if engine.tokenizer is not None:
         engine.grammars()
     if engine.blocks.num_free_blocks != free:  # a warm-up that kept a block would cost a client one
