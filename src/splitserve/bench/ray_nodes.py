@@ -55,18 +55,18 @@ START_TIMEOUT_S = 300.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gbps", type=float, default=1.0, help="the shaped link between the namespaces, Gb/s")
-    p.add_argument("--rate", type=float, default=0.3, help="requests a second outside the burst")
-    p.add_argument("--burst-factor", type=float, default=6.0)
+    p.add_argument("--rate", type=float, default=0.1, help="requests a second outside the burst")
+    p.add_argument("--burst-factor", type=float, default=10.0)
     p.add_argument("--phases", default="20,30,20", help="seconds before, during and after the burst")
     p.add_argument("--kill-at-s", type=float, default=45.0, help="when the prefill node is killed, from the start")
-    p.add_argument("--prompt-tokens", default="20:60", help="LO:HI, uniform")
+    p.add_argument("--prompt-tokens", default="100:300", help="LO:HI, uniform")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    p.add_argument("--slo-itl-ms", type=float, default=300.0)
+    p.add_argument("--slo-itl-ms", type=float, default=60.0)
     p.add_argument(
         "--decode-tokens-per-worker",
         type=int,
-        default=256,
+        default=1024,
         help="the joint controller's first guess of a decode worker's context",
     )
     p.add_argument("--interval-s", type=float, default=2.0, help="the joint controller's reading interval")
