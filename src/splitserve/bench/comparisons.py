@@ -328,6 +328,22 @@ COMPARISONS = (
         ),
     ),
     Comparison(
+        "The pools on a 5-node Ray cluster of this machine, the prefill nodes in a network namespace behind a 1 Gb/s "
+        "link: grown from 1+1 to 2+2 from standby under a 10x burst, then a prefill node killed whole under load",
+        "issue 44's targets: 0 requests lost, 0 wrong tokens, blocks back within 1 s",
+        "ray-nodes-netns.txt",
+        (
+            Figure(r"^prefill pool at 2 workers: (?P<p>[-\d.]+ s|never)", "prefill at 2 after {p}"),
+            Figure(r"^decode pool at 2 workers: (?P<d>[-\d.]+ s|never)", "decode at 2 after {d} (from the burst)"),
+            Figure(r"^prefill pool at 2 workers again after (?P<back>[\d.]+ s|never)", "replaced after {back}"),
+            Figure(
+                r"^lost (?P<lost>\d+) of (?P<n>\d+) requests, (?P<wrong>\d+) wrong .*blocks back (?P<blocks>[\d.]+ s)",
+                "{lost} of {n} lost, {wrong} wrong, blocks back {blocks}",
+            ),
+            Figure(r"^KV across the link: (?P<mib>\d+ MiB)", "{mib} across the link"),
+        ),
+    ),
+    Comparison(
         "The plan simulator's TTFT and ITL",
         "the same loads measured",
         "plan-check*.txt",

@@ -42,6 +42,8 @@ TITLES = {
     "CPU per request, the spread of connections, prefix-hit rate (issue 44)",
     "standby-cpu": "A pool grown from a warm standby worker against a cold start: from the grow to the first token "
     "(issue 44)",
+    "ray-nodes-netns": "The pools on a multi-node Ray cluster, the KV across a shaped link between network namespaces: "
+    "grown from standby under a burst, then a node killed under load (issue 44)",
     **{
         f"autoscale-mockers-{name}": "Pools under a 4x burst: fixed, the queue policy and the joint controller "
         f"with standby, over a fleet of mocker workers ({what}) (issue 44)"
