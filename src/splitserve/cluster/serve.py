@@ -49,12 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from splitserve.engine.flags import add_engine_arguments
     from splitserve.engine.kernels.prebuild import add_argument as add_kernels_argument
     from splitserve.router.flags import add_router_arguments
-    from splitserve.workers.server import add_admission_arguments
+    from splitserve.workers.server import add_admission_arguments, add_stream_argument
 
     engine = p.add_argument_group("model and engine")
     add_engine_arguments(engine)  # --block-size among them, shared by the router
     add_kernels_argument(engine)
     add_admission_arguments(p.add_argument_group("admission"))
+    add_stream_argument(p.add_argument_group("streaming"))
     add_router_arguments(p.add_argument_group("router"))
     _add_pool_arguments(p.add_argument_group("pools"))
     _add_placement_arguments(p.add_argument_group("placement on Ray"))
@@ -525,6 +526,7 @@ def pool_specs(
             max_waiting_requests=a.max_waiting_requests,
             otlp_traces_endpoint=a.otlp_traces_endpoint,
             switchable=cfg.switch_roles,
+            stream_interval=a.stream_interval,
         )
 
     return [

@@ -231,6 +231,17 @@ def add_admission_arguments(p: argparse._ActionsContainer) -> None:  # a parser 
     )
 
 
+def add_stream_argument(p: argparse._ActionsContainer) -> None:
+    """How a decode worker groups a stream's tokens, for every command that starts workers."""
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="decode workers send a stream's tokens in groups of at least this many (the first and the last at once): "
+        "fewer, larger messages through the router, tokens arriving in groups (1: each step's at once)",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", required=True, choices=["prefill", "decode"], help="the worker's role (required)")
     p.add_argument(
@@ -264,6 +275,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     add_kernels_argument(p)
     add_admission_arguments(p)
+    add_stream_argument(p)
     add_tracing_argument(p)
 
 
@@ -291,6 +303,7 @@ def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
         decode_borrows=a.decode_borrows == "on",
         max_waiting_requests=a.max_waiting_requests,
         switchable=a.switchable,
+        stream_interval=a.stream_interval,
     )
 
 

@@ -47,7 +47,9 @@ def serve_mockers(conn: mp.connection.Connection, args: argparse.Namespace, cpu:
     fleet = start_fleet(spec, args.prefill_workers, args.decode_workers)
     line = (
         f"over {args.prefill_workers} prefill + {args.decode_workers} decode mocker workers (bench/mocker/: the "
-        f"real worker services, steps timed by {spec.costs_what}; KV at 1/{fleet.kv_scale:.0f} of its bytes)"
+        f"real worker services, steps timed by {spec.costs_what}; KV at 1/{fleet.kv_scale:.0f} of its bytes"
+        + (f"; tokens sent in groups of at least {spec.stream_interval}" if spec.stream_interval > 1 else "")
+        + ")"
     )
     conn.send(
         {

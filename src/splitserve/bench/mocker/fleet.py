@@ -55,6 +55,7 @@ class MockerSpec:
     max_position: int = 32768
     cluster_token: str | None = None
     host: str = "127.0.0.1"
+    stream_interval: int = 1  # a decode mocker's token groups (WorkerConfig.stream_interval)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -109,6 +110,7 @@ def start_fleet(spec: MockerSpec, prefill: int, decode: int, name: str = "mocker
                     kv_wire_codec="raw",
                     cluster_token=spec.cluster_token,
                     warm_up=False,
+                    stream_interval=spec.stream_interval,
                 )
                 worker = start_worker(cfg, engine)
                 worker.loop.idle_wait_s = IDLE_WAIT_S

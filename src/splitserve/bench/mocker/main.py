@@ -29,6 +29,12 @@ def add_costs_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default=ROOFLINE_GPU, help="without --profile: the modelled accelerator")
     g.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens per mocker")
     g.add_argument("--max-num-seqs", type=int, default=64, help="running requests per mocker at most")
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="decode mockers send a stream's tokens in groups of at least this many",
+    )
 
 
 def mocker_spec(a: argparse.Namespace, cluster_token: str | None = None) -> MockerSpec:
@@ -42,6 +48,7 @@ def mocker_spec(a: argparse.Namespace, cluster_token: str | None = None) -> Mock
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=chunk,
         cluster_token=cluster_token,
+        stream_interval=a.stream_interval,
     )
 
 

@@ -54,6 +54,9 @@ class WorkerConfig:
     # may move it between the pools without a new process (workers/common/either_role.py); its
     # engine flags stay its `role`'s.
     switchable: bool = False
+    # A decode stream sends its tokens in groups of at least this many (its first token and its last at once):
+    # fewer, larger messages for the router to relay (SGLang's --stream-interval). 1: every step's.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -72,6 +75,8 @@ class WorkerConfig:
         for f in ("grpc_port", "kv_port"):
             if not 0 <= getattr(self, f) < 65536:
                 raise ValueError(f"{f} must be a port number")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1 (1: every step's tokens at once)")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0 (0: twice max_num_seqs)")
         if self.lease_cores < 0 or self.threads < 0:
