@@ -213,6 +213,23 @@ COMPARISONS = (
         )
         for n in (16, 64, 256)
     ),
+    Comparison(
+        "The router's CPU in front of 16 decode mocker workers whose streams send tokens in groups of at least 8 "
+        "(--stream-interval 8; run just after the 16-worker row that sends each step's tokens)",
+        "issue 44's targets: 15 us a streamed token, 300 us a request",
+        "router-load-mockers-16-interval8.txt",
+        (
+            Figure(
+                r"^router CPU per streamed token (?P<tok>[\d.-]+) us \(target [\d.]+\), "
+                r"per request (?P<req>[\d.-]+) us",
+                "{tok} us a token, {req} us a request",
+            ),
+            Figure(
+                r"^\s+64\s+16\s+(?P<rate>[\d.]+)\s+[\d.]+\s+(?P<p99>[\S]+)\s+(?P<cpu>[\d.]+ core)",
+                "64 tokens out at concurrency 16: {rate} req/s, router {cpu}",
+            ),
+        ),
+    ),
     *(
         Comparison(
             f"The open-loop rate one router sustains within +5 ms p99 in front of {n} decode mocker workers "

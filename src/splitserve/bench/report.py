@@ -29,6 +29,8 @@ TITLES = {
         "timed by the planner's model): its CPU per request and per streamed token, idle and loaded (issue 44)"
         for n in (16, 64, 256)
     },
+    "router-load-mockers-16-interval8": "The router over 16 decode mocker workers whose streams send their tokens "
+    "in groups of at least 8 (--stream-interval 8) (issue 44)",
     **{
         f"router-rate-mockers-{n}": f"The open-loop rate one router sustains within +5 ms p99 over {n} decode mocker "
         "workers, against the same arrivals sent straight to them (issue 44)"
