@@ -149,6 +149,7 @@ def mocker_cluster(
         gpu="",
         num_blocks=MOCKER_BLOCKS,
         max_num_seqs=64,
+        stream_interval=1,
         prefill_workers=prefill,
         decode_workers=decode,
     )

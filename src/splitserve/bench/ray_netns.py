@@ -16,6 +16,7 @@ second (the default, five of three, leaves a dead node's actors listed for 15 s)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +59,10 @@ class NetnsRayCluster:
         self._logs = tempfile.TemporaryDirectory(prefix="splitserve-ray-nodes-")
         self._net = self.link.outer_host.rsplit(".", 1)[0]
         self._next_host = 3
+        # `ray start --head` names its cluster in a file that a later `ray.init()` without an address
+        # joins: a test or a `serve` after this bench found our dead cluster there. Put back at close.
+        self._address_file = _address_file()
+        self._address_file_before = _read(self._address_file)
         try:
             self._start(
                 "head", self.link.outer_host, False, 0, {}, ["--head", f"--port={port}", "--include-dashboard=false"]
@@ -152,6 +157,12 @@ class NetnsRayCluster:
         for node in reversed(list(self.nodes.values())):
             _kill_group(node.process)
         self.nodes.clear()
+        if self._address_file_before is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._address_file)
+        else:
+            with open(self._address_file, "w") as f:
+                f.write(self._address_file_before)
         self.link.close()
         self._logs.cleanup()
 
@@ -160,6 +171,20 @@ class NetnsRayCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _address_file() -> str:
+    from ray._private.utils import get_ray_address_file
+
+    return str(get_ray_address_file(None))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _nodes(ray: Any) -> list[dict[str, Any]]:
