@@ -143,8 +143,9 @@ def test_the_warm_up_leaves_no_prefill_speed_behind() -> None:
 
 
 def test_a_stream_interval_groups_a_streams_tokens_after_its_first() -> None:
-    """--stream-interval 4: the first token alone (time to first token), then groups of at least 4
-    (more where more are ready), the last whatever is left; the same tokens as with each step's."""
+    """--stream-interval 4: the first event is not held for a group (it carries what is ready: the
+    first token, or more on a busy machine), the next ones groups of at least 4, the last whatever is
+    left; the same tokens as with each step's."""
     got = {}
     for interval in (1, 4):
         ecfg = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
@@ -152,13 +153,13 @@ def test_a_stream_interval_groups_a_streams_tokens_after_its_first() -> None:
         w = start_worker(cfg, Engine(CFG, WEIGHTS, ecfg))
         try:
             with grpc.insecure_channel(w.grpc_address) as ch:
-                events = list(decode_call(wgrpc.DecodeWorkerStub(ch), f"s{interval}", 11))
+                events = list(decode_call(wgrpc.DecodeWorkerStub(ch), f"s{interval}", 40))
             got[interval] = [list(ev.tokens.token_ids) for ev in events if ev.WhichOneof("event") == "tokens"]
             assert events[-1].WhichOneof("event") == "finish"
         finally:
             w.stop()
-    first, *groups, last = [len(g) for g in got[4]]
-    assert first == 1 and all(n >= 4 for n in groups) and 1 <= last
-    assert sum(got[4], []) == sum(got[1], []) and len(sum(got[1], [])) == 11
+    _, *groups, _ = [len(g) for g in got[4]]
+    assert all(n >= 4 for n in groups), got[4]  # none of the events between the first and the last is short
+    assert sum(got[4], []) == sum(got[1], []) and len(sum(got[1], [])) == 40
     with pytest.raises(ValueError, match="stream_interval"):
         WorkerConfig(role="decode", stream_interval=0)
