@@ -214,8 +214,7 @@ async def _drive(port: int, requests: list[Request], output_tokens: int, start: 
     """Every request at its moment, greedy; its tokens or its error."""
     import grpc
 
-    from splitserve.bench.router_load import own_channels
-    from splitserve.proto.splitserve.v1 import generate_pb2 as pb
+    from splitserve.bench.router_load import generated, own_channels
     from splitserve.proto.splitserve.v1 import generate_pb2_grpc as pbg
 
     channels = own_channels(f"127.0.0.1:{port}", 4)
@@ -223,12 +222,8 @@ async def _drive(port: int, requests: list[Request], output_tokens: int, start: 
 
     async def one(i: int, r: Request) -> Answer:
         await asyncio.sleep(max(0.0, start + r.at_s - time.monotonic()))
-        req = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=r.prompt),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True),
-        )
         try:
-            tokens = [t async for x in stubs[i % len(stubs)].Generate(req, timeout=300) for t in x.token_ids]
+            tokens = await generated(stubs[i % len(stubs)], f"ray-nodes-{i}", r.prompt, output_tokens, timeout_s=300)
         except grpc.aio.AioRpcError as e:
             return Answer(r.at_s, [], f"{e.code().name}: {e.details()}")
         return Answer(r.at_s, tokens)
@@ -261,17 +256,15 @@ async def _kill_prefill_node(at_s: float, c: Any, pools: Any, start: float, watc
     (first, *_) = [m for m in pools.members["prefill"] if not m.draining]
     node = c.node_of_ip(first.grpc_address.rsplit(":", 1)[0])
     on = [
-        m.worker_id
-        for ms in (pools.members["prefill"], pools.standby["prefill"])
+        m
+        for ms in (*pools.members.values(), *pools.standby.values())
         for m in ms
         if m.grpc_address.startswith(node.ip + ":")
     ]
-    watch.lost_addresses = {
-        m.grpc_address for ms in pools.members.values() for m in ms if m.grpc_address.startswith(node.ip + ":")
-    }
+    watch.lost_addresses = {m.grpc_address for m in on}
     watch.killed_at = time.monotonic() - start
     c.kill(node.name)
-    watch.killed = f"{node.name} ({node.ip}), holding {', '.join(on)}"
+    watch.killed = f"{node.name} ({node.ip}), holding {', '.join(m.worker_id for m in on)}"
 
 
 async def _blocks_back(router: Any, since: float) -> float | None:

@@ -173,7 +173,7 @@ def own_channels(address: str, n: int) -> list[Any]:
     return [grpc.aio.insecure_channel(address, options=own) for _ in range(n)]
 
 
-async def generated(stub: Any, rid: str, ids: list[int], tokens: int) -> list[int]:
+async def generated(stub: Any, rid: str, ids: list[int], tokens: int, timeout_s: float = 60.0) -> list[int]:
     """The tokens of one greedy Generate of `tokens` (EOS ignored) through `stub`."""
     from splitserve.proto.splitserve.v1 import generate_pb2 as pb
 
@@ -182,7 +182,7 @@ async def generated(stub: Any, rid: str, ids: list[int], tokens: int) -> list[in
         token_ids=pb.TokenIds(ids=ids),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
     )
-    return [t async for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+    return [t async for r in stub.Generate(req, timeout=timeout_s) for t in r.token_ids]
 
 
 async def window_cpu(pids: Sequence[int], t0: float, t1: float) -> tuple[list[float], list[float]]:

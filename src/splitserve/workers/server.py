@@ -146,13 +146,11 @@ def _serve_roles(
     engine.connect(connector)
     loop = _engine_loop(cfg, engine, metrics, lease)
     # the loop is built on the engine, which calls the connectors: their wake-ups are set now
-    if sender is not None:
-        sender.wake = loop.wake
     if receiver is not None:
         receiver.wake = loop.wake
-    if receiver is not None:
         wgrpc.add_DecodeWorkerServicer_to_server(DecodeService(cfg, loop, metrics), server)
     if sender is not None:
+        sender.wake = loop.wake
         wgrpc.add_PrefillWorkerServicer_to_server(PrefillService(cfg, loop, sender, metrics), server)
     return loop, kv_endpoint
 

@@ -54,8 +54,8 @@ class WorkerConfig:
     # may move it between the pools without a new process (workers/common/either_role.py); its
     # engine flags stay its `role`'s.
     switchable: bool = False
-    # A decode stream sends its tokens in groups of at least this many (its first token and its last at once):
-    # fewer, larger messages for the router to relay (SGLang's --stream-interval). 1: every step's.
+    # A decode stream sends its tokens in groups of at least this many (its first event, with what is ready,
+    # and its last at once): fewer, larger messages for the router to relay (SGLang's --stream-interval).
     stream_interval: int = 1
 
     def __post_init__(self) -> None:

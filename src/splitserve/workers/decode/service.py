@@ -179,7 +179,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         """The engine's outputs as events until every sample finished (how: `notes.error`); `ahead`:
         one taken off the queue already."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
-        sent = 0  # tokens sent: the first goes alone, the next in groups of `stream_interval`
+        started = False  # a token sent: the first event is not held for a group, the next ones are
         while True:
             try:
                 item, ahead = (
@@ -193,11 +193,10 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 return
             if item is _CANCELLED:
                 return  # nobody listens; the finally gives everything back
-            group = self.cfg.stream_interval if sent else 1
-            outs = _coalesce(item, events, group, deadline)
+            outs = _coalesce(item, events, self.cfg.stream_interval if started else 1, deadline)
             if outs is None:
                 return
-            sent += sum(o.token_id >= 0 for o in outs)
+            started = started or any(o.token_id >= 0 for o in outs)
             self._note_handover(outs, notes, trace)
             yield from _token_events(outs, logprobs)
             for out in outs:
@@ -264,15 +263,16 @@ def _coalesce(item: StepOutput, events: Events[Any], group: int = 1, deadline: f
     """`item` and whatever else is ready, up to a finish that ends the request (None: cancelled);
     with fewer than `group` tokens, the next outputs waited for (until `deadline`, monotonic)."""
     outs: list[StepOutput] = [item]
+    tokens = int(item.token_id >= 0)
     while not (outs[-1].finished and not outs[-1].remaining):
-        short = sum(o.token_id >= 0 for o in outs) < group
         try:
-            nxt = events.get(timeout=max(0.0, deadline - time.monotonic())) if short else events.get_nowait()
+            nxt = events.get(timeout=max(0.0, deadline - time.monotonic())) if tokens < group else events.get_nowait()
         except queue.Empty:
             break
         if nxt is _CANCELLED:
             return None
         outs.append(nxt)
+        tokens += nxt.token_id >= 0
     return outs
 
 
