@@ -89,12 +89,39 @@ def test_bf16_activations_give_bf16_results_close_to_fp32():
         assert torch.allclose(got.float(), dense.float(), rtol=2e-2, atol=2e-2 * float(dense.float().abs().max()))
 
 
+@pytest.mark.skipif(not (qk.available() and qk._ext().bf16()), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_rows_get_the_dense_bf16_kernels_bits_whatever_shares_the_call(name):
+    """On AVX-512 BF16 a row's bf16 result is the same bits in registers (a few rows) and through the
+    unpacked scratch (more), up to a prefill chunk of TILE_MAX_ROWS, and equal to linear.cpp's dense
+    kernel on the dequantized bf16 weights: the blocks are the dense model, batch-invariant."""
+    from splitserve.engine.kernels.linear import linear
+
+    w, k = _weights(name, n=37)  # 37: nine tiles of four rows of W, and one row alone
+    fmt = BY_NAME[name]
+    x = torch.randn(qk.TILE_MAX_ROWS, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    alone = torch.stack([qk.quant_linear(x[i : i + 1].contiguous(), fmt, w, k, exact=True)[0] for i in (0, 7, 200)])
+    for rows in (1, 2, 8, 9, 16, 33, qk.TILE_MAX_ROWS):
+        y = qk.quant_linear(x[:rows].contiguous(), fmt, w, k, exact=True)
+        for j, i in enumerate((0, 7, 200)):
+            if i < rows:
+                assert torch.equal(y[i].view(torch.int16), alone[j].view(torch.int16)), (rows, i)
+    dense = qk.dequantize(fmt, w, k, torch.bfloat16)
+    for rows in (3, 20):
+        got = qk.quant_linear(x[:rows].contiguous(), fmt, w, k, exact=True)
+        assert torch.equal(got.view(torch.int16), linear(x[:rows].contiguous(), dense).view(torch.int16))
+
+
 def test_prefill_sized_batches_take_the_dequantized_gemm_and_agree():
     w, k = _weights("Q5_1")
     fmt = BY_NAME["Q5_1"]
     x = torch.randn(qk.MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4))
     exact = x @ qk.dequantize(fmt, w, k).T
     assert torch.allclose(qk.quant_linear(x, fmt, w, k), exact, rtol=1e-4, atol=1e-4)
+    xb = torch.randn(qk.TILE_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    dense = xb.float() @ qk.dequantize(fmt, w, k, torch.bfloat16).float().T
+    got = qk.quant_linear(xb, fmt, w, k).float()  # past the tiles' rows: the GEMM on bf16 weights
+    assert torch.allclose(got, dense, rtol=2e-2, atol=2e-2 * float(dense.abs().max()))
 
 
 def test_bad_arguments_are_refused_before_any_pointer_is_handed_over():

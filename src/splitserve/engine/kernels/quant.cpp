@@ -22,12 +22,16 @@
 // scales d_lo/d_hi (Q6_K's; every other format has d_lo == d_hi), an offset and a min.
 //
 // Batched decode shares each weight block across the rows of x: a block is
-// unpacked once and used by up to four rows at a time, so W is read once per
-// call whatever B is.
+// unpacked once and used by up to 16 rows at a time, so W is read once per
+// call whatever B is. With bf16 x on AVX-512 BF16, past kFusedRows rows a chunk of W is
+// unpacked once into bf16 scratch and multiplied by linear.cpp's register tiles (path_bf16), up
+// to a prefill chunk's 256 rows (quant.py's TILE_MAX_ROWS).
 //
 // Determinism: a row's result is one thread's sum over the blocks in order, in fixed lanes
 // (int8: x's rows quantized each on its own), whatever the thread count or the other rows of x, so a seed gives
-// the same tokens on a quiet and a busy machine and alone or in a batch.
+// the same tokens on a quiet and a busy machine and alone or in a batch. On the bf16 path both
+// ways (in registers, through scratch) give a row the same bits, and they are the dense bf16
+// kernel's (linear.cpp) on the dequantized weights: the same values, lanes and reduction order.
 // Different paths (scalar, AVX2, AVX-512) round differently.
 //
 // Paths, picked by the CPU's flags at run time: 0 scalar (any x86-64; the
@@ -326,8 +330,19 @@ namespace path_vnni {
 // (twice the fp32 FMA's). A bf16 model's x is bf16 already and its dense weights are the same
 // values rounded to bf16, so this is the dense bf16 model's arithmetic on a quarter of its bytes.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,avx512bf16")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx512bf16")
 namespace path_bf16 {
+
+// The sums of a, b, c and d into out[0..3] (linear.cpp's reduce4: the same adds in the same order)
+inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, q);
+}
 
 template <int FMT, int R>
 void row_dot_r(const uint8_t* row, int64_t nb, const uint16_t* const* xs, float* out) {
@@ -342,15 +357,19 @@ void row_dot_r(const uint8_t* row, int64_t nb, const uint16_t* const* xs, float*
     _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
                  _MM_HINT_T0);
     __m512 w0, w1;
-    path_vnni::block_w<FMT>(row, kb, w0, w1);
+    path_vnni::block_w<FMT, true>(row, kb, w0, w1);  // the dequantized model's values, as the tiles take them
     const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1: x's order
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(x[r] + kb * 32));
     }
   }
+  float four[4];  // each row reduced in the tiles' order: a row's bits are the same on either path
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) {
+    reduce4(acc[r], acc[r], acc[r], acc[r], four);
+    out[r] = four[0];
+  }
 }
 
 template <int FMT>
@@ -375,6 +394,95 @@ void row_dot(const uint8_t* row, int64_t nb, const uint16_t* const* xs, int rows
   }
 }
 
+// A row dequantized to bf16: ggml's values (block_w's GGML rounding), rounded to nearest even by
+// vcvtne2ps2bf16 in one instruction (dequantize_row_simd_bf16's bits: the values are finite, and
+// normal or zero, so its implied flush of denormals never applies).
+template <int FMT>
+void dequantize_row_bf16(const uint8_t* row, int64_t k, uint16_t* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    __m512 w0, w1;
+    path_vnni::block_w<FMT, true>(row, kb, w0, w1);
+    _mm512_storeu_si512(out + kb * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+}
+
+// Past a few rows of x, unpacking every block again for each tile of 16 rows costs more than the
+// blocks save (0.64x the dense bf16 kernel at 8 rows, 0.45x at 256). So a chunk of W's rows is
+// unpacked once, into the thread's scratch in bf16 (the dense model's very weights: the same
+// expression, rounded to nearest even as the inflating load rounds), and multiplied into every row
+// of x by linear.cpp's tile: 4 rows of W against up to 6 rows of x, 24 accumulators, each W vector
+// loaded once for the 6 rows and each x vector once for the 4, reduced in linear.cpp's reduce4 order.
+// A row's result is then the dense bf16 kernel's to the bit, whatever rows share the call.
+
+// out[b * R + r] = W row r (bf16, rows k apart) . x row b (ldx apart), b < BT, r < R; k % 32 == 0
+template <int R, int BT>
+void tile(const uint16_t* w, int64_t k, const uint16_t* x, int64_t ldx, float* out) {
+  __m512 acc[BT][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    __m512i xv[BT];
+#pragma GCC unroll 8
+    for (int b = 0; b < BT; ++b) xv[b] = _mm512_loadu_si512(x + b * ldx + kk);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * k + kk);
+#pragma GCC unroll 8
+      for (int b = 0; b < BT; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv, (__m512bh)xv[b]);
+    }
+  }
+  float four[4];
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b) {
+    if constexpr (R == 4) {
+      reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3], out + b * R);
+    } else {
+      reduce4(acc[b][0], acc[b][0], acc[b][0], acc[b][0], four);
+      out[b] = four[0];
+    }
+  }
+}
+
+constexpr int kTileRows = 4, kTileX = 6;
+
+template <int R>
+void tile_bt(int bt, const uint16_t* w, int64_t k, const uint16_t* x, int64_t ldx, float* out) {
+  switch (bt) {
+    case 1: return tile<R, 1>(w, k, x, ldx, out);
+    case 2: return tile<R, 2>(w, k, x, ldx, out);
+    case 3: return tile<R, 3>(w, k, x, ldx, out);
+    case 4: return tile<R, 4>(w, k, x, ldx, out);
+    case 5: return tile<R, 5>(w, k, x, ldx, out);
+    default: return tile<R, 6>(w, k, x, ldx, out);
+  }
+}
+
+// y[b * ldy + j] (bf16) for W rows j < rows, dequantized in `w` (bf16, k apart), and every row of x.
+// (Taking x in groups that stay in L1 while W passes them changed nothing at 16 to 256 rows: the
+// tiles are bound by vdpbf16ps, not by reading x from L2.)
+void rows_times_x(const uint16_t* w, int64_t rows, int64_t k, const uint16_t* x, int64_t b, uint16_t* y,
+                  int64_t ldy) {
+  const int64_t n_bt = (b + kTileX - 1) / kTileX;
+  const int64_t bt_size = (b + n_bt - 1) / n_bt;  // balanced: 8 rows of x -> 4+4, not 6+2
+  float out[kTileRows * kTileX];
+  for (int64_t i = 0; i < rows;) {
+    const int r_n = rows - i >= kTileRows ? kTileRows : 1;
+    for (int64_t b0 = 0; b0 < b; b0 += bt_size) {
+      const int bt = (int)std::min(bt_size, b - b0);
+      if (r_n == kTileRows) {
+        tile_bt<kTileRows>(bt, w + i * k, k, x + b0 * k, k, out);
+      } else {
+        tile_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
+      }
+      for (int bb = 0; bb < bt; ++bb)
+        for (int r = 0; r < r_n; ++r) y[(b0 + bb) * ldy + i + r] = float_to_bf16(out[bb * r_n + r]);
+    }
+    i += r_n;
+  }
+}
+
 }  // namespace path_bf16
 #pragma GCC pop_options
 
@@ -388,7 +496,8 @@ using RowDequant = void (*)(const uint8_t*, int64_t, float*);
 using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
 
 const int g_isa = detect_isa();
-const bool g_bf16 = g_isa == kIsaVnni && __builtin_cpu_supports("avx512bf16");
+const bool g_bf16 =
+    g_isa == kIsaVnni && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
 
 // Rows of x dotted with one unpacked weight block (the most a tile takes): 16 on vdpbf16ps (one zmm
 // accumulator a row), 8 in the fp32 exact mode on AVX-512 (two a row), else 4 (AVX2 has 16
@@ -412,7 +521,15 @@ struct Segment {
   RowDot dot;
   RowDotF32 dot_f32;
   RowDotBf16 dot_bf16;
+  RowDequantBf16 dequant_bf16;
 };
+
+// Rows of x up to which the bf16 path unpacks each block in registers for every tile of 16 rows
+// (path_bf16::row_dot); past it, a chunk is unpacked once into scratch (path_bf16::rows_times_x).
+// SmolLM2's matrices in Q4_1, 30 layers (AMD EPYC, AVX-512 BF16, 2 threads), against the dense
+// bf16 kernel: in registers 1.38x at 1 row, 1.03x at 8, 0.80x at 16; through scratch 0.99x, 0.91x,
+// 0.93x. Both give a row the same bits, so where the line falls changes no result.
+constexpr int kFusedRows = 8;
 
 // y[b * ldy + n] for b < B and every row n of every segment; x fp32 or bf16 (then y bf16)
 // `exact`: x as it is (fp32 products of the dequantized blocks), else x rounded to int8 blocks
@@ -455,6 +572,16 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
     const float* xr[kTile];
     const uint16_t* xh[kTile];
     const int64_t tile = bf16_dot ? 16 : exact && isa == kIsaVnni ? 8 : 4;
+    if (bf16_dot && b > kFusedRows) {
+      // the chunk's rows unpacked once, into this thread's scratch (kept: a chunk is ~200 KB, and a
+      // fresh one per call would be a mapping and its page faults)
+      thread_local std::vector<uint16_t> scratch;
+      scratch.resize((size_t)((hi - lo) * k));
+      for (int64_t i = lo; i < hi; ++i) sg.dequant_bf16(sg.w + i * sg.row_bytes, k, scratch.data() + (i - lo) * k);
+      path_bf16::rows_times_x(scratch.data(), hi - lo, k, static_cast<const uint16_t*>(x), b,
+                              static_cast<uint16_t*>(y) + sg.first + lo, ldy);
+      return;
+    }
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t* row = sg.w + i * sg.row_bytes;
       for (int64_t r0 = 0; r0 < b; r0 += tile) {
@@ -505,7 +632,8 @@ template <int FMT>
 FormatKernels kernels_of(int isa) {
   if (isa == kIsaVnni)
     return {path_vnni::row_dot<FMT>, path_vnni::row_dot_f32<FMT>, path_bf16::row_dot<FMT>,
-            path_vnni::dequantize_row_simd<FMT>, path_vnni::dequantize_row_simd_bf16<FMT>};
+            path_vnni::dequantize_row_simd<FMT>,
+            g_bf16 ? path_bf16::dequantize_row_bf16<FMT> : path_vnni::dequantize_row_simd_bf16<FMT>};
   if (isa == kIsaAvx2)
     return {path_avx2::row_dot<FMT>, path_avx2::row_dot_f32<FMT>, nullptr, dequantize_row<FMT>, nullptr};
   return {row_dot_scalar<FMT>, row_dot_f32_scalar<FMT>, nullptr, dequantize_row<FMT>, nullptr};
@@ -606,6 +734,7 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     sg.dot = kern.dot;
     sg.dot_f32 = kern.dot_f32;
     sg.dot_bf16 = g_bf16 ? kern.dot_bf16 : nullptr;
+    sg.dequant_bf16 = kern.dequant_bf16;
     segs.push_back(sg);
     first += rows;
   }
@@ -635,6 +764,8 @@ PyObject* py_dequantize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* py_isa(PyObject*, PyObject*) { return PyLong_FromLong(g_isa); }
 
+PyObject* py_bf16(PyObject*, PyObject*) { return PyBool_FromLong(g_bf16); }
+
 PyMethodDef kMethods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_linear)), METH_FASTCALL,
      "linear(y, x, parts, k, b, ldy, x_bf16, threads, isa, exact): y[b*ldy+n] = x[b,k] @ W[n,k]^T, W's rows "
@@ -642,6 +773,7 @@ PyMethodDef kMethods[] = {
      "blocks; pointers as ints, nothing checked"},
     {"dequantize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequantize)), METH_FASTCALL,
      "dequantize(out, w, fmt, idx, count, k, out_bf16, threads): out[r] = W row idx[r] (idx 0: row r)"},
+    {"bf16", py_bf16, METH_NOARGS, "whether bf16 x multiplies on vdpbf16ps here (AVX-512 BF16)"},
     {"isa", py_isa, METH_NOARGS, "this CPU's best path: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 VNNI"},
     {nullptr, nullptr, 0, nullptr}};
 
@@ -850,8 +982,10 @@ inline __m128 halves(const uint8_t* p) {  // the fp16 pair at p (d, then m) as f
 
 // Block kb's 32 weights as floats: w0 elements 0..15 (the d_lo half), w1 16..31. The 32-element
 // formats go straight to int32 lanes (one load-and-widen, a mask, a shift), their scales with one
-// fp16 conversion; the K-quants through block_vec's bytes.
-template <int FMT>
+// fp16 conversion; the K-quants through block_vec's bytes. GGML: rounded as ggml's dequantize
+// rounds, d * q and then + m (two roundings) where the format has a min, so that the values are the
+// dequantized model's bits; else d * q + m in one fma.
+template <int FMT, bool GGML = false>
 inline void block_w(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
   if constexpr (FMT == kQ4_0 || FMT == kQ4_1 || FMT == kQ5_0 || FMT == kQ5_1) {
     constexpr int head = (FMT == kQ4_0) ? 2 : (FMT == kQ4_1 ? 4 : (FMT == kQ5_0 ? 6 : 8));
@@ -870,11 +1004,20 @@ inline void block_w(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
     __m512 m;
     if constexpr (FMT == kQ4_1 || FMT == kQ5_1) {
       m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-    } else {  // d * (q - off) as d * q - off * d: exact in one fma (off * d is exact)
+    } else {
       m = _mm512_mul_ps(d, _mm512_set1_ps(FMT == kQ4_0 ? -8.f : -16.f));
     }
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+    if constexpr (GGML && (FMT == kQ4_1 || FMT == kQ5_1)) {
+      w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), m);
+      w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d), m);
+    } else if constexpr (GGML) {  // d * (q - off): a zero keeps d's sign, as ggml's does
+      const __m512i off = _mm512_set1_epi32(FMT == kQ4_0 ? 8 : 16);
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)), d);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), d);
+    } else {  // Q4_0, Q5_0: d * (q - off) as d * q - off * d, exact in one fma (off * d is exact)
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+    }
   } else if constexpr (FMT == kQ8_0) {
     const uint8_t* b = row + kb * block_bytes(FMT);
     __m512 d = _mm512_broadcastss_ps(halves(b));
@@ -886,8 +1029,17 @@ inline void block_w(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
     __m256i q = block_vec<FMT>(row, kb, s.off);
     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(s.d_lo), _mm512_set1_ps(s.m_lo));
-    w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(s.d_hi), _mm512_set1_ps(s.m_hi));
+    if constexpr (GGML) {
+      w0 = _mm512_mul_ps(w0, _mm512_set1_ps(s.d_lo));
+      w1 = _mm512_mul_ps(w1, _mm512_set1_ps(s.d_hi));
+      if constexpr (FMT != kQ6_K) {  // Q6_K has no min (and + 0 would turn a -0 into +0)
+        w0 = _mm512_add_ps(w0, _mm512_set1_ps(s.m_lo));
+        w1 = _mm512_add_ps(w1, _mm512_set1_ps(s.m_hi));
+      }
+    } else {
+      w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(s.d_lo), _mm512_set1_ps(s.m_lo));
+      w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(s.d_hi), _mm512_set1_ps(s.m_hi));
+    }
   }
 }
 
@@ -918,22 +1070,10 @@ void row_dot_f32_r(const uint8_t* row, int64_t nb, const float* const* xs, float
 // A row dequantized with ggml's expression (d * (q - off), or d * q + m where the format has a
 // min: the same roundings as the scalar dequantize_row, so the same bits), 32 values at a time.
 template <int FMT>
-inline void dequant_block(const uint8_t* row, int64_t kb, __m512& w0, __m512& w1) {
-  BlockScale s = scale_fast<FMT>(row, kb);
-  __m256i q = block_vec<FMT>(row, kb, s.off);
-  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_set1_ps(s.d_lo));
-  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_set1_ps(s.d_hi));
-  if constexpr (FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K) {
-    w0 = _mm512_add_ps(w0, _mm512_set1_ps(s.m_lo));
-    w1 = _mm512_add_ps(w1, _mm512_set1_ps(s.m_hi));
-  }
-}
-
-template <int FMT>
 void dequantize_row_simd(const uint8_t* row, int64_t k, float* out) {
   for (int64_t kb = 0; kb < k / 32; ++kb) {
     __m512 w0, w1;
-    dequant_block<FMT>(row, kb, w0, w1);
+    block_w<FMT, true>(row, kb, w0, w1);
     _mm512_storeu_ps(out + kb * 32, w0);
     _mm512_storeu_ps(out + kb * 32 + 16, w1);
   }
@@ -950,7 +1090,7 @@ template <int FMT>
 void dequantize_row_simd_bf16(const uint8_t* row, int64_t k, uint16_t* out) {
   for (int64_t kb = 0; kb < k / 32; ++kb) {
     __m512 w0, w1;
-    dequant_block<FMT>(row, kb, w0, w1);
+    block_w<FMT, true>(row, kb, w0, w1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kb * 32), to_bf16(w0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kb * 32 + 16), to_bf16(w1));
   }

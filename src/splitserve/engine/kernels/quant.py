@@ -27,13 +27,18 @@ from splitserve.engine.kernels.once import Once
 log = logging.getLogger(__name__)
 
 
-# Rows of x up to which the kernel runs: each weight block is unpacked once and dotted with every
-# row, so its cost grows with the rows while the dequantized GEMM's per-row cost falls. Measured
-# on a Q4_1 576x1536 matrix, one thread (AVX-512 VNNI, bf16 x): 565 against 884 us at 8 rows, 919
-# against 877 at 16, 2,655 against 1,067 at 48 (`splitserve bench quant`'s crossover section
-# measures it on each run). At 64, a 48-token prompt prefilled on the kernel stalled every decode
-# stream of its worker three times as long as the dense model's prefill.
+# Rows of x up to which the kernel runs on fp32 x: each weight block is unpacked once and dotted
+# with every row, so its cost grows with the rows while the dequantized GEMM's per-row cost falls.
+# Measured on a Q4_1 576x1536 matrix, one thread (AVX-512 VNNI, bf16 x): 565 against 884 us at 8
+# rows, 919 against 877 at 16, 2,655 against 1,067 at 48 (`splitserve bench quant`'s crossover
+# section measures it on each run).
 MAX_ROWS = 16
+# The same for bf16 x where the CPU multiplies bf16 (quant.cpp's path_bf16: a chunk of W unpacked
+# once into scratch, then linear.cpp's register tiles). SmolLM2's matrices in Q4_1, 6 layers, 2
+# threads (AMD EPYC), against the dense bf16 weights: 0.94x at 128 rows, 0.87x at 256, 0.84x at 512,
+# 0.81x at 1,024, where dequantizing the whole matrix into oneDNN's GEMM gives 0.86x, 0.86x, 0.94x
+# and 1.01x. Up to here a row's bits are the decode kernel's, whatever else shares the step.
+TILE_MAX_ROWS = 256
 
 PATH_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
 
@@ -87,6 +92,15 @@ def available() -> bool:
 def best_path() -> int:
     ext = _EXT.get()
     return -1 if ext is None else int(ext.isa())
+
+
+def max_rows(x: Tensor) -> int:
+    """The most rows of `x` the kernel takes (past them, the dequantized GEMM): TILE_MAX_ROWS for bf16
+    x where the CPU multiplies bf16, else MAX_ROWS. 0 where the kernel is not built."""
+    ext = _EXT.value if _EXT.done else None
+    if ext is None:
+        return 0
+    return TILE_MAX_ROWS if x.dtype is _BF16 and bool(ext.bf16()) else MAX_ROWS
 
 
 def _ext() -> ModuleType:
@@ -160,13 +174,13 @@ def _fits(x: Tensor, k: int) -> bool:
 
 
 def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = False) -> Tensor:
-    """x [B, k] @ W.T on the blocks: the integer-dot kernel up to MAX_ROWS rows, else W dequantized
-    for a float GEMM."""
+    """x [B, k] @ W.T on the blocks: the kernel up to `max_rows(x)` rows, else W dequantized for a
+    float GEMM."""
     parts = check_blocks(fmt, w, k)
     if not _fits(x, k):
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
-    if x.shape[0] <= MAX_ROWS:
+    if x.shape[0] <= max_rows(x):
         return _linear(ext, x, parts, w.shape[0], k, int(ext.isa()), exact)
     return linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
@@ -191,12 +205,12 @@ def check_blocks(fmt: BlockFormat, w: Tensor, k: int) -> tuple[int, int, int]:
 
 
 def decode_linear(
-    x: Tensor, parts: Parts, n: int, k: int, max_rows: int = MAX_ROWS, exact: bool = False
+    x: Tensor, parts: Parts, n: int, k: int, rows: int | None = None, exact: bool = False
 ) -> Tensor | None:
-    """x @ W.T on the integer-dot kernel for W's checked `parts` ([n, k] in all), or None where x
-    does not take it (more than `max_rows` rows, another dtype or layout, not built)."""
+    """x @ W.T on the kernel for W's checked `parts` ([n, k] in all), or None where x does not take
+    it (more than `rows` rows, max_rows(x) where None; another dtype or layout; not built)."""
     ext = _EXT.value if _EXT.done else None
-    if ext is None or not (x.dim() == 2 and x.shape[0] <= max_rows and _fits(x, k)):
+    if ext is None or not (x.dim() == 2 and x.shape[0] <= (max_rows(x) if rows is None else rows) and _fits(x, k)):
         return None
     return _linear(ext, x, parts, n, k, int(ext.isa()), exact)
 

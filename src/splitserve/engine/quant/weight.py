@@ -33,9 +33,10 @@ class Part:
 
 
 class QuantizedWeight:
-    """`batch_invariant`: every call runs the integer-dot kernel, whatever its rows, so that a
-    row's result never depends on the rows beside it (a prefill's too, at the kernel's pace);
-    else a call of more than kernel.MAX_ROWS rows (a prefill chunk) runs the dequantized GEMM.
+    """`batch_invariant`: every call runs the kernel, whatever its rows, so that a row's result
+    never depends on the rows beside it (a prefill's too, at the kernel's pace); else a call of more
+    than kernel.max_rows(x) rows (a long prefill chunk) runs the dequantized GEMM. Up to those rows
+    the kernel gives a row the same bits whatever shares the call.
 
     `order`: row i of the weight is stored row order[i] (None: stored in order). The rows of a
     file's q and k stay where llama.cpp put them, in the mapped file, and each product's columns
@@ -95,8 +96,8 @@ class QuantizedWeight:
         x2 = x.reshape(-1, self.k)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        max_rows = x2.shape[0] if self.batch_invariant else kernel.MAX_ROWS
-        y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, max_rows, exact=True)
+        rows = x2.shape[0] if self.batch_invariant else None
+        y = kernel.decode_linear(x2, self._checked, self.shape[0], self.k, rows, exact=True)
         if y is None:  # a prefill's rows: one float GEMM on the matrix dequantized, its rows in order
             y = linear(x2, self.dequantize(kernel.gemm_dtype(x2)))
         elif self.order is not None:  # a decode step's few rows: their columns put in order
