@@ -78,11 +78,18 @@ def test_the_worker_flags_build_the_engine_config() -> None:
     a = parse("worker", "--role", "decode", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64")
     tuned = tuned_defaults(detect_machine())  # the dtype no flag gave: the machine's arithmetic decides
     assert engine_config_from_args(a) == EngineConfig(
-        dtype=tuned.dtype, max_num_batched_tokens=256, long_prefill_token_threshold=64, speculative="auto"
+        dtype=tuned.dtype,
+        quantization=tuned.quantization,
+        max_num_batched_tokens=256,
+        long_prefill_token_threshold=64,
+        speculative="auto",
     )
     # no flags: the EngineConfig's own defaults, but for what the machine is tuned to (issue 22)
     assert engine_config_from_args(parse("worker", "--role", "prefill")) == EngineConfig(
-        dtype=tuned.dtype, long_prefill_token_threshold=tuned.long_prefill_token_threshold, speculative="auto"
+        dtype=tuned.dtype,
+        quantization=tuned.quantization,
+        long_prefill_token_threshold=tuned.long_prefill_token_threshold,
+        speculative="auto",
     )
     # speculation: auto on a CPU (bench/results/spec-cpu.txt), off on CUDA unless asked for, and its flags
     assert engine_config_from_args(parse("worker", "--role", "decode", "--device", "cuda")).speculative == "off"

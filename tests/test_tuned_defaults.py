@@ -60,6 +60,11 @@ CHANGES = {
     "dtype": Change(
         replace(MACHINE, dtype="float16"), "--dtype float16", lambda s: {p.worker.engine.dtype for p in s.workers()}
     ),
+    "quantization": Change(
+        replace(MACHINE, quantization="none"),
+        "--quantization none",
+        lambda s: {p.worker.engine.quantization for p in s.workers()},
+    ),
     "prefill_workers": Change(
         replace(MACHINE, prefill_workers=3), "3 prefill + ", lambda s: {s.pools["prefill"].replicas}
     ),
@@ -98,7 +103,21 @@ CHANGES = {
 
 
 def test_every_printed_choice_has_its_change_below() -> None:
-    assert set(CHANGES) == {f.name for f in fields(Tuned)}
+    assert set(CHANGES) == {f.name for f in fields(Tuned)} - {"block_kernel"}  # said, not chosen
+
+
+def test_the_start_line_names_the_block_kernels_quant_cpp_picks_on_this_cpu() -> None:
+    from splitserve.engine.kernels import quant
+    from splitserve.engine.tuned import detect_machine
+
+    if not quant.available():
+        pytest.skip("the quantized kernel does not build here")
+    said = detect_machine().block_kernel
+    picked = {0: "scalar", 1: "AVX2"}.get(quant.best_path())
+    if picked is None:
+        picked = "AVX-512 BF16 tiles" if quant._ext().bf16() else "AVX-512 VNNI"
+    assert said == picked
+    assert f"--quantization auto ({said} kernels" in tuned_table.tuned_defaults(detect_machine()).line()
 
 
 @pytest.mark.parametrize("choice", sorted(CHANGES))

@@ -236,6 +236,8 @@ def _tuned_reference() -> list[str]:
         "| --- |" + " --- |" * len(machines),
     ]
     for f in fields(Tuned):
+        if f.name == "block_kernel":  # said at start, not a flag
+            continue
         values = [_tuned_value(t, f.name) for t in choices]
         lines.append(f"| `--{f.name.replace('_', '-')}` | " + " | ".join(values) + " |")
     return lines

@@ -122,11 +122,11 @@ def add_weight_arguments(p: argparse._ActionsContainer) -> None:
     """How the engine holds and multiplies the weights (engine/quant/)."""
     p.add_argument(
         "--quantization",
-        default="none",
+        default=None,
         choices=list(QUANTIZATIONS),
         help="the weights' format: auto computes a GGUF file's block-format matrices (Q4_0, Q4_1, Q5_0, Q5_1, "
         "Q8_0, Q4_K, Q5_K, Q6_K) on their blocks with the CPU kernels, none dequantizes them into --dtype; "
-        "q8_0 and q4_k also quantize a float checkpoint's matrices at load",
+        "q8_0 and q4_k also quantize a float checkpoint's matrices at load (default: tuned, auto)",
     )
     p.add_argument(
         "--batch-invariant",

@@ -44,12 +44,25 @@ class Machine:
     def bf16_arithmetic(self) -> bool:
         return bool(self.cpu_flags & BF16_CPU_FLAGS)
 
+    @property
+    def block_kernel(self) -> str:
+        """The path engine/kernels/quant.cpp takes for a file's blocks here, as its own detection
+        picks it from the same flags (a GPU dequantizes them onto the device instead)."""
+        if self.device != "cpu":
+            return "dequantized onto the GPU"
+        f = self.cpu_flags
+        if {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= f:
+            return "AVX-512 BF16 tiles" if {"avx512_bf16", "avx512dq"} <= f else "AVX-512 VNNI"
+        return "AVX2" if {"avx2", "fma", "f16c"} <= f else "scalar"
+
 
 @dataclass(frozen=True)
 class Tuned:
     """The defaults for one machine; every field is the default of the flag of its name."""
 
     dtype: str  # weights and KV (--kv-cache-dtype auto follows the weights)
+    quantization: str  # auto: a GGUF file's matrices computed on their blocks, never inflated
+    block_kernel: str  # which kernels compute them (Machine.block_kernel): said, not a flag
     prefill_workers: int
     decode_workers: int
     threads: int  # each worker's own share of the cores (0: torch's own count)
@@ -68,7 +81,8 @@ class Tuned:
             )
         threads = f"{self.threads} thread(s)" if self.threads else "torch's own threads"
         return (
-            f"--dtype {self.dtype}, {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
+            f"--dtype {self.dtype}, --quantization {self.quantization} ({self.block_kernel} kernels on a file's "
+            f"blocks), {self.prefill_workers} prefill + {self.decode_workers} decode worker(s) x "
             f"{threads} ({lend}), --mode {self.mode}, --long-prefill-token-threshold "
             f"{self.long_prefill_token_threshold}, --prefill-backlog-tokens {self.prefill_backlog_tokens}, "
             f"--prefill-order {self.prefill_order}"
@@ -77,7 +91,8 @@ class Tuned:
     def flag_values(self) -> dict[str, str | int]:
         """Each choice as its flag gives it, by the flag's argparse dest. The core lease is not among
         them: `serve` makes its file, one per cluster, where `core_lease` says to."""
-        values: dict[str, str | int] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "core_lease"}
+        said = ("core_lease", "block_kernel")
+        values: dict[str, str | int] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in said}
         values["decode_borrows"] = "on" if self.decode_borrows else "off"
         return values
 
@@ -92,13 +107,18 @@ def tuned_defaults(machine: Machine) -> Tuned:
     concurrency 4 through the serving path: 1.18 against 1.08 req/s, ITL p50 20.3 against 23.2 ms);
     a long prefill yielding to prompts of 256 tokens or fewer and the router prefilling locally past
     a 700-token backlog (the peer sweeps of issue 10); waiting prompts shortest first, aged, to
-    bound the short ones' TTFT.
-    On a GPU: bfloat16, one worker per role, torch's own threads, nothing lent."""
+    bound the short ones' TTFT; a GGUF file's matrices kept in their blocks (issue 45: inflating
+    an 8B Q4_0 file to bfloat16 exhausted a 24 GB machine, and on AVX-512 BF16 the blocks compute
+    each row to the dense bf16 kernel's bits, at 1.38x its speed at batch 1: BENCHMARKS.md).
+    On a GPU: bfloat16, one worker per role, torch's own threads, nothing lent, the blocks
+    dequantized onto the device."""
     on_cpu = machine.device == "cpu"
     dtype = "bfloat16" if (not on_cpu or machine.bf16_arithmetic) else "float32"
     threads = max(1, machine.cores // 2) if on_cpu else 0
     return Tuned(
         dtype=dtype,
+        quantization="auto",
+        block_kernel=machine.block_kernel,
         prefill_workers=1,
         decode_workers=1,
         threads=threads,
