@@ -135,7 +135,9 @@ def run_cli(*argv: str, timeout: float = 120) -> tuple[int, str, float]:
 def test_serve_refuses_pools_that_cannot_fit_before_ray_starts(llama8b_q4_0):
     """Sixteen decode workers of the 8B file inflated to bfloat16 need over 200 GiB: refused by the
     serve process itself, with no Ray started and no weight read."""
-    rc, out, seconds = run_cli("serve", "--model", llama8b_q4_0, "--decode-workers", "16", "--cpus-per-worker", "0.1")
+    rc, out, seconds = run_cli(
+        "serve", "--model", llama8b_q4_0, "--quantization", "none", "--decode-workers", "16", "--cpus-per-worker", "0.1"
+    )
     assert rc == 2, out[-3000:]
     assert "the workers need " in out and "16 decode workers x (" in out, out[-3000:]
     assert "--quantization auto, which computes the file's blocks in place" in out
