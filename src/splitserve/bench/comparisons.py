@@ -464,6 +464,10 @@ COMPARISONS = (
         "quant-cpu.txt",
         (
             Figure(r"^batch  1: .*->  blocks is (?P<x>[\d.]+x) dense", "decode batch 1: {x} the speed"),
+            Figure(r"^batch  8: .*->  blocks is (?P<x>[\d.]+x) dense", "batch 8: {x}"),
+            Figure(r"^ 32 rows: .*->  blocks is (?P<x>[\d.]+x) dense", "linear layers at 32 rows: {x}"),
+            Figure(r"^ 64 rows: .*->  blocks is (?P<x>[\d.]+x) dense", "64 rows: {x}"),
+            Figure(r"^256 rows: .*->  blocks is (?P<x>[\d.]+x) dense", "256 rows: {x}"),
             Figure(r"^blocks holds (?P<x>[\d.]+x) the dense engine's KV", "{x} the KV in 1 GiB"),
         ),
         peer=False,

@@ -15,14 +15,14 @@ file dequantized to float32, the accuracy reference).
 - decode: ms a token at batch 1 (no speculation) and ms a step at --batch, the engines
   alternating round by round on the same prompt; the medians and their ratio.
 - prefill: a prompt of 12, 48 and 400 tokens and its first token, alternating (what a decode
-  worker's streams wait for while it prefills locally); the crossover of one matrix, the kernel
-  against dequantize + GEMM, at 1 to 64 rows (the engine switches at kernel.MAX_ROWS).
+  worker's streams wait for while it prefills locally); every layer's matrices on the blocks
+  against the dense engine's, at 1 to 256 rows (decode batches and prefill chunks).
 - accuracy: a text's perplexity by one decode step per token (the path a decode worker's steps
   take) against fp32's, and the teacher-forced top-1 agreement.
 - capacity: the KV blocks left in --budget-mib once each engine's resident weights are in.
 - determinism: one seeded request (temperature 0.8, seed 3) alone at one and at two threads
-  and in a batch of eight: its tokens in all three, by default (decode rows invariant, a
-  prefill chunk of more than 64 rows on the GEMM) and with --batch-invariant.
+  and in a batch of eight: its tokens in all three, by default (every row on the kernel
+  up to kernel.max_rows, past it a prefill chunk on the GEMM) and with --batch-invariant.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kernels import quant
 from splitserve.engine.kv_cache import pool_blocks
+from splitserve.engine.quant.weight import QuantizedWeight
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.tuned import detect_machine, tuned_defaults
@@ -104,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
         resident = _weights(args, engines)
         _decode(args, engines, tok)
         _prefill(args, engines, tok)
-        _crossover(engines["blocks"])
+        _crossover(engines)
         _accuracy(args, engines, tok)
         _capacity(args, engines, resident)
         print("\n## determinism: a seeded request (temperature 0.8, seed 3, 48 tokens) on the blocks engine")
@@ -315,30 +316,38 @@ def _prefill(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenize
         print(f"{n:4} tokens: {cells}  ->  blocks takes {med['blocks'] / med['dense']:.2f}x dense's time")
 
 
-def _crossover(engine: Engine, rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> None:
-    """One layer's MLP down matrix of the blocks engine: x @ W.T on the kernel against the matrix
-    dequantized into the GEMM, at each number of rows (kernel.MAX_ROWS is where the second wins)."""
+def _crossover(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> None:
+    """Every layer's qkv, o, gate_up and down matrices: the blocks engine's (the kernel, or the GEMM
+    past kernel.max_rows) against the dense engine's bf16 matrices, at each number of rows: a decode
+    batch (1 to 64) and a prefill chunk (16 to 256). All the layers in turn, so the weights come from
+    memory as in a step, not from cache."""
     from splitserve.engine.kernels.linear import linear
-    from splitserve.engine.quant.weight import QuantizedWeight
 
-    w = engine.model.layers[1].down
-    if not isinstance(w, QuantizedWeight):
+    slots = ("qkv", "o", "gate_up", "down")
+    blocks = [getattr(layer, s) for layer in engines["blocks"].model.layers for s in slots]
+    dense = [getattr(layer, s) for layer in engines["dense"].model.layers for s in slots]
+    if not blocks or not all(isinstance(w, QuantizedWeight) for w in blocks):
         return
-    dtype = engine.model.dtype
-    on_kernel = w.invariant()  # the same blocks, every call on the kernel whatever its rows
-    print(f"\n## crossover: {'+'.join(w.format_names)} {tuple(w.shape)}, the kernel against dequantize + GEMM")
-    print(f"## (the engine takes the GEMM past {quant.MAX_ROWS} rows); {torch.get_num_threads()} threads, best of 5")
+    dtype = engines["blocks"].model.dtype
+    formats = "+".join(sorted({f for w in blocks for f in w.format_names}))
+    print(f"\n## the linear layers: {len(blocks)} matrices ({formats}) against the dense engine's {dtype} ones,")
+    print(f"## all layers in turn; {torch.get_num_threads()} threads, best of 3; ms for all of them")
     for rows in rows_list:
-        x = torch.randn(rows, w.k).to(dtype)
-        kernel_us, gemm_us = math.inf, math.inf
-        for _ in range(5):
+        xs = {w.k: torch.randn(rows, w.k).to(dtype) for w in blocks}
+        best = {"blocks": math.inf, "dense": math.inf}
+        for _ in range(3):
             start = time.perf_counter()
-            on_kernel.linear(x)
+            for w in blocks:
+                w.linear(xs[w.k])
             mid = time.perf_counter()
-            linear(x, w.dequantize(quant.gemm_dtype(x)))
+            for d in dense:
+                linear(xs[d.shape[1]], d)
             end = time.perf_counter()
-            kernel_us, gemm_us = min(kernel_us, (mid - start) * 1e6), min(gemm_us, (end - mid) * 1e6)
-        print(f"{rows:3} rows: kernel {kernel_us:7.0f} us  dequantize + GEMM {gemm_us:7.0f} us")
+            best["blocks"] = min(best["blocks"], (mid - start) * 1e3)
+            best["dense"] = min(best["dense"], (end - mid) * 1e3)
+        path = "kernel" if rows <= quant.max_rows(xs[blocks[0].k]) else "dequantize + GEMM"
+        print(f"{rows:3} rows: blocks {best['blocks']:7.2f} ms ({path:17})  dense {best['dense']:7.2f} ms  ->  "
+              f"blocks is {best['dense'] / best['blocks']:.2f}x dense")  # fmt: skip
 
 
 # --------------------------------------------------------------- accuracy
