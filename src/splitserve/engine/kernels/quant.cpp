@@ -344,53 +344,82 @@ inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
   _mm_storeu_ps(out, q);
 }
 
-template <int FMT, int R>
-void row_dot_r(const uint8_t* row, int64_t nb, const uint16_t* const* xs, float* out) {
-  __m512 acc[R];  // R a constant: one accumulator a row, in registers
-  const uint16_t* x[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    x[r] = xs[r];
-  }
+// out[b * R + r] = W row r (packed blocks, rows row_bytes apart) . x row b (ldx apart), b < BT: each
+// block unpacked in registers once for the BT rows of x. R rows of W side by side give R independent
+// chains of vdpbf16ps (one row alone waited on each product's latency: 12 cycles a block where the
+// unpacking takes 4), and the sums are the tiles' (tile below): the same values, order and reduce4.
+template <int FMT, int R, int BT>
+void packed_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint16_t* x, int64_t ldx, float* out) {
+  __m512 acc[BT][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
-                 _MM_HINT_T0);
-    __m512 w0, w1;
-    path_vnni::block_w<FMT, true>(row, kb, w0, w1);  // the dequantized model's values, as the tiles take them
-    const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1: x's order
-#pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(x[r] + kb * 32));
+      const uint8_t* row = w + r * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kb * block_bytes(FMT) * 32 / block_elems(FMT)) + 1024,
+                   _MM_HINT_T0);
+      __m512 w0, w1;
+      path_vnni::block_w<FMT, true>(row, kb, w0, w1);  // the dequantized model's values
+      const __m512bh wv = _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1: x's order
+#pragma GCC unroll 8
+      for (int b = 0; b < BT; ++b)
+        acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv, (__m512bh)_mm512_loadu_si512(x + b * ldx + kb * 32));
     }
   }
-  float four[4];  // each row reduced in the tiles' order: a row's bits are the same on either path
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    reduce4(acc[r], acc[r], acc[r], acc[r], four);
-    out[r] = four[0];
+  float four[4];
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b) {
+    if constexpr (R == 4) {
+      reduce4(acc[b][0], acc[b][1], acc[b][2], acc[b][3], out + b * R);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        reduce4(acc[b][r], acc[b][r], acc[b][r], acc[b][r], four);
+        out[b * R + r] = four[0];
+      }
+    }
   }
 }
 
+template <int FMT, int R>
+void packed_tile_bt(int bt, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint16_t* x, int64_t ldx,
+                    float* out) {
+  switch (bt) {
+    case 1: return packed_tile<FMT, R, 1>(w, row_bytes, nb, x, ldx, out);
+    case 2: return packed_tile<FMT, R, 2>(w, row_bytes, nb, x, ldx, out);
+    case 3: return packed_tile<FMT, R, 3>(w, row_bytes, nb, x, ldx, out);
+    case 4: return packed_tile<FMT, R, 4>(w, row_bytes, nb, x, ldx, out);
+    case 5: return packed_tile<FMT, R, 5>(w, row_bytes, nb, x, ldx, out);
+    case 6: return packed_tile<FMT, R, 6>(w, row_bytes, nb, x, ldx, out);
+    case 7: return packed_tile<FMT, R, 7>(w, row_bytes, nb, x, ldx, out);
+    default: return packed_tile<FMT, R, 8>(w, row_bytes, nb, x, ldx, out);
+  }
+}
+
+// y[b * ldy + j] (bf16) for packed W rows j < rows and every row of x (b <= 8: kFusedRows): four rows
+// of W at a time up to 4 rows of x, two past that (16 accumulators), the rows left one at a time.
 template <int FMT>
-void row_dot(const uint8_t* row, int64_t nb, const uint16_t* const* xs, int rows, float* out) {
-  switch (rows) {
-    case 1: return row_dot_r<FMT, 1>(row, nb, xs, out);
-    case 2: return row_dot_r<FMT, 2>(row, nb, xs, out);
-    case 3: return row_dot_r<FMT, 3>(row, nb, xs, out);
-    case 4: return row_dot_r<FMT, 4>(row, nb, xs, out);
-    case 5: return row_dot_r<FMT, 5>(row, nb, xs, out);
-    case 6: return row_dot_r<FMT, 6>(row, nb, xs, out);
-    case 7: return row_dot_r<FMT, 7>(row, nb, xs, out);
-    case 8: return row_dot_r<FMT, 8>(row, nb, xs, out);
-    case 9: return row_dot_r<FMT, 9>(row, nb, xs, out);
-    case 10: return row_dot_r<FMT, 10>(row, nb, xs, out);
-    case 11: return row_dot_r<FMT, 11>(row, nb, xs, out);
-    case 12: return row_dot_r<FMT, 12>(row, nb, xs, out);
-    case 13: return row_dot_r<FMT, 13>(row, nb, xs, out);
-    case 14: return row_dot_r<FMT, 14>(row, nb, xs, out);
-    case 15: return row_dot_r<FMT, 15>(row, nb, xs, out);
-    default: return row_dot_r<FMT, 16>(row, nb, xs, out);
+void packed_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t k, const uint16_t* x, int64_t b,
+                 uint16_t* y, int64_t ldy) {
+  const int wide = b <= 4 ? 4 : 2;
+  const int bt = (int)std::min<int64_t>(b, 8);
+  float out[4 * 8];
+  for (int64_t i = 0; i < rows;) {
+    const int r_n = rows - i >= wide ? wide : 1;
+    const uint8_t* wi = w + i * row_bytes;
+    if (r_n == 4) {
+      packed_tile_bt<FMT, 4>(bt, wi, row_bytes, k / 32, x, k, out);
+    } else if (r_n == 2) {
+      packed_tile_bt<FMT, 2>(bt, wi, row_bytes, k / 32, x, k, out);
+    } else {
+      packed_tile_bt<FMT, 1>(bt, wi, row_bytes, k / 32, x, k, out);
+    }
+    for (int bb = 0; bb < bt; ++bb)
+      for (int r = 0; r < r_n; ++r) y[bb * ldy + i + r] = float_to_bf16(out[bb * r_n + r]);
+    i += r_n;
   }
 }
 
@@ -490,7 +519,8 @@ namespace {
 
 using RowDot = void (*)(const uint8_t*, int64_t, const XBlock* const*, int, float*);
 using RowDotF32 = void (*)(const uint8_t*, int64_t, const float* const*, int, float*);
-using RowDotBf16 = void (*)(const uint8_t*, int64_t, const uint16_t* const*, int, float*);
+using PackedRowsBf16 = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*,
+                                 int64_t);
 
 using RowDequant = void (*)(const uint8_t*, int64_t, float*);
 using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
@@ -499,10 +529,9 @@ const int g_isa = detect_isa();
 const bool g_bf16 =
     g_isa == kIsaVnni && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
 
-// Rows of x dotted with one unpacked weight block (the most a tile takes): 16 on vdpbf16ps (one zmm
-// accumulator a row), 8 in the fp32 exact mode on AVX-512 (two a row), else 4 (AVX2 has 16
-// registers; the int8 mode keeps two a row).
-constexpr int kTile = 16;
+// Rows of x dotted with one unpacked weight block (the most a tile takes): 8 in the fp32 exact mode
+// on AVX-512 (two accumulators a row), else 4 (AVX2 has 16 registers; the int8 mode keeps two a row).
+constexpr int kTile = 8;
 // Bytes of W a thread takes at a time: long enough that the hardware prefetchers lock on to the
 // stream (chunks of 8 rows, 3 KB, read the embedded model's blocks at a third of the bandwidth),
 // short enough that a thread whose core is busy takes fewer.
@@ -520,15 +549,15 @@ struct Segment {
   int64_t first_chunk;
   RowDot dot;
   RowDotF32 dot_f32;
-  RowDotBf16 dot_bf16;
+  PackedRowsBf16 dot_bf16;
   RowDequantBf16 dequant_bf16;
 };
 
-// Rows of x up to which the bf16 path unpacks each block in registers for every tile of 16 rows
-// (path_bf16::row_dot); past it, a chunk is unpacked once into scratch (path_bf16::rows_times_x).
-// SmolLM2's matrices in Q4_1, 30 layers (AMD EPYC, AVX-512 BF16, 2 threads), against the dense
-// bf16 kernel: in registers 1.38x at 1 row, 1.03x at 8, 0.80x at 16; through scratch 0.99x, 0.91x,
-// 0.93x. Both give a row the same bits, so where the line falls changes no result.
+// Rows of x up to which the bf16 path unpacks each block in registers for every tile of rows
+// (path_bf16::packed_rows); past it, a chunk is unpacked once into scratch (path_bf16::rows_times_x).
+// SmolLM2's 120 matrices in Q4_1, weights from memory (AMD EPYC, AVX-512 BF16, 2 threads), against
+// the dense bf16 kernel: in registers 1.16-1.30x at 1 row, 1.0x at 8; through scratch 0.91x at 8,
+// 0.93x at 16. Both give a row the same bits, so where the line falls changes no result.
 constexpr int kFusedRows = 8;
 
 // y[b * ldy + n] for b < B and every row n of every segment; x fp32 or bf16 (then y bf16)
@@ -567,29 +596,30 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
     while (si + 1 < segs.size() && segs[si + 1].first_chunk <= c) ++si;
     const Segment& sg = segs[si];
     const int64_t lo = (c - sg.first_chunk) * sg.chunk_rows, hi = std::min(sg.rows, lo + sg.chunk_rows);
-    float out[kTile];
-    const XBlock* xs[kTile];
-    const float* xr[kTile];
-    const uint16_t* xh[kTile];
-    const int64_t tile = bf16_dot ? 16 : exact && isa == kIsaVnni ? 8 : 4;
-    if (bf16_dot && b > kFusedRows) {
+    if (bf16_dot) {
+      uint16_t* yc = static_cast<uint16_t*>(y) + sg.first + lo;
+      const uint16_t* xh = static_cast<const uint16_t*>(x);
+      if (b <= kFusedRows) {  // each block unpacked in registers for every row of x
+        sg.dot_bf16(sg.w + lo * sg.row_bytes, hi - lo, sg.row_bytes, k, xh, b, yc, ldy);
+        return;
+      }
       // the chunk's rows unpacked once, into this thread's scratch (kept: a chunk is ~200 KB, and a
       // fresh one per call would be a mapping and its page faults)
       thread_local std::vector<uint16_t> scratch;
       scratch.resize((size_t)((hi - lo) * k));
       for (int64_t i = lo; i < hi; ++i) sg.dequant_bf16(sg.w + i * sg.row_bytes, k, scratch.data() + (i - lo) * k);
-      path_bf16::rows_times_x(scratch.data(), hi - lo, k, static_cast<const uint16_t*>(x), b,
-                              static_cast<uint16_t*>(y) + sg.first + lo, ldy);
+      path_bf16::rows_times_x(scratch.data(), hi - lo, k, xh, b, yc, ldy);
       return;
     }
+    float out[kTile];
+    const XBlock* xs[kTile];
+    const float* xr[kTile];
+    const int64_t tile = exact && isa == kIsaVnni ? 8 : 4;
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t* row = sg.w + i * sg.row_bytes;
       for (int64_t r0 = 0; r0 < b; r0 += tile) {
         int rows = (int)std::min<int64_t>(tile, b - r0);
-        if (bf16_dot) {
-          for (int r = 0; r < rows; ++r) xh[r] = static_cast<const uint16_t*>(x) + (r0 + r) * k;
-          sg.dot_bf16(row, nb, xh, rows, out);
-        } else if (exact) {
+        if (exact) {
           for (int r = 0; r < rows; ++r) xr[r] = xf + (r0 + r) * k;
           sg.dot_f32(row, nb, xr, rows, out);
         } else {
@@ -623,7 +653,7 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
 struct FormatKernels {
   RowDot dot;  // the int8 mode
   RowDotF32 dot_f32;
-  RowDotBf16 dot_bf16;
+  PackedRowsBf16 dot_bf16;
   RowDequant dequant_f32;
   RowDequantBf16 dequant_bf16;  // null: dequantize to fp32 and round
 };
@@ -631,7 +661,7 @@ struct FormatKernels {
 template <int FMT>
 FormatKernels kernels_of(int isa) {
   if (isa == kIsaVnni)
-    return {path_vnni::row_dot<FMT>, path_vnni::row_dot_f32<FMT>, path_bf16::row_dot<FMT>,
+    return {path_vnni::row_dot<FMT>, path_vnni::row_dot_f32<FMT>, path_bf16::packed_rows<FMT>,
             path_vnni::dequantize_row_simd<FMT>,
             g_bf16 ? path_bf16::dequantize_row_bf16<FMT> : path_vnni::dequantize_row_simd_bf16<FMT>};
   if (isa == kIsaAvx2)
