@@ -75,13 +75,10 @@ class ModelRunner:
         its verified draft yields (engine/spec/verify.py), one or more, in order."""
         seqs = batch.seqs
         drafts = batch.drafts or [[] for _ in seqs]
-        hook = None
-        if on_layer_done is not None:
-            hook = lambda layer: on_layer_done(layer, seqs, batch.num_new_tokens)  # noqa: E731 (None or this closure)
         todo = zip(seqs, batch.num_new_tokens, drafts, strict=True)
         ending = [(s, d) for s, n, d in todo if s.num_computed_tokens + n == len(s)]
         masks = self._start_masks([m for s, d in ending for m in _row_matchers(s, d)])
-        logits, indices = self.forward(seqs, batch.num_new_tokens, hook, drafts)
+        logits, indices = self._forward_apart(seqs, batch.num_new_tokens, on_layer_done, drafts)
         num_rows = sum(1 + len(drafts[i]) for i in indices)
         prompt = self._prompt_logprobs(seqs, logits[num_rows:])
         logits = logits[:num_rows]
@@ -109,10 +106,57 @@ class ModelRunner:
         )
         return _verified(indices, [drafts[i] for i in indices], draws, result.token_ids, result.logprobs, prompt)
 
+    def _forward_apart(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        on_layer_done: BatchLayerHook | None,
+        drafts: Seq[Seq[int]],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """forward(), but a step that mixes decode rows with prefill chunks runs as two: its decode
+        rows as a pure decode step (the fused decode kernels, where they run), then its chunks. In a
+        mixed step a decode row took the torch path (attention over the gathered blocks, torch's
+        norms), so a seeded request's text depended on whether another prompt was prefilled while
+        it decoded (issue 45: the six-prompt check kept 5 of 6 texts colocated). The price is one
+        more pass over the weights per mixed step. A layer hook hears each part's layers with that
+        part's sequences (a sequence still hears each layer once)."""
+        one = [
+            i
+            for i, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True))
+            if drafts[i] or (n == 1 and not self._wants_prompt_rows(s))  # a seeded resume's outputs too
+        ]
+        if not one or len(one) == len(seqs):
+            return self.forward(seqs, num_new_tokens, _layer_hook(on_layer_done, seqs, num_new_tokens), drafts)
+        rest = [i for i in range(len(seqs)) if i not in set(one)]
+        parts = []
+        for group in (one, rest):
+            part, counts = [seqs[i] for i in group], [num_new_tokens[i] for i in group]
+            logits, got = self.forward(
+                part, counts, _layer_hook(on_layer_done, part, counts), [drafts[i] for i in group]
+            )
+            parts.append((group, logits, got))
+        self.prompt_rows = [(rest[i], p, row) for i, p, row in self.prompt_rows]  # the chunks' (the second)
+        # each sampled sequence's rows, back in batch order (the grammar masks are), then the prompt rows
+        spans: list[tuple[int, int, int]] = []
+        at = 0
+        for group, _, got in parts:
+            for j in got:
+                n = 1 + len(drafts[group[j]])
+                spans.append((group[j], at, n))
+                at += n
+        both = torch.cat([parts[0][1][: sum(n for i, _, n in spans if i in set(one))], parts[1][1]])
+        spans.sort()
+        order = [r for _, first, n in spans for r in range(first, first + n)] + list(range(at, both.shape[0]))
+        return both[torch.as_tensor(order, device=both.device)], [i for i, _, _ in spans]
+
+    @staticmethod
+    def _wants_prompt_rows(seq: Sequence) -> bool:
+        return bool(seq.params.prompt_logprobs) and not seq.num_output_tokens
+
     def _want_prompt_logits(self, i: int, seq: Sequence, start: int, end: int, first_row: int) -> None:
         """With prompt_logprobs: the rows of the positions this step computes whose logits predict a
         prompt token (position p predicts token p + 1), noted as (batch index, p, row)."""
-        if not seq.params.prompt_logprobs or seq.num_output_tokens:  # none, or reported before a preemption
+        if not self._wants_prompt_rows(seq):  # none, or reported before a preemption
             return
         for p in range(start, min(end, seq.num_prompt_tokens - 1)):
             self.prompt_rows.append((i, p, first_row + p - start))
@@ -280,6 +324,16 @@ class Draw(NamedTuple):
     sample_index: int
     generator: torch.Generator | None
     ahead: list[int]
+
+
+def _layer_hook(
+    on_layer_done: BatchLayerHook | None, seqs: Seq[Sequence], counts: Seq[int]
+) -> Callable[[int], None] | None:
+    """The model's per-layer callback for a forward pass over `seqs`: the batch hook told which
+    sequences and how many tokens each (None: no hook)."""
+    if on_layer_done is None:
+        return None
+    return lambda layer: on_layer_done(layer, seqs, counts)
 
 
 def _row_matchers(seq: Sequence, draft: list[int]) -> list[Any]:
