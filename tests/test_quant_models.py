@@ -173,7 +173,7 @@ def test_a_seeded_request_is_the_same_alone_in_a_batch_and_at_any_thread_count(q
     tokens it gives alone, at one thread or two."""
     _, path = quantized_file
     engine, _ = Engine.from_path(
-        path, EngineConfig(quantization="auto", batch_invariant=True, num_blocks=256), progress=False
+        path, EngineConfig(quantization="auto", batch_invariant="strict", num_blocks=256), progress=False
     )
     prompt = [7, 300, 12, 99, 4, 1000, 31, 8, 250, 17, 3, 60]
     others = [[(i * 37 + j * 11) % 4000 + 5 for j in range(12)] for i in range(7)]

@@ -4,9 +4,10 @@ decoded together give each prompt's text alone, at 1 thread and at 2. The blocks
 its bits whatever shares the call (tests/test_quant_kernels.py); before it, the short prompts of this
 check differed from their first tokens, because a prefill's logits depended on its batch.
 
-Not yet: a decode row in a step that also prefills another prompt runs the torch path (attention over
-the gathered blocks, torch's norms), not the fused decode kernels, so prompts arriving while others
-decode can still part (BENCHMARKS.md's note on issue 45)."""
+And the prompts arriving one by one while the others decode (steps that mix decode rows with a
+prefill) give the same texts: with --batch-invariant on (the default) those steps run their decode
+rows as a pure decode step; with it off, the texts part. Across modes and a migration, through real
+workers: tests/test_e2e_seeds.py."""
 
 from __future__ import annotations
 
@@ -35,22 +36,43 @@ QUESTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    argv = ["worker", "--role", "decode", "--num-blocks", "512"]
+def _default_engine(*flags: str) -> tuple[Engine, EngineTokenizer]:
+    argv = ["worker", "--role", "decode", "--num-blocks", "512", *flags]
     cfg = engine_config_from_args(build_parser(argv).parse_args(argv), "decode")
     if cfg.torch_dtype is not torch.bfloat16 or not (quant.available() and quant._ext().bf16()):
         pytest.skip("the default here is not bf16 activations on the AVX-512 BF16 block kernel")
     loaded = load_model(None, cfg.torch_dtype, progress=False, quantization=cfg.quantization)
-    e = Engine(loaded.config, loaded.weights, cfg, tokenizer=loaded.tokenizer)
-    yield e, EngineTokenizer(loaded.tokenizer)
+    return Engine(loaded.config, loaded.weights, cfg, tokenizer=loaded.tokenizer), EngineTokenizer(loaded.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    e, tok = _default_engine()
+    yield e, tok
     e.close()
+
+
+PARAMS = SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True)
+
+
+def _staggered(e: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt added three steps after the one before: its prefill shares steps with their decodes."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        e.add_request(f"s{i}", p, PARAMS)
+        for _ in range(3):
+            for o in e.step():
+                out.setdefault(o.request_id, []).append(o.token_id)
+    while e.has_work:
+        for o in e.step():
+            out.setdefault(o.request_id, []).append(o.token_id)
+    return [[t for t in out[f"s{i}"] if t >= 0] for i in range(len(prompts))]
 
 
 def test_six_seeded_prompts_together_give_each_prompts_text_alone_at_any_thread_count(engine):
     e, tok = engine
     prompts = [tok.encode_chat([("user", q)]) for q in QUESTIONS]
-    params = SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True)
+    params = PARAMS
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -62,3 +84,16 @@ def test_six_seeded_prompts_together_give_each_prompts_text_alone_at_any_thread_
     same = [a == t for a, t in zip(alone, together, strict=True)]
     assert all(same), f"{sum(same)} of {len(same)} prompts gave their text alone"
     assert len({tuple(t) for t in together}) == len(prompts)  # six texts, not one repeated
+
+
+def test_prompts_arriving_while_others_decode_keep_their_texts_unless_batch_invariance_is_off(engine):
+    e, tok = engine
+    prompts = [tok.encode_chat([("user", q)]) for q in QUESTIONS]
+    alone = [e.generate([p], PARAMS)[0] for p in prompts]
+    assert _staggered(e, prompts) == alone
+    off, _ = _default_engine("--batch-invariant", "off")
+    try:
+        parted = sum(a != b for a, b in zip(_staggered(off, prompts), alone, strict=True))
+    finally:
+        off.close()
+    assert parted > 0  # what the default prevents: the mixed steps' decode rows took the torch path

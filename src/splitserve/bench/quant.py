@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         _determinism(engines["blocks"], tok, "default")
         dtype, q = modes["blocks"]
         invariant, _ = Engine.from_path(
-            args.model, EngineConfig(dtype=dtype, quantization=q, batch_invariant=True), progress=False
+            args.model, EngineConfig(dtype=dtype, quantization=q, batch_invariant="strict"), progress=False
         )
         try:
             _determinism(invariant, tok, "--batch-invariant")

@@ -46,6 +46,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")  # canonical names of the quantized storage dtypes
 # --quantization's choices (EngineConfig.quantization)
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_k")
+# --batch-invariant's choices (EngineConfig.batch_invariant)
+BATCH_INVARIANCE = ("on", "strict", "off")
 _KV_ALIASES = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
@@ -351,11 +353,15 @@ class EngineConfig:
     # (Q4_0 .. Q8_0, Q4_K .. Q6_K) on their blocks where the CPU kernels run, "none" dequantizes
     # them into `dtype`; "q8_0" and "q4_k" also quantize float matrices at load.
     quantization: str = "none"
-    # Quantized matrices compute a prefill's rows on the same integer-dot kernel as a decode's, so
-    # that no row's result depends on the rows that share its step (a prompt prefilled alone or
-    # beside others gives the same KV), at the kernel's pace rather than a GEMM's (vLLM's
-    # VLLM_BATCH_INVARIANT). Without it, decode rows are invariant and a prefill chunk is not.
-    batch_invariant: bool = False
+    # What keeps a row's result from depending on the rows that share its step (BATCH_INVARIANCE):
+    # "on": a step mixing decode rows with prefill chunks runs its decode rows as a pure decode step
+    # (model_runner.py's `_forward_apart`) and a seeded request recomputes its output tokens one a
+    # step after a migration or preemption (scheduler.py's `step_tokens`), so that with the block
+    # kernel (a row's bits whatever shares the call, up to kernel.max_rows) a seed gives one text in
+    # every mode; "strict": also every prefill row of a quantized matrix on the kernel, past
+    # max_rows too (vLLM's VLLM_BATCH_INVARIANT), at the kernel's pace rather than a GEMM's; "off":
+    # mixed steps whole, and resumed outputs in chunks.
+    batch_invariant: str = "on"
     ngram_min: int = 2
     ngram_max: int = 4
 
@@ -363,6 +369,8 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.batch_invariant not in BATCH_INVARIANCE:
+            raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANCE}, got {self.batch_invariant!r}")
         self._check_speculation()
         kv_dtype_name(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_bytes < 0:

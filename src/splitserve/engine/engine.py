@@ -111,7 +111,7 @@ class Engine:
                 cfg.torch_device,
                 cfg.torch_dtype,
                 reduce=self.tp_group.all_reduce if self.tp_group is not None else None,
-                batch_invariant=cfg.batch_invariant,
+                batch_invariant=cfg.batch_invariant == "strict",
             )
         except BaseException:
             self.close()

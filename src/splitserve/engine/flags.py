@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from splitserve.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
+from splitserve.engine.config import BATCH_INVARIANCE, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, PREFILL_ORDERS
 from splitserve.engine.tuned import chunk_tokens, fill_tuned, tuned_for
 
@@ -130,9 +130,14 @@ def add_weight_arguments(p: argparse._ActionsContainer) -> None:
     )
     p.add_argument(
         "--batch-invariant",
-        action="store_true",
-        help="quantized weights compute a prefill's rows on the decode kernel, so that a seeded request gives the "
-        "same tokens whatever shares its steps (prefill runs slower)",
+        nargs="?",
+        const="strict",
+        default="on",
+        choices=list(BATCH_INVARIANCE),
+        help="on: a step's decode rows run as a pure decode step even beside a prefill, and a seeded request "
+        "recomputes its outputs one a step after a migration, so that a seed gives one text in every mode; "
+        "strict (the flag alone): also every prefill row of a quantized matrix on the decode kernel (prefill runs "
+        "slower); off: neither",
     )
 
 

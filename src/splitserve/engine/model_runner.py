@@ -125,7 +125,7 @@ class ModelRunner:
             for i, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True))
             if drafts[i] or (n == 1 and not self._wants_prompt_rows(s))  # a seeded resume's outputs too
         ]
-        if not one or len(one) == len(seqs):
+        if self.cfg.batch_invariant == "off" or not one or len(one) == len(seqs):
             return self.forward(seqs, num_new_tokens, _layer_hook(on_layer_done, seqs, num_new_tokens), drafts)
         rest = [i for i in range(len(seqs)) if i not in set(one)]
         parts = []

@@ -306,7 +306,7 @@ class Scheduler:
         """Tokens of running `seq` in this step, blocks made room for by preempting the newest
         running requests; None when `seq` itself had to be preempted (or, without `may_preempt`,
         when its blocks do not fit)."""
-        n = step_tokens(seq, budget)
+        n = step_tokens(seq, budget, self.cfg.batch_invariant != "off")
         while not self._grow(seq, seq.num_computed_tokens + n):
             if not may_preempt:
                 return None
@@ -363,7 +363,7 @@ class Scheduler:
             self.recorder.scheduled(seq)
             if seq.share.tenant:
                 self.prefill_shares.started(seq.share.tenant, len(seq) - seq.num_computed_tokens, now)
-            n = step_tokens(seq, budget)
+            n = step_tokens(seq, budget, self.cfg.batch_invariant != "off")
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -647,16 +647,17 @@ class Scheduler:
         return tuple(self.blocks.hash_to_block)
 
 
-def step_tokens(seq: Sequence, budget: int) -> int:
+def step_tokens(seq: Sequence, budget: int, invariant: bool = True) -> int:
     """The tokens of `seq` to compute in a step of `budget`: as many as are left, but a seeded
     request's output tokens (its context again after a migration or a preemption) one a step and
     its prompt's chunk stopping where they begin. Decoding computed each output token's KV as a
     step's one row, and a row's bits do not depend on what else the step holds (the block kernel,
     model_runner.py's `_forward_apart`), so the recomputed KV is the same bits and the seed gives
     the text it would have given (issue 45: 3 of 6 seeded prompts kept theirs after a decode
-    worker was killed). It costs one step per output token, so only a seed asks for it."""
+    worker was killed). It costs one step per output token, so only a seed asks for it, and not
+    with `invariant` off (--batch-invariant off)."""
     left = len(seq) - seq.num_computed_tokens
-    if seq.params.seed is None or len(seq) <= seq.num_prompt_tokens:
+    if not invariant or seq.params.seed is None or len(seq) <= seq.num_prompt_tokens:
         return min(left, budget)
     if seq.num_computed_tokens >= seq.num_prompt_tokens:
         return min(1, budget)
