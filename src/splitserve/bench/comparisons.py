@@ -104,6 +104,28 @@ COMPARISONS = (
         ),
     ),
     Comparison(
+        "Serving SmolLM2-135M's Q4_1 GGUF with no flags on either side (splitserve keeps the blocks)",
+        "llama.cpp's llama-server",
+        "peer-llamacpp-default.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
+            peer_figure("sharegpt", "TPOT p50 ms", "TPOT p50"),
+            peer_figure("burst", "goodput req/s", "steady streams with prompt bursts: goodput"),
+            peer_figure("burst", "burst prompts TTFT p50 ms", "burst prompts' TTFT p50"),
+            peer_figure("burst", "ITL p99 ms", "ITL p99"),
+        ),
+    ),
+    Comparison(
+        "Serving SmolLM2-135M with no flags on either side (splitserve on the GGUF's blocks)",
+        "vLLM's CPU build on its bfloat16 export",
+        "peer-vllm-default.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
+            peer_figure("burst", "burst prompts TTFT p50 ms", "burst prompts' TTFT p50"),
+            peer_figure("burst", "ITL p99 ms", "steady streams' ITL p99"),
+        ),
+    ),
+    Comparison(
         "Serving an 8B shape (random Q4_0 blocks) on a 24 GB machine",
         "llama.cpp's llama-server",
         "peer-llamacpp-8b.txt",

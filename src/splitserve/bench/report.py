@@ -114,8 +114,9 @@ TITLES = {
     "against decode log-probabilities beside their noise floor, sequences at a fixed pool and the batch-8 decode "
     "step at 256 to 2048 tokens of context (issue 21)",
     "quant-cpu": "A GGUF file's blocks computed in place against the file dequantized (bfloat16, float32): bytes "
-    "read, resident memory and shared pages, decode at batch 1 and 8, perplexity and top-1 agreement, KV capacity, "
-    "a seeded request's tokens (issue 31)",
+    "read, resident memory and shared pages, decode at batch 1 and 8, every layer's matrices at 1 to 256 rows "
+    "against the dense bf16 ones (issue 45), perplexity and top-1 agreement, KV capacity, a seeded request's tokens "
+    "(issue 31)",
     "internal-tls-cpu": "The cluster's mutual TLS against plaintext on loopback: the KV plane's GB/s (the mutual-"
     "TLS handshake, then AES-GCM records) and a disaggregated request's TTFT (issue 32)",
     "tenants-cpu": "Three quiet tenants and a noisy one at ten times their tokens on one cluster, disaggregated and "
@@ -130,6 +131,14 @@ TITLES = {
     "peer-vllm-llamacpp-cpu": "Against vLLM's CPU build (its defaults, on the HF export of the same weights in "
     "bfloat16) and llama-server (the same Q4_1 GGUF), splitserve with --quantization auto on the GGUF: ShareGPT at "
     "concurrency 4, in one run (issue 31)",
+    "peer-llamacpp-default": "Against llama-server on the embedded Q4_1 GGUF, neither given a flag: splitserve's "
+    "default now computes the file's blocks (issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts",
+    "peer-vllm-default": "Against vLLM's CPU build on the bfloat16 export of the same weights, neither given a flag "
+    "(splitserve on the GGUF's blocks, issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts",
+    "peer-invariance-on": "splitserve alone with no flag on the embedded GGUF, ShareGPT at concurrency 4: the "
+    "default --batch-invariant on (issue 45), against peer-invariance-off run just before it",
+    "peer-invariance-off": "The same with --batch-invariant off: mixed steps whole, resumed outputs in chunks "
+    "(issue 45), run just before peer-invariance-on",
     "peer-llamacpp-8b": "An 8B-shape model (random Q4_0 blocks, the embedded tokenizer) served by a prefill and a "
     "decode worker on this 24 GB machine against llama-server on the same file: a lone ~1,000-token prompt's TTFT "
     "and batch-1 decode (issue 31)",

@@ -144,7 +144,7 @@ class ModelRunner:
                 n = 1 + len(drafts[group[j]])
                 spans.append((group[j], at, n))
                 at += n
-        both = torch.cat([parts[0][1][: sum(n for i, _, n in spans if i in set(one))], parts[1][1]])
+        both = torch.cat([parts[0][1], parts[1][1]])  # the decode rows bring no prompt rows
         spans.sort()
         order = [r for _, first, n in spans for r in range(first, first + n)] + list(range(at, both.shape[0]))
         return both[torch.as_tensor(order, device=both.device)], [i for i, _, _ in spans]
