@@ -97,3 +97,34 @@ def test_prompts_arriving_while_others_decode_keep_their_texts_unless_batch_inva
     finally:
         off.close()
     assert parted > 0  # what the default prevents: the mixed steps' decode rows took the torch path
+
+
+def test_a_seeded_request_resumed_with_its_outputs_continues_its_text(engine):
+    """As after a migration: both samples of a seeded n=2 request handed over with their first six
+    tokens each, while a long prompt prefills beside them (steps of single-token rows and a chunk,
+    none of which samples: such a step once failed to index its empty logits), go on to the texts of
+    the run that was never interrupted."""
+    from splitserve.engine.handoff import SampleState
+
+    e, tok = engine
+    prompt = tok.encode_chat([("user", QUESTIONS[4])])
+    params = SamplingParams(max_tokens=32, temperature=0.9, seed=3, n=2, ignore_eos=True)
+    e.add_request("whole", prompt, params)
+    whole = _by_sample(e)
+    first, second = whole[("whole", 0)], whole[("whole", 1)]
+    e.add_request("resumed", prompt, params, samples=[SampleState(0, first[:6]), SampleState(1, second[:6])])
+    long_prompt = tok.encode_chat([("user", " ".join(QUESTIONS) * 20)])  # longer than a step's chunk
+    assert len(long_prompt) > e.cfg.max_num_batched_tokens
+    e.add_request("beside", long_prompt, PARAMS)
+    resumed = _by_sample(e)
+    assert [w[:6] + resumed[("resumed", k)] for k, w in enumerate((first, second))] == [first, second]
+
+
+def _by_sample(e: Engine) -> dict[tuple[str, int], list[int]]:
+    """Every token of the engine's requests until it is idle, by (request, sample index)."""
+    out: dict[tuple[str, int], list[int]] = {}
+    while e.has_work:
+        for o in e.step():
+            if o.token_id >= 0:
+                out.setdefault((o.request_id, o.sample_index), []).append(o.token_id)
+    return out

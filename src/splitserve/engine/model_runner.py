@@ -147,7 +147,7 @@ class ModelRunner:
         both = torch.cat([parts[0][1], parts[1][1]])  # the decode rows bring no prompt rows
         spans.sort()
         order = [r for _, first, n in spans for r in range(first, first + n)] + list(range(at, both.shape[0]))
-        return both[torch.as_tensor(order, device=both.device)], [i for i, _, _ in spans]
+        return both[torch.as_tensor(order, dtype=torch.long, device=both.device)], [i for i, _, _ in spans]
 
     @staticmethod
     def _wants_prompt_rows(seq: Sequence) -> bool:

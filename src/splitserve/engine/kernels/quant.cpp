@@ -25,7 +25,7 @@
 // unpacked once and used by up to 16 rows at a time, so W is read once per
 // call whatever B is. With bf16 x on AVX-512 BF16, past kFusedRows rows a chunk of W is
 // unpacked once into bf16 scratch and multiplied by linear.cpp's register tiles (path_bf16), up
-// to a prefill chunk's 256 rows (quant.py's TILE_MAX_ROWS).
+// to a decode worker's 512-row chunk (quant.py's TILE_MAX_ROWS).
 //
 // Determinism: a row's result is one thread's sum over the blocks in order, in fixed lanes
 // (int8: x's rows quantized each on its own), whatever the thread count or the other rows of x, so a seed gives

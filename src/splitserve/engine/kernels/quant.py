@@ -37,8 +37,11 @@ MAX_ROWS = 16
 # once into scratch, then linear.cpp's register tiles). SmolLM2's matrices in Q4_1, 6 layers, 2
 # threads (AMD EPYC), against the dense bf16 weights: 0.94x at 128 rows, 0.87x at 256, 0.84x at 512,
 # 0.81x at 1,024, where dequantizing the whole matrix into oneDNN's GEMM gives 0.86x, 0.86x, 0.94x
-# and 1.01x. Up to here a row's bits are the decode kernel's, whatever else shares the step.
-TILE_MAX_ROWS = 256
+# and 1.01x. Up to here a row's bits are the decode kernel's, whatever else shares the step, so the
+# line is a decode worker's whole chunk (tuned.CHUNK_TOKENS): at 256, a resumed request's prompt
+# tail prefilled beside a long prompt's chunk took the GEMM and its seeded text parted; a prefill
+# worker's 2,048-token chunks take the GEMM.
+TILE_MAX_ROWS = 512
 
 PATH_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
 
