@@ -16,7 +16,8 @@ file dequantized to float32, the accuracy reference).
   alternating round by round on the same prompt; the medians and their ratio.
 - prefill: a prompt of 12, 48 and 400 tokens and its first token, alternating (what a decode
   worker's streams wait for while it prefills locally); every layer's matrices on the blocks
-  against the dense engine's, at 1 to 256 rows (decode batches and prefill chunks).
+  against the dense engine's, at 1 to 256 rows (decode batches and prefill chunks), and on the AVX2
+  paths with AVX-512 masked off (fp32 x, against the float32 engine's).
 - accuracy: a text's perplexity by one decode step per token (the path a decode worker's steps
   take) against fp32's, and the teacher-forced top-1 agreement.
 - capacity: the KV blocks left in --budget-mib once each engine's resident weights are in.
@@ -36,8 +37,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.bench.results_file import with_results
 from splitserve.bench.teacher_forcing import decode_logits, logprobs_of
@@ -106,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
         _decode(args, engines, tok)
         _prefill(args, engines, tok)
         _crossover(engines)
+        _avx2_path(engines)
         _accuracy(args, engines, tok)
         _capacity(args, engines, resident)
         print("\n## determinism: a seeded request (temperature 0.8, seed 3, 48 tokens) on the blocks engine")
@@ -348,6 +352,58 @@ def _crossover(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 8, 1
         path = "kernel" if rows <= quant.max_rows(xs[blocks[0].k]) else "dequantize + GEMM"
         print(f"{rows:3} rows: blocks {best['blocks']:7.2f} ms ({path:17})  dense {best['dense']:7.2f} ms  ->  "
               f"blocks is {best['dense'] / best['blocks']:.2f}x dense")  # fmt: skip
+
+
+def _avx2_path(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 256)) -> None:
+    """The same matrices on the AVX2 paths, the AVX-512 ones masked off: the blocks' (quant.cpp path 1,
+    fp32 x, what an AVX2 machine runs: its tuned dtype is float32) against the fp32 engine's dense
+    matrices on linear.cpp's AVX2 path; past each kernel's rows both take oneDNN's GEMM (the blocks
+    dequantized into it), which picks its own ISA."""
+    from splitserve.engine.kernels import linear as dense_kernel
+
+    ext = dense_kernel._EXT.get()
+    if quant.best_path() < 1 or ext is None:
+        return
+    slots = ("qkv", "o", "gate_up", "down")
+    blocks = [getattr(layer, s) for layer in engines["blocks"].model.layers for s in slots]
+    dense = [getattr(layer, s) for layer in engines["fp32"].model.layers for s in slots]
+    if not all(isinstance(w, QuantizedWeight) for w in blocks):
+        return
+    print(f"\n## the AVX2 paths (AVX-512 masked off): the same {len(blocks)} matrices, fp32 x, the blocks")
+    print("## against the float32 engine's; all layers in turn, best of 3, ms for all of them")
+    for rows in rows_list:
+        xs = {w.k: torch.randn(rows, w.k) for w in blocks}
+        best = {"blocks": math.inf, "dense": math.inf}
+        for _ in range(3):
+            start = time.perf_counter()
+            _avx2_blocks(blocks, xs, rows)
+            mid = time.perf_counter()
+            _avx2_dense(ext, dense, xs, rows)
+            end = time.perf_counter()
+            best["blocks"] = min(best["blocks"], (mid - start) * 1e3)
+            best["dense"] = min(best["dense"], (end - mid) * 1e3)
+        print(f"{rows:3} rows: blocks {best['blocks']:7.2f} ms  dense fp32 {best['dense']:7.2f} ms  ->  "
+              f"blocks is {best['dense'] / best['blocks']:.2f}x dense (AVX2)")  # fmt: skip
+
+
+def _avx2_blocks(blocks: list[QuantizedWeight], xs: dict[int, torch.Tensor], rows: int) -> None:
+    for w in blocks:
+        if rows > quant.MAX_ROWS:
+            F.linear(xs[w.k], w.dequantize(torch.float32))
+            continue
+        for p in w.parts:
+            quant.on_path(xs[w.k], p.fmt, p.data, w.k, 1, exact=True)
+
+
+def _avx2_dense(ext: Any, dense: list[torch.Tensor], xs: dict[int, torch.Tensor], rows: int) -> None:
+    from splitserve.engine.kernels import linear as dense_kernel
+
+    for d in dense:
+        x = xs[d.shape[1]]
+        if rows <= dense_kernel.MAX_ROWS_F32:
+            dense_kernel._run(ext, x, d, None, 1)
+        else:
+            F.linear(x, d)
 
 
 # --------------------------------------------------------------- accuracy
