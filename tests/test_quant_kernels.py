@@ -112,12 +112,18 @@ def test_bf16_rows_get_the_dense_bf16_kernels_bits_whatever_shares_the_call(name
         assert torch.equal(got.view(torch.int16), linear(x[:rows].contiguous(), dense).view(torch.int16))
 
 
-def test_prefill_sized_batches_take_the_dequantized_gemm_and_agree():
+def test_prefill_sized_batches_take_the_scratch_tiles_then_the_dequantized_gemm_and_agree():
     w, k = _weights("Q5_1")
     fmt = BY_NAME["Q5_1"]
-    x = torch.randn(qk.MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4))
-    exact = x @ qk.dequantize(fmt, w, k).T
-    assert torch.allclose(qk.quant_linear(x, fmt, w, k), exact, rtol=1e-4, atol=1e-4)
+    for rows in (qk.MAX_ROWS + 5, qk.TILE_MAX_ROWS + 1):  # fp32 x through scratch, then the GEMM
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+        exact = x @ qk.dequantize(fmt, w, k).T
+        for path in range(1, qk.best_path() + 1):
+            if rows <= qk.TILE_MAX_ROWS:
+                got = qk.on_path(x, fmt, w, k, path, exact=True)
+                assert torch.allclose(got, exact, rtol=1e-4, atol=1e-4), qk.PATH_NAMES[path]
+        assert torch.allclose(qk.quant_linear(x, fmt, w, k, exact=True), exact, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(qk.quant_linear(x, fmt, w, k), exact, rtol=1e-4, atol=1e-4)  # int8 mode: the GEMM
     xb = torch.randn(qk.TILE_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     dense = xb.float() @ qk.dequantize(fmt, w, k, torch.bfloat16).float().T
     got = qk.quant_linear(xb, fmt, w, k).float()  # past the tiles' rows: the GEMM on bf16 weights

@@ -357,8 +357,8 @@ def _crossover(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 8, 1
 def _avx2_path(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 256)) -> None:
     """The same matrices on the AVX2 paths, the AVX-512 ones masked off: the blocks' (quant.cpp path 1,
     fp32 x, what an AVX2 machine runs: its tuned dtype is float32) against the fp32 engine's dense
-    matrices on linear.cpp's AVX2 path; past each kernel's rows both take oneDNN's GEMM (the blocks
-    dequantized into it), which picks its own ISA."""
+    matrices on linear.cpp's AVX2 path; past linear.cpp's 32 rows the dense matrices take oneDNN's
+    GEMM, which picks its own ISA (AVX-512 here: the dense side's figure is then not AVX2's)."""
     from splitserve.engine.kernels import linear as dense_kernel
 
     ext = dense_kernel._EXT.get()
@@ -376,7 +376,7 @@ def _avx2_path(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 4, 8
         best = {"blocks": math.inf, "dense": math.inf}
         for _ in range(3):
             start = time.perf_counter()
-            _avx2_blocks(blocks, xs, rows)
+            _avx2_blocks(ext, blocks, xs, rows)
             mid = time.perf_counter()
             _avx2_dense(ext, dense, xs, rows)
             end = time.perf_counter()
@@ -386,16 +386,19 @@ def _avx2_path(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 4, 8
               f"blocks is {best['dense'] / best['blocks']:.2f}x dense (AVX2)")  # fmt: skip
 
 
-def _avx2_blocks(blocks: list[QuantizedWeight], xs: dict[int, torch.Tensor], rows: int) -> None:
+def _avx2_blocks(ext: Any, blocks: list[QuantizedWeight], xs: dict[int, torch.Tensor], rows: int) -> None:
+    """As the engine runs them on fp32 x: the kernel up to quant.TILE_MAX_ROWS (in registers up to
+    quant.MAX_ROWS, then through scratch), else the matrix dequantized into linear.py's `linear`."""
     for w in blocks:
-        if rows > quant.MAX_ROWS:
-            F.linear(xs[w.k], w.dequantize(torch.float32))
+        if rows > quant.TILE_MAX_ROWS:
+            _avx2_dense(ext, [w.dequantize(torch.float32)], xs, rows)
             continue
         for p in w.parts:
             quant.on_path(xs[w.k], p.fmt, p.data, w.k, 1, exact=True)
 
 
 def _avx2_dense(ext: Any, dense: list[torch.Tensor], xs: dict[int, torch.Tensor], rows: int) -> None:
+    """linear.py's `linear` on fp32 weights, its kernel held to the AVX2 path."""
     from splitserve.engine.kernels import linear as dense_kernel
 
     for d in dense:

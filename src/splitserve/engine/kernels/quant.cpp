@@ -551,6 +551,7 @@ struct Segment {
   RowDotF32 dot_f32;
   PackedRowsBf16 dot_bf16;
   RowDequantBf16 dequant_bf16;
+  RowDequant dequant_scratch;
 };
 
 // Rows of x up to which the bf16 path unpacks each block in registers for every tile of rows
@@ -559,6 +560,8 @@ struct Segment {
 // the dense bf16 kernel: in registers 1.16-1.30x at 1 row, 1.0x at 8; through scratch 0.91x at 8,
 // 0.93x at 16. Both give a row the same bits, so where the line falls changes no result.
 constexpr int kFusedRows = 8;
+// The same line for fp32 x (the exact mode without bf16 arithmetic): quant.py's MAX_ROWS.
+constexpr int kFusedRowsF32 = 16;
 
 // y[b * ldy + n] for b < B and every row n of every segment; x fp32 or bf16 (then y bf16)
 // `exact`: x as it is (fp32 products of the dequantized blocks), else x rounded to int8 blocks
@@ -611,6 +614,19 @@ void qlinear(void* y, const void* x, std::vector<Segment>& segs, int64_t k, int6
       path_bf16::rows_times_x(scratch.data(), hi - lo, k, xh, b, yc, ldy);
       return;
     }
+    if (exact && b > kFusedRowsF32 && sg.dequant_scratch != nullptr) {
+      thread_local std::vector<float> scratch_f32;
+      scratch_f32.resize((size_t)((hi - lo) * k));
+      for (int64_t i = lo; i < hi; ++i) sg.dequant_scratch(sg.w + i * sg.row_bytes, k, scratch_f32.data() + (i - lo) * k);
+      void* yc = x_bf16 ? static_cast<void*>(static_cast<uint16_t*>(y) + sg.first + lo)
+                        : static_cast<void*>(static_cast<float*>(y) + sg.first + lo);
+      if (isa == kIsaVnni) {
+        path_vnni::rows_times_x_f32(scratch_f32.data(), hi - lo, k, xf, b, yc, ldy, x_bf16);
+      } else {
+        path_avx2::rows_times_x_f32(scratch_f32.data(), hi - lo, k, xf, b, yc, ldy, x_bf16);
+      }
+      return;
+    }
     float out[kTile];
     const XBlock* xs[kTile];
     const float* xr[kTile];
@@ -656,6 +672,7 @@ struct FormatKernels {
   PackedRowsBf16 dot_bf16;
   RowDequant dequant_f32;
   RowDequantBf16 dequant_bf16;  // null: dequantize to fp32 and round
+  RowDequant dequant_scratch;   // fp32 x's scratch: the SIMD paths' own (null on the scalar one)
 };
 
 template <int FMT>
@@ -663,10 +680,12 @@ FormatKernels kernels_of(int isa) {
   if (isa == kIsaVnni)
     return {path_vnni::row_dot<FMT>, path_vnni::row_dot_f32<FMT>, path_bf16::packed_rows<FMT>,
             path_vnni::dequantize_row_simd<FMT>,
-            g_bf16 ? path_bf16::dequantize_row_bf16<FMT> : path_vnni::dequantize_row_simd_bf16<FMT>};
+            g_bf16 ? path_bf16::dequantize_row_bf16<FMT> : path_vnni::dequantize_row_simd_bf16<FMT>,
+            path_vnni::dequant_row_f32<FMT>};
   if (isa == kIsaAvx2)
-    return {path_avx2::row_dot<FMT>, path_avx2::row_dot_f32<FMT>, nullptr, dequantize_row<FMT>, nullptr};
-  return {row_dot_scalar<FMT>, row_dot_f32_scalar<FMT>, nullptr, dequantize_row<FMT>, nullptr};
+    return {path_avx2::row_dot<FMT>, path_avx2::row_dot_f32<FMT>, nullptr, dequantize_row<FMT>, nullptr,
+            path_avx2::dequant_row_f32<FMT>};
+  return {row_dot_scalar<FMT>, row_dot_f32_scalar<FMT>, nullptr, dequantize_row<FMT>, nullptr, nullptr};
 }
 
 FormatKernels kernels_for(int fmt, int isa) {
@@ -765,6 +784,7 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     sg.dot_f32 = kern.dot_f32;
     sg.dot_bf16 = g_bf16 ? kern.dot_bf16 : nullptr;
     sg.dequant_bf16 = kern.dequant_bf16;
+    sg.dequant_scratch = kern.dequant_scratch;
     segs.push_back(sg);
     first += rows;
   }
@@ -1163,6 +1183,111 @@ void row_dot_f32_r(const uint8_t* row, int64_t nb, const float* const* xs, float
 }
 
 #endif  // SPLITSERVE_VNNI
+
+// ---- fp32 x past the in-register rows: a chunk of W unpacked once into fp32 scratch, then register
+// tiles of FMAs (linear.cpp's fp32 tiles), as the bf16 path does (path_bf16 below). Dequantizing the
+// whole matrix for oneDNN wrote and read 4 bytes a weight through memory: on the AVX2 path at 32 rows
+// the blocks took 1.7x the dense fp32 kernel's time.
+
+#if SPLITSERVE_VNNI
+using VecF = __m512;
+constexpr int kLanesF = 16, kTileWF = 4, kTileXF = 4;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+#else
+using VecF = __m256;
+constexpr int kLanesF = 8, kTileWF = 2, kTileXF = 4;  // 8 accumulators of AVX2's 16 registers
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return hsum(v); }
+#endif
+
+// A row dequantized to fp32 with ggml's expression (d * (q - off), + m where the format has one)
+template <int FMT>
+void dequant_row_f32(const uint8_t* row, int64_t k, float* out) {
+  for (int64_t kb = 0; kb < k / 32; ++kb) {
+    BlockScale s = scale_fast<FMT>(row, kb);
+    __m256i q = block_vec<FMT>(row, kb, s.off);
+    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_set1_ps(h ? s.d_hi : s.d_lo), m = _mm256_set1_ps(h ? s.m_hi : s.m_lo);
+      for (int e = 0; e < 2; ++e) {
+        __m128i bytes = e ? _mm_srli_si128(halves[h], 8) : halves[h];
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+        if constexpr (FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K) w = _mm256_add_ps(w, m);
+        _mm256_storeu_ps(out + kb * 32 + 16 * h + 8 * e, w);
+      }
+    }
+  }
+}
+
+// out[b * R + r] = W row r (fp32, k apart) . x row b (ldx apart); k % 32 == 0
+template <int R, int BT>
+void tile_f32(const float* w, int64_t k, const float* x, int64_t ldx, float* out) {
+  VecF acc[BT][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[b][r] = vzero();
+  for (int64_t kk = 0; kk < k; kk += kLanesF) {
+    VecF xv[BT];
+#pragma GCC unroll 8
+    for (int b = 0; b < BT; ++b) xv[b] = vload(x + b * ldx + kk);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const VecF wv = vload(w + r * k + kk);
+#pragma GCC unroll 8
+      for (int b = 0; b < BT; ++b) acc[b][r] = vfma(wv, xv[b], acc[b][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < BT; ++b)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[b * R + r] = vsum(acc[b][r]);
+}
+
+template <int R>
+void tile_f32_bt(int bt, const float* w, int64_t k, const float* x, int64_t ldx, float* out) {
+  switch (bt) {
+    case 1: return tile_f32<R, 1>(w, k, x, ldx, out);
+    case 2: return tile_f32<R, 2>(w, k, x, ldx, out);
+    case 3: return tile_f32<R, 3>(w, k, x, ldx, out);
+    default: return tile_f32<R, 4>(w, k, x, ldx, out);
+  }
+}
+
+// y[b * ldy + j] for W rows j < rows, dequantized in `w` (fp32, k apart), and every row of x (fp32);
+// y fp32, or bf16 where `y_bf16` (bf16 x widened for this path)
+void rows_times_x_f32(const float* w, int64_t rows, int64_t k, const float* x, int64_t b, void* y, int64_t ldy,
+                      bool y_bf16) {
+  const int64_t n_bt = (b + kTileXF - 1) / kTileXF;
+  const int64_t bt_size = (b + n_bt - 1) / n_bt;
+  float out[kTileWF * kTileXF];
+  for (int64_t i = 0; i < rows;) {
+    const int r_n = rows - i >= kTileWF ? kTileWF : 1;
+    for (int64_t b0 = 0; b0 < b; b0 += bt_size) {
+      const int bt = (int)std::min(bt_size, b - b0);
+      if (r_n == kTileWF) {
+        tile_f32_bt<kTileWF>(bt, w + i * k, k, x + b0 * k, k, out);
+      } else {
+        tile_f32_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
+      }
+      for (int bb = 0; bb < bt; ++bb)
+        for (int r = 0; r < r_n; ++r) {
+          const int64_t at = (b0 + bb) * ldy + i + r;
+          if (y_bf16) {
+            static_cast<uint16_t*>(y)[at] = float_to_bf16(out[bb * r_n + r]);
+          } else {
+            static_cast<float*>(y)[at] = out[bb * r_n + r];
+          }
+        }
+    }
+    i += r_n;
+  }
+}
 
 template <int FMT>
 void row_dot_f32(const uint8_t* row, int64_t nb, const float* const* xs, int rows, float* out) {

@@ -98,12 +98,13 @@ def best_path() -> int:
 
 
 def max_rows(x: Tensor) -> int:
-    """The most rows of `x` the kernel takes (past them, the dequantized GEMM): TILE_MAX_ROWS for bf16
-    x where the CPU multiplies bf16, else MAX_ROWS. 0 where the kernel is not built."""
+    """The most rows of `x` the kernel takes (past them, the dequantized GEMM): TILE_MAX_ROWS on a SIMD
+    path (past MAX_ROWS rows of fp32 x, or 8 of bf16 x on AVX-512 BF16, a chunk of W is unpacked once
+    into scratch for register tiles), else MAX_ROWS. 0 where the kernel is not built."""
     ext = _EXT.value if _EXT.done else None
     if ext is None:
         return 0
-    return TILE_MAX_ROWS if x.dtype is _BF16 and bool(ext.bf16()) else MAX_ROWS
+    return TILE_MAX_ROWS if int(ext.isa()) >= 1 else MAX_ROWS
 
 
 def _ext() -> ModuleType:
@@ -183,7 +184,7 @@ def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = F
     if not _fits(x, k):
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
-    if x.shape[0] <= max_rows(x):
+    if x.shape[0] <= (max_rows(x) if exact else MAX_ROWS):  # the int8 mode has no scratch tiles
         return _linear(ext, x, parts, w.shape[0], k, int(ext.isa()), exact)
     return linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
