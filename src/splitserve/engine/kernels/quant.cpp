@@ -291,6 +291,27 @@ void dequantize_row(const uint8_t* row, int64_t k, float* out) {
   }
 }
 
+// W rows [0, rows) against every one of b rows of x in register tiles: R rows of W by up to BT rows
+// of x, the rows of x cut evenly (8 rows -> 4 + 4, not 6 + 2), the rows of W left over one at a time.
+// tile(r_n, bt, i, b0, out) fills out[bb * r_n + r] for W row i + r and x row b0 + bb; put(x row, W
+// row, value) stores each. Inlined into each SIMD path's caller, whose target the tiles need.
+template <int R, int BT, typename Tile, typename Put>
+__attribute__((always_inline)) inline void over_tiles(int64_t rows, int64_t b, Tile tile, Put put) {
+  const int64_t n_bt = (b + BT - 1) / BT;
+  const int64_t bt_size = (b + n_bt - 1) / n_bt;
+  float out[R * BT];
+  for (int64_t i = 0; i < rows;) {
+    const int r_n = rows - i >= R ? R : 1;
+    for (int64_t b0 = 0; b0 < b; b0 += bt_size) {
+      const int bt = (int)std::min(bt_size, b - b0);
+      tile(r_n, bt, i, b0, out);
+      for (int bb = 0; bb < bt; ++bb)
+        for (int r = 0; r < r_n; ++r) put(b0 + bb, i + r, out[bb * r_n + r]);
+    }
+    i += r_n;
+  }
+}
+
 constexpr int kIsaScalar = 0, kIsaAvx2 = 1, kIsaVnni = 2;
 
 int detect_isa() {
@@ -493,23 +514,16 @@ void tile_bt(int bt, const uint16_t* w, int64_t k, const uint16_t* x, int64_t ld
 // tiles are bound by vdpbf16ps, not by reading x from L2.)
 void rows_times_x(const uint16_t* w, int64_t rows, int64_t k, const uint16_t* x, int64_t b, uint16_t* y,
                   int64_t ldy) {
-  const int64_t n_bt = (b + kTileX - 1) / kTileX;
-  const int64_t bt_size = (b + n_bt - 1) / n_bt;  // balanced: 8 rows of x -> 4+4, not 6+2
-  float out[kTileRows * kTileX];
-  for (int64_t i = 0; i < rows;) {
-    const int r_n = rows - i >= kTileRows ? kTileRows : 1;
-    for (int64_t b0 = 0; b0 < b; b0 += bt_size) {
-      const int bt = (int)std::min(bt_size, b - b0);
-      if (r_n == kTileRows) {
-        tile_bt<kTileRows>(bt, w + i * k, k, x + b0 * k, k, out);
-      } else {
-        tile_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
-      }
-      for (int bb = 0; bb < bt; ++bb)
-        for (int r = 0; r < r_n; ++r) y[(b0 + bb) * ldy + i + r] = float_to_bf16(out[bb * r_n + r]);
-    }
-    i += r_n;
-  }
+  over_tiles<kTileRows, kTileX>(
+      rows, b,
+      [&](int r_n, int bt, int64_t i, int64_t b0, float* out) {
+        if (r_n == kTileRows) {
+          tile_bt<kTileRows>(bt, w + i * k, k, x + b0 * k, k, out);
+        } else {
+          tile_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
+        }
+      },
+      [&](int64_t bx, int64_t j, float v) { y[bx * ldy + j] = float_to_bf16(v); });
 }
 
 }  // namespace path_bf16
@@ -1263,30 +1277,22 @@ void tile_f32_bt(int bt, const float* w, int64_t k, const float* x, int64_t ldx,
 // y fp32, or bf16 where `y_bf16` (bf16 x widened for this path)
 void rows_times_x_f32(const float* w, int64_t rows, int64_t k, const float* x, int64_t b, void* y, int64_t ldy,
                       bool y_bf16) {
-  const int64_t n_bt = (b + kTileXF - 1) / kTileXF;
-  const int64_t bt_size = (b + n_bt - 1) / n_bt;
-  float out[kTileWF * kTileXF];
-  for (int64_t i = 0; i < rows;) {
-    const int r_n = rows - i >= kTileWF ? kTileWF : 1;
-    for (int64_t b0 = 0; b0 < b; b0 += bt_size) {
-      const int bt = (int)std::min(bt_size, b - b0);
-      if (r_n == kTileWF) {
-        tile_f32_bt<kTileWF>(bt, w + i * k, k, x + b0 * k, k, out);
-      } else {
-        tile_f32_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
-      }
-      for (int bb = 0; bb < bt; ++bb)
-        for (int r = 0; r < r_n; ++r) {
-          const int64_t at = (b0 + bb) * ldy + i + r;
-          if (y_bf16) {
-            static_cast<uint16_t*>(y)[at] = float_to_bf16(out[bb * r_n + r]);
-          } else {
-            static_cast<float*>(y)[at] = out[bb * r_n + r];
-          }
+  over_tiles<kTileWF, kTileXF>(
+      rows, b,
+      [&](int r_n, int bt, int64_t i, int64_t b0, float* out) {
+        if (r_n == kTileWF) {
+          tile_f32_bt<kTileWF>(bt, w + i * k, k, x + b0 * k, k, out);
+        } else {
+          tile_f32_bt<1>(bt, w + i * k, k, x + b0 * k, k, out);
         }
-    }
-    i += r_n;
-  }
+      },
+      [&](int64_t bx, int64_t j, float v) {
+        if (y_bf16) {
+          static_cast<uint16_t*>(y)[bx * ldy + j] = float_to_bf16(v);
+        } else {
+          static_cast<float*>(y)[bx * ldy + j] = v;
+        }
+      });
 }
 
 template <int FMT>
