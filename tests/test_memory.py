@@ -20,7 +20,7 @@ import pytest
 from splitserve.bench import synthetic_gguf
 from splitserve.engine import gguf_loader
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.gguf_formats import BY_NAME, FORMATS
+from splitserve.engine.gguf_formats import FORMATS
 from splitserve.engine.memory import (
     RUNTIME_BYTES,
     Pool,
@@ -41,7 +41,7 @@ TWO_POOLS = "--prefill-workers, --decode-workers"
 @pytest.fixture(scope="module")
 def llama8b_q4_0(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("sparse") / "llama8b-q4_0.gguf")
-    synthetic_gguf.write(path, BY_NAME["Q4_0"], synthetic_gguf.SHAPES["llama3-8b"], sparse=True)
+    synthetic_gguf.write(path, "Q4_0", synthetic_gguf.SHAPES["llama3-8b"], sparse=True)
     return path
 
 

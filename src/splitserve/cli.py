@@ -89,6 +89,10 @@ BENCHMARKS = {
         "splitserve.bench.synthetic_gguf",
         "write a large model's shape (Llama 3 8B) as a GGUF of random blocks with the embedded tokenizer",
     ),
+    "start": (
+        "splitserve.bench.serve_start",
+        "serve a large file with no flag (memory, readiness, one request), or see its start refused",
+    ),
     "kernels-isa": ("splitserve.bench.kernels_isa", "the CPU kernels' ISA paths side by side: linear and attention"),
     "spec": ("splitserve.bench.spec", "speculative decoding against plain decode: copying load and ShareGPT"),
     "prefill-profile": (
