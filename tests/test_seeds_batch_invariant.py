@@ -128,3 +128,29 @@ def _by_sample(e: Engine) -> dict[tuple[str, int], list[int]]:
             if o.token_id >= 0:
                 out.setdefault((o.request_id, o.sample_index), []).append(o.token_id)
     return out
+
+
+def test_a_mixed_step_runs_as_one_pass_with_the_bits_of_two(engine, monkeypatch):
+    """The default engine joins a mixed step's decode rows and prefill chunks in one pass over the
+    weights (the model's `joins`: every matrix on its row-wise kernel, attention apart), where it ran
+    them as two passes: the staggered texts are those of the two passes, and of each prompt alone."""
+    e, tok = engine
+    prompts = [tok.encode_chat([("user", q)]) for q in QUESTIONS]
+    alone = [e.generate([p], PARAMS)[0] for p in prompts]
+    model = e.runner.model
+    forward = model.forward
+    joined: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        rows = args[6] if len(args) > 6 else kwargs.get("decode_rows", 0)
+        if rows:
+            joined.append(rows)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    assert _staggered(e, prompts) == alone
+    assert joined, "no mixed step ran as one pass"
+    monkeypatch.setattr(model, "joins", lambda *args: False)
+    count = len(joined)
+    assert _staggered(e, prompts) == alone  # two passes each
+    assert len(joined) == count

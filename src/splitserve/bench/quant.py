@@ -13,7 +13,8 @@ file dequantized to float32, the accuracy reference).
   bytes outside them (copies, dequantized floats), their sum against the file's, and the process's
   growth; two such workers' proportional share of the file's pages (one copy: the page cache's).
 - decode: ms a token at batch 1 (no speculation) and ms a step at --batch, the engines
-  alternating round by round on the same prompt; the medians and their ratio.
+  alternating round by round on the same prompt; the medians and their ratio; batch 1's bytes
+  read a second against a STREAM-like memory read probe in the same run (the roofline).
 - prefill: a prompt of 12, 48 and 400 tokens and its first token, alternating (what a decode
   worker's streams wait for while it prefills locally); every layer's matrices on the blocks
   against the dense engine's, at 1 to 256 rows (decode batches and prefill chunks), and on the AVX2
@@ -53,6 +54,7 @@ from splitserve.engine.quant.weight import QuantizedWeight
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.tuned import detect_machine, tuned_defaults
+from splitserve.measure import hw
 from splitserve.measure.hw import machine_line
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
@@ -297,6 +299,26 @@ def _decode(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer
         cells = "  ".join(f"{n} {m:.2f} ms" for n, m in med.items())
         print(f"batch {batch:2}: {cells}  ->  blocks is {med['dense'] / med['blocks']:.2f}x dense, "
               f"{med['fp32'] / med['blocks']:.2f}x fp32")  # fmt: skip
+        if batch == 1:
+            _bandwidth(engines, med)
+
+
+def _bandwidth(engines: dict[str, Engine], ms_per_token: dict[str, float]) -> None:
+    """Batch-1 decode against the memory: each engine's bytes read per token over its ms a token,
+    against a STREAM-like read of 1 GiB (measure/hw.py: torch.sum over fp32, far past the
+    last-level cache) on the same threads, measured here, right after the decode timings."""
+    buf = hw.read_buffer(torch.device("cpu"), 1 << 30)
+    hw.read_bandwidth(buf)  # first touch
+    reads = [hw.read_bandwidth(buf) for _ in range(5)]
+    del buf
+    read = statistics.median(reads)
+    print(f"memory read: {read:.1f} GB/s (torch.sum over 1024 MiB of fp32, {torch.get_num_threads()} threads, "
+          f"median of 5: {min(reads):.1f}..{max(reads):.1f})")  # fmt: skip
+    for name, e in engines.items():
+        nbytes = e.model.weight_bytes
+        rate = nbytes / (ms_per_token[name] / 1e3) / 1e9
+        print(f"batch 1 {name:6}: {nbytes / 1e6:6.1f} MB a token (weights) / {ms_per_token[name]:.2f} ms = "
+              f"{rate:5.1f} GB/s = {100 * rate / read:3.0f}% of the memory read")  # fmt: skip
 
 
 def _prefill(args: argparse.Namespace, engines: dict[str, Engine], tok: Tokenizer) -> None:
@@ -349,7 +371,7 @@ def _crossover(engines: dict[str, Engine], rows_list: tuple[int, ...] = (1, 8, 1
             end = time.perf_counter()
             best["blocks"] = min(best["blocks"], (mid - start) * 1e3)
             best["dense"] = min(best["dense"], (end - mid) * 1e3)
-        path = "kernel" if rows <= quant.max_rows(xs[blocks[0].k]) else "dequantize + GEMM"
+        path = "kernel" if rows <= quant.max_rows() else "dequantize + GEMM"
         print(f"{rows:3} rows: blocks {best['blocks']:7.2f} ms ({path:17})  dense {best['dense']:7.2f} ms  ->  "
               f"blocks is {best['dense'] / best['blocks']:.2f}x dense")  # fmt: skip
 

@@ -64,6 +64,33 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def split(self, rows: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The step's first `rows` queries, each of one token (its decode rows), and the rest (its
+        prefill chunks), each as a step of its own: the model attends to them apart in one pass."""
+        if self.windowed or not 0 < rows < self.num_seqs or any(q != 1 for q in self.query_lens[:rows]):
+            raise ValueError(f"cannot split {rows} one-token rows off a step of query lengths {self.query_lens}")
+        lens = self.context_lens_list
+        head = AttentionMetadata(
+            self.slot_blocks[:rows],
+            self.slot_offsets[:rows],
+            self.block_tables[:rows],
+            self.context_lens[:rows],
+            self.query_lens[:rows],
+            lens[:rows],
+            is_decode=True,
+        )
+        tail_lens = self.query_lens[rows:]
+        tail = AttentionMetadata(
+            self.slot_blocks[rows:],
+            self.slot_offsets[rows:],
+            self.block_tables[rows:],
+            self.context_lens[rows:],
+            tail_lens,
+            lens[rows:],
+            is_decode=all(q == 1 for q in tail_lens),
+        )
+        return head, tail
+
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store new K and V ([T, kv_heads, head_dim]) into `layer_cache` [blocks, 2, bs, kv_heads, head_dim]

@@ -29,7 +29,7 @@ is whole on every rank. Both paths, the fused kernels included, run per shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +37,10 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kernels import quant as quant_kernel
 from splitserve.engine.kernels.decode import KV_KINDS as QUANTIZED_KV_KINDS
 from splitserve.engine.kernels.decode import DecodeKernels, decode_kernels
-from splitserve.engine.kernels.linear import linear
+from splitserve.engine.kernels.linear import kernel_available, linear, linear_max_rows
 from splitserve.engine.kernels.prefill import prefill_attention
 from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYPES
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
@@ -154,6 +155,7 @@ class DecoderModel:
         )
         # a prefill's attention on our CPU kernel where it takes the call (bf16, AVX-512 BF16), else SDPA
         self._prefill_kernel = prefill_attention if device.type == "cpu" else None
+        self._row_wise: int | None = None  # _row_wise_rows, once the kernels are built
 
     @property
     def weight_bytes(self) -> int:
@@ -178,7 +180,16 @@ class DecoderModel:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose logits are wanted
         on_layer_done: LayerHook | None = None,
+        decode_rows: int = 0,
     ) -> torch.Tensor:
+        """Logits of the `logits_indices` rows. `decode_rows`: the step's first rows are that many
+        decode rows and the rest prefill chunks, run in one pass (`joins` said the step may)."""
+        if decode_rows:
+            head, tail = meta.split(decode_rows)
+            joined = self._cpu_decode_kernels(kv_cache, head)
+            if joined is None:
+                raise ValueError("a joined step where the fused decode kernels do not run (ask `joins` first)")
+            return self._joined(joined, input_ids, positions, kv_cache, head, tail, logits_indices, on_layer_done)
         kernels = self._decode_kernels(kv_cache, meta)
         if kernels is not None:
             return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
@@ -222,14 +233,14 @@ class DecoderModel:
                 self.reduce(down)
             if lw.post_mlp_norm is not None:
                 down = rms_norm(down, lw.post_mlp_norm, cfg.rms_norm_eps)
-            if i + 1 < len(self.layers):  # the residual add, with the next layer's input norm
-                h, x = self._add_norm(rows, h, down, self.layers[i + 1].input_norm)
-            else:
-                h = h + down
+            # the residual add, with the next layer's input norm or the final one (on every row, as
+            # the fused decode step computes it: a prompt's last row is normed as a decode row is)
+            h, x = self._add_norm(
+                rows, h, down, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            )
         if logits_indices.numel() == 0:  # a chunk that ends no prompt, or a rank other than 0
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
-        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        return linear(x[logits_indices], self.lm_head).float()
 
     def _mlp(self, rows: DecodeKernels | None, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """The layer's MLP on the normed rows `x`: SwiGLU, or a mixture of experts."""
@@ -322,20 +333,119 @@ class DecoderModel:
         self, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> DecodeKernels | TritonDecodeKernels | None:
         """The fused kernels when this step can take them, else None (the torch path)."""
+        if not meta.is_decode or not self._decode_fits(kv_cache, meta.context_lens_list):
+            return None
+        if self.device.type == "cpu":
+            return self._cpu_decode_kernels(kv_cache, meta)
         quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
-        if not meta.is_decode or (kv_cache.dtype != self.dtype and not quantized) or not self._kernels_fit:
-            return None
-        if kv_cache.shape[0] != self.cfg.num_layers:  # a cache of pages: the kernels index rows by layer
-            return None
-        if self._min_window and max(meta.context_lens_list) > self._min_window:  # the kernels see every key
-            return None
-        if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
-            return decode_kernels()
         if self.device.type == "cuda" and self.dtype in TRITON_DECODE_DTYPES and kv_cache.device.type == "cuda":
             kernels = triton_decode_kernels()
             # a quantized cache only where the kernels' quantized read passed its self-test on this GPU
             return kernels if kernels is not None and (kernels.reads_quantized or not quantized) else None
         return None
+
+    def _decode_fits(self, kv_cache: torch.Tensor, context_lens: Sequence[int]) -> bool:
+        """Whether the fused decode kernels compute this model's layers over this cache at these contexts."""
+        quantized = kv_cache.dtype in QUANTIZED_KV_KINDS
+        if (kv_cache.dtype != self.dtype and not quantized) or not self._kernels_fit:
+            return False
+        if kv_cache.shape[0] != self.cfg.num_layers:  # a cache of pages: the kernels index rows by layer
+            return False
+        # the kernels see every key
+        return not (self._min_window and context_lens and max(context_lens) > self._min_window)
+
+    def _cpu_decode_kernels(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> DecodeKernels | None:
+        if not self._decode_fits(kv_cache, meta.context_lens_list):
+            return None
+        if self.device.type == "cpu" and self.dtype in FUSED_DECODE_DTYPES and kv_cache.is_cpu:
+            return decode_kernels()
+        return None
+
+    def joins(self, kv_cache: torch.Tensor, decode_context_lens: Sequence[int], rows: int) -> bool:
+        """Whether a step of decode rows (their contexts `decode_context_lens`) and prefill chunks,
+        `rows` in all, runs as one pass (`forward`'s `decode_rows`) and gives each row the bits it
+        gets in a step of its own kind: on a CPU, where the fused decode kernels take the decode rows
+        and every matrix computes each of the `rows` on its row-wise kernel (linear.py's up to its
+        MAX_ROWS, a file's blocks up to quant.max_rows()). Else the runner runs the two apart."""
+        if self.device.type != "cpu" or self.dtype not in FUSED_DECODE_DTYPES or self.reduce is not None:
+            return False
+        if rows > self._row_wise_rows() or decode_kernels() is None:
+            return False
+        return kv_cache.is_cpu and self._decode_fits(kv_cache, decode_context_lens)
+
+    def _row_wise_rows(self) -> int:
+        """The most rows of a step on which every matrix computes each row alone: the least of the
+        dense ones' linear.py limit and the blocks' quant.max_rows() (strict blocks: any rows)."""
+        if self._row_wise is None:
+            limits = [1 << 30]
+            for t in (self.lm_head, *(t for lw in self.layers for t in vars(lw).values())):
+                for m in t if isinstance(t, list | tuple) else [t]:
+                    if isinstance(m, QuantizedWeight):
+                        limits.append(1 << 30 if m.batch_invariant else quant_kernel.max_rows())
+                    elif isinstance(m, torch.Tensor) and m.dim() >= 2:  # dense matrices (norms are 1-D)
+                        limits.append(linear_max_rows(self.dtype) if kernel_available() else 0)
+            self._row_wise = min(limits)
+        return self._row_wise
+
+    def _joined(
+        self,
+        kernels: DecodeKernels,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        head: AttentionMetadata,
+        tail: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        on_layer_done: LayerHook | None,
+    ) -> torch.Tensor:
+        """forward() for a step of decode rows (the first head.num_seqs rows) and prefill chunks (the
+        rest) in one pass over the weights: the matrices, norms and SiLU on every row together (their
+        kernels compute each row alone), attention apart, the decode rows' on the fused kernel as a
+        decode step attends and the chunks' as a prefill does. Issue 45: run as two passes, a step
+        that prefilled a 14-token prompt beside four streams took 45 to 65 ms against a decode step's
+        18, the steady streams' ITL p99."""
+        cfg = self.cfg
+        d = head.num_seqs
+        h = self._embedding(input_ids)
+        step = kernels.step(
+            h[:d],
+            kv_cache,
+            head,
+            self.cos[positions[:d]].to(self.dtype),
+            self.sin[positions[:d]].to(self.dtype),
+            num_heads=cfg.num_heads,
+            scale=self.scale,
+            eps=cfg.rms_norm_eps,
+            intermediate_size=cfg.intermediate_size,
+            **({"kv_heads": cfg.num_kv_heads} if kv_cache.dtype in QUANTIZED_KV_KINDS else {}),
+        )
+        cos, sin = self.cos[positions[d:]].to(self.dtype), self.sin[positions[d:]].to(self.dtype)
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        h, x = self._add_norm(kernels, h, None, self.layers[0].input_norm)
+        for i, lw in enumerate(self.layers):
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
+            self._norm_qk(qkv, lw)
+            chunks = qkv[d:]
+            q = apply_rope(chunks[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(chunks[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = chunks[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            step.write_kv(i, qkv[:d])  # RoPE on the decode rows' q and k, in place, and their K/V
+            write_kv(kv_cache[i], k, v, tail)
+            if on_layer_done is not None:
+                on_layer_done(i)
+            window = cfg.window(i)
+            kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
+            chunks_attn = paged_attention(q, k, v, kv_cache[i], tail, self.scale, kernel, window)
+            attn = torch.cat([step.attention(i, qkv[:d], write=False), chunks_attn.reshape(-1, q_size)])
+            o = linear(attn, lw.o)
+            h, x = self._add_norm(kernels, h, o, lw.post_norm)
+            down = self._mlp(kernels, x, lw)
+            h, x = self._add_norm(
+                kernels, h, down, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            )
+        if logits_indices.numel() == 0:
+            return x.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
+        return linear(x[logits_indices], self.lm_head).float()
 
     def _fused_decode(
         self,

@@ -113,13 +113,14 @@ class ModelRunner:
         on_layer_done: BatchLayerHook | None,
         drafts: Seq[Seq[int]],
     ) -> tuple[torch.Tensor, list[int]]:
-        """forward(), but a step that mixes decode rows with prefill chunks runs as two: its decode
-        rows as a pure decode step (the fused decode kernels, where they run), then its chunks. In a
-        mixed step a decode row took the torch path (attention over the gathered blocks, torch's
-        norms), so a seeded request's text depended on whether another prompt was prefilled while
-        it decoded (issue 45: the six-prompt check kept 5 of 6 texts colocated). The price is one
-        more pass over the weights per mixed step. A layer hook hears each part's layers with that
-        part's sequences (a sequence still hears each layer once)."""
+        """forward(), but a step that mixes decode rows with prefill chunks computes its decode rows
+        as a pure decode step computes them (the fused decode kernels, where they run). In a mixed
+        step a decode row took the torch path (attention over the gathered blocks, torch's norms), so
+        a seeded request's text depended on whether another prompt was prefilled while it decoded
+        (issue 45: the six-prompt check kept 5 of 6 texts colocated). Where the model `joins` the
+        two kinds (on a CPU, every matrix on its row-wise kernel) that is one pass with attention
+        apart; else two passes, the decode rows first, each part's sequences hearing the layer hook
+        (a sequence still hears each layer once)."""
         one = [
             i
             for i, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True))
@@ -127,7 +128,11 @@ class ModelRunner:
         ]
         if self.cfg.batch_invariant == "off" or not one or len(one) == len(seqs):
             return self.forward(seqs, num_new_tokens, _layer_hook(on_layer_done, seqs, num_new_tokens), drafts)
-        rest = [i for i in range(len(seqs)) if i not in set(one)]
+        alone = set(one)
+        rest = [i for i in range(len(seqs)) if i not in alone]
+        joined = self._forward_joined(seqs, num_new_tokens, on_layer_done, drafts, one + rest, len(one))
+        if joined is not None:
+            return joined
         parts = []
         for group in (one, rest):
             part, counts = [seqs[i] for i in group], [num_new_tokens[i] for i in group]
@@ -136,7 +141,6 @@ class ModelRunner:
             )
             parts.append((group, logits, got))
         self.prompt_rows = [(rest[i], p, row) for i, p, row in self.prompt_rows]  # the chunks' (the second)
-        # each sampled sequence's rows, back in batch order (the grammar masks are), then the prompt rows
         spans: list[tuple[int, int, int]] = []
         at = 0
         for group, _, got in parts:
@@ -144,10 +148,36 @@ class ModelRunner:
                 n = 1 + len(drafts[group[j]])
                 spans.append((group[j], at, n))
                 at += n
-        both = torch.cat([parts[0][1], parts[1][1]])  # the decode rows bring no prompt rows
-        spans.sort()
-        order = [r for _, first, n in spans for r in range(first, first + n)] + list(range(at, both.shape[0]))
-        return both[torch.as_tensor(order, dtype=torch.long, device=both.device)], [i for i, _, _ in spans]
+        return _in_batch_order(torch.cat([parts[0][1], parts[1][1]]), spans, at)  # decode rows: no prompt rows
+
+    def _forward_joined(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        on_layer_done: BatchLayerHook | None,
+        drafts: Seq[Seq[int]],
+        order: list[int],
+        decoding: int,
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The mixed step as one pass, its sequences in `order` (the first `decoding` of them decode
+        rows, then the chunks); None where the model does not join them (or tensor parallelism)."""
+        if self.tp is not None:
+            return None
+        part, counts = [seqs[i] for i in order], [num_new_tokens[i] for i in order]
+        part_drafts = [drafts[i] for i in order]
+        step, sampled = self._step_inputs(part, counts, part_drafts)
+        rows = sum(1 + len(d) for d in part_drafts[:decoding])
+        if not self.model.joins(self.kv_cache.tensor, step.context_lens[:rows], len(step.input_ids)):
+            return None
+        logits = run_step(self.model, self.kv_cache.tensor, step, _layer_hook(on_layer_done, part, counts), rows)
+        self.prompt_rows = [(order[i], p, row) for i, p, row in self.prompt_rows]
+        spans: list[tuple[int, int, int]] = []
+        at = 0
+        for j in sampled:
+            n = 1 + len(part_drafts[j])
+            spans.append((order[j], at, n))
+            at += n
+        return _in_batch_order(logits, spans, at)
 
     @staticmethod
     def _wants_prompt_rows(seq: Sequence) -> bool:
@@ -324,6 +354,15 @@ class Draw(NamedTuple):
     sample_index: int
     generator: torch.Generator | None
     ahead: list[int]
+
+
+def _in_batch_order(logits: torch.Tensor, spans: list[tuple[int, int, int]], at: int) -> tuple[torch.Tensor, list[int]]:
+    """A step run in another order put back: each sampled sequence's rows (`spans`: its batch index,
+    first row, rows) in batch order, as the grammar masks are, then the prompt rows (from `at` on);
+    and the sampled sequences' batch indices."""
+    spans = sorted(spans)
+    order = [r for _, first, n in spans for r in range(first, first + n)] + list(range(at, logits.shape[0]))
+    return logits[torch.as_tensor(order, dtype=torch.long, device=logits.device)], [i for i, _, _ in spans]
 
 
 def _layer_hook(

@@ -146,6 +146,12 @@ def linear_on(x: Tensor, w: Tensor, isa: int) -> Tensor:
     return _run(ext, x, w, None, isa)
 
 
+def linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of x that `linear` computes on the kernel for a dense weight of `dtype`, each row
+    alone (past them, F.linear)."""
+    return MAX_ROWS if dtype is _BF16 else MAX_ROWS_F32
+
+
 def kernel_available() -> bool:
     """True when linear() will use the kernel for calls that fit it (building it now if not yet built)."""
     return _extension() is not None
@@ -193,7 +199,7 @@ def linear(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None = None) -> T
             and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
         )
     ):
-        max_rows = MAX_ROWS if wd is _BF16 else MAX_ROWS_F32
+        max_rows = linear_max_rows(wd)
         if x.dim() == 2:
             if x.shape[0] <= max_rows:
                 return _run(ext, x, w, bias)

@@ -97,10 +97,10 @@ def best_path() -> int:
     return -1 if ext is None else int(ext.isa())
 
 
-def max_rows(x: Tensor) -> int:
-    """The most rows of `x` the kernel takes (past them, the dequantized GEMM): TILE_MAX_ROWS on a SIMD
-    path (past MAX_ROWS rows of fp32 x, or 8 of bf16 x on AVX-512 BF16, a chunk of W is unpacked once
-    into scratch for register tiles), else MAX_ROWS. 0 where the kernel is not built."""
+def max_rows() -> int:
+    """The most rows of x the kernel takes (past them, the dequantized GEMM): TILE_MAX_ROWS on a SIMD
+    path (past 12 rows of fp32 x, or 8 of bf16 x on AVX-512 BF16, a chunk of W is unpacked once into
+    scratch for register tiles), else MAX_ROWS. 0 where the kernel is not built."""
     ext = _EXT.value if _EXT.done else None
     if ext is None:
         return 0
@@ -178,13 +178,13 @@ def _fits(x: Tensor, k: int) -> bool:
 
 
 def quant_linear(x: Tensor, fmt: BlockFormat, w: Tensor, k: int, exact: bool = False) -> Tensor:
-    """x [B, k] @ W.T on the blocks: the kernel up to `max_rows(x)` rows, else W dequantized for a
+    """x [B, k] @ W.T on the blocks: the kernel up to `max_rows()` rows, else W dequantized for a
     float GEMM."""
     parts = check_blocks(fmt, w, k)
     if not _fits(x, k):
         raise ValueError(f"x must be a contiguous CPU fp32 or bf16 [rows, {k}] tensor, got {tuple(x.shape)} {x.dtype}")
     ext = _ext()
-    if x.shape[0] <= (max_rows(x) if exact else MAX_ROWS):  # the int8 mode has no scratch tiles
+    if x.shape[0] <= (max_rows() if exact else MAX_ROWS):  # the int8 mode has no scratch tiles
         return _linear(ext, x, parts, w.shape[0], k, int(ext.isa()), exact)
     return linear(x, _dequantize(ext, fmt, w, k, gemm_dtype(x)))
 
@@ -212,9 +212,9 @@ def decode_linear(
     x: Tensor, parts: Parts, n: int, k: int, rows: int | None = None, exact: bool = False
 ) -> Tensor | None:
     """x @ W.T on the kernel for W's checked `parts` ([n, k] in all), or None where x does not take
-    it (more than `rows` rows, max_rows(x) where None; another dtype or layout; not built)."""
+    it (more than `rows` rows, max_rows() where None; another dtype or layout; not built)."""
     ext = _EXT.value if _EXT.done else None
-    if ext is None or not (x.dim() == 2 and x.shape[0] <= (max_rows(x) if rows is None else rows) and _fits(x, k)):
+    if ext is None or not (x.dim() == 2 and x.shape[0] <= (max_rows() if rows is None else rows) and _fits(x, k)):
         return None
     return _linear(ext, x, parts, n, k, int(ext.isa()), exact)
 

@@ -97,9 +97,14 @@ class StepInputs:
 
 
 def run_step(
-    model: DecoderModel, kv_cache: torch.Tensor, step: StepInputs, on_layer_done: LayerHook | None = None
+    model: DecoderModel,
+    kv_cache: torch.Tensor,
+    step: StepInputs,
+    on_layer_done: LayerHook | None = None,
+    decode_rows: int = 0,
 ) -> torch.Tensor:
-    """Logits [len(step.logits_rows), vocab] (fp32); the step's K/V lands in `kv_cache`."""
+    """Logits [len(step.logits_rows), vocab] (fp32); the step's K/V lands in `kv_cache`.
+    `decode_rows`: the step's first rows are decode rows, joined in one pass with its chunks."""
     dev = model.device
     width = max(len(t) for t in step.block_tables)
 
@@ -134,4 +139,5 @@ def run_step(
             meta,
             torch.as_tensor(step.logits_rows, dtype=torch.long, device=dev),
             on_layer_done,
+            decode_rows,
         )

@@ -35,7 +35,7 @@ class Part:
 class QuantizedWeight:
     """`batch_invariant`: every call runs the kernel, whatever its rows, so that a row's result
     never depends on the rows beside it (a prefill's too, at the kernel's pace); else a call of more
-    than kernel.max_rows(x) rows (a long prefill chunk) runs the dequantized GEMM. Up to those rows
+    than kernel.max_rows() rows (a long prefill chunk) runs the dequantized GEMM. Up to those rows
     the kernel gives a row the same bits whatever shares the call.
 
     `order`: row i of the weight is stored row order[i] (None: stored in order). The rows of a
