@@ -5,6 +5,8 @@ step at, and the decode-step timer it shares with bench structured (bench/step_t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -55,7 +57,7 @@ def test_the_step_timer_waits_for_chunked_prefills_and_leaves_the_engine_idle() 
     steps: list[bool] = []
     real_step = eng.step
 
-    def step() -> list[StepOutput]:
+    def step(between_layers: Callable[[], None] | None = None) -> list[StepOutput]:
         # a step counts as decode when every running sequence has only its one new token left to compute
         sched = eng.scheduler
         steps.append(
@@ -63,7 +65,7 @@ def test_the_step_timer_waits_for_chunked_prefills_and_leaves_the_engine_idle() 
             and not sched.waiting
             and all(len(s) - s.num_computed_tokens == 1 for s in sched.running)
         )
-        return real_step()
+        return real_step(between_layers)
 
     eng.step = step  # type: ignore[method-assign]
     try:

@@ -203,3 +203,42 @@ def test_a_prefill_worker_steps_through_larger_chunks_unless_told():
     assert engine_config_from_args(prefill, "prefill").max_num_batched_tokens == 2048
     assert engine_config_from_args(decode, "decode").max_num_batched_tokens == 512
     assert engine_config_from_args(given, "prefill").max_num_batched_tokens == 256
+
+
+def test_a_borrowing_step_gives_a_claimed_core_back_at_its_next_layer(lease_path):
+    """The decode worker's step starts while a prefill step runs on its core: the prefill gives the
+    core back as its current layer ends (engine/loop.py's `give_back`, which the loop calls between
+    a borrowing step's layers), not when the step ends."""
+    import torch
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.loop import give_back
+    from splitserve.engine.random_model import random_weights, tiny_model_config
+    from splitserve.engine.sampling import SamplingParams
+
+    cfg = tiny_model_config(num_layers=4)
+    engine = Engine(cfg, random_weights(cfg, seed=1), EngineConfig(num_blocks=64))
+    prefill = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getpid())
+    decode = CoreLease(lease_path, total_cores=2, own_cores=1, pid=os.getppid())  # another live process
+    before = torch.get_num_threads()
+    threads: list[int] = []
+
+    def layer_ends() -> None:
+        if not threads:
+            decode.acquire(borrows=False)  # the neighbour's decode step begins mid-prefill
+        give_back(prefill)
+        threads.append(torch.get_num_threads())
+
+    try:
+        engine.add_request("p", list(range(1, 60)), SamplingParams(max_tokens=1))
+        torch.set_num_threads(prefill.acquire(borrows=True))
+        assert torch.get_num_threads() == 2  # decode idle: both cores
+        engine.step(layer_ends)
+        assert threads == [1] * cfg.num_layers  # given back after the first layer, not after the step
+        assert prefill.claimed == 1
+    finally:
+        torch.set_num_threads(before)
+        decode.close()
+        prefill.close()
+        engine.close()

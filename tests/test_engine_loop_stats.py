@@ -7,6 +7,7 @@ prompt arrived (issue 22: short prompts routed behind long prefills, TTFT p90 1.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -30,10 +31,10 @@ def _held_engine() -> tuple[Engine, threading.Event, threading.Event]:
     in_step, release = threading.Event(), threading.Event()
     real_step = engine.step
 
-    def held_step() -> list[StepOutput]:
+    def held_step(between_layers: Callable[[], None] | None = None) -> list[StepOutput]:
         in_step.set()
         assert release.wait(30), "the test never released the step"
-        return real_step()
+        return real_step(between_layers)
 
     engine.step = held_step  # type: ignore[method-assign]
     return engine, in_step, release

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.itl_budget import parse_itl_target
 from splitserve.engine.prefill_order import PREFILL_ORDERS
 
 _DTYPES = {
@@ -362,6 +363,9 @@ class EngineConfig:
     # max_rows too (vLLM's VLLM_BATCH_INVARIANT), at the kernel's pace rather than a GEMM's; "off":
     # mixed steps whole, and resumed outputs in chunks.
     batch_invariant: str = "on"
+    # What a step beside decode rows may last (engine/itl_budget.py): "auto", two decode steps of
+    # this worker's; milliseconds; "off": the whole chunk. Its prompt tokens are capped to fit.
+    itl_target: str = "auto"
     ngram_min: int = 2
     ngram_max: int = 4
 
@@ -369,6 +373,7 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        parse_itl_target(self.itl_target)
         if self.batch_invariant not in BATCH_INVARIANCE:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANCE}, got {self.batch_invariant!r}")
         self._check_speculation()

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -37,13 +38,14 @@ from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnector, NullConnector, TransferOutcome
 from splitserve.engine.fingerprint import model_fingerprint
 from splitserve.engine.handoff import Handoff, SampleState
+from splitserve.engine.itl_budget import ItlBudget
 from splitserve.engine.kv_cache import KVCache, KVLayout, pool_blocks
 from splitserve.engine.kv_groups import CacheGroups
 from splitserve.engine.kv_tier import KVTier
 from splitserve.engine.kv_tier_blocks import configured_tiers
 from splitserve.engine.kv_tiers import TierStore
 from splitserve.engine.model import DecoderModel
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.model_runner import BatchLayerHook, ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.process_group import rank_devices
 from splitserve.engine.parallel.shard import check_tp_size, rank_config, shard_weights, split_on_blocks
@@ -123,6 +125,8 @@ class Engine:
         eos = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.clock = clock
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
+        # the prompt tokens a step beside decode rows may take (engine/itl_budget.py)
+        self.itl_budget = ItlBudget(cfg.itl_target, cfg.max_num_batched_tokens)
         self.tiers = self._start_tiers(cfg, kv_tiers)
         self.prefill_tokens_per_s: float | None = None  # measured on steps of prompts alone (_observe_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
@@ -408,20 +412,27 @@ class Engine:
         if self.tiers is not None:
             self.tiers.observe_prefill(tokens, seconds, alpha)
 
-    def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule(self.clock())
+    def step(self, between_layers: Callable[[], None] | None = None) -> list[StepOutput]:
+        """One step of the scheduler's choosing; its outputs. `between_layers`: called as each layer
+        ends (the loop gives a borrowed core back there, engine/loop.py)."""
+        cap = None if self.itl_budget.off else self.itl_budget.prefill_tokens()
+        batch = self.scheduler.schedule(self.clock(), cap)
         if batch is None:
             return []
         if self.speculator is not None:
             batch = self.speculator.plan(batch)
-        hook = self.connector.on_layer_done if self.connector.wants_layers else None
+        hook: BatchLayerHook | None = self.connector.on_layer_done if self.connector.wants_layers else None
+        if between_layers is not None:
+            hook = _and_then(hook, between_layers)
         t0 = time.perf_counter()
         sampled = self.runner.run(batch, hook)
+        seconds = time.perf_counter() - t0
         if self.speculator is not None:
-            self.speculator.observe(batch, sampled, time.perf_counter() - t0)
+            self.speculator.observe(batch, sampled, seconds)
         prefill = sum(n for n in batch.num_new_tokens if n > 1)
+        self.itl_budget.observe(sum(n == 1 for n in batch.num_new_tokens), prefill, seconds)
         if prefill and prefill == sum(batch.num_new_tokens):  # a step of prompts alone: the prefill speed
-            self._observe_prefill(prefill, time.perf_counter() - t0)
+            self._observe_prefill(prefill, seconds)
         outs = self.scheduler.postprocess(batch, sampled)
         self._copy_blocks()
         for n, out in enumerate(outs):
@@ -471,3 +482,14 @@ class Engine:
                 if out.sample_index == 0:
                     outputs[out.request_id].append(out.token_id)
         return [outputs[rid] for rid in ids]
+
+
+def _and_then(hook: BatchLayerHook | None, then: Callable[[], None]) -> BatchLayerHook:
+    """The step's layer hook (None: none), then `then`."""
+
+    def both(layer: int, seqs: Seq[Sequence], counts: Seq[int]) -> None:
+        if hook is not None:
+            hook(layer, seqs, counts)
+        then()
+
+    return both

@@ -139,6 +139,13 @@ def add_weight_arguments(p: argparse._ActionsContainer) -> None:
         "strict (the flag alone): also every prefill row of a quantized matrix on the decode kernel (prefill runs "
         "slower); off: neither",
     )
+    p.add_argument(
+        "--itl-target",
+        default=EngineConfig.itl_target,
+        metavar="auto|off|MS",
+        help="what a step beside running streams may last, its prompt tokens capped to fit: auto, twice the "
+        "worker's own decode step; a number of milliseconds; off: the whole --max-num-batched-tokens chunk",
+    )
 
 
 def add_tier_arguments(p: argparse._ActionsContainer) -> None:  # a parser or one of its groups
@@ -226,6 +233,7 @@ def engine_config_from_args(a: argparse.Namespace, role: str | None = None) -> E
         kv_cache_bytes=a.kv_cache_bytes,
         quantization=a.quantization,
         batch_invariant=a.batch_invariant,
+        itl_target=a.itl_target,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens or chunk_tokens(role),
         long_prefill_token_threshold=a.long_prefill_token_threshold,

@@ -255,24 +255,46 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, now: float) -> ScheduledBatch | None:
+    def schedule(self, now: float, prefill_cap: int | None = None) -> ScheduledBatch | None:
         """The next step: the queue put in its order, then the step's token budget spent
-        (engine/prefill_order.py has both rules, shared with the simulator)."""
+        (engine/prefill_order.py has both rules, shared with the simulator). `prefill_cap`: where
+        the step carries decode rows, at most this many prompt tokens (engine/itl_budget.py)."""
         self._order_waiting(now)
         seqs: list[Sequence] = []
         counts: list[int] = []
+        decoding = any(len(s) - s.num_computed_tokens == 1 for s in self.running)
+        capped = prefill_cap is not None and decoding
+        left = prefill_cap or 0  # the cap's prompt tokens left, where `capped`
 
         def take(seq: Sequence, budget: int, may_preempt: bool) -> int | None:
             # A long prefill deferred behind short prompts is taken without preemption: the newest
             # running requests may be in this step already, and a prompt's blocks were all
             # allocated at admission, so a chunk never needs a new one.
+            nonlocal left
             if not may_preempt and seq.status is not SeqStatus.RUNNING:  # preempted meanwhile
                 return None
+            prompt = capped and len(seq) - seq.num_computed_tokens > 1
+            if prompt:
+                if left <= 0:
+                    return 0
+                budget = min(budget, left)
             n = self._take_running(seq, budget, may_preempt)
             if n is not None:
                 seqs.append(seq)
                 counts.append(n)
+                left -= n if prompt else 0
             return n
+
+        def admit(budget: int, max_tokens: int) -> int:
+            nonlocal left
+            if not capped:
+                return self._admit_waiting(seqs, counts, budget, now, max_tokens)
+            allowed = min(budget, left)
+            if allowed <= 0:
+                return budget
+            spent = allowed - self._admit_waiting(seqs, counts, allowed, now, max_tokens)
+            left -= spent
+            return budget - spent
 
         spend_step_budget(
             self.running,
@@ -281,7 +303,7 @@ class Scheduler:
             self.cfg.long_prefill_token_threshold,
             self.cfg.max_num_batched_tokens,
             take,
-            lambda budget, max_tokens: self._admit_waiting(seqs, counts, budget, now, max_tokens),
+            admit,
         )
         return ScheduledBatch(seqs, counts) if seqs else None
 
