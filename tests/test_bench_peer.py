@@ -374,6 +374,17 @@ def test_system_flags_stack_in_order() -> None:
         system_specs(["auto"], "", "", "", ["nosuch=--x"])
 
 
+def test_a_variant_runs_its_kind_beside_it_with_flags_of_its_own() -> None:
+    """--systems auto:off,auto: two auto clusters in one run, side by side, the variant with its flags."""
+    specs = system_specs(["auto:off", "auto"], "--dtype bfloat16", "", "--mode auto", ["auto:off=--itl-target off"])
+    assert [(s.name, s.kind) for s in specs] == [("auto:off", "auto"), ("auto", "auto")]
+    assert specs[0].flags == ("--dtype", "bfloat16", "--itl-target", "off")
+    assert specs[1].flags == ("--dtype", "bfloat16")
+    assert specs[0].router_flags == specs[1].router_flags == ("--mode", "auto") and not specs[0].is_peer
+    with pytest.raises(ValueError, match="unknown system"):
+        SystemSpec("nosuch:variant")
+
+
 def test_every_load_is_one_bench_serve_run_with_its_own_seed() -> None:
     loads = loads_for(["sharegpt", "sweep", "burst", "prefill"], quick=False, rates="0.2,0.4", timeout_s=60)
     assert [x.name for x in loads] == ["sharegpt", "sweep", "burst", "prefill1", "prefill2"]

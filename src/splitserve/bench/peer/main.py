@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.peer import report
-from splitserve.bench.peer.servers import PEERS, SYSTEMS, LaunchContext, RunningSystem, SystemSpec, describe_cores
+from splitserve.bench.peer.servers import (
+    PEERS,
+    SYSTEMS,
+    LaunchContext,
+    RunningSystem,
+    SystemSpec,
+    describe_cores,
+    system_kind,
+)
 
 LOADS = ("sharegpt", "sweep", "burst", "prefill")
 DEFAULT_OUT = os.path.join("bench", "results", "peer")
@@ -227,20 +235,26 @@ def system_specs(
     extra: dict[str, list[str]] = {}
     for item in per_system:
         name, sep, flags = item.partition("=")
-        if not sep or name not in SYSTEMS:
+        if not sep or (name not in SYSTEMS and name not in systems):
             raise ValueError(f"--system-flags {item!r}: expected SYSTEM=FLAGS with SYSTEM one of {', '.join(SYSTEMS)}")
         extra.setdefault(name, []).extend(shlex.split(flags))
     specs = []
     peer_flags = {"vllm": vllm_flags, "llamacpp": llamacpp_flags}
     for name in systems:
-        base = shlex.split(peer_flags.get(name, splitserve_flags))
-        router = () if name in PEERS else tuple(shlex.split(router_flags))
+        kind = system_kind(name)
+        base = shlex.split(peer_flags.get(kind, splitserve_flags))
+        router = () if kind in PEERS else tuple(shlex.split(router_flags))
         specs.append(SystemSpec(name, tuple(base + extra.get(name, [])), router))
     return specs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma list of {', '.join(SYSTEMS)}; KIND:LABEL runs a variant of one beside it (its flags from "
+        "--system-flags KIND:LABEL=FLAGS)",
+    )
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma list of {', '.join(LOADS)}")
     p.add_argument("--rates", default="0.2,0.4,0.6,0.8", help="the sweep's Poisson request rates (req/s)")
     p.add_argument("--quick", action="store_true", help="tiny loads: a smoke run of the whole harness")
@@ -404,7 +418,7 @@ def _runnable(specs: list[SystemSpec]) -> list[SystemSpec]:
 def _llama_server(specs: list[SystemSpec]) -> str | None:
     """llama-server's binary where a system needs it (built once, cached), None where none does;
     RuntimeError (llama_cpp.BuildError) when it cannot be built."""
-    if not any(s.name == "llamacpp" for s in specs):
+    if not any(s.kind == "llamacpp" for s in specs):
         return None
     from splitserve.bench.peer.llama_cpp import ensure_llama_server
 
@@ -488,7 +502,8 @@ def finish(
     results: dict[str, dict[str, Any]], systems: list[str], loads: list[str], out: str, ctx: LaunchContext
 ) -> int:
     rows = report.table_rows(results, loads)
-    baseline = next((s for s in systems if s in PEERS), report.BASELINE)
+    # a peer, else the first system: the variants of one are held against it
+    baseline = next((s for s in systems if s in PEERS), systems[0] if systems else report.BASELINE)
     print()
     print(report.format_table(rows, systems, baseline))
     print()

@@ -55,23 +55,34 @@ class ServerError(RuntimeError):
 class SystemSpec:
     """One system to benchmark and the extra flags it runs with."""
 
-    name: str  # one of SYSTEMS
+    name: str  # one of SYSTEMS, or a variant of one: "auto:budget" (`kind`, then a label)
     # vllm: appended to the API server's argv; splitserve: to each worker's (engine flags)
     flags: tuple[str, ...] = ()
     router_flags: tuple[str, ...] = ()  # splitserve only: appended to the router's argv
 
     def __post_init__(self) -> None:
-        if self.name not in SYSTEMS:
-            raise ValueError(f"unknown system {self.name!r}; expected one of {', '.join(SYSTEMS)}")
+        if self.kind not in SYSTEMS:
+            raise ValueError(f"unknown system {self.name!r}; expected one of {', '.join(SYSTEMS)} (or KIND:LABEL)")
+
+    @property
+    def kind(self) -> str:
+        """The system a variant runs: two variants of one system, side by side in one run, differ
+        only by the flags --system-flags gives each."""
+        return system_kind(self.name)
 
     @property
     def is_vllm(self) -> bool:
-        return self.name == "vllm"
+        return self.kind == "vllm"
 
     @property
     def is_peer(self) -> bool:
         """Not splitserve: one server process given every core."""
-        return self.name in PEERS
+        return self.kind in PEERS
+
+
+def system_kind(name: str) -> str:
+    """The system a name runs: auto:budget runs auto."""
+    return name.partition(":")[0]
 
 
 @dataclass(frozen=True)
@@ -265,7 +276,7 @@ def router_argv(
         "--model",
         ctx.splitserve_model or ctx.model_dir,
         "--mode",
-        spec.name,
+        spec.kind,
         "--host",
         ctx.host,
         "--grpc-port",
@@ -465,7 +476,7 @@ def start_system(spec: SystemSpec, ctx: LaunchContext) -> RunningSystem:
     """Start the system and wait until it serves (its /health answers 200)."""
     os.makedirs(ctx.workdir, exist_ok=True)
     cores = ctx.cores if ctx.cores is not None and shutil.which("taskset") else None
-    where = placement(spec.name, cores, lend=ctx.lend_cores)
+    where = placement(spec.kind, cores, lend=ctx.lend_cores)
     started: list[ServerProcess] = []
     t0 = time.monotonic()
     try:
@@ -509,7 +520,7 @@ def _start_llamacpp(spec: SystemSpec, ctx: LaunchContext, where: Placement, star
 def _start_splitserve(spec: SystemSpec, ctx: LaunchContext, where: Placement, started: list[ServerProcess]) -> str:
     env = splitserve_env(os.environ, secrets.token_urlsafe(24))  # a fresh control-plane credential per system
     ready: dict[str, tuple[str, str]] = {}  # worker name -> (role, ready file)
-    lease = (f"/dev/shm/splitserve-peer-{spec.name}-{secrets.token_hex(4)}", where.share) if where.lend else None
+    lease = (f"/dev/shm/splitserve-peer-{spec.kind}-{secrets.token_hex(4)}", where.share) if where.lend else None
     for name, (role, cores) in zip(worker_names(where), where.workers, strict=True):
         path = os.path.join(ctx.workdir, f"{spec.name}-{name}.ready")
         if os.path.exists(path):
