@@ -118,6 +118,24 @@ def test_the_num_blocks_it_names_fit_and_one_more_block_per_worker_does_not(smol
     assert "--quantization auto" not in problem.fix  # it runs so already
 
 
+def test_a_file_larger_than_the_machine_is_refused_naming_the_file_not_fewer_workers(tmp_path):
+    """A 70B shape's Q4_K_M blocks (38.7 GiB) on a 22 GiB machine: no worker count, block count or
+    quantization fits it, so the fix names the file's own size."""
+    path = str(tmp_path / "llama70b.gguf")
+    synthetic_gguf.write(path, "Q4_K_M", synthetic_gguf.SHAPES["llama3-70b"], sparse=True)
+    cfg = EngineConfig(dtype="bfloat16", quantization="auto")
+    pools = [Pool("prefill", 1, cfg), Pool("decode", 1, cfg)]
+    (problem,) = fit_problems(path, pools, 22 * GIB, RUNTIME_BYTES, TWO_POOLS)
+    mem = worker_memory(read_model_file(path), cfg)
+    assert mem.mapped_weights > 38 * GIB
+    assert "fewer workers" not in problem.fix and "--num-blocks" not in problem.fix
+    weights = mem.private_weights + mem.mapped_weights
+    assert (
+        problem.fix
+        == f"a smaller file (its weights alone take {weights / GIB:.2f} GiB), or run on a machine with more memory"
+    )
+
+
 def test_nothing_is_refused_on_a_gpu_or_where_the_machine_does_not_say(llama8b_q4_0):
     cfg = EngineConfig(dtype="bfloat16")
     assert fit_problems(llama8b_q4_0, [Pool("decode", 4, replace(cfg, device="cuda"))], GIB, 0, TWO_POOLS) == []

@@ -268,9 +268,18 @@ def fit_problems(
     sized_by_blocks = kv and not any(p.engine.kv_cache_bytes for p in pools)
     if sized_by_blocks and (fit := int(blocks * (available - need + kv) / kv)) >= MIN_BLOCKS:
         fixes.append(f"--num-blocks {fit} (from {blocks})")
-    if sum(p.workers for p in pools) > 1:
+    # fewer workers only where one alone fits (a 70B file's blocks alone are more than the machine)
+    if (
+        sum(p.workers for p in pools) > 1
+        and min(node_bytes([(p._replace(workers=1), m)], others) for p, m in sized) <= available
+    ):
         fixes.append(f"fewer workers ({fewer_workers})")
     who = "the workers need" if sum(p.workers for p in pools) > 1 else "the worker needs"
     what = f"{who} {gib(need)} of memory and this machine has {gib(available)} available: " + " + ".join(terms)
-    fix = "; or ".join(fixes) if fixes else "run on a machine with more memory"
+    weights = min(m.private_weights + m.mapped_weights for _, m in sized)
+    fix = "; or ".join(fixes)
+    if not fix:
+        fix = "run on a machine with more memory"
+        if weights > available:
+            fix = f"a smaller file (its weights alone take {gib(weights)}), or {fix}"
     return [Problem(Check.MEMORY, what, fix)]
