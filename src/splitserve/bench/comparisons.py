@@ -113,6 +113,7 @@ COMPARISONS = (
             peer_figure("burst", "goodput req/s", "steady streams with prompt bursts: goodput"),
             peer_figure("burst", "burst prompts TTFT p50 ms", "burst prompts' TTFT p50"),
             peer_figure("burst", "ITL p99 ms", "ITL p99"),
+            peer_figure("prefill1", "TTFT p50 ms", "a lone ~1,000-token prompt's TTFT"),
         ),
     ),
     Comparison(
@@ -123,6 +124,71 @@ COMPARISONS = (
             peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
             peer_figure("burst", "burst prompts TTFT p50 ms", "burst prompts' TTFT p50"),
             peer_figure("burst", "ITL p99 ms", "steady streams' ITL p99"),
+            peer_figure("prefill1", "TTFT p50 ms", "a lone ~1,000-token prompt's TTFT"),
+        ),
+    ),
+    Comparison(
+        "Batch-1 decode of SmolLM2's Q4_1 GGUF with no flags on either side",
+        "llama.cpp's llama-server",
+        "peer-llamacpp-lone.txt",
+        (
+            peer_figure("lone", "TPOT p50 ms", "a lone ~1,000-token prompt's 32 tokens: TPOT"),
+            peer_figure("lone", "TTFT p50 ms", "its TTFT"),
+        ),
+    ),
+    Comparison(
+        "A mixed step's decode rows as a decode step computes them, on by default (--batch-invariant on)",
+        "the same cluster with --batch-invariant off, beside it in one run",
+        "peer-invariance.txt",
+        (
+            peer_figure("sharegpt", "goodput req/s", "ShareGPT at concurrency 4: goodput"),
+            peer_figure("sharegpt", "TPOT p50 ms", "TPOT p50"),
+            peer_figure("burst", "goodput req/s", "steady streams with prompt bursts: goodput"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "The ITL budget: a step beside decode rows capped at two decode steps (--itl-target auto)",
+        "the same cluster with --itl-target off, beside it in one run",
+        "peer-itl-budget.txt",
+        (
+            peer_figure("sharegpt", "ITL p99 ms", "ShareGPT at concurrency 4: ITL p99"),
+            peer_figure("sharegpt", "goodput req/s", "goodput"),
+            peer_figure("sharegpt", "TTFT p50 ms", "TTFT p50"),
+            peer_figure("burst", "ITL p99 ms", "steady streams with prompt bursts: ITL p99"),
+        ),
+        peer=False,
+    ),
+    Comparison(
+        "Batch-1 decode of SmolLM2's Q4_1 file on its blocks",
+        "the machine's memory read (torch.sum over 1 GiB, same threads, same run)",
+        "quant-cpu.txt",
+        (
+            Figure(
+                r"^batch 1 blocks:\s+(?P<mb>[\d.]+ MB) a token \(weights\) / (?P<ms>[\d.]+ ms) ="
+                r"\s+(?P<gbs>[\d.]+ GB/s) =\s+(?P<p>\d+%) of the memory read",
+                "{p} ({mb} a token in {ms}: {gbs})",
+            ),
+            Figure(r"^memory read: (?P<r>[\d.]+ GB/s)", "against {r}"),
+            Figure(r"^batch 1 dense :.* =\s+(?P<p>\d+%) of the memory read", "the dense bfloat16 engine's {p} of it"),
+        ),
+    ),
+    Comparison(
+        "`splitserve serve --model FILE`, no other flag, 8B shapes (random blocks) on this 24 GB machine",
+        "the machine's memory; a 70B shape refused",
+        "start-8b-cpu.txt",
+        (
+            Figure(
+                r"^## splitserve serve --model \S*q4_k_m\S*\s+\((?P<gb>[\d.]+ GB) file[\s\S]*?"
+                r"^serving after (?P<s>[\d.]+ s)[\s\S]*?PSS peaked at (?P<pss>[\d.]+ GiB)",
+                "Q4_K_M ({gb}): serving after {s}, {pss} resident",
+            ),
+            Figure(
+                r"^## splitserve serve --model \S*q8_0\S*\s+\((?P<gb>[\d.]+ GB) file[\s\S]*?"
+                r"^serving after (?P<s>[\d.]+ s)[\s\S]*?PSS peaked at (?P<pss>[\d.]+ GiB)",
+                "Q8_0 ({gb}): {s}, {pss}",
+            ),
+            Figure(r"^exit code \d+ after (?P<s>[\d.]+ s)", "70B refused in {s} with the arithmetic"),
         ),
     ),
     Comparison(

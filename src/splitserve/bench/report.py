@@ -132,13 +132,21 @@ TITLES = {
     "bfloat16) and llama-server (the same Q4_1 GGUF), splitserve with --quantization auto on the GGUF: ShareGPT at "
     "concurrency 4, in one run (issue 31)",
     "peer-llamacpp-default": "Against llama-server on the embedded Q4_1 GGUF, neither given a flag: splitserve's "
-    "default now computes the file's blocks (issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts",
+    "default now computes the file's blocks (issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts, "
+    "lone ~1,000-token prompts",
     "peer-vllm-default": "Against vLLM's CPU build on the bfloat16 export of the same weights, neither given a flag "
-    "(splitserve on the GGUF's blocks, issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts",
-    "peer-invariance-on": "splitserve alone with no flag on the embedded GGUF, ShareGPT at concurrency 4: the "
-    "default --batch-invariant on (issue 45), against peer-invariance-off run just before it",
-    "peer-invariance-off": "The same with --batch-invariant off: mixed steps whole, resumed outputs in chunks "
-    "(issue 45), run just before peer-invariance-on",
+    "(splitserve on the GGUF's blocks, issue 45): ShareGPT at concurrency 4, steady streams with prompt bursts, lone "
+    "~1,000-token prompts",
+    "peer-llamacpp-lone": "Against llama-server on the embedded Q4_1 GGUF, neither given a flag: a lone "
+    "~1,000-token prompt and its 32 tokens, one at a time (batch-1 decode, issue 45)",
+    "peer-invariance": "splitserve with no flag on the embedded GGUF beside itself with --batch-invariant off "
+    "(mixed steps whole, resumed outputs in chunks), in one run (bench peer's KIND:LABEL variants): ShareGPT at "
+    "concurrency 4, steady streams with prompt bursts (issue 45)",
+    "peer-itl-budget": "splitserve with no flag beside itself with --itl-target off (a step beside decode rows "
+    "takes its whole chunk), in one run: ShareGPT at concurrency 4, steady streams with prompt bursts (issue 45)",
+    "start-8b-cpu": "splitserve serve --model FILE with no other flag on 8B-shape files of random Q4_K_M and Q8_0 "
+    "blocks (the embedded tokenizer): the serving processes' PSS, MemAvailable, one request; a sparse 70B-shape "
+    "file's start refused (issue 45)",
     "peer-llamacpp-8b": "An 8B-shape model (random Q4_0 blocks, the embedded tokenizer) served by a prefill and a "
     "decode worker on this 24 GB machine against llama-server on the same file: a lone ~1,000-token prompt's TTFT "
     "and batch-1 decode (issue 31)",
