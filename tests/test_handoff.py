@@ -171,8 +171,8 @@ def test_n4_prefills_once_sends_the_kv_once_and_frees_every_block():
         counted: list[int] = []
         schedule = pair.prefill.scheduler.schedule
 
-        def spy(now, schedule=schedule, counted=counted):  # the prefill engine's computed tokens
-            batch = schedule(now)
+        def spy(now, cap=None, schedule=schedule, counted=counted):  # the prefill engine's computed tokens
+            batch = schedule(now, cap)
             if batch is not None:
                 counted.extend(batch.num_new_tokens)
             return batch

@@ -154,3 +154,17 @@ def test_a_mixed_step_runs_as_one_pass_with_the_bits_of_two(engine, monkeypatch)
     count = len(joined)
     assert _staggered(e, prompts) == alone  # two passes each
     assert len(joined) == count
+
+
+@pytest.mark.parametrize("cap", [3, 5])
+def test_prompts_prefilled_in_capped_chunks_beside_decodes_keep_their_texts(engine, monkeypatch, cap):
+    """The ITL budget cuts a decode worker's local prompts into chunks of a few tokens, not on block
+    boundaries, beside prefix hits: a prompt's last token alone in its chunk, or a chunk of one-token
+    rows, is still a prefill row (attended as a prefill attends). Once, as a decode row, its K/V took
+    the decode kernel's bits and a seeded text parted from its run alone three tokens later."""
+    e, tok = engine
+    prompts = [tok.encode_chat([("user", q)]) for q in QUESTIONS]
+    alone = [e.generate([p], PARAMS)[0] for p in prompts]
+    monkeypatch.setattr(e.itl_budget, "prefill_tokens", lambda: cap)
+    monkeypatch.setattr(e.itl_budget, "target_s", None)  # on, whatever the flags said
+    assert _staggered(e, prompts) == alone

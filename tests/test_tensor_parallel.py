@@ -52,16 +52,17 @@ def engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], tp: int, **engine
 def generate_recording_logits(
     e: Engine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens, and the logits of every step, in step order."""
+    """Greedy tokens, and the logits of every step, in step order (a step's, in batch order: one
+    pass or two, as the runner ran it)."""
     logits: list[torch.Tensor] = []
-    forward = e.runner.forward
+    forward = e.runner._forward_apart
 
     def recording(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, list[int]]:
         out = forward(*args, **kwargs)
         logits.append(out[0].clone())
         return out
 
-    monkeypatch.setattr(e.runner, "forward", recording)
+    monkeypatch.setattr(e.runner, "_forward_apart", recording)
     return e.generate(prompts, GREEDY), logits
 
 

@@ -66,7 +66,8 @@ class AttentionMetadata:
 
     def split(self, rows: int) -> tuple[AttentionMetadata, AttentionMetadata]:
         """The step's first `rows` queries, each of one token (its decode rows), and the rest (its
-        prefill chunks), each as a step of its own: the model attends to them apart in one pass."""
+        prefill chunks, however short), each as a step of its own: the model attends to them apart
+        in one pass."""
         if self.windowed or not 0 < rows < self.num_seqs or any(q != 1 for q in self.query_lens[:rows]):
             raise ValueError(f"cannot split {rows} one-token rows off a step of query lengths {self.query_lens}")
         lens = self.context_lens_list
@@ -79,15 +80,14 @@ class AttentionMetadata:
             lens[:rows],
             is_decode=True,
         )
-        tail_lens = self.query_lens[rows:]
         tail = AttentionMetadata(
             self.slot_blocks[rows:],
             self.slot_offsets[rows:],
             self.block_tables[rows:],
             self.context_lens[rows:],
-            tail_lens,
+            self.query_lens[rows:],
             lens[rows:],
-            is_decode=all(q == 1 for q in tail_lens),
+            is_decode=False,  # prompt rows, a one-token chunk's too: attended as a prefill attends
         )
         return head, tail
 

@@ -364,8 +364,10 @@ class EngineConfig:
     # mixed steps whole, and resumed outputs in chunks.
     batch_invariant: str = "on"
     # What a step beside decode rows may last (engine/itl_budget.py): "auto", two decode steps of
-    # this worker's; milliseconds; "off": the whole chunk. Its prompt tokens are capped to fit.
-    itl_target: str = "auto"
+    # this worker's; milliseconds; "off": the whole chunk. Its prompt tokens are capped to fit. A
+    # worker's flag defaults to "auto" (ITL_TARGET_FLAG_DEFAULT); an engine built in code (offline
+    # generation, the tests) is "off": the cap follows measured times, so its steps would too.
+    itl_target: str = "off"
     ngram_min: int = 2
     ngram_max: int = 4
 

@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from splitserve.engine.config import BATCH_INVARIANCE, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
+from splitserve.engine.itl_budget import ITL_TARGET_FLAG_DEFAULT
 from splitserve.engine.prefill_order import AGING_TOKENS_PER_S, PREFILL_ORDERS
 from splitserve.engine.tuned import chunk_tokens, fill_tuned, tuned_for
 
@@ -141,7 +142,7 @@ def add_weight_arguments(p: argparse._ActionsContainer) -> None:
     )
     p.add_argument(
         "--itl-target",
-        default=EngineConfig.itl_target,
+        default=ITL_TARGET_FLAG_DEFAULT,
         metavar="auto|off|MS",
         help="what a step beside running streams may last, its prompt tokens capped to fit: auto, twice the "
         "worker's own decode step; a number of milliseconds; off: the whole --max-num-batched-tokens chunk",

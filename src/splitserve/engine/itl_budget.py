@@ -21,6 +21,9 @@ measured time (`observe`) and asks it before scheduling (`prefill_tokens`).
 
 from __future__ import annotations
 
+# What a worker's --itl-target is without the flag (EngineConfig's own default is "off": an engine
+# built in code schedules by tokens alone, whatever the clock measured)
+ITL_TARGET_FLAG_DEFAULT = "auto"
 # "auto": a mixed step may last this many decode steps. Measured side by side against "off"
 # (SmolLM2's Q4_1 file, bench peer --systems auto:off,auto, 2 cores): at 2.0 the ShareGPT ITL
 # p99 0.68x, goodput 0.95x, TTFT p50 1.93x (143 -> 275 ms); at 1.5 the ITL p99 0.75x for

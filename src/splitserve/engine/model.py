@@ -193,6 +193,19 @@ class DecoderModel:
         kernels = self._decode_kernels(kv_cache, meta)
         if kernels is not None:
             return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
+        return self._torch_forward(input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
+
+    def _torch_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        on_layer_done: LayerHook | None,
+    ) -> torch.Tensor:
+        """forward() on the torch path: a prefill, a mixed step, or a decode step the fused kernels
+        do not take (on a CPU its norms and SiLU are still the kernels', `_row_kernels`)."""
         cfg = self.cfg
         rows = self._row_kernels()
         h = self._embed(input_ids)

@@ -124,7 +124,7 @@ class ModelRunner:
         one = [
             i
             for i, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True))
-            if drafts[i] or (n == 1 and not self._wants_prompt_rows(s))  # a seeded resume's outputs too
+            if drafts[i] or (n == 1 and _output_row(s))  # a seeded resume's outputs too
         ]
         if self.cfg.batch_invariant == "off" or not one or len(one) == len(seqs):
             return self.forward(seqs, num_new_tokens, _layer_hook(on_layer_done, seqs, num_new_tokens), drafts)
@@ -313,7 +313,8 @@ class ModelRunner:
             context_lens,
             query_lens,
             logits_rows,
-            all(q == 1 for q in query_lens),
+            # a prompt's token is a prefill row even alone in its chunk: computed as a prefill computes it
+            all(q == 1 for q in query_lens) and all(_output_row(s) or d for s, d in zip(seqs, drafts, strict=True)),
             window_slots,
             window_tables,
         )
@@ -354,6 +355,14 @@ class Draw(NamedTuple):
     sample_index: int
     generator: torch.Generator | None
     ahead: list[int]
+
+
+def _output_row(seq: Sequence) -> bool:
+    """Whether `seq`'s next token is an output token's (a decode row), not a prompt token's: a prompt
+    chunk of one token (an ITL-capped chunk's last, a prefix hit's remainder) is a prefill row, as
+    the rest of its prompt was; on the decode kernels its K/V took other bits and a seeded text
+    parted from its run alone three tokens later."""
+    return seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
 def _in_batch_order(logits: torch.Tensor, spans: list[tuple[int, int, int]], at: int) -> tuple[torch.Tensor, list[int]]:
