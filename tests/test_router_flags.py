@@ -83,6 +83,7 @@ def test_the_worker_flags_build_the_engine_config() -> None:
         max_num_batched_tokens=256,
         long_prefill_token_threshold=64,
         speculative="auto",
+        itl_target="auto",  # a worker's flag default; an engine built in code is "off"
     )
     # no flags: the EngineConfig's own defaults, but for what the machine is tuned to (issue 22)
     assert engine_config_from_args(parse("worker", "--role", "prefill")) == EngineConfig(
@@ -90,6 +91,7 @@ def test_the_worker_flags_build_the_engine_config() -> None:
         quantization=tuned.quantization,
         long_prefill_token_threshold=tuned.long_prefill_token_threshold,
         speculative="auto",
+        itl_target="auto",
     )
     # speculation: auto on a CPU (bench/results/spec-cpu.txt), off on CUDA unless asked for, and its flags
     assert engine_config_from_args(parse("worker", "--role", "decode", "--device", "cuda")).speculative == "off"
