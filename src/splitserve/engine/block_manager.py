@@ -225,12 +225,15 @@ class BlockManager:
             self._drop_window(b)
         return max(held_from, upto)
 
-    def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int) -> None:
-        """Register every full, computed block of a sequence in the prefix cache."""
+    def cache_full_blocks(
+        self, block_table: list[int], token_ids: list[int], num_computed: int, root: BlockHash = ROOT_HASH
+    ) -> None:
+        """Register every full, computed block of a sequence in the prefix cache (`root`: its first
+        block's parent, an adapter's own: engine/lora/rows.py)."""
         if not self.enable_prefix_caching:
             return
         stored: list[BlockHash] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(num_computed // self.block_size):
             b = block_table[i]
             h = self.block_hash[b]

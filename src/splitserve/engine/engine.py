@@ -44,6 +44,7 @@ from splitserve.engine.kv_groups import CacheGroups
 from splitserve.engine.kv_tier import KVTier
 from splitserve.engine.kv_tier_blocks import configured_tiers
 from splitserve.engine.kv_tiers import TierStore
+from splitserve.engine.lora.adapter import AdapterError, LoraAdapter, load_peft
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.model_runner import BatchLayerHook, ModelRunner
 from splitserve.engine.parallel.group import TensorParallelGroup
@@ -127,6 +128,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks, eos, model_cfg.max_position, StatsRecorder(clock))
         # the prompt tokens a step beside decode rows may take (engine/itl_budget.py)
         self.itl_budget = ItlBudget(cfg.itl_target, cfg.max_num_batched_tokens)
+        self.loras: dict[str, LoraAdapter] = {}  # the LoRA adapters loaded, by name (engine/lora/)
         self.tiers = self._start_tiers(cfg, kv_tiers)
         self.prefill_tokens_per_s: float | None = None  # measured on steps of prompts alone (_observe_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg, self.tp_group)
@@ -264,6 +266,16 @@ class Engine:
         cached = 0 if cmd.prefill_only else self.scheduler.cached_prefix_tokens(cmd.prompt + cmd.prior)
         return Admitted(seq.times, cached)
 
+    def load_lora(self, name: str, path: str, max_rank: int = 0) -> LoraAdapter:
+        """Load the PEFT LoRA adapter in directory `path` under `name` (a name loaded again takes the
+        new weights: requests name it, the cache knows it by its content); AdapterError naming what
+        is wrong. Tensor parallelism does not split adapters yet: refused."""
+        if self.cfg.tensor_parallel_size > 1:
+            raise AdapterError(f"adapter {name!r}: LoRA under tensor parallelism is not served yet")
+        adapter = load_peft(path, name, self.model_cfg, self.cfg.torch_dtype, max_rank)
+        self.loras[name] = adapter
+        return adapter
+
     def add_request(
         self,
         request_id: str,
@@ -272,10 +284,18 @@ class Engine:
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
         samples: list[SampleState] | None = None,
+        adapter: str | None = None,
     ) -> Sequence:
         """`output_token_ids`: tokens a worker that died generated before (migration), for sample 0;
         `samples`: each sample's, for a request of several (n > 1) handed over. A fresh request
-        with n > 1 runs as one sequence until its first token, and forks then."""
+        with n > 1 runs as one sequence until its first token, and forks then. `adapter`: a loaded
+        LoRA adapter's name (None: the base model)."""
+        lora = None
+        if adapter is not None:
+            lora = self.loras.get(adapter)
+            if lora is None:
+                loaded = ", ".join(sorted(self.loras)) or "none"
+                raise ValueError(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
         states = samples or [SampleState(0, list(output_token_ids or []))]
         if prefill_only and len(states) > 1:
             raise ValueError("a prefill continues one sample, not several")
@@ -289,6 +309,7 @@ class Engine:
             seqs[0].fork_indices = list(range(1, params.n))
         for seq in seqs:
             seq.group_id = request_id
+            seq.adapter = lora
             self.scheduler.add(seq)
         if len(seqs) > 1:
             self.scheduler.groups[request_id] = list(seqs)

@@ -46,6 +46,7 @@ from splitserve.engine.kernels.triton_decode import DTYPES as TRITON_DECODE_DTYP
 from splitserve.engine.kernels.triton_decode import TritonDecodeKernels, triton_decode_kernels
 from splitserve.engine.kv_groups import OWN_PAGE, CacheGroups
 from splitserve.engine.layers import apply_rope, rms_norm, rope_tables
+from splitserve.engine.lora.rows import LoraRows
 from splitserve.engine.models import registry
 from splitserve.engine.models.declare import layer_slots
 from splitserve.engine.quant.weight import QuantizedWeight, Weight, nbytes
@@ -181,19 +182,23 @@ class DecoderModel:
         logits_indices: torch.Tensor,  # rows whose logits are wanted
         on_layer_done: LayerHook | None = None,
         decode_rows: int = 0,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """Logits of the `logits_indices` rows. `decode_rows`: the step's first rows are that many
-        decode rows and the rest prefill chunks, run in one pass (`joins` said the step may)."""
+        decode rows and the rest prefill chunks, run in one pass (`joins` said the step may);
+        `lora`: the rows each adapter's update applies to (engine/lora/rows.py)."""
         if decode_rows:
             head, tail = meta.split(decode_rows)
             joined = self._cpu_decode_kernels(kv_cache, head)
             if joined is None:
                 raise ValueError("a joined step where the fused decode kernels do not run (ask `joins` first)")
-            return self._joined(joined, input_ids, positions, kv_cache, head, tail, logits_indices, on_layer_done)
+            return self._joined(joined, input_ids, positions, kv_cache, head, tail, logits_indices, on_layer_done, lora)
         kernels = self._decode_kernels(kv_cache, meta)
         if kernels is not None:
-            return self._fused_decode(kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
-        return self._torch_forward(input_ids, positions, kv_cache, meta, logits_indices, on_layer_done)
+            return self._fused_decode(
+                kernels, input_ids, positions, kv_cache, meta, logits_indices, on_layer_done, lora
+            )
+        return self._torch_forward(input_ids, positions, kv_cache, meta, logits_indices, on_layer_done, lora)
 
     def _torch_forward(
         self,
@@ -203,6 +208,7 @@ class DecoderModel:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer_done: LayerHook | None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """forward() on the torch path: a prefill, a mixed step, or a decode step the fused kernels
         do not take (on a CPU its norms and SiLU are still the kernels', `_row_kernels`)."""
@@ -218,6 +224,7 @@ class DecoderModel:
         h, x = self._add_norm(rows, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = linear(x, lw.qkv, lw.qkv_bias)
+            _adapt(qkv, x, i, "qkv", lora)
             q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -235,13 +242,14 @@ class DecoderModel:
             if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
             kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
-            attn = paged_attention(q, k, v, layer_cache, layer_meta, self.scale, kernel, window)
-            o = linear(attn.reshape(-1, q_size), lw.o)
+            attn = paged_attention(q, k, v, layer_cache, layer_meta, self.scale, kernel, window).reshape(-1, q_size)
+            o = linear(attn, lw.o)
+            _adapt(o, attn, i, "o", lora)
             self._all_reduce(o, i, on_layer_done)
             if lw.post_attn_norm is not None:
                 o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
             h, x = self._add_norm(rows, h, o, lw.post_norm)
-            down = self._mlp(rows, x, lw)
+            down = self._mlp(rows, x, lw, lora, i)
             if self.reduce is not None:
                 self.reduce(down)
             if lw.post_mlp_norm is not None:
@@ -255,17 +263,28 @@ class DecoderModel:
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         return linear(x[logits_indices], self.lm_head).float()
 
-    def _mlp(self, rows: DecodeKernels | None, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """The layer's MLP on the normed rows `x`: SwiGLU, or a mixture of experts."""
+    def _mlp(
+        self,
+        rows: DecodeKernels | None,
+        x: torch.Tensor,
+        lw: LayerWeights,
+        lora: LoraRows | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """The layer's MLP on the normed rows `x`: SwiGLU (with `lora`'s updates of `layer`), or a
+        mixture of experts."""
         if lw.gate_up is None or lw.down is None:
             return self._experts(x, lw)
         gate_up = linear(x, lw.gate_up)
+        _adapt(gate_up, x, layer, "gate_up", lora)
         if rows is not None and self.cfg.hidden_act == "silu":
             act = rows.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = (F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")) * up
-        return linear(act, lw.down)
+        down = linear(act, lw.down)
+        _adapt(down, act, layer, "down", lora)
+        return down
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input rows, scaled in the model's dtype where the family scales them (Gemma)."""
@@ -410,6 +429,7 @@ class DecoderModel:
         tail: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer_done: LayerHook | None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """forward() for a step of decode rows (the first head.num_seqs rows) and prefill chunks (the
         rest) in one pass over the weights: the matrices, norms and SiLU on every row together (their
@@ -437,6 +457,7 @@ class DecoderModel:
         h, x = self._add_norm(kernels, h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = linear(x, lw.qkv, lw.qkv_bias)
+            _adapt(qkv, x, i, "qkv", lora)
             self._norm_qk(qkv, lw)
             chunks = qkv[d:]
             q = apply_rope(chunks[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -451,8 +472,9 @@ class DecoderModel:
             chunks_attn = paged_attention(q, k, v, kv_cache[i], tail, self.scale, kernel, window)
             attn = torch.cat([step.attention(i, qkv[:d], write=False), chunks_attn.reshape(-1, q_size)])
             o = linear(attn, lw.o)
+            _adapt(o, attn, i, "o", lora)
             h, x = self._add_norm(kernels, h, o, lw.post_norm)
-            down = self._mlp(kernels, x, lw)
+            down = self._mlp(kernels, x, lw, lora, i)
             h, x = self._add_norm(
                 kernels, h, down, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             )
@@ -469,6 +491,7 @@ class DecoderModel:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer_done: LayerHook | None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """forward() for a decode step: the same computation, layer for layer, on the fused kernels."""
         cfg = self.cfg
@@ -488,6 +511,7 @@ class DecoderModel:
         x = step.norm(self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
             qkv = step.linear(x, lw.qkv, lw.qkv_bias)
+            _adapt(qkv, x, i, "qkv", lora)
             self._norm_qk(qkv, lw)
             if on_layer_done is None or self.reduce is not None:
                 attn = step.attention(i, qkv)  # RoPE on q and k, K/V into the cache, attention
@@ -496,9 +520,16 @@ class DecoderModel:
                 on_layer_done(i)
                 attn = step.attention(i, qkv, write=False)
             o = step.linear(attn, lw.o)
+            _adapt(o, attn, i, "o", lora)
             self._all_reduce(o, i, on_layer_done)
             x = step.norm(lw.post_norm, residual=o)
-            if lw.gate_up is not None and lw.down is not None:
+            if lw.gate_up is not None and lw.down is not None and lora is not None:
+                gate_up = step.linear(x, lw.gate_up)
+                _adapt(gate_up, x, i, "gate_up", lora)
+                act = step.silu_mul(gate_up)
+                down = step.linear(act, lw.down)
+                _adapt(down, act, i, "down", lora)
+            elif lw.gate_up is not None and lw.down is not None:
                 down = step.silu_mul_linear(step.linear(x, lw.gate_up), lw.down)
             else:  # a mixture of experts: the torch path's, between the kernels' norms
                 down = self._mlp(None, x, lw)
@@ -509,3 +540,9 @@ class DecoderModel:
         if logits_indices.numel() == 0:  # a rank other than 0
             return x.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         return step.linear(x[logits_indices], self.lm_head).float()
+
+
+def _adapt(y: torch.Tensor, x: torch.Tensor, layer: int, slot: str, lora: LoraRows | None) -> None:
+    """y += the LoRA updates of `slot` in `layer` on their rows of x (none: nothing)."""
+    if lora is not None:
+        lora.apply(y, x, layer, slot)

@@ -26,6 +26,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.handoff import TokenLogprob
 from splitserve.engine.kernels.decode import decode_kernels
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.lora.rows import LoraRows
 from splitserve.engine.model import DecoderModel
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.step import StepInputs, run_step
@@ -64,6 +65,7 @@ class ModelRunner:
         self._masks: ThreadPoolExecutor | None = None
         self._overlap_masks = self.device.type == "cuda"
         self.prompt_rows: list[tuple[int, int, int]] = []  # this step's (batch index, position, logits row)
+        self.lora_rows: LoraRows | None = None  # this step's rows of each LoRA adapter
         # The CPU kernel that draws a step's temperature-only rows in one call: torch's dozen operator
         # calls for them took ~0.8 ms of a 13 ms batch-4 SmolLM2 step (sampler.py's `draw` otherwise).
         kernels = decode_kernels() if self.device.type == "cpu" else None
@@ -169,7 +171,8 @@ class ModelRunner:
         rows = sum(1 + len(d) for d in part_drafts[:decoding])
         if not self.model.joins(self.kv_cache.tensor, step.context_lens[:rows], len(step.input_ids)):
             return None
-        logits = run_step(self.model, self.kv_cache.tensor, step, _layer_hook(on_layer_done, part, counts), rows)
+        hook = _layer_hook(on_layer_done, part, counts)
+        logits = run_step(self.model, self.kv_cache.tensor, step, hook, rows, self.lora_rows)
         self.prompt_rows = [(order[i], p, row) for i, p, row in self.prompt_rows]
         spans: list[tuple[int, int, int]] = []
         at = 0
@@ -257,6 +260,7 @@ class ModelRunner:
         width = max(len(t) for t in step.block_tables)
         if (
             step.is_decode
+            and self.lora_rows is None  # the graphs replay the base model's step
             and len(step.query_lens) == len(seqs)  # no draft rows: the graphs take a row per sequence
             and self.graphs is not None
             and on_layer_done is None
@@ -267,7 +271,7 @@ class ModelRunner:
             ), sampled
         if self.tp is not None:
             self.tp.broadcast(step)
-        return run_step(self.model, self.kv_cache.tensor, step, on_layer_done), sampled
+        return run_step(self.model, self.kv_cache.tensor, step, on_layer_done, lora=self.lora_rows), sampled
 
     def _step_inputs(
         self, seqs: Seq[Sequence], num_new_tokens: Seq[int], drafts: Seq[Seq[int]]
@@ -285,12 +289,14 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[int] = []
+        rows_per_seq: list[int] = []
         self.prompt_rows = []
         for i, (seq, n, draft) in enumerate(zip(seqs, num_new_tokens, drafts, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
             chunks = [(start, end)] if not draft else [(p, p + 1) for p in range(start, end + len(draft))]
             tokens = seq.token_ids[start:end] + list(draft)
+            rows_per_seq.append(len(tokens))
             ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
             slot_blocks.extend(seq.block_table[p // bs] for p in range(start, start + len(tokens)))
@@ -303,6 +309,7 @@ class ModelRunner:
                 sampled.append(i)
             self._want_prompt_logits(i, seq, start, end, len(ids) - n - len(draft))
         logits_rows += [row for _, _, row in self.prompt_rows]  # after the sampling rows
+        self.lora_rows = LoraRows.of([s.adapter for s in seqs], rows_per_seq, self.device)
         window_slots, window_tables = self._window_pages(seqs, slot_blocks, tables)
         step = StepInputs(
             ids,

@@ -44,6 +44,7 @@ from splitserve.engine.block_manager import BlockEvent, BlockManager
 from splitserve.engine.blocks import blocks_to_fill
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.handoff import Handoff, TokenLogprob
+from splitserve.engine.lora.rows import adapter_root
 from splitserve.engine.prefill_order import (
     AGING_TOKENS_PER_S,
     RecentTokens,
@@ -187,7 +188,9 @@ class Scheduler:
     def _cache_blocks(self, seq: Sequence) -> None:
         """`seq`'s full, computed blocks into the prefix cache, unless their KV is not whole."""
         if seq.prefix_cacheable:
-            self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self.blocks.cache_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed_tokens, adapter_root(seq.adapter)
+            )
 
     def _check_id(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -199,7 +202,8 @@ class Scheduler:
         grouped cache's blocks get their window pages as far as a first chunk reaches (or all of
         them: `eager_windows`, and where tiers may load blocks); `_grow` gives the rest theirs."""
         # prompt logprobs need every prompt position's logits: nothing of the prompt comes from the cache
-        hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size)
+        root = adapter_root(seq.adapter)  # KV of one adapter's weights is no other's prefix
+        hashes = [] if seq.params.prompt_logprobs else block_hashes(seq.token_ids, self.blocks.block_size, root)
         cached = self.blocks.cached_prefix(hashes, len(seq))
         reach = len(cached) * self.blocks.block_size + self.cfg.max_num_batched_tokens
         # a prefill role's sequence keeps every window page until its KV is sent: all of them at once

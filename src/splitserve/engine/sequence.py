@@ -4,7 +4,7 @@ its KV cache has been computed, and why it finished."""
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +12,9 @@ from splitserve.engine.prefill_order import Share
 from splitserve.engine.sampler import draw_seed
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.stats import RequestTimes
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora.adapter import LoraAdapter
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +37,7 @@ class Sequence:
         "num_cached_tokens",
         "finish_reason",
         "generator",
+        "adapter",
         "sample_index",
         "group_id",
         "fork_indices",
@@ -83,6 +87,8 @@ class Sequence:
         self.finish_reason: str | None = None
         # one per seeded request, reseeded before each draw (next_draw_generator); None: the engine's
         self.generator = torch.Generator() if params.seed is not None else None
+        # the LoRA adapter its rows take (engine/lora/), None: the base model; its id roots the block hashes
+        self.adapter: LoraAdapter | None = None
         self.sample_index = sample_index
         self.group_id = request_id
         # the other samples drawn from this sequence's first output position (fresh, n > 1): they
@@ -143,6 +149,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.prefix_cacheable = self.prefix_cacheable
         child.share = self.share
+        child.adapter = self.adapter
         if self.matcher is not None:
             child.matcher = type(self.matcher)(self.matcher.compiled)
             child.matcher.replay(self.output_token_ids)

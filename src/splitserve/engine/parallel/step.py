@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.lora.rows import LoraRows
 from splitserve.engine.model import DecoderModel, LayerHook
 
 _HEADER = 5  # tokens, sequences, block-table width, is_decode, window groups
@@ -102,6 +103,7 @@ def run_step(
     step: StepInputs,
     on_layer_done: LayerHook | None = None,
     decode_rows: int = 0,
+    lora: LoraRows | None = None,
 ) -> torch.Tensor:
     """Logits [len(step.logits_rows), vocab] (fp32); the step's K/V lands in `kv_cache`.
     `decode_rows`: the step's first rows are decode rows, joined in one pass with its chunks."""
@@ -140,4 +142,5 @@ def run_step(
             torch.as_tensor(step.logits_rows, dtype=torch.long, device=dev),
             on_layer_done,
             decode_rows,
+            lora,
         )
