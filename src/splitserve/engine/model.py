@@ -241,8 +241,7 @@ class DecoderModel:
             write_kv(layer_cache, k, v, layer_meta)
             if on_layer_done is not None and self.reduce is None:
                 on_layer_done(i)
-            kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
-            attn = paged_attention(q, k, v, layer_cache, layer_meta, self.scale, kernel, window).reshape(-1, q_size)
+            attn = self._prefill_attention(q, k, v, layer_cache, layer_meta, i)
             o = linear(attn, lw.o)
             _adapt(o, attn, i, "o", lora)
             self._all_reduce(o, i, on_layer_done)
@@ -254,14 +253,29 @@ class DecoderModel:
                 self.reduce(down)
             if lw.post_mlp_norm is not None:
                 down = rms_norm(down, lw.post_mlp_norm, cfg.rms_norm_eps)
-            # the residual add, with the next layer's input norm or the final one (on every row, as
-            # the fused decode step computes it: a prompt's last row is normed as a decode row is)
-            h, x = self._add_norm(
-                rows, h, down, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            )
+            h, x = self._add_norm(rows, h, down, self._norm_after(i))
         if logits_indices.numel() == 0:  # a chunk that ends no prompt, or a rank other than 0
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         return linear(x[logits_indices], self.lm_head).float()
+
+    def _norm_after(self, layer: int) -> torch.Tensor:
+        """The norm after `layer`'s residual add: the next layer's input norm or the final one (on
+        every row, as the fused decode step computes it: a prompt's last row normed as a decode row)."""
+        return self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.norm
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: int,
+    ) -> torch.Tensor:
+        """Attention of a step's prompt rows in `layer` (their K/V written), [rows, q_size]."""
+        window = self.cfg.window(layer)
+        kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
+        return paged_attention(q, k, v, layer_cache, meta, self.scale, kernel, window).reshape(-1, self.cfg.q_size)
 
     def _mlp(
         self,
@@ -467,17 +481,13 @@ class DecoderModel:
             write_kv(kv_cache[i], k, v, tail)
             if on_layer_done is not None:
                 on_layer_done(i)
-            window = cfg.window(i)
-            kernel = self._prefill_kernel if not window else None  # the C++ prefill kernel attends to all
-            chunks_attn = paged_attention(q, k, v, kv_cache[i], tail, self.scale, kernel, window)
-            attn = torch.cat([step.attention(i, qkv[:d], write=False), chunks_attn.reshape(-1, q_size)])
+            chunks_attn = self._prefill_attention(q, k, v, kv_cache[i], tail, i)
+            attn = torch.cat([step.attention(i, qkv[:d], write=False), chunks_attn])
             o = linear(attn, lw.o)
             _adapt(o, attn, i, "o", lora)
             h, x = self._add_norm(kernels, h, o, lw.post_norm)
             down = self._mlp(kernels, x, lw, lora, i)
-            h, x = self._add_norm(
-                kernels, h, down, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            )
+            h, x = self._add_norm(kernels, h, down, self._norm_after(i))
         if logits_indices.numel() == 0:
             return x.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         return linear(x[logits_indices], self.lm_head).float()
